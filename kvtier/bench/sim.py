@@ -1,0 +1,129 @@
+"""``kvtier sim TRACE``: replay a request trace through the real CacheManager (no model).
+
+Each request, in timestamp order: match its prefix (hits are counted per tier from this first
+match), fetch storage hits into host blocks, admit (loads host hits), "prefill" the rest,
+commit, and run the step's copies to completion. At most ``max_running`` requests hold their
+blocks at once; the oldest finishes first, and a request that does not fit finishes older ones.
+Decode tokens are not simulated (prompt KV only): a trace's next turn carries the previous
+answer inside its own prompt.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvtier.cache import CacheManager, SimulatedStorage
+from kvtier.bench.traces import TraceRequest, read_trace
+
+TIERS = ("device", "host", "storage")
+
+
+@dataclass
+class SimConfig:
+    block_size: int = 16
+    device_blocks: int = 8192
+    host_blocks: int = 32768
+    storage_blocks: int | float = 0
+    write_policy: str = "write_through_selective"
+    write_through_threshold: int = 2
+    eviction: str = "lru"
+    hash_name: str = "sha256"
+    kv_bytes_per_token: int = 131072   # 128 KiB: e.g. 32 layers x 8 KV heads x 128 dims x 2 (K,V) x bf16
+    max_running: int = 16
+
+
+def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) -> dict:
+    storage = None if cfg.storage_blocks == 0 else SimulatedStorage(cfg.storage_blocks)
+    mgr = CacheManager(
+        block_size=cfg.block_size, num_device_blocks=cfg.device_blocks,
+        num_host_blocks=cfg.host_blocks, storage=storage, write_policy=cfg.write_policy,
+        write_through_threshold=cfg.write_through_threshold, eviction=cfg.eviction,
+        hash_name=cfg.hash_name, block_nbytes=cfg.kv_bytes_per_token * cfg.block_size)
+    hits = dict.fromkeys(TIERS, 0)
+    prompt_tokens = skipped = 0
+    running: deque = deque()
+
+    def step() -> None:
+        while plan := mgr.take_plan():
+            mgr.complete_plan(plan)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(trace), unit="req", file=sys.stderr, mininterval=0.5)
+    t0 = time.perf_counter()
+    for i, tr in enumerate(trace):
+        if bar is not None:
+            bar.update(1)
+        tokens = tr.input_ids
+        prompt_tokens += len(tokens)
+        while len(running) >= cfg.max_running:
+            mgr.free(running.popleft())
+        req = mgr.new_request(i, tokens)
+        m = mgr.match_prefix(req)
+        for tier, n in m.tokens_by_tier().items():
+            hits[tier] += n
+        if m.num_storage_blocks and mgr.prefetch(req):
+            step()
+            m = mgr.match_prefix(req)
+        while not mgr.allocate(req, len(tokens)):
+            if not running:
+                break
+            mgr.free(running.popleft())
+            step()
+        else:
+            step()                        # loads land, then the prefill ran
+            mgr.commit(req, len(tokens))
+            step()                        # backups / puts of the new blocks
+            running.append(req)
+            continue
+        skipped += 1                      # larger than the whole device tier
+        mgr.free(req)
+    while running:
+        mgr.free(running.popleft())
+    step()
+    if bar is not None:
+        bar.close()
+    evictions = dict(mgr.stats.evictions)
+    evictions["storage"] = storage.evictions if storage is not None else 0
+    return {
+        "requests": len(trace),
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hits,
+        "hit_rate": {t: (hits[t] / prompt_tokens if prompt_tokens else 0.0) for t in TIERS},
+        "evictions": evictions,
+        "bytes_moved": dict(mgr.stats.bytes_moved),
+        "skipped_requests": skipped,
+        "failures": dict(mgr.stats.failures),
+        "wall_s": round(time.perf_counter() - t0, 3),
+        "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+                   for k, v in vars(cfg).items()},
+    }
+
+
+def format_report(res: dict) -> str:
+    lines = [f"requests {res['requests']}  prompt tokens {res['prompt_tokens']:,}  "
+             f"skipped {res['skipped_requests']}  wall {res['wall_s']:.1f}s"]
+    lines.append(f"{'tier':<8} {'hit tokens':>14} {'hit rate':>9} {'evictions':>11}")
+    for t in TIERS:
+        lines.append(f"{t:<8} {res['hit_tokens'][t]:>14,} {res['hit_rate'][t]:>9.3f} {res['evictions'][t]:>11,}")
+    total = sum(res["hit_tokens"].values())
+    lines.append(f"{'all':<8} {total:>14,} {total / max(1, res['prompt_tokens']):>9.3f}")
+    lines.append("bytes moved: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in res["bytes_moved"].items()))
+    return "\n".join(lines)
+
+
+def main(args) -> int:  # type: ignore[no-untyped-def]
+    trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
+    cfg = SimConfig(
+        block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+        storage_blocks=args.storage_blocks, write_policy=args.write_policy,
+        write_through_threshold=args.write_through_threshold, eviction=args.eviction,
+        hash_name=args.hash, kv_bytes_per_token=args.kv_bytes_per_token, max_running=args.max_running)
+    res = simulate(trace, cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
+    print(json.dumps(res) if args.json else format_report(res))
+    return 0

@@ -1,0 +1,113 @@
+"""Request traces (JSONL, one request per line), as ``kvtier sim`` and the benchmarks read them.
+
+Two formats, told apart per line:
+
+* token ids: ``{"timestamp": ms, "input_ids": [...], "output_length": n}``
+* Mooncake: ``{"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}`` where
+  each hash id stands for one block of ``block_tokens`` tokens (512 in the published traces) and
+  two requests share a leading hash id only if they share that whole prefix.
+
+Mooncake requests get synthetic token ids: the tokens of hash id ``h`` are a fixed function of
+``h``, so equal hash-id prefixes give equal token prefixes and different ones differ.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+_MAX_TOKEN = 2**31 - 1
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    timestamp: float
+    input_ids: list[int]
+    output_length: int
+    line: int
+
+
+class TraceError(ValueError):
+    pass
+
+
+def _tokens_of_hash(h: int, block_tokens: int, vocab: int) -> list[int]:
+    # A multiplicative hash of (h, position): distinct ids for distinct blocks, no collisions
+    # that would make two different hash ids look alike to the block hasher.
+    base = (h * 0x9E3779B1) & 0xFFFFFFFF
+    return [((base + k * 0x85EBCA77) & 0xFFFFFFFF) % vocab for k in range(block_tokens)]
+
+
+def _field(obj: dict, name: str, line: int, kind: type, *, required: bool = True, default=None):
+    if name not in obj:
+        if required:
+            raise TraceError(f"line {line}: missing field {name!r}")
+        return default
+    value = obj[name]
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise TraceError(f"line {line}: field {name!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def read_trace(path: str | Path, block_tokens: int = 512, vocab: int = 1 << 30,
+               limit: int | None = None) -> list[TraceRequest]:
+    """All requests of a JSONL trace, ordered by timestamp (stable for ties)."""
+    if block_tokens < 1:
+        raise ValueError(f"--trace-block-tokens must be >= 1, got {block_tokens}")
+    out = list(_iter_trace(Path(path), block_tokens, vocab, limit))
+    out.sort(key=lambda r: r.timestamp)
+    return out
+
+
+def _iter_trace(path: Path, block_tokens: int, vocab: int, limit: int | None) -> Iterator[TraceRequest]:
+    if not path.is_file():
+        raise TraceError(f"trace file not found: {path}")
+    cache: dict[int, list[int]] = {}
+    n = 0
+    with path.open() as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            if limit is not None and n >= limit:
+                return
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"line {line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
+            ts = float(_field(obj, "timestamp", line_no, float))
+            out_len = _field(obj, "output_length", line_no, int, required=False, default=0)
+            if out_len < 0:
+                raise TraceError(f"line {line_no}: field 'output_length' must be >= 0, got {out_len}")
+            if "input_ids" in obj:
+                ids = _field(obj, "input_ids", line_no, list)
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN:
+                        raise TraceError(f"line {line_no}: field 'input_ids' has a bad token id {t!r}")
+            else:
+                if "hash_ids" not in obj:
+                    raise TraceError(f"line {line_no}: missing field 'input_ids' (or 'hash_ids')")
+                hash_ids = _field(obj, "hash_ids", line_no, list)
+                length = _field(obj, "input_length", line_no, int)
+                if length < 0 or length > len(hash_ids) * block_tokens:
+                    raise TraceError(
+                        f"line {line_no}: field 'input_length' {length} does not fit {len(hash_ids)} "
+                        f"hash ids of {block_tokens} tokens")
+                ids = []
+                for h in hash_ids:
+                    if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+                        raise TraceError(f"line {line_no}: field 'hash_ids' has a bad id {h!r}")
+                    toks = cache.get(h)
+                    if toks is None:
+                        toks = cache[h] = _tokens_of_hash(h, block_tokens, vocab)
+                    ids.extend(toks)
+                del ids[length:]
+            if not ids:
+                raise TraceError(f"line {line_no}: empty prompt")
+            n += 1
+            yield TraceRequest(ts, ids, out_len, line_no)

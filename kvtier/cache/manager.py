@@ -1,0 +1,657 @@
+"""CacheManager: which block of which request lives on which tier, and what moves this step.
+
+The scheduler's vocabulary (one request ``r``, a :class:`CacheRequest` from :meth:`new_request`)::
+
+    match_prefix(r)            longest cached prefix: device hits, then host hits, then storage hits
+    prefetch(r)                storage hits -> host blocks (completes later; then match again)
+    can_allocate(r, n) / allocate(r, n)
+                               block table covers n tokens; the first call admits r: pins its
+                               device hits and plans host->device loads for its host hits
+    commit(r, n)               the forward wrote KV of positions < n: full blocks join the tree
+    free(r)                    finish / abort / preempt: unpin, return r's own blocks
+    take_plan()                this step's merged transfers (StepPlan)
+    complete(op_id, failed)    an op finished; only now do its bytes count as landed
+
+A request's block table, after admission and a few steps::
+
+    block_table = [ d0 d1 d2 | l3 l4 | n5 n6 n7 ]
+                   ^ tree-owned (r.nodes, locked)   device hits, then committed blocks
+                              ^ request-owned, loading from host (become tree-owned on success)
+                                      ^ request-owned, computed by r (committed once full)
+
+Ownership (DESIGN §5.1): every device block is free, or held by exactly one tree node, or by
+exactly one request (``block_table[len(nodes):]``); every host block is free, held by one node,
+or by one in-flight fetch.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Collection, Sequence
+
+from kvtier.cache.keys import BlockHasher, MMItem, ModelFingerprint, namespace_seed
+from kvtier.cache.plan import MatchResult, StepPlan, TransferOp
+from kvtier.cache.policy import WritePolicy, get_eviction_key
+from kvtier.cache.pool import BlockPool
+from kvtier.cache.storage_index import StorageIndex
+from kvtier.cache.tree import Node, RadixTree
+
+log = logging.getLogger(__name__)
+TIERS = ("device", "host", "storage")
+
+
+def check_block_size(block_size: object) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+    return block_size
+
+
+class CacheRequest:
+    """The manager's record of one request. ``token_ids`` is the caller's list (it grows)."""
+
+    __slots__ = ("rid", "token_ids", "hasher", "nodes", "block_table", "num_loading",
+                 "admitted", "freed", "_path", "_num_device_hits", "_num_host_hits", "_epoch", "match")
+
+    def __init__(self, rid: object, token_ids: list[int], hasher: BlockHasher) -> None:
+        self.rid = rid
+        self.token_ids = token_ids
+        self.hasher = hasher
+        self.nodes: list[Node] = []         # locked; block_table[i] == nodes[i].device_block
+        self.block_table: list[int] = []
+        self.num_loading = 0                # host->device loads in flight into block_table
+        self.admitted = False
+        self.freed = False
+        self._path: list[Node] = []         # matched nodes (device hits then host hits)
+        self._num_device_hits = 0
+        self._num_host_hits = 0
+        self._epoch = -1
+        self.match: MatchResult | None = None
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.hasher.keys
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    bytes_moved: dict[str, int] = field(default_factory=lambda: {
+        "host_to_device": 0, "device_to_host": 0, "storage_to_host": 0, "host_to_storage": 0})
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("load", "backup", "fetch", "put"), 0))
+    query_tokens: int = 0
+    computed_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"hit_tokens": dict(self.hit_tokens), "evictions": dict(self.evictions),
+                "bytes_moved": dict(self.bytes_moved), "failures": dict(self.failures),
+                "query_tokens": self.query_tokens}
+
+
+_BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host",
+              "fetch": "storage_to_host", "put": "host_to_storage"}
+
+
+class _Prefetch:
+    """One in-flight storage->host fetch: it holds the node its blocks will hang from."""
+
+    __slots__ = ("anchor", "locked")
+
+    def __init__(self, anchor: Node, locked: bool) -> None:
+        self.anchor = anchor
+        self.locked = locked    # held by a lock (device copy) rather than a host pin
+
+
+class CacheManager:
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_device_blocks: int = 1024,
+        num_host_blocks: int = 0,
+        storage: StorageIndex | None = None,
+        write_policy: str = "write_through_selective",
+        write_through_threshold: int = 2,
+        eviction: str = "lru",
+        hash_name: str = "sha256",
+        fingerprint: ModelFingerprint | None = None,
+        block_nbytes: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_size = check_block_size(block_size)
+        self.device_pool = BlockPool(num_device_blocks, "device")
+        self.host_pool = BlockPool(num_host_blocks, "host")
+        self.storage = storage
+        self.policy = WritePolicy(write_policy, write_through_threshold)
+        self.tree = RadixTree(get_eviction_key(eviction))
+        self.hash_name = hash_name
+        namespace_seed(None, None, hash_name)  # validates hash_name early
+        self.fingerprint = fingerprint
+        self.block_nbytes = block_nbytes
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = CacheStats()
+        self._seeds: dict[str | None, bytes] = {}
+        self._tick = 0
+        self._next_op = 0
+        self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": []}
+        self._pending: dict[int, tuple[str, list]] = {}
+
+    @property
+    def has_host(self) -> bool:
+        return self.host_pool.num_blocks > 0
+
+    # ================================================================== requests
+    def new_request(self, rid: object, token_ids: list[int], *, cache_salt: str | None = None,
+                    lora_name: str | None = None, mm_items: Sequence[MMItem] = ()) -> CacheRequest:
+        seed = self._seeds.get(cache_salt)
+        if seed is None:
+            seed = self._seeds[cache_salt] = namespace_seed(self.fingerprint, cache_salt, self.hash_name)
+        hasher = BlockHasher(self.block_size, seed, self.hash_name, lora_name, mm_items)
+        return CacheRequest(rid, token_ids, hasher)
+
+    def _sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
+        h = req.hasher
+        end = len(req.token_ids) if num_tokens is None else num_tokens
+        if end - h.num_tokens >= self.block_size:
+            h.extend(req.token_ids[h.num_tokens:end])
+        return h.keys
+
+    def match_prefix(self, req: CacheRequest) -> MatchResult:
+        """Longest cached prefix of full blocks, leaving at least one token to compute."""
+        bs = self.block_size
+        max_blocks = (len(req.token_ids) - 1) // bs if req.token_ids else 0
+        path: list[Node] = []
+        nd = nh = ns = 0
+        storage_keys: tuple[bytes, ...] = ()
+        if self.enable_prefix_caching and max_blocks > 0:
+            keys = self._sync_keys(req, max_blocks * bs)
+            get = self.tree.nodes.get
+            for i in range(max_blocks):
+                node = get(keys[i])
+                if node is None:
+                    break
+                path.append(node)
+            # device copies are prefix-closed; past them every node must be readable on host
+            while nd < len(path) and path[nd].device_block is not None:
+                nd += 1
+            nh = nd
+            while nh < len(path) and path[nh].host_ready:
+                nh += 1
+            del path[nh:]
+            if self.storage is not None and nh < max_blocks:
+                ns = self.storage.lookup_prefix(keys[nh:max_blocks])
+                storage_keys = tuple(keys[nh:nh + ns])
+        req._path, req._num_device_hits, req._num_host_hits = path, nd, nh - nd
+        req._epoch = self.tree.epoch
+        req.match = MatchResult(bs, nd, nh - nd, ns, storage_keys)
+        return req.match
+
+    # ------------------------------------------------------------------ allocation
+    def can_allocate(self, req: CacheRequest, num_tokens: int) -> bool:
+        """Could ``allocate(req, num_tokens)`` succeed now? (an estimate; allocate decides)."""
+        need = -(-num_tokens // self.block_size)
+        if req.admitted:
+            need -= len(req.block_table)
+        else:
+            need = max(need, len(req._path)) - req._num_device_hits
+            need += sum(1 for n in req._path[:req._num_device_hits] if n.lock_ref == 0)
+        return need <= self.device_pool.num_free + self.tree.num_device_unlocked
+
+    def allocate(self, req: CacheRequest, num_tokens: int) -> bool:
+        """Grow ``req.block_table`` to cover ``num_tokens`` positions, evicting if needed.
+
+        The first call admits the request with its last match: device hits are locked, host
+        hits get request-owned device blocks and a planned load. False (and nothing changed)
+        if the device tier cannot make room.
+        """
+        if req.freed:
+            raise ValueError(f"request {req.rid!r} was freed")
+        need_total = -(-num_tokens // self.block_size)
+        tree = self.tree
+        if req.admitted:
+            n_new = need_total - len(req.block_table)
+            if n_new <= 0:
+                return True
+            blocks = self._take_device(n_new)
+            if blocks is None:
+                return False
+            req.block_table.extend(blocks)
+            return True
+
+        if req.match is None or req._epoch != tree.epoch:   # no match yet, or a copy went away since
+            self.match_prefix(req)
+        nd, path = req._num_device_hits, req._path
+        device_hits, host_hits = path[:nd], path[nd:]
+        for n in device_hits:   # pin first, so our own eviction cannot take them
+            tree.lock(n)
+        for n in host_hits:
+            n.host_reads += 1
+        blocks = self._take_device(max(need_total, len(path)) - nd)
+        if blocks is None:
+            for n in device_hits:
+                tree.unlock(n)
+            for n in host_hits:
+                n.host_reads -= 1
+                tree.maybe_candidate(n)
+            return False
+        req.admitted = True
+        req.nodes = list(device_hits)
+        req.block_table = [n.device_block for n in device_hits] + blocks  # type: ignore[misc]
+        for j, n in enumerate(host_hits):
+            self._staged["load"].append((req, nd + j, n, blocks[j]))
+        req.num_loading = len(host_hits)
+        self._tick += 1
+        for n in path:
+            n.last_access = self._tick
+            n.hit_count += 1
+        bs = self.block_size
+        self.stats.hit_tokens["device"] += nd * bs
+        self.stats.hit_tokens["host"] += len(host_hits) * bs
+        self.stats.query_tokens += len(req.token_ids)
+        if self.has_host:
+            for n in device_hits:
+                if n.host_block is None and self.policy.copy_on_land(n.hit_count):
+                    self._backup(n)
+        return True
+
+    def _take_device(self, n: int) -> list[int] | None:
+        pool = self.device_pool
+        if n > pool.num_free:
+            self._evict_device(n - pool.num_free)
+            if n > pool.num_free:
+                return None
+        return pool.allocate(n)
+
+    def _take_host(self, n: int) -> list[int] | None:
+        pool = self.host_pool
+        if n > pool.num_free:
+            self._evict_host(n - pool.num_free)
+            if n > pool.num_free:
+                return None
+        return pool.allocate(n)
+
+    # ------------------------------------------------------------------ eviction
+    def _evict_device(self, num_blocks: int) -> None:
+        tree, freed = self.tree, 0
+        while freed < num_blocks:
+            v = tree.pop_device_victim()
+            if v is None:
+                return
+            if v.host_block is None and self.policy.copy_on_evict and self.has_host:
+                if self._backup(v):            # write_back: freed once the copy landed
+                    v.evict_device_after_copy = True
+                    continue
+            self.device_pool.free_one(tree.drop_device(v))
+            self.stats.evictions["device"] += 1
+            freed += 1
+            if v.host_block is None:
+                tree.remove(v)
+
+    def _evict_host(self, num_blocks: int) -> None:
+        tree, freed = self.tree, 0
+        while freed < num_blocks:
+            v = tree.pop_host_victim()
+            if v is None:
+                return
+            if (v.device_block is None and self.policy.copy_on_evict and self.storage is not None
+                    and not self.storage.contains(v.key)):
+                self._put(v)                    # write_back: freed once stored
+                v.evict_host_after_copy = True
+                continue
+            self.host_pool.free_one(tree.drop_host(v))
+            self.stats.evictions["host"] += 1
+            freed += 1
+            if v.device_block is None:
+                tree.remove(v)
+
+    # ------------------------------------------------------------------ copies down
+    def _backup(self, node: Node) -> bool:
+        """Plan device->host copies of ``node`` and of its ancestors that lack a host copy
+        (ancestors first, so the host tier stays a matchable prefix)."""
+        chain = []
+        n = node
+        while not n.is_root and n.host_block is None:
+            chain.append(n)
+            n = n.parent  # type: ignore[assignment]
+        for n in reversed(chain):
+            got = self._take_host(1)
+            if got is None:
+                return False
+            self.tree.set_host(n, got[0], ready=False)
+            n.device_reads += 1
+            self._staged["backup"].append((n, n.device_block, got[0]))
+        return True
+
+    def _put(self, node: Node) -> None:
+        if self.storage is None or node.putting or self.storage.contains(node.key):
+            return
+        node.putting = True
+        node.host_reads += 1
+        self._staged["put"].append((node, node.host_block))
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, req: CacheRequest) -> int:
+        """Plan storage->host fetches of the request's storage hits (after ``match_prefix``).
+
+        Returns the number of blocks planned; they become host hits once fetched.
+        """
+        m = req.match
+        if m is None or not m.num_storage_blocks or not self.has_host or req.admitted:
+            return 0
+        anchor = req._path[-1] if req._path else self.tree.root
+        pf = _Prefetch(anchor, anchor.device_block is not None)
+        self._hold(pf, +1)           # the node the fetched blocks will hang from stays
+        blocks: list[int] = []
+        for _ in m.storage_keys:
+            got = self._take_host(1)
+            if got is None:
+                break
+            blocks.append(got[0])
+        keys = m.storage_keys[:len(blocks)]
+        if not blocks:
+            self._hold(pf, -1)
+            return 0
+        for i, (k, b) in enumerate(zip(keys, blocks)):
+            self._staged["fetch"].append((pf, i, k, b))
+        req.match = None   # the next match sees the fetched blocks as host hits
+        return len(blocks)
+
+    def _hold(self, pf: _Prefetch, delta: int) -> None:
+        node = pf.anchor
+        if node.is_root:
+            return
+        if pf.locked:
+            self.tree.lock(node) if delta > 0 else self.tree.unlock(node)
+        else:
+            node.host_reads += delta
+            self.tree.maybe_candidate(node)
+
+    # ------------------------------------------------------------------ commit / free
+    def commit(self, req: CacheRequest, num_tokens: int) -> None:
+        """Positions < ``num_tokens`` of ``req`` hold KV written by a finished forward: their
+        full blocks become matchable device copies (duplicates of existing nodes are freed)."""
+        if not self.enable_prefix_caching or req.num_loading or not req.admitted:
+            return
+        bs, tree = self.block_size, self.tree
+        n_full = min(num_tokens // bs, len(req.block_table))
+        i = len(req.nodes)
+        if i >= n_full:
+            return
+        keys = self._sync_keys(req, n_full * bs)
+        parent = req.nodes[-1] if req.nodes else tree.root
+        self._tick += 1
+        copy_down = self.has_host
+        while i < n_full:
+            key, block = keys[i], req.block_table[i]
+            node = parent.children.get(key)
+            if node is None:
+                node = tree.add_child(parent, key)
+                node.hit_count = 1
+            tree.lock(node)
+            if node.device_block is None:
+                tree.set_device(node, block)
+            elif node.device_block != block:     # computed twice: keep the tree's copy
+                self.device_pool.free_one(block)
+                req.block_table[i] = node.device_block
+            node.last_access = self._tick
+            req.nodes.append(node)
+            if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count):
+                self._backup(node)
+            parent = node
+            i += 1
+
+    def free(self, req: CacheRequest) -> None:
+        """Finish, abort or preempt: unlock the request's nodes, return its own blocks.
+        Blocks with a load still in flight are returned when that load completes."""
+        if req.freed:
+            raise ValueError(f"request {req.rid!r} freed twice")
+        req.freed = True
+        if not req.admitted:
+            return
+        for node in reversed(req.nodes):
+            self.tree.unlock(node)
+        own = req.block_table[len(req.nodes) + req.num_loading:]
+        if own:
+            self.device_pool.free(own)
+        del req.block_table[len(req.nodes) + req.num_loading:]
+        req.nodes = []
+
+    # ================================================================== plans
+    def take_plan(self) -> StepPlan:
+        """This step's transfers, merged across requests (one op per direction)."""
+        ops: dict[str, TransferOp] = {}
+        for kind, items in self._staged.items():
+            if not items:
+                continue
+            op_id, self._next_op = self._next_op, self._next_op + 1
+            if kind == "load":
+                src = tuple(n.host_block for _, _, n, _ in items)
+                dst = tuple(b for _, _, _, b in items)
+                keys = tuple(n.key for _, _, n, _ in items)
+            elif kind == "backup":
+                src = tuple(d for _, d, _ in items)
+                dst = tuple(h for _, _, h in items)
+                keys = tuple(n.key for n, _, _ in items)
+            elif kind == "fetch":
+                src, dst = (), tuple(b for _, _, _, b in items)
+                keys = tuple(k for _, _, k, _ in items)
+            else:
+                src, dst = tuple(h for _, h in items), ()
+                keys = tuple(n.key for n, _ in items)
+            ops[kind] = TransferOp(op_id, kind, src, dst, keys)  # type: ignore[arg-type]
+            self._pending[op_id] = (kind, items)
+            self._staged[kind] = []
+        return StepPlan(ops.get("load"), ops.get("backup"), ops.get("fetch"), ops.get("put"))
+
+    @property
+    def num_pending_ops(self) -> int:
+        return len(self._pending)
+
+    def complete(self, op_id: int, failed: Collection[int] = ()) -> dict[object, int]:
+        """Op ``op_id`` finished; items at indices in ``failed`` did not land.
+
+        Returns ``{rid: num_valid_tokens}`` for requests whose loads failed: the scheduler must
+        discard their step output and recompute from that many tokens.
+        """
+        try:
+            kind, items = self._pending.pop(op_id)
+        except KeyError:
+            raise ValueError(f"unknown or already completed op id {op_id!r}") from None
+        failed = frozenset(failed)
+        bad = [i for i in failed if not (isinstance(i, int) and 0 <= i < len(items))]
+        if bad:
+            self._pending[op_id] = (kind, items)
+            raise ValueError(f"failed item indices {bad} out of range for op {op_id} ({len(items)} items)")
+        if failed:
+            self.stats.failures[kind] += len(failed)
+            log.warning("%s op %d: %d of %d blocks failed; degrading to recompute",
+                        kind, op_id, len(failed), len(items))
+        ok_blocks = len(items) - len(failed)
+        self.stats.bytes_moved[_BYTES_KEY[kind]] += ok_blocks * self.block_nbytes
+        return getattr(self, f"_complete_{kind}")(items, failed)
+
+    def complete_plan(self, plan: StepPlan, failed: dict[str, Collection[int]] | None = None) -> dict[object, int]:
+        """Complete every op of ``plan`` (``failed`` by kind); merged rewinds."""
+        rewinds: dict[object, int] = {}
+        for op in plan:
+            rewinds.update(self.complete(op.op_id, (failed or {}).get(op.kind, ())))
+        return rewinds
+
+    def _complete_load(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+        tree, rewinds = self.tree, {}
+        for idx, (req, i, node, block) in enumerate(items):
+            node.host_reads -= 1
+            tree.maybe_candidate(node)
+            req.num_loading -= 1
+            if req.freed:
+                self.device_pool.free_one(block)
+                continue
+            if req.rid in rewinds or idx in failed:
+                rewinds.setdefault(req.rid, i * self.block_size)
+                continue                         # stays request-owned; recomputed
+            assert i == len(req.nodes), "loads complete in path order"
+            tree.lock(node)
+            if node.device_block is None:
+                tree.set_device(node, block)
+            elif node.device_block != block:     # loaded twice: keep the tree's copy
+                self.device_pool.free_one(block)
+                req.block_table[i] = node.device_block
+            req.nodes.append(node)
+        return rewinds
+
+    def _complete_backup(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+        tree = self.tree
+        for idx, (node, _dev, host) in enumerate(items):
+            node.device_reads -= 1
+            if idx in failed:
+                self.host_pool.free_one(tree.drop_host(node))
+            else:
+                node.host_ready = True
+                if self.storage is not None and self.policy.copy_on_land(node.hit_count):
+                    self._put(node)
+            if node.evict_device_after_copy:
+                node.evict_device_after_copy = False
+                if node.host_ready and node.device_evictable():
+                    self.device_pool.free_one(tree.drop_device(node))
+                    self.stats.evictions["device"] += 1
+            tree.maybe_candidate(node)
+        return {}
+
+    def _complete_put(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+        tree = self.tree
+        for idx, (node, _host) in enumerate(items):
+            node.putting = False
+            node.host_reads -= 1
+            if idx not in failed:
+                self.storage.add(node.key)  # type: ignore[union-attr]
+            if node.evict_host_after_copy:
+                node.evict_host_after_copy = False
+                if idx not in failed and node.host_evictable():
+                    self.host_pool.free_one(tree.drop_host(node))
+                    self.stats.evictions["host"] += 1
+                    if node.device_block is None:
+                        tree.remove(node)
+                        continue
+            tree.maybe_candidate(node)
+        return {}
+
+    def _complete_fetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+        tree = self.tree
+        by_fetch: dict[int, tuple[_Prefetch, list]] = {}
+        for idx, (pf, i, key, block) in enumerate(items):
+            by_fetch.setdefault(id(pf), (pf, []))[1].append((idx, i, key, block))
+        for pf, its in by_fetch.values():
+            parent, broken = pf.anchor, False
+            self._tick += 1
+            for idx, _i, key, block in its:
+                if broken or idx in failed or not tree.alive(parent) and not parent.is_root:
+                    broken = True
+                    self.host_pool.free_one(block)
+                    continue
+                node = parent.children.get(key)
+                if node is None:
+                    node = tree.add_child(parent, key)
+                if node.host_block is None:
+                    node.last_access = self._tick
+                    tree.set_host(node, block, ready=True)
+                else:
+                    self.host_pool.free_one(block)
+                parent = node
+            self._hold(pf, -1)
+        return {}
+
+    # ================================================================== checks
+    def assert_invariants(self, requests: Sequence[CacheRequest] = ()) -> None:
+        """DESIGN §5 (1, 2, 3, 4, 6) on the whole state. ``requests``: every live request."""
+        tree = self.tree
+        dev_owner: dict[int, object] = {}
+        host_owner: dict[int, object] = {}
+        locks: dict[int, int] = {}
+        for node in tree.nodes.values():
+            assert tree.nodes[node.key] is node and node.parent is not None
+            assert node.parent.children.get(node.key) is node, "child link"
+            assert node.parent.is_root or tree.alive(node.parent), "orphan node"
+            assert node.device_block is not None or node.host_block is not None, f"empty {node}"
+            if node.device_block is not None:
+                assert node.parent.is_root or node.parent.device_block is not None, \
+                    f"device copies not prefix-closed at {node}"
+                assert node.device_block not in dev_owner, f"device block {node.device_block} owned twice"
+                dev_owner[node.device_block] = node
+            if node.host_block is not None:
+                assert node.host_block not in host_owner, f"host block {node.host_block} owned twice"
+                host_owner[node.host_block] = node
+            assert node.num_device_children == sum(
+                c.device_block is not None for c in node.children.values()), f"device children {node}"
+            assert node.num_host_children == sum(
+                c.host_block is not None for c in node.children.values()), f"host children {node}"
+            assert node.lock_ref >= 0 and node.device_reads >= 0 and node.host_reads >= 0
+        assert tree.root.num_device_children == sum(
+            c.device_block is not None for c in tree.root.children.values())
+        live = [r for r in requests if not r.freed]
+        for r in live:
+            if not r.admitted:
+                continue
+            for i, n in enumerate(r.nodes):
+                assert tree.alive(n), f"request {r.rid!r} holds a dead node"
+                assert r.block_table[i] == n.device_block, f"request {r.rid!r} table/node mismatch at {i}"
+                locks[id(n)] = locks.get(id(n), 0) + 1
+            for b in r.block_table[len(r.nodes):]:
+                assert b not in dev_owner, f"device block {b} owned by a node and request {r.rid!r}"
+                dev_owner[b] = r
+        # in-flight reads and writes
+        dev_reads: dict[int, int] = {}
+        host_reads: dict[int, int] = {}
+        in_flight = [*self._pending.values(), *self._staged.items()]
+        for kind, items in in_flight:
+            if kind == "load":
+                for req, _i, n, b in items:
+                    host_reads[id(n)] = host_reads.get(id(n), 0) + 1
+                    assert n.host_ready, "load from a host copy that has not landed"
+                    if req.freed:
+                        assert b not in dev_owner
+                        dev_owner[b] = req
+            elif kind == "backup":
+                for n, d, h in items:
+                    dev_reads[id(n)] = dev_reads.get(id(n), 0) + 1
+                    assert n.device_block == d and n.host_block == h and not n.host_ready
+            elif kind == "put":
+                for n, h in items:
+                    host_reads[id(n)] = host_reads.get(id(n), 0) + 1
+                    assert n.putting and n.host_block == h and n.host_ready
+            else:
+                for _pf, _i, _k, b in items:
+                    assert b not in host_owner, f"fetch target {b} owned twice"
+                    host_owner[b] = _pf
+        for kind, items in in_flight:
+            if kind == "fetch":
+                for pf in {id(x[0]): x[0] for x in items}.values():
+                    held = locks if pf.locked else host_reads
+                    held[id(pf.anchor)] = held.get(id(pf.anchor), 0) + 1
+        for node in tree.nodes.values():
+            assert node.lock_ref == locks.get(id(node), 0), f"lock_ref {node.lock_ref} != holders of {node}"
+            assert node.host_reads == host_reads.get(id(node), 0), f"host pins of {node}"
+            assert node.device_reads == dev_reads.get(id(node), 0), f"device pins of {node}"
+            if node.host_block is not None and not node.host_ready:
+                assert dev_reads.get(id(node)), f"host copy of {node} not landed and no copy in flight"
+        for b in range(self.device_pool.num_blocks):
+            assert self.device_pool.is_free(b) != (b in dev_owner), f"device block {b} leaked or double-owned"
+        for b in range(self.host_pool.num_blocks):
+            assert self.host_pool.is_free(b) != (b in host_owner), f"host block {b} leaked or double-owned"
+        unlocked = sum(1 for n in tree.nodes.values() if n.device_block is not None and n.lock_ref == 0)
+        assert tree.num_device_unlocked == unlocked, (tree.num_device_unlocked, unlocked)
+
+
+def parse_capacity(value: str | int | float) -> int | float:
+    """``0`` (none), a block count, or ``inf`` (unbounded)."""
+    if isinstance(value, str):
+        if value.strip().lower() in ("inf", "infinite", "unbounded"):
+            return math.inf
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"capacity must be a block count or 'inf', got {value!r}") from None
+    if value != math.inf and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"capacity must be a non-negative block count or 'inf', got {value!r}")
+    return value

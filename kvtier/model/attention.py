@@ -1,0 +1,126 @@
+"""Attention on paged KV: the metadata the engine builds per step and the torch reference backend.
+
+Device KV layout (DESIGN §4), one tensor per layer::
+
+    kv_cache[layer] : [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+
+A step's tokens are flattened into one varlen batch. Sequence ``i`` contributes
+``query_lens[i]`` new tokens, which are the *last* tokens of its ``seq_lens[i]`` KV positions
+(the first ``seq_lens[i] - query_lens[i]`` positions are already in the cache: a prefix hit or
+an earlier chunk / decode step)::
+
+    block_tables[i] = [b0, b1, b2, ...]          positions 0..bs-1 -> b0, bs..2bs-1 -> b1, ...
+    slot_mapping[t] = block * block_size + offset   for every new token t (where its K/V is written)
+
+Queries attend causally: the query at absolute position p sees KV positions 0..p.
+Every fast backend (Triton) has the same signature as :func:`reference_attention` and is
+tested against it on random shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [num_tokens] int64
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor          # [num_seqs] int32, KV length after this step
+    block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32 (padding: 0)
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Build metadata from plain lists (the scheduler's view)."""
+        if len(query_lens) != len(seq_lens) or len(seq_lens) != len(block_tables):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        slots: list[int] = []
+        for q, s, table in zip(query_lens, seq_lens, block_tables):
+            if not 0 < q <= s:
+                raise ValueError(f"query length {q} must be in 1..seq_len ({s})")
+            if len(table) * block_size < s:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
+            for pos in range(s - q, s):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max(len(t) for t in block_tables)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def reference_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
+
+    Plain torch, one sequence at a time, softmax in fp32. The reference every backend is checked
+    against; also the CPU backend.
+    """
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        num_blocks = -(-s_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]
+        q = query[start:start + q_len].float().transpose(0, 1)                # [H, q, D]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)         # [H, s, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale                    # [H, q, s]
+        q_pos = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
+        k_pos = torch.arange(s_len, device=query.device)[None, :]
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:start + q_len] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+        start += q_len
+    return out
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+_BACKENDS: dict[str, Callable[[], AttentionFn]] = {"torch": lambda: reference_attention}
+
+
+def register_backend(name: str, loader: Callable[[], AttentionFn]) -> None:
+    _BACKENDS[name] = loader
+
+
+def get_backend(name: str) -> AttentionFn:
+    """``torch`` (reference, any device) or ``triton`` (CUDA)."""
+    if name == "triton" and "triton" not in _BACKENDS:
+        from kvtier.model import triton_attention  # noqa: F401  (registers itself)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,85 @@
+"""Decoder-only families on paged KV: Llama/Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE.
+
+All six are one pre-norm decoder; the config chooses the variations (see config.py)::
+
+    h = embed(ids)
+    per layer l:  h = h + o_proj(attn(rope(q_norm?(q)), rope(k_norm?(k)), v))     q/k/v bias: Qwen2
+                  h = h + mlp(h)          dense MLP, or SparseMoE for l in cfg.moe_layer_ids
+    hidden = norm(h);  logits = lm_head(hidden)      (lm_head tied to embed when tie_word_embeddings)
+
+Parameter names equal the Hugging Face names of the Llama/Qwen layout, so the loader only renames
+Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``. Sliding-window attention (old Mistral configs) is
+not applied: outputs are exact only while sequences stay shorter than ``cfg.sliding_window``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kvtier.model.attention import AttentionMetadata, get_backend
+from kvtier.model.config import ModelConfig
+from kvtier.model.layers import MLP, RMSNorm, RotaryEmbedding, SelfAttention
+from kvtier.model.moe import SparseMoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, layer_idx)
+        if layer_idx in cfg.moe_layer_ids:
+            self.mlp = SparseMoE(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, positions, rotary, kv_cache, meta, attn_fn, layer_hook, routing_out, routing_in):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta, attn_fn, layer_hook)
+        x = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, SparseMoE):
+            return h + self.mlp(x, routing_out, routing_in)
+        return h + self.mlp(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch"):
+        super().__init__()
+        self.config = cfg
+        self.attn_fn = get_backend(attention_backend)
+        self.model = Decoder(cfg)
+        self.rotary = RotaryEmbedding(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, layer_hook: Callable[[int], None] | None = None,
+                routing_out: torch.Tensor | None = None,
+                routing_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for the step's flattened tokens.
+
+        input_ids, positions: [T]; kv_caches[l]: [2, num_blocks, block_size, num_kv_heads, head_dim];
+        routing_out / routing_in: [T, num_moe_layers, top_k] (see moe.py).
+        """
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, positions, self.rotary, kv_cache, meta, self.attn_fn, layer_hook,
+                      routing_out, routing_in)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

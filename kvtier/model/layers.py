@@ -1,0 +1,178 @@
+"""Building blocks shared by every family: RMSNorm, rotary embedding, gated MLP, paged self-attention.
+
+Each op follows transformers' arithmetic step for step (which dtype, in which order) so that fp32
+logits match to ~1e-5 and bf16 logits stay close.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from kvtier.model.attention import AttentionMetadata, write_kv
+from kvtier.model.config import ModelConfig
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {name!r}; choose from {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotary embedding. inv_freq per rope_type, as transformers.modeling_rope_utils computes it (on CPU,
+# fp32); attention_factor scales cos and sin (yarn).
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(base: float, dim: int, p: dict) -> torch.Tensor:
+    inv_freq = _default_inv_freq(base, dim)
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim // 2] fp32, attention_factor) for the config's rope_type."""
+    p, base = cfg.rope_scaling, cfg.rope_theta
+    dim = int(cfg.head_dim * p.get("partial_rotary_factor", 1.0))
+    if dim != cfg.head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    kind = cfg.rope_type
+    if kind == "default":
+        return _default_inv_freq(base, dim), 1.0
+    if kind == "linear":
+        return _default_inv_freq(base, dim) / p["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(base, dim, p), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(base, dim, p, cfg.max_position_embeddings)
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their absolute positions [T] (rotate-half layout)."""
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_factor).to(q.dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_factor).to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)). Also one expert's shape and the Qwen2-MoE shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SelfAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged KV write + attention, o_proj."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, attn_fn, layer_hook=None) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        if layer_hook is not None:
+            layer_hook(self.layer_idx)   # e.g. wait until this layer's KV has arrived from the host tier
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = attn_fn(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

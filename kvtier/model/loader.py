@@ -1,0 +1,93 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a :class:`CausalLM`.
+
+Files: ``model.safetensors``, or shards listed in ``model.safetensors.index.json``, or any
+``*.safetensors`` in the directory. Checkpoint names are mapped to ours (see ``_rename``); every
+parameter the model needs must be present, or loading fails naming the missing tensor.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from kvtier.model.config import ModelConfig
+from kvtier.model.families import CausalLM
+from kvtier.model.layers import RotaryEmbedding
+
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _rename(name: str) -> str:
+    """Checkpoint name -> our parameter name (Mixtral's MoE block uses other names)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    m = re.match(r"(.*\.mlp\.experts\.\d+)\.(w[123])\.(weight)$", name)
+    if m:
+        name = f"{m[1]}.{_MIXTRAL_EXPERT[m[2]]}.{m[3]}"
+    return name
+
+
+def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) pairs; 3D fused expert tensors are split into per-expert weights."""
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                name = _rename(key)
+                fused = _FUSED_EXPERTS.match(name)
+                if not fused:
+                    yield name, f.get_tensor(key)
+                    continue
+                stacked = f.get_tensor(key)          # gate_up_proj [E, 2I, H]; down_proj [E, H, I]
+                for e, w in enumerate(stacked):
+                    if fused[2] == "down_proj":
+                        yield f"{fused[1]}.{e}.down_proj.weight", w
+                    else:
+                        gate, up = w.chunk(2, dim=0)
+                        yield f"{fused[1]}.{e}.gate_proj.weight", gate
+                        yield f"{fused[1]}.{e}.up_proj.weight", up
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32,
+               attention_backend: str = "torch") -> CausalLM:
+    """Build the family named by config.json and fill it from the checkpoint. ``dtype=None``: config's."""
+    path = Path(path)
+    cfg = ModelConfig.from_hf_dir(path)
+    dtype = dtype or cfg.torch_dtype
+    with torch.device("meta"):
+        model = CausalLM(cfg, attention_backend)
+    params = dict(model.named_parameters())          # tied lm_head appears once, as embed_tokens
+    loaded: dict[str, torch.Tensor] = {}
+    for name, tensor in _checkpoint_tensors(safetensors_files(path)):
+        if name not in params:
+            continue                                  # e.g. rotary inv_freq, tied lm_head copies
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(params[name].shape)}")
+        loaded[name] = tensor.to(device=device, dtype=dtype).contiguous()
+    missing = [name for name in params if name not in loaded]
+    if missing:
+        raise KeyError(f"checkpoint {path} is missing tensor {missing[0]!r}"
+                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(cfg).to(device)   # inv_freq computed on CPU, as transformers does
+    return model.eval()

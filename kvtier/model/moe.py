@@ -1,0 +1,73 @@
+"""Sparse MoE block: router (softmax -> top-k [-> renormalize]), experts, optional shared expert.
+
+One class covers the three MoE families; they differ only in config::
+
+    Mixtral      top-k of softmax(router logits), always renormalized
+    Qwen2-MoE    renormalized iff norm_topk_prob; + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+    Qwen3-MoE    renormalized iff norm_topk_prob
+
+Routing capture / replay (R3): ``routing_out[:, moe_index]`` receives the experts used (a device copy,
+no host sync); ``routing_in[:, moe_index]`` forces the experts, while their gate weights are still
+taken from the live router probabilities and normalized as the family does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvtier.model.config import ModelConfig
+from kvtier.model.layers import MLP
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe_index: int):
+        super().__init__()
+        self.moe_index = moe_index          # column of routing_out / routing_in
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.top_k, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+                                     for _ in range(cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, x: torch.Tensor, routing_in: torch.Tensor | None = None):
+        """(expert ids [T, top_k] int64, gate weights [T, top_k] fp32)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        if routing_in is None:
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            ids = routing_in[:, self.moe_index].long()
+            weights = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor, routing_out: torch.Tensor | None = None,
+                routing_in: torch.Tensor | None = None) -> torch.Tensor:
+        ids, weights = self.route(x, routing_in)
+        if routing_out is not None:
+            routing_out[:, self.moe_index].copy_(ids)
+        out = self._experts(x, ids, weights.to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum of weight * expert(x) over each token's experts: tokens grouped by expert, one loop."""
+        flat_ids = ids.flatten()                                   # [T * top_k], token-major
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()   # one host sync
+        tokens = order // ids.shape[1]
+        flat_weights = weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                tok = tokens[start:start + n]
+                y = expert(x[tok]) * flat_weights[start:start + n, None]
+                out.index_add_(0, tok, y)
+                start += n
+        return out

@@ -1,0 +1,331 @@
+"""Triton attention backend over paged KV (same contract as :func:`reference_attention`).
+
+One "unified" flash-attention kernel serves decode, chunked prefill over a cached prefix and
+full-prompt prefill in the same varlen batch:
+
+* program ``(q_block, kv_head[, split])``: a tile of ``BLOCK_M`` rows = ``BLOCK_Q`` consecutive
+  query tokens of one sequence x the ``GROUP`` query heads that share ``kv_head`` (GQA), so every
+  K/V tile fetched from the cache is used by the whole head group;
+* the sequence of a ``q_block`` is found by a binary search over ``query_start_loc`` on the device
+  (no host->device copy per step); the grid is an upper bound (``T // BLOCK_Q + num_seqs``) and
+  programs with no tokens exit at once;
+* KV is walked in tiles of ``BLOCK_N`` positions gathered through the block table (tile size is
+  independent of the cache block size); tiles entirely visible to every row of the query tile run
+  without the causal mask, the rest are masked (query at absolute position p sees 0..p);
+* online softmax in fp32 (``exp2`` with the scale folded in), fp32 accumulator;
+* decode-heavy steps with too few programs to fill the GPU split the KV range of each program
+  over ``num_splits`` programs (flash-decoding); a small second kernel merges the partial results.
+
+fp32 inputs use IEEE fp32 dot products (set ``ALLOW_TF32 = True`` to trade accuracy for speed).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtier.model.attention import AttentionMetadata, register_backend
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
+    _IMPORT_ERROR: ImportError | None = exc
+else:
+    _IMPORT_ERROR = None
+
+#: use TF32 tensor cores for fp32 inputs (faster on GPU, ~1e-3 relative error)
+ALLOW_TF32 = False
+#: a step whose longest query has at most this many tokens uses the small (decode) tile
+DECODE_MAX_QUERY_LEN = 16
+#: split-KV targets at least this many programs per SM on CUDA
+SPLIT_TARGET_PROGRAMS_PER_SM = 4
+MAX_SPLITS = 32
+#: minimum KV positions per split (each split must amortize its partial write + merge)
+MIN_POSITIONS_PER_SPLIT = 256
+#: tuning hook: {"decode"|"prefill": {"block_m"?, "block_n"?, "num_warps"?, "num_stages"?}}
+CONFIG_OVERRIDE: dict[str, dict[str, int]] = {}
+
+
+if _IMPORT_ERROR is None:
+
+    @triton.jit
+    def _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+        """Largest i with ``qsl[i] // BLOCK_Q + i <= q_block`` (first q-block slot of sequence i)."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            val = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            is_le = val <= q_block
+            lo = tl.where(is_le, mid + 1, lo)
+            hi = tl.where(is_le, hi, mid)
+        return lo - 1
+
+    @triton.jit
+    def _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end, q_pos,
+                   offs_d, scale_log2, stride_kv, stride_kb, stride_ks, stride_kh, stride_kd,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   PRECISION: tl.constexpr):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if MASKED:
+            in_range = offs_n < kv_end
+            blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+        else:
+            blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
+        slot = (blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
+                + kvh * stride_kh)
+        k_ptrs = kv_ptr + slot[None, :] + offs_d[:, None] * stride_kd            # [D, N]
+        v_ptrs = kv_ptr + stride_kv + slot[:, None] + offs_d[None, :] * stride_kd  # [N, D]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2                  # [M, N] fp32
+        if MASKED:
+            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows with nothing visible yet keep m = -inf; use 0 as the exp reference for them
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _unified_attention_kernel(
+        q_ptr, kv_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr,
+        scale_log2, num_seqs, num_heads, tiles_per_split,
+        stride_qt, stride_qh, stride_qd,
+        stride_kv, stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_ot, stride_oh, stride_od,
+        stride_bt,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        q_block = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block_local = q_block - (q_start // BLOCK_Q + seq)
+        if q_block_local * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        tok_local = q_block_local * BLOCK_Q + offs_m // GROUP
+        head = kvh * GROUP + offs_m % GROUP
+        row_valid = (offs_m < BLOCK_Q * GROUP) & (tok_local < q_len)
+        q_pos = context_len + tok_local
+        token = (q_start + tok_local).to(tl.int64)
+
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                    + offs_d[None, :] * stride_qd, mask=row_valid[:, None], other=0.0)
+
+        # KV range of this query tile: [0, kv_end); tiles below n_full are visible to all rows
+        last_tok = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_end = context_len + last_tok + 1
+        n_tiles = tl.cdiv(kv_end, BLOCK_N)
+        n_full = (context_len + q_block_local * BLOCK_Q + 1) // BLOCK_N
+        if NUM_SPLITS == 1:
+            t_lo = 0
+            t_hi = n_tiles
+        else:
+            t_lo = split * tiles_per_split
+            t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+
+        for tile in range(t_lo, tl.minimum(t_hi, n_full)):
+            acc, l_i, m_i = _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end,
+                                       q_pos, offs_d, scale_log2, stride_kv, stride_kb,
+                                       stride_ks, stride_kh, stride_kd, BLOCK_SIZE, BLOCK_N,
+                                       False, PRECISION)
+        for tile in range(tl.maximum(t_lo, n_full), t_hi):
+            acc, l_i, m_i = _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end,
+                                       q_pos, offs_d, scale_log2, stride_kv, stride_kb,
+                                       stride_ks, stride_kh, stride_kd, BLOCK_SIZE, BLOCK_N,
+                                       True, PRECISION)
+
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                     + offs_d[None, :] * stride_od,
+                     out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        else:
+            # partials: o [T, H, S, D] (unnormalized), ml [T, H, S, 2] (log2-domain max, sum)
+            part = (token * num_heads + head) * NUM_SPLITS + split
+            tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=row_valid[:, None])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+
+    @triton.jit
+    def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads,
+                             stride_ot, stride_oh, stride_od,
+                             HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             SPLITS_P2: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_P2)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_valid = offs_s < NUM_SPLITS
+        part = (token * num_heads + head) * NUM_SPLITS + offs_s
+        m = tl.load(part_ml_ptr + part * 2, mask=s_valid, other=float("-inf"))
+        l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
+        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_valid[:, None], other=0.0)
+        denom = tl.sum(l * w, axis=0)
+        res = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+                 res.to(out_ptr.dtype.element_ty))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this step."""
+    is_fp32 = dtype == torch.float32
+    if max_query_len <= DECODE_MAX_QUERY_LEN:
+        kind = "decode"
+        block_m = max(16, _next_pow2(group))
+        block_n = 32 if (head_dim > 128 or (is_fp32 and head_dim > 64)) else 64
+        num_warps, num_stages = 4, 2
+    elif is_fp32 or head_dim > 128:
+        kind = "prefill"
+        block_m, block_n, num_warps, num_stages = max(64, _next_pow2(group)), 32, 4, 2
+    else:
+        kind = "prefill"
+        block_m, block_n, num_warps, num_stages = max(128, _next_pow2(group)), 64, 8, 2
+    over = CONFIG_OVERRIDE.get(kind)
+    if over:
+        block_m = max(over.get("block_m", block_m), _next_pow2(group))
+        block_n = over.get("block_n", block_n)
+        num_warps = over.get("num_warps", num_warps)
+        num_stages = over.get("num_stages", num_stages)
+    return block_m, block_n, num_warps, num_stages
+
+
+def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
+
+    Same contract as :func:`kvtier.model.attention.reference_attention`. ``num_splits`` forces
+    the split-KV factor (``None``: chosen from the GPU size; always 1 off CUDA).
+    """
+    if _IMPORT_ERROR is not None:
+        raise ImportError("the triton attention backend needs the `triton` package") from _IMPORT_ERROR
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(kv_cache.shape)}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != kv_cache head_dim {kv_head_dim}")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"triton attention needs a power-of-two head_dim in [16, 256], got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {query.dtype}")
+    if query.device != kv_cache.device:
+        raise ValueError(f"query on {query.device} but kv_cache on {kv_cache.device}")
+    if num_tokens != sum(meta.query_lens_cpu):
+        raise ValueError(f"query has {num_tokens} tokens, metadata {sum(meta.query_lens_cpu)}")
+
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    num_seqs = meta.num_seqs
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    qsl = meta.query_start_loc
+    seq_lens = meta.seq_lens
+    block_tables = meta.block_tables
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+
+    block_m, block_n, num_warps, num_stages = _launch_config(
+        query.dtype, head_dim, group, meta.max_query_len)
+    block_q = block_m // group
+    num_q_blocks = num_tokens // block_q + num_seqs        # upper bound; extra programs exit
+    n_kv_tiles = triton.cdiv(meta.max_seq_len, block_n)
+
+    if num_splits is None:
+        num_splits = 1
+        if query.is_cuda and meta.max_query_len <= DECODE_MAX_QUERY_LEN:
+            # programs that actually have work
+            busy = sum(triton.cdiv(q, block_q) for q in meta.query_lens_cpu) * num_kv_heads
+            target = SPLIT_TARGET_PROGRAMS_PER_SM * _sm_count(query.device)
+            if busy < target:
+                num_splits = min(MAX_SPLITS, triton.cdiv(target, busy),
+                                 max(1, meta.max_seq_len // MIN_POSITIONS_PER_SPLIT))
+    num_splits = max(1, min(int(num_splits), n_kv_tiles))
+    tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
+    num_splits = triton.cdiv(n_kv_tiles, tiles_per_split)   # drop splits that would be empty
+
+    if num_splits > 1:
+        part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim),
+                             dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2),
+                              dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_ml = out      # unused
+
+    precision = "tf32" if (ALLOW_TF32 and query.dtype == torch.float32) else "ieee"
+    grid = (num_q_blocks, num_kv_heads, num_splits)
+    _unified_attention_kernel[grid](
+        query, kv_cache, out, part_o, part_ml,
+        block_tables, seq_lens, qsl,
+        float(scale) * math.log2(math.e), num_seqs, num_heads, tiles_per_split,
+        query.stride(0), query.stride(1), query.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        kv_cache.stride(4),
+        out.stride(0), out.stride(1), out.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_o, part_ml, out, num_heads,
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out
+
+
+register_backend("triton", lambda: triton_attention)

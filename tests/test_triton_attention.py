@@ -1,0 +1,208 @@
+"""Triton paged attention vs the torch reference.
+
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, numpy on
+CPU tensors), on small shapes; the interpreter's ``tl.dot`` gives wrong results for bf16, so on CPU
+the half-precision path is checked in fp16 (same kernel code) and bf16 only runs on CUDA.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # must be set before triton is imported (kernels are decorated at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="triton is not installed: triton attention backend untested")
+
+from kvtier.model.attention import AttentionMetadata, get_backend, reference_attention, write_kv  # noqa: E402
+from kvtier.model.triton_attention import triton_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if DEVICE == "cpu" and not INTERPRET:
+    pytest.skip("no CUDA and TRITON_INTERPRET is off: triton kernels cannot run", allow_module_level=True)
+
+
+def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+              seed=0, device=DEVICE, spare_blocks=5):
+    """Random paged KV cache with shuffled, non-contiguous block tables (+ unused blocks)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, i = [], 0
+    for n in needed:
+        tables.append(ids[i:i + n])
+        i += n
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device)
+    # cached prefix: random fill; the step's new tokens: written through write_kv like the engine
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    kv = kv.to(device=device, dtype=dtype)
+    t = sum(query_lens)
+    new_k = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    new_v = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    write_kv(kv, new_k, new_v, meta.slot_mapping)
+    q = torch.randn(t, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    return q, kv, meta
+
+
+def check(q, kv, meta, atol, rtol=0.0, **kwargs):
+    scale = q.shape[-1] ** -0.5
+    out = triton_attention(q, kv, meta, scale, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    ref = reference_attention(q.float(), kv.float(), meta, scale)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+    return out
+
+
+def random_batch(rng, num_seqs, max_seq, block_size):
+    """Mixed decode / prefill over a cached prefix / full-prompt prefill."""
+    q_lens, s_lens = [], []
+    for _ in range(num_seqs):
+        kind = rng.choice(["decode", "cached_prefill", "full_prefill"])
+        s = rng.randint(1, max_seq)
+        if s % block_size == 0 and rng.random() < 0.7:
+            s = max(1, s - rng.randint(1, block_size - 1))
+        if kind == "decode":
+            q = 1
+        elif kind == "full_prefill":
+            q = s
+        else:
+            q = rng.randint(1, s)
+        q_lens.append(q)
+        s_lens.append(s)
+    return q_lens, s_lens
+
+
+# --------------------------------------------------------------------------- CPU (interpreter) + GPU
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_random_mixed_batches_fp32(group, block_size):
+    rng = random.Random(100 * group + block_size)
+    num_kv_heads = 2
+    for trial in range(2):
+        q_lens, s_lens = random_batch(rng, num_seqs=4, max_seq=90, block_size=block_size)
+        q, kv, meta = make_case(q_lens, s_lens, group * num_kv_heads, num_kv_heads, 64, block_size,
+                                torch.float32, seed=trial)
+        check(q, kv, meta, atol=1e-4)
+
+
+def test_explicit_mix_decode_cached_prefill_full_prefill():
+    # decode over long KV, prefill of 37 new tokens after a 50-token prefix, full 45-token prompt,
+    # a 1-token prompt; lengths not multiples of the block size; spans several query tiles
+    q_lens, s_lens = [1, 37, 45, 1, 1], [83, 87, 45, 1, 16]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float32, seed=1)
+    check(q, kv, meta, atol=1e-4)
+
+
+def test_head_dim_128_block_64():
+    q_lens, s_lens = [1, 20, 3], [70, 90, 3]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 1, 128, 64, torch.float32, seed=2)
+    check(q, kv, meta, atol=1e-4)
+
+
+def test_short_queries_use_decode_tile():
+    # max_query_len <= 16 (speculative-decode-like): small tiles hold several tokens of a sequence
+    q_lens, s_lens = [3, 1, 7, 16], [40, 9, 7, 50]
+    q, kv, meta = make_case(q_lens, s_lens, 8, 2, 64, 16, torch.float32, seed=3)
+    check(q, kv, meta, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+def test_split_kv_decode(num_splits):
+    # sequence lengths from 1 to several splits: some splits of short sequences are empty
+    q_lens, s_lens = [1, 1, 1, 1], [1, 33, 150, 200]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float32, seed=4)
+    check(q, kv, meta, atol=1e-4, num_splits=num_splits)
+
+
+def test_split_kv_with_multi_token_queries():
+    q_lens, s_lens = [4, 1, 9], [130, 64, 9]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float32, seed=5)
+    check(q, kv, meta, atol=1e-4, num_splits=3)
+
+
+def test_fp16():
+    q_lens, s_lens = [1, 25, 10], [60, 70, 10]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float16, seed=6)
+    check(q, kv, meta, atol=2e-3, rtol=1e-2)
+    check(q, kv, meta, atol=2e-3, rtol=1e-2, num_splits=2)
+
+
+def test_non_contiguous_query_and_scale():
+    q_lens, s_lens = [1, 19], [40, 30]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float32, seed=7)
+    big = torch.zeros(q.shape[0], 3 * q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
+    big[:, 4:8] = q
+    qv = big[:, 4:8]                      # e.g. a view into a fused qkv projection
+    assert not qv.is_contiguous()
+    out = triton_attention(qv, kv, meta, 0.3)
+    ref = reference_attention(q, kv, meta, 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_registered_backend():
+    assert get_backend("triton") is triton_attention
+
+
+def test_rejects_bad_shapes():
+    q, kv, meta = make_case([1], [5], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        q48 = torch.zeros(1, 4, 48, device=q.device)
+        kv48 = torch.zeros(2, kv.shape[1], 16, 2, 48, device=q.device)
+        triton_attention(q48, kv48, meta, 1.0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        triton_attention(torch.zeros(1, 3, 64, device=q.device), kv, meta, 1.0)
+    with pytest.raises(ValueError, match="tokens"):
+        triton_attention(torch.zeros(2, 4, 64, device=q.device), kv, meta, 1.0)
+
+
+# --------------------------------------------------------------------------- GPU only
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3),
+                                        (torch.float32, 1e-4)])
+@pytest.mark.parametrize("group,head_dim", [(2, 128), (4, 64), (1, 128)])
+def test_gpu_mixed_large(dtype, atol, group, head_dim):
+    rng = random.Random(7)
+    num_kv_heads = 4
+    q_lens, s_lens = random_batch(rng, num_seqs=12, max_seq=1500, block_size=16)
+    q_lens += [1] * 20
+    s_lens += [rng.randint(1, 3000) for _ in range(20)]
+    q, kv, meta = make_case(q_lens, s_lens, group * num_kv_heads, num_kv_heads, head_dim, 16, dtype)
+    check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_gpu_decode(dtype, atol, num_splits):
+    rng = random.Random(8)
+    n = 48
+    s_lens = [rng.randint(1, 4096) for _ in range(n)]
+    q, kv, meta = make_case([1] * n, s_lens, 16, 8, 128, 16, dtype, seed=8)
+    check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0,
+          num_splits=num_splits)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_prefill_over_cached_prefix(dtype, atol, block_size):
+    q, kv, meta = make_case([1024, 1000, 77], [3072, 1000, 2100], 16, 8, 128, block_size, dtype,
+                            seed=9)
+    check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0)
