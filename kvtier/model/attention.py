@@ -34,6 +34,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    slot_mapping_cpu: list[int] | None = None   # the same slots as a Python list (routing capture)
 
     @property
     def num_seqs(self) -> int:
@@ -67,6 +68,7 @@ class AttentionMetadata:
             seq_lens_cpu=list(seq_lens),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            slot_mapping_cpu=slots,
         )
 
 

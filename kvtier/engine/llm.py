@@ -1,0 +1,278 @@
+"""The offline API (DESIGN §6): ``kvtier.LLM(model, ...).generate(prompts, SamplingParams(...))``.
+
+One engine step::
+
+    schedule() ─► take_plan() ─► run copies (loads land) ─► forward + sample ─► update()
+                                                     commit new blocks ◄─┘
+                  take_plan() ─► run copies (backups, puts) ─► finished requests: outputs, free
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.cache import CacheManager, ModelFingerprint
+from kvtier.engine.request import Request
+from kvtier.engine.routing import RoutingCapture, validate_routed_experts
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.scheduler import Scheduler
+from kvtier.model import ModelConfig, allocate_kv_caches, load_model
+from kvtier.storage import open_storage
+from kvtier.transfer.copy import allocate_host_kv
+from kvtier.transfer.executor import TransferExecutor
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    num_cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+    routed_experts: np.ndarray | None = None
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "auto",
+                 block_size: int = 16, num_device_blocks: int | None = None, num_host_blocks: int = 0,
+                 storage: str | None = None, write_policy: str = "write_through_selective",
+                 write_through_threshold: int = 2, enable_prefix_caching: bool = True,
+                 prefetch_policy: str = "best_effort", storage_fetch: str = "auto",
+                 tensor_parallel_size: int = 1, seed: int = 0, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
+                 attention_backend: str | None = None, eviction: str = "lru") -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
+        if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ValueError(f"unknown prefetch_policy {prefetch_policy!r}; choose best_effort, wait_complete or timeout")
+        if storage_fetch not in ("auto", "always"):
+            raise ValueError(f"unknown storage_fetch {storage_fetch!r}; choose auto or always")
+        if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' asked for, but torch sees no CUDA device")
+        self.path = Path(model)
+        self.device = torch.device(device)
+        self.config = cfg = ModelConfig.from_hf_dir(self.path)
+        self.dtype = self._resolve_dtype(dtype, cfg)
+        if attention_backend is None:
+            attention_backend = "triton" if self.device.type == "cuda" else "torch"
+        self.model = load_model(self.path, self.device, self.dtype, attention_backend)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.tokenizer = _load_tokenizer(self.path)
+        self.seed = seed
+        self._generator = torch.Generator(self.device).manual_seed(seed)
+
+        bytes_per_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * self.dtype.itemsize
+        if num_device_blocks is None:
+            num_device_blocks = self._size_device_blocks(bytes_per_block, block_size, max_num_seqs)
+        self.storage = open_storage(storage)
+        fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                       str(self.dtype).removeprefix("torch."), block_size)
+        self.cache = CacheManager(
+            block_size=block_size, num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
+            storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,
+            eviction=eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
+            enable_prefix_caching=enable_prefix_caching)
+        if self.storage is not None and num_host_blocks == 0:
+            raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
+        self.kv_caches = allocate_kv_caches(cfg, num_device_blocks, block_size, self.device, self.dtype)
+        pin = self.device.type == "cuda"
+        self.host_kv = (allocate_host_kv(num_host_blocks, cfg.num_layers, block_size, cfg.num_kv_heads,
+                                         cfg.head_dim, self.dtype, pin) if num_host_blocks else None)
+        self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
+                                       num_device_blocks, num_host_blocks, self.device) if cfg.is_moe else None)
+        self.executor = TransferExecutor(self.kv_caches, self.host_kv, self.storage, self.routing)
+        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing)
+        self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
+                                   cfg.eos_token_ids)
+        self.block_size = block_size
+        self._ids = count()
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _resolve_dtype(self, dtype: str, cfg: ModelConfig) -> torch.dtype:
+        if dtype == "auto":
+            return cfg.torch_dtype if self.device.type == "cuda" else torch.float32
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        return _DTYPES[dtype]
+
+    def _size_device_blocks(self, bytes_per_block: int, block_size: int, max_num_seqs: int) -> int:
+        """Blocks that fit in free memory (90% of free GPU memory after weights; 20% of free RAM on
+        CPU), capped at what max_num_seqs full-length sequences could use."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.9) - (1 << 30)          # 1 GiB headroom for activations
+        else:
+            budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.2)
+        cap = max_num_seqs * -(-self.max_model_len // block_size)
+        n = min(budget // bytes_per_block, cap)
+        need = -(-self.max_model_len // block_size)
+        if n < need:
+            raise ValueError(f"only {n} KV blocks fit in free memory, but one {self.max_model_len}-token "
+                             f"sequence needs {need}; lower max_model_len or free memory")
+        return int(n)
+
+    # ------------------------------------------------------------------ API
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        self._check_open()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        reqs = [self._make_request(p, sp, cache_salt) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            self.scheduler.add(r)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(reqs):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[r.request_id] for r in reqs]
+
+    def _make_request(self, prompt, params: SamplingParams, cache_salt: str | None) -> Request:  # type: ignore[no-untyped-def]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"text prompts need a tokenizer, and {self.path} has none; pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        vocab = self.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is not an int in 0..{vocab - 1}")
+        ids = [int(t) for t in ids]
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                             f"(max_model_len), leaving no room to generate")
+        rid = str(next(self._ids))
+        req = Request(rid, ids, params, cache_salt=cache_salt)
+        if params.seed is not None:
+            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        else:
+            req.generator = self._generator
+        return req
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        if self.routing is not None:
+            self.routing.flush()
+        out = self.scheduler.schedule()
+        rewinds = self._run_plan()
+        sampled = self.runner.execute(out) if out.scheduled else {}
+        finished = self.scheduler.update(out, sampled, rewinds)
+        self._run_plan()
+        results = []
+        for req in finished:
+            results.append(self._output(req))
+            self.scheduler.release(req)
+        if not out.scheduled and not out.prefetching and self.scheduler.has_unfinished():
+            if not self.cache.num_pending_ops:
+                req = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
+                                   f"the device tier has {self.cache.device_pool.num_blocks} blocks")
+        return results
+
+    def _run_plan(self) -> dict[object, int]:
+        rewinds: dict[object, int] = {}
+        while plan := self.cache.take_plan():
+            for op in plan:
+                try:
+                    failed = self.executor.run(op)
+                except Exception as e:   # a failed copy costs a recompute, never a wrong answer
+                    log.warning("%s op failed: %s", op.kind, e)
+                    failed = list(range(op.num_blocks))
+                rewinds.update(self.cache.complete(op.op_id, failed))
+        return rewinds
+
+    def _output(self, req: Request) -> RequestOutput:
+        routed = None
+        if req.params.return_routed_experts:
+            if self.routing is None:
+                raise ValueError("return_routed_experts=True needs a MoE model")
+            routed = self.routing.gather(req.cache.block_table, req.num_tokens - 1)
+        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
+        return RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), text,
+                             req.finish_reason or "length", req.num_cached_tokens or 0,
+                             dict(req.cached_tokens_by_tier), routed)
+
+    def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
+        """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""
+        self._check_open()
+        ids = self._make_request(list(token_ids), SamplingParams(), None).prompt_token_ids
+        if len(ids) < 2:
+            raise ValueError("score needs at least 2 tokens")
+        forced = None
+        if routed_experts is not None:
+            cfg = self.config
+            if not cfg.is_moe:
+                raise ValueError("routed_experts given, but the model has no MoE layers")
+            forced = validate_routed_experts(routed_experts, len(ids), cfg.num_moe_layers, cfg.top_k, cfg.num_experts)
+        return self.runner.score(ids, forced)
+
+    def cache_stats(self) -> dict:
+        s = self.cache.stats
+        moved = s.bytes_moved
+        hits = sum(s.hit_tokens.values())
+        return {
+            "device": {"hit_tokens": s.hit_tokens["device"], "evictions": s.evictions["device"],
+                       "bytes_in": moved["host_to_device"], "blocks_used": self.cache.device_pool.num_used},
+            "host": {"hit_tokens": s.hit_tokens["host"], "evictions": s.evictions["host"],
+                     "bytes_in": moved["device_to_host"] + moved["storage_to_host"],
+                     "blocks_used": self.cache.host_pool.num_used},
+            "storage": {"hit_tokens": s.hit_tokens["storage"], "bytes_in": moved["host_to_storage"],
+                        "evictions": getattr(getattr(self.storage, "backend", None), "evictions", 0)},
+            "query_tokens": s.query_tokens,
+            "miss_tokens": max(0, s.query_tokens - hits),
+            "failures": dict(s.failures),
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._run_plan()
+        if self.routing is not None:
+            self.routing.flush()
+        self._closed = True
+        self.kv_caches.clear()
+        self.host_kv = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+        self.close()
+
+
+def _load_tokenizer(path: Path):  # type: ignore[no-untyped-def]
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

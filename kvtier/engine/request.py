@@ -1,0 +1,61 @@
+"""A request as the engine tracks it.
+
+``all_token_ids = prompt + generated``; ``num_computed_tokens`` of them have KV in the request's
+blocks (cached prefix included). A step computes ``all_token_ids[num_computed : num_computed + n]``;
+when that reaches the end, the last position's logits give the next token::
+
+    prompt:  p0 p1 p2 p3 p4 p5 p6 | generated: g0 g1
+             └ cached ┘└ chunk 1 ┘             └ decode steps, one token each
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.cache import CacheRequest
+from kvtier.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0
+    cache_salt: str | None = None
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    cache: CacheRequest | None = None
+    num_cached_tokens: int | None = None          # prompt tokens served from cache, first admission
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    num_preemptions: int = 0
+    prefetch_from: int | None = None              # cached tokens (device + host) before a storage prefetch
+    generator: torch.Generator | None = None
+    routed_experts: np.ndarray | None = None      # filled at finish when params ask for it
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,121 @@
+"""Rollout routing replay (R3) capture: routed expert ids kept per KV slot, beside the KV.
+
+During a forward every MoE layer writes its top-k expert ids into ``buffer(T)`` (a device tensor
+[T, num_moe_layers, top_k], no host sync). :meth:`record` then starts one non-blocking copy of
+*only this step's rows* into pinned host memory on the compute stream and records an event.
+:meth:`flush` (start of the next step, or when a finished request needs its routing) waits for
+that event — long complete by then — and scatters the rows on the CPU into routing blocks that
+mirror the KV blocks::
+
+    device_store  [num_device_blocks, block_size, num_moe_layers, top_k]   (CPU, by device slot)
+    host_store    [num_host_blocks,   block_size, num_moe_layers, top_k]   (CPU, by host block)
+
+Routing follows its KV block: it is overwritten exactly when the block's KV is, copied with it
+between tiers, and stored in the same storage object. So a prefix hit on any tier returns the
+routing of the cached tokens. The dtype is the smallest unsigned int that holds an expert id.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if num_experts - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    raise ValueError(f"too many experts: {num_experts}")
+
+
+class RoutingCapture:
+    def __init__(self, num_moe_layers: int, top_k: int, num_experts: int, block_size: int,
+                 num_device_blocks: int, num_host_blocks: int, device: torch.device) -> None:
+        self.num_moe_layers, self.top_k, self.num_experts = num_moe_layers, top_k, num_experts
+        self.block_size = block_size
+        self.dtype = routing_dtype(num_experts)
+        shape = (block_size, num_moe_layers, top_k)
+        self.device_store = np.zeros((num_device_blocks, *shape), self.dtype)
+        self.host_store = np.zeros((num_host_blocks, *shape), self.dtype)
+        self.device = device
+        self._buf = torch.zeros((0, num_moe_layers, top_k), dtype=torch.int32, device=device)
+        self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_moe_layers * self.top_k * self.dtype.itemsize
+
+    def buffer(self, num_tokens: int) -> torch.Tensor:
+        if self._buf.shape[0] < num_tokens:  # grows to the largest step, reused after
+            self._buf = torch.zeros((num_tokens, self.num_moe_layers, self.top_k),
+                                    dtype=torch.int32, device=self.device)
+        return self._buf[:num_tokens]
+
+    def record(self, rows: torch.Tensor, slot_mapping: list[int]) -> None:
+        """Start copying this step's rows to the host; no CPU wait."""
+        if rows.device.type == "cuda":
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = rows.clone(), None
+        self._pending.append((host, np.asarray(slot_mapping, dtype=np.int64), event))
+
+    def flush(self) -> None:
+        """Scatter every recorded step into the device-slot routing blocks."""
+        flat = self.device_store.reshape(-1, self.num_moe_layers, self.top_k)
+        for host, slots, event in self._pending:
+            if event is not None:
+                event.synchronize()
+            flat[slots] = host.numpy().astype(self.dtype)
+        self._pending.clear()
+
+    def gather(self, block_table: list[int], num_tokens: int) -> np.ndarray:
+        """Routing of positions [0, num_tokens) of a request: [num_tokens, layers, top_k]."""
+        self.flush()
+        pos = np.arange(num_tokens)
+        blocks = np.asarray(block_table, dtype=np.int64)[pos // self.block_size]
+        return self.device_store[blocks, pos % self.block_size].copy()
+
+    # ---- tier moves (called by the transfer executor with the KV copies)
+    def device_to_host(self, device_blocks, host_blocks) -> None:  # type: ignore[no-untyped-def]
+        self.flush()
+        self.host_store[list(host_blocks)] = self.device_store[list(device_blocks)]
+
+    def host_to_device(self, host_blocks, device_blocks) -> None:  # type: ignore[no-untyped-def]
+        self.flush()
+        self.device_store[list(device_blocks)] = self.host_store[list(host_blocks)]
+
+    def host_block_bytes(self, host_block: int) -> bytes:
+        return self.host_store[host_block].tobytes()
+
+    def load_host_block_bytes(self, host_block: int, data: bytes) -> bool:
+        block = self.host_store[host_block]
+        if len(data) != block.nbytes:
+            return False
+        block[...] = np.frombuffer(data, dtype=self.dtype).reshape(block.shape)
+        return True
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+
+def validate_routed_experts(routed: object, num_tokens: int, num_moe_layers: int, top_k: int,
+                            num_experts: int) -> np.ndarray:
+    """Check a user-given routing array for ``llm.score``; returns it as int64."""
+    if not isinstance(routed, np.ndarray):
+        if isinstance(routed, torch.Tensor):
+            routed = routed.detach().cpu().numpy()
+        else:
+            raise ValueError(f"routed_experts must be a numpy array, got {type(routed).__name__}")
+    want = (num_tokens - 1, num_moe_layers, top_k)
+    if routed.shape != want:
+        raise ValueError(f"routed_experts has shape {routed.shape}, expected {want} "
+                         f"(len(token_ids) - 1, num_moe_layers, top_k)")
+    if routed.dtype.kind not in "iu":
+        raise ValueError(f"routed_experts must have an integer dtype, got {routed.dtype}")
+    if routed.size and (routed.min() < 0 or routed.max() >= num_experts):
+        bad = routed.min() if routed.min() < 0 else routed.max()
+        raise ValueError(f"routed_experts holds expert id {int(bad)}, outside 0..{num_experts - 1}")
+    return routed.astype(np.int64)

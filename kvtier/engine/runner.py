@@ -1,0 +1,80 @@
+"""ModelRunner: turns a SchedulerOutput into one forward over paged KV and samples.
+
+Input layout of a step (flattened varlen batch, DESIGN §4)::
+
+    input_ids  = [ r0 chunk ........ | r1 decode | r2 decode | r3 chunk .... ]
+    positions  = [ c0 .. c0+n0-1     | c1        | c2        | c3 .. c3+n3-1 ]   c = num_computed
+    sample at  = the last token of each request whose chunk reaches its end
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtier.engine.routing import RoutingCapture
+from kvtier.engine.sampling import sample
+from kvtier.engine.scheduler import SchedulerOutput
+from kvtier.model.attention import AttentionMetadata
+from kvtier.model.families import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                 device: torch.device, routing: RoutingCapture | None = None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.routing = routing
+
+    def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_tokens
+            ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(s.num_tokens)
+            seq_lens.append(end)
+            tables.append(req.cache.block_table[: -(-end // self.block_size)])
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return input_ids, pos, meta, sample_rows
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Forward the step; returns the sampled token of every request that samples."""
+        input_ids, positions, meta, sample_rows = self.build_inputs(out)
+        routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, routing_out=routing_out)
+        if self.routing is not None:
+            self.routing.record(routing_out, meta.slot_mapping)
+        samplers = [s.request for s in out.scheduled if s.samples]
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
+        return {r.request_id: t for r, t in zip(samplers, tokens)}
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], routing_in: np.ndarray | None) -> np.ndarray:
+        """Log-probabilities of token_ids[1:] given their prefixes, on scratch KV blocks."""
+        from kvtier.model import allocate_kv_caches
+
+        cfg = self.model.config
+        n = len(token_ids) - 1            # every token but the last goes through the model
+        num_blocks = -(-n // self.block_size)
+        kv = allocate_kv_caches(cfg, num_blocks, self.block_size, self.device, self.kv_caches[0].dtype)
+        meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], self.block_size, self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        forced = None
+        if routing_in is not None:
+            forced = torch.as_tensor(routing_in.astype(np.int64), device=self.device)
+        hidden = self.model(ids[:-1], torch.arange(n, device=self.device), kv, meta, routing_in=forced)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        return logprobs.gather(1, ids[1:, None]).squeeze(1).cpu().numpy()

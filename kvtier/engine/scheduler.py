@@ -1,0 +1,174 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step the scheduler spends a token budget (``max_num_batched_tokens``):
+
+1. running requests first, oldest first: a decode token, or the next prefill chunk; if the device
+   tier cannot hold it even after eviction, the newest running request is preempted (its blocks
+   are freed, its KV will be recomputed — possibly served from cache when it comes back);
+2. then waiting requests, in arrival order, while the budget, ``max_num_seqs`` and the device tier
+   allow: match the prefix (device, then host hits), admit, schedule the uncached rest (chunked).
+
+After the forward, :meth:`update` commits newly written full blocks to the cache, appends sampled
+tokens, applies stop conditions and frees finished requests.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtier.cache import CacheManager
+from kvtier.engine.request import Request, Status
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int              # tokens computed this step, from request.num_computed_tokens
+    samples: bool                # this chunk reaches the end: its last logits give the next token
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    prefetching: list[Request] = field(default_factory=list)   # storage hits being fetched to host
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                 max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = ()) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.cache = cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.cache = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([], [])
+        cache = self.cache
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not cache.allocate(req.cache, req.num_computed_tokens + n):
+                victim = self.running.pop()          # newest first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(req, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out                               # no admissions while short of blocks
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            m = cache.match_prefix(req.cache)
+            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size
+            if req.prefetch_from is None:
+                req.prefetch_from = cached               # what device + host held at arrival
+                if m.num_storage_blocks and cache.prefetch(req.cache):
+                    out.prefetching.append(req)
+                    break                                # fetched into host this step; admit next
+            if not cache.allocate(req.cache, min(req.num_tokens, cached + budget)):
+                break
+            m = req.cache.match                      # allocate re-matches if the tree changed
+            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size
+            n = min(req.num_tokens - cached, budget)
+            if not cache.allocate(req.cache, cached + n):   # fewer hits than first seen: grow
+                n = len(req.cache.block_table) * m.block_size - cached
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.num_computed_tokens = cached
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = cached
+                device = m.num_device_blocks * m.block_size
+                storage = max(0, cached - max(req.prefetch_from, device))   # host hits that came from storage
+                req.cached_tokens_by_tier = {"device": device, "host": cached - device - storage, "storage": storage}
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+        return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Free everything; the request starts over (its prefix may still be cached)."""
+        self.cache.free(req.cache)
+        req.cache = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               rewinds: dict[object, int] | None = None) -> list[Request]:
+        """Apply a finished step; returns requests that finished in it."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if rewinds and req.request_id in rewinds:   # a load failed: recompute from there
+                req.num_computed_tokens = min(req.num_computed_tokens, rewinds[req.request_id])
+                continue
+            req.num_computed_tokens += s.num_tokens
+            self.cache.commit(req.cache, req.num_computed_tokens)
+            if not s.samples:
+                continue
+            token = sampled[req.request_id]
+            req.all_token_ids.append(token)
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                req.status = Status.FINISHED
+                req.finish_reason = reason
+                finished.append(req)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+        return finished
+
+    def release(self, req: Request) -> None:
+        self.cache.free(req.cache)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for req in list(queue):
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self.cache.free(req.cache)
+                    req.status = Status.FINISHED
+                    req.finish_reason = "abort"
+                    return req
+        return None
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None

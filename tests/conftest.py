@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random checkpoints written once per session, and their HF models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.model import init_model
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(preset) -> directory written by init_model (cached for the session)."""
+    written: dict[str, Path] = {}
+
+    def get(preset: str) -> Path:
+        if preset not in written:
+            written[preset] = init_model(preset, tmp_path_factory.mktemp(preset), seed=0)
+        return written[preset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """hf_model(path) -> transformers model in fp32 eval mode (cached)."""
+    from transformers import AutoModelForCausalLM
+    loaded = {}
+
+    def get(path: Path):
+        if path not in loaded:
+            loaded[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return loaded[path]
+
+    return get
+
+

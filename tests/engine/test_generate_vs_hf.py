@@ -1,0 +1,177 @@
+"""kvtier.LLM greedy tokens == transformers `generate` on the same checkpoint, for every family,
+cold and through every cache path (prefix hit on device / host / storage, chunked prefill,
+batching, preemption). fp32 on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtier
+
+FAMILIES = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
+            "qwen3-moe-tiny"]
+MAX_TOKENS = 12
+
+
+def prompts_for(seed: int, lengths=(3, 17, 40, 66)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, hf_model):
+    """reference(preset, prompts) -> HF greedy continuations (cached)."""
+    memo = {}
+
+    def get(preset, prompts):
+        key = (preset, tuple(map(tuple, prompts)))
+        if key not in memo:
+            hf = hf_model(checkpoint(preset))
+            outs = []
+            for p in prompts:
+                ids = torch.tensor([p])
+                with torch.no_grad():   # explicit mask: HF would mask prompt tokens equal to pad_token_id
+                    seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                      min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+                outs.append(seq[0, len(p):].tolist())
+            memo[key] = outs
+        return memo[key]
+
+    return get
+
+
+GREEDY = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_cold_then_prefix_hit_match_transformers(preset, checkpoint, reference):
+    prompts = prompts_for(1)
+    want = reference(preset, prompts)
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=128, block_size=8) as llm:
+        cold = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in cold] == want
+        assert all(o.num_cached_tokens == 0 for o in cold)
+        warm = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in warm] == want
+        # every full block of the prompt but the one holding the last token is a device hit
+        assert [o.num_cached_tokens for o in warm] == [(len(p) - 1) // 8 * 8 for p in prompts]
+        assert all(o.cached_tokens_by_tier["device"] == o.num_cached_tokens for o in warm)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
+def test_chunked_prefill_and_batching_match(preset, checkpoint, reference):
+    prompts = prompts_for(2)
+    want = reference(preset, prompts)
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=128, max_num_batched_tokens=7) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=128) as llm:   # one request at a time
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert alone == want
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "mixtral-tiny"])
+def test_preemption_recompute_matches(preset, checkpoint, reference):
+    prompts = prompts_for(3, lengths=(30, 41, 52, 63))
+    want = reference(preset, prompts)
+    # 20 blocks of 8 tokens cannot hold four ~60-token sequences: requests get preempted
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=20, block_size=8, enable_prefix_caching=False) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        assert llm.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen2-moe-tiny"])
+def test_host_hit_returns_identical_tokens(preset, checkpoint, reference):
+    a, b = prompts_for(4, lengths=(60, 60))
+    want = reference(preset, [a])
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64,
+                    write_policy="write_through") as llm:
+        assert llm.generate([a], GREEDY)[0].token_ids == want[0]
+        llm.generate([b], GREEDY)          # pushes a's blocks out of the device tier
+        again = llm.generate([a], GREEDY)[0]
+        assert again.cached_tokens_by_tier["host"] > 0
+        assert again.token_ids == want[0]
+        assert llm.cache_stats()["host"]["hit_tokens"] > 0
+
+
+def test_storage_hit_returns_identical_tokens(checkpoint, reference):
+    preset = "llama-tiny"
+    a, b, c = prompts_for(5, lengths=(60, 60, 60))
+    want = reference(preset, [a])
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, block_size=8, num_host_blocks=8,
+                    storage="memory://?capacity=16MiB", write_policy="write_through") as llm:
+        assert llm.generate([a], GREEDY)[0].token_ids == want[0]
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)          # a is now only in storage
+        again = llm.generate([a], GREEDY)[0]
+        assert again.cached_tokens_by_tier["storage"] > 0
+        assert again.token_ids == want[0]
+
+
+def test_failed_storage_fetch_degrades_to_recompute(checkpoint, reference):
+    preset = "llama-tiny"
+    a, b, c = prompts_for(5, lengths=(60, 60, 60))
+    want = reference(preset, [a])
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, block_size=8, num_host_blocks=8,
+                    storage="memory://?capacity=16MiB", write_policy="write_through") as llm:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)
+        backend = llm.storage.backend
+        for name in list(backend._objects):          # corrupt every stored object: wrong size
+            backend._objects[name] = backend._objects[name][:-1]
+        again = llm.generate([a], GREEDY)[0]
+        assert again.token_ids == want[0]
+        assert again.cached_tokens_by_tier["storage"] == 0
+        assert llm.cache_stats()["failures"]["fetch"] > 0
+        llm.cache.assert_invariants()
+
+
+def test_seeded_sampling_is_reproducible(checkpoint):
+    path = checkpoint("qwen3-tiny")
+    sp = kvtier.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    with kvtier.LLM(path, num_device_blocks=64) as llm:
+        a = llm.generate([[1, 2, 3]], sp)[0].token_ids
+        b = llm.generate([[1, 2, 3]], sp)[0].token_ids
+        c = llm.generate([[1, 2, 3]], kvtier.SamplingParams(max_tokens=10, temperature=1.0, seed=8,
+                                                             ignore_eos=True))[0].token_ids
+    assert a == b and len(a) == 10
+    assert a != c
+
+
+def test_stop_conditions(checkpoint, reference):
+    preset = "llama-tiny"
+    p = prompts_for(6, lengths=(9,))
+    want = reference(preset, p)[0]
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=64) as llm:
+        out = llm.generate(p, kvtier.SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(want[3],),
+                                                     ignore_eos=True))[0]
+        assert out.token_ids == want[:want.index(want[3]) + 1] and out.finish_reason == "stop"
+        out = llm.generate(p, kvtier.SamplingParams(max_tokens=2, ignore_eos=True))[0]
+        assert out.token_ids == want[:2] and out.finish_reason == "length"
+
+
+def test_text_prompts_use_the_tokenizer(checkpoint):
+    with kvtier.LLM(checkpoint("qwen3-tiny"), num_device_blocks=64) as llm:
+        out = llm.generate(["hello kvtier"], GREEDY)[0]
+        assert out.prompt_token_ids == list(b"hello kvtier")   # byte-level tokenizer
+        assert isinstance(out.text, str)
+
+
+def test_bad_input_names_the_problem(checkpoint, tmp_path):
+    path = checkpoint("llama-tiny")
+    with kvtier.LLM(path, num_device_blocks=64, max_model_len=64) as llm:
+        with pytest.raises(ValueError, match="empty prompt"):
+            llm.generate([[]], GREEDY)
+        with pytest.raises(ValueError, match="context is 64"):
+            llm.generate([list(range(64))], GREEDY)
+        with pytest.raises(ValueError, match="token id -1"):
+            llm.generate([[1, -1]], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        kvtier.SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="unknown write policy 'sometimes'"):
+        kvtier.LLM(path, num_device_blocks=8, write_policy="sometimes")
+    with pytest.raises(ValueError, match="block_size must be a positive power of two, got 12"):
+        kvtier.LLM(path, num_device_blocks=8, block_size=12)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        kvtier.LLM(tmp_path)
