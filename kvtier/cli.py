@@ -82,7 +82,108 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_positive, default=5, help="timed runs; the best is reported (default 5)")
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per block (default 16)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("init-model", help="write a small random HF-format checkpoint",
+                       description="Write a random Hugging Face checkpoint (config.json, safetensors, "
+                                   "tokenizer) that transformers and kvtier both load.")
+    from kvtier.model.presets import PRESETS
+    p.add_argument("preset", choices=list(PRESETS), metavar="PRESET", help="one of: " + ", ".join(PRESETS))
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights dtype (default: the preset's)")
+
+    p = sub.add_parser("generate", help="generate from a prompt with the offline engine",
+                       description="Run kvtier.LLM(MODEL, ...).generate on one prompt and print the result.")
+    p.add_argument("model", help="Hugging Face model directory")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (needs a tokenizer in the model directory)")
+    g.add_argument("--prompt-ids", help="prompt token ids, comma separated, e.g. 1,2,3")
+    _add_llm_flags(p)
+    p.add_argument("--max-tokens", type=_positive, default=16, help="tokens to generate (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=_count, default=0, help="sample from the k best tokens; 0 = off (default 0)")
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--return-routed-experts", action="store_true", help="print the routed experts' shape (MoE)")
+    p.add_argument("--repeat", type=_positive, default=1, help="run the prompt N times (shows prefix hits)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("demo", help="multi-turn workload through all three tiers (start here)",
+                       description="Write a small random MoE checkpoint, run a multi-turn chat workload "
+                                   "through device, host and storage tiers, print hits per tier and TTFT "
+                                   "against recompute.")
+    p.add_argument("--model", default=None, help="use this model directory instead of a fresh random one")
+    p.add_argument("--clients", type=_positive, default=4, help="concurrent conversations (default 4)")
+    p.add_argument("--turns", type=_positive, default=4, help="turns per conversation (default 4)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     return ap
+
+
+def _add_llm_flags(p: argparse.ArgumentParser) -> None:
+    """Every kvtier.LLM keyword (DESIGN §6) as a flag."""
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="compute dtype; auto = checkpoint's on cuda, float32 on cpu (default auto)")
+    p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-device-blocks", type=_positive, default=None,
+                   help="device tier size in blocks (default: sized from free memory)")
+    p.add_argument("--num-host-blocks", type=_count, default=0, help="host tier size in blocks; 0 = none (default 0)")
+    p.add_argument("--storage", default=None, help="storage pool URL, e.g. memory://?capacity=1GiB (default none)")
+    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through_selective",
+                   help="when blocks are copied down a tier (default write_through_selective)")
+    p.add_argument("--write-through-threshold", type=_positive, default=2,
+                   help="hits before write_through_selective copies down (default 2)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="disable prefix caching")
+    p.add_argument("--prefetch-policy", choices=("best_effort", "wait_complete", "timeout"), default="best_effort",
+                   help="storage prefetch policy (default best_effort)")
+    p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
+                   help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="tensor parallel ranks (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget per step (default 2048)")
+    p.add_argument("--max-num-seqs", type=_positive, default=256, help="running requests at most (default 256)")
+    p.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
+
+
+_LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
+             "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
+             "tensor_parallel_size", "seed", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+
+
+def _generate(args) -> int:  # type: ignore[no-untyped-def]
+    import json
+
+    import kvtier
+
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    else:
+        prompt = args.prompt
+    sp = kvtier.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                               top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
+                               return_routed_experts=args.return_routed_experts)
+    with kvtier.LLM(args.model, **{k: getattr(args, k) for k in _LLM_KEYS}) as llm:
+        for _ in range(args.repeat):
+            o = llm.generate([prompt], sp)[0]
+            res = {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+                   "num_cached_tokens": o.num_cached_tokens, "cached_tokens_by_tier": o.cached_tokens_by_tier}
+            if o.routed_experts is not None:
+                res["routed_experts_shape"] = list(o.routed_experts.shape)
+                res["routed_experts_dtype"] = str(o.routed_experts.dtype)
+            if args.json:
+                print(json.dumps(res))
+            else:
+                if o.text is not None:
+                    print(o.text)
+                print(f"token_ids={o.token_ids} finish={o.finish_reason} cached={o.num_cached_tokens} "
+                      f"{o.cached_tokens_by_tier}" + (f" routed_experts={res['routed_experts_shape']}"
+                                                      if o.routed_experts is not None else ""))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sim":
             from kvtier.bench import sim
             return sim.main(args)
+        if args.command == "init-model":
+            from kvtier.model import init_model
+            path = init_model(args.preset, args.dir, seed=args.seed, dtype=args.dtype)
+            print(f"wrote {args.preset} to {path}")
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "demo":
+            from kvtier.demo import run_demo
+            run_demo(model_dir=args.model, clients=args.clients, turns=args.turns, device=args.device)
+            return 0
         if args.command == "bench":
             from kvtier.bench import cache_bench
             return cache_bench.main(args)

@@ -46,6 +46,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         _TINY_MOE, num_hidden_layers=2, intermediate_size=128, num_experts=8, moe_intermediate_size=32,
         head_dim=32, norm_topk_prob=True,
         rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=2.0, original_max_position_embeddings=256))),
+    # `kvtier demo`: large enough that a prefix hit visibly beats recompute on a CPU, small enough to
+    # write in a second.
+    "qwen3-moe-demo": dict(config_class="Qwen3MoeConfig", dtype="float32", kwargs=dict(
+        _TINY_MOE, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, intermediate_size=512, num_experts=8, moe_intermediate_size=256, norm_topk_prob=True,
+        max_position_embeddings=8192, initializer_range=0.05,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     # Benchmark shapes (bf16): never instantiate these in unit tests.
     "qwen3-0.6b-shape": dict(config_class="Qwen3Config", dtype="bfloat16", kwargs=dict(
         vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
