@@ -53,7 +53,8 @@ class LLM:
                  prefetch_policy: str = "best_effort", storage_fetch: str = "auto",
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
-                 attention_backend: str | None = None, eviction: str = "lru") -> None:
+                 attention_backend: str | None = None, eviction: str = "lru",
+                 capture_routing: bool = True) -> None:
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
         if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
@@ -94,7 +95,8 @@ class LLM:
         self.host_kv = (allocate_host_kv(num_host_blocks, cfg.num_layers, block_size, cfg.num_kv_heads,
                                          cfg.head_dim, self.dtype, pin) if num_host_blocks else None)
         self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
-                                       num_device_blocks, num_host_blocks, self.device) if cfg.is_moe else None)
+                                       num_device_blocks, num_host_blocks, self.device)
+                        if cfg.is_moe and capture_routing else None)
         self.executor = TransferExecutor(self.kv_caches, self.host_kv, self.storage, self.routing)
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,

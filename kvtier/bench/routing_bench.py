@@ -1,0 +1,77 @@
+"""``kvtier bench routing`` (GPU): decode throughput with R3 capture on vs off, same run.
+
+A MoE preset (``qwen3-moe-small`` unless ``--model``), ``--requests`` requests of ``--input``
+prompt tokens each generating ``--output`` tokens (EOS ignored). Runs alternate capture on / off
+``--repeat`` times and keep each arm's best; prints tokens/s of both, the ratio (goal >= 0.99)
+and routing bytes per token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    import kvtier
+    from kvtier.model import ModelConfig, init_model
+
+    ap = argparse.ArgumentParser(prog="kvtier bench routing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--input", type=int, default=256)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("kvtier bench routing needs a CUDA GPU; none is visible")
+    tmp = None
+    path = Path(args.model) if args.model else None
+    if path is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-")
+        path = init_model("qwen3-moe-small", tmp.name)
+    cfg = ModelConfig.from_hf_dir(path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(min(cfg.vocab_size, 32000)) for _ in range(args.input)] for _ in range(args.requests)]
+    sp = kvtier.SamplingParams(max_tokens=args.output, ignore_eos=True)
+    best = {True: 0.0, False: 0.0}
+    engines = {on: kvtier.LLM(path, device=args.device, dtype=args.dtype, capture_routing=on,
+                              enable_prefix_caching=False, max_num_seqs=args.requests) for on in (True, False)}
+    bytes_per_token = engines[True].routing.bytes_per_token
+    for llm in engines.values():
+        llm.generate(prompts[:4], kvtier.SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(args.repeat):
+        for on in (True, False):
+            llm = engines[on]
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            toks = sum(len(o.token_ids) for o in outs)
+            best[on] = max(best[on], toks / (time.perf_counter() - t0))
+    for llm in engines.values():
+        llm.close()
+    ratio = best[True] / best[False]
+    print(f"capture on: {best[True]:.0f} tok/s  off: {best[False]:.0f} tok/s  ratio {ratio:.3f}  "
+          f"routing {bytes_per_token} bytes/token ({cfg.num_moe_layers} MoE layers x top-{cfg.top_k}, uint8)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"on": best[True], "off": best[False], "ratio": ratio,
+                                               "bytes_per_token": bytes_per_token}))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""``kvtier bench throughput`` (GPU): offline generation throughput, kvtier vs HF transformers.
+
+256 requests with random input 100–1024 and output 100–1024 tokens (EOS ignored), bf16, on the
+``qwen3-0.6b-shape`` preset (written to a temporary directory unless ``--model`` is given).
+kvtier runs all of them; HF ``generate`` runs the first ``--hf-requests`` of the same requests in
+padded batches of ``--hf-batch`` (each batch generates to its longest output; only each request's
+own output tokens count as useful). Both in the same process on the same GPU; prints tokens/s of
+each and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_requests(n: int, seed: int, vocab: int, in_range=(100, 1024), out_range=(100, 1024)):
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(*in_range))], rng.randint(*out_range))
+            for _ in range(n)]
+
+
+def run_kvtier(path: Path, reqs, device: str, dtype: str, **llm_kwargs) -> dict:
+    import kvtier
+
+    with kvtier.LLM(path, device=device, dtype=dtype, **llm_kwargs) as llm:
+        llm.generate([[1, 2, 3]], kvtier.SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate([p for p, _ in reqs],
+                            [kvtier.SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        toks = sum(len(o.token_ids) for o in outs)
+        assert toks == sum(n for _, n in reqs), "every request must generate exactly its output length"
+        return {"requests": len(reqs), "output_tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
+                "preemptions": llm.scheduler.num_preemptions,
+                "num_device_blocks": llm.cache.device_pool.num_blocks}
+
+
+def run_hf(path: Path, reqs, device: str, batch: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    useful, t_total = 0, 0.0
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(chunk):          # left padding
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        new = max(n for _, n in chunk)
+        torch.cuda.synchronize() if device == "cuda" else None
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize() if device == "cuda" else None
+        t_total += time.perf_counter() - t0
+        useful += sum(n for _, n in chunk)
+    del model
+    return {"requests": len(reqs), "output_tokens": useful, "seconds": t_total, "tokens_per_s": useful / t_total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier bench throughput", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory (default: write qwen3-0.6b-shape to a temp dir)")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--hf-requests", type=int, default=64, help="requests HF generates (the first N of the same)")
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--input-range", type=int, nargs=2, default=(100, 1024))
+    ap.add_argument("--output-range", type=int, nargs=2, default=(100, 1024))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on cuda)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("kvtier bench throughput needs a CUDA GPU (--device cuda); none is visible")
+    tmp = None
+    path = Path(args.model) if args.model else None
+    if path is None:
+        from kvtier.model import init_model
+        tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-")
+        path = init_model("qwen3-0.6b-shape", tmp.name)
+    from kvtier.model import ModelConfig
+    vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
+    reqs = make_requests(args.requests, args.seed, vocab, tuple(args.input_range), tuple(args.output_range))
+    ours = run_kvtier(path, reqs, args.device, args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend)
+    print(f"kvtier: {ours['requests']} requests, {ours['output_tokens']} tokens in {ours['seconds']:.1f}s "
+          f"= {ours['tokens_per_s']:.0f} tok/s (preemptions {ours['preemptions']})", flush=True)
+    res = {"kvtier": ours, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    if args.hf_requests:
+        hf = run_hf(path, reqs[:args.hf_requests], args.device, args.hf_batch)
+        print(f"hf transformers: {hf['requests']} requests (batch {args.hf_batch}), {hf['output_tokens']} useful "
+              f"tokens in {hf['seconds']:.1f}s = {hf['tokens_per_s']:.0f} tok/s")
+        res["hf"] = hf
+        res["ratio"] = ours["tokens_per_s"] / hf["tokens_per_s"]
+        print(f"ratio kvtier / hf: {res['ratio']:.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
