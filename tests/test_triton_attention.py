@@ -103,6 +103,12 @@ def test_explicit_mix_decode_cached_prefill_full_prefill():
     check(q, kv, meta, atol=1e-4)
 
 
+def test_non_power_of_two_group():
+    q_lens, s_lens = [1, 30, 6], [50, 41, 6]
+    q, kv, meta = make_case(q_lens, s_lens, 6, 2, 64, 16, torch.float32, seed=11)
+    check(q, kv, meta, atol=1e-4)
+
+
 def test_head_dim_128_block_64():
     q_lens, s_lens = [1, 20, 3], [70, 90, 3]
     q, kv, meta = make_case(q_lens, s_lens, 4, 1, 128, 64, torch.float32, seed=2)

@@ -46,6 +46,7 @@ class Result:
     kv_tokens: int
     dtype: str
     triton_ms: float | None = None
+    triton_graph_ms: float | None = None
     reference_ms: float | None = None
     sdpa_ms: float | None = None
     triton_gbps: float | None = None
@@ -60,6 +61,7 @@ def full_cases() -> list[Case]:
     for batch in (64, 256):
         for seq in (1024, 4096):
             cases.append(Case(f"decode_b{batch}_s{seq}", [1] * batch, [seq] * batch))
+    cases.append(Case("decode_b8_s8192", [1] * 8, [8192] * 8))          # split-KV territory
     rng = random.Random(0)
     cases.append(Case("decode_b128_rand1-4k", [1] * 128, [rng.randint(1, 4096) for _ in range(128)],
                       uniform=False))
@@ -139,8 +141,12 @@ def make_sdpa(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         return (lambda: call(ke, ve, False)), "kv heads expanded"
 
 
-def time_fn(fn, warmup: int, iters: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn()``."""
+def time_fn(fn, warmup: int, iters: int, cuda: bool, inner: int = 1) -> float:
+    """Median milliseconds per ``fn()`` call.
+
+    On CUDA each sample times ``inner`` back-to-back calls between two events, so that the host's
+    launch cost overlaps the device work (as in a running engine) instead of being added to it.
+    """
     for _ in range(warmup):
         fn()
     times = []
@@ -150,16 +156,31 @@ def time_fn(fn, warmup: int, iters: int, cuda: bool) -> float:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / inner)
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
     return statistics.median(times)
+
+
+def time_graph(fn, iters: int) -> float | None:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph (no launch cost)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_fn(graph.replay, 3, iters, True, inner=5)
 
 
 def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
@@ -177,7 +198,14 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
     res.max_abs_err = (out.float() - ref).abs().max().item()
     del ref
 
-    res.triton_ms = time_fn(lambda: attn(q, kv, meta, scale, **kw), args.warmup, args.iters, cuda)
+    inner = args.inner if cuda else 1
+    res.triton_ms = time_fn(lambda: attn(q, kv, meta, scale, **kw), args.warmup, args.iters, cuda,
+                            inner)
+    if cuda:
+        try:
+            res.triton_graph_ms = time_graph(lambda: attn(q, kv, meta, scale, **kw), args.iters)
+        except Exception as exc:                                    # noqa: BLE001
+            res.notes.append(f"graph capture failed: {type(exc).__name__}: {exc}"[:200])
     ref_iters = max(1, min(args.iters, args.ref_iters))
     res.reference_ms = time_fn(lambda: reference_attention(q, kv, meta, scale), 1, ref_iters, cuda)
     if case.uniform:
@@ -186,7 +214,7 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
             sdpa, how = make_sdpa(case, q, k, v, scale)
             o = sdpa().transpose(1, 2).reshape(q.shape)
             res.sdpa_vs_triton_err = (o.float() - out.float()).abs().max().item()
-            res.sdpa_ms = time_fn(sdpa, args.warmup, args.iters, cuda)
+            res.sdpa_ms = time_fn(sdpa, args.warmup, args.iters, cuda, inner)
             res.notes.append(f"sdpa: {how}")
             del k, v
         except Exception as exc:                                    # noqa: BLE001
@@ -195,12 +223,13 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
     elt = kv.element_size()
     kv_bytes = sum(case.seq_lens) * case.num_kv_heads * case.head_dim * 2 * elt
     qo_bytes = 2 * q.numel() * elt
-    res.triton_gbps = (kv_bytes + qo_bytes) / (res.triton_ms * 1e-3) / 1e9
+    kernel_ms = res.triton_graph_ms or res.triton_ms       # rates from the kernel-only time
+    res.triton_gbps = (kv_bytes + qo_bytes) / (kernel_ms * 1e-3) / 1e9
     flops = 0
     for ql, sl in zip(case.query_lens, case.seq_lens):
         visible = ql * (sl - ql) + ql * (ql + 1) // 2                # causal (query, key) pairs
         flops += 4 * visible * case.num_heads * case.head_dim
-    res.triton_tflops = flops / (res.triton_ms * 1e-3) / 1e12
+    res.triton_tflops = flops / (kernel_ms * 1e-3) / 1e12
     return res
 
 
@@ -210,7 +239,7 @@ def fmt(res: Result) -> str:
     sd = "" if res.sdpa_ms is None else (f"  triton/sdpa {res.triton_ms / res.sdpa_ms:5.2f}x"
                                          f" (sdpa-triton err {res.sdpa_vs_triton_err:.1e})")
     return (f"{res.name:26s} {res.dtype:8s} T={res.num_tokens:<5d} KV={res.kv_tokens:<7d} "
-            f"triton {ms(res.triton_ms)} ms  ref {ms(res.reference_ms)} ms  sdpa {ms(res.sdpa_ms)} ms"
+            f"triton {ms(res.triton_ms)} ms (graph {ms(res.triton_graph_ms)})  ref {ms(res.reference_ms)} ms  sdpa {ms(res.sdpa_ms)} ms"
             f"  | {res.triton_gbps:7.1f} GB/s {res.triton_tflops:7.2f} TFLOP/s"
             f"  err {res.max_abs_err:.1e}{sd}")
 
@@ -222,6 +251,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
                    help="default: bf16 on CUDA, fp32 with --smoke off CUDA")
     p.add_argument("--iters", type=int, default=None, help="timed runs per case (median)")
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--inner", type=int, default=10,
+                   help="back-to-back calls per CUDA-event sample (launch cost overlapped)")
     p.add_argument("--ref-iters", type=int, default=5, help="timed runs of the slow reference")
     p.add_argument("--num-splits", type=int, default=None, help="force the split-KV factor")
     p.add_argument("--cases", default=None, help="comma-separated substrings of case names to run")
@@ -239,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         print("note: the Triton interpreter computes bf16 dots wrongly; use fp16/fp32 on CPU",
               file=sys.stderr)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    args.iters = args.iters or (3 if args.smoke else 50)
+    args.iters = args.iters or (3 if args.smoke else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
 
     from kvtier.model.attention import get_backend

@@ -17,6 +17,18 @@ full-prompt prefill in the same varlen batch:
   over ``num_splits`` programs (flash-decoding); a small second kernel merges the partial results.
 
 fp32 inputs use IEEE fp32 dot products (set ``ALLOW_TF32 = True`` to trade accuracy for speed).
+Tile sizes come from :func:`_launch_config` (a "decode" config when ``max_query_len <= 16``, else a
+"prefill" one); ``CONFIG_OVERRIDE`` overrides them for tuning. The kernels have no host syncs and
+can be captured in a CUDA graph (the output is allocated with ``torch.empty``).
+
+Measured on an H100 (torch 2.11, triton 3.6, bf16, 16 heads / 8 KV heads, head_dim 128, block 16,
+kernel time from CUDA-graph replays): decode of 64-256 sequences x 1-4K tokens reads KV at
+2.7-3.0 TB/s (within 3-7% of SDPA flash-decoding on contiguous K/V); 4 x 1024 new tokens over a
+2K cached prefix 0.29 ms (~300 TFLOP/s, on par with SDPA); a 4K full prompt 0.26 ms (SDPA's
+contiguous causal flash kernel: 0.15 ms).
+
+Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) fp32 and fp16 are right; bf16 dot
+products are not (interpreter limitation), so bf16 is only checked on CUDA.
 """
 from __future__ import annotations
 
@@ -38,12 +50,13 @@ else:
 ALLOW_TF32 = False
 #: a step whose longest query has at most this many tokens uses the small (decode) tile
 DECODE_MAX_QUERY_LEN = 16
-#: split-KV targets at least this many programs per SM on CUDA
-SPLIT_TARGET_PROGRAMS_PER_SM = 4
+#: split-KV when fewer programs than SMs have work; then aim at this many programs per SM
+SPLIT_TARGET_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
 #: minimum KV positions per split (each split must amortize its partial write + merge)
 MIN_POSITIONS_PER_SPLIT = 256
-#: tuning hook: {"decode"|"prefill": {"block_m"?, "block_n"?, "num_warps"?, "num_stages"?}}
+#: tuning hook: {"decode"|"prefill": {"block_m"?, "block_n"?, "num_warps"?, "num_stages"?, "k_rows"?}}
+#: ("k_rows": load K tiles as [BLOCK_N, HEAD_DIM] and transpose on chip, else [HEAD_DIM, BLOCK_N])
 CONFIG_OVERRIDE: dict[str, dict[str, int]] = {}
 
 
@@ -66,7 +79,7 @@ if _IMPORT_ERROR is None:
     def _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end, q_pos,
                    offs_d, scale_log2, stride_kv, stride_kb, stride_ks, stride_kh, stride_kd,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, K_ROWS: tl.constexpr):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if MASKED:
             in_range = offs_n < kv_end
@@ -75,15 +88,25 @@ if _IMPORT_ERROR is None:
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
         slot = (blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
                 + kvh * stride_kh)
-        k_ptrs = kv_ptr + slot[None, :] + offs_d[:, None] * stride_kd            # [D, N]
         v_ptrs = kv_ptr + stride_kv + slot[:, None] + offs_d[None, :] * stride_kd  # [N, D]
+        if K_ROWS:
+            k_ptrs = kv_ptr + slot[:, None] + offs_d[None, :] * stride_kd          # [N, D]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            k = tl.trans(k.to(q.dtype))
+        else:
+            k_ptrs = kv_ptr + slot[None, :] + offs_d[:, None] * stride_kd          # [D, N]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            k = k.to(q.dtype)
         if MASKED:
-            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
-            k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        k = k.to(q.dtype)
         v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2                  # [M, N] fp32
         if MASKED:
@@ -108,9 +131,10 @@ if _IMPORT_ERROR is None:
         stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
     ):
-        q_block = tl.program_id(0)
+        # last q-blocks first: under the causal mask they have the most KV to walk
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
 
@@ -155,12 +179,12 @@ if _IMPORT_ERROR is None:
             acc, l_i, m_i = _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end,
                                        q_pos, offs_d, scale_log2, stride_kv, stride_kb,
                                        stride_ks, stride_kh, stride_kd, BLOCK_SIZE, BLOCK_N,
-                                       False, PRECISION)
+                                       False, PRECISION, K_ROWS)
         for tile in range(tl.maximum(t_lo, n_full), t_hi):
             acc, l_i, m_i = _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end,
                                        q_pos, offs_d, scale_log2, stride_kv, stride_kb,
                                        stride_ks, stride_kh, stride_kd, BLOCK_SIZE, BLOCK_N,
-                                       True, PRECISION)
+                                       True, PRECISION, K_ROWS)
 
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -213,26 +237,37 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this step."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS) for this step.
+
+    Defaults measured on an H100 (torch 2.11, triton 3.6, bf16, head_dim 128, block_size 16):
+    decode ~3 TB/s of KV (on par with SDPA flash-decoding on contiguous K/V); prefill over a
+    cached prefix ~290 TFLOP/s.
+    """
     is_fp32 = dtype == torch.float32
     if max_query_len <= DECODE_MAX_QUERY_LEN:
+        # memory-bound: few rows (one token x the GQA group), wide KV tiles
         kind = "decode"
         block_m = max(16, _next_pow2(group))
-        block_n = 32 if (head_dim > 128 or (is_fp32 and head_dim > 64)) else 64
-        num_warps, num_stages = 4, 2
+        block_n = 32 if (head_dim > 128 or (is_fp32 and head_dim > 64)) else (
+            64 if is_fp32 else 128)
+        num_warps, num_stages, k_rows = 4, 2, False
     elif is_fp32 or head_dim > 128:
         kind = "prefill"
         block_m, block_n, num_warps, num_stages = max(64, _next_pow2(group)), 32, 4, 2
+        k_rows = True
     else:
+        # 128x128 tiles, 8 warps, 3 stages, K loaded row-major: best of a sweep on H100
         kind = "prefill"
-        block_m, block_n, num_warps, num_stages = max(128, _next_pow2(group)), 64, 8, 2
+        block_m, block_n, num_warps, num_stages = max(128, _next_pow2(group)), 128, 8, 3
+        k_rows = True
     over = CONFIG_OVERRIDE.get(kind)
     if over:
         block_m = max(over.get("block_m", block_m), _next_pow2(group))
         block_n = over.get("block_n", block_n)
         num_warps = over.get("num_warps", num_warps)
         num_stages = over.get("num_stages", num_stages)
-    return block_m, block_n, num_warps, num_stages
+        k_rows = bool(over.get("k_rows", k_rows))
+    return block_m, block_n, num_warps, num_stages, k_rows
 
 
 def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -275,7 +310,7 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
 
-    block_m, block_n, num_warps, num_stages = _launch_config(
+    block_m, block_n, num_warps, num_stages, k_rows = _launch_config(
         query.dtype, head_dim, group, meta.max_query_len)
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs        # upper bound; extra programs exit
@@ -285,10 +320,13 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
         num_splits = 1
         if query.is_cuda and meta.max_query_len <= DECODE_MAX_QUERY_LEN:
             # programs that actually have work
-            busy = sum(triton.cdiv(q, block_q) for q in meta.query_lens_cpu) * num_kv_heads
-            target = SPLIT_TARGET_PROGRAMS_PER_SM * _sm_count(query.device)
-            if busy < target:
-                num_splits = min(MAX_SPLITS, triton.cdiv(target, busy),
+            if meta.max_query_len <= block_q:
+                busy = num_seqs * num_kv_heads
+            else:
+                busy = sum(triton.cdiv(q, block_q) for q in meta.query_lens_cpu) * num_kv_heads
+            sms = _sm_count(query.device)
+            if busy < sms:
+                num_splits = min(MAX_SPLITS, triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * sms, busy),
                                  max(1, meta.max_seq_len // MIN_POSITIONS_PER_SPLIT))
     num_splits = max(1, min(int(num_splits), n_kv_tiles))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
@@ -315,7 +353,7 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
         block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=precision,
+        NUM_SPLITS=num_splits, PRECISION=precision, K_ROWS=k_rows,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
