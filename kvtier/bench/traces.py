@@ -8,35 +8,73 @@ Two formats, told apart per line:
   two requests share a leading hash id only if they share that whole prefix.
 
 Mooncake requests get synthetic token ids: the tokens of hash id ``h`` are a fixed function of
-``h``, so equal hash-id prefixes give equal token prefixes and different ones differ.
+``h``, so equal hash-id prefixes give equal token prefixes and different ones differ. They are
+generated (vectorized) each time ``input_ids`` is read, not kept: a whole trace of 12k requests
+of 12k tokens would hold 144M Python ints (GBs, and a slow garbage collector).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
 _MAX_TOKEN = 2**31 - 1
+_MASK = 0xFFFFFFFF
 
 
-@dataclass(slots=True)
 class TraceRequest:
-    timestamp: float
-    input_ids: list[int]
-    output_length: int
-    line: int
+    """One request of a trace: ``input_ids`` given, or made from Mooncake ``hash_ids``."""
 
+    __slots__ = ("timestamp", "_input_ids", "output_length", "line", "hash_ids", "input_length",
+                 "block_tokens", "vocab")
 
-class TraceError(ValueError):
-    pass
+    def __init__(self, timestamp: float, input_ids: list[int] | None, output_length: int, line: int,
+                 hash_ids: list[int] | None = None, input_length: int = 0,
+                 block_tokens: int = 512, vocab: int = 1 << 30) -> None:
+        if input_ids is None and hash_ids is None:
+            raise ValueError("a trace request needs input_ids or hash_ids")
+        self.timestamp = timestamp
+        self._input_ids = input_ids
+        self.output_length = output_length
+        self.line = line
+        self.hash_ids = hash_ids
+        self.input_length = len(input_ids) if input_ids is not None else input_length
+        self.block_tokens = block_tokens
+        self.vocab = vocab
+
+    @property
+    def input_ids(self) -> list[int]:
+        if self._input_ids is not None:
+            return self._input_ids
+        n_blocks = -(-self.input_length // self.block_tokens)
+        return tokens_of_hashes(self.hash_ids[:n_blocks], self.block_tokens, self.vocab)[:self.input_length]
+
+    def __repr__(self) -> str:
+        return (f"TraceRequest(timestamp={self.timestamp}, input_length={self.input_length}, "
+                f"output_length={self.output_length}, line={self.line})")
 
 
 def _tokens_of_hash(h: int, block_tokens: int, vocab: int) -> list[int]:
     # A multiplicative hash of (h, position): distinct ids for distinct blocks, no collisions
     # that would make two different hash ids look alike to the block hasher.
-    base = (h * 0x9E3779B1) & 0xFFFFFFFF
-    return [((base + k * 0x85EBCA77) & 0xFFFFFFFF) % vocab for k in range(block_tokens)]
+    base = (h * 0x9E3779B1) & _MASK
+    return [((base + k * 0x85EBCA77) & _MASK) % vocab for k in range(block_tokens)]
+
+
+def tokens_of_hashes(hash_ids: list[int], block_tokens: int, vocab: int) -> list[int]:
+    """``_tokens_of_hash`` of every id, concatenated: the same numbers, computed with numpy."""
+    if not hash_ids:
+        return []
+    base = (np.array([h & _MASK for h in hash_ids], dtype=np.uint64) * np.uint64(0x9E3779B1)) & np.uint64(_MASK)
+    steps = np.arange(block_tokens, dtype=np.uint64) * np.uint64(0x85EBCA77)
+    tokens = ((base[:, None] + steps[None, :]) & np.uint64(_MASK)) % np.uint64(vocab)
+    return tokens.ravel().tolist()
+
+
+class TraceError(ValueError):
+    pass
 
 
 def _field(obj: dict, name: str, line: int, kind: type, *, required: bool = True, default=None):
@@ -66,7 +104,6 @@ def read_trace(path: str | Path, block_tokens: int = 512, vocab: int = 1 << 30,
 def _iter_trace(path: Path, block_tokens: int, vocab: int, limit: int | None) -> Iterator[TraceRequest]:
     if not path.is_file():
         raise TraceError(f"trace file not found: {path}")
-    cache: dict[int, list[int]] = {}
     n = 0
     with path.open() as f:
         for line_no, raw in enumerate(f, 1):
@@ -86,9 +123,9 @@ def _iter_trace(path: Path, block_tokens: int, vocab: int, limit: int | None) ->
                 raise TraceError(f"line {line_no}: field 'output_length' must be >= 0, got {out_len}")
             if "input_ids" in obj:
                 ids = _field(obj, "input_ids", line_no, list)
-                for t in ids:
-                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN:
-                        raise TraceError(f"line {line_no}: field 'input_ids' has a bad token id {t!r}")
+                if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > _MAX_TOKEN):
+                    bad = next(t for t in ids if type(t) is not int or not 0 <= t <= _MAX_TOKEN)
+                    raise TraceError(f"line {line_no}: field 'input_ids' has a bad token id {bad!r}")
             else:
                 if "hash_ids" not in obj:
                     raise TraceError(f"line {line_no}: missing field 'input_ids' (or 'hash_ids')")
@@ -98,15 +135,14 @@ def _iter_trace(path: Path, block_tokens: int, vocab: int, limit: int | None) ->
                     raise TraceError(
                         f"line {line_no}: field 'input_length' {length} does not fit {len(hash_ids)} "
                         f"hash ids of {block_tokens} tokens")
-                ids = []
                 for h in hash_ids:
-                    if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+                    if type(h) is not int or h < 0:
                         raise TraceError(f"line {line_no}: field 'hash_ids' has a bad id {h!r}")
-                    toks = cache.get(h)
-                    if toks is None:
-                        toks = cache[h] = _tokens_of_hash(h, block_tokens, vocab)
-                    ids.extend(toks)
-                del ids[length:]
+                if length == 0:
+                    raise TraceError(f"line {line_no}: empty prompt")
+                n += 1
+                yield TraceRequest(ts, None, out_len, line_no, hash_ids, length, block_tokens, vocab)
+                continue
             if not ids:
                 raise TraceError(f"line {line_no}: empty prompt")
             n += 1

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
-from array import array
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import xxhash
 
 FORMAT_VERSION = 1
@@ -32,9 +31,7 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _xxh3_128(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
-
+_xxh3_128 = xxhash.xxh3_128_digest
 
 _DIGESTS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxh3_128": _xxh3_128}
 
@@ -51,24 +48,51 @@ def _field(data: bytes) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
+_INT32_LIMIT = 2**31
+
+
 def encode_tokens(tokens: Sequence[int]) -> bytes:
-    """Tokens as little-endian int32 bytes. Raises ValueError naming a bad token id."""
+    """Tokens as little-endian int32 bytes. Raises ValueError naming a bad token id.
+
+    Python ints and numpy integers encode alike; bools, floats, negatives and ids >= 2**31 are
+    refused. One C-level pack does the work; the bool check only looks at the ids 0 and 1.
+    """
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be non-negative int32 ints, got an array of {tokens.dtype}")
+        tokens = tokens.reshape(-1)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= _INT32_LIMIT):
+            bad = next(int(t) for t in tokens if not 0 <= t < _INT32_LIMIT)
+            raise ValueError(f"token ids must be non-negative int32 ints, got {bad}")
+        return tokens.astype("<i4").tobytes()
+    n = len(tokens)
     try:
-        arr = array("i", tokens)
-    except (TypeError, OverflowError):
-        bad = next((t for t in tokens if not _is_token(t)), tokens)
-        raise ValueError(f"token ids must be non-negative int32 ints, got {bad!r}") from None
-    if arr and min(arr) < 0:
-        raise ValueError(f"token ids must be non-negative int32 ints, got {min(arr)}")
-    if sys.byteorder == "big":  # pragma: no cover - canonical form is little-endian
-        arr.byteswap()
-    return arr.tobytes()
+        data = struct.pack(f"<{n}I", *tokens)
+    except (struct.error, TypeError):
+        raise ValueError(f"token ids must be non-negative int32 ints, got {_first_bad(tokens)!r}") from None
+    if n > 16:
+        arr = np.frombuffer(data, dtype="<u4")
+        if arr.max() >= _INT32_LIMIT:
+            raise ValueError(f"token ids must be non-negative int32 ints, got {_first_bad(tokens)!r}")
+        for i in np.flatnonzero(arr <= 1).tolist():   # a bool packs as 0 or 1
+            if type(tokens[i]) is not int and not _is_token(tokens[i]):
+                raise ValueError(f"token ids must be non-negative int32 ints, got {tokens[i]!r}")
+    else:
+        for t in tokens:
+            if type(t) is not int or t >= _INT32_LIMIT:
+                if not _is_token(t):
+                    raise ValueError(f"token ids must be non-negative int32 ints, got {t!r}")
+    return data
+
+
+def _first_bad(tokens: Sequence[int]) -> object:
+    return next((t for t in tokens if not _is_token(t)), tokens)
 
 
 def _is_token(t: object) -> bool:
-    if isinstance(t, bool) or not hasattr(t, "__index__"):
+    if isinstance(t, (bool, np.bool_)) or not hasattr(t, "__index__"):
         return False
-    return 0 <= t.__index__() < 2**31  # type: ignore[attr-defined]
+    return 0 <= t.__index__() < _INT32_LIMIT  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,19 +163,28 @@ def block_key(parent: bytes, tokens: Sequence[int], extras: bytes = b"",
 class BlockHasher:
     """Incremental chained keys of one request's full blocks.
 
-    ``extend(tokens)`` hashes every block that became full; ``keys`` only grows, so generated
-    tokens become cacheable blocks too. Extras (LoRA, multimodal items) are fixed per request.
+    Each full block has a *label*: its token bytes plus its tagged extras, block 0 prefixed by
+    the namespace seed, so that ``key[i] = H(key[i-1] + label[i])`` with ``key[-1] = b""``.
+    Labels are cheap (one pack of the tokens); digests are computed lazily, only when asked
+    for: the radix tree walks labels, and a matched node already carries its key
+    (:meth:`adopt_path`), so a cache hit never hashes its blocks again.
+
+    ``extend(tokens)`` appends tokens and returns the keys of blocks that became full;
+    ``keys`` only grows, so generated tokens become cacheable blocks too. Extras (LoRA,
+    multimodal items) are fixed per request.
     """
 
-    __slots__ = ("block_size", "seed", "keys", "_digest", "_pending", "_lora", "_mm", "_num_tokens")
+    __slots__ = ("block_size", "seed", "labels", "_keys", "_digest", "_pending", "_lora", "_mm",
+                 "_num_tokens")
 
     def __init__(self, block_size: int, seed: bytes, hash_name: str = "sha256",
                  lora_name: str | None = None, mm_items: Iterable[MMItem] = ()) -> None:
         self.block_size = block_size
         self.seed = seed
-        self.keys: list[bytes] = []
+        self.labels: list[bytes] = []      # one per full block
+        self._keys: list[bytes] = []       # digests of labels[:len(_keys)]
         self._digest = get_digest(hash_name)
-        self._pending: list[int] = []
+        self._pending: list[int] = []      # tokens of the last, partial block
         self._lora = lora_name
         self._mm = tuple(mm_items)
         self._num_tokens = 0
@@ -160,39 +193,80 @@ class BlockHasher:
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    @property
+    def keys(self) -> list[bytes]:
+        """Keys of every full block so far (the same list object, growing)."""
+        if len(self._keys) < len(self.labels):
+            self.ensure_keys(len(self.labels))
+        return self._keys
+
+    def add_tokens(self, tokens: Sequence[int]) -> int:
+        """Append tokens (validated); label the blocks that became full, without hashing them.
+        Returns the number of full blocks."""
+        bs = self.block_size
+        added = len(tokens)
+        if self._pending:
+            tokens = self._pending + list(tokens)
+        data = encode_tokens(tokens)     # validates every token first: a refusal changes nothing
+        self._num_tokens += added
+        n_full = len(tokens) // bs
+        self._pending = list(tokens[n_full * bs:])
+        labels = self.labels
+        if not n_full:
+            return len(labels)
+        nbytes = 4 * bs
+        first = len(labels)
+        if self._lora is None and not self._mm:
+            labels.extend([data[j:j + nbytes] for j in range(0, n_full * nbytes, nbytes)])
+        else:
+            b0 = first * bs
+            labels.extend([data[i * nbytes:(i + 1) * nbytes]
+                           + block_extras(b0 + i * bs, b0 + (i + 1) * bs, self._lora, self._mm)
+                           for i in range(n_full)])
+        if first == 0:
+            labels[0] = self.seed + labels[0]
+        return len(labels)
+
+    def ensure_keys(self, num_blocks: int) -> list[bytes]:
+        """Digest labels up to block ``num_blocks`` (chained); returns the key list."""
+        keys, labels = self._keys, self.labels
+        i = len(keys)
+        if i >= num_blocks:
+            return keys
+        parent = keys[-1] if keys else b""
+        digest = self._digest
+        if digest is _sha256:
+            sha256 = hashlib.sha256
+            for label in labels[i:num_blocks]:
+                parent = sha256(parent + label).digest()
+                keys.append(parent)
+        else:
+            for label in labels[i:num_blocks]:
+                parent = digest(parent + label)
+                keys.append(parent)
+        return keys
+
+    def adopt_path(self, nodes: Sequence) -> None:  # type: ignore[type-arg]
+        """Take the keys of the leading blocks from a matched tree path (``nodes[i].key`` is the
+        key of ``labels[i]``) instead of hashing them."""
+        mine = self._keys
+        if len(mine) < len(nodes):
+            mine.extend([n.key for n in nodes[len(mine):]])
+
     def extend(self, tokens: Sequence[int]) -> list[bytes]:
         """Append tokens; return the keys of blocks that became full."""
-        bs, digest = self.block_size, self._digest
-        pending = self._pending
-        pending.extend(tokens)
-        self._num_tokens += len(tokens)
-        n_full = len(pending) // bs
-        if not n_full:
-            return []
-        data = encode_tokens(pending[: n_full * bs])  # validates every token once
-        nbytes = 4 * bs
-        parent = self.keys[-1] if self.keys else self.seed
-        start = self._num_tokens - len(pending)
-        new: list[bytes] = []
-        plain = self._lora is None and not self._mm
-        for i in range(n_full):
-            chunk = data[i * nbytes:(i + 1) * nbytes]
-            if plain:
-                parent = digest(parent + chunk)
-            else:
-                b0 = start + i * bs
-                parent = digest(parent + chunk + block_extras(b0, b0 + bs, self._lora, self._mm))
-            new.append(parent)
-        del pending[: n_full * bs]
-        self.keys.extend(new)
-        return new
+        before = len(self.labels)
+        after = self.add_tokens(tokens)
+        self.ensure_keys(after)
+        return self._keys[before:after]
 
     def partial_key(self) -> str | None:
         """Name of the last, partial block (PD hand-off): ``<hex>:partial:<n>``; None if empty."""
         n = len(self._pending)
         if not n:
             return None
-        parent = self.keys[-1] if self.keys else self.seed
+        keys = self.keys
+        parent = keys[-1] if keys else self.seed
         start = self._num_tokens - n
         extras = b"" if (self._lora is None and not self._mm) else block_extras(
             start, start + self.block_size, self._lora, self._mm)

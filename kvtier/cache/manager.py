@@ -151,12 +151,18 @@ class CacheManager:
         hasher = BlockHasher(self.block_size, seed, self.hash_name, lora_name, mm_items)
         return CacheRequest(rid, token_ids, hasher)
 
-    def _sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
+    def _sync_labels(self, req: CacheRequest, num_tokens: int) -> list[bytes]:
+        """Label (not hash) every full block of ``req.token_ids[:num_tokens]``."""
         h = req.hasher
+        if num_tokens // self.block_size > len(h.labels):
+            h.add_tokens(req.token_ids[h.num_tokens:num_tokens])
+        return h.labels
+
+    def _sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
+        """Keys of every full block of ``req.token_ids[:num_tokens]`` (and any hashed before)."""
         end = len(req.token_ids) if num_tokens is None else num_tokens
-        if end - h.num_tokens >= self.block_size:
-            h.extend(req.token_ids[h.num_tokens:end])
-        return h.keys
+        self._sync_labels(req, end)
+        return req.hasher.ensure_keys(end // self.block_size)
 
     def match_prefix(self, req: CacheRequest) -> MatchResult:
         """Longest cached prefix of full blocks, leaving at least one token to compute."""
@@ -166,21 +172,31 @@ class CacheManager:
         nd = nh = ns = 0
         storage_keys: tuple[bytes, ...] = ()
         if self.enable_prefix_caching and max_blocks > 0:
-            keys = self._sync_keys(req, max_blocks * bs)
-            get = self.tree.nodes.get
-            for i in range(max_blocks):
-                node = get(keys[i])
+            labels = self._sync_labels(req, max_blocks * bs)
+            append = path.append
+            children = self.tree.root.children
+            for label in labels[:max_blocks] if len(labels) > max_blocks else labels:
+                node = children.get(label)
                 if node is None:
                     break
-                path.append(node)
-            # device copies are prefix-closed; past them every node must be readable on host
-            while nd < len(path) and path[nd].device_block is not None:
-                nd += 1
-            nh = nd
+                append(node)
+                children = node.children
+            req.hasher.adopt_path(path)         # matched blocks need no hashing
+            # device copies are prefix-closed: the device hits end where the first node
+            # without one is (binary search); past them every node must be readable on host
+            lo, hi = 0, len(path)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if path[mid].device_block is None:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            nd = nh = lo
             while nh < len(path) and path[nh].host_ready:
                 nh += 1
             del path[nh:]
             if self.storage is not None and nh < max_blocks:
+                keys = req.hasher.ensure_keys(max_blocks)
                 ns = self.storage.lookup_prefix(keys[nh:max_blocks])
                 storage_keys = tuple(keys[nh:nh + ns])
         req._path, req._num_device_hits, req._num_host_hits = path, nd, nh - nd
@@ -224,8 +240,12 @@ class CacheManager:
             self.match_prefix(req)
         nd, path = req._num_device_hits, req._path
         device_hits, host_hits = path[:nd], path[nd:]
+        newly_locked = 0
         for n in device_hits:   # pin first, so our own eviction cannot take them
-            tree.lock(n)
+            if not n.lock_ref:
+                newly_locked += 1
+            n.lock_ref += 1
+        tree.num_device_unlocked -= newly_locked
         for n in host_hits:
             n.host_reads += 1
         blocks = self._take_device(max(need_total, len(path)) - nd)
@@ -243,8 +263,9 @@ class CacheManager:
             self._staged["load"].append((req, nd + j, n, blocks[j]))
         req.num_loading = len(host_hits)
         self._tick += 1
+        tick = self._tick
         for n in path:
-            n.last_access = self._tick
+            n.last_access = tick
             n.hit_count += 1
         bs = self.block_size
         self.stats.hit_tokens["device"] += nd * bs
@@ -274,20 +295,27 @@ class CacheManager:
 
     # ------------------------------------------------------------------ eviction
     def _evict_device(self, num_blocks: int) -> None:
-        tree, freed = self.tree, 0
-        while freed < num_blocks:
-            v = tree.pop_device_victim()
-            if v is None:
-                return
-            if v.host_block is None and self.policy.copy_on_evict and self.has_host:
-                if self._backup(v):            # write_back: freed once the copy landed
-                    v.evict_device_after_copy = True
-                    continue
-            self.device_pool.free_one(tree.drop_device(v))
-            self.stats.evictions["device"] += 1
-            freed += 1
+        tree, pool, freed = self.tree, self.device_pool, 0
+        write_back = self.policy.copy_on_evict and self.has_host
+        v = tree.pop_device_victim() if num_blocks > 0 else None
+        while v is not None:
             if v.host_block is None:
-                tree.remove(v)
+                if write_back and self._backup(v):   # write_back: freed once the copy landed
+                    v.evict_device_after_copy = True
+                    v = tree.pop_device_victim()
+                    continue
+                pool.free_one(tree.evict_device_leaf(v))   # the last copy: the node goes too
+                freed += 1
+                if freed < num_blocks:
+                    v = tree.next_device_victim(v)
+                else:
+                    tree.maybe_candidate(v.parent)  # type: ignore[arg-type]
+                    v = None
+            else:
+                pool.free_one(tree.drop_device(v))
+                freed += 1
+                v = tree.pop_device_victim() if freed < num_blocks else None
+        self.stats.evictions["device"] += freed
 
     def _evict_host(self, num_blocks: int) -> None:
         tree, freed = self.tree, 0
@@ -353,8 +381,10 @@ class CacheManager:
         if not blocks:
             self._hold(pf, -1)
             return 0
-        for i, (k, b) in enumerate(zip(keys, blocks)):
-            self._staged["fetch"].append((pf, i, k, b))
+        first = len(req._path)                  # storage hits follow the device and host hits
+        labels = req.hasher.labels[first:first + len(blocks)]
+        for i, (k, b, label) in enumerate(zip(keys, blocks, labels)):
+            self._staged["fetch"].append((pf, i, k, b, label))
         req.match = None   # the next match sees the fetched blocks as host hits
         return len(blocks)
 
@@ -379,28 +409,44 @@ class CacheManager:
         i = len(req.nodes)
         if i >= n_full:
             return
-        keys = self._sync_keys(req, n_full * bs)
+        self._sync_labels(req, n_full * bs)
+        keys = req.hasher.ensure_keys(n_full)
+        labels = req.hasher.labels
         parent = req.nodes[-1] if req.nodes else tree.root
         self._tick += 1
+        tick = self._tick
         copy_down = self.has_host
-        while i < n_full:
-            key, block = keys[i], req.block_table[i]
-            node = parent.children.get(key)
+        nodes, table = tree.nodes, req.block_table
+        new_copies = 0
+        for i in range(i, n_full):
+            label, block = labels[i], table[i]
+            node = parent.children.get(label)
             if node is None:
-                node = tree.add_child(parent, key)
+                # new block: a node holding our device block, locked by us (inlined
+                # add_child + lock + set_device: this loop runs once per computed block)
+                key = keys[i]
+                assert key not in nodes, "duplicate block key"
+                node = Node(key, parent, label)
+                parent.children[label] = node
+                nodes[key] = node
                 node.hit_count = 1
-            tree.lock(node)
-            if node.device_block is None:
-                tree.set_device(node, block)
-            elif node.device_block != block:     # computed twice: keep the tree's copy
-                self.device_pool.free_one(block)
-                req.block_table[i] = node.device_block
-            node.last_access = self._tick
+                node.lock_ref = 1
+                node.device_block = block
+                parent.num_device_children += 1
+                new_copies += 1
+            else:
+                tree.lock(node)
+                if node.device_block is None:
+                    tree.set_device(node, block)
+                elif node.device_block != block:     # computed twice: keep the tree's copy
+                    self.device_pool.free_one(block)
+                    table[i] = node.device_block
+            node.last_access = tick
             req.nodes.append(node)
             if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count):
                 self._backup(node)
             parent = node
-            i += 1
+        tree.num_device_copies += new_copies
 
     def free(self, req: CacheRequest) -> None:
         """Finish, abort or preempt: unlock the request's nodes, return its own blocks.
@@ -410,8 +456,15 @@ class CacheManager:
         req.freed = True
         if not req.admitted:
             return
-        for node in reversed(req.nodes):
-            self.tree.unlock(node)
+        tree, unlocked = self.tree, 0
+        for node in reversed(req.nodes):     # tail first: it is the one that may become a leaf
+            assert node.lock_ref > 0 and node.device_block is not None, node
+            node.lock_ref -= 1
+            if not node.lock_ref:
+                unlocked += 1
+                if not node.num_device_children and not node.in_device_heap:
+                    tree.maybe_candidate(node)
+        tree.num_device_unlocked += unlocked
         own = req.block_table[len(req.nodes) + req.num_loading:]
         if own:
             self.device_pool.free(own)
@@ -435,8 +488,8 @@ class CacheManager:
                 dst = tuple(h for _, _, h in items)
                 keys = tuple(n.key for n, _, _ in items)
             elif kind == "fetch":
-                src, dst = (), tuple(b for _, _, _, b in items)
-                keys = tuple(k for _, _, k, _ in items)
+                src, dst = (), tuple(it[3] for it in items)
+                keys = tuple(it[2] for it in items)
             else:
                 src, dst = tuple(h for _, h in items), ()
                 keys = tuple(n.key for n, _ in items)
@@ -540,19 +593,19 @@ class CacheManager:
     def _complete_fetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         tree = self.tree
         by_fetch: dict[int, tuple[_Prefetch, list]] = {}
-        for idx, (pf, i, key, block) in enumerate(items):
-            by_fetch.setdefault(id(pf), (pf, []))[1].append((idx, i, key, block))
+        for idx, (pf, i, key, block, label) in enumerate(items):
+            by_fetch.setdefault(id(pf), (pf, []))[1].append((idx, i, key, block, label))
         for pf, its in by_fetch.values():
             parent, broken = pf.anchor, False
             self._tick += 1
-            for idx, _i, key, block in its:
+            for idx, _i, key, block, label in its:
                 if broken or idx in failed or not tree.alive(parent) and not parent.is_root:
                     broken = True
                     self.host_pool.free_one(block)
                     continue
-                node = parent.children.get(key)
+                node = parent.children.get(label)
                 if node is None:
-                    node = tree.add_child(parent, key)
+                    node = tree.add_child(parent, key, label)
                 if node.host_block is None:
                     node.last_access = self._tick
                     tree.set_host(node, block, ready=True)
@@ -571,7 +624,7 @@ class CacheManager:
         locks: dict[int, int] = {}
         for node in tree.nodes.values():
             assert tree.nodes[node.key] is node and node.parent is not None
-            assert node.parent.children.get(node.key) is node, "child link"
+            assert node.parent.children.get(node.label) is node, "child link"
             assert node.parent.is_root or tree.alive(node.parent), "orphan node"
             assert node.device_block is not None or node.host_block is not None, f"empty {node}"
             if node.device_block is not None:
@@ -587,6 +640,9 @@ class CacheManager:
             assert node.num_host_children == sum(
                 c.host_block is not None for c in node.children.values()), f"host children {node}"
             assert node.lock_ref >= 0 and node.device_reads >= 0 and node.host_reads >= 0
+            # every candidate is queued (else it would never be evicted)
+            assert node.in_device_heap or not node.device_evictable(), f"{node} missing from the device heap"
+            assert node.in_host_heap or not node.host_evictable(), f"{node} missing from the host heap"
         assert tree.root.num_device_children == sum(
             c.device_block is not None for c in tree.root.children.values())
         live = [r for r in requests if not r.freed]
@@ -621,7 +677,7 @@ class CacheManager:
                     host_reads[id(n)] = host_reads.get(id(n), 0) + 1
                     assert n.putting and n.host_block == h and n.host_ready
             else:
-                for _pf, _i, _k, b in items:
+                for _pf, _i, _k, b, _label in items:
                     assert b not in host_owner, f"fetch target {b} owned twice"
                     host_owner[b] = _pf
         for kind, items in in_flight:

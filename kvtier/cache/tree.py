@@ -1,7 +1,9 @@
 """Radix tree of full blocks with per-tier residency and leaf-only eviction.
 
-One node per full block, addressed by its chained key (so a global ``key -> node`` dict finds
-any node in O(1), and ``children`` keeps the tree shape for leaf-only eviction)::
+One node per full block. A node is found by walking ``children`` by *label* (the block's
+token bytes and tagged extras, see :class:`~kvtier.cache.keys.BlockHasher`), so matching a
+prompt hashes nothing; each node also carries its chained key, and a global ``key -> node`` dict
+finds any node by key in O(1) (storage names, fetches)::
 
     root ── A ── B ── C          device copies: A B     (prefix-closed: a device copy's parent
                   └── D                                  always has one too)
@@ -12,9 +14,11 @@ any node in O(1), and ``children`` keeps the tree shape for leaf-only eviction):
 A node exists while it holds a copy on the device or the host tier. Storage residency is not
 kept here: the storage index answers for it (it can change under us: shared pool, LRU).
 
-Eviction per tier pops a heap of candidate leaves keyed by the eviction policy. Entries are
-pushed whenever a node may have become a candidate and validated lazily on pop (stale key:
-pushed again with its current key; no longer a candidate: dropped), so no eviction scans the tree.
+Eviction per tier pops a heap of candidate leaves keyed by the eviction policy. A node is
+pushed when it may have become a candidate, unless it is already in that heap (``in_*_heap``:
+at most one entry per node and tier); entries are validated lazily on pop (stale key: pushed
+again with its current key; no longer a candidate: dropped), so no eviction scans the tree.
+Eviction keys only grow (last access, hit count), so a stale entry pops early, never late.
 """
 from __future__ import annotations
 
@@ -27,18 +31,21 @@ ROOT_KEY = b""
 
 class Node:
     __slots__ = (
-        "key", "parent", "depth", "children",
+        "key", "label", "parent", "depth", "children", "in_device_heap", "in_host_heap",
         "device_block", "host_block", "host_ready", "putting",
         "lock_ref", "device_reads", "host_reads",
         "num_device_children", "num_host_children",
         "hit_count", "last_access", "evict_device_after_copy", "evict_host_after_copy",
     )
 
-    def __init__(self, key: bytes, parent: "Node | None") -> None:
+    def __init__(self, key: bytes, parent: "Node | None", label: bytes = b"") -> None:
         self.key = key
+        self.label = label                     # the parent's children are keyed by label
         self.parent = parent
         self.depth = -1 if parent is None else parent.depth + 1  # block index along the path
         self.children: dict[bytes, Node] = {}
+        self.in_device_heap = False
+        self.in_host_heap = False
         self.device_block: int | None = None   # readable: set only once the bytes landed
         self.host_block: int | None = None
         self.host_ready = False                # False while a device->host copy is in flight
@@ -72,40 +79,6 @@ class Node:
                 and (self.device_block is not None or not self.children))
 
 
-class _CandidateHeap:
-    """Lazy min-heap of eviction candidates of one tier."""
-
-    def __init__(self, key: Callable[[Node], tuple], is_candidate: Callable[[Node], bool]) -> None:
-        self._key = key
-        self._is_candidate = is_candidate
-        self._heap: list[tuple[tuple, int, Node]] = []
-        self._seq = count()
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def push(self, node: Node) -> None:
-        heapq.heappush(self._heap, (self._key(node), next(self._seq), node))
-
-    def pop(self, alive: Callable[[Node], bool]) -> Node | None:
-        """Smallest-key live candidate, or None."""
-        heap = self._heap
-        while heap:
-            k, _, node = heapq.heappop(heap)
-            if not alive(node) or not self._is_candidate(node):
-                continue
-            current = self._key(node)
-            if current != k:  # touched since pushed: requeue with its present key
-                heapq.heappush(heap, (current, next(self._seq), node))
-                continue
-            return node
-        return None
-
-    def rebuild(self, nodes) -> None:  # type: ignore[no-untyped-def]
-        self._heap = [(self._key(n), next(self._seq), n) for n in nodes if self._is_candidate(n)]
-        heapq.heapify(self._heap)
-
-
 class RadixTree:
     """Nodes, their per-tier copies and the candidate heaps. Pure bookkeeping: block pools and
     transfers belong to the manager."""
@@ -113,8 +86,10 @@ class RadixTree:
     def __init__(self, eviction_key: Callable[[Node], tuple]) -> None:
         self.root = Node(ROOT_KEY, None)
         self.nodes: dict[bytes, Node] = {}
-        self.device_heap = _CandidateHeap(eviction_key, Node.device_evictable)
-        self.host_heap = _CandidateHeap(eviction_key, Node.host_evictable)
+        self._key = eviction_key
+        self._device_heap: list[tuple[tuple, int, Node]] = []
+        self._host_heap: list[tuple[tuple, int, Node]] = []
+        self._seq = count()
         self.num_device_copies = 0
         self.num_host_copies = 0
         self.num_device_unlocked = 0   # device copies no running request holds (evictable in time)
@@ -130,10 +105,10 @@ class RadixTree:
         return self.nodes.get(node.key) is node
 
     # ------------------------------------------------------------------ structure
-    def add_child(self, parent: Node, key: bytes) -> Node:
-        assert key not in self.nodes, "duplicate block key"
-        node = Node(key, parent)
-        parent.children[key] = node
+    def add_child(self, parent: Node, key: bytes, label: bytes) -> Node:
+        assert key not in self.nodes and label not in parent.children, "duplicate block"
+        node = Node(key, parent, label)
+        parent.children[label] = node
         self.nodes[key] = node
         return node
 
@@ -143,7 +118,7 @@ class RadixTree:
         assert node.lock_ref == 0 and node.device_reads == 0 and node.host_reads == 0, node
         parent = node.parent
         assert parent is not None
-        del parent.children[node.key]
+        del parent.children[node.label]
         del self.nodes[node.key]
         self.epoch += 1
         self.maybe_candidate(parent)
@@ -153,10 +128,12 @@ class RadixTree:
         assert node.device_block is None and not node.is_root
         node.device_block = block
         self.num_device_copies += 1
+        node.parent.num_device_children += 1  # type: ignore[union-attr]
         if node.lock_ref == 0:
             self.num_device_unlocked += 1
-        node.parent.num_device_children += 1  # type: ignore[union-attr]
-        self.maybe_candidate(node)
+            self.maybe_candidate(node)
+        elif node.host_block is not None:      # locked: a candidate on the host tier at most
+            self.maybe_candidate(node)
 
     def drop_device(self, node: Node) -> int:
         block = node.device_block
@@ -166,8 +143,28 @@ class RadixTree:
         self.epoch += 1
         self.num_device_copies -= 1
         self.num_device_unlocked -= 1
-        node.parent.num_device_children -= 1  # type: ignore[union-attr]
-        self.maybe_candidate(node.parent)      # type: ignore[arg-type]
+        parent = node.parent
+        parent.num_device_children -= 1  # type: ignore[union-attr]
+        if parent.num_device_children == 0:  # type: ignore[union-attr]
+            self.maybe_candidate(parent)      # type: ignore[arg-type]
+        return block
+
+    def evict_device_leaf(self, node: Node) -> int:
+        """Drop the device copy of a device leaf that has no host copy, and the node with it
+        (``drop_device`` + ``remove`` in one step: the common eviction). Returns the block.
+        The parent may have become a leaf: :meth:`next_device_victim` looks at it first."""
+        block = node.device_block
+        assert block is not None and node.host_block is None and not node.children, node
+        assert node.lock_ref == 0 and node.device_reads == 0 and node.host_reads == 0, node
+        node.device_block = None
+        node.evict_device_after_copy = False
+        self.epoch += 1
+        self.num_device_copies -= 1
+        self.num_device_unlocked -= 1
+        parent = node.parent
+        parent.num_device_children -= 1   # type: ignore[union-attr]
+        del parent.children[node.label]   # type: ignore[union-attr]
+        del self.nodes[node.key]
         return block
 
     def set_host(self, node: Node, block: int, ready: bool) -> None:
@@ -176,8 +173,7 @@ class RadixTree:
         node.host_ready = ready
         self.num_host_copies += 1
         node.parent.num_host_children += 1  # type: ignore[union-attr]
-        if ready:
-            self.maybe_candidate(node)
+        self.maybe_candidate(node)
 
     def drop_host(self, node: Node) -> int:
         block = node.host_block
@@ -201,25 +197,88 @@ class RadixTree:
     def unlock(self, node: Node) -> None:
         assert node.lock_ref > 0, node
         node.lock_ref -= 1
-        if node.lock_ref == 0:
-            if node.device_block is not None:
-                self.num_device_unlocked += 1
-            self.maybe_candidate(node)
+        if node.lock_ref == 0 and node.device_block is not None:
+            self.num_device_unlocked += 1
+            if node.num_device_children == 0 and not node.in_device_heap:
+                self.maybe_candidate(node)
 
     # ------------------------------------------------------------------ eviction
     def maybe_candidate(self, node: Node) -> None:
-        if node.is_root:
+        """Push ``node`` on the heap of each tier where it is an eviction candidate (once)."""
+        if node.parent is None:
             return
-        if node.device_evictable():
-            self.device_heap.push(node)
-        if node.host_evictable():
-            self.host_heap.push(node)
-        if len(self.device_heap) + len(self.host_heap) > 8 * len(self.nodes) + 4096:
-            self.device_heap.rebuild(self.nodes.values())
-            self.host_heap.rebuild(self.nodes.values())
+        if (not node.in_device_heap and node.device_block is not None and not node.lock_ref
+                and not node.num_device_children and node.device_evictable()):
+            node.in_device_heap = True
+            self._push(self._device_heap, node)
+        if not node.in_host_heap and node.host_block is not None and node.host_evictable():
+            node.in_host_heap = True
+            self._push(self._host_heap, node)
+
+    def _push(self, heap: list, node: Node) -> None:
+        heapq.heappush(heap, (self._key(node), next(self._seq), node))
+        if len(heap) > 2 * len(self.nodes) + 4096:   # dead entries piled up: start over
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        for heap, flag, is_candidate in ((self._device_heap, "in_device_heap", Node.device_evictable),
+                                         (self._host_heap, "in_host_heap", Node.host_evictable)):
+            for _k, _s, n in heap:
+                setattr(n, flag, False)
+            heap[:] = [(self._key(n), next(self._seq), n) for n in self.nodes.values() if is_candidate(n)]
+            heapq.heapify(heap)
+            for _k, _s, n in heap:
+                setattr(n, flag, True)
+
+    def next_device_victim(self, evicted: Node) -> Node | None:
+        """The next device victim after ``evict_device_leaf(evicted)``: its parent when that
+        is now the smallest candidate (a chain evicted leaf-up without touching the heap),
+        else the heap's smallest. Same order as pushing the parent and popping."""
+        parent = evicted.parent
+        assert parent is not None
+        if parent.parent is None:
+            return self.pop_device_victim()
+        if not parent.in_host_heap and parent.host_block is not None and parent.host_evictable():
+            parent.in_host_heap = True
+            self._push(self._host_heap, parent)
+        if parent.device_block is not None and not parent.num_device_children and parent.device_evictable():
+            heap = self._device_heap
+            k = self._key(parent)
+            if not heap or k < heap[0][0]:
+                return parent
+            if not parent.in_device_heap:
+                parent.in_device_heap = True
+                self._push(heap, parent)
+        return self.pop_device_victim()
 
     def pop_device_victim(self) -> Node | None:
-        return self.device_heap.pop(self.alive)
+        """Smallest-key live device candidate, or None."""
+        heap, nodes, key = self._device_heap, self.nodes, self._key
+        while heap:
+            k, _, node = heapq.heappop(heap)
+            node.in_device_heap = False
+            if nodes.get(node.key) is not node or not node.device_evictable():
+                continue
+            current = key(node)
+            if current != k:  # touched since pushed: requeue with its present key
+                node.in_device_heap = True
+                heapq.heappush(heap, (current, next(self._seq), node))
+                continue
+            return node
+        return None
 
     def pop_host_victim(self) -> Node | None:
-        return self.host_heap.pop(self.alive)
+        """Smallest-key live host candidate, or None."""
+        heap, nodes, key = self._host_heap, self.nodes, self._key
+        while heap:
+            k, _, node = heapq.heappop(heap)
+            node.in_host_heap = False
+            if nodes.get(node.key) is not node or not node.host_evictable():
+                continue
+            current = key(node)
+            if current != k:
+                node.in_host_heap = True
+                heapq.heappush(heap, (current, next(self._seq), node))
+                continue
+            return node
+        return None

@@ -1,0 +1,91 @@
+"""``kvtier sim`` on tiny traces written here, through the CLI entry point."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.bench.traces import TraceError, _tokens_of_hash, read_trace, tokens_of_hashes
+from kvtier.cli import main
+
+TIERS = {"device", "host", "storage"}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def trace(tmp_path):
+    shared = list(range(1, 65))
+    return write_jsonl(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_ids": shared + [100, 101, 102], "output_length": 4},
+        {"timestamp": 1, "input_ids": shared + [200, 201], "output_length": 4},
+        {"timestamp": 2, "input_length": 40, "output_length": 2, "hash_ids": [7, 8, 9]},
+        {"timestamp": 3, "input_length": 47, "output_length": 2, "hash_ids": [7, 8, 10]},
+    ])
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sim_reads_both_formats_and_reports_per_tier(trace, capsys):
+    res = run_json(capsys, ["sim", str(trace), "--json", "--trace-block-tokens", "16",
+                            "--device-blocks", "64", "--host-blocks", "64", "--storage-blocks", "inf"])
+    assert res["requests"] == 4
+    assert res["prompt_tokens"] == 67 + 66 + 40 + 47
+    for field in ("hit_tokens", "evictions"):
+        assert set(res[field]) == TIERS
+    assert set(res["bytes_moved"]) == {"host_to_device", "device_to_host", "storage_to_host", "host_to_storage"}
+    assert res["hit_tokens"]["device"] == 64 + 32   # shared 64 ids; hash ids 7, 8 = 32 tokens
+
+
+def test_sim_table_output(trace, capsys):
+    assert main(["sim", str(trace), "--trace-block-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("requests 4") and "device" in out and "bytes moved" in out
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"timestamp": 0, "input_length": 10, "hash_ids": [1, -2]}', "'hash_ids'"),
+    ('{"timestamp": 0, "input_length": 99999, "hash_ids": [1]}', "'input_length'"),
+    ('{"timestamp": "soon", "input_ids": [1, 2]}', "'timestamp'"),
+    ('{"timestamp": 0, "input_ids": [1, true]}', "'input_ids'"),
+    ('{"timestamp": 0, "input_ids": [1, 2], "output_length": -1}', "'output_length'"),
+    ('{"timestamp": 0}', "'input_ids'"),
+    ('{"timestamp": 0, "input_ids": [1]', "not valid JSON"),
+])
+def test_malformed_line_is_named_with_its_field(tmp_path, capsys, line, field):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"timestamp": 0, "input_ids": [1, 2, 3]}, line])
+    assert main(["sim", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and field in err
+
+
+def test_missing_trace_file_returns_2(tmp_path, capsys):
+    assert main(["sim", str(tmp_path / "nope.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_trace_is_ordered_by_timestamp(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"timestamp": 5, "input_ids": [1]}, {"timestamp": 1, "input_ids": [2]}])
+    assert [r.line for r in read_trace(path)] == [2, 1]
+    with pytest.raises(TraceError):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+def test_synthetic_tokens_are_deterministic_and_distinct(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 20, "hash_ids": [3, 4]},
+        {"timestamp": 1, "input_length": 20, "hash_ids": [3, 5]},
+    ])
+    a, b = read_trace(path, block_tokens=16)
+    assert a.input_ids == read_trace(path, block_tokens=16)[0].input_ids
+    assert a.input_ids[:16] == b.input_ids[:16] and a.input_ids[16:] != b.input_ids[16:]
+    assert len(a.input_ids) == 20
+    hs = [0, 1, 2, 2**32 - 1, 2**40 + 3]
+    assert tokens_of_hashes(hs, 8, 1 << 30) == [t for h in hs for t in _tokens_of_hash(h, 8, 1 << 30)]
+    assert len({tuple(_tokens_of_hash(h, 8, 1 << 30)) for h in range(1000)}) == 1000

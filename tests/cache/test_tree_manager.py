@@ -1,0 +1,259 @@
+"""Radix tree + CacheManager behaviours, one per test (DESIGN §1, §5)."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cache import CacheManager, SimulatedStorage
+
+BS = 4
+
+
+def blocks(start, n, extra=1):
+    """Tokens of ``n`` full blocks (+ ``extra`` tokens) unique to ``start``."""
+    return list(range(start, start + n * BS + extra))
+
+
+def run_plans(mgr, failed=None):
+    rewinds = {}
+    while plan := mgr.take_plan():
+        rewinds.update(mgr.complete_plan(plan, failed))
+    return rewinds
+
+
+def serve(mgr, rid, tokens):
+    """A whole request: match, admit, prefill, commit, copies, finish."""
+    req = mgr.new_request(rid, tokens)
+    mgr.match_prefix(req)
+    assert mgr.allocate(req, len(tokens))
+    run_plans(mgr)
+    mgr.commit(req, len(tokens))
+    run_plans(mgr)
+    mgr.free(req)
+    run_plans(mgr)
+    mgr.assert_invariants()
+    return req
+
+
+# ------------------------------------------------------------------ matching
+def test_match_is_device_then_host_then_storage_hits():
+    storage = SimulatedStorage()
+    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=4, storage=storage,
+                       write_policy="write_through")
+    a = blocks(100, 4)
+    serve(mgr, "a", a)                                   # 4 blocks on device, host and storage
+    req = mgr.new_request("b", blocks(200, 5))          # needs 6 device blocks: evicts a's 2 deepest
+    assert mgr.allocate(req, len(req.token_ids))
+    mgr.free(req)
+    run_plans(mgr)
+    serve(mgr, "c", blocks(300, 1))                      # backing c up evicts a's last host copy
+    m = mgr.match_prefix(mgr.new_request("a2", a))
+    assert (m.num_device_blocks, m.num_host_blocks, m.num_storage_blocks) == (2, 1, 1)
+    assert m.tokens_by_tier() == {"device": 8, "host": 4, "storage": 4}
+    req = mgr.new_request("a3", a)
+    mgr.match_prefix(req)
+    nodes = [mgr.tree.get(k) for k in req.keys[:4]]
+    assert [n.device_block is not None for n in nodes[:3]] == [True, True, False]
+    assert nodes[2].host_ready and nodes[3] is None and storage.contains(req.keys[3])
+
+
+def test_match_leaves_at_least_one_token_to_compute():
+    mgr = CacheManager(block_size=BS, num_device_blocks=8)
+    tokens = blocks(0, 2, extra=0)                       # exactly two full blocks
+    serve(mgr, "a", tokens)
+    m = mgr.match_prefix(mgr.new_request("b", tokens))
+    assert m.num_device_blocks == 1                      # the last token's block is recomputed
+
+
+def test_shared_prefix_is_matched_across_requests():
+    mgr = CacheManager(block_size=BS, num_device_blocks=16)
+    serve(mgr, "a", blocks(0, 3))
+    m = mgr.match_prefix(mgr.new_request("b", blocks(0, 2, extra=0) + [999] * 6))
+    assert m.num_device_blocks == 2
+
+
+def test_cache_salt_isolates_requests():
+    mgr = CacheManager(block_size=BS, num_device_blocks=16)
+    tokens = blocks(0, 3)
+    req = mgr.new_request("a", tokens, cache_salt="x")
+    mgr.allocate(req, len(tokens))
+    mgr.commit(req, len(tokens))
+    mgr.free(req)
+    assert mgr.match_prefix(mgr.new_request("b", tokens)).num_blocks == 0
+    assert mgr.match_prefix(mgr.new_request("c", tokens, cache_salt="x")).num_blocks == 3
+
+
+# ------------------------------------------------------------------ eviction
+def test_eviction_removes_leaves_only():
+    mgr = CacheManager(block_size=BS, num_device_blocks=4)
+    a = serve(mgr, "a", blocks(0, 3, extra=0))           # 3 nodes in a chain
+    chain = [mgr.tree.get(k) for k in a.keys]
+    req = mgr.new_request("b", blocks(100, 1, extra=1))  # 2 blocks: 1 free + 1 evicted
+    assert mgr.allocate(req, len(req.token_ids))
+    assert mgr.tree.get(a.keys[2]) is None               # the leaf went
+    assert chain[0].device_block is not None and chain[1].device_block is not None
+    mgr.free(req)
+    mgr.assert_invariants()
+
+
+def test_locked_blocks_are_never_evicted():
+    mgr = CacheManager(block_size=BS, num_device_blocks=4)
+    a = mgr.new_request("a", blocks(0, 3, extra=0))
+    assert mgr.allocate(a, 12)
+    mgr.commit(a, 12)                                    # tree-owned but locked by a
+    b = mgr.new_request("b", blocks(100, 2))
+    assert not mgr.can_allocate(b, 9)
+    assert not mgr.allocate(b, 9)
+    assert [mgr.tree.get(k).device_block for k in a.keys] == a.block_table
+    mgr.assert_invariants([a, b])
+
+
+@pytest.mark.parametrize("eviction, survivor", [("lru", "a"), ("lfu", "b")])
+def test_eviction_order_lru_vs_lfu(eviction, survivor):
+    mgr = CacheManager(block_size=BS, num_device_blocks=3, eviction=eviction)
+    a, b = blocks(0, 1), blocks(100, 1)
+    serve(mgr, "b", b)
+    serve(mgr, "b2", b)                                  # b: hit twice, but least recently
+    serve(mgr, "a", a)                                   # a: once, most recently
+    req = mgr.new_request("c", blocks(200, 0, extra=8))  # 2 blocks, 1 free: one of a, b must go
+    assert mgr.allocate(req, len(req.token_ids))
+    mgr.free(req)
+    kept = {name for name, toks in (("a", a), ("b", b))
+            if mgr.match_prefix(mgr.new_request(name, toks)).num_blocks}
+    assert kept == {survivor}
+
+
+# ------------------------------------------------------------------ write policies
+def commit_one(mgr, rid, tokens):
+    req = mgr.new_request(rid, tokens)
+    mgr.match_prefix(req)
+    assert mgr.allocate(req, len(tokens))
+    mgr.commit(req, len(tokens))
+    return req
+
+
+def test_write_through_backs_up_on_commit():
+    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, write_policy="write_through")
+    req = commit_one(mgr, "a", blocks(0, 2))
+    plan = mgr.take_plan()
+    assert plan.backups is not None and plan.backups.keys == tuple(req.keys)
+    assert plan.backups.src_blocks == tuple(req.block_table[:2])
+
+
+def test_write_through_selective_backs_up_at_threshold():
+    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8,
+                       write_policy="write_through_selective", write_through_threshold=2)
+    tokens = blocks(0, 2)
+    first = commit_one(mgr, "a", tokens)
+    assert mgr.take_plan().backups is None               # hit count 1 < 2
+    mgr.free(first)
+    commit_one(mgr, "b", tokens)                         # the second use reaches the threshold
+    plan = mgr.take_plan()
+    assert plan.backups is not None and plan.backups.keys == tuple(first.keys)
+
+
+def test_write_back_copies_on_eviction_ancestors_first():
+    mgr = CacheManager(block_size=BS, num_device_blocks=3, num_host_blocks=8, write_policy="write_back")
+    a = commit_one(mgr, "a", blocks(0, 3, extra=0))
+    assert not mgr.take_plan()                           # nothing copied on commit
+    mgr.free(a)
+    b = mgr.new_request("b", blocks(100, 0, extra=3))    # one block: the leaf of a must go
+    assert not mgr.allocate(b, 3)                         # not yet: its copy is in flight
+    plan = mgr.take_plan()
+    assert plan.backups.keys == tuple(a.keys)             # root -> leaf: ancestors first
+    mgr.complete_plan(plan)
+    assert mgr.allocate(b, 3)                             # the copy landed: the leaf was freed
+    m = mgr.match_prefix(mgr.new_request("a2", blocks(0, 3, extra=1)))
+    assert (m.num_device_blocks, m.num_host_blocks) == (2, 1)
+    mgr.assert_invariants([b])
+
+
+# ------------------------------------------------------------------ failures
+def host_hit_setup():
+    mgr = CacheManager(block_size=BS, num_device_blocks=4, num_host_blocks=8, write_policy="write_through")
+    tokens = blocks(0, 3)
+    serve(mgr, "a", tokens)
+    req = mgr.new_request("evict", blocks(100, 3, extra=0))   # pushes a's blocks down to host
+    assert mgr.allocate(req, 12)
+    mgr.free(req)
+    run_plans(mgr)
+    return mgr, tokens
+
+
+def test_load_failure_rewinds_to_the_last_good_block():
+    mgr, tokens = host_hit_setup()
+    req = mgr.new_request("b", tokens)
+    m = mgr.match_prefix(req)
+    assert m.num_host_blocks >= 2
+    assert mgr.allocate(req, len(tokens))
+    plan = mgr.take_plan()
+    rewinds = mgr.complete_plan(plan, {"load": [1]})
+    assert rewinds == {"b": (m.num_device_blocks + 1) * BS}
+    assert mgr.stats.failures["load"] == 1
+    mgr.assert_invariants([req])
+    mgr.free(req)
+    run_plans(mgr)
+    mgr.assert_invariants()
+    assert mgr.device_pool.num_free + mgr.tree.num_device_copies == mgr.device_pool.num_blocks
+
+
+def test_fetch_failure_degrades_to_a_miss():
+    storage = SimulatedStorage()
+    writer = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
+                          write_policy="write_through")
+    tokens = blocks(0, 3)
+    serve(writer, "a", tokens)                           # another engine filled the shared pool
+    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage)
+    req = mgr.new_request("b", tokens)
+    assert mgr.match_prefix(req).num_storage_blocks == 3
+    assert mgr.prefetch(req) == 3
+    plan = mgr.take_plan()
+    mgr.complete_plan(plan, {"fetch": [0, 1, 2]})
+    assert mgr.stats.failures["fetch"] == 3
+    assert mgr.host_pool.num_free == 8                   # every fetch target returned
+    m = mgr.match_prefix(req)
+    assert (m.num_device_blocks, m.num_host_blocks) == (0, 0)
+    assert mgr.allocate(req, len(tokens))                 # recomputed: admitted as a miss
+    mgr.assert_invariants([req])
+
+
+def test_fetched_blocks_become_host_hits():
+    storage = SimulatedStorage()
+    serve(CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
+                       write_policy="write_through"), "a", blocks(0, 3))
+    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage)
+    req = mgr.new_request("b", blocks(0, 3))
+    mgr.match_prefix(req)
+    mgr.prefetch(req)
+    run_plans(mgr)
+    assert mgr.match_prefix(req).num_host_blocks == 3
+    mgr.assert_invariants([req])
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("bs", [0, 3, 12, -4, 2.0, True])
+def test_block_size_must_be_a_power_of_two(bs):
+    with pytest.raises(ValueError, match=repr(bs)):
+        CacheManager(block_size=bs)
+
+
+def test_unknown_write_policy_is_named():
+    with pytest.raises(ValueError, match="'write_sometimes'"):
+        CacheManager(write_policy="write_sometimes")
+
+
+def test_unknown_eviction_policy_is_named():
+    with pytest.raises(ValueError, match="'mru'"):
+        CacheManager(eviction="mru")
+
+
+def test_unknown_hash_is_named():
+    with pytest.raises(ValueError, match="'md5'"):
+        CacheManager(hash_name="md5")
+
+
+def test_free_twice_is_refused():
+    mgr = CacheManager(block_size=BS, num_device_blocks=4)
+    req = commit_one(mgr, "a", blocks(0, 1))
+    mgr.free(req)
+    with pytest.raises(ValueError, match="freed twice"):
+        mgr.free(req)
