@@ -369,6 +369,8 @@ class CacheManager:
         if m is None or not m.num_storage_blocks or not self.has_host or req.admitted:
             return 0
         anchor = req._path[-1] if req._path else self.tree.root
+        if not anchor.is_root and anchor.host_block is None and not self._backup(anchor):
+            return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
         pf = _Prefetch(anchor, anchor.device_block is not None)
         self._hold(pf, +1)           # the node the fetched blocks will hang from stays
         blocks: list[int] = []
@@ -508,10 +510,17 @@ class CacheManager:
         Returns ``{rid: num_valid_tokens}`` for requests whose loads failed: the scheduler must
         discard their step output and recompute from that many tokens.
         """
-        try:
-            kind, items = self._pending.pop(op_id)
-        except KeyError:
-            raise ValueError(f"unknown or already completed op id {op_id!r}") from None
+        entry = self._pending.get(op_id)
+        if entry is None:
+            raise ValueError(f"unknown or already completed op id {op_id!r}")
+        kind, items = entry
+        if kind == "backup":
+            # Device->host copies land in plan order (one offload stream): a block's parent has
+            # landed or failed before the block itself, which keeps host copies prefix-closed.
+            oldest = next(i for i, (k, _) in self._pending.items() if k == "backup")
+            if oldest != op_id:
+                raise ValueError(f"backup op {op_id} completed before older backup op {oldest}")
+        del self._pending[op_id]
         failed = frozenset(failed)
         bad = [i for i in failed if not (isinstance(i, int) and 0 <= i < len(items))]
         if bad:
@@ -558,7 +567,10 @@ class CacheManager:
         tree = self.tree
         for idx, (node, _dev, host) in enumerate(items):
             node.device_reads -= 1
-            if idx in failed:
+            parent = node.parent
+            if idx in failed or not (parent.is_root or parent.host_ready):   # parent's copy failed
+                if idx not in failed:
+                    self.stats.failures["backup"] += 1
                 self.host_pool.free_one(tree.drop_host(node))
             else:
                 node.host_ready = True
@@ -599,7 +611,7 @@ class CacheManager:
             parent, broken = pf.anchor, False
             self._tick += 1
             for idx, _i, key, block, label in its:
-                if broken or idx in failed or not tree.alive(parent) and not parent.is_root:
+                if broken or idx in failed or not (parent.is_root or (tree.alive(parent) and parent.host_ready)):
                     broken = True
                     self.host_pool.free_one(block)
                     continue
@@ -609,6 +621,7 @@ class CacheManager:
                 if node.host_block is None:
                     node.last_access = self._tick
                     tree.set_host(node, block, ready=True)
+                    self.stats.hit_tokens["storage"] += self.block_size
                 else:
                     self.host_pool.free_one(block)
                 parent = node
@@ -627,6 +640,8 @@ class CacheManager:
             assert node.parent.children.get(node.label) is node, "child link"
             assert node.parent.is_root or tree.alive(node.parent), "orphan node"
             assert node.device_block is not None or node.host_block is not None, f"empty {node}"
+            if node.host_ready:
+                assert node.parent.is_root or node.parent.host_ready, f"host copies not prefix-closed at {node}"
             if node.device_block is not None:
                 assert node.parent.is_root or node.parent.device_block is not None, \
                     f"device copies not prefix-closed at {node}"

@@ -167,6 +167,11 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                              f"(max_model_len), leaving no room to generate")
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if -(-longest // self.block_size) > self.cache.device_pool.num_blocks:
+            raise ValueError(f"a request of {len(ids)} prompt tokens + max_tokens={params.max_tokens} needs "
+                             f"{-(-longest // self.block_size)} blocks, more than the whole device tier "
+                             f"({self.cache.device_pool.num_blocks} blocks of {self.block_size} tokens)")
         rid = str(next(self._ids))
         req = Request(rid, ids, params, cache_salt=cache_salt)
         if params.seed is not None:

@@ -152,6 +152,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.inflight.extend(mgr.take_plan())
         done = iter(finish)
         for op in list(self.inflight):
+            oldest_backup = next((o for o in self.inflight if o.kind == "backup"), None)
+            if op.kind == "backup" and op is not oldest_backup:
+                continue                     # backups land in plan order (one offload stream)
             if next(done, True):
                 self._run(op, fails)
 
