@@ -25,11 +25,20 @@ def make_requests(n: int, seed: int, vocab: int, in_range=(100, 1024), out_range
             for _ in range(n)]
 
 
-def run_kvtier(path: Path, reqs, device: str, dtype: str, **llm_kwargs) -> dict:
+def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False, **llm_kwargs) -> dict:
     import kvtier
 
     with kvtier.LLM(path, device=device, dtype=dtype, **llm_kwargs) as llm:
-        llm.generate([[1, 2, 3]], kvtier.SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
+        # warm-up on the same shapes (Triton compiles each kernel variant on first use)
+        llm.generate([p for p, _ in reqs[:64]], kvtier.SamplingParams(max_tokens=16, ignore_eos=True))
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+            with torch_profile(activities=acts) as prof:
+                llm.generate([p for p, _ in reqs[:128]], kvtier.SamplingParams(max_tokens=24, ignore_eos=True))
+            key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on cuda)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a short run first")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kvtier bench throughput needs a CUDA GPU (--device cuda); none is visible")
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvtier.model import ModelConfig
     vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
     reqs = make_requests(args.requests, args.seed, vocab, tuple(args.input_range), tuple(args.output_range))
-    ours = run_kvtier(path, reqs, args.device, args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+    ours = run_kvtier(path, reqs, args.device, args.dtype, args.profile, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend)
     print(f"kvtier: {ours['requests']} requests, {ours['output_tokens']} tokens in {ours['seconds']:.1f}s "
           f"= {ours['tokens_per_s']:.0f} tok/s (preemptions {ours['preemptions']})", flush=True)

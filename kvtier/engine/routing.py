@@ -50,7 +50,7 @@ class RoutingCapture:
                                     dtype=torch.int32, device=self.device)
         return self._buf[:num_tokens]
 
-    def record(self, rows: torch.Tensor, slot_mapping: list[int]) -> None:
+    def record(self, rows: torch.Tensor, slot_mapping: np.ndarray) -> None:
         """Start copying this step's rows to the host; no CPU wait."""
         if rows.device.type == "cuda":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)

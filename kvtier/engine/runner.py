@@ -53,7 +53,7 @@ class ModelRunner:
         routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta, routing_out=routing_out)
         if self.routing is not None:
-            self.routing.record(routing_out, meta.slot_mapping)
+            self.routing.record(routing_out, meta.slot_mapping_cpu)
         samplers = [s.request for s in out.scheduled if s.samples]
         if not samplers:
             return {}

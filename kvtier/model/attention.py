@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -34,7 +35,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    slot_mapping_cpu: list[int] | None = None   # the same slots as a Python list (routing capture)
+    slot_mapping_cpu: np.ndarray | None = None  # the same slots on the CPU (routing capture)
 
     @property
     def num_seqs(self) -> int:
@@ -43,31 +44,40 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Build metadata from plain lists (the scheduler's view)."""
+        """Build metadata from plain lists (the scheduler's view); vectorized with numpy, since
+        this runs on the CPU every step for every sequence."""
         if len(query_lens) != len(seq_lens) or len(seq_lens) != len(block_tables):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        slots: list[int] = []
-        for q, s, table in zip(query_lens, seq_lens, block_tables):
-            if not 0 < q <= s:
-                raise ValueError(f"query length {q} must be in 1..seq_len ({s})")
-            if len(table) * block_size < s:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
-            for pos in range(s - q, s):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
+        q = np.asarray(query_lens, dtype=np.int64)
+        s = np.asarray(seq_lens, dtype=np.int64)
+        widths = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+        bad = np.flatnonzero((q < 1) | (q > s))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"query length {query_lens[i]} must be in 1..seq_len ({seq_lens[i]})")
+        short = np.flatnonzero(widths * block_size < s)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"block table of {widths[i]} blocks cannot hold {seq_lens[i]} tokens")
+        width = int(widths.max())
+        table = np.zeros((len(block_tables), width), dtype=np.int32)
+        for row, t in zip(table, block_tables):
+            row[:len(t)] = t
+        # position of every new token, then its block through the table
+        qsl = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=qsl[1:])
+        seq_of = np.repeat(np.arange(len(q)), q)
+        pos = np.arange(int(qsl[-1])) - qsl[seq_of] + (s - q)[seq_of]
+        slots = table[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(table).to(device),
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            max_query_len=int(q.max()),
+            max_seq_len=int(s.max()),
             slot_mapping_cpu=slots,
         )
 

@@ -120,7 +120,8 @@ if _IMPORT_ERROR is None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return acc, l_i, m_new
 
-    @triton.jit
+    # Step-varying ints are not specialized: a new batch size must not compile a new kernel.
+    @triton.jit(do_not_specialize=["num_seqs", "tiles_per_split"])
     def _unified_attention_kernel(
         q_ptr, kv_ptr, out_ptr, part_o_ptr, part_ml_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr,
@@ -328,9 +329,10 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
             if busy < sms:
                 num_splits = min(MAX_SPLITS, triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * sms, busy),
                                  max(1, meta.max_seq_len // MIN_POSITIONS_PER_SPLIT))
+        num_splits = 1 << (max(1, min(num_splits, n_kv_tiles)).bit_length() - 1)
+        # a power of two: NUM_SPLITS is a compile-time constant, so few variants get compiled
     num_splits = max(1, min(int(num_splits), n_kv_tiles))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
-    num_splits = triton.cdiv(n_kv_tiles, tiles_per_split)   # drop splits that would be empty
 
     if num_splits > 1:
         part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim),
