@@ -75,10 +75,17 @@ class CausalLM(nn.Module):
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, h.dtype)      # once per step, shared by all layers
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, self.rotary, kv_cache, meta, self.attn_fn, layer_hook,
+            h = layer(h, positions, rope, kv_cache, meta, self.attn_fn, layer_hook,
                       routing_out, routing_in)
         return self.model.norm(h)
+
+    def fuse_projections(self) -> None:
+        """After loading: q/k/v and gate/up projections become one GEMM each."""
+        for m in list(self.modules()):
+            if isinstance(m, (MLP, SelfAttention)):
+                m.fuse()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32, as transformers does; F.rms_norm is one kernel
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,13 +112,21 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q [T, Hq, D] and k [T, Hk, D] by their absolute positions [T] (rotate-half layout)."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of the step's positions: computed once per forward, used by every layer."""
         freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_factor).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_factor).to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos = (emb.cos() * self.attention_factor).to(dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_factor).to(dtype)[:, None, :]
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their absolute positions [T] (rotate-half layout)."""
+        return apply_rotary(q, k, *self.cos_sin(positions, q.dtype))
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -138,9 +145,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.gate_up_proj: nn.Linear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self) -> None:
+        """One GEMM for gate and up (after loading): fewer kernel launches per step."""
+        self.gate_up_proj = _fused_linear(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
 
 class SelfAttention(nn.Module):
@@ -161,18 +177,42 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj: nn.Linear | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def fuse(self) -> None:
+        """One GEMM for q, k and v (after loading)."""
+        self.qkv_proj = _fused_linear(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding | tuple,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attn_fn, layer_hook=None) -> torch.Tensor:
+        """``rotary``: the RotaryEmbedding, or the step's precomputed (cos, sin)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rotary) if isinstance(rotary, tuple) else rotary(positions, q, k)
         if layer_hook is not None:
             layer_hook(self.layer_idx)   # e.g. wait until this layer's KV has arrived from the host tier
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = attn_fn(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of ``parts``' outputs."""
+    weight = torch.cat([p.weight for p in parts])
+    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                      device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused

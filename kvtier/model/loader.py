@@ -66,7 +66,7 @@ def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32,
-               attention_backend: str = "torch") -> CausalLM:
+               attention_backend: str = "torch", fuse: bool = True) -> CausalLM:
     """Build the family named by config.json and fill it from the checkpoint. ``dtype=None``: config's."""
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path)
@@ -90,4 +90,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg).to(device)   # inv_freq computed on CPU, as transformers does
+    if fuse:
+        model.fuse_projections()
     return model.eval()
