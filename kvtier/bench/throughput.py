@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096, help="context length (bounds CUDA-graph tables)")
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     ap.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on cuda)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
     reqs = make_requests(args.requests, args.seed, vocab, tuple(args.input_range), tuple(args.output_range))
     ours = run_kvtier(path, reqs, args.device, args.dtype, args.profile, max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend)
+                      max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
+                      max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs)
     print(f"kvtier: {ours['requests']} requests, {ours['output_tokens']} tokens in {ours['seconds']:.1f}s "
           f"= {ours['tokens_per_s']:.0f} tok/s (preemptions {ours['preemptions']})", flush=True)
     res = {"kvtier": ours, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}

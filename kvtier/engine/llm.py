@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import CacheManager, ModelFingerprint
+from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.request import Request
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner
@@ -54,7 +55,7 @@ class LLM:
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  attention_backend: str | None = None, eviction: str = "lru",
-                 capture_routing: bool = True) -> None:
+                 capture_routing: bool = True, cuda_graphs: bool | None = None) -> None:
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
         if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
@@ -90,7 +91,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching)
         if self.storage is not None and num_host_blocks == 0:
             raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
-        self.kv_caches = allocate_kv_caches(cfg, num_device_blocks, block_size, self.device, self.dtype)
+        # one block more than the pool hands out: the scratch block padded CUDA-graph rows write to
+        self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
         pin = self.device.type == "cuda"
         self.host_kv = (allocate_host_kv(num_host_blocks, cfg.num_layers, block_size, cfg.num_kv_heads,
                                          cfg.head_dim, self.dtype, pin) if num_host_blocks else None)
@@ -98,7 +100,14 @@ class LLM:
                                        num_device_blocks, num_host_blocks, self.device)
                         if cfg.is_moe and capture_routing else None)
         self.executor = TransferExecutor(self.kv_caches, self.host_kv, self.storage, self.routing)
-        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing)
+        if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
+            cuda_graphs = self.device.type == "cuda"
+        graphs = None
+        if cuda_graphs and not cfg.is_moe:   # MoE dispatch syncs with the host: not capturable
+            graphs = DecodeGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
+                                  min(max_num_seqs, 256), num_device_blocks, self.device,
+                                  capture=self.device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
                                    cfg.eos_token_ids)
         self.block_size = block_size

@@ -39,6 +39,7 @@ class RoutingCapture:
         self.device = device
         self._buf = torch.zeros((0, num_moe_layers, top_k), dtype=torch.int32, device=device)
         self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        self._staging: torch.Tensor | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -53,7 +54,13 @@ class RoutingCapture:
     def record(self, rows: torch.Tensor, slot_mapping: np.ndarray) -> None:
         """Start copying this step's rows to the host; no CPU wait."""
         if rows.device.type == "cuda":
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            # one pinned staging buffer, reused: flush() (start of the next step) has consumed the
+            # previous step's rows before this step's copy is queued
+            assert not self._pending, "flush() before recording the next step"
+            if self._staging is None or self._staging.shape[0] < rows.shape[0]:
+                self._staging = torch.empty((max(rows.shape[0], 256), *rows.shape[1:]), dtype=rows.dtype,
+                                            pin_memory=True)
+            host = self._staging[:rows.shape[0]]
             host.copy_(rows, non_blocking=True)
             event = torch.cuda.Event()
             event.record()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import SchedulerOutput
@@ -20,12 +21,14 @@ from kvtier.model.families import CausalLM
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, routing: RoutingCapture | None = None) -> None:
+                 device: torch.device, routing: RoutingCapture | None = None,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.routing = routing
+        self.decode_graphs = decode_graphs
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         ids: list[int] = []
@@ -51,7 +54,12 @@ class ModelRunner:
         """Forward the step; returns the sampled token of every request that samples."""
         input_ids, positions, meta, sample_rows = self.build_inputs(out)
         routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, routing_out=routing_out)
+        graphs = self.decode_graphs
+        if (graphs is not None and routing_out is None and meta.max_query_len == 1
+                and graphs.bucket(meta.num_seqs) is not None):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, routing_out=routing_out)
         if self.routing is not None:
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         samplers = [s.request for s in out.scheduled if s.samples]

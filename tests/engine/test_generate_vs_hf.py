@@ -175,3 +175,16 @@ def test_bad_input_names_the_problem(checkpoint, tmp_path):
         kvtier.LLM(path, num_device_blocks=8, block_size=12)
     with pytest.raises(FileNotFoundError, match="config.json"):
         kvtier.LLM(tmp_path)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
+def test_padded_static_decode_path_matches(preset, checkpoint, reference):
+    """The CUDA-graph decode path (static buffers, batch padded to a bucket, padding rows writing
+    to the scratch block) run eagerly on the CPU: same tokens as transformers."""
+    prompts = prompts_for(7, lengths=(5, 19, 33))        # 3 sequences -> bucket 4: one padding row
+    want = reference(preset, prompts)
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8, cuda_graphs=True) as llm:
+        graphs = llm.runner.decode_graphs
+        assert graphs is not None and graphs.bucket(3) == 4 and not graphs.capture
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want   # and with prefix hits
