@@ -44,8 +44,8 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
     rows = []
     # Small device tier: the clients' histories do not all fit, so older turns fall to host and
     # storage. The recompute engine has the same sizes and no prefix caching.
-    sizes = dict(block_size=16, num_device_blocks=40, device=device, max_num_batched_tokens=1024)
-    with kvtier.LLM(path, num_host_blocks=48, storage="memory://?capacity=256MiB",
+    sizes = dict(block_size=16, num_device_blocks=48, device=device, max_num_batched_tokens=1024)
+    with kvtier.LLM(path, num_host_blocks=56, storage="memory://?capacity=256MiB",
                     write_policy="write_through", **sizes) as llm, \
             kvtier.LLM(path, enable_prefix_caching=False, **sizes) as cold:
         _ttft(llm, system[:32]), _ttft(cold, system[:32])          # warm-up
