@@ -1,0 +1,31 @@
+"""The `kvtier` command: help, presets, generate, bad input."""
+import json
+
+import pytest
+
+from kvtier.cli import PRESET_NAMES, main
+from kvtier.model.presets import PRESETS
+
+
+def test_preset_names_in_help_are_the_presets():
+    assert set(PRESET_NAMES) == set(PRESETS)
+
+
+def test_init_model_then_generate_twice_hits_the_cache(tmp_path, capsys):
+    model = tmp_path / "m"
+    assert main(["init-model", "qwen3-moe-tiny", str(model)]) == 0
+    assert main(["generate", str(model), "--prompt-ids", ",".join(str(i) for i in range(40)), "--max-tokens", "4",
+                 "--ignore-eos", "--repeat", "2", "--num-device-blocks", "32", "--return-routed-experts",
+                 "--json"]) == 0
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 4
+    assert first["num_cached_tokens"] == 0 and second["num_cached_tokens"] == 32
+    assert first["routed_experts_shape"] == [43, 2, 2] and first["routed_experts_dtype"] == "uint8"
+
+
+def test_bad_input_is_an_error_naming_it(tmp_path, capsys):
+    assert main(["init-model", "no-such-preset", str(tmp_path / "x")]) == 2
+    assert "no-such-preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "t.jsonl", "--block-size", "12"])
+    assert "power of two, got 12" in capsys.readouterr().err
