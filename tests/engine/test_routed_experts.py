@@ -48,8 +48,11 @@ def test_routed_experts_equal_transformers_router_topk(preset, checkpoint, hf_mo
             assert np.array_equal(np.sort(got, -1), np.sort(want, -1))
     with kvtier.LLM(path, num_device_blocks=64, block_size=8) as llm:
         alone = [llm.generate([p], SP)[0] for p in prompts]
-    for a, b in zip(alone, batched):
-        assert a.token_ids == b.token_ids and np.array_equal(a.routed_experts, b.routed_experts)
+    with kvtier.LLM(path, num_device_blocks=64, block_size=8, max_num_batched_tokens=6) as llm:
+        chunked = llm.generate(prompts, SP)          # prefill in chunks of <= 6 tokens
+    for other in (alone, chunked):
+        for a, b in zip(other, batched):
+            assert a.token_ids == b.token_ids and np.array_equal(a.routed_experts, b.routed_experts)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])
@@ -72,7 +75,13 @@ def test_prefix_hits_return_the_routing_of_a_cold_run(preset, checkpoint):
         llm.generate(prompts, SP)
         host = [llm.generate([p], SP)[0] for p in prompts]
         assert any(o.cached_tokens_by_tier["host"] > 0 for o in host)
-    for other in (warm, tight, host):
+    # storage hit: routing travels inside the storage object with its KV
+    with kvtier.LLM(path, num_device_blocks=10, block_size=8, num_host_blocks=8, write_policy="write_through",
+                    storage="memory://?capacity=16MiB") as llm:
+        llm.generate(prompts, SP)
+        stored = [llm.generate([p], SP)[0] for p in prompts]
+        assert any(o.cached_tokens_by_tier["storage"] > 0 for o in stored)
+    for other in (warm, tight, host, stored):
         for c, o in zip(cold, other):
             assert o.token_ids == c.token_ids
             assert np.array_equal(o.routed_experts, c.routed_experts)
