@@ -151,12 +151,22 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         reqs = [self._make_request(p, sp, cache_salt) for p, sp in zip(prompts, params)]
+        mine = {r.request_id for r in reqs}
         for r in reqs:
             self.scheduler.add(r)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(reqs):
-            for out in self.step():
-                done[out.request_id] = out
+        try:
+            while len(done) < len(reqs):
+                for out in self.step():
+                    if out.request_id in mine:
+                        done[out.request_id] = out
+        except BaseException:
+            # an error or Ctrl-C mid-batch: drop this call's unfinished requests and their blocks
+            for r in reqs:
+                if r.request_id not in done:
+                    self.scheduler.abort(r.request_id)
+            self._run_plan()
+            raise
         return [done[r.request_id] for r in reqs]
 
     def _make_request(self, prompt, params: SamplingParams, cache_salt: str | None) -> Request:  # type: ignore[no-untyped-def]

@@ -188,3 +188,29 @@ def test_padded_static_decode_path_matches(preset, checkpoint, reference):
         assert graphs is not None and graphs.bucket(3) == 4 and not graphs.capture
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want   # and with prefix hits
+
+
+def test_a_failing_step_leaks_nothing_and_the_engine_recovers(checkpoint, reference, monkeypatch):
+    preset = "llama-tiny"
+    prompts = prompts_for(8)
+    want = reference(preset, prompts)
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8, num_host_blocks=16,
+                    write_policy="write_through") as llm:
+        calls = {"n": 0}
+        real = llm.runner.execute
+
+        def flaky(out):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected forward failure")
+            return real(out)
+
+        monkeypatch.setattr(llm.runner, "execute", flaky)
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate(prompts, GREEDY)
+        assert not llm.scheduler.has_unfinished()
+        tree = llm.cache.tree
+        assert llm.cache.device_pool.num_free + tree.num_device_copies == llm.cache.device_pool.num_blocks
+        assert all(n.lock_ref == 0 for n in tree.nodes.values())
+        llm.cache.assert_invariants()
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
