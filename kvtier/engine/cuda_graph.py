@@ -11,8 +11,8 @@ each decode step copies its inputs in and replays the graph::
     a scratch block that no request owns (its K/V writes land there and are never read).
 
 The attention kernel reads sequence lengths from device memory, so one graph serves any
-lengths up to ``max_model_len`` (captured with that as the maximum). MoE models are not
-captured (their expert dispatch groups tokens on the host).
+lengths up to ``max_model_len`` (captured with that as the maximum). MoE layers dispatch densely
+at decode sizes (no host sync) and write their routed experts into a static buffer (R3).
 
 On a CPU the same padded static-buffer path runs eagerly (``capture=False``): that is its test.
 """
@@ -25,7 +25,8 @@ from kvtier.model.attention import AttentionMetadata
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
-                 max_batch: int, scratch_block: int, device: torch.device, capture: bool) -> None:
+                 max_batch: int, scratch_block: int, device: torch.device, capture: bool,
+                 routing_shape: tuple[int, int] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -45,6 +46,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(bmax + 1, dtype=i32, device=device)
         self.seq_lens = torch.ones(bmax, dtype=i32, device=device)
         self.block_tables = torch.full((bmax, self.max_blocks), scratch_block, dtype=i32, device=device)
+        # R3: MoE layers write the step's expert ids here inside the graph
+        self.routing_out = (torch.zeros((bmax, *routing_shape), dtype=i32, device=device)
+                            if routing_shape is not None else None)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = None
 
@@ -64,8 +68,9 @@ class DecodeGraphs:
             query_lens_cpu=[1] * bp, seq_lens_cpu=lens, max_query_len=1, max_seq_len=max(lens))
 
     def _forward(self, bp: int, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+        routing = self.routing_out[:bp] if self.routing_out is not None else None
         return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches,
-                          self._meta(bp, seq_lens_cpu))
+                          self._meta(bp, seq_lens_cpu), routing_out=routing)
 
     def _graph(self, bp: int):  # type: ignore[no-untyped-def]
         if bp not in self._graphs:

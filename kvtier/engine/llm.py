@@ -103,10 +103,11 @@ class LLM:
         if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
             cuda_graphs = self.device.type == "cuda"
         graphs = None
-        if cuda_graphs and not cfg.is_moe:   # MoE dispatch syncs with the host: not capturable
+        if cuda_graphs:
             graphs = DecodeGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
                                   min(max_num_seqs, 256), num_device_blocks, self.device,
-                                  capture=self.device.type == "cuda")
+                                  capture=self.device.type == "cuda",
+                                  routing_shape=(cfg.num_moe_layers, cfg.top_k) if self.routing else None)
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
                                    cfg.eos_token_ids)

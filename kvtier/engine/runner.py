@@ -53,12 +53,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Forward the step; returns the sampled token of every request that samples."""
         input_ids, positions, meta, sample_rows = self.build_inputs(out)
-        routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
         graphs = self.decode_graphs
-        if (graphs is not None and routing_out is None and meta.max_query_len == 1
-                and graphs.bucket(meta.num_seqs) is not None):
+        if graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None:
             hidden = graphs.run(input_ids, positions, meta)
+            routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None
         else:
+            routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
             hidden = self.model(input_ids, positions, self.kv_caches, meta, routing_out=routing_out)
         if self.routing is not None:
             self.routing.record(routing_out, meta.slot_mapping_cpu)

@@ -83,9 +83,13 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """After loading: q/k/v and gate/up projections become one GEMM each."""
-        for m in list(self.modules()):
+        modules = list(self.modules())
+        for m in modules:
             if isinstance(m, (MLP, SelfAttention)):
                 m.fuse()
+        for m in modules:
+            if isinstance(m, SparseMoE):
+                m.fuse()            # stacks the (already fused) experts for dense dispatch
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
                                      for _ in range(cfg.num_experts))
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None   # set by fuse()
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -45,15 +46,46 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
 
+    # Steps of at most this many tokens run every expert on every token (dense dispatch): no host
+    # sync, so decode steps can be captured in CUDA graphs; at decode sizes nearly every expert is
+    # hit anyway, and reading the expert weights, not the extra FLOPs, is what costs.
+    DENSE_MAX_TOKENS = 256
+
     def forward(self, x: torch.Tensor, routing_out: torch.Tensor | None = None,
                 routing_in: torch.Tensor | None = None) -> torch.Tensor:
         ids, weights = self.route(x, routing_in)
         if routing_out is not None:
             routing_out[:, self.moe_index].copy_(ids)
-        out = self._experts(x, ids, weights.to(x.dtype))
+        if x.shape[0] <= self.DENSE_MAX_TOKENS and self._stacked is not None:
+            out = self._experts_dense(x, ids, weights.to(x.dtype))
+        else:
+            out = self._experts(x, ids, weights.to(x.dtype))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def fuse(self) -> None:
+        """After the experts' own fuse(): stack their weights ([E, 2I, H] gate/up, [E, H, I] down)
+        and make each expert's Linear a view of its slice, so no weight is stored twice."""
+        experts = list(self.experts)
+        if any(e.gate_up_proj is None or e.down_proj.bias is not None for e in experts):
+            return
+        gate_up = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
+        down = torch.stack([e.down_proj.weight.detach() for e in experts])
+        for i, e in enumerate(experts):
+            e.gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+        self._stacked = (gate_up, down)
+        self._act = experts[0].act
+
+    def _experts_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self._stacked                                    # type: ignore[misc]
+        h = torch.matmul(x.unsqueeze(0), gate_up.transpose(1, 2))       # [E, T, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.matmul(self._act(gate) * up, down.transpose(1, 2))    # [E, T, H]
+        combine = torch.zeros((x.shape[0], self.num_experts), dtype=x.dtype, device=x.device)
+        combine.scatter_(1, ids, weights)                                # [T, E]: 0 for unused experts
+        return torch.einsum("te,eth->th", combine, y)
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum of weight * expert(x) over each token's experts: tokens grouped by expert, one loop."""

@@ -3,6 +3,7 @@ cold and through every cache path (prefix hit on device / host / storage, chunke
 batching, preemption). fp32 on CPU."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -177,7 +178,7 @@ def test_bad_input_names_the_problem(checkpoint, tmp_path):
         kvtier.LLM(tmp_path)
 
 
-@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "qwen2-moe-tiny"])
 def test_padded_static_decode_path_matches(preset, checkpoint, reference):
     """The CUDA-graph decode path (static buffers, batch padded to a bucket, padding rows writing
     to the scratch block) run eagerly on the CPU: same tokens as transformers."""
@@ -214,3 +215,16 @@ def test_a_failing_step_leaks_nothing_and_the_engine_recovers(checkpoint, refere
         assert all(n.lock_ref == 0 for n in tree.nodes.values())
         llm.cache.assert_invariants()
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
+def test_padded_static_decode_path_captures_routing(checkpoint):
+    path = checkpoint("qwen3-moe-tiny")
+    prompts = prompts_for(9, lengths=(5, 19, 33))
+    sp = kvtier.SamplingParams(max_tokens=10, ignore_eos=True, return_routed_experts=True)
+    outs = {}
+    for graphs in (True, False):
+        with kvtier.LLM(path, num_device_blocks=64, block_size=8, cuda_graphs=graphs) as llm:
+            outs[graphs] = llm.generate(prompts, sp)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids
+        assert np.array_equal(a.routed_experts, b.routed_experts)

@@ -77,15 +77,19 @@ def test_bf16_cache_hits_on_every_tier_equal_cold(preset, checkpoint):
             assert np.array_equal(w.routed_experts, c.routed_experts)
 
 
-@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "qwen3-moe-tiny", "mixtral-tiny"])
 def test_cuda_graph_decode_equals_eager(preset, checkpoint):
     path = checkpoint(preset)
     prompts = prompts_for(4, lengths=(5, 19, 33, 47, 61))      # 5 sequences: bucket 8
+    sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts="moe" in preset)
     outs = {}
     for graphs in (True, False):
         with kvtier.LLM(path, device="cuda", dtype="float32", num_device_blocks=128, cuda_graphs=graphs) as llm:
             assert (llm.runner.decode_graphs is not None) == graphs
-            outs[graphs] = [o.token_ids for o in llm.generate(prompts, SP)]
+            outs[graphs] = llm.generate(prompts, sp)
             if graphs:
                 assert llm.runner.decode_graphs._graphs, "no decode step was replayed from a graph"
-    assert outs[True] == outs[False]
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids
+        if a.routed_experts is not None:
+            assert np.array_equal(a.routed_experts, b.routed_experts)

@@ -67,3 +67,20 @@ def test_forcing_other_experts_changes_logits(preset, checkpoint, our_model):
     forced = PagedSequences(model).step({0: tokens}, routing_in=other)[0]
 
     assert (forced - live).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+def test_dense_and_grouped_expert_dispatch_agree(preset, checkpoint, our_model, monkeypatch):
+    """Decode-sized steps run every expert densely (graph-capturable); large steps group tokens by
+    expert. Both give the same logits and routing (and the dense one is what the HF tests above saw)."""
+    from kvtier.model.moe import SparseMoE
+
+    model = our_model(checkpoint(preset))
+    tokens = random_tokens(14, seed=13)
+    dense_routing = routing_buffer(model.config, len(tokens))
+    dense = PagedSequences(model).step({0: tokens}, routing_out=dense_routing)[0]
+    monkeypatch.setattr(SparseMoE, "DENSE_MAX_TOKENS", 0)
+    grouped_routing = routing_buffer(model.config, len(tokens))
+    grouped = PagedSequences(model).step({0: tokens}, routing_out=grouped_routing)[0]
+    assert torch.equal(dense_routing, grouped_routing)
+    assert torch.allclose(dense, grouped, atol=1e-5)
