@@ -268,8 +268,14 @@ class CacheManager:
             n.last_access = tick
             n.hit_count += 1
         bs = self.block_size
+        from_storage = 0
+        for n in host_hits:
+            if n.from_storage:           # fetched for this request: a storage hit, counted once
+                n.from_storage = False
+                from_storage += 1
         self.stats.hit_tokens["device"] += nd * bs
-        self.stats.hit_tokens["host"] += len(host_hits) * bs
+        self.stats.hit_tokens["host"] += (len(host_hits) - from_storage) * bs
+        self.stats.hit_tokens["storage"] += from_storage * bs
         self.stats.query_tokens += len(req.token_ids)
         if self.has_host:
             for n in device_hits:
@@ -295,18 +301,19 @@ class CacheManager:
 
     # ------------------------------------------------------------------ eviction
     def _evict_device(self, num_blocks: int) -> None:
-        tree, pool, freed = self.tree, self.device_pool, 0
+        tree, pool, freed, deferred = self.tree, self.device_pool, 0, 0
         write_back = self.policy.copy_on_evict and self.has_host
         v = tree.pop_device_victim() if num_blocks > 0 else None
         while v is not None:
             if v.host_block is None:
                 if write_back and self._backup(v):   # write_back: freed once the copy landed
                     v.evict_device_after_copy = True
-                    v = tree.pop_device_victim()
+                    deferred += 1                    # counts toward the target: no over-eviction
+                    v = tree.pop_device_victim() if freed + deferred < num_blocks else None
                     continue
                 pool.free_one(tree.evict_device_leaf(v))   # the last copy: the node goes too
                 freed += 1
-                if freed < num_blocks:
+                if freed + deferred < num_blocks:
                     v = tree.next_device_victim(v)
                 else:
                     tree.maybe_candidate(v.parent)  # type: ignore[arg-type]
@@ -314,17 +321,18 @@ class CacheManager:
             else:
                 pool.free_one(tree.drop_device(v))
                 freed += 1
-                v = tree.pop_device_victim() if freed < num_blocks else None
+                v = tree.pop_device_victim() if freed + deferred < num_blocks else None
         self.stats.evictions["device"] += freed
 
     def _evict_host(self, num_blocks: int) -> None:
-        tree, freed = self.tree, 0
-        while freed < num_blocks:
+        tree, freed, deferred = self.tree, 0, 0
+        while freed + deferred < num_blocks:
             v = tree.pop_host_victim()
             if v is None:
                 return
             if (v.device_block is None and self.policy.copy_on_evict and self.storage is not None
                     and not self.storage.contains(v.key)):
+                deferred += 1
                 self._put(v)                    # write_back: freed once stored
                 v.evict_host_after_copy = True
                 continue
@@ -343,14 +351,22 @@ class CacheManager:
         while not n.is_root and n.host_block is None:
             chain.append(n)
             n = n.parent  # type: ignore[assignment]
-        for n in reversed(chain):
-            got = self._take_host(1)
-            if got is None:
-                return False
-            self.tree.set_host(n, got[0], ready=False)
-            n.device_reads += 1
-            self._staged["backup"].append((n, n.device_block, got[0]))
-        return True
+        top = n                     # root, or the nearest ancestor with a host copy
+        if not top.is_root:
+            top.host_reads += 1     # our own host evictions must not take the copy we hang from
+        try:
+            for n in reversed(chain):
+                got = self._take_host(1)
+                if got is None:
+                    return False
+                self.tree.set_host(n, got[0], ready=False)
+                n.device_reads += 1
+                self._staged["backup"].append((n, n.device_block, got[0]))
+            return True
+        finally:
+            if not top.is_root:
+                top.host_reads -= 1
+                self.tree.maybe_candidate(top)
 
     def _put(self, node: Node) -> None:
         if self.storage is None or node.putting or self.storage.contains(node.key):
@@ -371,7 +387,9 @@ class CacheManager:
         anchor = req._path[-1] if req._path else self.tree.root
         if not anchor.is_root and anchor.host_block is None and not self._backup(anchor):
             return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
-        pf = _Prefetch(anchor, anchor.device_block is not None)
+        # hold the anchor: its landed host copy with a host pin (so our own host evictions below
+        # cannot take it), else its device copy with a lock (its host copy is still in flight)
+        pf = _Prefetch(anchor, not anchor.host_ready)
         self._hold(pf, +1)           # the node the fetched blocks will hang from stays
         blocks: list[int] = []
         for _ in m.storage_keys:
@@ -552,6 +570,7 @@ class CacheManager:
                 continue
             if req.rid in rewinds or idx in failed:
                 rewinds.setdefault(req.rid, i * self.block_size)
+                self.stats.hit_tokens["host"] -= self.block_size   # recomputed: not a hit after all
                 continue                         # stays request-owned; recomputed
             assert i == len(req.nodes), "loads complete in path order"
             tree.lock(node)
@@ -621,7 +640,7 @@ class CacheManager:
                 if node.host_block is None:
                     node.last_access = self._tick
                     tree.set_host(node, block, ready=True)
-                    self.stats.hit_tokens["storage"] += self.block_size
+                    node.from_storage = True     # its first host hit counts as a storage hit
                 else:
                     self.host_pool.free_one(block)
                 parent = node

@@ -36,6 +36,7 @@ class Node:
         "lock_ref", "device_reads", "host_reads",
         "num_device_children", "num_host_children",
         "hit_count", "last_access", "evict_device_after_copy", "evict_host_after_copy",
+        "from_storage",
     )
 
     def __init__(self, key: bytes, parent: "Node | None", label: bytes = b"") -> None:
@@ -59,6 +60,7 @@ class Node:
         self.last_access = 0
         self.evict_device_after_copy = False   # write_back: free the device copy once copied
         self.evict_host_after_copy = False     # write_back: free the host copy once stored
+        self.from_storage = False              # host copy fetched from storage, not yet hit
 
     def __repr__(self) -> str:
         return (f"Node(depth={self.depth}, key={self.key[:4].hex()}, dev={self.device_block}, "

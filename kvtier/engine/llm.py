@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtier.cache import CacheManager, ModelFingerprint
+from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.request import Request
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
@@ -66,6 +66,7 @@ class LLM:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' asked for, but torch sees no CUDA device")
+        check_block_size(block_size)
         self.path = Path(model)
         self.device = torch.device(device)
         self.config = cfg = ModelConfig.from_hf_dir(self.path)
@@ -113,6 +114,7 @@ class LLM:
                                    cfg.eos_token_ids)
         self.block_size = block_size
         self._ids = count()
+        self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
         self._closed = False
 
     # ------------------------------------------------------------------ set-up helpers
@@ -144,7 +146,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         self._check_open()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
@@ -179,6 +183,10 @@ class LLM:
             ids = list(prompt)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
+        if params.return_routed_experts and self.routing is None:
+            raise ValueError("return_routed_experts=True needs a MoE model with routing capture on "
+                             f"({self.config.architecture}, capture_routing="
+                             f"{self.config.is_moe and self.routing is not None})")
         vocab = self.config.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
@@ -202,27 +210,32 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
+        self._check_open()
         if self.routing is not None:
             self.routing.flush()
         out = self.scheduler.schedule()
+        ops_before = self._ops_done
         rewinds = self._run_plan()
         sampled = self.runner.execute(out) if out.scheduled else {}
         finished = self.scheduler.update(out, sampled, rewinds)
         self._run_plan()
         results = []
-        for req in finished:
-            results.append(self._output(req))
-            self.scheduler.release(req)
-        if not out.scheduled and not out.prefetching and self.scheduler.has_unfinished():
-            if not self.cache.num_pending_ops:
-                req = self.scheduler.waiting[0]
-                raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
-                                   f"the device tier has {self.cache.device_pool.num_blocks} blocks")
+        for i, req in enumerate(finished):
+            try:
+                results.append(self._output(req))
+            finally:                      # a failed output still returns the request's blocks
+                self.scheduler.release(req)
+        progressed = out.scheduled or out.prefetching or self._ops_done != ops_before
+        if not progressed and self.scheduler.has_unfinished() and not self.cache.num_pending_ops:
+            req = self.scheduler.waiting[0]
+            raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
+                               f"the device tier has {self.cache.device_pool.num_blocks} blocks")
         return results
 
     def _run_plan(self) -> dict[object, int]:
         rewinds: dict[object, int] = {}
         while plan := self.cache.take_plan():
+            self._ops_done += sum(1 for _ in plan)
             for op in plan:
                 try:
                     failed = self.executor.run(op)
@@ -246,9 +259,14 @@ class LLM:
     def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
         """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""
         self._check_open()
-        ids = self._make_request(list(token_ids), SamplingParams(), None).prompt_token_ids
-        if len(ids) < 2:
-            raise ValueError("score needs at least 2 tokens")
+        ids = list(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
+        vocab = self.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is not an int in 0..{vocab - 1}")
+        ids = [int(t) for t in ids]
+        if not 2 <= len(ids) <= self.max_model_len:
+            raise ValueError(f"score needs 2..{self.max_model_len} tokens (max_model_len), got {len(ids)}")
         forced = None
         if routed_experts is not None:
             cfg = self.config

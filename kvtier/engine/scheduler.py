@@ -118,6 +118,7 @@ class Scheduler:
         req.cache = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.prefetch_from = None            # its prefix may be in storage again: prefetch anew
         self.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -130,7 +131,14 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             if rewinds and req.request_id in rewinds:   # a load failed: recompute from there
-                req.num_computed_tokens = min(req.num_computed_tokens, rewinds[req.request_id])
+                valid = rewinds[req.request_id]
+                req.num_computed_tokens = min(req.num_computed_tokens, valid)
+                if req.num_cached_tokens is not None and req.num_cached_tokens > valid:
+                    req.num_cached_tokens = valid            # the rest is recomputed, not a hit
+                    tiers = req.cached_tokens_by_tier
+                    tiers["device"] = min(tiers["device"], valid)
+                    tiers["host"] = min(tiers["host"], valid - tiers["device"])
+                    tiers["storage"] = valid - tiers["device"] - tiers["host"]
                 continue
             req.num_computed_tokens += s.num_tokens
             self.cache.commit(req.cache, req.num_computed_tokens)

@@ -257,3 +257,61 @@ def test_free_twice_is_refused():
     mgr.free(req)
     with pytest.raises(ValueError, match="freed twice"):
         mgr.free(req)
+
+
+# ---------------------------------------------------------------- regressions found in review
+
+def test_write_back_evicts_only_what_the_allocation_needs():
+    mgr = CacheManager(block_size=BS, num_device_blocks=12, num_host_blocks=40, write_policy="write_back")
+    for k in range(4):
+        serve(mgr, f"p{k}", blocks(100 * k, 2, extra=1))
+    run_plans(mgr)
+    b = mgr.new_request("b", blocks(1000, 0, extra=3))
+    need = mgr.device_pool.num_free + 1
+    assert not mgr.allocate(b, need * BS)        # the one block it needs is being copied first
+    plan = mgr.take_plan()
+    # one victim (a chain's tail) and its ancestor, copied first: not all 8 cached blocks
+    assert plan.backups is not None and plan.backups.num_blocks == 2
+    mgr.complete_plan(plan)
+    assert mgr.allocate(b, need * BS)
+    mgr.assert_invariants([b])
+
+
+def test_a_backup_does_not_evict_the_host_copy_it_hangs_from():
+    mgr = CacheManager(block_size=BS, num_device_blocks=10, num_host_blocks=2, write_policy="write_through")
+    serve(mgr, "a", blocks(0, 1, extra=1))
+    serve(mgr, "x", blocks(100, 1, extra=1))
+    ra = mgr.new_request("ra", blocks(0, 2, extra=1))
+    mgr.match_prefix(ra)
+    assert mgr.allocate(ra, 9)
+    rx = mgr.new_request("rx", blocks(100, 1, extra=2))
+    mgr.match_prefix(rx)
+    assert mgr.allocate(rx, 6)
+    run_plans(mgr)
+    mgr.commit(ra, 9)                            # a1 lands; backing it up must keep a0's host copy
+    run_plans(mgr)
+    assert mgr.stats.failures["backup"] == 0
+    assert ra.nodes[0].host_ready
+    mgr.assert_invariants([ra, rx])
+
+
+def test_a_prefetch_does_not_evict_its_own_anchor():
+    mgr = CacheManager(block_size=BS, num_device_blocks=10, num_host_blocks=3, write_policy="write_through",
+                       storage=SimulatedStorage(None))
+    a = blocks(0, 3, extra=1)
+    serve(mgr, "a", a)
+    serve(mgr, "b", blocks(100, 2, extra=1))
+    c = mgr.new_request("c", blocks(500, 7, extra=0))
+    mgr.match_prefix(c)
+    assert mgr.allocate(c, 7 * BS)
+    mgr.free(c)
+    run_plans(mgr)
+    d = mgr.new_request("d", a)
+    m = mgr.match_prefix(d)
+    assert m.num_storage_blocks > 0
+    planned = mgr.prefetch(d)
+    assert planned > 0
+    run_plans(mgr)
+    after = mgr.match_prefix(d)
+    assert after.num_storage_blocks == 0 and after.num_host_blocks >= 1
+    mgr.assert_invariants([d])

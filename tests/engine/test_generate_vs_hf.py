@@ -228,3 +228,80 @@ def test_padded_static_decode_path_captures_routing(checkpoint):
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
         assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+# ---------------------------------------------------------------- regressions found in review
+
+def test_write_back_engine_waits_for_copies_instead_of_failing(checkpoint, reference):
+    preset = "qwen3-tiny"
+    a, b = prompts_for(10, lengths=(80, 80))
+    want = reference(preset, [a, b])
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=32,
+                    write_policy="write_back") as llm:
+        assert llm.generate([a], GREEDY)[0].token_ids == want[0]
+        assert llm.generate([b], GREEDY)[0].token_ids == want[1]     # evicts a's blocks via copies
+        again = llm.generate([a], GREEDY)[0]
+        assert again.token_ids == want[0] and again.cached_tokens_by_tier["host"] > 0
+        llm.cache.assert_invariants()
+
+
+def test_storage_hits_are_counted_once(checkpoint):
+    a, b, c = prompts_for(5, lengths=(60, 60, 60))
+    with kvtier.LLM(checkpoint("llama-tiny"), num_device_blocks=10, block_size=8, num_host_blocks=8,
+                    storage="memory://?capacity=16MiB", write_policy="write_through") as llm:
+        for p in (a, b, c):
+            llm.generate([p], GREEDY)
+        before = llm.cache_stats()
+        again = llm.generate([a], GREEDY)[0]
+        after = llm.cache_stats()
+    by_tier = again.cached_tokens_by_tier
+    assert by_tier["storage"] > 0
+    for tier in ("device", "host", "storage"):
+        assert after[tier]["hit_tokens"] - before[tier]["hit_tokens"] == by_tier[tier], tier
+
+
+def test_failed_host_loads_recompute_and_are_not_reported_as_hits(checkpoint, reference, monkeypatch):
+    preset = "qwen3-tiny"
+    a, b = prompts_for(4, lengths=(60, 60))
+    want = reference(preset, [a])
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64,
+                    write_policy="write_through") as llm:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        real = llm.executor.run
+        monkeypatch.setattr(llm.executor, "run",
+                            lambda op: list(range(op.num_blocks)) if op.kind == "load" else real(op))
+        again = llm.generate([a], GREEDY)[0]
+        assert again.token_ids == want[0]
+        assert again.cached_tokens_by_tier["host"] == 0
+        assert again.num_cached_tokens == again.cached_tokens_by_tier["device"]
+        assert llm.cache_stats()["failures"]["load"] > 0
+        llm.cache.assert_invariants()
+
+
+def test_routed_experts_on_a_dense_model_is_refused_before_running(checkpoint):
+    with kvtier.LLM(checkpoint("qwen3-tiny"), num_device_blocks=64) as llm:
+        with pytest.raises(ValueError, match="needs a MoE model"):
+            llm.generate([[1, 2, 3]], kvtier.SamplingParams(max_tokens=2, return_routed_experts=True))
+        assert llm.cache.device_pool.num_used == 0 and not llm.scheduler.has_unfinished()
+
+
+def test_score_takes_any_sequence_up_to_the_context(checkpoint):
+    with kvtier.LLM(checkpoint("llama-tiny"), num_device_blocks=3, block_size=16, max_model_len=64) as llm:
+        assert llm.score(list(range(64))).shape == (63,)
+        with pytest.raises(ValueError, match="2..64 tokens"):
+            llm.score([1])
+
+
+def test_more_bad_input(checkpoint):
+    path = checkpoint("llama-tiny")
+    with pytest.raises(ValueError, match="got 0"):
+        kvtier.LLM(path, block_size=0)
+    with pytest.raises(ValueError, match="temperature"):
+        kvtier.SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        kvtier.SamplingParams(stop_token_ids=5)
+    llm = kvtier.LLM(path, num_device_blocks=8)
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.step()
