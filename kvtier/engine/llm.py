@@ -220,7 +220,7 @@ class LLM:
         finished = self.scheduler.update(out, sampled, rewinds)
         self._run_plan()
         results = []
-        for i, req in enumerate(finished):
+        for req in finished:
             try:
                 results.append(self._output(req))
             finally:                      # a failed output still returns the request's blocks
