@@ -83,7 +83,6 @@ class CacheStats:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("load", "backup", "fetch", "put"), 0))
     query_tokens: int = 0
-    computed_tokens: int = 0
 
     def as_dict(self) -> dict:
         return {"hit_tokens": dict(self.hit_tokens), "evictions": dict(self.evictions),

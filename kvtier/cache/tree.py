@@ -137,16 +137,21 @@ class RadixTree:
         elif node.host_block is not None:      # locked: a candidate on the host tier at most
             self.maybe_candidate(node)
 
-    def drop_device(self, node: Node) -> int:
+    def _clear_device(self, node: Node) -> int:
+        """Take away an unlocked, unread device copy; returns its block."""
         block = node.device_block
-        assert block is not None and node.lock_ref == 0 and node.device_reads == 0
+        assert block is not None and node.lock_ref == 0 and node.device_reads == 0, node
         node.device_block = None
         node.evict_device_after_copy = False
         self.epoch += 1
         self.num_device_copies -= 1
         self.num_device_unlocked -= 1
+        node.parent.num_device_children -= 1  # type: ignore[union-attr]
+        return block
+
+    def drop_device(self, node: Node) -> int:
+        block = self._clear_device(node)
         parent = node.parent
-        parent.num_device_children -= 1  # type: ignore[union-attr]
         if parent.num_device_children == 0:  # type: ignore[union-attr]
             self.maybe_candidate(parent)      # type: ignore[arg-type]
         return block
@@ -155,17 +160,9 @@ class RadixTree:
         """Drop the device copy of a device leaf that has no host copy, and the node with it
         (``drop_device`` + ``remove`` in one step: the common eviction). Returns the block.
         The parent may have become a leaf: :meth:`next_device_victim` looks at it first."""
-        block = node.device_block
-        assert block is not None and node.host_block is None and not node.children, node
-        assert node.lock_ref == 0 and node.device_reads == 0 and node.host_reads == 0, node
-        node.device_block = None
-        node.evict_device_after_copy = False
-        self.epoch += 1
-        self.num_device_copies -= 1
-        self.num_device_unlocked -= 1
-        parent = node.parent
-        parent.num_device_children -= 1   # type: ignore[union-attr]
-        del parent.children[node.label]   # type: ignore[union-attr]
+        assert node.host_block is None and not node.children and node.host_reads == 0, node
+        block = self._clear_device(node)
+        del node.parent.children[node.label]   # type: ignore[union-attr]
         del self.nodes[node.key]
         return block
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvtier.cache import CacheRequest
@@ -43,7 +42,6 @@ class Request:
     num_preemptions: int = 0
     prefetch_from: int | None = None              # cached tokens (device + host) before a storage prefetch
     generator: torch.Generator | None = None
-    routed_experts: np.ndarray | None = None      # filled at finish when params ask for it
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
