@@ -9,6 +9,7 @@ The scheduler's vocabulary (one request ``r``, a :class:`CacheRequest` from :met
                                device hits and plans host->device loads for its host hits
     commit(r, n)               the forward wrote KV of positions < n: full blocks join the tree
     free(r)                    finish / abort / preempt: unpin, return r's own blocks
+    swap_out(r)                preempt by swap: copy r's committed blocks to host, then free(r)
     take_plan()                this step's merged transfers (StepPlan)
     complete(op_id, failed)    an op finished; only now do its bytes count as landed
 
@@ -83,11 +84,12 @@ class CacheStats:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("load", "backup", "fetch", "put"), 0))
     query_tokens: int = 0
+    swapped_out_blocks: int = 0
 
     def as_dict(self) -> dict:
         return {"hit_tokens": dict(self.hit_tokens), "evictions": dict(self.evictions),
                 "bytes_moved": dict(self.bytes_moved), "failures": dict(self.failures),
-                "query_tokens": self.query_tokens}
+                "query_tokens": self.query_tokens, "swapped_out_blocks": self.swapped_out_blocks}
 
 
 _BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host",
@@ -489,6 +491,31 @@ class CacheManager:
             self.device_pool.free(own)
         del req.block_table[len(req.nodes) + req.num_loading:]
         req.nodes = []
+
+    def swap_out(self, req: CacheRequest) -> int:
+        """Preemption by swap: plan device->host copies of every block ``req`` committed that has
+        no host copy (whatever the write policy), then :meth:`free` it. Returns the blocks planned.
+
+        The blocks stay in the tree: when the request comes back, its prefix matches on device
+        (if not evicted meanwhile) or on host, and is loaded instead of recomputed. Only the last,
+        partial block is recomputed. A host tier too full to take them costs a recompute."""
+        planned = 0
+        if self.has_host and req.admitted and not req.freed and req.nodes:
+            last = req.nodes[-1]
+            before = len(self._staged["backup"])
+            if last.host_block is None:
+                self._backup(last)            # ancestors first: host copies stay prefix-closed
+            planned = len(self._staged["backup"]) - before
+            self.stats.swapped_out_blocks += planned
+        self.free(req)
+        return planned
+
+    @property
+    def num_device_blocks_freeing(self) -> int:
+        """Device blocks no request holds that become evictable once their backup lands (a swap
+        out, write_back): the scheduler waits for them instead of preempting more."""
+        return sum(1 for kind, items in (*self._pending.values(), ("backup", self._staged["backup"]))
+                   if kind == "backup" for n, _d, _h in items if n.lock_ref == 0)
 
     # ================================================================== plans
     def take_plan(self) -> StepPlan:

@@ -2,9 +2,13 @@
 
 One engine step::
 
-    schedule() ─► take_plan() ─► run copies (loads land) ─► forward + sample ─► update()
-                                                     commit new blocks ◄─┘
-                  take_plan() ─► run copies (backups, puts) ─► finished requests: outputs, free
+    poll copies ─► schedule() ─► submit plan (loads queued on the load stream, layer by layer)
+        ─► forward (layer l waits on load event l, GPU-side) + sample ─► loads landed ─► update()
+        ─► submit plan (backups of the blocks just written: offload stream, after the forward)
+        ─► poll copies ─► finished requests: outputs, free
+
+Copies complete asynchronously on the GPU (the transfer engine polls their events) and
+synchronously on CPU; the manager counts bytes as landed only when they have.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model
 from kvtier.storage import open_storage
-from kvtier.transfer.copy import allocate_host_kv
-from kvtier.transfer.executor import TransferExecutor
+from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.host_pool import HostKV
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +56,8 @@ class LLM:
                  storage: str | None = None, write_policy: str = "write_through_selective",
                  write_through_threshold: int = 2, enable_prefix_caching: bool = True,
                  prefetch_policy: str = "best_effort", storage_fetch: str = "auto",
-                 tensor_parallel_size: int = 1, seed: int = 0, max_num_batched_tokens: int = 2048,
+                 tensor_parallel_size: int = 1, preemption_mode: str | None = None,
+                 load_format: str = "auto", seed: int = 0, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  attention_backend: str | None = None, eviction: str = "lru",
                  capture_routing: bool = True, cuda_graphs: bool | None = None) -> None:
@@ -73,7 +78,14 @@ class LLM:
         self.dtype = self._resolve_dtype(dtype, cfg)
         if attention_backend is None:
             attention_backend = "triton" if self.device.type == "cuda" else "torch"
-        self.model = load_model(self.path, self.device, self.dtype, attention_backend)
+        if preemption_mode is None:
+            preemption_mode = "swap" if num_host_blocks else "recompute"
+        if preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
+        if preemption_mode == "swap" and not num_host_blocks:
+            raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
+        self.preemption_mode = preemption_mode
+        self.model = load_model(self.path, self.device, self.dtype, attention_backend, **({"load_format": load_format} if load_format != "auto" else {}))  # TEMP
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.path)
         self.seed = seed
@@ -94,13 +106,14 @@ class LLM:
             raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
         # one block more than the pool hands out: the scratch block padded CUDA-graph rows write to
         self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
-        pin = self.device.type == "cuda"
-        self.host_kv = (allocate_host_kv(num_host_blocks, cfg.num_layers, block_size, cfg.num_kv_heads,
-                                         cfg.head_dim, self.dtype, pin) if num_host_blocks else None)
+        # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
+        self._host = (HostKV((num_host_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+                             self.dtype, self.device) if num_host_blocks else None)
+        self.host_kv = self._host.tensor if self._host is not None else None
         self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
                                        num_device_blocks, num_host_blocks, self.device)
                         if cfg.is_moe and capture_routing else None)
-        self.executor = TransferExecutor(self.kv_caches, self.host_kv, self.storage, self.routing)
+        self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing, self.storage)
         if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
             cuda_graphs = self.device.type == "cuda"
         graphs = None
@@ -111,7 +124,7 @@ class LLM:
                                   routing_shape=(cfg.num_moe_layers, cfg.top_k) if self.routing else None)
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
-                                   cfg.eos_token_ids)
+                                   cfg.eos_token_ids, preemption_mode)
         self.block_size = block_size
         self._ids = count()
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
@@ -170,7 +183,7 @@ class LLM:
             for r in reqs:
                 if r.request_id not in done:
                     self.scheduler.abort(r.request_id)
-            self._run_plan()
+            self._drain()
             raise
         return [done[r.request_id] for r in reqs]
 
@@ -213,12 +226,14 @@ class LLM:
         self._check_open()
         if self.routing is not None:
             self.routing.flush()
-        out = self.scheduler.schedule()
         ops_before = self._ops_done
-        rewinds = self._run_plan()
-        sampled = self.runner.execute(out) if out.scheduled else {}
+        self._pump()                              # copies that landed since the last step
+        out = self.scheduler.schedule()
+        rewinds = self._pump()                    # loads: queued (GPU) or done (CPU)
+        sampled = self.runner.execute(out, self.transfer.layer_hook()) if out.scheduled else {}
+        rewinds.update(self._complete(self.transfer.wait_loads()))   # the forward waited on them
         finished = self.scheduler.update(out, sampled, rewinds)
-        self._run_plan()
+        self._pump()                              # backups of what the forward wrote, puts
         results = []
         for req in finished:
             try:
@@ -226,24 +241,41 @@ class LLM:
             finally:                      # a failed output still returns the request's blocks
                 self.scheduler.release(req)
         progressed = out.scheduled or out.prefetching or self._ops_done != ops_before
-        if not progressed and self.scheduler.has_unfinished() and not self.cache.num_pending_ops:
-            req = self.scheduler.waiting[0]
-            raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
-                               f"the device tier has {self.cache.device_pool.num_blocks} blocks")
+        if not progressed and self.scheduler.has_unfinished():
+            if self.transfer.num_in_flight:        # nothing to run until copies land: wait for them
+                self._complete(self.transfer.drain())
+            elif not self.cache.num_pending_ops:
+                req = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
+                                   f"the device tier has {self.cache.device_pool.num_blocks} blocks")
         return results
 
-    def _run_plan(self) -> dict[object, int]:
+    def _pump(self) -> dict[object, int]:
+        """Submit the manager's staged copies and hand back those that landed, until quiet (on
+        CPU every copy lands at once, and a landed copy may stage the next: backup -> put)."""
         rewinds: dict[object, int] = {}
-        while plan := self.cache.take_plan():
-            self._ops_done += sum(1 for _ in plan)
+        while True:
+            plan = self.cache.take_plan()
             for op in plan:
-                try:
-                    failed = self.executor.run(op)
-                except Exception as e:   # a failed copy costs a recompute, never a wrong answer
-                    log.warning("%s op failed: %s", op.kind, e)
-                    failed = list(range(op.num_blocks))
-                rewinds.update(self.cache.complete(op.op_id, failed))
+                self.transfer.submit(op)
+            landed = self.transfer.poll()
+            rewinds.update(self._complete(landed))
+            if not plan and not landed:
+                return rewinds
+
+    def _complete(self, landed: list[tuple[int, list[int]]]) -> dict[object, int]:
+        rewinds: dict[object, int] = {}
+        for op_id, failed in landed:
+            rewinds.update(self.cache.complete(op_id, failed))
+        self._ops_done += len(landed)
         return rewinds
+
+    def _drain(self) -> None:
+        """Wait for every copy in flight and hand it to the manager (close, errors)."""
+        self._pump()
+        while self.transfer.num_in_flight:
+            self._complete(self.transfer.drain())
+            self._pump()
 
     def _output(self, req: Request) -> RequestOutput:
         routed = None
@@ -293,14 +325,17 @@ class LLM:
         }
 
     def close(self) -> None:
+        """Wait for copies in flight, then release device and (pinned) host memory."""
         if self._closed:
             return
-        self._run_plan()
+        self._drain()
         if self.routing is not None:
             self.routing.flush()
         self._closed = True
         self.kv_caches.clear()
         self.host_kv = None
+        if self._host is not None:
+            self._host.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -8,6 +8,8 @@ Input layout of a step (flattened varlen batch, DESIGN §4)::
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -50,16 +52,23 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return input_ids, pos, meta, sample_rows
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Forward the step; returns the sampled token of every request that samples."""
+    def execute(self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None) -> dict[str, int]:
+        """Forward the step; returns the sampled token of every request that samples.
+
+        ``layer_hook(l)`` runs before attention of layer ``l`` reads the KV cache (the transfer
+        engine's wait for that layer's loads); a replayed CUDA graph has no per-layer hook, so
+        it waits for the last layer (all of them) before the replay."""
         input_ids, positions, meta, sample_rows = self.build_inputs(out)
         graphs = self.decode_graphs
         if graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None:
+            if layer_hook is not None:
+                layer_hook(len(self.kv_caches) - 1)
             hidden = graphs.run(input_ids, positions, meta)
             routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, routing_out=routing_out)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook,
+                                routing_out=routing_out)
         if self.routing is not None:
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         samplers = [s.request for s in out.scheduled if s.samples]

@@ -1,10 +1,13 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill and preemption by swap or recompute.
 
 Each step the scheduler spends a token budget (``max_num_batched_tokens``):
 
 1. running requests first, oldest first: a decode token, or the next prefill chunk; if the device
-   tier cannot hold it even after eviction, the newest running request is preempted (its blocks
-   are freed, its KV will be recomputed — possibly served from cache when it comes back);
+   tier cannot hold it even after eviction, the newest running request is preempted: under
+   ``preemption_mode="swap"`` its committed blocks are copied to the host tier and come back by a
+   load; under ``"recompute"`` they are just freed (and may still be served from cache). While
+   device blocks are on their way out (a swap's copies in flight), the scheduler waits for them
+   rather than preempting more;
 2. then waiting requests, in arrival order, while the budget, ``max_num_seqs`` and the device tier
    allow: match the prefix (device, then host hits), admit, schedule the uncached rest (chunked).
 
@@ -32,6 +35,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     prefetching: list[Request] = field(default_factory=list)   # storage hits being fetched to host
+    stalled: bool = False        # a running request waits for device blocks that copies will free
 
     @property
     def num_tokens(self) -> int:
@@ -40,9 +44,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: CacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = (),
+                 preemption_mode: str = "recompute") -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
+        if preemption_mode == "swap" and not cache.has_host:
+            raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
+        self.preemption_mode = preemption_mode
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -69,6 +79,9 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not cache.allocate(req.cache, req.num_computed_tokens + n):
+                if cache.num_device_blocks_freeing:  # copies out are landing: wait, don't preempt more
+                    out.stalled = True
+                    break
                 victim = self.running.pop()          # newest first
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -78,7 +91,9 @@ class Scheduler:
                 out.scheduled.append(self._scheduled(req, n))
                 budget -= n
                 i += 1
-        if out.preempted:
+            if out.stalled:
+                break
+        if out.preempted or out.stalled:
             return out                               # no admissions while short of blocks
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -113,8 +128,12 @@ class Scheduler:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
-        """Free everything; the request starts over (its prefix may still be cached)."""
-        self.cache.free(req.cache)
+        """Free everything; the request starts over from its cached prefix: under swap, every
+        block it committed is copied to host first, so it comes back by a load."""
+        if self.preemption_mode == "swap":
+            self.cache.swap_out(req.cache)
+        else:
+            self.cache.free(req.cache)
         req.cache = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -200,11 +200,11 @@ def test_a_failing_step_leaks_nothing_and_the_engine_recovers(checkpoint, refere
         calls = {"n": 0}
         real = llm.runner.execute
 
-        def flaky(out):
+        def flaky(out, layer_hook=None):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("injected forward failure")
-            return real(out)
+            return real(out, layer_hook)
 
         monkeypatch.setattr(llm.runner, "execute", flaky)
         with pytest.raises(RuntimeError, match="injected"):
@@ -268,9 +268,9 @@ def test_failed_host_loads_recompute_and_are_not_reported_as_hits(checkpoint, re
                     write_policy="write_through") as llm:
         llm.generate([a], GREEDY)
         llm.generate([b], GREEDY)
-        real = llm.executor.run
-        monkeypatch.setattr(llm.executor, "run",
-                            lambda op: list(range(op.num_blocks)) if op.kind == "load" else real(op))
+        def broken_load(op):
+            raise RuntimeError("injected: host->device copy failed")
+        monkeypatch.setattr(llm.transfer, "_load", broken_load)
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0]
         assert again.cached_tokens_by_tier["host"] == 0

@@ -1,0 +1,171 @@
+"""Fast copy ops between the device and host KV layouts: one Triton kernel, zero-copy.
+
+Same signatures and results as the torch reference in :mod:`kvtier.transfer.copy`::
+
+    device (layer l):  kv[l]  [2, num_device_blocks, block_size, kv_heads, head_dim]
+    host (page first): host   [num_host_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+
+The unit of work is a *chunk*: the K (or V) of one block in one layer, ``block_size * kv_heads *
+head_dim`` elements, contiguous on both sides. One program copies (a part of) one chunk, so any
+list of block pairs — consecutive or scattered — is one launch per layer (loads) or one launch for
+all layers (backups, when the layers are views of one buffer as ``allocate_kv_caches`` makes them).
+
+The kernel reads or writes the pinned host pool *through its mapped device address* (CUDA unified
+addressing: a page-locked host pointer is valid on the GPU), so there is no staging buffer and no
+extra HBM round trip. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
+1 bytes), so no dtype, block size or head_dim drops tail bytes. Written by hand because no library
+op converts between these two paged layouts for a scattered list of blocks in one launch.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernel on CPU tensors: that is how CI
+tests it against the reference.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:      # pragma: no cover - the torch reference is used instead
+    triton = None
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+# block: words per inner iteration; part: words per program (many programs keep many PCIe
+# requests in flight); num_warps per program. Tuned on the H100 (docs/BENCHMARKS.md).
+# max_programs: the grid (a persistent kernel leaves the other SMs to the forward it overlaps).
+TUNING = {"block": 1024, "part": 8192, "num_warps": 4, "max_programs": 1 << 20}
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _copy_chunks(src, dst, src_ids, dst_ids, src_layer0, dst_layer0,
+                     src_block_stride, src_layer_stride, src_kv_stride,
+                     dst_block_stride, dst_layer_stride, dst_kv_stride,
+                     num_work, num_lk, num_parts,
+                     CHUNK: tl.constexpr, PART: tl.constexpr, BLOCK: tl.constexpr):
+        """Persistent grid: program p copies work items p, p + P, ... where a work item is words
+        [part*PART, (part+1)*PART) of the chunk (item, layer, k|v). Strides are in words; offsets
+        are int64."""
+        num_programs = tl.num_programs(0)
+        for w in range(tl.program_id(0), num_work, num_programs):
+            part = w % num_parts
+            lk = (w // num_parts) % num_lk
+            item = w // (num_parts * num_lk)
+            layer = (lk // 2).to(tl.int64)
+            kv = (lk % 2).to(tl.int64)
+            s = tl.load(src_ids + item).to(tl.int64)
+            d = tl.load(dst_ids + item).to(tl.int64)
+            src_base = src + s * src_block_stride + (src_layer0 + layer) * src_layer_stride + kv * src_kv_stride
+            dst_base = dst + d * dst_block_stride + (dst_layer0 + layer) * dst_layer_stride + kv * dst_kv_stride
+            lo = part * PART
+            for start in range(0, PART, BLOCK):
+                offs = lo + start + tl.arange(0, BLOCK)
+                mask = offs < CHUNK
+                tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+
+
+def _word(chunk_bytes: int, *tensors: torch.Tensor) -> tuple[torch.dtype, int]:
+    """The widest integer word that divides a chunk and every tensor's address: (dtype, bytes)."""
+    for size, dtype in _WORDS:
+        if chunk_bytes % size == 0 and all(t.data_ptr() % size == 0 for t in tensors):
+            return dtype, size
+    raise AssertionError("unreachable: 1-byte words always fit")
+
+
+def _flat(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"copy ops need contiguous tensors, got strides {t.stride()}")
+    return t.view(-1).view(torch.uint8).view(word)
+
+
+def _ids(blocks: Sequence[int] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Block ids where the kernel can read them: on the GPU, pinned host memory (zero-copy)."""
+    if isinstance(blocks, torch.Tensor):
+        return blocks
+    t = torch.tensor(list(blocks), dtype=torch.int32, pin_memory=like.is_cuda)
+    return t
+
+
+def _shared_base(kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+    """If every layer is a view of one buffer at a fixed stride, (first layer, stride in bytes)."""
+    first = kv_caches[0]
+    if len(kv_caches) == 1:
+        return first, 0
+    step = kv_caches[1].data_ptr() - first.data_ptr()
+    nbytes = first.numel() * first.element_size()
+    if step < nbytes:
+        return None
+    for i, kv in enumerate(kv_caches):
+        if kv.data_ptr() != first.data_ptr() + i * step or kv.shape != first.shape or not kv.is_contiguous():
+            return None
+    if first.untyped_storage().data_ptr() != kv_caches[-1].untyped_storage().data_ptr():
+        return None
+    return first, step
+
+
+def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+            num_layers: int, src_layer0: int, dst_layer0: int,
+            src_strides: tuple[int, int, int], dst_strides: tuple[int, int, int],
+            chunk_words: int) -> None:
+    n = src_ids.numel()
+    if n == 0 or num_layers == 0:
+        return
+    block = min(TUNING["block"], triton.next_power_of_2(chunk_words))
+    part = -(-min(chunk_words, max(block, TUNING["part"])) // block) * block
+    parts = -(-chunk_words // part)
+    work = n * num_layers * 2 * parts
+    _copy_chunks[(min(work, TUNING["max_programs"]),)](
+        src, dst, src_ids, dst_ids, src_layer0, dst_layer0, *src_strides, *dst_strides,
+        work, num_layers * 2, parts, CHUNK=chunk_words, PART=part, BLOCK=block, num_warps=TUNING["num_warps"])
+
+
+def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int]:
+    """(chunk bytes, num_device_blocks, num_layers) after checking the two layouts agree."""
+    two, num_device_blocks, *block = kv.shape
+    if two != 2 or tuple(host.shape[2:]) != (2, *block) or host.dtype != kv.dtype:
+        raise ValueError(f"layouts disagree: device layer {tuple(kv.shape)} {kv.dtype}, "
+                         f"host {tuple(host.shape)} {host.dtype}")
+    return kv[0, 0].numel() * kv.element_size(), num_device_blocks, host.shape[1]
+
+
+def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
+                   device_blocks, host_blocks) -> None:  # type: ignore[no-untyped-def]
+    """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current stream)."""
+    chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
+    src_ids, dst_ids = _ids(device_blocks, kv_caches[0]), _ids(host_blocks, kv_caches[0])
+    shared = _shared_base(kv_caches)
+    if shared is not None:
+        base, step = shared
+        word, w = _word(chunk_bytes, host, base)
+        if step % w == 0:
+            chunk = chunk_bytes // w
+            src = base.view(-1).view(torch.uint8).view(word)   # layer l starts `step` bytes further each
+            _launch(src, _flat(host, word), src_ids, dst_ids, len(kv_caches), 0, 0,
+                    (chunk, step // w, num_device_blocks * chunk), (num_layers * 2 * chunk, 2 * chunk, chunk),
+                    chunk)
+            return
+    for layer, kv in enumerate(kv_caches):       # layers in separate buffers: a launch each
+        word, w = _word(chunk_bytes, host, kv)
+        chunk = chunk_bytes // w
+        _launch(_flat(kv, word), _flat(host, word), src_ids, dst_ids, 1, 0, layer,
+                (chunk, 0, num_device_blocks * chunk), (num_layers * 2 * chunk, 2 * chunk, chunk), chunk)
+
+
+def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
+                   host_blocks, device_blocks, layer: int | None = None) -> None:  # type: ignore[no-untyped-def]
+    """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all), queued on
+    the current stream."""
+    chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
+    src_ids, dst_ids = _ids(host_blocks, kv_caches[0]), _ids(device_blocks, kv_caches[0])
+    for l in (range(len(kv_caches)) if layer is None else (layer,)):
+        kv = kv_caches[l]
+        word, w = _word(chunk_bytes, host, kv)
+        chunk = chunk_bytes // w
+        _launch(_flat(host, word), _flat(kv, word), src_ids, dst_ids, 1, l, 0,
+                (num_layers * 2 * chunk, 2 * chunk, chunk), (chunk, 0, num_device_blocks * chunk), chunk)

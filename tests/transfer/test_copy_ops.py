@@ -1,0 +1,150 @@
+"""Fast copy ops (Triton, zero-copy) vs the torch reference, on fresh random data.
+
+Destinations are poisoned first (every byte 0xA5), so a dropped tail byte or a stray write shows
+up as a mismatch; blocks not named in the copy must keep their poison. On a machine without CUDA
+the kernel runs in Triton's interpreter on CPU tensors (same kernel code).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before triton is imported
+
+pytest.importorskip("triton", reason="triton is not installed: the fast copy path is untested")
+
+from kvtier.transfer import copy as ref  # noqa: E402
+from kvtier.transfer import kernels as fast  # noqa: E402
+from kvtier.transfer.copy import allocate_host_kv  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no CUDA and TRITON_INTERPRET is off: triton kernels cannot run", allow_module_level=True)
+
+# (layers, device blocks, host blocks, block_size, kv_heads, head_dim, dtype)
+SHAPES = [
+    (2, 9, 7, 16, 2, 32, torch.float32),
+    (3, 6, 8, 1, 1, 3, torch.bfloat16),      # 6-byte chunks: 2-byte words
+    (2, 5, 5, 2, 3, 5, torch.float16),       # 60-byte chunks: 4-byte words
+    (1, 4, 6, 4, 1, 1, torch.uint8),         # 4-byte chunks of single bytes
+    (4, 12, 10, 8, 2, 64, torch.bfloat16),
+]
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    t.view(torch.uint8).fill_(0xA5)
+    return t
+
+
+def _random_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
+    t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
+    return t
+
+
+def _kv(layers, blocks, bs, heads, dim, dtype, shared: bool, gen):
+    shape = (2, blocks, bs, heads, dim)
+    if shared:        # views of one buffer, as allocate_kv_caches makes them
+        buf = torch.empty((layers, *shape), dtype=dtype, device=DEVICE)
+        kv = list(buf.unbind(0))
+    else:
+        kv = [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(layers)]
+    for t in kv:
+        _random_(t, gen)
+    return kv
+
+
+def _pairs(rng, n_src, n_dst, k, consecutive):
+    if consecutive:
+        s, d = rng.randrange(n_src - k + 1), rng.randrange(n_dst - k + 1)
+        return list(range(s, s + k)), list(range(d, d + k))
+    return rng.sample(range(n_src), k), rng.sample(range(n_dst), k)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s[0]}-bs{s[3]}-h{s[4]}-d{s[5]}-{s[6]}".replace("torch.", ""))
+@pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "per-layer"])
+@pytest.mark.parametrize("consecutive", [True, False], ids=["runs", "scattered"])
+def test_backup_matches_reference_and_touches_nothing_else(shape, shared, consecutive):
+    layers, nd, nh, bs, heads, dim, dtype = shape
+    rng, gen = random.Random(hash(shape) & 0xFFFF), torch.Generator().manual_seed(1)
+    kv = _kv(layers, nd, bs, heads, dim, dtype, shared, gen)
+    k = min(nd, nh) - 1
+    dev, host_ids = _pairs(rng, nd, nh, k, consecutive)
+    want = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    got = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    ref.device_to_host(kv, want, dev, host_ids)
+    fast.device_to_host(kv, got, dev, host_ids)
+    if CUDA:
+        torch.cuda.synchronize()
+    assert _same_bytes(got, want)
+    untouched = [b for b in range(nh) if b not in host_ids]
+    assert all((got[b].view(torch.uint8) == 0xA5).all() for b in untouched)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s[0]}-bs{s[3]}-h{s[4]}-d{s[5]}-{s[6]}".replace("torch.", ""))
+@pytest.mark.parametrize("consecutive", [True, False], ids=["runs", "scattered"])
+def test_load_per_layer_matches_reference(shape, consecutive):
+    layers, nd, nh, bs, heads, dim, dtype = shape
+    rng, gen = random.Random(hash(shape) & 0xFFF), torch.Generator().manual_seed(2)
+    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    k = min(nd, nh) - 1
+    host_ids, dev = _pairs(rng, nh, nd, k, consecutive)
+    for layer in range(layers):                   # per layer, as loads run
+        ref.host_to_device(host, want, host_ids, dev, layer=layer)
+        fast.host_to_device(host, got, host_ids, dev, layer=layer)
+        if CUDA:
+            torch.cuda.synchronize()
+        for l in range(layers):                   # later layers still untouched
+            assert _same_bytes(got[l], want[l]), f"layer {l} after loading layer {layer}"
+    untouched = [b for b in range(nd) if b not in dev]
+    assert all((t[:, b].view(torch.uint8) == 0xA5).all() for t in got for b in untouched)
+
+
+def test_empty_copies_are_no_ops():
+    gen = torch.Generator().manual_seed(3)
+    kv = _kv(2, 4, 4, 1, 8, torch.float32, True, gen)
+    host = _poison(allocate_host_kv(4, 2, 4, 1, 8, torch.float32, pin=CUDA))
+    fast.device_to_host(kv, host, [], [])
+    fast.host_to_device(host, kv, [], [], layer=0)
+    assert (host.view(torch.uint8) == 0xA5).all()
+
+
+def test_mismatched_layouts_are_refused():
+    gen = torch.Generator().manual_seed(4)
+    kv = _kv(2, 4, 4, 1, 8, torch.float32, True, gen)
+    host = allocate_host_kv(4, 2, 4, 2, 8, torch.float32)          # 2 kv heads vs 1
+    with pytest.raises(ValueError, match="layouts disagree"):
+        fast.device_to_host(kv, host, [0], [0])
+
+
+@pytest.mark.parametrize("tuning", [dict(max_programs=2, block=16, part=32), dict(max_programs=5, block=64, part=64)])
+def test_persistent_grid_with_few_programs_copies_everything(tuning, monkeypatch):
+    """The grid is capped (to leave SMs to the forward): each program loops over many chunks."""
+    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, **tuning))
+    layers, nd, nh, bs, heads, dim, dtype = 3, 10, 9, 4, 2, 12, torch.float16
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    kv = _kv(layers, nd, bs, heads, dim, dtype, True, gen)
+    dev, host_ids = _pairs(rng, nd, nh, 8, False)
+    want = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    got = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    ref.device_to_host(kv, want, dev, host_ids)
+    fast.device_to_host(kv, got, dev, host_ids)
+    back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    for layer in range(layers):
+        fast.host_to_device(got, back, host_ids, dev, layer=layer)
+    if CUDA:
+        torch.cuda.synchronize()
+    assert _same_bytes(got, want)
+    for layer in range(layers):
+        assert _same_bytes(back[layer][:, dev], kv[layer][:, dev])
