@@ -3,7 +3,9 @@
 Llama-3-8B KV shape by default (32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks: 2 MiB
 per block over all layers). For each block count and id pattern (consecutive / random) it times
 
-    fast       kvtier's Triton zero-copy kernel (loads: one launch per layer, as the engine runs them)
+    fast       kvtier's fast path, as the engine runs it (loads: per layer): runs of consecutive
+               blocks by 2D DMA, the scattered rest by the Triton zero-copy kernel
+    kernel     the Triton zero-copy kernel alone, for every block
     reference  the torch reference ops (index + copy through the host)
     loop       a per-block, per-layer ``copy_`` loop (non_blocking, pinned)
     contiguous one ``copy_`` of the same number of bytes between contiguous buffers (the link limit),
@@ -83,12 +85,16 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 dev, hst = rng.sample(range(n_dev), n), rng.sample(range(n_host), n)
             nbytes = n * block_bytes
-            dev_ids, hst_ids = (torch.tensor(x, dtype=torch.int32, pin_memory=True) for x in (dev, hst))
+            d2h_pairs, h2d_pairs = fast.BlockPairs.split(dev, hst, True), fast.BlockPairs.split(hst, dev, True)
+            saved, fast.TUNING["min_dma_run"] = fast.TUNING["min_dma_run"], 0
+            d2h_kernel, h2d_kernel = fast.BlockPairs.split(dev, hst, True), fast.BlockPairs.split(hst, dev, True)
+            fast.TUNING["min_dma_run"] = saved
             row = {"blocks": n, "pattern": pattern, "bytes": nbytes}
             for direction in ("d2h", "h2d"):
                 if direction == "d2h":
                     variants = {
-                        "fast": lambda: fast.device_to_host(kv, host.tensor, dev_ids, hst_ids),
+                        "fast": lambda: fast.device_to_host(kv, host.tensor, d2h_pairs, None),
+                        "kernel": lambda: fast.device_to_host(kv, host.tensor, d2h_kernel, None),
                         "reference": lambda: ref.device_to_host(kv, host.tensor, dev, hst),
                         "loop": lambda: _loop_d2h(kv, host.tensor, dev, hst),
                         "contiguous": lambda: contiguous_host[:nbytes].copy_(contiguous_dev[:nbytes], non_blocking=True),
@@ -96,7 +102,8 @@ def run(args: argparse.Namespace) -> dict:
                     }
                 else:
                     variants = {
-                        "fast": lambda: [fast.host_to_device(host.tensor, kv, hst_ids, dev_ids, layer=l) for l in range(L)],
+                        "fast": lambda: [fast.host_to_device(host.tensor, kv, h2d_pairs, None, layer=l) for l in range(L)],
+                        "kernel": lambda: [fast.host_to_device(host.tensor, kv, h2d_kernel, None, layer=l) for l in range(L)],
                         "reference": lambda: [ref.host_to_device(host.tensor, kv, hst, dev, layer=l) for l in range(L)],
                         "loop": lambda: _loop_h2d(host.tensor, kv, hst, dev),
                         "contiguous": lambda: contiguous_dev[:nbytes].copy_(contiguous_host[:nbytes], non_blocking=True),
@@ -131,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
 def _line(r: dict) -> str:
     parts = [f"{r['blocks']:5d} {r['pattern']:11s}"]
     for d in ("d2h", "h2d"):
-        vals = " ".join(f"{name}={r[f'{d}_{name}_GBps']:6.1f}" for name in ("fast", "reference", "loop", "contiguous", "registered")
+        vals = " ".join(f"{name}={r[f'{d}_{name}_GBps']:6.1f}" for name in ("fast", "kernel", "reference", "loop", "contiguous", "registered")
                         if f"{d}_{name}_GBps" in r)
         parts.append(f"{d}: {vals} GB/s  fast/contig={r[f'{d}_fast_vs_contiguous']:.2f}")
     return " | ".join(parts)

@@ -91,8 +91,11 @@ class TransferEngine:
             entry = _InFlight(op, list(range(op.num_blocks)))
         self._inflight.append(entry)
 
-    def _ids(self, blocks: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor(blocks, dtype=torch.int32, pin_memory=self.cuda)
+    def _pairs(self, op: TransferOp):  # type: ignore[no-untyped-def]
+        """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
+        if self.ops is kernels:
+            return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda), None
+        return op.src_blocks, op.dst_blocks
 
     def _load(self, op: TransferOp) -> _InFlight:
         if self.routing is not None:
@@ -100,7 +103,7 @@ class TransferEngine:
         if not self.cuda:
             self.ops.host_to_device(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)
             return _InFlight(op, [])
-        src, dst = self._ids(op.src_blocks), self._ids(op.dst_blocks)
+        src, dst = self._pairs(op)
         events = self._free_sets.pop() if self._free_sets else [torch.cuda.Event() for _ in range(self.num_layers)]
         stream = self.load_stream
         stream.wait_event(self._mark())
@@ -119,7 +122,7 @@ class TransferEngine:
         if not self.cuda:
             self.ops.device_to_host(self.kv_caches, self.host_kv, op.src_blocks, op.dst_blocks)
             return _InFlight(op, [])
-        src, dst = self._ids(op.src_blocks), self._ids(op.dst_blocks)
+        src, dst = self._pairs(op)
         stream = self.offload_stream
         stream.wait_event(self._mark())
         with torch.cuda.stream(stream):

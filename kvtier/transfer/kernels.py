@@ -12,7 +12,11 @@ all layers (backups, when the layers are views of one buffer as ``allocate_kv_ca
 
 The kernel reads or writes the pinned host pool *through its mapped device address* (CUDA unified
 addressing: a page-locked host pointer is valid on the GPU), so there is no staging buffer and no
-extra HBM round trip. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
+extra HBM round trip. SM-issued PCIe reads top out below the copy engines (H100: ~48 vs 55 GB/s),
+so a *run* of at least ``TUNING["min_dma_run"]`` blocks consecutive on both sides goes by DMA
+instead: one ``cudaMemcpy2DAsync`` per layer and K/V (rows = blocks, the two pitches = the two
+layouts' block strides), as the seeds' ``swap_cache_layout`` does; the scattered rest is one
+kernel launch. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
 1 bytes), so no dtype, block size or head_dim drops tail bytes. Written by hand because no library
 op converts between these two paged layouts for a scattered list of blocks in one launch.
 
@@ -21,9 +25,14 @@ tests it against the reference.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 try:
     import triton
@@ -35,7 +44,8 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # block: words per inner iteration; part: words per program (many programs keep many PCIe
 # requests in flight); num_warps per program. Tuned on the H100 (docs/BENCHMARKS.md).
 # max_programs: the grid (a persistent kernel leaves the other SMs to the forward it overlaps).
-TUNING = {"block": 1024, "part": 8192, "num_warps": 4, "max_programs": 1 << 20}
+# min_dma_run: consecutive blocks that go by DMA rather than by the kernel (0 = never).
+TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264, "min_dma_run": 8}
 
 
 def available() -> bool:
@@ -84,12 +94,82 @@ def _flat(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     return t.view(-1).view(torch.uint8).view(word)
 
 
-def _ids(blocks: Sequence[int] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Block ids where the kernel can read them: on the GPU, pinned host memory (zero-copy)."""
-    if isinstance(blocks, torch.Tensor):
-        return blocks
-    t = torch.tensor(list(blocks), dtype=torch.int32, pin_memory=like.is_cuda)
-    return t
+@dataclass(frozen=True, slots=True)
+class BlockPairs:
+    """The (src, dst) block pairs of one copy, split once (a load reuses it for every layer):
+    ``runs`` consecutive on both sides, ``(src0, dst0, n)``, go by DMA; the scattered rest goes by
+    the kernel, which reads its ids from ``src_ids``/``dst_ids`` (pinned host memory on the GPU)."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    src_ids: torch.Tensor
+    dst_ids: torch.Tensor
+
+    @staticmethod
+    def split(src_blocks: Sequence[int], dst_blocks: Sequence[int], cuda: bool) -> "BlockPairs":
+        src, dst = list(src_blocks), list(dst_blocks)
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
+        min_run = TUNING["min_dma_run"] if (not cuda or _cudart() is not None) else 0
+        runs, rest_src, rest_dst = [], [], []
+        i = 0
+        while i < len(src):
+            j = i + 1
+            while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+                j += 1
+            if min_run and j - i >= min_run:
+                runs.append((src[i], dst[i], j - i))
+            else:
+                rest_src += src[i:j]
+                rest_dst += dst[i:j]
+            i = j
+        ids = [torch.tensor(x, dtype=torch.int32, pin_memory=cuda) for x in (rest_src, rest_dst)]
+        return BlockPairs(tuple(runs), *ids)
+
+
+def _pairs(src_blocks, dst_blocks, like: torch.Tensor) -> BlockPairs:  # type: ignore[no-untyped-def]
+    if isinstance(src_blocks, BlockPairs):
+        return src_blocks
+    return BlockPairs.split(src_blocks, dst_blocks, like.is_cuda)
+
+
+_CUDART: ctypes.CDLL | None | bool = False
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (for cudaMemcpy2DAsync, which torch does not expose)."""
+    global _CUDART
+    if _CUDART is False:
+        _CUDART = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+            for path in sorted(paths):
+                lib = ctypes.CDLL(path)
+                f = lib.cudaMemcpy2DAsync
+                f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                              ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+                f.restype = ctypes.c_int
+                _CUDART = lib
+                break
+        except (OSError, AttributeError) as e:
+            log.info("no cudaMemcpy2DAsync (%s): consecutive runs go by the kernel too", e)
+        if _CUDART is None:
+            log.info("CUDA runtime library not found in this process: consecutive runs go by the kernel")
+    return _CUDART
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[i] = src[i] for two [n, ...] views whose rows are contiguous (strided between rows):
+    one 2D DMA on the current stream on the GPU, a strided torch copy elsewhere."""
+    if not (dst.is_cuda or src.is_cuda):
+        dst.copy_(src)
+        return
+    width = src[0].numel() * src.element_size()
+    stream = torch.cuda.current_stream().cuda_stream
+    err = _cudart().cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * dst.element_size(), src.data_ptr(),  # type: ignore[union-attr]
+                                      src.stride(0) * src.element_size(), width, src.shape[0], 4, stream)
+    if err:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
 
 
 def _shared_base(kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
@@ -136,9 +216,17 @@ def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int]:
 
 def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
                    device_blocks, host_blocks) -> None:  # type: ignore[no-untyped-def]
-    """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current stream)."""
+    """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current
+    stream). ``device_blocks`` may be a :class:`BlockPairs` (then ``host_blocks`` is ignored)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
-    src_ids, dst_ids = _ids(device_blocks, kv_caches[0]), _ids(host_blocks, kv_caches[0])
+    pairs = _pairs(device_blocks, host_blocks, kv_caches[0])
+    for d0, h0, n in pairs.runs:
+        for layer, kv in enumerate(kv_caches):
+            for kvi in (0, 1):
+                _copy_rows(host[h0:h0 + n, layer, kvi], kv[kvi, d0:d0 + n])
+    src_ids, dst_ids = pairs.src_ids, pairs.dst_ids
+    if not src_ids.numel():
+        return
     shared = _shared_base(kv_caches)
     if shared is not None:
         base, step = shared
@@ -160,12 +248,16 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
 def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
                    host_blocks, device_blocks, layer: int | None = None) -> None:  # type: ignore[no-untyped-def]
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all), queued on
-    the current stream."""
+    the current stream. ``host_blocks`` may be a :class:`BlockPairs` (split once for all layers)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
-    src_ids, dst_ids = _ids(host_blocks, kv_caches[0]), _ids(device_blocks, kv_caches[0])
+    pairs = _pairs(host_blocks, device_blocks, kv_caches[0])
     for l in (range(len(kv_caches)) if layer is None else (layer,)):
         kv = kv_caches[l]
-        word, w = _word(chunk_bytes, host, kv)
-        chunk = chunk_bytes // w
-        _launch(_flat(host, word), _flat(kv, word), src_ids, dst_ids, 1, l, 0,
-                (num_layers * 2 * chunk, 2 * chunk, chunk), (chunk, 0, num_device_blocks * chunk), chunk)
+        for h0, d0, n in pairs.runs:
+            for kvi in (0, 1):
+                _copy_rows(kv[kvi, d0:d0 + n], host[h0:h0 + n, l, kvi])
+        if pairs.src_ids.numel():
+            word, w = _word(chunk_bytes, host, kv)
+            chunk = chunk_bytes // w
+            _launch(_flat(host, word), _flat(kv, word), pairs.src_ids, pairs.dst_ids, 1, l, 0,
+                    (num_layers * 2 * chunk, 2 * chunk, chunk), (chunk, 0, num_device_blocks * chunk), chunk)
