@@ -11,7 +11,7 @@ from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
 # kvtier.model.presets.PRESETS, named here so that `kvtier --help` does not import torch
 # (tests/test_cli.py keeps the two equal).
 PRESET_NAMES = ("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
-                "qwen3-moe-tiny", "qwen3-moe-demo", "qwen3-0.6b-shape", "qwen3-moe-small")
+                "qwen3-moe-tiny", "qwen3-moe-demo", "qwen3-0.6b-shape", "qwen3-moe-small", "llama3-8b-shape")
 _GPU_BENCHES = {"throughput": "kvtier.bench.throughput", "routing": "kvtier.bench.routing_bench",
                 "attention": "kvtier.bench.attention_bench"}
 
@@ -95,12 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("init-model", help="write a small random HF-format checkpoint",
                        description="Write a random Hugging Face checkpoint (config.json, safetensors, "
-                                   "tokenizer) that transformers and kvtier both load.")
+                                   "tokenizer) that transformers and kvtier both load; with --config-only, "
+                                   "no weights (load it with --load-format dummy).")
     p.add_argument("preset", metavar="PRESET", help="one of: " + ", ".join(PRESET_NAMES))
     p.add_argument("dir", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights dtype (default: the preset's)")
+    p.add_argument("--config-only", action="store_true",
+                   help="write config.json, generation config and tokenizer but no weights, without building "
+                        "the model (instant for any shape, e.g. llama3-8b-shape); load with --load-format dummy")
 
     p = sub.add_parser("generate", help="generate from a prompt with the offline engine",
                        description="Run kvtier.LLM(MODEL, ...).generate on one prompt and print the result.")
@@ -151,6 +155,9 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
                    help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="tensor parallel ranks (default 1)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto: the checkpoint's safetensors; dummy: random weights in device memory from "
+                        "config.json alone (benchmarks) (default auto)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget per step (default 2048)")
     p.add_argument("--max-num-seqs", type=_positive, default=256, help="running requests at most (default 256)")
@@ -159,7 +166,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
 
 _LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
              "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
-             "tensor_parallel_size", "seed", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+             "tensor_parallel_size", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
 def _generate(args) -> int:  # type: ignore[no-untyped-def]
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             return sim.main(args)
         if args.command == "init-model":
             from kvtier.model import init_model
-            path = init_model(args.preset, args.dir, seed=args.seed, dtype=args.dtype)
+            path = init_model(args.preset, args.dir, seed=args.seed, dtype=args.dtype, config_only=args.config_only)
             print(f"wrote {args.preset} to {path}")
             return 0
         if args.command == "generate":

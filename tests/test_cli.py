@@ -29,3 +29,17 @@ def test_bad_input_is_an_error_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sim", "t.jsonl", "--block-size", "12"])
     assert "power of two, got 12" in capsys.readouterr().err
+
+
+def test_config_only_checkpoint_generates_with_dummy_weights(tmp_path, capsys):
+    model = tmp_path / "m"
+    assert main(["init-model", "qwen3-moe-tiny", str(model), "--config-only"]) == 0
+    assert (model / "config.json").is_file() and not list(model.glob("*.safetensors"))
+    args = ["generate", str(model), "--prompt", "hello", "--max-tokens", "3", "--ignore-eos", "--json"]
+    assert main(args) == 2 and "load_format='dummy'" in capsys.readouterr().err   # auto: no weights
+    assert main([*args, "--load-format", "dummy"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(out) == 1 and len(out[0]["token_ids"]) == 3 and isinstance(out[0]["text"], str)
+    with pytest.raises(SystemExit):
+        main([*args, "--load-format", "npz"])
+    assert "npz" in capsys.readouterr().err

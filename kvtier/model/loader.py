@@ -3,6 +3,11 @@
 Files: ``model.safetensors``, or shards listed in ``model.safetensors.index.json``, or any
 ``*.safetensors`` in the directory. Checkpoint names are mapped to ours (see ``_rename``); every
 parameter the model needs must be present, or loading fails naming the missing tensor.
+
+``load_format="dummy"`` (vLLM's name) needs only config.json: every weight is drawn in device
+memory from a fixed seed, small enough that bf16 forwards stay finite. For benchmarks of
+checkpoint shapes that are not on disk (e.g. the ``llama3-8b-shape`` preset written with
+``kvtier init-model --config-only``).
 """
 from __future__ import annotations
 
@@ -16,10 +21,12 @@ from safetensors import safe_open
 
 from kvtier.model.config import ModelConfig
 from kvtier.model.families import CausalLM
-from kvtier.model.layers import RotaryEmbedding
+from kvtier.model.layers import RMSNorm, RotaryEmbedding
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -32,7 +39,8 @@ def safetensors_files(path: Path) -> list[Path]:
         return [single]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        raise FileNotFoundError(f"no *.safetensors weights in {path} "
+                                "(load_format='dummy' makes random weights from config.json alone)")
     return files
 
 
@@ -66,13 +74,36 @@ def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32,
-               attention_backend: str = "torch", fuse: bool = True) -> CausalLM:
-    """Build the family named by config.json and fill it from the checkpoint. ``dtype=None``: config's."""
+               attention_backend: str = "torch", fuse: bool = True, load_format: str = "auto") -> CausalLM:
+    """Build the family named by config.json and fill it. ``dtype=None``: config's.
+
+    ``load_format``: "auto" reads the safetensors checkpoint; "dummy" draws random weights (see
+    :func:`_dummy_weights`) and reads nothing but config.json."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path)
     dtype = dtype or cfg.torch_dtype
     with torch.device("meta"):
         model = CausalLM(cfg, attention_backend)
+    if load_format == "dummy":
+        std = json.loads((path / "config.json").read_text()).get("initializer_range") or 0.02
+        loaded = _dummy_weights(model, device, dtype, std)
+    else:
+        loaded = _checkpoint_weights(model, path, device, dtype)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    del loaded                                       # else fuse_projections keeps both copies alive
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(cfg).to(device)   # inv_freq computed on CPU, as transformers does
+    if fuse:
+        model.fuse_projections()
+    return model.eval()
+
+
+def _checkpoint_weights(model: CausalLM, path: Path, device: str | torch.device,
+                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` (on meta) from the checkpoint at ``path``."""
     params = dict(model.named_parameters())          # tied lm_head appears once, as embed_tokens
     loaded: dict[str, torch.Tensor] = {}
     for name, tensor in _checkpoint_tensors(safetensors_files(path)):
@@ -86,10 +117,26 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if missing:
         raise KeyError(f"checkpoint {path} is missing tensor {missing[0]!r}"
                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    model.load_state_dict(loaded, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(cfg).to(device)   # inv_freq computed on CPU, as transformers does
-    if fuse:
-        model.fuse_projections()
-    return model.eval()
+    return loaded
+
+
+def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dtype,
+                   std: float) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of ``model`` (on meta), allocated and drawn on ``device``
+    (nothing passes through host memory) from a generator seeded with DUMMY_SEED, in parameter
+    order, so two loads on one device are equal. As transformers initializes: Linear / Embedding
+    weights (experts and router gates too) ~ N(0, std), RMSNorm weights 1, biases 0."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
+    norms = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    loaded: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():     # tied lm_head appears once, as embed_tokens
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        if name in norms:
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, std, generator=generator)
+        loaded[name] = tensor
+    return loaded

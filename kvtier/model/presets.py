@@ -3,8 +3,9 @@
 A preset is a transformers config (class name + keyword arguments); :func:`init_model` instantiates
 the HF model with a fixed seed and saves it with the byte-level tokenizer (tokenizer.py), so the
 directory loads in ``kvtier`` and in ``transformers`` alike. Tiny presets exercise every family
-feature (GQA, explicit head_dim, tied embeddings, llama3 / yarn RoPE, MoE variants); the two large
-ones have benchmark shapes (bf16) and take ~10-30 s to write.
+feature (GQA, explicit head_dim, tied embeddings, llama3 / yarn RoPE, MoE variants); the large
+ones have benchmark shapes (bf16) and take ~10-30 s to write. ``config_only=True`` writes no weights
+(in milliseconds, for any shape): load such a directory with ``load_format="dummy"``.
 """
 from __future__ import annotations
 
@@ -67,11 +68,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768, rms_norm_eps=1e-6, initializer_range=0.02,
         rope_parameters=dict(rope_type="default", rope_theta=1e6),
         bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=None)),
+    # Llama-3.1-8B's shape (128K context, llama3 RoPE). ~16 GB of bf16 weights: write it with
+    # config_only=True and load it with load_format="dummy".
+    "llama3-8b-shape": dict(config_class="LlamaConfig", dtype="bfloat16", kwargs=dict(
+        vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, initializer_range=0.02,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8192),
+        bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=None)),
 }
 
 
-def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype | str | None = None) -> Path:
-    """Write a random checkpoint of ``preset`` (config, safetensors, generation config, tokenizer)."""
+def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype | str | None = None,
+               config_only: bool = False) -> Path:
+    """Write a random checkpoint of ``preset`` (config, safetensors, generation config, tokenizer).
+
+    ``config_only``: everything but the safetensors, without building the model (for
+    ``load_format="dummy"``); ``seed`` then has no effect."""
     import transformers  # only needed to write checkpoints, never to load them
 
     if preset not in PRESETS:
@@ -80,11 +94,18 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dty
     dtype = dtype or spec["dtype"]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     config = getattr(transformers, spec["config_class"])(**spec["kwargs"])
-    out_dir = Path(out_dir)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.generation_config = transformers.GenerationConfig(
+    generation_config = transformers.GenerationConfig(
         eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, bos_token_id=None)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    out_dir = Path(out_dir)
+    if config_only:
+        config.architectures = [spec["config_class"].replace("Config", "ForCausalLM")]
+        config.dtype = dtype
+        config.save_pretrained(out_dir)
+        generation_config.save_pretrained(out_dir)
+    else:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.generation_config = generation_config
+        model.save_pretrained(out_dir, safe_serialization=True)
     save_byte_tokenizer(out_dir, model_max_length=config.max_position_embeddings)
     return out_dir
