@@ -13,6 +13,7 @@ from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
 PRESET_NAMES = ("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
                 "qwen3-moe-tiny", "qwen3-moe-demo", "qwen3-0.6b-shape", "qwen3-moe-small", "llama3-8b-shape")
 _GPU_BENCHES = {"throughput": "kvtier.bench.throughput", "routing": "kvtier.bench.routing_bench",
+                "transfer": "kvtier.bench.transfer_bench", "overlap": "kvtier.bench.overlap_bench",
                 "attention": "kvtier.bench.attention_bench"}
 
 
@@ -81,11 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 
-    p = sub.add_parser("bench", help="benchmarks: cache, throughput, routing, attention",
+    p = sub.add_parser("bench", help="benchmarks: cache, throughput, routing, attention, transfer, overlap",
                        description="Run a benchmark. 'cache': CPU cost of match+allocate+commit+free per "
                                    "request (flags below). GPU: 'throughput' (kvtier vs HF transformers "
                                    "generation), 'routing' (R3 capture on vs off), 'attention' (Triton vs "
-                                   "torch vs SDPA); `kvtier bench NAME --help` lists their flags.")
+                                   "torch vs SDPA), 'transfer' (host<->device copy GB/s vs a contiguous pinned "
+                                   "copy), 'overlap' (host-hit TTFT vs device hit and recompute; decode with "
+                                   "backups); `kvtier bench NAME --help` lists their flags.")
     p.add_argument("name", choices=("cache", *_GPU_BENCHES), help="which benchmark")
     p.add_argument("--requests", type=_positive, default=2000, help="requests in the trace (default 2000)")
     p.add_argument("--prompts", type=_positive, default=200, help="shared prefixes (default 200)")
@@ -155,6 +158,9 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
                    help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="tensor parallel ranks (default 1)")
+    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default=None,
+                   help="when the device tier is full: swap a request's KV to the host tier and load it back, "
+                        "or recompute it (default: swap when there is a host tier, else recompute)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: the checkpoint's safetensors; dummy: random weights in device memory from "
                         "config.json alone (benchmarks) (default auto)")
@@ -166,7 +172,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
 
 _LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
              "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
-             "tensor_parallel_size", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+             "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
 def _generate(args) -> int:  # type: ignore[no-untyped-def]

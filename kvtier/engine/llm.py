@@ -85,7 +85,7 @@ class LLM:
         if preemption_mode == "swap" and not num_host_blocks:
             raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
         self.preemption_mode = preemption_mode
-        self.model = load_model(self.path, self.device, self.dtype, attention_backend, **({"load_format": load_format} if load_format != "auto" else {}))  # TEMP
+        self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=load_format)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.path)
         self.seed = seed
