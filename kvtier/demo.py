@@ -59,7 +59,10 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
     # client's history and a little more, the host tier a little more again.
     per_client = -(-(system_tokens + turns * (question_tokens + answer_tokens)) // 16)
     device_blocks, host_blocks = (per_client + 16, per_client + 24) if cuda else (48, 56)
+    # fp32: a cached prefix is computed by other kernels (prefill over cached KV) than a full
+    # prefill; in bf16 that rounding alone can flip a greedy token of a random model
     sizes = dict(block_size=16, num_device_blocks=device_blocks, device=device, load_format=load_format,
+                 dtype="float32",
                  max_num_batched_tokens=max(1024, 16 * per_client + 64))
     with kvtier.LLM(path, num_host_blocks=host_blocks, storage="memory://?capacity=2GiB",
                     write_policy="write_through", **sizes) as llm, \

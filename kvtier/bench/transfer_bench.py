@@ -85,10 +85,9 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 dev, hst = rng.sample(range(n_dev), n), rng.sample(range(n_host), n)
             nbytes = n * block_bytes
-            d2h_pairs, h2d_pairs = fast.BlockPairs.split(dev, hst, True), fast.BlockPairs.split(hst, dev, True)
-            saved, fast.TUNING["min_dma_run"] = fast.TUNING["min_dma_run"], 0
-            d2h_kernel, h2d_kernel = fast.BlockPairs.split(dev, hst, True), fast.BlockPairs.split(hst, dev, True)
-            fast.TUNING["min_dma_run"] = saved
+            d2h_pairs = fast.BlockPairs.split(dev, hst, True, fast.TUNING["min_dma_run_d2h"])
+            h2d_pairs = fast.BlockPairs.split(hst, dev, True, fast.TUNING["min_dma_run_h2d"])
+            d2h_kernel, h2d_kernel = fast.BlockPairs.split(dev, hst, True, 0), fast.BlockPairs.split(hst, dev, True, 0)
             row = {"blocks": n, "pattern": pattern, "bytes": nbytes}
             for direction in ("d2h", "h2d"):
                 if direction == "d2h":

@@ -2,8 +2,9 @@
 
 One engine step::
 
-    poll copies ─► schedule() ─► submit plan (loads queued on the load stream, layer by layer)
-        ─► forward (layer l waits on load event l, GPU-side) + sample ─► loads landed ─► update()
+    poll copies ─► schedule() ─► upload inputs ─► submit plan (loads queued on the load stream,
+        layer by layer) ─► forward (layer l waits on load event l, GPU-side) + sample
+        ─► loads landed ─► update()
         ─► submit plan (backups of the blocks just written: offload stream, after the forward)
         ─► poll copies ─► finished requests: outputs, free
 
@@ -229,8 +230,14 @@ class LLM:
         ops_before = self._ops_done
         self._pump()                              # copies that landed since the last step
         out = self.scheduler.schedule()
-        rewinds = self._pump()                    # loads: queued (GPU) or done (CPU)
-        sampled = self.runner.execute(out, self.transfer.layer_hook()) if out.scheduled else {}
+        rewinds: dict[object, int] = {}
+
+        def start_loads():  # type: ignore[no-untyped-def]
+            rewinds.update(self._pump())          # loads: queued (GPU) or done (CPU)
+            return self.transfer.layer_hook()
+        sampled = self.runner.execute(out, start_loads) if out.scheduled else {}
+        if not out.scheduled:
+            start_loads()
         rewinds.update(self._complete(self.transfer.wait_loads()))   # the forward waited on them
         finished = self.scheduler.update(out, sampled, rewinds)
         self._pump()                              # backups of what the forward wrote, puts

@@ -52,13 +52,19 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return input_ids, pos, meta, sample_rows
 
-    def execute(self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput,
+                start_loads: Callable[[], Callable[[int], None] | None] | None = None) -> dict[str, int]:
         """Forward the step; returns the sampled token of every request that samples.
 
-        ``layer_hook(l)`` runs before attention of layer ``l`` reads the KV cache (the transfer
-        engine's wait for that layer's loads); a replayed CUDA graph has no per-layer hook, so
-        it waits for the last layer (all of them) before the replay."""
+        ``start_loads()`` is called once the step's inputs are uploaded, before the first layer:
+        it queues the step's host->device loads and returns the hook ``layer_hook(l)`` that runs
+        before attention of layer ``l`` reads the KV cache (a wait for that layer's loads). Inputs
+        go first because the small input uploads share the host->device copy engine (FIFO) with
+        the loads' DMA: queued after a GiB of KV, they would hold the whole forward back until the
+        loads were done. A replayed CUDA graph has no per-layer hook: it waits for the last layer
+        (so for all of them) before the replay."""
         input_ids, positions, meta, sample_rows = self.build_inputs(out)
+        layer_hook = start_loads() if start_loads is not None else None
         graphs = self.decode_graphs
         if graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None:
             if layer_hook is not None:

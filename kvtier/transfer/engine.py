@@ -94,7 +94,8 @@ class TransferEngine:
     def _pairs(self, op: TransferOp):  # type: ignore[no-untyped-def]
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
         if self.ops is kernels:
-            return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda), None
+            min_run = kernels.TUNING["min_dma_run_h2d" if op.kind == "load" else "min_dma_run_d2h"]
+            return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda, min_run), None
         return op.src_blocks, op.dst_blocks
 
     def _load(self, op: TransferOp) -> _InFlight:

@@ -13,10 +13,11 @@ all layers (backups, when the layers are views of one buffer as ``allocate_kv_ca
 The kernel reads or writes the pinned host pool *through its mapped device address* (CUDA unified
 addressing: a page-locked host pointer is valid on the GPU), so there is no staging buffer and no
 extra HBM round trip. SM-issued PCIe reads top out below the copy engines (H100: ~48 vs 55 GB/s),
-so a *run* of at least ``TUNING["min_dma_run"]`` blocks consecutive on both sides goes by DMA
-instead: one ``cudaMemcpy2DAsync`` per layer and K/V (rows = blocks, the two pitches = the two
+so for loads a *run* of at least ``TUNING["min_dma_run_h2d"]`` blocks consecutive on both sides
+goes by DMA instead: one ``cudaMemcpy2DAsync`` per layer and K/V (rows = blocks, the two pitches = the two
 layouts' block strides), as the seeds' ``swap_cache_layout`` does; the scattered rest is one
-kernel launch. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
+kernel launch. (Backups stay on the kernel: SM-issued PCIe writes reach ~0.92 of the DMA rate,
+and a 2D DMA with pitched host rows was slower than the kernel in the same run.) Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
 1 bytes), so no dtype, block size or head_dim drops tail bytes. Written by hand because no library
 op converts between these two paged layouts for a scattered list of blocks in one launch.
 
@@ -44,8 +45,10 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # block: words per inner iteration; part: words per program (many programs keep many PCIe
 # requests in flight); num_warps per program. Tuned on the H100 (docs/BENCHMARKS.md).
 # max_programs: the grid (a persistent kernel leaves the other SMs to the forward it overlaps).
-# min_dma_run: consecutive blocks that go by DMA rather than by the kernel (0 = never).
-TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264, "min_dma_run": 8}
+# min_dma_run_*: consecutive blocks that go by DMA rather than by the kernel (0 = never): below
+# ~32 blocks the per-call cost of 2 x layers DMA calls outweighs their speed (H100 sweep).
+TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264,
+          "min_dma_run_h2d": 32, "min_dma_run_d2h": 0}
 
 
 def available() -> bool:
@@ -105,11 +108,13 @@ class BlockPairs:
     dst_ids: torch.Tensor
 
     @staticmethod
-    def split(src_blocks: Sequence[int], dst_blocks: Sequence[int], cuda: bool) -> "BlockPairs":
+    def split(src_blocks: Sequence[int], dst_blocks: Sequence[int], cuda: bool, min_run: int) -> "BlockPairs":
+        """``min_run``: the shortest run that goes by DMA (0: every block by the kernel)."""
         src, dst = list(src_blocks), list(dst_blocks)
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
-        min_run = TUNING["min_dma_run"] if (not cuda or _cudart() is not None) else 0
+        if cuda and _cudart() is None:
+            min_run = 0
         runs, rest_src, rest_dst = [], [], []
         i = 0
         while i < len(src):
@@ -126,10 +131,10 @@ class BlockPairs:
         return BlockPairs(tuple(runs), *ids)
 
 
-def _pairs(src_blocks, dst_blocks, like: torch.Tensor) -> BlockPairs:  # type: ignore[no-untyped-def]
+def _pairs(src_blocks, dst_blocks, like: torch.Tensor, min_run: int) -> BlockPairs:  # type: ignore[no-untyped-def]
     if isinstance(src_blocks, BlockPairs):
         return src_blocks
-    return BlockPairs.split(src_blocks, dst_blocks, like.is_cuda)
+    return BlockPairs.split(src_blocks, dst_blocks, like.is_cuda, min_run)
 
 
 _CUDART: ctypes.CDLL | None | bool = False
@@ -219,7 +224,7 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
     """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current
     stream). ``device_blocks`` may be a :class:`BlockPairs` (then ``host_blocks`` is ignored)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
-    pairs = _pairs(device_blocks, host_blocks, kv_caches[0])
+    pairs = _pairs(device_blocks, host_blocks, kv_caches[0], TUNING["min_dma_run_d2h"])
     for d0, h0, n in pairs.runs:
         for layer, kv in enumerate(kv_caches):
             for kvi in (0, 1):
@@ -250,7 +255,7 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all), queued on
     the current stream. ``host_blocks`` may be a :class:`BlockPairs` (split once for all layers)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
-    pairs = _pairs(host_blocks, device_blocks, kv_caches[0])
+    pairs = _pairs(host_blocks, device_blocks, kv_caches[0], TUNING["min_dma_run_h2d"])
     for l in (range(len(kv_caches)) if layer is None else (layer,)):
         kv = kv_caches[l]
         for h0, d0, n in pairs.runs:

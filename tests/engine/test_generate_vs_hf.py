@@ -200,11 +200,11 @@ def test_a_failing_step_leaks_nothing_and_the_engine_recovers(checkpoint, refere
         calls = {"n": 0}
         real = llm.runner.execute
 
-        def flaky(out, layer_hook=None):
+        def flaky(out, start_loads=None):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("injected forward failure")
-            return real(out, layer_hook)
+            return real(out, start_loads)
 
         monkeypatch.setattr(llm.runner, "execute", flaky)
         with pytest.raises(RuntimeError, match="injected"):

@@ -153,13 +153,13 @@ def test_persistent_grid_with_few_programs_copies_everything(tuning, monkeypatch
 @pytest.mark.parametrize("min_run", [0, 2, 3])
 def test_runs_by_dma_and_scattered_rest_by_kernel_together(min_run, monkeypatch):
     """Pairs mixing consecutive runs (DMA rows) and scattered blocks (kernel) land exactly."""
-    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_run=min_run))
+    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_run_h2d=min_run, min_dma_run_d2h=min_run))
     layers, nd, nh, bs, heads, dim, dtype = 3, 16, 16, 4, 2, 8, torch.bfloat16
     gen = torch.Generator().manual_seed(9)
     kv = _kv(layers, nd, bs, heads, dim, dtype, True, gen)
     dev = [2, 3, 4, 9, 0, 11, 12, 13, 14, 6]      # runs 2-4 and 11-14 (both sides), scattered rest
     hst = [5, 6, 7, 1, 15, 8, 9, 10, 11, 3]
-    pairs = fast.BlockPairs.split(dev, hst, CUDA)
+    pairs = fast.BlockPairs.split(dev, hst, CUDA, min_run)
     assert sum(n for _, _, n in pairs.runs) + pairs.src_ids.numel() == len(dev)
     if min_run:
         assert pairs.runs and all(n >= min_run for _, _, n in pairs.runs)
@@ -169,7 +169,7 @@ def test_runs_by_dma_and_scattered_rest_by_kernel_together(min_run, monkeypatch)
     fast.device_to_host(kv, got, pairs, None)
     back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     want_back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
-    back_pairs = fast.BlockPairs.split(hst, dev, CUDA)
+    back_pairs = fast.BlockPairs.split(hst, dev, CUDA, min_run)
     for layer in range(layers):
         fast.host_to_device(got, back, back_pairs, None, layer=layer)
         ref.host_to_device(want, want_back, hst, dev, layer=layer)
@@ -182,4 +182,4 @@ def test_runs_by_dma_and_scattered_rest_by_kernel_together(min_run, monkeypatch)
 
 def test_mismatched_pair_counts_are_refused():
     with pytest.raises(ValueError, match="3 source blocks for 2 destination"):
-        fast.BlockPairs.split([0, 1, 2], [0, 1], CUDA)
+        fast.BlockPairs.split([0, 1, 2], [0, 1], CUDA, 0)
