@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
                 dev, hst = rng.sample(range(n_dev), n), rng.sample(range(n_host), n)
             nbytes = n * block_bytes
             d2h_pairs = fast.BlockPairs.split(dev, hst, True, fast.TUNING["min_dma_run_d2h"])
-            h2d_pairs = fast.BlockPairs.split(hst, dev, True, fast.TUNING["min_dma_run_h2d"])
+            h2d_pairs = fast.BlockPairs.split(hst, dev, True, fast.TUNING["min_dma_run_h2d"], device)
             d2h_kernel, h2d_kernel = fast.BlockPairs.split(dev, hst, True, 0), fast.BlockPairs.split(hst, dev, True, 0)
             row = {"blocks": n, "pattern": pattern, "bytes": nbytes}
             for direction in ("d2h", "h2d"):

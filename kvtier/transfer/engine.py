@@ -69,7 +69,9 @@ class TransferEngine:
         self._free_sets: list[list] = []         # the ring of per-layer event sets
         if self.cuda:
             device = kv_caches[0].device
-            self.load_stream = torch.cuda.Stream(device)
+            # loads gate the forward layer by layer: their kernels get SMs first as the
+            # forward's blocks retire (high priority); backups can wait (default priority)
+            self.load_stream = torch.cuda.Stream(device, priority=-1)
             self.offload_stream = torch.cuda.Stream(device)
 
     # ------------------------------------------------------------------ submit
@@ -94,8 +96,11 @@ class TransferEngine:
     def _pairs(self, op: TransferOp):  # type: ignore[no-untyped-def]
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
         if self.ops is kernels:
-            min_run = kernels.TUNING["min_dma_run_h2d" if op.kind == "load" else "min_dma_run_d2h"]
-            return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda, min_run), None
+            if op.kind == "load":
+                return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda,
+                                                kernels.TUNING["min_dma_run_h2d"], self.kv_caches[0].device), None
+            return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda,
+                                            kernels.TUNING["min_dma_run_d2h"]), None
         return op.src_blocks, op.dst_blocks
 
     def _load(self, op: TransferOp) -> _InFlight:

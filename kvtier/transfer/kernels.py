@@ -13,10 +13,11 @@ all layers (backups, when the layers are views of one buffer as ``allocate_kv_ca
 The kernel reads or writes the pinned host pool *through its mapped device address* (CUDA unified
 addressing: a page-locked host pointer is valid on the GPU), so there is no staging buffer and no
 extra HBM round trip. SM-issued PCIe reads top out below the copy engines (H100: ~48 vs 55 GB/s),
-so for loads a *run* of at least ``TUNING["min_dma_run_h2d"]`` blocks consecutive on both sides
-goes by DMA instead: one ``cudaMemcpy2DAsync`` per layer and K/V (rows = blocks, the two pitches = the two
-layouts' block strides), as the seeds' ``swap_cache_layout`` does; the scattered rest is one
-kernel launch. (Backups stay on the kernel: SM-issued PCIe writes reach ~0.92 of the DMA rate,
+so for loads a *run* of at least ``TUNING["min_dma_run_h2d"]`` consecutive host blocks goes by
+DMA instead: per layer one ``cudaMemcpy2DAsync`` (rows = blocks, the two pitches = the two
+layouts' block strides) straight into the device blocks when they are consecutive too, else into
+a staging buffer and one scatter kernel (HBM speed), as the seeds' ``swap_cache_layout`` does; the
+scattered rest is one kernel launch. (Backups stay on the kernel: SM-issued PCIe writes reach ~0.92 of the DMA rate,
 and a 2D DMA with pitched host rows was slower than the kernel in the same run.) Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
 1 bytes), so no dtype, block size or head_dim drops tail bytes. Written by hand because no library
 op converts between these two paged layouts for a scattered list of blocks in one launch.
@@ -98,18 +99,32 @@ def _flat(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
+class Run:
+    """Blocks ``src0 .. src0+n-1`` go by DMA, to ``dst0 ..`` (consecutive too) or, for a load,
+    to the scattered device blocks ``dst_ids`` (a device tensor) through a staging buffer."""
+
+    src0: int
+    n: int
+    dst0: int | None
+    dst_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class BlockPairs:
     """The (src, dst) block pairs of one copy, split once (a load reuses it for every layer):
-    ``runs`` consecutive on both sides, ``(src0, dst0, n)``, go by DMA; the scattered rest goes by
-    the kernel, which reads its ids from ``src_ids``/``dst_ids`` (pinned host memory on the GPU)."""
+    ``runs`` of consecutive source blocks go by DMA; the scattered rest goes by the kernel, which
+    reads its ids from ``src_ids``/``dst_ids`` (pinned host memory on the GPU)."""
 
-    runs: tuple[tuple[int, int, int], ...]
+    runs: tuple[Run, ...]
     src_ids: torch.Tensor
     dst_ids: torch.Tensor
 
     @staticmethod
-    def split(src_blocks: Sequence[int], dst_blocks: Sequence[int], cuda: bool, min_run: int) -> "BlockPairs":
-        """``min_run``: the shortest run that goes by DMA (0: every block by the kernel)."""
+    def split(src_blocks: Sequence[int], dst_blocks: Sequence[int], cuda: bool, min_run: int,
+              scatter_device: torch.device | None = None) -> "BlockPairs":
+        """``min_run``: the shortest run that goes by DMA (0: every block by the kernel).
+        ``scatter_device`` (loads): a run needs consecutive sources only; its scattered
+        destinations are written by a scatter from staging on that device."""
         src, dst = list(src_blocks), list(dst_blocks)
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
@@ -119,10 +134,18 @@ class BlockPairs:
         i = 0
         while i < len(src):
             j = i + 1
-            while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
-                j += 1
+            if scatter_device is None:
+                while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+                    j += 1
+            else:
+                while j < len(src) and src[j] == src[j - 1] + 1:
+                    j += 1
             if min_run and j - i >= min_run:
-                runs.append((src[i], dst[i], j - i))
+                if all(dst[k] == dst[i] + k - i for k in range(i, j)):
+                    runs.append(Run(src[i], j - i, dst[i]))
+                else:
+                    ids = torch.tensor(dst[i:j], dtype=torch.long, pin_memory=cuda)
+                    runs.append(Run(src[i], j - i, None, ids.to(scatter_device, non_blocking=True)))
             else:
                 rest_src += src[i:j]
                 rest_dst += dst[i:j]
@@ -225,7 +248,9 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
     stream). ``device_blocks`` may be a :class:`BlockPairs` (then ``host_blocks`` is ignored)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
     pairs = _pairs(device_blocks, host_blocks, kv_caches[0], TUNING["min_dma_run_d2h"])
-    for d0, h0, n in pairs.runs:
+    for run in pairs.runs:
+        assert run.dst0 is not None, "backups go by DMA only between consecutive blocks"
+        d0, h0, n = run.src0, run.dst0, run.n
         for layer, kv in enumerate(kv_caches):
             for kvi in (0, 1):
                 _copy_rows(host[h0:h0 + n, layer, kvi], kv[kvi, d0:d0 + n])
@@ -255,12 +280,22 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all), queued on
     the current stream. ``host_blocks`` may be a :class:`BlockPairs` (split once for all layers)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
-    pairs = _pairs(host_blocks, device_blocks, kv_caches[0], TUNING["min_dma_run_h2d"])
+    if isinstance(host_blocks, BlockPairs):
+        pairs = host_blocks
+    else:
+        pairs = BlockPairs.split(host_blocks, device_blocks, kv_caches[0].is_cuda, TUNING["min_dma_run_h2d"],
+                                 scatter_device=kv_caches[0].device)
     for l in (range(len(kv_caches)) if layer is None else (layer,)):
         kv = kv_caches[l]
-        for h0, d0, n in pairs.runs:
-            for kvi in (0, 1):
-                _copy_rows(kv[kvi, d0:d0 + n], host[h0:h0 + n, l, kvi])
+        for run in pairs.runs:
+            h0, d0, n = run.src0, run.dst0, run.n
+            if d0 is not None:
+                for kvi in (0, 1):
+                    _copy_rows(kv[kvi, d0:d0 + n], host[h0:h0 + n, l, kvi])
+            else:        # one DMA of K and V (adjacent on host) into staging, then a scatter
+                staging = torch.empty((n, *host.shape[2:]), dtype=kv.dtype, device=kv.device)
+                _copy_rows(staging, host[h0:h0 + n, l])
+                kv[:, run.dst_ids] = staging.transpose(0, 1)
         if pairs.src_ids.numel():
             word, w = _word(chunk_bytes, host, kv)
             chunk = chunk_bytes // w

@@ -160,16 +160,16 @@ def test_runs_by_dma_and_scattered_rest_by_kernel_together(min_run, monkeypatch)
     dev = [2, 3, 4, 9, 0, 11, 12, 13, 14, 6]      # runs 2-4 and 11-14 (both sides), scattered rest
     hst = [5, 6, 7, 1, 15, 8, 9, 10, 11, 3]
     pairs = fast.BlockPairs.split(dev, hst, CUDA, min_run)
-    assert sum(n for _, _, n in pairs.runs) + pairs.src_ids.numel() == len(dev)
+    assert sum(r.n for r in pairs.runs) + pairs.src_ids.numel() == len(dev)
     if min_run:
-        assert pairs.runs and all(n >= min_run for _, _, n in pairs.runs)
+        assert pairs.runs and all(r.n >= min_run for r in pairs.runs)
     want = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
     got = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
     ref.device_to_host(kv, want, dev, hst)
     fast.device_to_host(kv, got, pairs, None)
     back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     want_back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
-    back_pairs = fast.BlockPairs.split(hst, dev, CUDA, min_run)
+    back_pairs = fast.BlockPairs.split(hst, dev, CUDA, min_run, scatter_device=torch.device(DEVICE))
     for layer in range(layers):
         fast.host_to_device(got, back, back_pairs, None, layer=layer)
         ref.host_to_device(want, want_back, hst, dev, layer=layer)
@@ -183,3 +183,23 @@ def test_runs_by_dma_and_scattered_rest_by_kernel_together(min_run, monkeypatch)
 def test_mismatched_pair_counts_are_refused():
     with pytest.raises(ValueError, match="3 source blocks for 2 destination"):
         fast.BlockPairs.split([0, 1, 2], [0, 1], CUDA, 0)
+
+
+def test_load_run_with_scattered_device_blocks_goes_through_staging(monkeypatch):
+    """Consecutive host blocks into scattered device blocks: one DMA per layer + a scatter."""
+    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_run_h2d=4))
+    layers, nd, nh, bs, heads, dim, dtype = 2, 12, 10, 2, 1, 6, torch.float16
+    gen = torch.Generator().manual_seed(11)
+    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    hst, dev = [2, 3, 4, 5, 6, 8], [9, 1, 7, 0, 3, 5]
+    pairs = fast.BlockPairs.split(hst, dev, CUDA, 4, scatter_device=torch.device(DEVICE))
+    assert len(pairs.runs) == 1 and pairs.runs[0].dst0 is None and pairs.src_ids.numel() == 1
+    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    for layer in range(layers):
+        fast.host_to_device(host, got, pairs, None, layer=layer)
+        ref.host_to_device(host, want, hst, dev, layer=layer)
+    if CUDA:
+        torch.cuda.synchronize()
+    for layer in range(layers):
+        assert _same_bytes(got[layer], want[layer])
