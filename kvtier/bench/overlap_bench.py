@@ -112,7 +112,8 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
         llm.close()
 
 
-def decode_case(path: Path, num_requests: int, prompt_len: int, max_tokens: int) -> dict:
+def decode_case(path: Path, num_requests: int, prompt_len: int, max_tokens: int,
+                order: tuple[str, ...] = ("without", "with_backups")) -> dict:
     import kvtier
 
     cfg = kvtier.model.ModelConfig.from_hf_dir(path)
@@ -120,7 +121,8 @@ def decode_case(path: Path, num_requests: int, prompt_len: int, max_tokens: int)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
     blocks = 2 * num_requests * -(-(prompt_len + max_tokens) // 16)     # room enough: no preemption
     out = {}
-    for name, host_blocks in (("without", 0), ("with_backups", 2 * blocks)):
+    for name in order:
+        host_blocks = 0 if name == "without" else 2 * blocks
         llm = kvtier.LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", num_device_blocks=blocks,
                          num_host_blocks=host_blocks, write_policy="write_through",
                          max_model_len=prompt_len + max_tokens + 16, max_num_seqs=num_requests)
