@@ -500,11 +500,11 @@ class CacheManager:
         (if not evicted meanwhile) or on host, and is loaded instead of recomputed. Only the last,
         partial block is recomputed. A host tier too full to take them costs a recompute."""
         planned = 0
-        if self.has_host and req.admitted and not req.freed and req.nodes:
-            last = req.nodes[-1]
+        if self.has_host and req.admitted and not req.freed:
             before = len(self._staged["backup"])
-            if last.host_block is None:
-                self._backup(last)            # ancestors first: host copies stay prefix-closed
+            for node in req.nodes:            # every one: an ancestor's earlier copy may have failed
+                if node.host_block is None and not self._backup(node):
+                    break                      # host tier full: the rest is recomputed
             planned = len(self._staged["backup"]) - before
             self.stats.swapped_out_blocks += planned
         self.free(req)
@@ -514,8 +514,11 @@ class CacheManager:
     def num_device_blocks_freeing(self) -> int:
         """Device blocks no request holds that become evictable once their backup lands (a swap
         out, write_back): the scheduler waits for them instead of preempting more."""
+        def unlocked_below(node: Node) -> bool:      # evictable leaf-first once its copy lands
+            return node.lock_ref == 0 and all(unlocked_below(c) for c in node.children.values()
+                                               if c.device_block is not None)
         return sum(1 for kind, items in (*self._pending.values(), ("backup", self._staged["backup"]))
-                   if kind == "backup" for n, _d, _h in items if n.lock_ref == 0)
+                   if kind == "backup" for n, _d, _h in items if unlocked_below(n))
 
     # ================================================================== plans
     def take_plan(self) -> StepPlan:
