@@ -3,7 +3,9 @@
 The scheduler's vocabulary (one request ``r``, a :class:`CacheRequest` from :meth:`new_request`)::
 
     match_prefix(r)            longest cached prefix: device hits, then host hits, then storage hits
-    prefetch(r)                storage hits -> host blocks (completes later; then match again)
+    prefetch(r)                storage hits -> host blocks, as many as the cost model says pay
+                               (chunks complete later; then match again)
+    prefetch_pending(r)        blocks of r's prefetch still in flight
     can_allocate(r, n) / allocate(r, n)
                                block table covers n tokens; the first call admits r: pins its
                                device hits and plans host->device loads for its host hits
@@ -31,6 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
+from kvtier.cache.cost import FetchCostModel
 from kvtier.cache.keys import BlockHasher, MMItem, ModelFingerprint, namespace_seed
 from kvtier.cache.plan import MatchResult, StepPlan, TransferOp
 from kvtier.cache.policy import WritePolicy, get_eviction_key
@@ -40,6 +43,7 @@ from kvtier.cache.tree import Node, RadixTree
 
 log = logging.getLogger(__name__)
 TIERS = ("device", "host", "storage")
+FETCH_CHUNK = 32      # blocks per fetch op: a request may start with the chunks that landed
 
 
 def check_block_size(block_size: object) -> int:
@@ -53,7 +57,8 @@ class CacheRequest:
     """The manager's record of one request. ``token_ids`` is the caller's list (it grows)."""
 
     __slots__ = ("rid", "token_ids", "hasher", "nodes", "block_table", "num_loading",
-                 "admitted", "freed", "_path", "_num_device_hits", "_num_host_hits", "_epoch", "match")
+                 "admitted", "freed", "_path", "_num_device_hits", "_num_host_hits", "_epoch", "match",
+                 "prefetch", "_storage_probe")
 
     def __init__(self, rid: object, token_ids: list[int], hasher: BlockHasher) -> None:
         self.rid = rid
@@ -69,6 +74,8 @@ class CacheRequest:
         self._num_host_hits = 0
         self._epoch = -1
         self.match: MatchResult | None = None
+        self.prefetch: _Prefetch | None = None     # its storage prefetch (one per admission)
+        self._storage_probe: tuple | None = None   # last storage lookup: (first, end, hits)
 
     @property
     def keys(self) -> list[bytes]:
@@ -97,13 +104,17 @@ _BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host",
 
 
 class _Prefetch:
-    """One in-flight storage->host fetch: it holds the node its blocks will hang from."""
+    """One request's storage->host fetch, in chunks: it holds the node its blocks hang from
+    until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
 
-    __slots__ = ("anchor", "locked")
+    __slots__ = ("anchor", "locked", "keys", "num_blocks_pending", "num_chunks_pending")
 
     def __init__(self, anchor: Node, locked: bool) -> None:
         self.anchor = anchor
         self.locked = locked    # held by a lock (device copy) rather than a host pin
+        self.keys: tuple[bytes, ...] = ()
+        self.num_blocks_pending = 0
+        self.num_chunks_pending = 0
 
 
 class CacheManager:
@@ -120,6 +131,7 @@ class CacheManager:
         fingerprint: ModelFingerprint | None = None,
         block_nbytes: int = 0,
         enable_prefix_caching: bool = True,
+        fetch_cost: FetchCostModel | None = None,
     ) -> None:
         self.block_size = check_block_size(block_size)
         self.device_pool = BlockPool(num_device_blocks, "device")
@@ -133,6 +145,8 @@ class CacheManager:
         self.block_nbytes = block_nbytes
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = CacheStats()
+        self.fetch_cost = fetch_cost       # None: fetch every storage hit (storage_fetch="always")
+        self._parked: list[list] = []      # fetch chunks landed below a host copy still in flight
         self._seeds: dict[str | None, bytes] = {}
         self._tick = 0
         self._next_op = 0
@@ -196,9 +210,14 @@ class CacheManager:
             while nh < len(path) and path[nh].host_ready:
                 nh += 1
             del path[nh:]
-            if self.storage is not None and nh < max_blocks:
+            if self.storage is not None and nh < max_blocks and req.prefetch is None:
                 keys = req.hasher.ensure_keys(max_blocks)
-                ns = self.storage.lookup_prefix(keys[nh:max_blocks])
+                probe = req._storage_probe          # one lookup per range, not one per step
+                if probe is not None and probe[:2] == (nh, max_blocks):
+                    ns = probe[2]
+                else:
+                    ns = self.storage.lookup_prefix(keys[nh:max_blocks])
+                    req._storage_probe = (nh, max_blocks, ns)
                 storage_keys = tuple(keys[nh:nh + ns])
         req._path, req._num_device_hits, req._num_host_hits = path, nd, nh - nd
         req._epoch = self.tree.epoch
@@ -383,8 +402,13 @@ class CacheManager:
         Returns the number of blocks planned; they become host hits once fetched.
         """
         m = req.match
-        if m is None or not m.num_storage_blocks or not self.has_host or req.admitted:
+        if m is None or not m.num_storage_blocks or not self.has_host or req.admitted or req.prefetch:
             return 0
+        want = m.num_storage_blocks
+        if self.fetch_cost is not None:
+            want = self.fetch_cost.blocks_to_fetch(want)
+            if not want:
+                return 0
         anchor = req._path[-1] if req._path else self.tree.root
         if not anchor.is_root and anchor.host_block is None and not self._backup(anchor):
             return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
@@ -393,7 +417,7 @@ class CacheManager:
         pf = _Prefetch(anchor, not anchor.host_ready)
         self._hold(pf, +1)           # the node the fetched blocks will hang from stays
         blocks: list[int] = []
-        for _ in m.storage_keys:
+        for _ in m.storage_keys[:want]:
             got = self._take_host(1)
             if got is None:
                 break
@@ -404,10 +428,18 @@ class CacheManager:
             return 0
         first = len(req._path)                  # storage hits follow the device and host hits
         labels = req.hasher.labels[first:first + len(blocks)]
+        pf.keys = keys
+        pf.num_blocks_pending = len(blocks)
+        pf.num_chunks_pending = -(-len(blocks) // FETCH_CHUNK)
         for i, (k, b, label) in enumerate(zip(keys, blocks, labels)):
             self._staged["fetch"].append((pf, i, k, b, label))
+        req.prefetch = pf
         req.match = None   # the next match sees the fetched blocks as host hits
         return len(blocks)
+
+    def prefetch_pending(self, req: CacheRequest) -> int:
+        """Blocks of ``req``'s storage prefetch not landed (or failed) yet."""
+        return req.prefetch.num_blocks_pending if req.prefetch is not None else 0
 
     def _hold(self, pf: _Prefetch, delta: int) -> None:
         node = pf.anchor
@@ -524,8 +556,13 @@ class CacheManager:
     def take_plan(self) -> StepPlan:
         """This step's transfers, merged across requests (one op per direction)."""
         ops: dict[str, TransferOp] = {}
+        fetches: list[TransferOp] = []
         for kind, items in self._staged.items():
             if not items:
+                continue
+            if kind == "fetch":
+                fetches.extend(self._fetch_ops(items))
+                self._staged[kind] = []
                 continue
             op_id, self._next_op = self._next_op, self._next_op + 1
             if kind == "load":
@@ -536,20 +573,34 @@ class CacheManager:
                 src = tuple(d for _, d, _ in items)
                 dst = tuple(h for _, _, h in items)
                 keys = tuple(n.key for n, _, _ in items)
-            elif kind == "fetch":
-                src, dst = (), tuple(it[3] for it in items)
-                keys = tuple(it[2] for it in items)
             else:
                 src, dst = tuple(h for _, h in items), ()
                 keys = tuple(n.key for n, _ in items)
             ops[kind] = TransferOp(op_id, kind, src, dst, keys)  # type: ignore[arg-type]
             self._pending[op_id] = (kind, items)
             self._staged[kind] = []
-        return StepPlan(ops.get("load"), ops.get("backup"), ops.get("fetch"), ops.get("put"))
+        return StepPlan(ops.get("load"), ops.get("backup"), tuple(fetches), ops.get("put"))
+
+    def _fetch_ops(self, items: list) -> list[TransferOp]:
+        """One op per chunk of FETCH_CHUNK blocks of one prefetch (items are staged in order)."""
+        ops, chunk = [], []
+        for it in items:
+            if chunk and (it[0] is not chunk[0][0] or it[1] % FETCH_CHUNK == 0):
+                ops.append(self._fetch_op(chunk))
+                chunk = []
+            chunk.append(it)
+        if chunk:
+            ops.append(self._fetch_op(chunk))
+        return ops
+
+    def _fetch_op(self, chunk: list) -> TransferOp:
+        op_id, self._next_op = self._next_op, self._next_op + 1
+        self._pending[op_id] = ("fetch", chunk)
+        return TransferOp(op_id, "fetch", (), tuple(it[3] for it in chunk), tuple(it[2] for it in chunk))
 
     @property
     def num_pending_ops(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._parked)
 
     def complete(self, op_id: int, failed: Collection[int] = ()) -> dict[object, int]:
         """Op ``op_id`` finished; items at indices in ``failed`` did not land.
@@ -630,6 +681,8 @@ class CacheManager:
                     self.device_pool.free_one(tree.drop_device(node))
                     self.stats.evictions["device"] += 1
             tree.maybe_candidate(node)
+        if self._parked:
+            self._unpark_fetches()
         return {}
 
     def _complete_put(self, items: list, failed: frozenset[int]) -> dict[object, int]:
@@ -651,30 +704,58 @@ class CacheManager:
         return {}
 
     def _complete_fetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
-        tree = self.tree
-        by_fetch: dict[int, tuple[_Prefetch, list]] = {}
-        for idx, (pf, i, key, block, label) in enumerate(items):
-            by_fetch.setdefault(id(pf), (pf, []))[1].append((idx, i, key, block, label))
-        for pf, its in by_fetch.values():
-            parent, broken = pf.anchor, False
-            self._tick += 1
-            for idx, _i, key, block, label in its:
-                if broken or idx in failed or not (parent.is_root or (tree.alive(parent) and parent.host_ready)):
-                    broken = True
-                    self.host_pool.free_one(block)
-                    continue
-                node = parent.children.get(label)
-                if node is None:
-                    node = tree.add_child(parent, key, label)
-                if node.host_block is None:
-                    node.last_access = self._tick
-                    tree.set_host(node, block, ready=True)
-                    node.from_storage = True     # its first host hit counts as a storage hit
-                else:
-                    self.host_pool.free_one(block)
-                parent = node
-            self._hold(pf, -1)
+        """A chunk of one prefetch landed: its blocks become host copies below the block before
+        the chunk (the prefetch's anchor for the first chunk). If that block's own host copy is
+        still in flight (its backup was planned with the prefetch), the chunk is parked until
+        the backup completes; if that copy is gone or failed, the chunk is dropped (a miss)."""
+        pf, first = items[0][0], items[0][1]
+        parent = pf.anchor if first == 0 else self.tree.nodes.get(pf.keys[first - 1])
+        if (parent is not None and not parent.is_root and self.tree.alive(parent)
+                and parent.host_block is not None and not parent.host_ready and parent.device_reads):
+            self._parked.append([items, failed])
+            return {}
+        self._land_fetch(items, failed, parent)
         return {}
+
+    def _land_fetch(self, items: list, failed: frozenset[int], parent: Node | None) -> None:
+        tree = self.tree
+        pf = items[0][0]
+        self._tick += 1
+        broken = False
+        for idx, (_pf, _i, key, block, label) in enumerate(items):
+            if broken or idx in failed or parent is None or not (
+                    parent.is_root or (tree.alive(parent) and parent.host_ready)):
+                broken = True
+                self.host_pool.free_one(block)
+                continue
+            node = parent.children.get(label)
+            if node is None:
+                node = tree.add_child(parent, key, label)
+            if node.host_block is None:
+                node.last_access = self._tick
+                tree.set_host(node, block, ready=True)
+                node.from_storage = True     # its first host hit counts as a storage hit
+            else:
+                self.host_pool.free_one(block)
+            tree.maybe_candidate(node)
+            parent = node
+        pf.num_blocks_pending -= len(items)
+        pf.num_chunks_pending -= 1
+        if not pf.num_chunks_pending:
+            self._hold(pf, -1)
+
+    def _unpark_fetches(self) -> None:
+        """Land (or drop) parked chunks whose parent's host copy is no longer in flight."""
+        still = []
+        for items, failed in self._parked:
+            pf, first = items[0][0], items[0][1]
+            parent = pf.anchor if first == 0 else self.tree.nodes.get(pf.keys[first - 1])
+            if (parent is not None and not parent.is_root and self.tree.alive(parent)
+                    and parent.host_block is not None and not parent.host_ready and parent.device_reads):
+                still.append([items, failed])
+            else:
+                self._land_fetch(items, failed, parent)
+        self._parked = still
 
     # ================================================================== checks
     def assert_invariants(self, requests: Sequence[CacheRequest] = ()) -> None:
@@ -722,7 +803,8 @@ class CacheManager:
         # in-flight reads and writes
         dev_reads: dict[int, int] = {}
         host_reads: dict[int, int] = {}
-        in_flight = [*self._pending.values(), *self._staged.items()]
+        in_flight = [*self._pending.values(), *self._staged.items(),
+                     *(("fetch", items) for items, _failed in self._parked)]
         for kind, items in in_flight:
             if kind == "load":
                 for req, _i, n, b in items:
@@ -743,11 +825,11 @@ class CacheManager:
                 for _pf, _i, _k, b, _label in items:
                     assert b not in host_owner, f"fetch target {b} owned twice"
                     host_owner[b] = _pf
-        for kind, items in in_flight:
-            if kind == "fetch":
-                for pf in {id(x[0]): x[0] for x in items}.values():
-                    held = locks if pf.locked else host_reads
-                    held[id(pf.anchor)] = held.get(id(pf.anchor), 0) + 1
+        prefetches = {id(x[0]): x[0] for kind, items in in_flight if kind == "fetch" for x in items}
+        for pf in prefetches.values():       # each holds its anchor until its last chunk is done
+            assert pf.num_chunks_pending > 0 and pf.num_blocks_pending > 0
+            held = locks if pf.locked else host_reads
+            held[id(pf.anchor)] = held.get(id(pf.anchor), 0) + 1
         for node in tree.nodes.values():
             assert node.lock_ref == locks.get(id(node), 0), f"lock_ref {node.lock_ref} != holders of {node}"
             assert node.host_reads == host_reads.get(id(node), 0), f"host pins of {node}"

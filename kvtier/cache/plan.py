@@ -1,7 +1,8 @@
 """What the manager asks the transfer engine to move in one step.
 
 A :class:`StepPlan` merges the transfers of all the step's requests: at most one
-:class:`TransferOp` per direction. Items of an op are parallel tuples (item ``i`` moves
+:class:`TransferOp` per direction, except fetches: one op per chunk of a prefetch (so that a
+request can be admitted with the chunks that landed while later ones are still in flight). Items of an op are parallel tuples (item ``i`` moves
 ``src_blocks[i]`` to ``dst_blocks[i]``, block key ``keys[i]``). No destination appears twice in
 a plan and no block is written by one op while another reads it: every destination is a
 freshly allocated block, every source is pinned until its op completes.
@@ -48,11 +49,11 @@ class TransferOp:
 class StepPlan:
     loads: TransferOp | None = None
     backups: TransferOp | None = None
-    fetches: TransferOp | None = None
+    fetches: tuple[TransferOp, ...] = ()
     puts: TransferOp | None = None
 
     def __iter__(self) -> Iterator[TransferOp]:
-        return (op for op in (self.loads, self.backups, self.fetches, self.puts) if op is not None)
+        return (op for op in (self.loads, self.backups, *self.fetches, self.puts) if op is not None)
 
     def __bool__(self) -> bool:
         return any(True for _ in self)

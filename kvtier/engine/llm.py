@@ -9,7 +9,8 @@ One engine step::
         ─► poll copies ─► finished requests: outputs, free
 
 Copies complete asynchronously on the GPU (the transfer engine polls their events) and
-synchronously on CPU; the manager counts bytes as landed only when they have.
+synchronously on CPU; storage fetches and puts run on the storage client's worker threads on both
+(polled too). The manager counts bytes as landed only when they have.
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+import time
+
 from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
+from kvtier.cache.cost import FetchCostModel
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.request import Request
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
@@ -31,7 +35,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model
-from kvtier.storage import open_storage
+from kvtier.storage import BlobLayout, namespace_digest, open_storage
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
 
@@ -61,7 +65,8 @@ class LLM:
                  load_format: str = "auto", seed: int = 0, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  attention_backend: str | None = None, eviction: str = "lru",
-                 capture_routing: bool = True, cuda_graphs: bool | None = None) -> None:
+                 capture_routing: bool = True, cuda_graphs: bool | None = None,
+                 prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int = 4) -> None:
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
         if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
@@ -95,16 +100,21 @@ class LLM:
         bytes_per_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * self.dtype.itemsize
         if num_device_blocks is None:
             num_device_blocks = self._size_device_blocks(bytes_per_block, block_size, max_num_seqs)
-        self.storage = open_storage(storage)
+        if storage is not None and num_host_blocks == 0:
+            raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
         fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        str(self.dtype).removeprefix("torch."), block_size)
+        self.storage = open_storage(storage, workers=storage_workers)
+        self.fetch_cost = None
+        if self.storage is not None and storage_fetch == "auto":
+            self.fetch_cost = FetchCostModel(self.storage.backend.scheme, self.storage.workers, self.storage.batch,
+                                             0, block_size)
+            self.storage.on_fetch_io = self.fetch_cost.observe_fetch
         self.cache = CacheManager(
             block_size=block_size, num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
             storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,
             eviction=eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
-            enable_prefix_caching=enable_prefix_caching)
-        if self.storage is not None and num_host_blocks == 0:
-            raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
+            enable_prefix_caching=enable_prefix_caching, fetch_cost=self.fetch_cost)
         # one block more than the pool hands out: the scratch block padded CUDA-graph rows write to
         self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
         # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
@@ -114,7 +124,9 @@ class LLM:
         self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
                                        num_device_blocks, num_host_blocks, self.device)
                         if cfg.is_moe and capture_routing else None)
-        self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing, self.storage)
+        self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing)
+        if self.storage is not None:
+            self._bind_storage(fingerprint)
         if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
             cuda_graphs = self.device.type == "cuda"
         graphs = None
@@ -125,13 +137,26 @@ class LLM:
                                   routing_shape=(cfg.num_moe_layers, cfg.top_k) if self.routing else None)
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
-                                   cfg.eos_token_ids, preemption_mode)
+                                   cfg.eos_token_ids, preemption_mode, prefetch_policy, tuple(prefetch_timeout))
         self.block_size = block_size
         self._ids = count()
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
         self._closed = False
 
     # ------------------------------------------------------------------ set-up helpers
+    def _bind_storage(self, fingerprint: ModelFingerprint) -> None:
+        """One storage object per host block: its KV bytes (then its routing bytes), zero-copy views."""
+        host_u8 = self.host_kv.view(torch.uint8).numpy()       # [num_host_blocks, block bytes...]
+        routing = self.routing
+        layout = BlobLayout(namespace_digest(self.storage.namespace, fingerprint.encode()),
+                            str(self.dtype).removeprefix("torch."), tuple(self.host_kv.shape[1:]),
+                            fingerprint.block_size,
+                            host_u8[0].nbytes, routing.block_nbytes if routing is not None else 0)
+        self.storage.bind(layout, host_u8.__getitem__,
+                          (lambda h: routing.host_store[h].view(np.uint8)) if routing is not None else None)
+        if self.fetch_cost is not None:
+            self.fetch_cost.block_nbytes = layout.nbytes
+
     def _resolve_dtype(self, dtype: str, cfg: ModelConfig) -> torch.dtype:
         if dtype == "auto":
             return cfg.torch_dtype if self.device.type == "cuda" else torch.float32
@@ -235,7 +260,11 @@ class LLM:
         def start_loads():  # type: ignore[no-untyped-def]
             rewinds.update(self._pump())          # loads: queued (GPU) or done (CPU)
             return self.transfer.layer_hook()
+        t0 = time.perf_counter()
         sampled = self.runner.execute(out, start_loads) if out.scheduled else {}
+        if self.fetch_cost is not None and sampled and out.num_tokens >= 2 * len(out.scheduled):
+            # a step with prefill work that synchronized (it sampled): the recompute side of the cost model
+            self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - t0)
         if not out.scheduled:
             start_loads()
         rewinds.update(self._complete(self.transfer.wait_loads()))   # the forward waited on them
@@ -247,10 +276,12 @@ class LLM:
                 results.append(self._output(req))
             finally:                      # a failed output still returns the request's blocks
                 self.scheduler.release(req)
-        progressed = out.scheduled or out.prefetching or self._ops_done != ops_before
+        progressed = out.scheduled or self._ops_done != ops_before
         if not progressed and self.scheduler.has_unfinished():
             if self.transfer.num_in_flight:        # nothing to run until copies land: wait for them
                 self._complete(self.transfer.drain())
+            elif self.storage is not None and self.storage.num_in_flight:   # prefetches landing
+                self._complete(self.storage.wait(timeout=0.05))
             elif not self.cache.num_pending_ops:
                 req = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
@@ -264,8 +295,13 @@ class LLM:
         while True:
             plan = self.cache.take_plan()
             for op in plan:
-                self.transfer.submit(op)
+                if op.kind in ("fetch", "put"):
+                    self.storage.submit(op)        # type: ignore[union-attr]
+                else:
+                    self.transfer.submit(op)
             landed = self.transfer.poll()
+            if self.storage is not None:
+                landed += self.storage.poll()
             rewinds.update(self._complete(landed))
             if not plan and not landed:
                 return rewinds
@@ -280,8 +316,10 @@ class LLM:
     def _drain(self) -> None:
         """Wait for every copy in flight and hand it to the manager (close, errors)."""
         self._pump()
-        while self.transfer.num_in_flight:
+        while self.transfer.num_in_flight or (self.storage is not None and self.storage.num_in_flight):
             self._complete(self.transfer.drain())
+            if self.storage is not None:
+                self._complete(self.storage.drain())
             self._pump()
 
     def _output(self, req: Request) -> RequestOutput:
@@ -324,12 +362,22 @@ class LLM:
             "host": {"hit_tokens": s.hit_tokens["host"], "evictions": s.evictions["host"],
                      "bytes_in": moved["device_to_host"] + moved["storage_to_host"],
                      "blocks_used": self.cache.host_pool.num_used},
-            "storage": {"hit_tokens": s.hit_tokens["storage"], "bytes_in": moved["host_to_storage"],
-                        "evictions": getattr(getattr(self.storage, "backend", None), "evictions", 0)},
+            "storage": self._storage_stats(),
             "query_tokens": s.query_tokens,
             "miss_tokens": max(0, s.query_tokens - hits),
             "failures": dict(s.failures),
         }
+
+    def _storage_stats(self) -> dict:
+        s = self.cache.stats
+        out = {"hit_tokens": s.hit_tokens["storage"], "bytes_in": s.bytes_moved["host_to_storage"],
+               "bytes_out": s.bytes_moved["storage_to_host"]}
+        if self.storage is not None:
+            out.update(self.storage.stats())
+            out["evictions"] = out.get("server", {}).get("evictions", 0)
+        if self.fetch_cost is not None:
+            out["fetch_cost"] = self.fetch_cost.as_dict()
+        return out
 
     def close(self) -> None:
         """Wait for copies in flight, then release device and (pinned) host memory."""
@@ -341,6 +389,8 @@ class LLM:
         self._closed = True
         self.kv_caches.clear()
         self.host_kv = None
+        if self.storage is not None:
+            self.storage.close()
         if self._host is not None:
             self._host.release()
         if self.device.type == "cuda":

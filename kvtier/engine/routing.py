@@ -93,16 +93,6 @@ class RoutingCapture:
         self.flush()
         self.device_store[list(device_blocks)] = self.host_store[list(host_blocks)]
 
-    def host_block_bytes(self, host_block: int) -> bytes:
-        return self.host_store[host_block].tobytes()
-
-    def load_host_block_bytes(self, host_block: int, data: bytes) -> bool:
-        block = self.host_store[host_block]
-        if len(data) != block.nbytes:
-            return False
-        block[...] = np.frombuffer(data, dtype=self.dtype).reshape(block.shape)
-        return True
-
     @property
     def block_nbytes(self) -> int:
         return self.block_size * self.bytes_per_token

@@ -10,12 +10,22 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
    rather than preempting more;
 2. then waiting requests, in arrival order, while the budget, ``max_num_seqs`` and the device tier
    allow: match the prefix (device, then host hits), admit, schedule the uncached rest (chunked).
+   A request with storage hits first starts a prefetch into host blocks (as many blocks as the
+   cost model says pay) and steps aside while it lands; requests behind it go on. It is admitted,
+   with the chunks that landed, once its prefetch is done, or under ``prefetch_policy``:
+
+   - ``wait_complete``: only when every chunk completed (each storage call is bounded by the
+     backend's timeouts, so this wait is bounded too);
+   - ``timeout``: or after ``prefetch_timeout[0] + prefetch_timeout[1] * tokens / 1000`` seconds;
+   - ``best_effort``: or after the time the cost model expected the fetch to take (x1.5, +5 ms):
+     a fetch slower than expected never delays the request beyond what recompute would have.
 
 After the forward, :meth:`update` commits newly written full blocks to the cache, appends sampled
 tokens, applies stop conditions and frees finished requests.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,7 +44,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
-    prefetching: list[Request] = field(default_factory=list)   # storage hits being fetched to host
+    prefetching: list[Request] = field(default_factory=list)   # prefetches started this step
     stalled: bool = False        # a running request waits for device blocks that copies will free
 
     @property
@@ -45,14 +55,21 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cache: CacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = (),
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", prefetch_policy: str = "best_effort",
+                 prefetch_timeout: tuple[float, float] = (0.1, 0.05)) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
         if preemption_mode == "swap" and not cache.has_host:
             raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
+        if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ValueError(f"unknown prefetch_policy {prefetch_policy!r}; choose best_effort, wait_complete or timeout")
+        if len(prefetch_timeout) != 2 or min(prefetch_timeout) < 0:
+            raise ValueError(f"prefetch_timeout must be (base seconds, seconds per 1K tokens) >= 0, got {prefetch_timeout!r}")
         self.preemption_mode = preemption_mode
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_timeout = prefetch_timeout
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -95,15 +112,23 @@ class Scheduler:
                 break
         if out.preempted or out.stalled:
             return out                               # no admissions while short of blocks
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[idx]
+            if req.prefetch_deadline is not None and not self._prefetch_settled(req):
+                idx += 1                             # its storage hits are landing: step aside
+                continue
             m = cache.match_prefix(req.cache)
             cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size
             if req.prefetch_from is None:
                 req.prefetch_from = cached               # what device + host held at arrival
-                if m.num_storage_blocks and cache.prefetch(req.cache):
-                    out.prefetching.append(req)
-                    break                                # fetched into host this step; admit next
+                if m.num_storage_blocks:
+                    n_fetch = cache.prefetch(req.cache)
+                    if n_fetch:
+                        req.prefetch_deadline = time.monotonic() + self._prefetch_budget(req, n_fetch)
+                        out.prefetching.append(req)
+                        idx += 1
+                        continue
             if not cache.allocate(req.cache, min(req.num_tokens, cached + budget)):
                 break
             m = req.cache.match                      # allocate re-matches if the tree changed
@@ -111,8 +136,9 @@ class Scheduler:
             n = min(req.num_tokens - cached, budget)
             if not cache.allocate(req.cache, cached + n):   # fewer hits than first seen: grow
                 n = len(req.cache.block_table) * m.block_size - cached
-            self.waiting.popleft()
+            del self.waiting[idx]
             req.status = Status.RUNNING
+            req.prefetch_deadline = None
             req.num_computed_tokens = cached
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = cached
@@ -123,6 +149,23 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
         return out
+
+    def _prefetch_budget(self, req: Request, num_blocks: int) -> float:
+        if self.prefetch_policy == "wait_complete":
+            return float("inf")
+        if self.prefetch_policy == "timeout":
+            base, per_1k = self.prefetch_timeout
+            return base + per_1k * req.num_tokens / 1000
+        cost = self.cache.fetch_cost
+        expected = cost.fetch_seconds(num_blocks) if cost is not None else self.prefetch_timeout[0]
+        return expected * 1.5 + 0.005
+
+    def _prefetch_settled(self, req: Request) -> bool:
+        """May a request whose prefetch started be admitted now?"""
+        return not self.cache.prefetch_pending(req.cache) or time.monotonic() >= req.prefetch_deadline  # type: ignore[operator]
+
+    def has_prefetching(self) -> bool:
+        return any(r.prefetch_deadline is not None for r in self.waiting)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
@@ -138,6 +181,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.prefetch_from = None            # its prefix may be in storage again: prefetch anew
+        req.prefetch_deadline = None
         self.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)

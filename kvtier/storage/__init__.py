@@ -1,86 +1,65 @@
-"""Storage tier: a pool of immutable, content-addressed block objects.
+"""Storage tier: a pool of immutable, content-addressed block objects shared by engines.
 
-A backend stores bytes under object names (``kvt:<ns>:<hex>``, DESIGN §3) and answers
-``exists``; :class:`StorageClient` adapts it to what the cache manager asks (``lookup_prefix``,
-``contains``, ``add`` by block key) and to what the transfer executor does (``put``/``get`` of one
-host block's bytes). Any failure of a backend is reported as a failed item, never raised into the
-engine: the manager turns it into a miss (DESIGN §5.6).
+Backends (one small interface, :mod:`kvtier.storage.base`) are chosen by URL (DESIGN §6)::
 
-URLs: ``memory://?capacity=1GiB`` (in process). ``file://``, ``redis://``, ``mooncake://`` are
-not in this build yet: asking for them is an error that says so.
+    memory://?capacity=1GiB                     in process (tests, demos)
+    file:///abs/dir?capacity=100GiB             a directory: the embedded pool that persists
+    redis://[:password@]host:port/db            Redis / Valkey  (rediss:// for TLS)
+    redis+cluster://host:port,host:port         Redis / Valkey cluster
+    mooncake://master:port?protocol=tcp         Mooncake Store (&segment=4GiB to contribute memory)
+
+Any URL also takes ``throttle=RATE`` (e.g. ``throttle=200MB``): every read and write is slowed to
+that many bytes per second, to see how the engine behaves against a slow pool (benchmarks).
+
+:class:`~kvtier.storage.client.StorageClient` runs the I/O on worker threads with self-checking
+blobs (:mod:`kvtier.storage.blob`), retries and a circuit breaker; any failure is a miss.
 """
 from __future__ import annotations
 
-import logging
-from typing import Sequence
-from urllib.parse import parse_qs, urlparse
+import importlib
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
-from kvtier.cache.keys import object_name
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+from kvtier.storage.blob import BlobLayout, namespace_digest
+from kvtier.storage.client import StorageClient
 from kvtier.storage.memory import MemoryBackend, parse_size
+from kvtier.storage.throttle import ThrottledBackend
 
-log = logging.getLogger(__name__)
+__all__ = ["MISSING", "TOO_LARGE", "Backend", "BlobLayout", "MemoryBackend", "StorageClient", "StorageError",
+           "namespace_digest", "open_backend", "open_storage", "parse_size"]
 
-__all__ = ["MemoryBackend", "StorageClient", "open_storage", "parse_size"]
-
-
-class StorageClient:
-    def __init__(self, backend: MemoryBackend, namespace: str = "default") -> None:
-        self.backend = backend
-        self.namespace = namespace
-        self.failures = 0
-
-    def name(self, key: bytes) -> str:
-        return object_name(key, self.namespace)
-
-    # ---- StorageIndex (what the manager asks)
-    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        try:
-            present = self.backend.exists([self.name(k) for k in keys])
-        except Exception as e:  # a dead pool is a miss
-            self.failures += 1
-            log.warning("storage lookup failed (%s); treating as miss", e)
-            return 0
-        n = 0
-        for p in present:
-            if not p:
-                break
-            n += 1
-        return n
-
-    def contains(self, key: bytes) -> bool:
-        return self.lookup_prefix([key]) == 1
-
-    def add(self, key: bytes) -> None:
-        """The manager learns of an acknowledged put; the backend already has it."""
-
-    # ---- data path (what the executor does)
-    def put(self, key: bytes, data: bytes) -> bool:
-        try:
-            return self.backend.put(self.name(key), data)
-        except Exception as e:
-            self.failures += 1
-            log.warning("storage put failed (%s)", e)
-            return False
-
-    def get(self, key: bytes) -> bytes | None:
-        try:
-            return self.backend.get(self.name(key))
-        except Exception as e:
-            self.failures += 1
-            log.warning("storage get failed (%s)", e)
-            return None
+# scheme -> "module:class" (imported on use: redis/mooncake clients are optional extras)
+BACKENDS = {
+    "memory": "kvtier.storage.memory:MemoryBackend",
+    "file": "kvtier.storage.file:FileBackend",
+    "redis": "kvtier.storage.redis:RedisBackend",
+    "rediss": "kvtier.storage.redis:RedisBackend",
+    "redis+cluster": "kvtier.storage.redis:RedisBackend",
+    "mooncake": "kvtier.storage.mooncake:MooncakeBackend",
+}
 
 
-def open_storage(url: str | None, namespace: str = "default") -> StorageClient | None:
+def open_backend(url: str) -> Backend:
+    """The backend a storage URL names (``throttle=`` honoured). Bad URLs raise ValueError."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"storage must be a URL like file:///dir or redis://host:port, got {url!r}")
+    parsed = urlparse(url)
+    target = BACKENDS.get(parsed.scheme)
+    if target is None:
+        raise ValueError(f"unknown storage URL scheme {parsed.scheme!r} in {url!r}; expected one of "
+                         f"{', '.join(s + '://' for s in BACKENDS)}")
+    query = parse_qsl(parsed.query, keep_blank_values=True)
+    throttle = [v for k, v in query if k == "throttle"]
+    if throttle:
+        url = urlunparse(parsed._replace(query=urlencode([(k, v) for k, v in query if k != "throttle"])))
+    module, cls = target.split(":")
+    backend = getattr(importlib.import_module(module), cls).from_url(url)
+    if throttle:
+        backend = ThrottledBackend(backend, parse_size(throttle[-1]))
+    return backend
+
+
+def open_storage(url: str | None, namespace: str = "default", **client_options) -> StorageClient | None:  # type: ignore[no-untyped-def]
     if url is None:
         return None
-    parsed = urlparse(url)
-    if parsed.scheme == "memory":
-        q = parse_qs(parsed.query)
-        capacity = parse_size(q["capacity"][0]) if "capacity" in q else 1 << 30
-        return StorageClient(MemoryBackend(capacity), namespace)
-    if parsed.scheme in ("file", "redis", "rediss", "redis+cluster", "mooncake"):
-        raise ValueError(f"storage URL scheme {parsed.scheme!r} is not available in this build yet "
-                         f"(only memory://); got {url!r}")
-    raise ValueError(f"unknown storage URL {url!r}; expected memory://, file://, redis://, rediss://, "
-                     f"redis+cluster:// or mooncake://")
+    return StorageClient(open_backend(url), namespace, **client_options)

@@ -24,8 +24,8 @@ Invariants (tests/transfer/test_engine.py checks them):
    an event is never re-recorded while a wait on it may still be queued behind.
 
 On CPU the same interface runs every copy synchronously on the calling thread with the torch
-reference ops (the CPU twin CI tests). Storage ops (fetch/put) run synchronously on the calling
-thread in this build. A copy that raises is reported with all its items failed: the manager
+reference ops (the CPU twin CI tests). Storage ops (fetch/put) are not its job: the storage
+client runs them on worker threads (kvtier.storage.client). A copy that raises is reported with all its items failed: the manager
 turns them into misses / recompute (DESIGN §5.6).
 """
 from __future__ import annotations
@@ -54,11 +54,10 @@ class _InFlight:
 
 class TransferEngine:
     def __init__(self, kv_caches: list[torch.Tensor], host_kv: torch.Tensor | None, routing=None,  # type: ignore[no-untyped-def]
-                 storage=None, use_kernels: bool | None = None) -> None:
+                 use_kernels: bool | None = None) -> None:
         self.kv_caches = kv_caches
         self.host_kv = host_kv
         self.routing = routing                # RoutingCapture: routed experts travel with their KV block
-        self.storage = storage
         self.num_layers = len(kv_caches)
         self.cuda = kv_caches[0].is_cuda
         if use_kernels is None:
@@ -82,10 +81,6 @@ class TransferEngine:
                 entry = self._load(op)
             elif op.kind == "backup":
                 entry = self._backup(op)
-            elif op.kind == "put":
-                entry = _InFlight(op, self._put(op))
-            elif op.kind == "fetch":
-                entry = _InFlight(op, self._fetch(op))
             else:
                 raise ValueError(f"unknown op kind {op.kind!r}")
         except Exception as e:   # a failed copy costs a recompute, never a wrong answer
@@ -204,37 +199,3 @@ class TransferEngine:
         if entry.layer_events is not None:
             self._free_sets.append(entry.layer_events)
         entry.keep = ()
-
-    # ------------------------------------------------------------------ storage (synchronous here)
-    def _put(self, op: TransferOp) -> list[int]:
-        return [i for i, (key, hb) in enumerate(zip(op.keys, op.src_blocks))
-                if not self.storage.put(key, self._block_bytes(hb))]
-
-    def _fetch(self, op: TransferOp) -> list[int]:
-        failed = []
-        for i, (key, hb) in enumerate(zip(op.keys, op.dst_blocks)):
-            data = self.storage.get(key)
-            if data is None or not self._load_block_bytes(hb, data):
-                failed.append(i)
-        return failed
-
-    def _block_bytes(self, host_block: int) -> bytes:
-        """One storage object: the host block's KV bytes, then its routing bytes (if MoE)."""
-        data = self.host_kv[host_block].contiguous().view(torch.uint8).numpy().tobytes()
-        if self.routing is not None:
-            data += self.routing.host_block_bytes(host_block)
-        return data
-
-    def _load_block_bytes(self, host_block: int, data: bytes) -> bool:
-        dst = self.host_kv[host_block]
-        nbytes = dst.numel() * dst.element_size()
-        extra = self.routing.block_nbytes if self.routing is not None else 0
-        if len(data) != nbytes + extra:
-            log.warning("storage object for host block %d has %d bytes, expected %d",
-                        host_block, len(data), nbytes + extra)
-            return False
-        if self.routing is not None and not self.routing.load_host_block_bytes(host_block, data[nbytes:]):
-            return False
-        src = torch.frombuffer(bytearray(data[:nbytes]), dtype=torch.uint8).view(dst.dtype).view(dst.shape)
-        dst.copy_(src)
-        return True

@@ -1,0 +1,353 @@
+"""StorageClient: the storage tier as the manager and the engine see it (DESIGN §7).
+
+::
+
+    scheduler thread                         worker threads (ThreadPoolExecutor)
+    ────────────────                         ───────────────────────────────────
+    lookup_prefix(keys) ─ exists ──────────► backend   (one round trip; 0 while the breaker is open)
+    submit(fetch op) ─ split in batches ───► get_into(staging) ─ check blob ─ copy into host block
+    submit(put op)   ─ split in batches ───► encode host block into staging ─ put_from(staging)
+    poll() ◄─ ops whose every batch returned (fetches in submission order) ─┘
+
+Invariants:
+
+1. an op is reported only after every worker touching its host blocks has returned, so a fetch
+   that is late (slow pool, timeout) can never write into a host block handed to someone else:
+   the manager keeps the blocks reserved until :meth:`poll` reports the op;
+2. a fetched item counts as landed only if its object passed every check of
+   :meth:`BlobLayout.check` (namespace, key, dtype, shape, sizes, checksum); a bad object is
+   counted, deleted from the pool and reported failed (a miss: the tokens are recomputed);
+3. a backend that raises is retried ``retries`` times, then the batch's items are failed; after
+   ``breaker_threshold`` failed calls in a row the breaker opens: lookups answer 0 and ops fail
+   at once without I/O (requests go on by recompute) until ``breaker_cooldown`` has passed; then
+   one call probes the backend: success closes the breaker, failure opens it again for twice as
+   long (at most 60 s);
+4. staging memory comes from a fixed arena (``workers`` slots of ``batch`` objects), registered
+   once with the backend (zero-copy clients); a slot is used by one batch at a time.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from dataclasses import dataclass, field
+from queue import SimpleQueue
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier.cache.keys import object_name
+from kvtier.cache.plan import TransferOp
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend
+from kvtier.storage.blob import BlobLayout, BlobStatus
+
+log = logging.getLogger(__name__)
+
+
+class CircuitBreaker:
+    def __init__(self, threshold: int = 3, cooldown: float = 2.0, max_cooldown: float = 60.0) -> None:
+        self.threshold = threshold
+        self.base_cooldown = cooldown
+        self.cooldown = cooldown
+        self.max_cooldown = max_cooldown
+        self.failures = 0
+        self.open_until: float | None = None
+        self.trips = 0
+        self._probing = False
+        self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self.open_until is not None
+
+    def allow(self) -> bool:
+        """May a call go to the backend now? (after the cooldown, one probe at a time)"""
+        with self._lock:
+            if self.open_until is None:
+                return True
+            if self._probing or time.monotonic() < self.open_until:
+                return False
+            self._probing = True
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            if self.open_until is not None:
+                log.warning("storage is back: circuit breaker closed")
+            self.failures, self.open_until, self._probing = 0, None, False
+            self.cooldown = self.base_cooldown
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            if self._probing:                   # the probe failed: open again, for longer
+                self._probing = False
+                self.cooldown = min(self.cooldown * 2, self.max_cooldown)
+                self.open_until = time.monotonic() + self.cooldown
+            elif self.open_until is None and self.failures >= self.threshold:
+                self.trips += 1
+                self.open_until = time.monotonic() + self.cooldown
+                log.warning("storage failed %d times in a row: circuit breaker open for %.1f s "
+                            "(requests go on by recompute)", self.failures, self.cooldown)
+
+
+@dataclass(slots=True)
+class _Op:
+    op: TransferOp
+    futures: list[Future]
+    starts: list[int]                   # first item index of each batch
+    submitted: float
+    failed: list[int] = field(default_factory=list)
+
+
+class StorageClient:
+    def __init__(self, backend: Backend, namespace: str = "default", *, workers: int = 4, batch: int = 16,
+                 retries: int = 1, breaker_threshold: int = 3, breaker_cooldown: float = 2.0,
+                 on_fetch_io: Callable[[int, float], None] | None = None) -> None:
+        if workers < 1 or batch < 1 or retries < 0:
+            raise ValueError(f"workers and batch must be >= 1 and retries >= 0, got {workers}, {batch}, {retries}")
+        self.backend = backend
+        self.namespace = namespace
+        self.workers = workers
+        self.batch = batch
+        self.retries = retries
+        self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown)
+        self.on_fetch_io = on_fetch_io          # cost model: (bytes, seconds) of each get batch
+        self.layout: BlobLayout | None = None
+        self._kv: Callable[[int], np.ndarray] | None = None
+        self._routing: Callable[[int], np.ndarray] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots: SimpleQueue[np.ndarray] = SimpleQueue()
+        self._inflight: deque[_Op] = deque()
+        self._known: OrderedDict[bytes, None] = OrderedDict()   # keys stored (a hint for skipping puts)
+        self._lock = threading.Lock()
+        self.counters = {k: 0 for k in (
+            "lookups", "lookup_hits", "hits", "misses", "corrupt", "put_blocks", "put_refused",
+            "failed_calls", "bytes_read", "bytes_written", "fetch_seconds", "put_seconds")}
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up
+    def bind(self, layout: BlobLayout, kv: Callable[[int], np.ndarray],
+             routing: Callable[[int], np.ndarray] | None = None) -> None:
+        """Where host block ``h``'s bytes are: ``kv(h)`` (and ``routing(h)``), uint8 views."""
+        self.layout, self._kv, self._routing = layout, kv, routing
+        arena = np.empty((self.workers, self.batch, layout.nbytes), np.uint8)
+        self.backend.register_buffer(memoryview(arena.reshape(-1)))
+        self._arena = arena
+        for w in range(self.workers):
+            self._slots.put(arena[w])
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-storage")
+
+    def name(self, key: bytes) -> str:
+        return object_name(key, self.namespace)
+
+    # ------------------------------------------------------------------ what the manager asks
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the pool holds (0 while the breaker is open)."""
+        if not keys or not self.breaker.allow():
+            return 0
+        self.counters["lookups"] += 1
+        try:
+            present = self.backend.exists([self.name(k) for k in keys])
+        except Exception as e:   # a dead pool is a miss
+            self._call_failed("lookup", e)
+            return 0
+        self.breaker.success()
+        n = 0
+        for p in present:
+            if not p:
+                break
+            n += 1
+        with self._lock:
+            for k in keys[:n]:
+                self._remember(k)
+        self.counters["lookup_hits"] += n
+        return n
+
+    def contains(self, key: bytes) -> bool:
+        """Known to be stored (written or seen by this client): no I/O. Used to skip puts."""
+        return key in self._known
+
+    def add(self, key: bytes) -> None:
+        with self._lock:
+            self._remember(key)
+
+    def _remember(self, key: bytes) -> None:
+        known = self._known
+        known[key] = None
+        known.move_to_end(key)
+        if len(known) > 1_000_000:
+            known.popitem(last=False)
+
+    # ------------------------------------------------------------------ ops
+    def submit(self, op: TransferOp) -> None:
+        """Start ``op`` (fetch: into ``op.dst_blocks``; put: from ``op.src_blocks``) on the workers."""
+        if self._pool is None:
+            raise RuntimeError("StorageClient.bind() was not called")
+        if op.kind not in ("fetch", "put"):
+            raise ValueError(f"storage client runs fetch and put ops, not {op.kind!r}")
+        blocks = op.dst_blocks if op.kind == "fetch" else op.src_blocks
+        run = self._fetch_batch if op.kind == "fetch" else self._put_batch
+        futures, starts = [], []
+        if self.breaker.allow():
+            for s in range(0, op.num_blocks, self.batch):
+                futures.append(self._pool.submit(run, op.keys[s:s + self.batch], blocks[s:s + self.batch]))
+                starts.append(s)
+        entry = _Op(op, futures, starts, time.monotonic())
+        if not futures:                         # breaker open: fail at once, no I/O
+            entry.failed = list(range(op.num_blocks))
+        self._inflight.append(entry)
+
+    def poll(self) -> list[tuple[int, list[int]]]:
+        """Ops whose every batch has returned, as (op_id, failed item indices); never blocks.
+        Fetches are reported in submission order (a later fetch may hang below an earlier one)."""
+        out, fetch_blocked = [], False
+        for entry in list(self._inflight):
+            is_fetch = entry.op.kind == "fetch"
+            if (is_fetch and fetch_blocked) or not all(f.done() for f in entry.futures):
+                fetch_blocked |= is_fetch
+                continue
+            self._inflight.remove(entry)
+            for start, fut in zip(entry.starts, entry.futures):
+                try:
+                    entry.failed.extend(start + i for i in fut.result())
+                except Exception as e:          # the worker itself broke: the whole batch failed
+                    log.warning("storage %s batch failed: %s", entry.op.kind, e)
+                    n = min(self.batch, entry.op.num_blocks - start)
+                    entry.failed.extend(range(start, start + n))
+            out.append((entry.op.op_id, sorted(entry.failed)))
+        return out
+
+    def wait(self, timeout: float | None = None) -> list[tuple[int, list[int]]]:
+        """Block until at least one op can be reported (or ``timeout``), then poll."""
+        pending = [f for e in self._inflight for f in e.futures if not f.done()]
+        if pending:
+            wait_futures(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+        return self.poll()
+
+    def drain(self) -> list[tuple[int, list[int]]]:
+        """Block until every op returned; their completions."""
+        wait_futures([f for e in self._inflight for f in e.futures])
+        return self.poll()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._inflight)
+
+    # ------------------------------------------------------------------ workers
+    def _call(self, what: str, fn, *args):  # type: ignore[no-untyped-def]
+        """fn(*args) with bounded retries; raises after the last failure (counted)."""
+        for attempt in range(self.retries + 1):
+            try:
+                result = fn(*args)
+            except Exception as e:
+                if attempt == self.retries:
+                    self._call_failed(what, e)
+                    raise
+                continue
+            self.breaker.success()
+            return result
+
+    def _call_failed(self, what: str, e: Exception) -> None:
+        with self._lock:
+            self.counters["failed_calls"] += 1
+        self.breaker.failure()
+        log.warning("storage %s failed on %s: %s", what, self.backend.describe(), e)
+
+    def _fetch_batch(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:
+        layout, n = self.layout, len(keys)
+        assert layout is not None and self._kv is not None
+        slot = self._slots.get()
+        try:
+            names = [self.name(k) for k in keys]
+            bufs = [memoryview(slot[j]) for j in range(n)]
+            t0 = time.perf_counter()
+            try:
+                sizes = self._call("get", self.backend.get_into, names, bufs)
+            except Exception:
+                return list(range(n))
+            dt = time.perf_counter() - t0
+            failed, corrupt, nbytes = [], [], 0
+            for j, (size, key, hb) in enumerate(zip(sizes, keys, host_blocks)):
+                if size == MISSING:
+                    failed.append(j)
+                    continue
+                status = BlobStatus.TRUNCATED if size == TOO_LARGE else layout.check(slot[j], size, key)
+                if status is not BlobStatus.OK:
+                    log.warning("storage object %s is bad (%s): deleted, counted as a miss", names[j], status.value)
+                    failed.append(j)
+                    corrupt.append(names[j])
+                    continue
+                layout.decode_into(slot[j], self._kv(hb), self._routing(hb) if self._routing else None)
+                nbytes += size
+            if corrupt:
+                try:
+                    self.backend.delete(corrupt)
+                except Exception as e:
+                    log.warning("could not delete bad storage objects: %s", e)
+            with self._lock:
+                c = self.counters
+                c["hits"] += n - len(failed)
+                c["misses"] += len(failed) - len(corrupt)
+                c["corrupt"] += len(corrupt)
+                c["bytes_read"] += nbytes
+                c["fetch_seconds"] += dt
+                for k in keys:
+                    self._remember(k)
+            if nbytes and self.on_fetch_io is not None:
+                self.on_fetch_io(nbytes, dt)
+            return failed
+        finally:
+            self._slots.put(slot)
+
+    def _put_batch(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:
+        layout, n = self.layout, len(keys)
+        assert layout is not None and self._kv is not None
+        slot = self._slots.get()
+        try:
+            for j, (key, hb) in enumerate(zip(keys, host_blocks)):
+                layout.encode_into(slot[j], key, self._kv(hb), self._routing(hb) if self._routing else None)
+            names = [self.name(k) for k in keys]
+            t0 = time.perf_counter()
+            try:
+                ok = self._call("put", self.backend.put_from, names, [memoryview(slot[j]) for j in range(n)])
+            except Exception:
+                return list(range(n))
+            dt = time.perf_counter() - t0
+            failed = [j for j, good in enumerate(ok) if not good]
+            with self._lock:
+                c = self.counters
+                c["put_blocks"] += n - len(failed)
+                c["put_refused"] += len(failed)
+                c["bytes_written"] += (n - len(failed)) * layout.nbytes
+                c["put_seconds"] += dt
+            return failed
+        finally:
+            self._slots.put(slot)
+
+    # ------------------------------------------------------------------ stats, close
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        out = {"backend": self.backend.describe(), **c,
+               "breaker_open": self.breaker.is_open, "breaker_trips": self.breaker.trips}
+        if c["fetch_seconds"] > 0:
+            out["read_gbps"] = c["bytes_read"] / c["fetch_seconds"] / 1e9
+        if c["put_seconds"] > 0:
+            out["write_gbps"] = c["bytes_written"] / c["put_seconds"] / 1e9
+        try:
+            out["server"] = self.backend.stats()
+        except Exception as e:
+            out["server"] = {"error": str(e)}
+        return out
+
+    def close(self) -> None:
+        """Wait for every op in flight (their completions must have been polled by the caller
+        before, or are dropped), then close the backend."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.backend.close()

@@ -1,0 +1,227 @@
+"""Directory backend (``file:///abs/dir?capacity=100GiB``): the embedded pool that persists.
+
+Layout: one file per object, ``<dir>/<aa>/<bb>/<name>`` (two levels of 256 shards by a hash of
+the name, so no directory grows past a few thousand entries). Safe with several processes (and
+engines) on one directory:
+
+* a write goes to ``.<name>.<pid>.<thread>.tmp`` in the shard, then ``os.replace`` — readers see a
+  whole object or none, never a partial one;
+* a read opens the file and reads it whole; an eviction that unlinks it meanwhile does not affect
+  the open file (POSIX), so a reader never sees a torn object;
+* the size bound is kept by every process: each tracks the bytes it wrote since its last scan of
+  the directory; when the estimate passes ``capacity``, it scans (under an ``flock`` on
+  ``<dir>/.evict.lock``, so one process evicts at a time) and removes the least recently used
+  files (by mtime; a hit touches its file) down to 90% of the capacity. Stray temp files older than
+  ten minutes (a writer that died) go in the same scan.
+
+Mounted distributed file systems (3FS, NFS, Lustre) work the same way through their mount point.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import Sequence
+from urllib.parse import unquote, urlparse
+
+import xxhash
+
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+from kvtier.storage.memory import parse_size, query_params
+
+log = logging.getLogger(__name__)
+_STALE_TMP_S = 600.0
+
+
+class FileBackend(Backend):
+    scheme = "file"
+
+    def __init__(self, root: str, capacity_bytes: int | None = None) -> None:
+        if not os.path.isabs(root):
+            raise ValueError(f"file:// storage needs an absolute directory, got {root!r}")
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create storage directory {root!r}: {e}") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ValueError(f"storage directory {root!r} is not writable")
+        self.root = root
+        if capacity_bytes is None:         # default: half of the free space, at most 100 GiB
+            capacity_bytes = max(1 << 20, min(100 << 30, shutil.disk_usage(root).free // 2))
+        self.capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._written_since_scan = 0
+        self._estimate = self._scan_size()
+        self.evictions = 0
+        self.round_trips = 0
+
+    @classmethod
+    def from_url(cls, url: str) -> "FileBackend":
+        p = urlparse(url)
+        if p.netloc not in ("", "localhost"):
+            raise ValueError(f"file:// URL must be file:///absolute/dir (no host), got {url!r}")
+        q = query_params(url, ("capacity",))
+        path = unquote(p.path)
+        if not path or path == "/":
+            raise ValueError(f"file:// URL needs a directory, got {url!r}")
+        return cls(path, parse_size(q["capacity"]) if "capacity" in q else None)
+
+    # ------------------------------------------------------------------ paths
+    def _path(self, name: str) -> str:
+        if "/" in name or name.startswith(".") or not name:
+            raise ValueError(f"bad object name {name!r}")
+        h = xxhash.xxh64_hexdigest(name)
+        return os.path.join(self.root, h[:2], h[2:4], name)
+
+    # ------------------------------------------------------------------ Backend
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        self.round_trips += 1
+        return [os.path.isfile(self._path(n)) for n in names]
+
+    def get_into(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
+        self.round_trips += 1
+        out = []
+        for name, buf in zip(names, bufs):
+            path = self._path(name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                out.append(MISSING)
+                continue
+            except OSError as e:
+                raise StorageError(f"file storage {self.root}: cannot open {name}: {e}") from e
+            try:
+                size = os.fstat(fd).st_size
+                if size > len(buf):
+                    out.append(TOO_LARGE)
+                    continue
+                got = 0
+                view = buf[:size]
+                while got < size:
+                    n = os.readv(fd, [view[got:]])
+                    if n == 0:
+                        break
+                    got += n
+                out.append(got)
+            except OSError as e:
+                raise StorageError(f"file storage {self.root}: cannot read {name}: {e}") from e
+            finally:
+                os.close(fd)
+            try:
+                os.utime(path)                 # LRU by mtime: a hit is a use
+            except OSError:
+                pass
+        return out
+
+    def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        self.round_trips += 1
+        out, written = [], 0
+        for name, buf in zip(names, bufs):
+            path = self._path(name)
+            if len(buf) > self.capacity:
+                out.append(False)
+                continue
+            if os.path.exists(path):           # immutable, content-addressed: already there
+                out.append(True)
+                continue
+            shard = os.path.dirname(path)
+            tmp = os.path.join(shard, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            try:
+                os.makedirs(shard, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    view, done = memoryview(buf), 0
+                    while done < len(view):
+                        done += os.write(fd, view[done:])
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except OSError as e:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    out.append(False)          # disk full: refused, not a dead pool
+                    continue
+                raise StorageError(f"file storage {self.root}: cannot write {name}: {e}") from e
+            written += len(buf)
+            out.append(True)
+        if written:
+            with self._lock:
+                self._estimate += written
+                over = self._estimate > self.capacity
+            if over:
+                self._evict()
+        return out
+
+    def delete(self, names: Sequence[str]) -> None:
+        for n in names:
+            try:
+                os.unlink(self._path(n))
+            except FileNotFoundError:
+                pass
+
+    # ------------------------------------------------------------------ size bound
+    def _files(self):  # type: ignore[no-untyped-def]
+        for d1 in os.scandir(self.root):
+            if not d1.is_dir() or len(d1.name) != 2:
+                continue
+            for d2 in os.scandir(d1.path):
+                if not d2.is_dir():
+                    continue
+                for f in os.scandir(d2.path):
+                    try:
+                        st = f.stat()
+                    except FileNotFoundError:
+                        continue
+                    yield f.path, f.name, st
+
+    def _scan_size(self) -> int:
+        return sum(st.st_size for _, name, st in self._files() if not name.startswith("."))
+
+    def _evict(self) -> None:
+        """Remove least recently used objects down to 90% of the capacity (one process at a time)."""
+        lock_path = os.path.join(self.root, ".evict.lock")
+        with open(lock_path, "a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                now = time.time()
+                objects, total = [], 0
+                for path, name, st in self._files():
+                    if name.startswith("."):
+                        if name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
+                            try:
+                                os.unlink(path)
+                            except OSError:
+                                pass
+                        continue
+                    objects.append((st.st_mtime, st.st_size, path))
+                    total += st.st_size
+                target = int(self.capacity * 0.9)
+                if total > self.capacity:
+                    objects.sort()
+                    for _mtime, size, path in objects:
+                        if total <= target:
+                            break
+                        try:
+                            os.unlink(path)
+                            self.evictions += 1
+                        except FileNotFoundError:
+                            pass
+                        total -= size
+                with self._lock:
+                    self._estimate = total
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+    def stats(self) -> dict:
+        return {"nbytes_estimate": self._estimate, "capacity": self.capacity, "evictions": self.evictions,
+                "round_trips": self.round_trips}
+
+    def describe(self) -> str:
+        return f"file://{self.root}?capacity={self.capacity}"

@@ -1,0 +1,572 @@
+"""Redis / Valkey storage backend (``redis://``, ``rediss://``, ``redis+cluster://``).
+
+URLs (DESIGN §6)::
+
+    redis://[[user]:password@]host[:port][/db][?timeout=2.0&batch=16]
+    rediss://[[user]:password@]host[:port][/db][?ssl_ca_certs=PATH&ssl_cert_reqs=none|optional|required]
+    redis+cluster://[[user]:password@]host:port,host:port[,...][?timeout=...&batch=...]
+
+``timeout`` (seconds, default 2.0) is the socket connect *and* read timeout: every call returns or
+raises :class:`StorageError` within a bounded time (about ``timeout`` per round trip, a few of them
+in a cluster while it rediscovers its nodes). ``batch`` (default 16) is the number of items per
+pipeline (one round trip). Port defaults to 6379, db to 0 (a cluster has only db 0).
+
+Objects are opaque immutable blobs stored with plain ``SET``/``GET`` (no pickle, no encoding):
+
+* ``exists``  - a pipeline of ``EXISTS name`` per batch.
+* ``get_into`` - standalone: one ``MGET`` per batch; cluster: a pipeline of ``GET`` per batch
+  (keys are spread over slots, redis-py groups them per node, writes to all nodes then reads).
+  Each value is copied once into ``bufs[i]``.
+* ``put_from`` - a pipeline of ``SET name <memoryview>`` per batch. The memoryview goes to the
+  socket as it is: connections use redis-py's Python RESP packer, which sends large/memoryview
+  arguments as separate chunks (the default hiredis packer would copy every value twice). A server
+  refusing an item (``OOM ... maxmemory`` under ``noeviction``) is ``False`` for that item.
+* ``delete`` - a pipeline of ``UNLINK``.
+
+Any connection error, timeout or unexpected server error raises :class:`StorageError` naming the
+server(s); redis-py reconnects on the next call (no retries inside the backend: the storage client
+owns the retry policy, so a dead server costs one timeout, not four).
+
+Thread safety: one connection pool (standalone) or one ``RedisCluster`` client (its per-node
+pools); every call takes its own connection/pipeline. Counters are guarded by a lock.
+
+Throughput check (1 MiB values, batch 16, one thread, same Valkey 9.1 / Redis 7.0 server on a
+2-core machine): run ``python -m kvtier.storage.redis redis://127.0.0.1:PORT`` (must be run with
+``-m``: run as a script, ``import redis`` would import this file). Results are in the report /
+``_throughput_check`` below.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import Any, Sequence
+from urllib.parse import parse_qsl, quote, unquote
+
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+
+try:  # the optional dependency: pip install redis hiredis (kvtier[redis])
+    import redis as _redis
+    from redis.backoff import NoBackoff as _NoBackoff
+    from redis.exceptions import OutOfMemoryError as _OOM
+    from redis.exceptions import RedisError as _RedisError
+    from redis.retry import Retry as _Retry
+    try:
+        from redis.exceptions import RedisClusterException as _ClusterException
+    except ImportError:  # pragma: no cover
+        _ClusterException = _RedisError
+    _IMPORT_ERROR: Exception | None = None
+except ImportError as _e:  # pragma: no cover - reported when a redis URL is opened
+    _redis = None
+    _IMPORT_ERROR = _e
+
+__all__ = ["RedisBackend", "parse_redis_url"]
+
+DEFAULT_PORT = 6379
+DEFAULT_TIMEOUT = 2.0
+DEFAULT_BATCH = 16
+INFO_MAX_AGE = 5.0            # seconds between INFO calls made by stats()
+_QUERY_KEYS = ("timeout", "batch", "ssl_ca_certs", "ssl_cert_reqs")
+_TLS_ONLY = ("ssl_ca_certs", "ssl_cert_reqs")
+_CERT_REQS = ("none", "optional", "required")
+
+
+# ------------------------------------------------------------------------------------------------
+# URL
+
+
+def _parse_hostport(part: str, url_for_error: str) -> tuple[str, int]:
+    if not part:
+        raise ValueError(f"redis URL has no host: {url_for_error!r}")
+    if part.startswith("["):                      # [ipv6]:port
+        end = part.find("]")
+        if end < 0:
+            raise ValueError(f"redis URL has a bad host {part!r} (unclosed '['): {url_for_error!r}")
+        host, rest = part[1:end], part[end + 1:]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"redis URL has a bad host {part!r}: {url_for_error!r}")
+        port_text = rest[1:] if rest else None
+    else:
+        host, sep, port_text = part.partition(":")
+        if not sep:
+            port_text = None
+        if ":" in (port_text or ""):
+            raise ValueError(f"redis URL has a bad host:port {part!r}: {url_for_error!r}")
+    if not host:
+        raise ValueError(f"redis URL has no host in {part!r}: {url_for_error!r}")
+    if port_text is None:
+        return host, DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"redis URL has a bad port {port_text!r} (expected 1..65535): "
+                         f"{url_for_error!r}")
+    return host, int(port_text)
+
+
+def parse_redis_url(url: str) -> dict[str, Any]:
+    """Parse a redis/rediss/redis+cluster URL into RedisBackend keyword arguments.
+    ValueError names the bad part."""
+    if not isinstance(url, str):
+        raise ValueError(f"redis URL must be a string, got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"not a URL (no '://'): {url!r}")
+    scheme = scheme.lower()
+    if scheme not in ("redis", "rediss", "redis+cluster"):
+        raise ValueError(f"unknown redis URL scheme {scheme!r} (expected redis, rediss or "
+                         f"redis+cluster)")
+    rest, _, fragment = rest.partition("#")
+    if fragment:
+        raise ValueError(f"redis URL must not have a fragment ('#{fragment}')")
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    # credentials (may contain '@' or ':' when percent-encoded; the last '@' ends them)
+    userinfo, at, hostlist = netloc.rpartition("@")
+    safe_url = url.replace(userinfo, "***") if at and userinfo else url
+    username = password = None
+    if at:
+        if ":" not in userinfo:
+            raise ValueError(f"redis URL credentials must be ':password@' or 'user:password@' "
+                             f"(got no ':'): {safe_url!r}")
+        user_text, _, pw_text = userinfo.partition(":")
+        username = unquote(user_text) or None
+        password = unquote(pw_text) or None
+    # hosts
+    parts = hostlist.split(",") if hostlist else []
+    if not parts:
+        raise ValueError(f"redis URL has no host: {safe_url!r}")
+    nodes = [_parse_hostport(p.strip(), safe_url) for p in parts]
+    cluster = scheme == "redis+cluster"
+    if not cluster and len(nodes) != 1:
+        raise ValueError(f"{scheme}:// takes one host:port (use redis+cluster:// for several): "
+                         f"{safe_url!r}")
+    # db
+    db = 0
+    if slash and path not in ("",):
+        if not path.isdigit():
+            raise ValueError(f"redis URL has a bad db {path!r} (expected /N, N >= 0): {safe_url!r}")
+        db = int(path)
+    if cluster and db != 0:
+        raise ValueError(f"redis+cluster:// has only db 0, got /{path}: {safe_url!r}")
+    # query
+    opts: dict[str, Any] = {}
+    seen = set()
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key not in _QUERY_KEYS:
+            raise ValueError(f"unknown redis URL parameter {key!r} (known: "
+                             f"{', '.join(_QUERY_KEYS)})")
+        if key in seen:
+            raise ValueError(f"redis URL parameter {key!r} given twice")
+        seen.add(key)
+        if key in _TLS_ONLY and scheme != "rediss":
+            raise ValueError(f"redis URL parameter {key!r} needs rediss:// (TLS), got {scheme}://")
+        if key == "timeout":
+            try:
+                t = float(value)
+            except ValueError:
+                t = float("nan")
+            if not (math.isfinite(t) and 0 < t <= 3600):
+                raise ValueError(f"redis URL parameter timeout={value!r} must be seconds in "
+                                 f"(0, 3600]")
+            opts["timeout"] = t
+        elif key == "batch":
+            if not value.isdigit() or not 1 <= int(value) <= 4096:
+                raise ValueError(f"redis URL parameter batch={value!r} must be an integer in "
+                                 f"1..4096")
+            opts["batch"] = int(value)
+        elif key == "ssl_cert_reqs":
+            if value.lower() not in _CERT_REQS:
+                raise ValueError(f"redis URL parameter ssl_cert_reqs={value!r} must be one of "
+                                 f"{', '.join(_CERT_REQS)}")
+            opts["ssl_cert_reqs"] = value.lower()
+        elif key == "ssl_ca_certs":
+            if not value or not os.path.isfile(value):
+                raise ValueError(f"redis URL parameter ssl_ca_certs={value!r}: no such file")
+            opts["ssl_ca_certs"] = value
+    return dict(nodes=nodes, db=db, username=username, password=password,
+                tls=scheme == "rediss", cluster=cluster, **opts)
+
+
+# ------------------------------------------------------------------------------------------------
+# connections that send memoryviews without copying
+
+
+def _zero_copy(cls):
+    """A Connection subclass whose command packer is redis-py's Python RESP packer: values above
+    6000 bytes and memoryviews go to ``sendall`` as they are (the hiredis packer, redis-py's
+    default when hiredis is installed, makes bytes() of every memoryview and then one more copy).
+    Replies are still parsed by hiredis."""
+    packer_cls = getattr(_redis.connection, "PythonRespSerializer", None)
+    if packer_cls is None or not hasattr(cls, "_construct_command_packer"):  # pragma: no cover
+        return cls
+
+    class ZeroCopy(cls):  # type: ignore[misc, valid-type]
+        def _construct_command_packer(self, packer):
+            if packer is not None:
+                return packer
+            return packer_cls(self._buffer_cutoff, self.encoder.encode)
+
+    ZeroCopy.__name__ = ZeroCopy.__qualname__ = f"ZeroCopy{cls.__name__}"
+    return ZeroCopy
+
+
+_CONN_CLASSES: dict[str, type] = {}
+
+
+def _conn_class(tls: bool) -> type:
+    key = "ssl" if tls else "tcp"
+    if key not in _CONN_CLASSES:
+        base = _redis.connection.SSLConnection if tls else _redis.connection.Connection
+        _CONN_CLASSES[key] = _zero_copy(base)
+    return _CONN_CLASSES[key]
+
+
+def _byte_view(buf) -> memoryview:
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+# ------------------------------------------------------------------------------------------------
+# backend
+
+
+class RedisBackend(Backend):
+    scheme = "redis"
+
+    def __init__(self, nodes: Sequence[tuple[str, int]], *, db: int = 0,
+                 username: str | None = None, password: str | None = None, tls: bool = False,
+                 ssl_ca_certs: str | None = None, ssl_cert_reqs: str = "required",
+                 cluster: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 batch: int = DEFAULT_BATCH, socket_read_size: int = 1 << 20) -> None:
+        if _redis is None:
+            raise ImportError(f"redis:// storage needs the redis client: pip install redis "
+                              f"hiredis ({_IMPORT_ERROR})")
+        if not nodes:
+            raise ValueError("RedisBackend needs at least one host:port")
+        if cluster and db != 0:
+            raise ValueError("a Redis cluster has only db 0")
+        self.nodes = [(str(h), int(p)) for h, p in nodes]
+        self.cluster = cluster
+        self.db = db
+        self.tls = tls
+        self.timeout = float(timeout)
+        self.batch = max(1, int(batch))
+        self._username = username
+        self._password = password
+        self._ssl_opts = {"ssl_ca_certs": ssl_ca_certs, "ssl_cert_reqs": ssl_cert_reqs}
+        self._where = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+        self._conn_kwargs: dict[str, Any] = dict(
+            username=username, password=password,
+            socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+            socket_keepalive=True, socket_read_size=int(socket_read_size),
+            protocol=2, connection_class=_conn_class(tls))
+        if tls:
+            self._conn_kwargs.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs,
+                                     ssl_check_hostname=ssl_cert_reqs == "required")
+        self._lock = threading.Lock()          # counters, lazy cluster client, INFO cache
+        self._client: Any = None
+        self._closed = False
+        if not cluster:
+            host, port = self.nodes[0]
+            kw = dict(self._conn_kwargs)
+            conn_cls = kw.pop("connection_class")
+            pool = _redis.ConnectionPool(host=host, port=port, db=db,
+                                         retry=_Retry(_NoBackoff(), 0),
+                                         connection_class=conn_cls, **kw)
+            self._client = _redis.Redis(connection_pool=pool)
+        self._c = dict(round_trips=0, bytes_read=0, bytes_written=0, gets=0, hits=0, misses=0,
+                       too_large=0, puts=0, refused=0, exists=0, deletes=0, errors=0)
+        self._info: dict[str, Any] = {}
+        self._info_at = -math.inf
+
+    # ---- construction
+    @classmethod
+    def from_url(cls, url: str) -> "RedisBackend":
+        return cls(**parse_redis_url(url))
+
+    def describe(self) -> str:
+        scheme = "redis+cluster" if self.cluster else ("rediss" if self.tls else "redis")
+        auth = ""
+        if self._username or self._password:
+            auth = f"{quote(self._username or '', safe='')}:{'***' if self._password else ''}@"
+        path = f"/{self.db}" if not self.cluster else ""
+        q = [f"timeout={self.timeout:g}", f"batch={self.batch}"]
+        if self.tls:
+            if self._ssl_opts["ssl_ca_certs"]:
+                q.append(f"ssl_ca_certs={self._ssl_opts['ssl_ca_certs']}")
+            q.append(f"ssl_cert_reqs={self._ssl_opts['ssl_cert_reqs']}")
+        return f"{scheme}://{auth}{self._where}{path}?{'&'.join(q)}"
+
+    def __repr__(self) -> str:
+        return f"RedisBackend({self.describe()})"
+
+    # ---- plumbing
+    def _get_client(self):
+        c = self._client
+        if c is not None:
+            return c
+        if self._closed:
+            raise StorageError(f"redis {self._where}: backend is closed")
+        with self._lock:
+            if self._client is None:
+                if self._closed:
+                    raise StorageError(f"redis {self._where}: backend is closed")
+                from redis.cluster import ClusterNode, RedisCluster
+                kw = dict(self._conn_kwargs)
+                try:
+                    self._client = RedisCluster(
+                        startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
+                        retry=_Retry(_NoBackoff(), 0), **kw)
+                except (_RedisError, _ClusterException, OSError) as e:
+                    self._count(errors=1)
+                    raise StorageError(f"redis cluster {self._where}: cannot discover the "
+                                       f"cluster: {type(e).__name__}: {e}") from e
+            return self._client
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            c = self._c
+            for k, v in deltas.items():
+                c[k] += v
+
+    def _fail(self, op: str, e: BaseException) -> StorageError:
+        self._count(errors=1)
+        where = "redis cluster " if self.cluster else "redis "
+        return StorageError(f"{where}{self._where}: {op} failed: {type(e).__name__}: {e}")
+
+    def _pipeline(self):
+        if self._closed:
+            raise StorageError(f"redis {self._where}: backend is closed")
+        return self._get_client().pipeline(transaction=False)
+
+    def _check(self, op: str, results: list) -> None:
+        for r in results:
+            if isinstance(r, Exception):
+                raise self._fail(op, r)
+
+    # ---- Backend
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        out: list[bool] = []
+        b = self.batch
+        for i in range(0, len(names), b):
+            chunk = names[i:i + b]
+            try:
+                pipe = self._pipeline()
+                for name in chunk:
+                    pipe.exists(name)
+                res = pipe.execute(raise_on_error=False)
+            except (_RedisError, _ClusterException, OSError) as e:
+                raise self._fail("EXISTS", e) from e
+            self._check("EXISTS", res)
+            out.extend(bool(r) for r in res)
+        self._count(round_trips=-(-len(names) // b), exists=len(names))
+        return out
+
+    def get_into(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
+        if len(names) != len(bufs):
+            raise ValueError(f"get_into: {len(names)} names but {len(bufs)} buffers")
+        out: list[int] = []
+        b = self.batch
+        nread = hits = misses = large = 0
+        for i in range(0, len(names), b):
+            chunk = names[i:i + b]
+            try:
+                if self.cluster:
+                    pipe = self._pipeline()
+                    for name in chunk:
+                        pipe.get(name)
+                    values = pipe.execute(raise_on_error=False)
+                    self._check("GET", values)
+                else:
+                    if self._closed:
+                        raise StorageError(f"redis {self._where}: backend is closed")
+                    values = self._client.execute_command("MGET", *chunk)
+            except (_RedisError, _ClusterException, OSError) as e:
+                raise self._fail("GET", e) from e
+            if len(values) != len(chunk):  # pragma: no cover - protocol violation
+                raise self._fail("GET", RuntimeError(f"{len(values)} replies for {len(chunk)}"))
+            for j, v in enumerate(values):
+                if v is None:
+                    out.append(MISSING)
+                    misses += 1
+                    continue
+                mv = _byte_view(bufs[i + j])
+                n = len(v)
+                if n > mv.nbytes:
+                    out.append(TOO_LARGE)
+                    large += 1
+                    continue
+                mv[:n] = v
+                out.append(n)
+                nread += n
+                hits += 1
+        self._count(round_trips=-(-len(names) // b), gets=len(names), hits=hits, misses=misses,
+                    too_large=large, bytes_read=nread)
+        return out
+
+    def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        if len(names) != len(bufs):
+            raise ValueError(f"put_from: {len(names)} names but {len(bufs)} buffers")
+        out: list[bool] = []
+        b = self.batch
+        written = refused = 0
+        for i in range(0, len(names), b):
+            chunk = names[i:i + b]
+            views = [_byte_view(x) for x in bufs[i:i + b]]
+            try:
+                pipe = self._pipeline()
+                for name, mv in zip(chunk, views):
+                    pipe.set(name, mv)
+                res = pipe.execute(raise_on_error=False)
+            except (_RedisError, _ClusterException, OSError) as e:
+                raise self._fail("SET", e) from e
+            for r, mv in zip(res, views):
+                if isinstance(r, _OOM):       # maxmemory reached under noeviction: refused
+                    out.append(False)
+                    refused += 1
+                elif isinstance(r, Exception):
+                    raise self._fail("SET", r)
+                else:
+                    out.append(True)
+                    written += mv.nbytes
+        self._count(round_trips=-(-len(names) // b), puts=len(names), refused=refused,
+                    bytes_written=written)
+        return out
+
+    def delete(self, names: Sequence[str]) -> None:
+        b = self.batch
+        for i in range(0, len(names), b):
+            try:
+                pipe = self._pipeline()
+                for name in names[i:i + b]:
+                    pipe.unlink(name)
+                res = pipe.execute(raise_on_error=False)
+            except (_RedisError, _ClusterException, OSError) as e:
+                raise self._fail("UNLINK", e) from e
+            self._check("UNLINK", res)
+        self._count(round_trips=-(-len(names) // b), deletes=len(names))
+
+    def stats(self) -> dict:
+        """Backend counters (round_trips, bytes_read, bytes_written, gets, hits, misses, too_large,
+        puts, refused, exists, deletes, errors) plus, refreshed at most every INFO_MAX_AGE s,
+        the server's used_memory, maxmemory, evicted_keys and objects (DBSIZE; summed over the
+        primaries of a cluster). A server that cannot answer INFO sets ``server_error``
+        instead; stats() never raises."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._c)
+            fresh = time.monotonic() - self._info_at < INFO_MAX_AGE
+            info = dict(self._info)
+        if not fresh and not self._closed:
+            info = self._server_info()
+            with self._lock:
+                self._info, self._info_at = info, time.monotonic()
+        out.update(info)
+        out["url"] = self.describe()
+        return out
+
+    def _server_info(self) -> dict[str, Any]:
+        try:
+            client = self._get_client()
+            if self.cluster:
+                from redis.cluster import RedisCluster
+                per_node = client.info(target_nodes=RedisCluster.PRIMARIES)
+                infos = list(per_node.values()) if isinstance(per_node, dict) and all(
+                    isinstance(v, dict) for v in per_node.values()) else [per_node]
+                sizes = client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+                objects = sum(sizes.values()) if isinstance(sizes, dict) else int(sizes)
+            else:
+                infos = [client.info()]
+                objects = int(client.dbsize())
+            return dict(used_memory=sum(int(i.get("used_memory", 0)) for i in infos),
+                        maxmemory=sum(int(i.get("maxmemory", 0)) for i in infos),
+                        evicted_keys=sum(int(i.get("evicted_keys", 0)) for i in infos),
+                        objects=objects, server_nodes=len(infos))
+        except (StorageError, _RedisError, _ClusterException, OSError) as e:
+            return {"server_error": f"{type(e).__name__}: {e}"}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+            try:
+                pool = getattr(client, "connection_pool", None)
+                if pool is not None:
+                    pool.disconnect()
+            except Exception:
+                pass
+
+
+# ------------------------------------------------------------------------------------------------
+# throughput check: python -m kvtier.storage.redis redis://127.0.0.1:PORT [MiB_total]
+
+
+def _throughput_check(url: str, total_mib: int = 512, size: int = 1 << 20,
+                      batch: int = DEFAULT_BATCH) -> dict[str, float]:
+    """Raw redis-py (default client: hiredis, pipelines of SET/GET of bytes) against this backend
+    (put_from/get_into of memoryviews) on the same server, same sizes, same batch. MB/s."""
+    opts = parse_redis_url(url)
+    host, port = opts["nodes"][0]
+    raw = _redis.Redis(host=host, port=port, db=opts["db"], password=opts["password"])
+    be = RedisBackend.from_url(url)
+    n = max(batch, total_mib * (1 << 20) // size)
+    data = [os.urandom(size) for _ in range(batch)]
+    bufs = [memoryview(bytearray(size)) for _ in range(batch)]
+    res: dict[str, float] = {}
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return n * size / (time.perf_counter() - t0) / 1e6
+
+    def raw_set():
+        for i in range(0, n, batch):
+            p = raw.pipeline(transaction=False)
+            for j in range(batch):
+                p.set(f"tp:raw:{(i + j) % 256}", data[j])
+            p.execute()
+
+    def raw_get():
+        for i in range(0, n, batch):
+            p = raw.pipeline(transaction=False)
+            for j in range(batch):
+                p.get(f"tp:raw:{(i + j) % 256}")
+            p.execute()
+
+    def raw_mget():
+        for i in range(0, n, batch):
+            raw.mget([f"tp:raw:{(i + j) % 256}" for j in range(batch)])
+
+    def be_put():
+        for i in range(0, n, batch):
+            be.put_from([f"tp:be:{(i + j) % 256}" for j in range(batch)],
+                        [memoryview(d) for d in data])
+
+    def be_get():
+        for i in range(0, n, batch):
+            be.get_into([f"tp:be:{(i + j) % 256}" for j in range(batch)], bufs)
+
+    for _ in range(2):  # second round is the one reported (warm allocator, warm server)
+        res["raw_set"], res["backend_put"] = timed(raw_set), timed(be_put)
+        res["raw_get"], res["raw_mget"], res["backend_get"] = (timed(raw_get), timed(raw_mget),
+                                                               timed(be_get))
+    res["put_ratio"] = res["backend_put"] / res["raw_set"]
+    res["get_ratio"] = res["backend_get"] / max(res["raw_get"], res["raw_mget"])
+    raw.delete(*[f"tp:raw:{i}" for i in range(256)], *[f"tp:be:{i}" for i in range(256)])
+    raw.close()
+    be.close()
+    return res
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+    _url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379"
+    _mib = int(sys.argv[2]) if len(sys.argv) > 2 else 512
+    for _k, _v in _throughput_check(_url, _mib).items():
+        print(f"{_k:12s} {_v:10.2f}")
