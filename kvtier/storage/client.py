@@ -294,8 +294,8 @@ class StorageClient:
                 c["corrupt"] += len(corrupt)
                 c["bytes_read"] += nbytes
                 c["fetch_seconds"] += dt
-                for k in keys:
-                    self._remember(k)
+                for j in failed:                   # not (or no longer) stored intact: put it again
+                    self._known.pop(keys[j], None)
             if nbytes and self.on_fetch_io is not None:
                 self.on_fetch_io(nbytes, dt)
             return failed

@@ -74,7 +74,7 @@ class FileBackend(Backend):
     def _path(self, name: str) -> str:
         if "/" in name or name.startswith(".") or not name:
             raise ValueError(f"bad object name {name!r}")
-        h = xxhash.xxh64_hexdigest(name)
+        h = xxhash.xxh64_hexdigest(name.encode())
         return os.path.join(self.root, h[:2], h[2:4], name)
 
     # ------------------------------------------------------------------ Backend

@@ -228,6 +228,103 @@ def _byte_view(buf) -> memoryview:
     return mv
 
 
+_READ_CHUNK = 64 << 10
+
+
+class _ProtocolError(Exception):
+    """The reply stream is not what a GET pipeline returns."""
+
+
+class _ServerReply(Exception):
+    """An error reply (``-ERR ...``) to one GET."""
+
+
+class _RespReader:
+    """Just enough RESP to read GET replies (``$<n>\\r\\n<n bytes>\\r\\n``, ``$-1``, ``_``,
+    ``-ERR``) from a blocking socket (its timeout is the connection's socket_timeout). Headers
+    come through a small buffer; a value's bytes past what that buffer already holds are received
+    straight into the destination with ``recv_into``."""
+
+    __slots__ = ("sock", "buf", "mv", "start", "end")
+
+    def __init__(self, sock, buf: bytearray) -> None:
+        self.sock = sock
+        self.buf = buf
+        self.mv = memoryview(buf)
+        self.start = self.end = 0
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            n = self.end - self.start
+            self.buf[:n] = self.mv[self.start:self.end]
+            self.start, self.end = 0, n
+        k = self.sock.recv_into(self.mv[self.end:])
+        if not k:
+            raise _redis.ConnectionError("server closed the connection")
+        self.end += k
+
+    def _line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.mv[self.start:i])
+                self.start = i + 2
+                return line
+            if self.end - self.start > 8192:
+                raise _ProtocolError("reply header longer than 8 KiB")
+            self._fill()
+
+    def _into(self, dst: memoryview, n: int) -> None:
+        have = min(n, self.end - self.start)
+        if have:
+            dst[:have] = self.mv[self.start:self.start + have]
+            self.start += have
+        sock = self.sock
+        while have < n:
+            k = sock.recv_into(dst[have:n])
+            if not k:
+                raise _redis.ConnectionError("server closed the connection")
+            have += k
+
+    def _skip(self, n: int) -> None:
+        while n > 0:
+            if self.start == self.end:
+                self._fill()
+            k = min(n, self.end - self.start)
+            self.start += k
+            n -= k
+
+    def read_bulk_into(self, dst: memoryview) -> int:
+        line = self._line()
+        kind = line[:1]
+        if kind == b"$":
+            try:
+                n = int(line[1:])
+            except ValueError:
+                raise _ProtocolError(f"bad bulk length {line[:40]!r}") from None
+            if n < 0:
+                return MISSING
+            if n > dst.nbytes:
+                self._skip(n)
+                result = TOO_LARGE
+            else:
+                self._into(dst, n)
+                result = n
+            while self.end - self.start < 2:
+                self._fill()
+            if self.buf[self.start:self.start + 2] != b"\r\n":
+                raise _ProtocolError("bulk string not terminated by CRLF")
+            self.start += 2
+            return result
+        if kind == b"_":
+            return MISSING
+        if kind == b"-":
+            raise _ServerReply(line[1:].decode("utf-8", "replace"))
+        raise _ProtocolError(f"unexpected reply {line[:40]!r} to GET")
+
+
 # ------------------------------------------------------------------------------------------------
 # backend
 
@@ -239,7 +336,8 @@ class RedisBackend(Backend):
                  username: str | None = None, password: str | None = None, tls: bool = False,
                  ssl_ca_certs: str | None = None, ssl_cert_reqs: str = "required",
                  cluster: bool = False, timeout: float = DEFAULT_TIMEOUT,
-                 batch: int = DEFAULT_BATCH, socket_read_size: int = 1 << 20) -> None:
+                 batch: int = DEFAULT_BATCH, socket_read_size: int = 1 << 20,
+                 fast_get: bool = True) -> None:
         if _redis is None:
             raise ImportError(f"redis:// storage needs the redis client: pip install redis "
                               f"hiredis ({_IMPORT_ERROR})")
@@ -265,6 +363,8 @@ class RedisBackend(Backend):
         if tls:
             self._conn_kwargs.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs,
                                      ssl_check_hostname=ssl_cert_reqs == "required")
+        self._fast_get = bool(fast_get)        # standalone GETs read straight into the buffers
+        self._tls_scratch = threading.local()  # per-thread header buffer of the fast GET path
         self._lock = threading.Lock()          # counters, lazy cluster client, INFO cache
         self._client: Any = None
         self._closed = False
@@ -325,6 +425,12 @@ class RedisBackend(Backend):
                                        f"cluster: {type(e).__name__}: {e}") from e
             return self._client
 
+    def _standalone(self):
+        c = self._client
+        if c is None:
+            raise StorageError(f"redis {self._where}: backend is closed")
+        return c
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             c = self._c
@@ -369,9 +475,13 @@ class RedisBackend(Backend):
             raise ValueError(f"get_into: {len(names)} names but {len(bufs)} buffers")
         out: list[int] = []
         b = self.batch
-        nread = hits = misses = large = 0
+        tally = [0, 0, 0, 0]                   # bytes, hits, misses, too_large
         for i in range(0, len(names), b):
             chunk = names[i:i + b]
+            views = [_byte_view(x) for x in bufs[i:i + b]]
+            if self._fast_get and not self.cluster:
+                out.extend(self._get_direct(chunk, views, tally))
+                continue
             try:
                 if self.cluster:
                     pipe = self._pipeline()
@@ -380,31 +490,77 @@ class RedisBackend(Backend):
                     values = pipe.execute(raise_on_error=False)
                     self._check("GET", values)
                 else:
-                    if self._closed:
-                        raise StorageError(f"redis {self._where}: backend is closed")
-                    values = self._client.execute_command("MGET", *chunk)
+                    values = self._standalone().execute_command("MGET", *chunk)
             except (_RedisError, _ClusterException, OSError) as e:
                 raise self._fail("GET", e) from e
             if len(values) != len(chunk):  # pragma: no cover - protocol violation
                 raise self._fail("GET", RuntimeError(f"{len(values)} replies for {len(chunk)}"))
-            for j, v in enumerate(values):
+            for v, mv in zip(values, views):
                 if v is None:
                     out.append(MISSING)
-                    misses += 1
-                    continue
-                mv = _byte_view(bufs[i + j])
-                n = len(v)
-                if n > mv.nbytes:
+                    tally[2] += 1
+                elif len(v) > mv.nbytes:
                     out.append(TOO_LARGE)
-                    large += 1
-                    continue
-                mv[:n] = v
-                out.append(n)
-                nread += n
-                hits += 1
-        self._count(round_trips=-(-len(names) // b), gets=len(names), hits=hits, misses=misses,
-                    too_large=large, bytes_read=nread)
+                    tally[3] += 1
+                else:
+                    n = len(v)
+                    mv[:n] = v
+                    out.append(n)
+                    tally[0] += n
+                    tally[1] += 1
+        self._count(round_trips=-(-len(names) // b), gets=len(names), bytes_read=tally[0],
+                    hits=tally[1], misses=tally[2], too_large=tally[3])
         return out
+
+    def _get_direct(self, chunk: Sequence[str], views: list[memoryview], tally: list[int]
+                    ) -> list[int]:
+        """Standalone GET fast path: a pipeline of GETs on a pooled connection, replies read
+        straight from the socket into ``views`` (redis-py + hiredis would copy every value three
+        times: socket buffer -> hiredis buffer -> bytes -> our buffer). The connection comes from
+        the pool with nothing pending (the pool checks), goes back clean, or is disconnected."""
+        pool = self._standalone().connection_pool
+        try:
+            try:
+                conn = pool.get_connection()
+            except TypeError:  # redis-py < 5.3 wants a command name
+                conn = pool.get_connection("GET")
+        except (_RedisError, OSError) as e:
+            raise self._fail("GET", e) from e
+        ok = False
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", n) for n in chunk]),
+                                     check_health=False)
+            sock = conn._sock
+            if sock is None:
+                raise _redis.ConnectionError("connection closed")
+            reader = _RespReader(sock, self._scratch())
+            out = []
+            for mv in views:
+                out.append(reader.read_bulk_into(mv))
+            ok = True
+        except _ServerReply as e:      # an error reply, e.g. WRONGTYPE: the stream is intact
+            raise self._fail("GET", e) from e
+        except (_RedisError, OSError, _ProtocolError) as e:
+            raise self._fail("GET", e) from e
+        finally:
+            if not ok:
+                conn.disconnect()      # replies may be left unread: never reuse this socket
+            pool.release(conn)
+        for n in out:
+            if n >= 0:
+                tally[0] += n
+                tally[1] += 1
+            elif n == MISSING:
+                tally[2] += 1
+            else:
+                tally[3] += 1
+        return out
+
+    def _scratch(self) -> bytearray:
+        buf = getattr(self._tls_scratch, "buf", None)
+        if buf is None:
+            buf = self._tls_scratch.buf = bytearray(_READ_CHUNK)
+        return buf
 
     def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         if len(names) != len(bufs):

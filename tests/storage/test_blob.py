@@ -1,0 +1,84 @@
+"""Blob format: a stored object is accepted only if it is exactly the block it claims to be."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus, namespace_digest
+
+KEY = bytes(range(32))
+
+
+def layout(**kw) -> BlobLayout:
+    args = dict(namespace=namespace_digest("default", b"model-a"), dtype="bfloat16", shape=(2, 2, 4, 2, 8),
+                block_size=4, kv_nbytes=2 * 2 * 4 * 2 * 8 * 2, routing_nbytes=24)
+    args.update(kw)
+    return BlobLayout(**args)
+
+
+def encoded(lay: BlobLayout, key: bytes = KEY, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    kv = rng.integers(0, 256, lay.kv_nbytes, dtype=np.uint8)
+    rt = rng.integers(0, 256, lay.routing_nbytes, dtype=np.uint8) if lay.routing_nbytes else None
+    buf = np.zeros(lay.nbytes + 64, np.uint8)
+    n = lay.encode_into(buf, key, kv, rt)
+    return buf, n, kv, rt
+
+
+def test_round_trip_is_byte_exact():
+    lay = layout()
+    buf, n, kv, rt = encoded(lay)
+    assert n == lay.nbytes == HEADER_NBYTES + lay.kv_nbytes + lay.routing_nbytes
+    assert lay.check(buf, n, KEY) is BlobStatus.OK
+    kv2, rt2 = np.zeros_like(kv), np.zeros_like(rt)
+    lay.decode_into(buf, kv2, rt2)
+    assert np.array_equal(kv, kv2) and np.array_equal(rt, rt2)
+
+
+@pytest.mark.parametrize("offset", [HEADER_NBYTES, HEADER_NBYTES + 100, -1])
+def test_a_flipped_payload_byte_is_a_bad_checksum(offset):
+    lay = layout()
+    buf, n, _, _ = encoded(lay)
+    buf[offset if offset >= 0 else n - 1] ^= 0x10
+    assert lay.check(buf, n, KEY) is BlobStatus.BAD_CHECKSUM
+
+
+def test_truncated_objects_are_detected():
+    lay = layout()
+    buf, n, _, _ = encoded(lay)
+    for size in (0, 10, HEADER_NBYTES, n - 1):
+        assert lay.check(buf, size, KEY) is BlobStatus.TRUNCATED
+
+
+def test_another_namespace_key_or_shape_is_refused():
+    lay = layout()
+    buf, n, _, _ = encoded(lay)
+    other_ns = layout(namespace=namespace_digest("default", b"model-b"))
+    assert other_ns.check(buf, n, KEY) is BlobStatus.WRONG_NAMESPACE
+    assert lay.check(buf, n, bytes(32)) is BlobStatus.WRONG_KEY
+    assert layout(dtype="float16").check(buf, n, KEY) is BlobStatus.BAD_HEADER
+    assert layout(shape=(2, 2, 4, 8, 2)).check(buf, n, KEY) is BlobStatus.BAD_HEADER
+    buf[0:4] = np.frombuffer(b"XXXX", np.uint8)
+    assert lay.check(buf, n, KEY) is BlobStatus.BAD_HEADER
+
+
+def test_an_object_with_trailing_bytes_is_refused():
+    lay = layout()
+    buf, n, _, _ = encoded(lay)
+    assert lay.check(buf, n + 8, KEY) is BlobStatus.BAD_HEADER
+
+
+def test_no_routing_payload_and_short_keys():
+    lay = layout(routing_nbytes=0)
+    key = b"k" * 16                                     # xxh3_128 keys are 16 bytes
+    buf, n, kv, _ = encoded(lay, key)
+    assert lay.check(buf, n, key) is BlobStatus.OK
+    assert lay.check(buf, n, key + b"\0") is BlobStatus.WRONG_KEY
+
+
+def test_bad_layouts_are_errors():
+    with pytest.raises(ValueError, match="dtype"):
+        layout(dtype="complex64")
+    with pytest.raises(ValueError, match="payload"):
+        lay = layout()
+        lay.encode_into(np.zeros(lay.nbytes, np.uint8), KEY, np.zeros(3, np.uint8), None)

@@ -1,0 +1,223 @@
+"""StorageClient: worker threads, blob checks, retries, circuit breaker, ordering of completions."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.cache.cost import FetchCostModel
+from kvtier.cache.plan import TransferOp
+from kvtier.storage import MemoryBackend, StorageClient
+from kvtier.storage.base import Backend, StorageError
+from kvtier.storage.blob import BlobLayout, namespace_digest
+
+NUM_HOST = 16
+KV_NBYTES = 512
+RT_NBYTES = 32
+LAYOUT = BlobLayout(namespace_digest("default", b"m"), "float32", (2, 2, 4, 2, 4), 4, KV_NBYTES, RT_NBYTES)
+
+
+class Host:
+    """Host blocks as the engine exposes them: uint8 views by host block id."""
+
+    def __init__(self, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.kv = rng.integers(0, 256, (NUM_HOST, KV_NBYTES), dtype=np.uint8)
+        self.rt = rng.integers(0, 256, (NUM_HOST, RT_NBYTES), dtype=np.uint8)
+
+
+def client_for(backend: Backend, host: Host, **kw) -> StorageClient:
+    c = StorageClient(backend, workers=2, batch=4, **kw)
+    c.bind(LAYOUT, host.kv.__getitem__, host.rt.__getitem__)
+    return c
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def put(c: StorageClient, op_id: int, blocks: list[int], keys: list[bytes]) -> list[int]:
+    c.submit(TransferOp(op_id, "put", tuple(blocks), (), tuple(keys)))
+    (done,) = c.drain()
+    assert done[0] == op_id
+    return done[1]
+
+
+def fetch(c: StorageClient, op_id: int, blocks: list[int], keys: list[bytes]) -> list[int]:
+    c.submit(TransferOp(op_id, "fetch", (), tuple(blocks), tuple(keys)))
+    (done,) = c.drain()
+    return done[1]
+
+
+def test_put_then_fetch_into_other_host_blocks_is_byte_exact():
+    src, dst = Host(1), Host(2)
+    backend = MemoryBackend()
+    assert put(client_for(backend, src), 0, list(range(8)), [key(i) for i in range(8)]) == []
+    reader = client_for(backend, dst)
+    assert reader.lookup_prefix([key(i) for i in range(10)]) == 8
+    assert fetch(reader, 1, [15, 14, 13, 12, 11, 10, 9, 8], [key(i) for i in range(8)]) == []
+    for i in range(8):
+        assert np.array_equal(dst.kv[15 - i], src.kv[i]) and np.array_equal(dst.rt[15 - i], src.rt[i])
+    assert reader.stats()["hits"] == 8
+
+
+def test_corrupt_and_truncated_objects_are_misses_counted_and_deleted():
+    host = Host(1)
+    backend = MemoryBackend()
+    c = client_for(backend, host)
+    put(c, 0, [0, 1, 2, 3], [key(i) for i in range(4)])
+    name1, name2 = c.name(key(1)), c.name(key(2))
+    data = bytearray(backend.raw(name1))
+    data[200] ^= 1
+    backend.set_raw(name1, bytes(data))                       # one flipped bit
+    backend.set_raw(name2, backend.raw(name2)[:-7])           # truncated
+    before = host.kv[5:9].copy()
+    failed = fetch(c, 1, [5, 6, 7, 8], [key(i) for i in range(4)] + [])
+    assert failed == [1, 2]
+    assert c.stats()["corrupt"] == 2
+    assert backend.exists([name1, name2]) == [False, False]   # deleted: the next writer replaces them
+    assert np.array_equal(host.kv[5], host.kv[0]) and np.array_equal(host.kv[8], host.kv[3])
+
+
+def test_an_object_of_another_model_is_a_miss():
+    backend = MemoryBackend()
+    put(client_for(backend, Host(1)), 0, [0], [key(0)])
+    other = StorageClient(backend, workers=1, batch=2)
+    other_layout = BlobLayout(namespace_digest("default", b"other-model"), "float32", (2, 2, 4, 2, 4), 4,
+                              KV_NBYTES, RT_NBYTES)
+    host = Host(3)
+    other.bind(other_layout, host.kv.__getitem__, host.rt.__getitem__)
+    assert fetch(other, 1, [0], [key(0)]) == [0]
+    assert other.stats()["corrupt"] == 1
+
+
+class Flaky(MemoryBackend):
+    """Raises while ``down``; counts calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.calls = 0
+
+    def _gate(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise StorageError("connection refused (test)")
+
+    def exists(self, names):  # type: ignore[no-untyped-def]
+        self._gate()
+        return super().exists(names)
+
+    def get_into(self, names, bufs):  # type: ignore[no-untyped-def]
+        self._gate()
+        return super().get_into(names, bufs)
+
+    def put_from(self, names, bufs):  # type: ignore[no-untyped-def]
+        self._gate()
+        return super().put_from(names, bufs)
+
+
+def test_a_dead_backend_opens_the_breaker_then_it_recovers():
+    backend = Flaky()
+    c = client_for(backend, Host(1), retries=1, breaker_threshold=3, breaker_cooldown=0.2)
+    put(c, 0, [0, 1], [key(0), key(1)])
+    backend.down = True
+    for _ in range(3):
+        assert c.lookup_prefix([key(0)]) == 0           # a failed lookup is a miss
+    assert c.breaker.is_open and c.breaker.trips == 1
+    calls = backend.calls
+    assert c.lookup_prefix([key(0)]) == 0 and fetch(c, 1, [2], [key(0)]) == [0]
+    assert put(c, 2, [3], [key(3)]) == [0]
+    assert backend.calls == calls                       # open: no I/O at all
+    time.sleep(0.25)
+    assert c.lookup_prefix([key(0)]) == 0               # the probe fails: open again, longer
+    assert c.breaker.is_open and c.breaker.cooldown == pytest.approx(0.4)
+    backend.down = False
+    time.sleep(0.45)
+    assert c.lookup_prefix([key(0), key(1)]) == 2       # probe succeeds: closed
+    assert not c.breaker.is_open
+    assert fetch(c, 3, [4, 5], [key(0), key(1)]) == []
+
+
+def test_failed_calls_are_retried_before_failing_the_batch():
+    backend = Flaky()
+    c = client_for(backend, Host(1), retries=2, breaker_threshold=100)
+    put(c, 0, [0], [key(0)])
+    orig = backend.get_into
+    attempts = []
+
+    def twice_bad(names, bufs):  # type: ignore[no-untyped-def]
+        attempts.append(1)
+        if len(attempts) <= 2:
+            raise StorageError("blip")
+        return orig(names, bufs)
+    backend.get_into = twice_bad  # type: ignore[method-assign]
+    assert fetch(c, 1, [3], [key(0)]) == [] and len(attempts) == 3
+
+
+class Slow(MemoryBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.writing = threading.Event()
+
+    def get_into(self, names, bufs):  # type: ignore[no-untyped-def]
+        self.writing.set()
+        self.release.wait(5)
+        return super().get_into(names, bufs)
+
+
+def test_a_fetch_is_never_reported_before_its_worker_returned():
+    backend = Slow()
+    host = Host(1)
+    c = client_for(backend, host)
+    c.lookup_prefix([])                                  # (no-op)
+    backend.put_from([c.name(key(0))], [memoryview(np.zeros(LAYOUT.nbytes, np.uint8))])
+    c.submit(TransferOp(7, "fetch", (), (3,), (key(0),)))
+    assert backend.writing.wait(5)
+    assert c.poll() == [] and c.wait(timeout=0.05) == [] and c.num_in_flight == 1
+    backend.release.set()
+    assert c.drain() == [(7, [0])]                       # (a zero object: bad header -> failed)
+
+
+def test_fetches_are_reported_in_submission_order():
+    backend = Slow()
+    c = client_for(backend, Host(1))
+    c.submit(TransferOp(1, "fetch", (), (0,), (key(0),)))
+    backend.release.set()
+    c.drain()
+    backend.release.clear()
+    backend.writing.clear()
+    c.submit(TransferOp(2, "fetch", (), (1,), (key(1),)))   # blocks in the backend
+    assert backend.writing.wait(5)
+    fast = MemoryBackend()
+    c.backend = fast                                          # the next op is fast
+    c.submit(TransferOp(3, "fetch", (), (2,), (key(2),)))
+    time.sleep(0.1)
+    assert c.poll() == []                                    # 3 is done but waits behind 2
+    backend.release.set()
+    assert [op for op, _ in c.drain()] == [2, 3]
+
+
+def test_cost_model_fetches_only_when_cheaper_than_recompute():
+    cost = FetchCostModel("file", workers=4, batch=16, block_nbytes=1 << 20, block_size=16)
+    assert cost.blocks_to_fetch(64) == 64                      # nothing measured: fetch
+    cost.observe_prefill(16_000, 1.0)                          # 16K tokens/s = 1K blocks/s
+    for n in (1, 4, 16):                                       # a fast pool: 4 GB/s, 0.1 ms
+        cost.observe_fetch(n << 20, 1e-4 + (n << 20) / 4e9)
+    lat, bw = cost.call_model()
+    assert lat == pytest.approx(1e-4, rel=0.05) and bw == pytest.approx(4e9, rel=0.05)
+    assert cost.blocks_to_fetch(64) == 64
+    slow = FetchCostModel("file", workers=4, batch=16, block_nbytes=1 << 20, block_size=16)
+    slow.observe_prefill(16_000, 1.0)
+    for n in (1, 4, 16):                                       # 20 MB/s: 52 ms per block > 1 ms
+        slow.observe_fetch(n << 20, (n << 20) / 20e6)
+    assert slow.blocks_to_fetch(64) == 0
+    assert slow.decisions == {"fetch": 0, "partial": 0, "recompute": 1}
+    laggy = FetchCostModel("redis", workers=4, batch=16, block_nbytes=1 << 10, block_size=16)
+    laggy.observe_prefill(16_000, 1.0)
+    for n in (1, 4, 16):              # 20 ms per call, fast bytes: pays only for long runs
+        laggy.observe_fetch(n << 10, 0.02 + (n << 10) / 1e9)
+    assert laggy.blocks_to_fetch(8) == 0 and laggy.blocks_to_fetch(4096) == 4096

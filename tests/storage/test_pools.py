@@ -1,0 +1,150 @@
+"""Engines sharing a real pool, for every backend: a second process gets storage hits and the same
+greedy tokens and routed experts as a cold run; a pool that dies, corrupts or evicts costs a
+recompute, never a wrong answer or an error."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from engine_proc import ENGINE_KW, run
+
+HERE = Path(__file__).parent
+PRESET = "qwen3-moe-tiny"          # MoE: routed experts travel inside the stored objects
+BACKENDS = ["file", "redis", "redis-cluster", "mooncake"]
+
+
+def prompts(seed: int, n: int = 4, length: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cold(checkpoint):
+    """cold(prompts) -> outputs of an engine with no cache at all (the reference)."""
+    memo: dict = {}
+
+    def get(ps):
+        key = tuple(map(tuple, ps))
+        if key not in memo:
+            with kvtier.LLM(checkpoint(PRESET), num_device_blocks=64, block_size=8,
+                            enable_prefix_caching=False) as llm:
+                memo[key] = run(llm, ps, True)
+        return memo[key]
+    return get
+
+
+@pytest.fixture(params=BACKENDS)
+def pool(request, tmp_path):
+    """(url, server handle or None) of a fresh pool of each kind."""
+    kind = request.param
+    if kind == "file":
+        yield f"file://{tmp_path}/pool", None
+    elif kind == "redis":
+        server = request.getfixturevalue("valkey_server")
+        server.flushall()
+        yield server.url, server
+    elif kind == "redis-cluster":
+        cluster = request.getfixturevalue("valkey_cluster")
+        cluster.flushall()
+        yield cluster.url, cluster
+    else:
+        handle = request.getfixturevalue("mooncake_pool")
+        yield handle.url, handle
+
+
+def same(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x["tokens"] == y["tokens"]
+        assert x["routed"] == y["routed"]
+
+
+def engine_process(model, url: str, ps, tmp_path: Path) -> dict:
+    src, dst = tmp_path / "prompts.json", tmp_path / "out.json"
+    src.write_text(json.dumps(ps))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, str(HERE / "engine_proc.py"), str(model), url, str(src), str(dst)],
+                   check=True, timeout=300, env=env)
+    return json.loads(dst.read_text())
+
+
+def test_a_second_engine_process_gets_storage_hits_and_identical_outputs(pool, checkpoint, cold, tmp_path):
+    url, _ = pool
+    ps = prompts(1)
+    first = engine_process(checkpoint(PRESET), url, ps, tmp_path)
+    assert first["stats"]["storage"]["put_blocks"] > 0
+    same(first["outputs"], cold(ps))
+    second = engine_process(checkpoint(PRESET), url, ps, tmp_path)      # a fresh process: cold device/host
+    same(second["outputs"], cold(ps))
+    hits = [o["by_tier"]["storage"] for o in second["outputs"]]
+    assert all(h == 56 for h in hits), hits       # 7 full blocks of 8 (the last token is computed)
+    assert second["stats"]["storage"]["corrupt"] == 0
+
+
+def test_a_pool_killed_mid_run_costs_recompute_not_answers(pool, checkpoint, cold, tmp_path):
+    url, server = pool
+    if server is None:
+        pytest.skip("file:// has no server to kill (see the corruption tests)")
+    ps = prompts(2, n=6)
+    with kvtier.LLM(checkpoint(PRESET), storage=url, **ENGINE_KW) as llm:
+        llm.storage.breaker.base_cooldown = llm.storage.breaker.cooldown = 0.5
+        out = run(llm, ps[:3], True)
+        server.kill()
+        out += run(llm, ps[3:], True)                   # puts and lookups fail: served by recompute
+        out += run(llm, ps[:3], True)                   # their hits are on device/host or recomputed
+        same(out, cold(ps) + cold(ps[:3]))
+        stats = llm.cache_stats()
+        assert stats["storage"]["failed_calls"] > 0
+        llm.cache.assert_invariants()
+
+
+def test_corrupt_and_truncated_objects_are_misses(checkpoint, cold, tmp_path):
+    url = f"file://{tmp_path}/pool"
+    ps = prompts(3)
+    engine_process(checkpoint(PRESET), url, ps, tmp_path)
+    files = sorted(p for p in (tmp_path / "pool").rglob("kvt:*"))
+    assert files
+    for i, f in enumerate(files):
+        data = bytearray(f.read_bytes())
+        if i % 2:
+            data[len(data) // 2] ^= 0xFF                   # a flipped byte in the payload
+        else:
+            data = data[: len(data) - 100]                 # truncated
+        f.write_bytes(bytes(data))
+    second = engine_process(checkpoint(PRESET), url, ps, tmp_path)
+    same(second["outputs"], cold(ps))
+    assert all(o["by_tier"]["storage"] == 0 for o in second["outputs"])
+    assert second["stats"]["storage"]["corrupt"] >= len(ps)     # at least the first block of each
+    third = engine_process(checkpoint(PRESET), url, ps, tmp_path)   # bad objects were replaced
+    same(third["outputs"], cold(ps))
+    assert all(o["by_tier"]["storage"] == 56 for o in third["outputs"])
+
+
+def test_a_pool_that_fills_up_evicts_and_misses(checkpoint, cold, tmp_path):
+    with kvtier.LLM(checkpoint(PRESET), **ENGINE_KW) as llm:
+        blob = llm.cache.block_nbytes
+    url = f"file://{tmp_path}/pool?capacity={int(blob * 1.3) * 10}"      # ~10 objects of 28 written
+    ps = prompts(4)
+    first = engine_process(checkpoint(PRESET), url, ps, tmp_path)
+    assert first["stats"]["storage"]["server"]["evictions"] > 0
+    second = engine_process(checkpoint(PRESET), url, ps, tmp_path)
+    same(second["outputs"], cold(ps))
+    hits = [o["by_tier"]["storage"] for o in second["outputs"]]
+    assert sum(hits) < 4 * 56, hits
+
+
+def test_objects_are_named_the_same_in_every_process(checkpoint, tmp_path):
+    ps = prompts(5, n=1)
+    names = []
+    for run_dir in ("a", "b"):
+        url = f"file://{tmp_path}/{run_dir}"
+        engine_process(checkpoint(PRESET), url, ps, tmp_path)
+        names.append(sorted(p.name for p in (tmp_path / run_dir).rglob("kvt:*")))
+    assert names[0] == names[1] and len(names[0]) == (60 + 8) // 8     # prompt + generated full blocks
