@@ -14,7 +14,7 @@ PRESET_NAMES = ("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtr
                 "qwen3-moe-tiny", "qwen3-moe-demo", "qwen3-0.6b-shape", "qwen3-moe-small", "llama3-8b-shape")
 _GPU_BENCHES = {"throughput": "kvtier.bench.throughput", "routing": "kvtier.bench.routing_bench",
                 "transfer": "kvtier.bench.transfer_bench", "overlap": "kvtier.bench.overlap_bench",
-                "attention": "kvtier.bench.attention_bench"}
+                "attention": "kvtier.bench.attention_bench", "storage": "kvtier.bench.storage_bench"}
 
 
 def _block_size(text: str) -> int:
@@ -39,6 +39,37 @@ def _positive(text: str) -> int:
     if value == 0:
         raise argparse.ArgumentTypeError("expected a positive integer, got 0")
     return value
+
+
+def _tier_blocks(text: str) -> int | float:
+    value = _capacity(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("the device tier needs at least one block (or inf)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a positive number, got 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite non-negative number, got {text!r}")
+    return value
+
+
+def _timeout_pair(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected BASE,PER_1K seconds, e.g. 0.1,0.05; got {text!r}")
+    return (_non_negative_float(parts[0]), _non_negative_float(parts[1]))
 
 
 def _capacity(text: str) -> int | float:
@@ -69,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace", help="JSONL trace: {timestamp, input_ids, output_length} or the Mooncake "
                                  "format {timestamp, input_length, output_length, hash_ids}")
     _add_cache_flags(p)
-    p.add_argument("--device-blocks", type=_positive, default=8192, help="device tier size in blocks (default 8192)")
-    p.add_argument("--host-blocks", type=_count, default=32768, help="host tier size in blocks; 0 = no host tier (default 32768)")
+    p.add_argument("--device-blocks", type=_tier_blocks, default=8192,
+                   help="device tier size in blocks; inf = unbounded (default 8192)")
+    p.add_argument("--host-blocks", type=_capacity, default=32768,
+                   help="host tier size in blocks; 0 = no host tier, inf = unbounded (default 32768)")
     p.add_argument("--storage-blocks", type=_capacity, default=0,
                    help="storage tier size in blocks; 0 = none, inf = unbounded (default 0)")
     p.add_argument("--trace-block-tokens", type=_positive, default=512,
@@ -78,17 +111,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes-per-token", type=_positive, default=131072,
                    help="KV bytes per token, all layers, for bytes moved (default 131072)")
     p.add_argument("--max-running", type=_positive, default=16, help="requests holding blocks at once (default 16)")
+    p.add_argument("--storage-gbps", type=_positive_float, default=2.0,
+                   help="storage read bandwidth per call, GB/s, for the fetch-vs-recompute decision (default 2.0)")
+    p.add_argument("--storage-latency-ms", type=_non_negative_float, default=0.5,
+                   help="storage latency per call, ms (default 0.5)")
+    p.add_argument("--prefill-tokens-per-s", type=_non_negative_float, default=0.0,
+                   help="recompute rate; storage hits are fetched only when that is faster than "
+                        "recomputing them at this rate; 0 = fetch every hit (default 0)")
     p.add_argument("--limit", type=_positive, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 
-    p = sub.add_parser("bench", help="benchmarks: cache, throughput, routing, attention, transfer, overlap",
+    p = sub.add_parser("bench", help="benchmarks: cache, throughput, routing, attention, transfer, overlap, storage",
                        description="Run a benchmark. 'cache': CPU cost of match+allocate+commit+free per "
                                    "request (flags below). GPU: 'throughput' (kvtier vs HF transformers "
                                    "generation), 'routing' (R3 capture on vs off), 'attention' (Triton vs "
                                    "torch vs SDPA), 'transfer' (host<->device copy GB/s vs a contiguous pinned "
                                    "copy), 'overlap' (host-hit TTFT vs device hit and recompute; decode with "
-                                   "backups); `kvtier bench NAME --help` lists their flags.")
+                                   "backups). CPU or GPU: 'storage' (put/get GB/s per backend vs its raw "
+                                   "client; TTFT served from storage vs recompute). `kvtier bench NAME --help` "
+                                   "lists their flags.")
     p.add_argument("name", choices=("cache", *_GPU_BENCHES), help="which benchmark")
     p.add_argument("--requests", type=_positive, default=2000, help="requests in the trace (default 2000)")
     p.add_argument("--prompts", type=_positive, default=200, help="shared prefixes (default 200)")
@@ -134,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=_positive, default=4, help="concurrent conversations (default 4)")
     p.add_argument("--turns", type=_positive, default=4, help="turns per conversation (default 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--storage", default=None,
+                   help="storage pool URL (default: file:// in a temporary directory, removed at the end)")
+
+    p = sub.add_parser("pool", help="start a local storage pool: `kvtier pool mooncake --port P --size 4GiB`",
+                       description="`kvtier pool mooncake --port P --size 4GiB` starts a Mooncake master and one "
+                                   "pool node contributing SIZE of memory on 127.0.0.1 and prints the URL to pass "
+                                   "as --storage; `kvtier pool mooncake --help` lists its flags.")
+    p.add_argument("kind", choices=("mooncake",), help="which pool")
     return ap
 
 
@@ -146,7 +196,11 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-device-blocks", type=_positive, default=None,
                    help="device tier size in blocks (default: sized from free memory)")
     p.add_argument("--num-host-blocks", type=_count, default=0, help="host tier size in blocks; 0 = none (default 0)")
-    p.add_argument("--storage", default=None, help="storage pool URL, e.g. memory://?capacity=1GiB (default none)")
+    p.add_argument("--storage", default=None,
+                   help="storage pool URL (needs --num-host-blocks): file:///dir[?capacity=100GiB], "
+                        "memory://?capacity=1GiB, redis://[:password@]host:port/db, rediss://..., "
+                        "redis+cluster://host:port,host:port, mooncake://host:port?protocol=tcp[&segment=4GiB]; "
+                        "any URL takes &throttle=RATE to simulate a slow pool (default none)")
     p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through_selective",
                    help="when blocks are copied down a tier (default write_through_selective)")
     p.add_argument("--write-through-threshold", type=_positive, default=2,
@@ -154,7 +208,13 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable prefix caching")
     p.add_argument("--prefetch-policy", choices=("best_effort", "wait_complete", "timeout"), default="best_effort",
-                   help="storage prefetch policy (default best_effort)")
+                   help="when a request with storage hits starts: best_effort = after the time the fetch was "
+                        "expected to take, with what landed; wait_complete = when all landed; timeout = after "
+                        "--prefetch-timeout (default best_effort)")
+    p.add_argument("--prefetch-timeout", type=_timeout_pair, default=(0.1, 0.05), metavar="BASE,PER_1K",
+                   help="prefetch_policy=timeout: seconds, plus seconds per 1K prompt tokens (default 0.1,0.05)")
+    p.add_argument("--storage-workers", type=_positive, default=4,
+                   help="storage I/O worker threads (default 4)")
     p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
                    help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="tensor parallel ranks (default 1)")
@@ -172,7 +232,8 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
 
 _LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
              "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
-             "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+             "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs",
+             "max_model_len", "prefetch_timeout", "storage_workers")
 
 
 def _generate(args) -> int:  # type: ignore[no-untyped-def]
@@ -215,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
         importlib.import_module(_GPU_BENCHES[argv[1]]).main(argv[2:])
         return 0
+    if len(argv) >= 2 and argv[0] == "pool" and argv[1] == "mooncake":
+        from kvtier.storage import mooncake_pool
+        return mooncake_pool.main(argv[2:])
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command is None:
@@ -233,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "demo":
             from kvtier.demo import run_demo
-            run_demo(model_dir=args.model, clients=args.clients, turns=args.turns, device=args.device)
+            run_demo(model_dir=args.model, clients=args.clients, turns=args.turns, device=args.device,
+                     storage=args.storage)
             return 0
         if args.command == "bench":
             from kvtier.bench import cache_bench

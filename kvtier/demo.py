@@ -4,7 +4,8 @@ Writes a small random MoE checkpoint (on CUDA: a larger MoE shape, ``qwen3-moe-s
 config alone with random weights made on the GPU, and a longer shared system prompt — a tiny
 model's forward is bound by kernel launches, not by the tokens a cache hit saves), then serves a multi-turn chat workload (several clients,
 each turn resends the whole history plus a new question) with a deliberately small device tier,
-a host tier and an in-process storage pool, so that hits come from all three tiers. For every
+a host tier and a storage pool (by default ``file://`` in a temporary directory — the embedded
+pool that persists), so that hits come from all three tiers. For every
 turn it times the first token (TTFT) with the cache and by recompute (a second engine with prefix
 caching off, same weights), and checks that both produce the same tokens.
 """
@@ -29,8 +30,12 @@ def _ttft(llm: kvtier.LLM, prompt: list[int]) -> tuple[float, object]:
 
 def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, system_tokens: int | None = None,
              question_tokens: int = 48, answer_tokens: int = 24, seed: int = 0, device: str = "cpu",
-             out=print) -> dict:
+             storage: str | None = None, out=print) -> dict:
     tmp = None
+    pool_dir = None
+    if storage is None:
+        pool_dir = tempfile.TemporaryDirectory(prefix="kvtier-pool-")
+        storage = f"file://{pool_dir.name}?capacity=2GiB"
     cuda = str(device).startswith("cuda")
     load_format = "auto"
     if model_dir is None:
@@ -64,7 +69,9 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
     sizes = dict(block_size=16, num_device_blocks=device_blocks, device=device, load_format=load_format,
                  dtype="float32",
                  max_num_batched_tokens=max(1024, 16 * per_client + 64))
-    with kvtier.LLM(path, num_host_blocks=host_blocks, storage="memory://?capacity=2GiB",
+    out(f"storage pool: {storage}")
+    # storage_fetch="auto": storage hits are fetched only when the cost model says they beat recompute
+    with kvtier.LLM(path, num_host_blocks=host_blocks, storage=storage, storage_fetch="auto",
                     write_policy="write_through", **sizes) as llm, \
             kvtier.LLM(path, enable_prefix_caching=False, **sizes) as cold:
         _ttft(llm, system[:32]), _ttft(cold, system[:32])          # warm-up
@@ -100,4 +107,6 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
     out(f"TTFT after the first turn: {verdict}; every output identical to recompute")
     if tmp is not None:
         tmp.cleanup()
+    if pool_dir is not None:
+        pool_dir.cleanup()
     return {"hit_tokens": totals, "prompt_tokens": prompt_tokens, "ttft_speedup": speedup, "stats": stats}

@@ -7,6 +7,11 @@ blocks at once; the oldest finishes first, and a request that does not fit finis
 Decode tokens are not simulated (prompt KV only): a trace's next turn carries the previous
 answer inside its own prompt.
 
+Every tier size may be ``inf`` (unbounded: sized to the trace's total blocks). Storage hits are
+fetched only when the fetch-vs-recompute cost model says they pay, with a pool of
+``storage_gbps`` / ``storage_latency_ms`` per call against a prefill rate of
+``prefill_tokens_per_s`` (0: fetch every hit); the decisions are reported.
+
 The cyclic garbage collector is paused during the replay: the manager frees its objects by
 reference counting (removed nodes form no cycles), and a full collection over a tree whose
 nodes churn by the million cost a third of the wall time.
@@ -22,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvtier.cache import CacheManager, SimulatedStorage
+from kvtier.cache.cost import FetchCostModel
 from kvtier.bench.traces import TraceRequest, read_trace
 
 TIERS = ("device", "host", "storage")
@@ -30,8 +36,8 @@ TIERS = ("device", "host", "storage")
 @dataclass
 class SimConfig:
     block_size: int = 16
-    device_blocks: int = 8192
-    host_blocks: int = 32768
+    device_blocks: int | float = 8192
+    host_blocks: int | float = 32768
     storage_blocks: int | float = 0
     write_policy: str = "write_through_selective"
     write_through_threshold: int = 2
@@ -39,15 +45,31 @@ class SimConfig:
     hash_name: str = "sha256"
     kv_bytes_per_token: int = 131072   # 128 KiB: e.g. 32 layers x 8 KV heads x 128 dims x 2 (K,V) x bf16
     max_running: int = 16
+    storage_gbps: float = 2.0            # storage read bandwidth of one call (GB/s)
+    storage_latency_ms: float = 0.5      # per call
+    prefill_tokens_per_s: float = 0.0    # recompute rate; 0: fetch every storage hit
+
+
+def _tier_size(size: int | float, trace: list[TraceRequest], block_size: int) -> int:
+    """``inf`` -> every block the trace could ever hold (each request's blocks, all distinct)."""
+    if size != math.inf:
+        return int(size)
+    return max(1, sum(-(-len(tr.input_ids) // block_size) for tr in trace))
 
 
 def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) -> dict:
     storage = None if cfg.storage_blocks == 0 else SimulatedStorage(cfg.storage_blocks)
+    block_nbytes = cfg.kv_bytes_per_token * cfg.block_size
+    cost = None
+    if storage is not None and cfg.prefill_tokens_per_s > 0:
+        cost = FetchCostModel("sim", workers=1, batch=1 << 30, block_nbytes=block_nbytes, block_size=cfg.block_size,
+                              prior=(cfg.storage_latency_ms / 1e3, cfg.storage_gbps * 1e9))
+        cost.observe_prefill(int(cfg.prefill_tokens_per_s), 1.0)
     mgr = CacheManager(
-        block_size=cfg.block_size, num_device_blocks=cfg.device_blocks,
-        num_host_blocks=cfg.host_blocks, storage=storage, write_policy=cfg.write_policy,
-        write_through_threshold=cfg.write_through_threshold, eviction=cfg.eviction,
-        hash_name=cfg.hash_name, block_nbytes=cfg.kv_bytes_per_token * cfg.block_size)
+        block_size=cfg.block_size, num_device_blocks=_tier_size(cfg.device_blocks, trace, cfg.block_size),
+        num_host_blocks=_tier_size(cfg.host_blocks, trace, cfg.block_size), storage=storage,
+        write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold, eviction=cfg.eviction,
+        hash_name=cfg.hash_name, block_nbytes=block_nbytes, fetch_cost=cost)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -81,11 +103,14 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager,
             mgr.free(running.popleft())
         req = mgr.new_request(i, tokens)
         m = mgr.match_prefix(req)
-        for tier, n in m.tokens_by_tier().items():
-            hits[tier] += n
-        if m.num_storage_blocks and mgr.prefetch(req):
-            step()
-            m = mgr.match_prefix(req)
+        hits["device"] += m.num_device_blocks * cfg.block_size
+        hits["host"] += m.num_host_blocks * cfg.block_size
+        if m.num_storage_blocks:
+            fetched = mgr.prefetch(req)      # as many as pay (all without a cost model) and fit
+            hits["storage"] += fetched * cfg.block_size
+            if fetched:
+                step()
+                m = mgr.match_prefix(req)
         while not mgr.allocate(req, len(tokens)):
             if not running:
                 break
@@ -115,6 +140,7 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager,
         "bytes_moved": dict(mgr.stats.bytes_moved),
         "skipped_requests": skipped,
         "failures": dict(mgr.stats.failures),
+        "fetch_decisions": dict(mgr.fetch_cost.decisions) if mgr.fetch_cost is not None else None,
         "wall_s": round(time.perf_counter() - t0, 3),
         "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                    for k, v in vars(cfg).items()},
@@ -130,6 +156,8 @@ def format_report(res: dict) -> str:
     total = sum(res["hit_tokens"].values())
     lines.append(f"{'all':<8} {total:>14,} {total / max(1, res['prompt_tokens']):>9.3f}")
     lines.append("bytes moved: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in res["bytes_moved"].items()))
+    if res.get("fetch_decisions"):
+        lines.append("storage fetch decisions: " + ", ".join(f"{k} {v:,}" for k, v in res["fetch_decisions"].items()))
     return "\n".join(lines)
 
 
@@ -139,7 +167,9 @@ def main(args) -> int:  # type: ignore[no-untyped-def]
         block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
         storage_blocks=args.storage_blocks, write_policy=args.write_policy,
         write_through_threshold=args.write_through_threshold, eviction=args.eviction,
-        hash_name=args.hash, kv_bytes_per_token=args.kv_bytes_per_token, max_running=args.max_running)
+        hash_name=args.hash, kv_bytes_per_token=args.kv_bytes_per_token, max_running=args.max_running,
+        storage_gbps=args.storage_gbps, storage_latency_ms=args.storage_latency_ms,
+        prefill_tokens_per_s=args.prefill_tokens_per_s)
     res = simulate(trace, cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
     print(json.dumps(res) if args.json else format_report(res))
     return 0

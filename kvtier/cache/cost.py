@@ -65,6 +65,7 @@ class FetchCostModel:
     batch: int = 16
     block_nbytes: int = 0          # one stored object
     block_size: int = 16
+    prior: tuple[float, float] | None = None   # (latency s, bandwidth bytes/s); None: PRIORS[scheme]
     _fit: _Fit = field(default_factory=_Fit)
     _mean_bytes_per_s: float = 0.0  # bytes / s through one call, when sizes do not vary
     _prefill_tokens_per_s: float = 0.0
@@ -95,7 +96,7 @@ class FetchCostModel:
         with self._lock:
             line = self._fit.line()
             mean_rate = self._mean_bytes_per_s
-        lat0, bw0 = PRIORS.get(self.scheme, (1e-3, 1e9))
+        lat0, bw0 = self.prior or PRIORS.get(self.scheme, (1e-3, 1e9))
         if line is not None and line[1] > 0:
             return max(0.0, line[0]), 1.0 / line[1]
         if mean_rate > 0:

@@ -89,3 +89,39 @@ def test_synthetic_tokens_are_deterministic_and_distinct(tmp_path):
     hs = [0, 1, 2, 2**32 - 1, 2**40 + 3]
     assert tokens_of_hashes(hs, 8, 1 << 30) == [t for h in hs for t in _tokens_of_hash(h, 8, 1 << 30)]
     assert len({tuple(_tokens_of_hash(h, 8, 1 << 30)) for h in range(1000)}) == 1000
+
+
+def test_every_tier_accepts_inf(trace, capsys):
+    res = run_json(capsys, ["sim", str(trace), "--json", "--trace-block-tokens", "16",
+                            "--device-blocks", "inf", "--host-blocks", "inf", "--storage-blocks", "inf"])
+    assert res["hit_tokens"]["device"] == 64 + 32 and res["evictions"]["device"] == 0
+    assert res["config"]["device_blocks"] == "inf"
+
+
+def _storage_only_trace(tmp_path):
+    """The same 8-block prompt twice, 40 others between: the second one hits only in storage."""
+    shared = list(range(1, 129))
+    rows = [{"timestamp": 0, "input_ids": shared + [999], "output_length": 1}]
+    rows += [{"timestamp": 1 + i, "input_ids": [1000 + 200 * i + j for j in range(129)], "output_length": 1}
+             for i in range(40)]
+    rows.append({"timestamp": 100, "input_ids": shared + [998], "output_length": 1})
+    return write_jsonl(tmp_path / "s.jsonl", rows)
+
+
+@pytest.mark.parametrize("gbps,fetched", [(100.0, True), (0.001, False)])
+def test_sim_fetches_storage_hits_only_when_cheaper_than_recompute(tmp_path, capsys, gbps, fetched):
+    res = run_json(capsys, ["sim", str(_storage_only_trace(tmp_path)), "--json", "--block-size", "16",
+                            "--device-blocks", "16", "--host-blocks", "16", "--storage-blocks", "inf",
+                            "--write-policy", "write_through", "--prefill-tokens-per-s", "20000",
+                            "--storage-gbps", str(gbps), "--storage-latency-ms", "0.1"])
+    assert res["hit_tokens"]["storage"] == (128 if fetched else 0)
+    assert res["fetch_decisions"] == {"fetch": int(fetched), "partial": 0, "recompute": int(not fetched)}
+
+
+@pytest.mark.parametrize("flag,value,msg", [("--device-blocks", "0", "at least one block"),
+                                            ("--storage-gbps", "0", "positive"),
+                                            ("--storage-latency-ms", "-1", "non-negative")])
+def test_sim_bad_tier_and_cost_flags_are_named(trace, capsys, flag, value, msg):
+    with pytest.raises(SystemExit):
+        main(["sim", str(trace), flag, value])
+    assert msg in capsys.readouterr().err
