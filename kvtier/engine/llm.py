@@ -156,6 +156,7 @@ class LLM:
                           (lambda h: routing.host_store[h].view(np.uint8)) if routing is not None else None)
         if self.fetch_cost is not None:
             self.fetch_cost.block_nbytes = layout.nbytes
+            self.storage.calibrate()           # the cost model starts from this pool's measured speed
 
     def _resolve_dtype(self, dtype: str, cfg: ModelConfig) -> torch.dtype:
         if dtype == "auto":

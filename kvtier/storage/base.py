@@ -9,6 +9,9 @@ never from the scheduler thread's hot path, always in batches::
     put_from(names, bufs)       -> [bool]   store bufs[i] under names[i]; False: refused (pool full)
     delete(names)                           remove (best effort; a missing name is fine)
     register_buffer(buf)                    the client's staging memory (zero-copy backends pin it)
+    get_into_parts / put_from_parts         optional (``supports_parts``): an object as several
+                                            buffers (header, KV, routing): read/written straight
+                                            from/into host blocks, no staging copy
     stats()                     -> dict     backend counters (objects, bytes, evictions, ...)
     close()
 
@@ -42,6 +45,7 @@ class StorageError(RuntimeError):
 
 class Backend(ABC):
     scheme: ClassVar[str] = "?"
+    supports_parts: ClassVar[bool] = False
 
     @abstractmethod
     def exists(self, names: Sequence[str]) -> list[bool]: ...
@@ -54,6 +58,15 @@ class Backend(ABC):
 
     @abstractmethod
     def delete(self, names: Sequence[str]) -> None: ...
+
+    def get_into_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
+        """Read object i scattered over ``parts[i]`` (filled in order); its size, MISSING, or
+        TOO_LARGE (larger than the parts together). Only if ``supports_parts``."""
+        raise NotImplementedError
+
+    def put_from_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Store the concatenation of ``parts[i]`` under names[i]. Only if ``supports_parts``."""
+        raise NotImplementedError
 
     def register_buffer(self, buf: memoryview) -> None:
         """Staging memory the client will pass slices of to get_into/put_from (zero-copy clients

@@ -97,13 +97,46 @@ class BlobLayout:
         buf[len(header):h] = 0
         return self.nbytes
 
+    def header_for(self, key: bytes, kv: np.ndarray, routing: np.ndarray | None) -> bytes:
+        """The header of block ``key`` whose payload is ``kv`` then ``routing`` (scatter-gather
+        writers send header, kv and routing as three parts: no staging copy)."""
+        h = xxhash.xxh3_64()
+        h.update(memoryview(kv.reshape(-1)))
+        if routing is not None:
+            h.update(memoryview(routing.reshape(-1)))
+        return self._header(key, h.intdigest()).ljust(HEADER_NBYTES, b"\0")
+
+    def check_parts(self, header: np.ndarray, size: int, key: bytes, kv: np.ndarray,
+                    routing: np.ndarray | None) -> BlobStatus:
+        """:meth:`check` of an object read in parts: header into ``header``, payload straight into
+        the host block's ``kv`` and ``routing`` views."""
+        status = self._check_header(header, size, key)
+        if status is not BlobStatus.OK:
+            return status
+        h = xxhash.xxh3_64()
+        h.update(memoryview(kv.reshape(-1)))
+        if routing is not None:
+            h.update(memoryview(routing.reshape(-1)))
+        if h.intdigest() != _FMT.unpack_from(memoryview(header[:_FMT.size]))[18]:
+            return BlobStatus.BAD_CHECKSUM
+        return BlobStatus.OK
+
     def check(self, buf: np.ndarray, size: int, key: bytes) -> BlobStatus:
         """Is ``buf[:size]`` the object of block ``key`` in this layout?"""
+        status = self._check_header(buf, size, key)
+        if status is not BlobStatus.OK:
+            return status
+        checksum = _FMT.unpack_from(memoryview(buf[:_FMT.size]))[18]
+        if xxhash.xxh3_64_intdigest(memoryview(buf[HEADER_NBYTES:self.nbytes])) != checksum:
+            return BlobStatus.BAD_CHECKSUM
+        return BlobStatus.OK
+
+    def _check_header(self, buf: np.ndarray, size: int, key: bytes) -> BlobStatus:
         if size < _FMT.size:
             return BlobStatus.TRUNCATED
         f = _FMT.unpack_from(memoryview(buf[:_FMT.size]))
         magic, version, hdr, klen, dtype, ndim, algo, tokens, ns, stored_key = f[:10]
-        shape, kv_nbytes, rt_nbytes, checksum = f[10:10 + ndim], f[16], f[17], f[18]
+        shape, kv_nbytes, rt_nbytes = f[10:10 + ndim], f[16], f[17]
         if magic != MAGIC or version != VERSION or hdr != HEADER_NBYTES or algo != _ALGO_XXH3_64:
             return BlobStatus.BAD_HEADER
         if size < hdr + kv_nbytes + rt_nbytes:
@@ -116,8 +149,6 @@ class BlobLayout:
                 or tokens != self.block_size or kv_nbytes != self.kv_nbytes or rt_nbytes != self.routing_nbytes
                 or size != self.nbytes):
             return BlobStatus.BAD_HEADER
-        if xxhash.xxh3_64_intdigest(memoryview(buf[hdr:self.nbytes])) != checksum:
-            return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
     def decode_into(self, buf: np.ndarray, kv: np.ndarray, routing: np.ndarray | None) -> None:

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -41,9 +42,15 @@ import numpy as np
 from kvtier.cache.keys import object_name
 from kvtier.cache.plan import TransferOp
 from kvtier.storage.base import MISSING, TOO_LARGE, Backend
-from kvtier.storage.blob import BlobLayout, BlobStatus
+from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus
 
 log = logging.getLogger(__name__)
+
+
+def _flat(a: np.ndarray) -> memoryview:
+    """A host block's bytes as a flat writable view (host blocks are contiguous)."""
+    assert a.flags.c_contiguous
+    return memoryview(a.reshape(-1))
 
 
 class CircuitBreaker:
@@ -260,12 +267,19 @@ class StorageClient:
         layout, n = self.layout, len(keys)
         assert layout is not None and self._kv is not None
         slot = self._slots.get()
+        parts = self.backend.supports_parts
         try:
             names = [self.name(k) for k in keys]
-            bufs = [memoryview(slot[j]) for j in range(n)]
+            kvs = [self._kv(hb) for hb in host_blocks]
+            rts = [self._routing(hb) for hb in host_blocks] if self._routing else [None] * n
             t0 = time.perf_counter()
             try:
-                sizes = self._call("get", self.backend.get_into, names, bufs)
+                if parts:     # header into staging, payload straight into the host block
+                    sizes = self._call("get", self.backend.get_into_parts, names, [
+                        [memoryview(slot[j, :HEADER_NBYTES]), _flat(kvs[j]), *([_flat(rts[j])] if rts[j] is not None else [])]
+                        for j in range(n)])
+                else:
+                    sizes = self._call("get", self.backend.get_into, names, [memoryview(slot[j]) for j in range(n)])
             except Exception:
                 return list(range(n))
             dt = time.perf_counter() - t0
@@ -274,13 +288,19 @@ class StorageClient:
                 if size == MISSING:
                     failed.append(j)
                     continue
-                status = BlobStatus.TRUNCATED if size == TOO_LARGE else layout.check(slot[j], size, key)
+                if size == TOO_LARGE:
+                    status = BlobStatus.TRUNCATED
+                elif parts:
+                    status = layout.check_parts(slot[j], size, key, kvs[j], rts[j])
+                else:
+                    status = layout.check(slot[j], size, key)
                 if status is not BlobStatus.OK:
                     log.warning("storage object %s is bad (%s): deleted, counted as a miss", names[j], status.value)
                     failed.append(j)
                     corrupt.append(names[j])
                     continue
-                layout.decode_into(slot[j], self._kv(hb), self._routing(hb) if self._routing else None)
+                if not parts:
+                    layout.decode_into(slot[j], kvs[j], rts[j])
                 nbytes += size
             if corrupt:
                 try:
@@ -307,12 +327,21 @@ class StorageClient:
         assert layout is not None and self._kv is not None
         slot = self._slots.get()
         try:
-            for j, (key, hb) in enumerate(zip(keys, host_blocks)):
-                layout.encode_into(slot[j], key, self._kv(hb), self._routing(hb) if self._routing else None)
             names = [self.name(k) for k in keys]
+            kvs = [self._kv(hb) for hb in host_blocks]
+            rts = [self._routing(hb) for hb in host_blocks] if self._routing else [None] * n
+            if self.backend.supports_parts:   # header, then the host block's bytes as they are
+                objects = [[memoryview(layout.header_for(k, kv, rt)), _flat(kv), *([_flat(rt)] if rt is not None else [])]
+                           for k, kv, rt in zip(keys, kvs, rts)]
+                put = self.backend.put_from_parts
+            else:
+                for j in range(n):
+                    layout.encode_into(slot[j], keys[j], kvs[j], rts[j])
+                objects = [memoryview(slot[j]) for j in range(n)]
+                put = self.backend.put_from
             t0 = time.perf_counter()
             try:
-                ok = self._call("put", self.backend.put_from, names, [memoryview(slot[j]) for j in range(n)])
+                ok = self._call("put", put, names, objects)
             except Exception:
                 return list(range(n))
             dt = time.perf_counter() - t0
@@ -325,6 +354,38 @@ class StorageClient:
                 c["put_seconds"] += dt
             return failed
         finally:
+            self._slots.put(slot)
+
+    def calibrate(self, num_objects: int = 4) -> bool:
+        """Time reads of 1 and ``num_objects`` objects of this layout's size (written, read back,
+        deleted under ``…:calibrate:<pid>`` names), so the cost model starts from this pool's
+        real latency and bandwidth instead of a guess. False (nothing learned) if the pool fails."""
+        assert self.layout is not None, "bind() first"
+        n = max(1, min(num_objects, self.batch))
+        slot = self._slots.get()
+        names = [f"{self.name(b'')}calibrate:{os.getpid()}:{i}" for i in range(n)]
+        try:
+            bufs = [memoryview(slot[j]) for j in range(n)]
+            slot[:n, :64] = 0                     # not a valid blob: never read as KV
+            if not all(self.backend.put_from(names, bufs)):
+                return False
+            for count in (1, n, 1, n):
+                t0 = time.perf_counter()
+                sizes = self.backend.get_into(names[:count], bufs[:count])
+                dt = time.perf_counter() - t0
+                if any(s < 0 for s in sizes):
+                    return False
+                if self.on_fetch_io is not None:
+                    self.on_fetch_io(sum(sizes), dt)
+            return True
+        except Exception as e:
+            log.warning("storage calibration failed on %s: %s", self.backend.describe(), e)
+            return False
+        finally:
+            try:
+                self.backend.delete(names)
+            except Exception:
+                pass
             self._slots.put(slot)
 
     # ------------------------------------------------------------------ stats, close

@@ -35,6 +35,7 @@ from kvtier.storage.memory import parse_size, query_params
 
 log = logging.getLogger(__name__)
 _STALE_TMP_S = 600.0
+_TOUCH_AFTER_S = 60.0
 
 
 class FileBackend(Backend):
@@ -83,9 +84,17 @@ class FileBackend(Backend):
         return [os.path.isfile(self._path(n)) for n in names]
 
     def get_into(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
+        return self.get_into_parts(names, [[b] for b in bufs])
+
+    def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        return self.put_from_parts(names, [[b] for b in bufs])
+
+    supports_parts = True        # readv/writev: objects go straight between files and host blocks
+
+    def get_into_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
         self.round_trips += 1
         out = []
-        for name, buf in zip(names, bufs):
+        for name, bufs in zip(names, parts):
             path = self._path(name)
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -95,34 +104,30 @@ class FileBackend(Backend):
             except OSError as e:
                 raise StorageError(f"file storage {self.root}: cannot open {name}: {e}") from e
             try:
-                size = os.fstat(fd).st_size
-                if size > len(buf):
+                st = os.fstat(fd)
+                size = st.st_size
+                if size > sum(len(b) for b in bufs):
                     out.append(TOO_LARGE)
                     continue
-                got = 0
-                view = buf[:size]
-                while got < size:
-                    n = os.readv(fd, [view[got:]])
-                    if n == 0:
-                        break
-                    got += n
-                out.append(got)
+                out.append(_readv_all(fd, _first_bytes(bufs, size)))
             except OSError as e:
                 raise StorageError(f"file storage {self.root}: cannot read {name}: {e}") from e
             finally:
                 os.close(fd)
-            try:
-                os.utime(path)                 # LRU by mtime: a hit is a use
-            except OSError:
-                pass
+            if time.time() - st.st_mtime > _TOUCH_AFTER_S:
+                try:
+                    os.utime(path)             # LRU by mtime: a hit is a use (to the minute)
+                except OSError:
+                    pass
         return out
 
-    def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+    def put_from_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
         self.round_trips += 1
         out, written = [], 0
-        for name, buf in zip(names, bufs):
+        for name, bufs in zip(names, parts):
             path = self._path(name)
-            if len(buf) > self.capacity:
+            nbytes = sum(len(b) for b in bufs)
+            if nbytes > self.capacity:
                 out.append(False)
                 continue
             if os.path.exists(path):           # immutable, content-addressed: already there
@@ -134,9 +139,7 @@ class FileBackend(Backend):
                 os.makedirs(shard, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    view, done = memoryview(buf), 0
-                    while done < len(view):
-                        done += os.write(fd, view[done:])
+                    _writev_all(fd, [memoryview(b).cast("B") for b in bufs])
                 finally:
                     os.close(fd)
                 os.replace(tmp, path)
@@ -149,7 +152,7 @@ class FileBackend(Backend):
                     out.append(False)          # disk full: refused, not a dead pool
                     continue
                 raise StorageError(f"file storage {self.root}: cannot write {name}: {e}") from e
-            written += len(buf)
+            written += nbytes
             out.append(True)
         if written:
             with self._lock:
@@ -225,3 +228,41 @@ class FileBackend(Backend):
 
     def describe(self) -> str:
         return f"file://{self.root}?capacity={self.capacity}"
+
+
+def _first_bytes(bufs: Sequence[memoryview], size: int) -> list[memoryview]:
+    """The leading ``size`` bytes of the concatenation of ``bufs``, as views."""
+    out = []
+    for b in bufs:
+        if size <= 0:
+            break
+        b = memoryview(b).cast("B")
+        out.append(b[:size])
+        size -= len(out[-1])
+    return out
+
+
+def _readv_all(fd: int, views: list[memoryview]) -> int:
+    """readv until the views are full or the file ends; bytes read."""
+    total = 0
+    while views:
+        n = os.readv(fd, views)
+        if n == 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]
+    return total
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]

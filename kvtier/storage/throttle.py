@@ -14,6 +14,7 @@ class ThrottledBackend(Backend):
         self.inner = inner
         self.rate = float(bytes_per_second)
         self.scheme = inner.scheme  # type: ignore[misc]
+        self.supports_parts = inner.supports_parts  # type: ignore[misc]
         self._lock = threading.Lock()
         self._free_at = time.monotonic()       # one shared link: transfers queue behind each other
 
@@ -37,6 +38,15 @@ class ThrottledBackend(Backend):
     def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         self._pace(sum(len(b) for b in bufs))
         return self.inner.put_from(names, bufs)
+
+    def get_into_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
+        sizes = self.inner.get_into_parts(names, parts)
+        self._pace(sum(s for s in sizes if s > 0))
+        return sizes
+
+    def put_from_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        self._pace(sum(len(b) for p in parts for b in p))
+        return self.inner.put_from_parts(names, parts)
 
     def delete(self, names: Sequence[str]) -> None:
         self.inner.delete(names)

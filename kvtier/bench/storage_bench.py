@@ -1,0 +1,307 @@
+"""``kvtier bench storage``: the storage tier against its own backends and against recompute.
+
+1. **Bytes** (any machine): for each pool URL, put then get ``--objects`` objects of one KV block's
+   size through kvtier (StorageClient: blobs with header and checksum, staging, worker threads,
+   from/into host blocks) and through the backend's raw client (the same library, bytes in and
+   out, the same number of threads and objects per call), in the same run. Reported: GB/s of both
+   and kvtier / raw (goal >= 0.8).
+2. **TTFT** (``--ttft``; the 8B shape on a GPU, a small preset on CPU): a writer engine stores a
+   ``--prompt-tokens`` prompt in the pool; a fresh reader engine serves it from storage (storage
+   -> host -> device, layer-overlapped), and recomputes it (another cache_salt: no hit on any tier).
+   Reported: TTFT from storage / recompute (goal <= 0.5), and against a deliberately slow pool
+   (``throttle=``): with the cost model (``storage_fetch=auto``, goal <= 1.0: it recomputes) and
+   without (``always``: what happens to a system with no cost model).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+
+from kvtier.cache.plan import TransferOp
+from kvtier.storage import StorageClient, open_backend
+from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, namespace_digest
+
+
+# ---------------------------------------------------------------------- raw clients (the baseline)
+class _RawFile:
+    def __init__(self, url: str) -> None:
+        self.root = Path(urlparse(url).path) / "raw-baseline"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def put(self, names, values) -> None:  # type: ignore[no-untyped-def]
+        for n, v in zip(names, values):
+            tmp = self.root / f".{n}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(v)
+            os.replace(tmp, self.root / n)
+
+    def get(self, names, bufs) -> None:  # type: ignore[no-untyped-def]
+        for n, b in zip(names, bufs):
+            with open(self.root / n, "rb", buffering=0) as f:
+                f.readinto(b)
+
+    def close(self) -> None:
+        for p in self.root.iterdir():
+            p.unlink()
+
+
+class _RawRedis:
+    def __init__(self, url: str) -> None:
+        import redis
+        p = urlparse(url)
+        if p.scheme == "redis+cluster":
+            from redis.cluster import ClusterNode, RedisCluster
+            nodes = [ClusterNode(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1])) for h in p.netloc.split("@")[-1].split(",")]
+            self.r = RedisCluster(startup_nodes=nodes, password=p.password)
+        else:
+            self.r = redis.Redis.from_url(url.split("?")[0])
+
+    def put(self, names, values) -> None:  # type: ignore[no-untyped-def]
+        pipe = self.r.pipeline(transaction=False)
+        for n, v in zip(names, values):
+            pipe.set(n, v)
+        pipe.execute()
+
+    def get(self, names, bufs) -> None:  # type: ignore[no-untyped-def]
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.get(n)
+        for b, v in zip(bufs, pipe.execute()):
+            b[:len(v)] = v
+
+    def close(self) -> None:
+        self.r.close()
+
+
+class _RawMooncake:
+    def __init__(self, url: str) -> None:
+        from kvtier.storage.mooncake import MooncakeBackend
+        self.backend = MooncakeBackend.from_url(url)
+        self.store = self.backend.store
+
+    def put(self, names, values) -> None:  # type: ignore[no-untyped-def]
+        self.store.put_batch(list(names), [bytes(v) for v in values])
+
+    def get(self, names, bufs) -> None:  # type: ignore[no-untyped-def]
+        for b, v in zip(bufs, self.store.get_batch(list(names))):
+            b[:len(v)] = v
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _raw_client(url: str):  # type: ignore[no-untyped-def]
+    scheme = urlparse(url).scheme
+    if scheme == "file":
+        return _RawFile(url)
+    if scheme in ("redis", "rediss", "redis+cluster"):
+        return _RawRedis(url)
+    if scheme == "mooncake":
+        return _RawMooncake(url)
+    return None
+
+
+# ---------------------------------------------------------------------- part 1: bytes
+def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: int, repeat: int) -> dict:
+    kv_nbytes = object_bytes - HEADER_NBYTES
+    layout = BlobLayout(namespace_digest("bench", str(time.time_ns()).encode()), "uint8", (kv_nbytes,), 16, kv_nbytes)
+    rng = np.random.default_rng(0)
+    host = np.zeros((2 * objects, kv_nbytes), np.uint8)    # host blocks: [sources | destinations]
+    host[:objects] = rng.integers(0, 256, (objects, kv_nbytes), dtype=np.uint8)
+    keys = [os.urandom(32) for _ in range(objects)]
+
+    def kvtier_round(op_base: int) -> tuple[float, float]:
+        client = StorageClient(open_backend(url), "bench", workers=workers, batch=batch)
+        client.bind(layout, host.__getitem__)
+        host[objects:] = 0
+        t0 = time.perf_counter()
+        client.submit(TransferOp(op_base, "put", tuple(range(objects)), (), tuple(keys)))
+        (put,) = client.drain()
+        t1 = time.perf_counter()
+        client.submit(TransferOp(op_base + 1, "fetch", (), tuple(range(objects, 2 * objects)), tuple(keys)))
+        (get,) = client.drain()
+        t2 = time.perf_counter()
+        if put[1] or get[1]:
+            raise RuntimeError(f"{url}: {len(put[1])} puts and {len(get[1])} gets failed")
+        client.backend.delete([client.name(k) for k in keys])
+        client.close()
+        return t1 - t0, t2 - t1
+
+    # the raw client's buffers, touched once (like kvtier's host blocks): no page faults timed
+    values = [memoryview(rng.integers(0, 256, object_bytes, dtype=np.uint8)) for _ in range(batch)]
+    bufs = [memoryview(np.ones(object_bytes, np.uint8)) for _ in range(objects)]
+
+    def raw_round() -> tuple[float, float]:
+        raw = _raw_client(url)
+        names = [f"kvt:raw:{k.hex()}" for k in keys]
+        chunks = [range(s, min(objects, s + batch)) for s in range(0, objects, batch)]
+        with ThreadPoolExecutor(workers) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda c: raw.put([names[i] for i in c], values[:len(c)]), chunks))
+            t1 = time.perf_counter()
+            list(pool.map(lambda c: raw.get([names[i] for i in c], [bufs[i] for i in c]), chunks))
+            t2 = time.perf_counter()
+        raw.close()
+        return t1 - t0, t2 - t1
+
+    kvtier_round(0)                             # warm-up (connections, page cache, allocations)
+    ours, theirs = [], []
+    has_raw = _raw_client(url) is not None
+    for r in range(repeat):                     # alternate, so drift hits both alike
+        ours.append(kvtier_round(2 * r + 2))
+        if has_raw:
+            theirs.append(raw_round())
+    if not np.array_equal(host[objects:], host[:objects]):
+        raise AssertionError(f"{url}: bytes read back differ from bytes written")
+    nbytes = objects * object_bytes
+    res = {"url": url.split("@")[-1], "objects": objects,
+           "object_bytes": object_bytes,
+           "kvtier_put_gbps": nbytes / statistics.median(t[0] for t in ours) / 1e9,
+           "kvtier_get_gbps": nbytes / statistics.median(t[1] for t in ours) / 1e9}
+    if theirs:
+        res["raw_put_gbps"] = nbytes / statistics.median(t[0] for t in theirs) / 1e9
+        res["raw_get_gbps"] = nbytes / statistics.median(t[1] for t in theirs) / 1e9
+        res["put_ratio"] = res["kvtier_put_gbps"] / res["raw_put_gbps"]
+        res["get_ratio"] = res["kvtier_get_gbps"] / res["raw_get_gbps"]
+    return res
+
+
+# ---------------------------------------------------------------------- part 2: TTFT
+def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_url: str, prompt_tokens: int,
+               repeat: int, num_host_blocks: int) -> dict:
+    import torch
+
+    import kvtier
+
+    from kvtier.model import ModelConfig
+    cfg = ModelConfig.from_hf_dir(Path(model))
+    vocab = cfg.vocab_size
+    if prompt_tokens + 16 > cfg.max_position_embeddings:
+        raise ValueError(f"--prompt-tokens {prompt_tokens} does not fit the model's context "
+                         f"({cfg.max_position_embeddings} positions)")
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, vocab, prompt_tokens).tolist()
+    warm = rng.integers(0, vocab, min(prompt_tokens, 2048)).tolist()
+    kw = dict(device=device, load_format=load_format, num_host_blocks=num_host_blocks, write_policy="write_through",
+              max_model_len=prompt_tokens + 64, max_num_seqs=8, max_num_batched_tokens=4096)
+    one = kvtier.SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def ttft(llm, salt):  # type: ignore[no-untyped-def]
+        sync()
+        t0 = time.perf_counter()
+        o = llm.generate([prompt], one, cache_salt=salt)[0]
+        sync()
+        return time.perf_counter() - t0, o
+
+    salts = [f"run{r}" for r in range(repeat)]
+    res: dict = {"prompt_tokens": prompt_tokens}
+    for name, url, fetch in (("storage", pool_url, "auto"), ("slow_auto", slow_url, "auto"),
+                             ("slow_always", slow_url, "always")):
+        with kvtier.LLM(model, storage=url.split("?throttle")[0].split("&throttle")[0], **kw) as writer:
+            for salt in salts:                   # one copy of the prompt per repeat (distinct keys)
+                writer.generate([prompt], one, cache_salt=f"{name}-{salt}")
+        with kvtier.LLM(model, storage=url, storage_fetch=fetch, **kw) as llm:
+            llm.generate([warm], one, cache_salt="warm")                 # compile, measure prefill
+            llm.generate([warm], one, cache_salt="warm2")
+            hits, cold, tokens_by_tier, outputs_equal = [], [], [], True
+            for salt in salts:
+                t_cold, o_cold = ttft(llm, f"cold-{name}-{salt}")          # nothing cached: recompute
+                t_hit, o_hit = ttft(llm, f"{name}-{salt}")                 # its blocks are in storage only
+                cold.append(t_cold)
+                hits.append(t_hit)
+                tokens_by_tier.append(o_hit.cached_tokens_by_tier)
+                outputs_equal &= o_hit.token_ids == o_cold.token_ids
+            stats = llm.cache_stats()["storage"]
+        res[name] = {"url": url, "storage_fetch": fetch, "ttft_s": statistics.median(hits),
+                     "recompute_ttft_s": statistics.median(cold),
+                     "ratio": statistics.median(hits) / statistics.median(cold),
+                     "cached_tokens_by_tier": tokens_by_tier[-1], "outputs_equal": outputs_equal,
+                     "fetch_cost": stats.get("fetch_cost"), "read_gbps": stats.get("read_gbps")}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier bench storage", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", action="append", default=None,
+                    help="pool URL to measure (repeatable; default: file:// in a temporary directory)")
+    ap.add_argument("--objects", type=int, default=256, help="objects per round (default 256)")
+    ap.add_argument("--object-mib", type=float, default=2.0,
+                    help="object size in MiB (default 2: one 16-token block of Llama-3-8B KV)")
+    ap.add_argument("--workers", type=int, default=4, help="I/O threads, both sides (default 4)")
+    ap.add_argument("--batch", type=int, default=16, help="objects per call, both sides (default 16)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds; medians reported (default 3)")
+    ap.add_argument("--ttft", action="store_true", help="also measure TTFT from storage vs recompute")
+    ap.add_argument("--model", default=None,
+                    help="model directory for --ttft (default: llama3-8b-shape with dummy weights on cuda, "
+                         "llama-tiny on cpu)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="--ttft prompt length (default 8192 cuda, 448 cpu)")
+    ap.add_argument("--slow-throttle", default="200MB",
+                    help="rate of the deliberately slow pool for --ttft (default 200MB per second)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--out", default=None, help="also write the JSON result to this file")
+    args = ap.parse_args(argv)
+    for name in ("objects", "workers", "batch", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.object_mib <= 0:
+        ap.error(f"--object-mib must be > 0, got {args.object_mib}")
+
+    tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-storage-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    urls = args.url or [f"file://{tmp.name}/pool"]
+    object_bytes = int(args.object_mib * (1 << 20))
+    result: dict = {"bytes": []}
+    for url in urls:
+        r = bench_bytes(url, args.objects, object_bytes, args.workers, args.batch, args.repeat)
+        result["bytes"].append(r)
+        if not args.json:
+            line = f"{r['url']:<40} kvtier put {r['kvtier_put_gbps']:.2f} get {r['kvtier_get_gbps']:.2f} GB/s"
+            if "raw_put_gbps" in r:
+                line += (f" | raw put {r['raw_put_gbps']:.2f} get {r['raw_get_gbps']:.2f} GB/s"
+                         f" | ratio put {r['put_ratio']:.2f} get {r['get_ratio']:.2f}")
+            print(line, flush=True)
+    if args.ttft:
+        import torch
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, load_format = args.model, "auto"
+        if model is None:
+            from kvtier.model import init_model
+            model = os.path.join(tmp.name, "model")
+            if device.startswith("cuda"):
+                init_model("llama3-8b-shape", model, config_only=True)
+                load_format = "dummy"
+            else:
+                init_model("llama-tiny", model)
+        prompt_tokens = args.prompt_tokens or (8192 if device.startswith("cuda") else 448)
+        pool = f"file://{tmp.name}/ttft-pool"
+        sep = "&" if "?" in pool else "?"
+        res = bench_ttft(model, device, load_format, pool, f"{pool}{sep}throttle={args.slow_throttle}",
+                         prompt_tokens, args.repeat, -(-prompt_tokens // 16) + 64)
+        result["ttft"] = res
+        if not args.json:
+            for name in ("storage", "slow_auto", "slow_always"):
+                r = res[name]
+                print(f"TTFT {name:<12} ({r['storage_fetch']:>6}): {r['ttft_s'] * 1e3:8.1f} ms vs recompute "
+                      f"{r['recompute_ttft_s'] * 1e3:8.1f} ms = {r['ratio']:.2f}  hits {r['cached_tokens_by_tier']}"
+                      f"  outputs equal: {r['outputs_equal']}", flush=True)
+    if args.json:
+        print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    tmp.cleanup()
+    return 0

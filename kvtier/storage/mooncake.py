@@ -1,0 +1,640 @@
+"""Mooncake Store backend (``mooncake://``): a KV-cache-native memory pool over TCP (or RDMA).
+
+URL (DESIGN §6)::
+
+    mooncake://MASTER_HOST:PORT?protocol=tcp[&segment=4GiB][&local_buffer=64MiB]
+               [&metadata=P2PHANDSHAKE][&timeout=5][&local_hostname=IP][&rdma_devices=mlx5_0]
+
+* ``protocol``  ``tcp`` (default) or ``rdma``.
+* ``segment``   memory this process *contributes* to the pool (default 0: the engine only uses the
+  pool; memory comes from pool nodes, e.g. ``kvtier pool mooncake --size 4GiB``).
+* ``local_buffer`` size of the backend's own registered bounce buffer, used only for buffers that
+  were not registered with :meth:`register_buffer` (default 64MiB; it grows to fit one object).
+* ``metadata``  transfer-engine metadata service (default ``P2PHANDSHAKE``: none needed).
+* ``timeout``   seconds (default 5): the bound on every wait inside the client library (see below).
+* ``local_hostname`` the address this client advertises to pool nodes (default: 127.0.0.1 when
+  the master is on loopback, else the local address that routes to the master).
+
+Data path. The storage client registers its staging arena once (:meth:`register_buffer`, which
+calls Mooncake's ``register_buffer(ptr, size)``); ``get_into``/``put_from`` of buffers inside a
+registered region are zero-copy: one ``batch_get_into``/``batch_put_from`` (one master round trip
+plus the transfers). Other buffers go through the backend's own registered bounce buffer (same
+calls, plus one memcpy per object, serialised by a lock). The bytes-based ``get``/``get_batch``
+are deliberately not used: they return ``b''`` for a missing key *and* for a transfer failure or a
+full client buffer, so errors could not be told from misses.
+
+Return codes of the Mooncake client, found by experiment (wheel
+``mooncake-transfer-engine-non-cuda`` 0.3.13.post1, master + pool node on 127.0.0.1, TCP)::
+
+     n >= 0  bytes read (batch_get_into) / 0 stored (batch_put_from)
+     -704    OBJECT_NOT_FOUND: never written, evicted, removed, or its pool node was dropped by
+             the master (about client_ttl = 10 s after the node died)          -> MISSING
+     -703    REPLICA_IS_NOT_READY (being written), -707 LEASE_EXPIRED,
+     -702    INVALID_REPLICA, -706 OBJECT_HAS_LEASE, -101 SEGMENT_NOT_FOUND    -> MISSING
+     -600    INVALID_PARAMS: on a read, "Buffer too small" (object > buffer);
+             resolved with get_size: bigger than the buffer -> TOO_LARGE, gone -> MISSING
+     -200    NO_AVAILABLE_HANDLE: pool full on put (the master evicts ~5% in the background
+             above 90% full; later puts succeed)                               -> put False
+     -705    OBJECT_ALREADY_EXISTS on put (0 is returned too: puts never overwrite) -> put True
+     -800    TRANSFER_FAIL: the pool node holding the object died (connection reset/refused)
+             or stopped answering (after the TCP timeouts below)               -> StorageError
+     -900    RPC_FAIL: master unreachable (killed)                             -> StorageError
+     -901    RPC timeout: master not answering (stopped) within MC_RPC_TIMEOUT_MS -> StorageError
+    batch_is_exist: 1 / 0 / negative (-900, -901 as above)                     -> StorageError
+    batch_remove: 0, -704 (fine), -706 (leased by a recent reader: ignored)
+
+Any other negative code raises :class:`StorageError` for the whole batch (items are never
+half-reported). A ``put`` on an existing key keeps the old value (objects are immutable).
+
+Time bounds. Every call returns within a bounded time because the backend sets these process-wide
+environment variables (only if the user has not set them) *before* the client is created::
+
+    MC_RPC_TIMEOUT_MS, MC_RPC_CONNECT_TIMEOUT_MS = timeout       master RPCs (library default 30 s)
+    MC_TCP_STATUS_TIMEOUT_SEC, MC_TCP_PROGRESS_TIMEOUT_SEC = timeout   a pool node that accepts
+                                       the connection but never answers (library default 30 s)
+    MC_STORE_CLIENT_SETUP_RETRIES = 3  setup against a dead master (library default: 20 x ~4.4 s)
+    MC_TCP_BIND_ADDRESS = local_hostname   (otherwise it advertises the NIC address)
+    GLOG_minloglevel = 1               the client library's INFO logging is silenced
+
+Measured (timeout=5 unless said): a SIGKILLed pool node -> -800 at once for reads, ~1 s for puts
+(reconnect with backoff); a SIGSTOPped node -> -800 after ~timeout for reads, ~2 x timeout for a
+batch of puts; a killed master -> -900 at once to ~4.3 s; a stopped master -> -901 after timeout.
+Before ``setup`` the backend probes the master's TCP port (connect timeout = ``timeout``) so a dead
+master fails in milliseconds, not after the retries. The timeouts are per process: the last
+backend created decides them.
+
+Thread safety: the Mooncake client object is thread-safe (it releases the GIL; 4 threads sharing
+one client, each putting/getting/removing its own and shared keys, gave byte-exact results), so
+calls are not serialised. Only the bounce buffer (unregistered buffers) is behind a lock.
+:meth:`close` waits for calls in flight (each bounded) before tearing the client down.
+
+Connection: the client is set up in the constructor; if the master cannot be reached then, the
+backend is still created (the engine starts; storage is a miss) and every call retries the set-up
+at most once per ``timeout`` seconds, raising :class:`StorageError` meanwhile. A bad URL raises
+``ValueError``; a missing ``mooncake`` package raises ``ImportError`` saying what to install.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from typing import Any, Sequence
+from urllib.parse import parse_qsl, urlsplit
+
+import numpy as np
+
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+from kvtier.storage.memory import parse_size
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("the mooncake:// storage backend needs the Mooncake Store client: "
+                "pip install 'kvtier[mooncake]' (wheel mooncake-transfer-engine-non-cuda>=0.3.13.post1; "
+                "on a CUDA machine mooncake-transfer-engine works too) and, on Debian/Ubuntu, "
+                "apt-get install -y libibverbs1 libnuma1 libcurl4")
+
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_LOCAL_BUFFER = 64 << 20
+PROTOCOLS = ("tcp", "rdma")
+URL_PARAMS = ("protocol", "segment", "local_buffer", "metadata", "timeout", "local_hostname",
+              "rdma_devices")
+
+# Mooncake Store error codes (mooncake-store/include/types.h); see the module docstring.
+OBJECT_NOT_FOUND = -704
+INVALID_PARAMS = -600
+BUFFER_OVERFLOW = -10
+NO_AVAILABLE_HANDLE = -200
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+# per item: the object is not (or no longer, or not yet) readable -> a miss
+_GET_MISS = frozenset({OBJECT_NOT_FOUND, -703, -707, -702, OBJECT_HAS_LEASE, -101})
+# per item: the pool refused to store it (full, or someone else is writing it) -> False
+_PUT_REFUSED = frozenset({NO_AVAILABLE_HANDLE, BUFFER_OVERFLOW, -101, -703, OBJECT_HAS_LEASE,
+                          INVALID_PARAMS})
+_PUT_EXISTS = frozenset({OBJECT_ALREADY_EXISTS})
+_REMOVE_OK = frozenset({OBJECT_NOT_FOUND, OBJECT_HAS_LEASE, -703})
+_CODE_NAMES = {-1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
+               -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -702: "INVALID_REPLICA",
+               -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND",
+               -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
+               -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT"}
+
+
+def code_name(code: int) -> str:
+    return f"{code} {_CODE_NAMES.get(code, 'error')}"
+
+
+def _import_store() -> Any:
+    os.environ.setdefault("GLOG_minloglevel", "1")     # read when the library is loaded
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
+    return MooncakeDistributedStore
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:
+            return False
+
+
+def local_hostname_for(master_host: str, master_port: int) -> str:
+    """The address this machine uses to reach the master (127.0.0.1 for a loopback master)."""
+    if _is_loopback(master_host):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_host, master_port))          # no packet is sent
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def parse_mooncake_url(url: str) -> dict[str, Any]:
+    """``mooncake://host:port?...`` -> keyword arguments of :class:`MooncakeBackend`."""
+    if not isinstance(url, str):
+        raise ValueError(f"mooncake URL must be a string, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"bad mooncake URL {url!r}: {e}") from None
+    if parts.scheme != "mooncake":
+        raise ValueError(f"not a mooncake:// URL: {url!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"mooncake URL takes no user/password: {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"mooncake URL needs the master's host:port, e.g. "
+                         f"mooncake://127.0.0.1:50051?protocol=tcp; got {url!r}")
+    if port is None or port == 0:
+        raise ValueError(f"mooncake URL needs the master's port (e.g. :50051), got {url!r}")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"mooncake URL takes no path, got {parts.path!r} in {url!r}")
+    if parts.fragment:
+        raise ValueError(f"mooncake URL takes no #fragment, got {parts.fragment!r} in {url!r}")
+    query: dict[str, str] = {}
+    for k, v in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+        if k not in URL_PARAMS:
+            raise ValueError(f"unknown mooncake URL parameter {k!r} in {url!r}; "
+                             f"known: {', '.join(URL_PARAMS)}")
+        if k in query:
+            raise ValueError(f"mooncake URL parameter {k!r} given twice in {url!r}")
+        if v == "" and k != "rdma_devices":
+            raise ValueError(f"mooncake URL parameter {k!r} is empty in {url!r}")
+        query[k] = v
+    if parts.query and not query:
+        raise ValueError(f"bad mooncake URL query {parts.query!r} in {url!r}")
+    kw: dict[str, Any] = {"host": parts.hostname, "port": port}
+    if "protocol" in query:
+        kw["protocol"] = query["protocol"]
+    if "segment" in query:
+        kw["segment"] = 0 if query["segment"].strip() == "0" else _size(query, "segment", url)
+    if "local_buffer" in query:
+        kw["local_buffer"] = _size(query, "local_buffer", url)
+    if "metadata" in query:
+        kw["metadata"] = query["metadata"]
+    if "timeout" in query:
+        try:
+            kw["timeout"] = float(query["timeout"])
+        except ValueError:
+            raise ValueError(f"mooncake URL parameter 'timeout' must be seconds, got "
+                             f"{query['timeout']!r} in {url!r}") from None
+    if "local_hostname" in query:
+        kw["local_hostname"] = query["local_hostname"]
+    if "rdma_devices" in query:
+        kw["rdma_devices"] = query["rdma_devices"]
+    return kw
+
+
+def _size(query: dict[str, str], key: str, url: str) -> int:
+    try:
+        return parse_size(query[key])
+    except ValueError as e:
+        raise ValueError(f"mooncake URL parameter {key!r}: {e} (in {url!r})") from None
+
+
+def _address(buf: memoryview) -> tuple[int, int]:
+    """(address, nbytes) of a C-contiguous buffer (read-only ones too)."""
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    n = mv.nbytes
+    if n == 0:
+        return 0, 0
+    if not mv.c_contiguous:
+        raise ValueError("mooncake backend needs C-contiguous buffers")
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data), n
+
+
+class MooncakeBackend(Backend):
+    scheme = "mooncake"
+
+    def __init__(self, host: str, port: int, *, protocol: str = "tcp", segment: int = 0,
+                 local_buffer: int = DEFAULT_LOCAL_BUFFER, metadata: str = "P2PHANDSHAKE",
+                 timeout: float = DEFAULT_TIMEOUT, local_hostname: str | None = None,
+                 rdma_devices: str = "") -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"mooncake protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        if not (0 < int(port) < 65536):
+            raise ValueError(f"mooncake master port must be 1..65535, got {port!r}")
+        if segment < 0 or local_buffer <= 0:
+            raise ValueError(f"mooncake segment must be >= 0 and local_buffer > 0, got "
+                             f"segment={segment!r} local_buffer={local_buffer!r}")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"mooncake timeout must be a positive number of seconds, got {timeout!r}")
+        if not metadata:
+            raise ValueError("mooncake metadata must not be empty (default P2PHANDSHAKE)")
+        self._Store = _import_store()                     # ImportError with the install hint
+        self.host, self.port = str(host), int(port)
+        self.master = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        self.protocol = protocol
+        self.segment = int(segment)
+        self.local_buffer = int(local_buffer)
+        self.metadata = metadata
+        self.timeout = float(timeout)
+        self.rdma_devices = rdma_devices
+        self.local_hostname = local_hostname or local_hostname_for(self.host, self.port)
+        self._set_env()
+
+        self._store: Any = None
+        self._state = threading.Condition()               # guards _store, _active, _closed
+        self._active = 0
+        self._closed = False
+        self._connect_lock = threading.Lock()
+        self._next_connect = 0.0
+        self._last_connect_error = ""
+        self._regions: list[tuple[int, int, memoryview]] = []  # (start, end, keep-alive ref)
+        self._registered: tuple[tuple[int, int], ...] = ()  # registered with the current client
+        self._bounce: np.ndarray | None = None
+        self._bounce_lock = threading.Lock()
+        self._counter_lock = threading.Lock()
+        self._c = dict(round_trips=0, bytes_read=0, bytes_written=0, gets=0, hits=0, misses=0,
+                       too_large=0, puts=0, refused=0, exists=0, deletes=0, errors=0,
+                       zero_copy_items=0, bounce_items=0, connects=0, connect_failures=0)
+        try:
+            self._connect()
+        except StorageError as e:   # the engine may start while the pool is down: calls retry
+            log.warning("%s", e)
+
+    @classmethod
+    def from_url(cls, url: str) -> "MooncakeBackend":
+        return cls(**parse_mooncake_url(url))
+
+    def describe(self) -> str:
+        q = [f"protocol={self.protocol}"]
+        if self.segment:
+            q.append(f"segment={self.segment}")
+        if self.metadata != "P2PHANDSHAKE":
+            q.append(f"metadata={self.metadata}")
+        q.append(f"timeout={self.timeout:g}")
+        return f"mooncake://{self.master}?{'&'.join(q)}"
+
+    def __repr__(self) -> str:
+        return f"MooncakeBackend({self.describe()})"
+
+    # ------------------------------------------------------------------ plumbing
+    def _set_env(self) -> None:
+        t = self.timeout
+        defaults = {
+            "MC_RPC_TIMEOUT_MS": str(max(1, int(t * 1000))),
+            "MC_RPC_CONNECT_TIMEOUT_MS": str(max(1, int(t * 1000))),
+            "MC_TCP_STATUS_TIMEOUT_SEC": str(max(1, math.ceil(t))),
+            "MC_TCP_PROGRESS_TIMEOUT_SEC": str(max(1, math.ceil(t))),
+            "MC_STORE_CLIENT_SETUP_RETRIES": "3",
+        }
+        if self.protocol == "tcp":
+            defaults["MC_TCP_BIND_ADDRESS"] = self.local_hostname
+        for k, v in defaults.items():
+            if k not in os.environ:
+                os.environ[k] = v
+
+    def _connect(self) -> None:
+        """Set the client up (once; again after a failure, at most once per ``timeout``)."""
+        with self._connect_lock:
+            if self._store is not None:
+                return
+            if self._closed:
+                raise StorageError(f"mooncake {self.master}: backend is closed")
+            now = time.monotonic()
+            if now < self._next_connect:
+                raise StorageError(f"mooncake {self.master}: not connected "
+                                   f"({self._last_connect_error}); retrying shortly")
+            self._next_connect = now + self.timeout
+            self._count(connects=1)
+            try:
+                with socket.create_connection((self.host, self.port), timeout=self.timeout):
+                    pass
+            except OSError as e:
+                self._last_connect_error = f"master unreachable: {e}"
+                self._count(connect_failures=1)
+                raise StorageError(f"mooncake master {self.master} unreachable: {e}") from None
+            store = self._Store()
+            rc = store.setup(self.local_hostname, self.metadata, self.segment, 0,
+                             self.protocol, self.rdma_devices, self.master)
+            if rc != 0:
+                self._last_connect_error = f"setup returned {rc}"
+                self._count(connect_failures=1)
+                try:
+                    store.close()
+                except Exception:
+                    pass
+                raise StorageError(f"mooncake setup against master {self.master} failed ({rc}); "
+                                   f"see the client log above")
+            self._registered = ()
+            for start, end, _ in self._regions:
+                self._register_region(store, start, end)
+            with self._state:
+                if self._closed:
+                    store.close()
+                    raise StorageError(f"mooncake {self.master}: backend is closed")
+                self._store = store
+
+    def _register_region(self, store: Any, start: int, end: int) -> bool:
+        rc = store.register_buffer(start, end - start)
+        if rc != 0:
+            log.warning("mooncake register_buffer(%#x, %d) failed (%s): that memory takes the "
+                        "bounce-buffer path", start, end - start, rc)
+            return False
+        self._registered = self._registered + ((start, end),)
+        return True
+
+    def _enter(self) -> Any:
+        """The client, with this call counted in flight (close waits for it)."""
+        if self._store is None:
+            self._connect()
+        with self._state:
+            if self._closed or self._store is None:
+                raise StorageError(f"mooncake {self.master}: backend is closed")
+            self._active += 1
+            return self._store
+
+    def _exit(self) -> None:
+        with self._state:
+            self._active -= 1
+            if self._active == 0:
+                self._state.notify_all()
+
+    def _count(self, **kw: int) -> None:
+        with self._counter_lock:
+            for k, v in kw.items():
+                self._c[k] += v
+
+    def _fail(self, op: str, codes: Sequence[int], names: Sequence[str], total: int) -> StorageError:
+        """The StorageError for a batch in which ``names`` failed with ``codes``."""
+        self._count(errors=1)
+        return StorageError(f"mooncake {self.master}: {op} failed: {code_name(codes[0])} for "
+                            f"{names[0]!r} ({len(codes)} of {total} items failed)")
+
+    def _in_region(self, addr: int, n: int) -> bool:
+        end = addr + n
+        for start, stop in self._registered:              # a tuple, replaced (never mutated)
+            if start <= addr and end <= stop:
+                return True
+        return False
+
+    def _batch(self, fn_name: str, names: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+        store = self._enter()
+        try:
+            codes = getattr(store, fn_name)(names, addrs, sizes)
+        finally:
+            self._exit()
+        self._count(round_trips=1)
+        if len(codes) != len(names):
+            raise StorageError(f"mooncake {self.master}: {fn_name} returned {len(codes)} results "
+                               f"for {len(names)} keys")
+        return [int(c) for c in codes]
+
+    def _bounce_buffer(self, need: int) -> tuple[np.ndarray, int]:
+        """The registered bounce buffer (caller holds _bounce_lock), at least ``need`` bytes."""
+        if self._bounce is None or self._bounce.nbytes < need:
+            size = max(self.local_buffer, need)
+            old = self._bounce
+            buf = np.empty(size, dtype=np.uint8)
+            store = self._enter()
+            try:
+                if old is not None:
+                    store.unregister_buffer(int(old.ctypes.data))
+                rc = store.register_buffer(int(buf.ctypes.data), size)
+            finally:
+                self._exit()
+            if rc != 0:
+                self._bounce = None
+                raise StorageError(f"mooncake {self.master}: cannot register a {size}-byte "
+                                   f"bounce buffer ({rc})")
+            self._bounce = buf
+        return self._bounce, int(self._bounce.ctypes.data)
+
+    def _chunks(self, sizes: list[int], idx: list[int]) -> list[list[int]]:
+        """Split item indices into runs whose slots (size, at least 1) fit the bounce capacity."""
+        cap = max(self.local_buffer, max((max(sizes[i], 1) for i in idx), default=1))
+        out: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
+        for i in idx:
+            if cur and used + max(sizes[i], 1) > cap:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += max(sizes[i], 1)
+        if cur:
+            out.append(cur)
+        return out
+
+    # ------------------------------------------------------------------ interface
+    def register_buffer(self, buf: memoryview) -> None:
+        start, n = _address(buf)
+        if n == 0:
+            return
+        end = start + n
+        for s, e, _ in self._regions:
+            if s <= start and end <= e:
+                return                                    # already covered
+        self._regions.append((start, end, memoryview(buf)))   # keeps the memory alive
+        store = self._store
+        if store is not None:
+            with self._state:
+                if self._closed:
+                    return
+                self._active += 1
+            try:
+                self._register_region(store, start, end)
+            finally:
+                self._exit()
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        names = list(names)
+        if not names:
+            return []
+        store = self._enter()
+        try:
+            codes = [int(c) for c in store.batch_is_exist(names)]
+        finally:
+            self._exit()
+        self._count(round_trips=1, exists=len(names))
+        if len(codes) != len(names) or any(c < 0 for c in codes):
+            bad = [(n, c) for n, c in zip(names, codes) if c < 0] or [(names[0], -1)]
+            raise self._fail("exists", [c for _, c in bad], [n for n, _ in bad], len(names))
+        return [c == 1 for c in codes]
+
+    def get_into(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
+        names = list(names)
+        if len(names) != len(bufs):
+            raise ValueError(f"get_into: {len(names)} names but {len(bufs)} buffers")
+        if not names:
+            return []
+        addrs, sizes = [], []
+        for b in bufs:
+            if memoryview(b).readonly:
+                raise ValueError("get_into needs writable buffers")
+            a, n = _address(b)
+            addrs.append(a)
+            sizes.append(n)
+        codes = [0] * len(names)
+        direct = [i for i in range(len(names)) if sizes[i] and self._in_region(addrs[i], sizes[i])]
+        bounce = [i for i in range(len(names)) if not (sizes[i] and self._in_region(addrs[i], sizes[i]))]
+        if direct:
+            got = self._batch("batch_get_into", [names[i] for i in direct],
+                              [addrs[i] for i in direct], [sizes[i] for i in direct])
+            for i, c in zip(direct, got):
+                codes[i] = c
+        if bounce:
+            with self._bounce_lock:
+                for chunk in self._chunks(sizes, bounce):
+                    buf, base = self._bounce_buffer(sum(max(sizes[i], 1) for i in chunk))
+                    offs, off = [], 0
+                    for i in chunk:
+                        offs.append(off)
+                        off += max(sizes[i], 1)     # a 0-byte buffer still gets a distinct slot
+                    got = self._batch("batch_get_into", [names[i] for i in chunk],
+                                      [base + o for o in offs], [sizes[i] for i in chunk])
+                    for i, o, c in zip(chunk, offs, got):
+                        codes[i] = c
+                        if c > 0:
+                            np.frombuffer(bufs[i], dtype=np.uint8)[:c] = buf[o:o + c]
+        self._count(zero_copy_items=len(direct), bounce_items=len(bounce))
+        return self._get_results(names, sizes, codes)
+
+    def _get_results(self, names: list[str], sizes: list[int], codes: list[int]) -> list[int]:
+        out: list[int] = []
+        check: list[int] = []
+        fatal = [i for i, c in enumerate(codes)
+                 if c < 0 and c not in _GET_MISS and c not in (INVALID_PARAMS, BUFFER_OVERFLOW)]
+        if fatal:
+            raise self._fail("get", [codes[i] for i in fatal], [names[i] for i in fatal], len(names))
+        for i, c in enumerate(codes):
+            if c in (INVALID_PARAMS, BUFFER_OVERFLOW):
+                check.append(i)
+            out.append(c if c >= 0 else MISSING)
+        if check:                        # "buffer too small"? ask the object's size
+            store = self._enter()
+            try:
+                real = [int(store.get_size(names[i])) for i in check]
+            finally:
+                self._exit()
+            self._count(round_trips=len(check))
+            for i, size in zip(check, real):
+                if size > sizes[i]:
+                    out[i] = TOO_LARGE
+                elif size < 0 and size in _GET_MISS:
+                    out[i] = MISSING
+                else:
+                    raise self._fail("get", [codes[i]], [names[i]], len(names))
+        hits = [c for c in out if c >= 0]
+        self._count(gets=len(out), hits=len(hits), misses=out.count(MISSING),
+                    too_large=out.count(TOO_LARGE), bytes_read=sum(hits))
+        return out
+
+    def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        names = list(names)
+        if len(names) != len(bufs):
+            raise ValueError(f"put_from: {len(names)} names but {len(bufs)} buffers")
+        if not names:
+            return []
+        addrs, sizes = [], []
+        for b in bufs:
+            a, n = _address(b)
+            addrs.append(a)
+            sizes.append(n)
+        codes = [INVALID_PARAMS] * len(names)             # an empty object is refused
+        nonempty = [i for i in range(len(names)) if sizes[i]]
+        direct = [i for i in nonempty if self._in_region(addrs[i], sizes[i])]
+        bounce = [i for i in nonempty if not self._in_region(addrs[i], sizes[i])]
+        if direct:
+            got = self._batch("batch_put_from", [names[i] for i in direct],
+                              [addrs[i] for i in direct], [sizes[i] for i in direct])
+            for i, c in zip(direct, got):
+                codes[i] = c
+        if bounce:
+            with self._bounce_lock:
+                for chunk in self._chunks(sizes, bounce):
+                    buf, base = self._bounce_buffer(sum(sizes[i] for i in chunk))
+                    offs, off = [], 0
+                    for i in chunk:
+                        buf[off:off + sizes[i]] = np.frombuffer(memoryview(bufs[i]), dtype=np.uint8)
+                        offs.append(off)
+                        off += sizes[i]
+                    got = self._batch("batch_put_from", [names[i] for i in chunk],
+                                      [base + o for o in offs], [sizes[i] for i in chunk])
+                    for i, c in zip(chunk, got):
+                        codes[i] = c
+        self._count(zero_copy_items=len(direct), bounce_items=len(bounce))
+        fatal = [i for i, c in enumerate(codes)
+                 if c != 0 and c not in _PUT_EXISTS and c not in _PUT_REFUSED]
+        if fatal:
+            raise self._fail("put", [codes[i] for i in fatal], [names[i] for i in fatal], len(names))
+        ok = [c == 0 or c in _PUT_EXISTS for c in codes]
+        self._count(puts=len(ok), refused=ok.count(False),
+                    bytes_written=sum(s for s, c in zip(sizes, codes) if c == 0))
+        return ok
+
+    def delete(self, names: Sequence[str]) -> None:
+        names = list(names)
+        if not names:
+            return
+        store = self._enter()
+        try:
+            codes = [int(c) for c in store.batch_remove(names, False)]
+        finally:
+            self._exit()
+        self._count(round_trips=1, deletes=len(names))
+        bad = [(n, c) for n, c in zip(names, codes) if c != 0 and c not in _REMOVE_OK]
+        if bad:
+            raise self._fail("delete", [c for _, c in bad], [n for n, _ in bad], len(names))
+
+    def stats(self) -> dict:
+        with self._counter_lock:
+            out: dict[str, Any] = dict(self._c)
+        out.update(connected=self._store is not None,
+                   registered_bytes=sum(e - s for s, e in self._registered),
+                   bounce_bytes=0 if self._bounce is None else int(self._bounce.nbytes))
+        return out
+
+    def close(self) -> None:
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            deadline = time.monotonic() + 3 * self.timeout + 5
+            while self._active and time.monotonic() < deadline:
+                self._state.wait(0.1)
+            store, self._store = self._store, None
+            busy = self._active
+        if store is None:
+            return
+        if busy:     # a call is still inside the library: tearing down under it could crash
+            log.warning("mooncake close: %d call(s) still running; leaving the client to exit", busy)
+            return
+        try:
+            store.close()
+        except Exception as e:  # pragma: no cover
+            log.warning("mooncake close failed: %s", e)
+        self._bounce = None
