@@ -177,8 +177,8 @@ def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: 
 
 
 # ---------------------------------------------------------------------- part 2: TTFT
-def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_url: str, prompt_tokens: int,
-               repeat: int, num_host_blocks: int) -> dict:
+def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_throttle: str, prompt_tokens: int,
+               repeat: int, num_host_blocks: int, workers: int) -> dict:
     import torch
 
     import kvtier
@@ -193,7 +193,7 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_ur
     prompt = rng.integers(0, vocab, prompt_tokens).tolist()
     warm = rng.integers(0, vocab, min(prompt_tokens, 2048)).tolist()
     kw = dict(device=device, load_format=load_format, num_host_blocks=num_host_blocks, write_policy="write_through",
-              max_model_len=prompt_tokens + 64, max_num_seqs=8, max_num_batched_tokens=4096)
+              max_model_len=prompt_tokens + 64, max_num_seqs=8, max_num_batched_tokens=4096, storage_workers=workers)
     one = kvtier.SamplingParams(max_tokens=1, ignore_eos=True)
 
     def sync() -> None:
@@ -209,9 +209,16 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_ur
 
     salts = [f"run{r}" for r in range(repeat)]
     res: dict = {"prompt_tokens": prompt_tokens}
-    for name, url, fetch in (("storage", pool_url, "auto"), ("slow_auto", slow_url, "auto"),
-                             ("slow_always", slow_url, "always")):
-        with kvtier.LLM(model, storage=url.split("?throttle")[0].split("&throttle")[0], **kw) as writer:
+    for name, fetch in (("storage", "auto"), ("slow_auto", "auto"), ("slow_always", "always")):
+        url = pool_url
+        if name != "storage":         # the same pool, slowed: "auto" = fetching the prompt takes 4x recompute
+            rate = slow_throttle
+            if rate == "auto":
+                kv_bytes = prompt_tokens * res["kv_bytes_per_token"]
+                rate = str(int(kv_bytes / (4 * res["storage"]["recompute_ttft_s"])))
+            url = f"{pool_url}{'&' if '?' in pool_url else '?'}throttle={rate}"
+        with kvtier.LLM(model, storage=pool_url, **kw) as writer:
+            res["kv_bytes_per_token"] = writer.cache.block_nbytes // writer.block_size
             for salt in salts:                   # one copy of the prompt per repeat (distinct keys)
                 writer.generate([prompt], one, cache_salt=f"{name}-{salt}")
         with kvtier.LLM(model, storage=url, storage_fetch=fetch, **kw) as llm:
@@ -226,7 +233,8 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_ur
                 tokens_by_tier.append(o_hit.cached_tokens_by_tier)
                 outputs_equal &= o_hit.token_ids == o_cold.token_ids
             stats = llm.cache_stats()["storage"]
-        res[name] = {"url": url, "storage_fetch": fetch, "ttft_s": statistics.median(hits),
+        res[name] = {"url": url.split("://")[0] + "://..." + url.split("?", 1)[-1] if "?" in url else url,
+                     "storage_fetch": fetch, "ttft_s": statistics.median(hits),
                      "recompute_ttft_s": statistics.median(cold),
                      "ratio": statistics.median(hits) / statistics.median(cold),
                      "cached_tokens_by_tier": tokens_by_tier[-1], "outputs_equal": outputs_equal,
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objects", type=int, default=256, help="objects per round (default 256)")
     ap.add_argument("--object-mib", type=float, default=2.0,
                     help="object size in MiB (default 2: one 16-token block of Llama-3-8B KV)")
-    ap.add_argument("--workers", type=int, default=4, help="I/O threads, both sides (default 4)")
+    ap.add_argument("--workers", type=int, default=min(8, max(2, (os.cpu_count() or 4) // 2)),
+                    help="I/O threads, both sides (default: half the cores, 2 to 8)")
     ap.add_argument("--batch", type=int, default=16, help="objects per call, both sides (default 16)")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds; medians reported (default 3)")
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT from storage vs recompute")
@@ -251,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                          "llama-tiny on cpu)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="--ttft prompt length (default 8192 cuda, 448 cpu)")
-    ap.add_argument("--slow-throttle", default="200MB",
-                    help="rate of the deliberately slow pool for --ttft (default 200MB per second)")
+    ap.add_argument("--slow-throttle", default="auto",
+                    help="rate of the deliberately slow pool for --ttft, e.g. 200MB (per second); auto: the "
+                         "rate at which fetching the prompt takes 4x its recompute time (default auto)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
     args = ap.parse_args(argv)
@@ -289,9 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                 init_model("llama-tiny", model)
         prompt_tokens = args.prompt_tokens or (8192 if device.startswith("cuda") else 448)
         pool = f"file://{tmp.name}/ttft-pool"
-        sep = "&" if "?" in pool else "?"
-        res = bench_ttft(model, device, load_format, pool, f"{pool}{sep}throttle={args.slow_throttle}",
-                         prompt_tokens, args.repeat, -(-prompt_tokens // 16) + 64)
+        res = bench_ttft(model, device, load_format, pool, args.slow_throttle, prompt_tokens, args.repeat,
+                         -(-prompt_tokens // 16) + 64, args.workers)
         result["ttft"] = res
         if not args.json:
             for name in ("storage", "slow_auto", "slow_always"):

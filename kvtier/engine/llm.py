@@ -66,7 +66,7 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  attention_backend: str | None = None, eviction: str = "lru",
                  capture_routing: bool = True, cuda_graphs: bool | None = None,
-                 prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int = 4) -> None:
+                 prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int | None = None) -> None:
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
         if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
@@ -104,6 +104,8 @@ class LLM:
             raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
         fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        str(self.dtype).removeprefix("torch."), block_size)
+        if storage_workers is None:          # I/O threads: half the cores, 2..8
+            storage_workers = min(8, max(2, (os.cpu_count() or 4) // 2))
         self.storage = open_storage(storage, workers=storage_workers)
         self.fetch_cost = None
         if self.storage is not None and storage_fetch == "auto":

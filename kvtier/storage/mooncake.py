@@ -54,7 +54,7 @@ environment variables (only if the user has not set them) *before* the client is
                                        the connection but never answers (library default 30 s)
     MC_STORE_CLIENT_SETUP_RETRIES = 3  setup against a dead master (library default: 20 x ~4.4 s)
     MC_TCP_BIND_ADDRESS = local_hostname   (otherwise it advertises the NIC address)
-    GLOG_minloglevel = 1               the client library's INFO logging is silenced
+    MC_LOG_LEVEL = WARNING             the client library's INFO logging is silenced
 
 Measured (timeout=5 unless said): a SIGKILLed pool node -> -800 at once for reads, ~1 s for puts
 (reconnect with backoff); a SIGSTOPped node -> -800 after ~timeout for reads, ~2 x timeout for a
@@ -129,7 +129,7 @@ def code_name(code: int) -> str:
 
 
 def _import_store() -> Any:
-    os.environ.setdefault("GLOG_minloglevel", "1")     # read when the library is loaded
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")    # its INFO lines are per connection
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
@@ -638,3 +638,78 @@ class MooncakeBackend(Backend):
         except Exception as e:  # pragma: no cover
             log.warning("mooncake close failed: %s", e)
         self._bounce = None
+
+
+# ------------------------------------------------------------------------------------------------
+# throughput check: python -m kvtier.storage.mooncake [URL] (starts a local pool when no URL)
+
+
+def _throughput_check(url: str, sizes: Sequence[int] = (1 << 20, 2 << 20), batch: int = 8,
+                      rounds: int = 12) -> list[dict]:
+    """MB/s of the raw client's bytes API (``put_batch``/``get_batch``, a value per key) against
+    this backend's ``put_from``/``get_into`` (registered staging arena, zero-copy)."""
+    kw = parse_mooncake_url(url)
+    backend = MooncakeBackend(**kw)
+    raw = backend._Store()
+    rc = raw.setup(backend.local_hostname, backend.metadata, 0, 256 << 20, backend.protocol,
+                   backend.rdma_devices, backend.master)
+    if rc != 0:
+        raise StorageError(f"raw client setup failed ({rc})")
+    results = []
+    try:
+        for size in sizes:
+            arena = np.empty((batch, size), dtype=np.uint8)
+            backend.register_buffer(memoryview(arena.reshape(-1)))
+            rng = np.random.default_rng(size)
+            arena[:] = rng.integers(0, 256, arena.shape, dtype=np.uint8)
+            values = [arena[j].tobytes() for j in range(batch)]
+            row: dict[str, Any] = {"size": size, "batch": batch}
+            for tag in ("raw", "backend", "raw2", "backend2"):          # interleaved, twice
+                keys = [[f"tp:{tag}:{size}:{r}:{j}" for j in range(batch)] for r in range(rounds)]
+                t0 = time.perf_counter()
+                for r in range(rounds):
+                    if tag.startswith("raw"):
+                        rc = raw.put_batch(keys[r], values)
+                        assert rc == 0, rc
+                    else:
+                        ok = backend.put_from(keys[r], [memoryview(arena[j]) for j in range(batch)])
+                        assert all(ok), ok
+                t_put = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for r in range(rounds):
+                    if tag.startswith("raw"):
+                        got = raw.get_batch(keys[r])
+                        assert all(len(g) == size for g in got)
+                    else:
+                        n = backend.get_into(keys[r], [memoryview(arena[j]) for j in range(batch)])
+                        assert n == [size] * batch, n
+                t_get = time.perf_counter() - t0
+                mb = rounds * batch * size / 1e6
+                row[f"{tag}_put_MBps"] = round(mb / t_put)
+                row[f"{tag}_get_MBps"] = round(mb / t_get)
+                for r in range(rounds):
+                    raw.batch_remove(keys[r], True)
+            for op in ("put", "get"):
+                r_ = max(row[f"raw_{op}_MBps"], row[f"raw2_{op}_MBps"])
+                b_ = max(row[f"backend_{op}_MBps"], row[f"backend2_{op}_MBps"])
+                row[f"{op}_ratio"] = round(b_ / r_, 2)
+            results.append(row)
+    finally:
+        raw.close()
+        backend.close()
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover - manual measurement
+    import json
+    import sys
+
+    if len(sys.argv) > 1:
+        for row in _throughput_check(sys.argv[1]):
+            print(json.dumps(row))
+    else:
+        from kvtier.storage.mooncake_pool import start_pool
+        with start_pool(size="1GiB") as pool:
+            print(f"# local pool {pool.url}")
+            for row in _throughput_check(pool.url):
+                print(json.dumps(row))

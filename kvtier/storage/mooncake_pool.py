@@ -250,7 +250,7 @@ class PoolHandle:
         env.setdefault("MC_TCP_BIND_ADDRESS", self.host)
         env.setdefault("MC_RPC_TIMEOUT_MS", "2000")               # a quick exit if the master is gone
         env.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", "2000")
-        env.setdefault("GLOG_minloglevel", "1")
+        env.setdefault("MC_LOG_LEVEL", "WARNING")
         self.node = _spawn(self.node_command(), self.node_log, env)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
@@ -313,7 +313,7 @@ class PoolHandle:
 
     def clear(self) -> None:
         """Remove every object (a short-lived client; leases are ignored)."""
-        code = ("import os,sys\nos.environ.setdefault('GLOG_minloglevel','1')\n"
+        code = ("import os,sys\nos.environ.setdefault('MC_LOG_LEVEL','WARNING')\n"
                 "from mooncake.store import MooncakeDistributedStore as S\n"
                 "s=S()\nrc=s.setup(sys.argv[1],'P2PHANDSHAKE',0,0,'tcp','',sys.argv[2])\n"
                 "assert rc==0, rc\nr=s.remove_all(True)\ns.close()\nsys.exit(0 if r>=0 else 1)\n")
@@ -399,7 +399,7 @@ def node_main(argv: Sequence[str]) -> int:
     args = ap.parse_args(list(argv))
     size = parse_size(args.size)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)
-    os.environ.setdefault("GLOG_minloglevel", "1")
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -93,3 +93,31 @@ def test_cuda_graph_decode_equals_eager(preset, checkpoint):
         assert a.token_ids == b.token_ids
         if a.routed_experts is not None:
             assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("prefetch_policy", ["best_effort", "wait_complete"])
+def test_bf16_storage_hits_in_a_fresh_engine_equal_cold(preset, prefetch_policy, checkpoint, tmp_path):
+    """Worker threads fetch into pinned host blocks, then layer-overlapped loads to the GPU."""
+    path = checkpoint(preset)
+    prompts = prompts_for(5, lengths=(300, 200, 260))
+    sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts=preset.endswith("moe-tiny"))
+    kw = dict(device="cuda", dtype="bfloat16", block_size=8, num_host_blocks=128,
+              storage=f"file://{tmp_path}/pool", write_policy="write_through", storage_fetch="always",
+              prefetch_policy=prefetch_policy)
+    with kvtier.LLM(path, num_device_blocks=256, enable_prefix_caching=False, device="cuda",
+                    dtype="bfloat16", block_size=8) as llm:
+        cold = [llm.generate([p], sp)[0] for p in prompts]
+    with kvtier.LLM(path, num_device_blocks=128, **kw) as llm:
+        for p in prompts:
+            llm.generate([p], sp)
+    with kvtier.LLM(path, num_device_blocks=128, **kw) as llm:          # fresh: device and host are cold
+        warm = [llm.generate([p], sp)[0] for p in prompts]
+        llm.cache.assert_invariants()
+        stats = llm.cache_stats()["storage"]
+    assert all(o.cached_tokens_by_tier["storage"] > 0 for o in warm) or prefetch_policy == "best_effort"
+    assert sum(o.cached_tokens_by_tier["storage"] for o in warm) > 0 and stats["corrupt"] == 0
+    for c, w in zip(cold, warm):
+        assert w.token_ids == c.token_ids
+        if c.routed_experts is not None:
+            assert np.array_equal(w.routed_experts, c.routed_experts)
