@@ -3,10 +3,11 @@
 SGLang users report storage hits slower than recompute (an 8K prompt: 2.45 s fetched vs 1.73 s
 recomputed) because nothing weighs one against the other. Here both sides are measured online:
 
-* fetch: every storage read batch reports ``(bytes, seconds)``; a least-squares fit with
-  exponential forgetting gives ``seconds = latency + bytes / bandwidth`` per call. Batches of
-  ``batch`` objects run on ``workers`` threads at once, so a run of ``n`` objects takes
-  ``ceil(n / (batch * workers))`` rounds of one call each;
+* fetch: every storage read call reports ``(bytes, seconds)``; a least-squares fit with
+  exponential forgetting gives the latency of a call (``seconds = latency + bytes / bandwidth``).
+  Calls run on several worker threads at once, but they share one pool and one link: what a run
+  of ``n`` objects costs is set by the *aggregate* rate, measured over the periods in which reads
+  were in flight (``bytes / busy seconds``). A run costs ``latency + n * object_bytes / rate``;
 * recompute: the engine reports ``(tokens, seconds)`` of its prefill steps: a prefill rate.
 
 Until a side has been measured it uses the backend's prior (below) or, for the prefill rate,
@@ -14,7 +15,8 @@ Until a side has been measured it uses the backend's prior (below) or, for the p
 
 A decision picks the number of leading storage blocks to fetch, ``k`` in ``{n, n/2, n/4, …, 0}``,
 maximising the time saved ``recompute(k) - fetch(k)``: all, a leading part (a partial run), or
-nothing. ``storage_fetch="always"`` skips the model.
+nothing. ``storage_fetch="always"`` (``always=True``) fetches every hit; the estimates still serve
+the ``best_effort`` prefetch policy (how long a fetch should take).
 """
 from __future__ import annotations
 
@@ -66,8 +68,10 @@ class FetchCostModel:
     block_nbytes: int = 0          # one stored object
     block_size: int = 16
     prior: tuple[float, float] | None = None   # (latency s, bandwidth bytes/s); None: PRIORS[scheme]
+    always: bool = False                       # fetch every hit (no decision)
     _fit: _Fit = field(default_factory=_Fit)
     _mean_bytes_per_s: float = 0.0  # bytes / s through one call, when sizes do not vary
+    _aggregate_bytes_per_s: float = 0.0   # bytes / s of all calls together while reads were in flight
     _prefill_tokens_per_s: float = 0.0
     decisions: dict[str, int] = field(default_factory=lambda: {"fetch": 0, "partial": 0, "recompute": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -81,6 +85,15 @@ class FetchCostModel:
             self._fit.add(float(nbytes), seconds)
             rate = nbytes / seconds
             self._mean_bytes_per_s = rate if not self._mean_bytes_per_s else 0.8 * self._mean_bytes_per_s + 0.2 * rate
+
+    def observe_busy(self, nbytes: int, seconds: float) -> None:
+        """Reads in flight for ``seconds`` (wall clock, any number of calls at once) moved ``nbytes``."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            old = self._aggregate_bytes_per_s
+            self._aggregate_bytes_per_s = rate if not old else 0.7 * old + 0.3 * rate
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A forward computed ``num_tokens`` prompt tokens in ``seconds``."""
@@ -104,9 +117,15 @@ class FetchCostModel:
         return lat0, bw0
 
     def fetch_seconds(self, num_blocks: int) -> float:
+        """Expected wall time to fetch ``num_blocks`` objects."""
         if num_blocks <= 0:
             return 0.0
         lat, bw = self.call_model()
+        with self._lock:
+            aggregate = self._aggregate_bytes_per_s
+        if aggregate > 0:
+            return lat + num_blocks * self.block_nbytes / aggregate
+        # nothing measured in flight yet: calls in parallel, each at the per-call rate
         per_call = min(num_blocks, self.batch)
         rounds = math.ceil(num_blocks / (self.batch * self.workers))
         return rounds * (lat + per_call * self.block_nbytes / bw)
@@ -121,7 +140,7 @@ class FetchCostModel:
         if num_blocks <= 0:
             return 0
         best_k, best_gain = num_blocks, None
-        if self.recompute_seconds(1) is not None:
+        if not self.always and self.recompute_seconds(1) is not None:
             best_k, best_gain = 0, 0.0
             k = num_blocks
             while k >= 1:
@@ -136,4 +155,5 @@ class FetchCostModel:
     def as_dict(self) -> dict:
         lat, bw = self.call_model()
         return {"decisions": dict(self.decisions), "call_latency_s": lat, "call_bandwidth_gbps": bw / 1e9,
+                "aggregate_gbps": self._aggregate_bytes_per_s / 1e9,
                 "prefill_tokens_per_s": self._prefill_tokens_per_s}

@@ -108,10 +108,11 @@ class LLM:
             storage_workers = min(8, max(2, (os.cpu_count() or 4) // 2))
         self.storage = open_storage(storage, workers=storage_workers)
         self.fetch_cost = None
-        if self.storage is not None and storage_fetch == "auto":
+        if self.storage is not None:      # always measured; decides only under storage_fetch="auto"
             self.fetch_cost = FetchCostModel(self.storage.backend.scheme, self.storage.workers, self.storage.batch,
-                                             0, block_size)
+                                             0, block_size, always=storage_fetch == "always")
             self.storage.on_fetch_io = self.fetch_cost.observe_fetch
+            self.storage.on_fetch_busy = self.fetch_cost.observe_busy
         self.cache = CacheManager(
             block_size=block_size, num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
             storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,

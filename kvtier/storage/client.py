@@ -112,7 +112,8 @@ class _Op:
 class StorageClient:
     def __init__(self, backend: Backend, namespace: str = "default", *, workers: int = 4, batch: int = 16,
                  retries: int = 1, breaker_threshold: int = 3, breaker_cooldown: float = 2.0,
-                 on_fetch_io: Callable[[int, float], None] | None = None) -> None:
+                 on_fetch_io: Callable[[int, float], None] | None = None,
+                 on_fetch_busy: Callable[[int, float], None] | None = None) -> None:
         if workers < 1 or batch < 1 or retries < 0:
             raise ValueError(f"workers and batch must be >= 1 and retries >= 0, got {workers}, {batch}, {retries}")
         self.backend = backend
@@ -121,7 +122,11 @@ class StorageClient:
         self.batch = batch
         self.retries = retries
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown)
-        self.on_fetch_io = on_fetch_io          # cost model: (bytes, seconds) of each get batch
+        self.on_fetch_io = on_fetch_io          # cost model: (bytes, seconds) of each get call
+        self.on_fetch_busy = on_fetch_busy      # cost model: (bytes, wall seconds) of each busy period
+        self._reads_active = 0                  # read calls in flight (busy period bookkeeping)
+        self._busy_start = 0.0
+        self._busy_bytes = 0
         self.layout: BlobLayout | None = None
         self._kv: Callable[[int], np.ndarray] | None = None
         self._routing: Callable[[int], np.ndarray] | None = None
@@ -272,7 +277,7 @@ class StorageClient:
             names = [self.name(k) for k in keys]
             kvs = [self._kv(hb) for hb in host_blocks]
             rts = [self._routing(hb) for hb in host_blocks] if self._routing else [None] * n
-            t0 = time.perf_counter()
+            t0 = self._read_started()
             try:
                 if parts:     # header into staging, payload straight into the host block
                     sizes = self._call("get", self.backend.get_into_parts, names, [
@@ -281,8 +286,10 @@ class StorageClient:
                 else:
                     sizes = self._call("get", self.backend.get_into, names, [memoryview(slot[j]) for j in range(n)])
             except Exception:
+                self._read_ended(0)
                 return list(range(n))
             dt = time.perf_counter() - t0
+            self._read_ended(sum(s for s in sizes if s > 0))
             failed, corrupt, nbytes = [], [], 0
             for j, (size, key, hb) in enumerate(zip(sizes, keys, host_blocks)):
                 if size == MISSING:
@@ -321,6 +328,26 @@ class StorageClient:
             return failed
         finally:
             self._slots.put(slot)
+
+    def _read_started(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            if not self._reads_active:
+                self._busy_start, self._busy_bytes = now, 0
+            self._reads_active += 1
+        return now
+
+    def _read_ended(self, nbytes: int) -> None:
+        """A busy period (some read in flight) ends when the last read returns: its bytes over
+        its wall time is the pool's aggregate read rate, whatever the number of calls in it."""
+        with self._lock:
+            self._reads_active -= 1
+            self._busy_bytes += nbytes
+            if self._reads_active:
+                return
+            period, nbytes = time.perf_counter() - self._busy_start, self._busy_bytes
+        if nbytes and self.on_fetch_busy is not None:
+            self.on_fetch_busy(nbytes, period)
 
     def _put_batch(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:
         layout, n = self.layout, len(keys)
@@ -369,15 +396,33 @@ class StorageClient:
             slot[:n, :64] = 0                     # not a valid blob: never read as KV
             if not all(self.backend.put_from(names, bufs)):
                 return False
-            for count in (1, n, 1, n):
-                t0 = time.perf_counter()
+            for count in (1, n, 1, n):            # one call at a time: latency and per-call rate
+                t0 = self._read_started()
                 sizes = self.backend.get_into(names[:count], bufs[:count])
                 dt = time.perf_counter() - t0
+                self._read_ended(0)             # (per-call sample only)
                 if any(s < 0 for s in sizes):
                     return False
                 if self.on_fetch_io is not None:
                     self.on_fetch_io(sum(sizes), dt)
-            return True
+            others = [self._slots.get() for _ in range(self.workers - 1)]
+            try:                                  # every worker at once: the aggregate rate
+                views = [bufs] + [[memoryview(o[j]) for j in range(n)] for o in others]
+
+                def read(v):  # type: ignore[no-untyped-def]
+                    self._read_started()
+                    got = []
+                    try:
+                        got = self.backend.get_into(names, v)
+                    finally:
+                        self._read_ended(sum(s for s in got if s > 0))
+                    return got
+                assert self._pool is not None
+                results = list(self._pool.map(read, views))
+            finally:
+                for o in others:
+                    self._slots.put(o)
+            return all(s >= 0 for got in results for s in got)
         except Exception as e:
             log.warning("storage calibration failed on %s: %s", self.backend.describe(), e)
             return False

@@ -37,6 +37,7 @@ Throughput check (1 MiB values, batch 16, one thread, same Valkey 9.1 / Redis 7.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import threading
@@ -49,13 +50,18 @@ from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
 try:  # the optional dependency: pip install redis hiredis (kvtier[redis])
     import redis as _redis
     from redis.backoff import NoBackoff as _NoBackoff
+    from redis.exceptions import AskError as _AskError
     from redis.exceptions import OutOfMemoryError as _OOM
     from redis.exceptions import RedisError as _RedisError
+    from redis.exceptions import ResponseError as _ResponseError
     from redis.retry import Retry as _Retry
     try:
         from redis.exceptions import RedisClusterException as _ClusterException
     except ImportError:  # pragma: no cover
         _ClusterException = _RedisError
+    _ERRORS: tuple = (_RedisError, _ClusterException, OSError)
+    _p = inspect.signature(_redis.ConnectionPool.get_connection).parameters.get("command_name")
+    _GETCONN_NEEDS_NAME = _p is not None and _p.default is inspect.Parameter.empty
     _IMPORT_ERROR: Exception | None = None
 except ImportError as _e:  # pragma: no cover - reported when a redis URL is opened
     _redis = None
@@ -236,14 +242,14 @@ class _ProtocolError(Exception):
 
 
 class _ServerReply(Exception):
-    """An error reply (``-ERR ...``) to one GET."""
+    """An error reply (``-ERR ...``, ``-MOVED ...``) to one GET; the stream stays in sync."""
 
 
 class _RespReader:
-    """Just enough RESP to read GET replies (``$<n>\\r\\n<n bytes>\\r\\n``, ``$-1``, ``_``,
-    ``-ERR``) from a blocking socket (its timeout is the connection's socket_timeout). Headers
-    come through a small buffer; a value's bytes past what that buffer already holds are received
-    straight into the destination with ``recv_into``."""
+    """Just enough RESP to read GET replies (``$<n>\r\n<n bytes>\r\n``, ``$-1``, ``_``, ``-ERR``)
+    from a blocking socket (its timeout is the connection's socket_timeout). Headers come through
+    a small buffer; the bytes of a value beyond what that buffer already holds are received
+    straight into the destination with ``recv_into``: one copy, kernel to caller."""
 
     __slots__ = ("sock", "buf", "mv", "start", "end")
 
@@ -252,6 +258,10 @@ class _RespReader:
         self.buf = buf
         self.mv = memoryview(buf)
         self.start = self.end = 0
+
+    @property
+    def pending(self) -> int:
+        return self.end - self.start
 
     def _fill(self) -> None:
         if self.start == self.end:
@@ -296,7 +306,9 @@ class _RespReader:
             self.start += k
             n -= k
 
-    def read_bulk_into(self, dst: memoryview) -> int:
+    def read_bulk_into(self, dst: memoryview) -> int | _ServerReply:
+        """Size of the value (copied into dst), MISSING, TOO_LARGE (value skipped), or the
+        server's error reply (returned, not raised)."""
         line = self._line()
         kind = line[:1]
         if kind == b"$":
@@ -321,8 +333,27 @@ class _RespReader:
         if kind == b"_":
             return MISSING
         if kind == b"-":
-            raise _ServerReply(line[1:].decode("utf-8", "replace"))
+            return _ServerReply(line[1:].decode("utf-8", "replace"))
         raise _ProtocolError(f"unexpected reply {line[:40]!r} to GET")
+
+
+def _checkout(pool):
+    """A connected connection with nothing pending (the pool checks, and reconnects a stale one)."""
+    if _GETCONN_NEEDS_NAME:  # pragma: no cover - redis-py < 5.3
+        return pool.get_connection("GET")
+    return pool.get_connection()
+
+
+def _is_redirect(r: BaseException) -> bool:
+    if _redis is not None and isinstance(r, _AskError):   # MovedError is an AskError
+        return True
+    return isinstance(r, _ServerReply) and str(r).startswith(("MOVED ", "ASK "))
+
+
+def _is_oom(r: BaseException) -> bool:
+    if _redis is not None and isinstance(r, _OOM):
+        return True
+    return isinstance(r, _ServerReply) and str(r).startswith("OOM ")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,8 +367,7 @@ class RedisBackend(Backend):
                  username: str | None = None, password: str | None = None, tls: bool = False,
                  ssl_ca_certs: str | None = None, ssl_cert_reqs: str = "required",
                  cluster: bool = False, timeout: float = DEFAULT_TIMEOUT,
-                 batch: int = DEFAULT_BATCH, socket_read_size: int = 1 << 20,
-                 fast_get: bool = True) -> None:
+                 batch: int = DEFAULT_BATCH) -> None:
         if _redis is None:
             raise ImportError(f"redis:// storage needs the redis client: pip install redis "
                               f"hiredis ({_IMPORT_ERROR})")
@@ -358,26 +388,23 @@ class RedisBackend(Backend):
         self._conn_kwargs: dict[str, Any] = dict(
             username=username, password=password,
             socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-            socket_keepalive=True, socket_read_size=int(socket_read_size),
-            protocol=2, connection_class=_conn_class(tls))
+            socket_keepalive=True, protocol=2, connection_class=_conn_class(tls))
         if tls:
             self._conn_kwargs.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs,
                                      ssl_check_hostname=ssl_cert_reqs == "required")
-        self._fast_get = bool(fast_get)        # standalone GETs read straight into the buffers
-        self._tls_scratch = threading.local()  # per-thread header buffer of the fast GET path
-        self._lock = threading.Lock()          # counters, lazy cluster client, INFO cache
+        self._tls_scratch = threading.local()  # per-thread header buffer of the GET reader
+        self._lock = threading.Lock()          # counters, INFO cache
+        self._connect_lock = threading.Lock()  # the lazy cluster client
         self._client: Any = None
         self._closed = False
         if not cluster:
             host, port = self.nodes[0]
-            kw = dict(self._conn_kwargs)
-            conn_cls = kw.pop("connection_class")
             pool = _redis.ConnectionPool(host=host, port=port, db=db,
-                                         retry=_Retry(_NoBackoff(), 0),
-                                         connection_class=conn_cls, **kw)
+                                         retry=_Retry(_NoBackoff(), 0), **self._conn_kwargs)
             self._client = _redis.Redis(connection_pool=pool)
         self._c = dict(round_trips=0, bytes_read=0, bytes_written=0, gets=0, hits=0, misses=0,
-                       too_large=0, puts=0, refused=0, exists=0, deletes=0, errors=0)
+                       too_large=0, puts=0, refused=0, exists=0, deletes=0, errors=0,
+                       redirects=0, topology_refreshes=0)
         self._info: dict[str, Any] = {}
         self._info_at = -math.inf
 
@@ -409,27 +436,23 @@ class RedisBackend(Backend):
             return c
         if self._closed:
             raise StorageError(f"redis {self._where}: backend is closed")
-        with self._lock:
+        with self._connect_lock:               # one discovery at a time; others wait for it
             if self._client is None:
                 if self._closed:
                     raise StorageError(f"redis {self._where}: backend is closed")
                 from redis.cluster import ClusterNode, RedisCluster
-                kw = dict(self._conn_kwargs)
+                # url= makes redis-py build every node's pool with ConnectionPool(**kwargs), so
+                # our connection_class (zero-copy packer) reaches the nodes; credentials stay in
+                # kwargs. The other URL hosts are extra startup nodes.
+                h, p = self.nodes[0]
+                first = f"redis://{f'[{h}]' if ':' in h else h}:{p}"
                 try:
                     self._client = RedisCluster(
-                        startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
-                        retry=_Retry(_NoBackoff(), 0), **kw)
-                except (_RedisError, _ClusterException, OSError) as e:
-                    self._count(errors=1)
-                    raise StorageError(f"redis cluster {self._where}: cannot discover the "
-                                       f"cluster: {type(e).__name__}: {e}") from e
+                        url=first, startup_nodes=[ClusterNode(h, p) for h, p in self.nodes[1:]],
+                        retry=_Retry(_NoBackoff(), 0), **self._conn_kwargs)
+                except _ERRORS as e:
+                    raise self._fail("cluster discovery", e) from e
             return self._client
-
-    def _standalone(self):
-        c = self._client
-        if c is None:
-            raise StorageError(f"redis {self._where}: backend is closed")
-        return c
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -437,36 +460,138 @@ class RedisBackend(Backend):
             for k, v in deltas.items():
                 c[k] += v
 
-    def _fail(self, op: str, e: BaseException) -> StorageError:
+    def _fail(self, op: str, e: BaseException, where: str | None = None) -> StorageError:
         self._count(errors=1)
-        where = "redis cluster " if self.cluster else "redis "
-        return StorageError(f"{where}{self._where}: {op} failed: {type(e).__name__}: {e}")
+        if where is None:
+            where = self._where
+        kind = "redis cluster" if self.cluster else "redis"
+        if isinstance(e, TimeoutError) and not isinstance(e, _RedisError):  # a bare socket.timeout
+            detail = f"TimeoutError: no reply within {self.timeout:g}s"
+        elif isinstance(e, _ServerReply):
+            detail = f"server error: {e}"
+        else:
+            detail = f"{type(e).__name__}: {e}"
+        return StorageError(f"{kind} {where}: {op} failed: {detail}")
 
-    def _pipeline(self):
+    def _scratch(self) -> bytearray:
+        buf = getattr(self._tls_scratch, "buf", None)
+        if buf is None:
+            buf = self._tls_scratch.buf = bytearray(_READ_CHUNK)
+        return buf
+
+    def _groups(self, op: str, names: Sequence[str]) -> list[tuple[str, Any, list[int]]]:
+        """(node label, connection pool, item indices) per node serving these names."""
         if self._closed:
             raise StorageError(f"redis {self._where}: backend is closed")
-        return self._get_client().pipeline(transaction=False)
+        if not self.cluster:
+            client = self._client
+            if client is None:
+                raise StorageError(f"redis {self._where}: backend is closed")
+            return [(self._where, client.connection_pool, list(range(len(names))))]
+        client = self._get_client()
+        nm = client.nodes_manager
+        groups: dict[str, tuple[str, Any, list[int]]] = {}
+        try:
+            for i, name in enumerate(names):
+                node = nm.get_node_from_slot(client.keyslot(name))
+                g = groups.get(node.name)
+                if g is None:
+                    g = groups[node.name] = (node.name,
+                                             client.get_redis_connection(node).connection_pool,
+                                             [])
+                g[2].append(i)
+        except _ERRORS as e:                   # e.g. SlotNotCoveredError
+            self._refresh(None)
+            raise self._fail(op, e) from e
+        return list(groups.values())
 
-    def _check(self, op: str, results: list) -> None:
-        for r in results:
-            if isinstance(r, Exception):
-                raise self._fail(op, r)
+    def _refresh(self, failed_node: str | None) -> None:
+        """Re-read the cluster's slot map (CLUSTER SLOTS from a live node, the failed one last):
+        after a failover the next call goes to the new primary. Errors are ignored (the caller
+        is raising already). Concurrent refreshes collapse into one (redis-py's epoch check)."""
+        client = self._client
+        if not self.cluster or client is None:
+            return
+        self._count(topology_refreshes=1)
+        try:
+            try:
+                client.nodes_manager.initialize(last_failed_node_name=failed_node)
+            except TypeError:  # pragma: no cover - redis-py without last_failed_node_name
+                client.nodes_manager.initialize()
+        except Exception:
+            pass
+
+    def _round_trip(self, op: str, cmds: list[tuple], views: list[memoryview] | None = None
+                    ) -> list:
+        """Send ``cmds`` (one per item, item name second) to the node(s) serving them -- every
+        node's commands are written before any reply is read -- and return one result per item:
+        the reply, or the server's error reply as an exception instance. With ``views`` the
+        commands are GETs read straight into views[i] (result: size, MISSING or TOO_LARGE).
+        Connection errors and timeouts raise StorageError; the connections involved are
+        closed (their replies may be unread), a cluster re-reads its slot map."""
+        groups = self._groups(op, [c[1] for c in cmds])
+        results: list = [None] * len(cmds)
+        held: list[list] = []                  # [pool, conn, clean]
+        at = self._where
+        try:
+            for label, pool, idxs in groups:
+                at = label
+                conn = _checkout(pool)
+                held.append([pool, conn, False])
+                conn.send_packed_command(conn.pack_commands([cmds[i] for i in idxs]),
+                                         check_health=False)
+            for entry, (label, _, idxs) in zip(held, groups):
+                at = label
+                conn = entry[1]
+                if views is not None:
+                    sock = conn._sock
+                    if sock is None:
+                        raise _redis.ConnectionError("connection closed")
+                    reader = _RespReader(sock, self._scratch())
+                    for i in idxs:
+                        results[i] = reader.read_bulk_into(views[i])
+                    entry[2] = reader.pending == 0  # bytes past our replies: do not reuse it
+                else:
+                    for i in idxs:
+                        try:
+                            results[i] = conn.read_response()
+                        except _ResponseError as e:   # one item's error reply; stream in sync
+                            results[i] = e
+                    entry[2] = True
+        except (*_ERRORS, _ProtocolError) as e:
+            if self.cluster:
+                self._refresh(at)
+            raise self._fail(op, e, at) from e
+        finally:
+            for pool, conn, clean in held:
+                if not clean:
+                    conn.disconnect()
+                pool.release(conn)
+        return results
+
+    def _redirected(self, op: str, cmd: tuple):
+        """An item answered MOVED/ASK (slot migrating or just failed over): redis-py's cluster
+        client follows the redirection and fixes its slot map."""
+        self._count(redirects=1)
+        try:
+            return self._get_client().execute_command(*cmd)
+        except _ResponseError as e:
+            return e
+        except _ERRORS as e:
+            raise self._fail(op, e) from e
 
     # ---- Backend
     def exists(self, names: Sequence[str]) -> list[bool]:
         out: list[bool] = []
         b = self.batch
         for i in range(0, len(names), b):
-            chunk = names[i:i + b]
-            try:
-                pipe = self._pipeline()
-                for name in chunk:
-                    pipe.exists(name)
-                res = pipe.execute(raise_on_error=False)
-            except (_RedisError, _ClusterException, OSError) as e:
-                raise self._fail("EXISTS", e) from e
-            self._check("EXISTS", res)
-            out.extend(bool(r) for r in res)
+            cmds = [("EXISTS", n) for n in names[i:i + b]]
+            for cmd, r in zip(cmds, self._round_trip("EXISTS", cmds)):
+                if isinstance(r, BaseException) and self.cluster and _is_redirect(r):
+                    r = self._redirected("EXISTS", cmd)
+                if isinstance(r, BaseException):
+                    raise self._fail("EXISTS", r)
+                out.append(bool(r))
         self._count(round_trips=-(-len(names) // b), exists=len(names))
         return out
 
@@ -475,92 +600,35 @@ class RedisBackend(Backend):
             raise ValueError(f"get_into: {len(names)} names but {len(bufs)} buffers")
         out: list[int] = []
         b = self.batch
-        tally = [0, 0, 0, 0]                   # bytes, hits, misses, too_large
+        nbytes = hits = misses = large = 0
         for i in range(0, len(names), b):
-            chunk = names[i:i + b]
             views = [_byte_view(x) for x in bufs[i:i + b]]
-            if self._fast_get and not self.cluster:
-                out.extend(self._get_direct(chunk, views, tally))
-                continue
-            try:
-                if self.cluster:
-                    pipe = self._pipeline()
-                    for name in chunk:
-                        pipe.get(name)
-                    values = pipe.execute(raise_on_error=False)
-                    self._check("GET", values)
+            cmds = [("GET", n) for n in names[i:i + b]]
+            for cmd, mv, r in zip(cmds, views, self._round_trip("GET", cmds, views)):
+                if isinstance(r, BaseException):
+                    if not (self.cluster and _is_redirect(r)):
+                        raise self._fail("GET", r)
+                    v = self._redirected("GET", cmd)
+                    if isinstance(v, BaseException):
+                        raise self._fail("GET", v)
+                    if v is None:
+                        r = MISSING
+                    elif len(v) > mv.nbytes:
+                        r = TOO_LARGE
+                    else:
+                        mv[:len(v)] = v
+                        r = len(v)
+                if r >= 0:
+                    nbytes += r
+                    hits += 1
+                elif r == MISSING:
+                    misses += 1
                 else:
-                    values = self._standalone().execute_command("MGET", *chunk)
-            except (_RedisError, _ClusterException, OSError) as e:
-                raise self._fail("GET", e) from e
-            if len(values) != len(chunk):  # pragma: no cover - protocol violation
-                raise self._fail("GET", RuntimeError(f"{len(values)} replies for {len(chunk)}"))
-            for v, mv in zip(values, views):
-                if v is None:
-                    out.append(MISSING)
-                    tally[2] += 1
-                elif len(v) > mv.nbytes:
-                    out.append(TOO_LARGE)
-                    tally[3] += 1
-                else:
-                    n = len(v)
-                    mv[:n] = v
-                    out.append(n)
-                    tally[0] += n
-                    tally[1] += 1
-        self._count(round_trips=-(-len(names) // b), gets=len(names), bytes_read=tally[0],
-                    hits=tally[1], misses=tally[2], too_large=tally[3])
+                    large += 1
+                out.append(r)
+        self._count(round_trips=-(-len(names) // b), gets=len(names), bytes_read=nbytes,
+                    hits=hits, misses=misses, too_large=large)
         return out
-
-    def _get_direct(self, chunk: Sequence[str], views: list[memoryview], tally: list[int]
-                    ) -> list[int]:
-        """Standalone GET fast path: a pipeline of GETs on a pooled connection, replies read
-        straight from the socket into ``views`` (redis-py + hiredis would copy every value three
-        times: socket buffer -> hiredis buffer -> bytes -> our buffer). The connection comes from
-        the pool with nothing pending (the pool checks), goes back clean, or is disconnected."""
-        pool = self._standalone().connection_pool
-        try:
-            try:
-                conn = pool.get_connection()
-            except TypeError:  # redis-py < 5.3 wants a command name
-                conn = pool.get_connection("GET")
-        except (_RedisError, OSError) as e:
-            raise self._fail("GET", e) from e
-        ok = False
-        try:
-            conn.send_packed_command(conn.pack_commands([("GET", n) for n in chunk]),
-                                     check_health=False)
-            sock = conn._sock
-            if sock is None:
-                raise _redis.ConnectionError("connection closed")
-            reader = _RespReader(sock, self._scratch())
-            out = []
-            for mv in views:
-                out.append(reader.read_bulk_into(mv))
-            ok = True
-        except _ServerReply as e:      # an error reply, e.g. WRONGTYPE: the stream is intact
-            raise self._fail("GET", e) from e
-        except (_RedisError, OSError, _ProtocolError) as e:
-            raise self._fail("GET", e) from e
-        finally:
-            if not ok:
-                conn.disconnect()      # replies may be left unread: never reuse this socket
-            pool.release(conn)
-        for n in out:
-            if n >= 0:
-                tally[0] += n
-                tally[1] += 1
-            elif n == MISSING:
-                tally[2] += 1
-            else:
-                tally[3] += 1
-        return out
-
-    def _scratch(self) -> bytearray:
-        buf = getattr(self._tls_scratch, "buf", None)
-        if buf is None:
-            buf = self._tls_scratch.buf = bytearray(_READ_CHUNK)
-        return buf
 
     def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         if len(names) != len(bufs):
@@ -569,24 +637,18 @@ class RedisBackend(Backend):
         b = self.batch
         written = refused = 0
         for i in range(0, len(names), b):
-            chunk = names[i:i + b]
-            views = [_byte_view(x) for x in bufs[i:i + b]]
-            try:
-                pipe = self._pipeline()
-                for name, mv in zip(chunk, views):
-                    pipe.set(name, mv)
-                res = pipe.execute(raise_on_error=False)
-            except (_RedisError, _ClusterException, OSError) as e:
-                raise self._fail("SET", e) from e
-            for r, mv in zip(res, views):
-                if isinstance(r, _OOM):       # maxmemory reached under noeviction: refused
+            cmds = [("SET", n, _byte_view(x)) for n, x in zip(names[i:i + b], bufs[i:i + b])]
+            for cmd, r in zip(cmds, self._round_trip("SET", cmds)):
+                if isinstance(r, BaseException) and self.cluster and _is_redirect(r):
+                    r = self._redirected("SET", cmd)
+                if isinstance(r, BaseException):
+                    if not _is_oom(r):        # refused at maxmemory (noeviction): not an error
+                        raise self._fail("SET", r)
                     out.append(False)
                     refused += 1
-                elif isinstance(r, Exception):
-                    raise self._fail("SET", r)
                 else:
                     out.append(True)
-                    written += mv.nbytes
+                    written += cmd[2].nbytes
         self._count(round_trips=-(-len(names) // b), puts=len(names), refused=refused,
                     bytes_written=written)
         return out
@@ -594,22 +656,21 @@ class RedisBackend(Backend):
     def delete(self, names: Sequence[str]) -> None:
         b = self.batch
         for i in range(0, len(names), b):
-            try:
-                pipe = self._pipeline()
-                for name in names[i:i + b]:
-                    pipe.unlink(name)
-                res = pipe.execute(raise_on_error=False)
-            except (_RedisError, _ClusterException, OSError) as e:
-                raise self._fail("UNLINK", e) from e
-            self._check("UNLINK", res)
+            cmds = [("UNLINK", n) for n in names[i:i + b]]
+            for cmd, r in zip(cmds, self._round_trip("UNLINK", cmds)):
+                if isinstance(r, BaseException) and self.cluster and _is_redirect(r):
+                    r = self._redirected("UNLINK", cmd)
+                if isinstance(r, BaseException):
+                    raise self._fail("UNLINK", r)
         self._count(round_trips=-(-len(names) // b), deletes=len(names))
 
     def stats(self) -> dict:
-        """Backend counters (round_trips, bytes_read, bytes_written, gets, hits, misses, too_large,
-        puts, refused, exists, deletes, errors) plus, refreshed at most every INFO_MAX_AGE s,
-        the server's used_memory, maxmemory, evicted_keys and objects (DBSIZE; summed over the
-        primaries of a cluster). A server that cannot answer INFO sets ``server_error``
-        instead; stats() never raises."""
+        """Backend counters (round_trips: batches sent, one round trip each -- to every node
+        involved at once in a cluster; bytes_read, bytes_written, gets, hits, misses, too_large,
+        puts, refused, exists, deletes, errors, redirects, topology_refreshes) plus, refreshed at
+        most every INFO_MAX_AGE s, the server's used_memory, maxmemory, evicted_keys and objects
+        (DBSIZE; summed over the primaries of a cluster). A server that cannot answer INFO sets
+        ``server_error`` instead; stats() never raises."""
         with self._lock:
             out: dict[str, Any] = dict(self._c)
             fresh = time.monotonic() - self._info_at < INFO_MAX_AGE
@@ -639,11 +700,11 @@ class RedisBackend(Backend):
                         maxmemory=sum(int(i.get("maxmemory", 0)) for i in infos),
                         evicted_keys=sum(int(i.get("evicted_keys", 0)) for i in infos),
                         objects=objects, server_nodes=len(infos))
-        except (StorageError, _RedisError, _ClusterException, OSError) as e:
+        except (StorageError, *_ERRORS) as e:
             return {"server_error": f"{type(e).__name__}: {e}"}
 
     def close(self) -> None:
-        with self._lock:
+        with self._connect_lock:
             self._closed = True
             client, self._client = self._client, None
         if client is not None:

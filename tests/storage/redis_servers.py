@@ -529,7 +529,9 @@ def start_cluster(tmpdir, primaries: int = 3, replicas: int = 0, binary: str | N
     binary = binary or _require_binary()
     tmpdir = Path(tmpdir)
     args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", str(node_timeout_ms)] + _server_args(maxmemory, None)
+            "--cluster-node-timeout", str(node_timeout_ms),
+            # replicas sync right away (the default waits 5 s for more replicas to join)
+            "--repl-diskless-sync-delay", "0"] + _server_args(maxmemory, None)
     nodes: list[ServerHandle] = []
     try:
         for _ in range(primaries * (1 + replicas)):

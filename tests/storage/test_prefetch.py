@@ -1,0 +1,82 @@
+"""Prefetch policies and the fetch-vs-recompute decision, end to end on a file pool slowed on
+purpose (``throttle=``): what lands is used, what does not is recomputed, outputs never change."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtier
+
+ONE = kvtier.SamplingParams(max_tokens=4, ignore_eos=True)
+KW = dict(num_host_blocks=64, block_size=8, write_policy="write_through")
+PROMPT = np.random.default_rng(0).integers(0, 300, 440).tolist()     # 54 full blocks + 8 tokens
+
+
+@pytest.fixture(scope="module")
+def stored(checkpoint, tmp_path_factory):
+    """(model, pool dir, cold output): the prompt's blocks written by a first engine."""
+    model = checkpoint("llama-tiny")
+    pool = tmp_path_factory.mktemp("pool")
+    with kvtier.LLM(model, storage=f"file://{pool}", **KW) as w:
+        cold = w.generate([PROMPT], ONE, cache_salt="s")[0]
+    with kvtier.LLM(model, block_size=8) as plain:
+        assert plain.generate([PROMPT], ONE)[0].token_ids == cold.token_ids
+    return model, pool, cold
+
+
+def serve(stored, url_suffix: str = "", **kw):
+    model, pool, cold = stored
+    with kvtier.LLM(model, storage=f"file://{pool}{url_suffix}", **KW, **kw) as llm:
+        out = llm.generate([PROMPT], ONE, cache_salt="s")[0]
+        llm.cache.assert_invariants()
+    stats = llm.cache_stats()          # after close(): every fetch in flight has been drained
+    llm.cache.assert_invariants()
+    assert out.token_ids == cold.token_ids
+    return out, stats
+
+
+def test_wait_complete_uses_every_stored_block(stored):
+    out, _ = serve(stored, "?throttle=1MB", storage_fetch="always", prefetch_policy="wait_complete")
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": 54 * 8}
+
+
+def test_timeout_admits_with_the_chunks_that_landed(stored):
+    # 4224-byte objects at 500 KB/s: the first chunk (32 blocks) lands at ~0.27 s, the rest at ~0.46 s
+    out, stats = serve(stored, "?throttle=500KB", storage_fetch="always", prefetch_policy="timeout",
+                       prefetch_timeout=(0.36, 0.0))
+    assert out.cached_tokens_by_tier["storage"] == 32 * 8       # the rest was recomputed
+    assert stats["storage"]["hits"] == 54                        # ... and still landed, later
+
+
+def test_best_effort_waits_as_long_as_the_fetch_should_take(stored):
+    out, stats = serve(stored, "?throttle=500KB", storage_fetch="always", prefetch_policy="best_effort")
+    assert out.cached_tokens_by_tier["storage"] == 54 * 8
+    assert stats["storage"]["fetch_cost"]["aggregate_gbps"] == pytest.approx(500e3 / 1e9, rel=0.3)
+
+
+def test_the_cost_model_recomputes_when_the_pool_is_slower_than_prefill(stored):
+    model, pool, cold = stored
+    with kvtier.LLM(model, storage=f"file://{pool}?throttle=50KB", **KW) as llm:
+        llm.generate([PROMPT[:200]], ONE, cache_salt="warm")      # a prefill: the recompute rate
+        out = llm.generate([PROMPT], ONE, cache_salt="s")[0]
+        decisions = llm.cache_stats()["storage"]["fetch_cost"]["decisions"]
+    assert out.token_ids == cold.token_ids and out.cached_tokens_by_tier["storage"] == 0
+    assert decisions["recompute"] == 1 and decisions["fetch"] == 0
+
+
+def test_the_cost_model_fetches_from_a_fast_pool(stored):
+    out, stats = serve(stored)
+    assert out.cached_tokens_by_tier["storage"] == 54 * 8
+    assert stats["storage"]["fetch_cost"]["decisions"]["fetch"] == 1
+
+
+def test_bad_prefetch_settings_are_named(stored):
+    model, pool, _ = stored
+    with pytest.raises(ValueError, match="prefetch_policy 'soon'"):
+        kvtier.LLM(model, storage=f"file://{pool}", prefetch_policy="soon", **KW)
+    with pytest.raises(ValueError, match="prefetch_timeout"):
+        kvtier.LLM(model, storage=f"file://{pool}", prefetch_timeout=(-1, 0), **KW)
+    with pytest.raises(ValueError, match="needs a host tier"):
+        kvtier.LLM(model, storage=f"file://{pool}")
+    with pytest.raises(ValueError, match="unknown storage URL scheme 's3'"):
+        kvtier.LLM(model, storage="s3://bucket", num_host_blocks=8)
