@@ -22,8 +22,10 @@ Invariants:
    at once without I/O (requests go on by recompute) until ``breaker_cooldown`` has passed; then
    one call probes the backend: success closes the breaker, failure opens it again for twice as
    long (at most 60 s);
-4. staging memory comes from a fixed arena (``workers`` slots of ``batch`` objects), registered
-   once with the backend (zero-copy clients); a slot is used by one batch at a time.
+4. staging memory comes from a fixed arena (one slot of ``batch`` objects per thread), registered
+   once with the backend (zero-copy clients); a slot is used by one batch at a time;
+5. fetches and puts run on separate threads (``workers`` and ``max(1, workers // 2)``): a fetch,
+   which a request waits for, never queues behind a bulk of write-through puts.
 """
 from __future__ import annotations
 
@@ -130,7 +132,9 @@ class StorageClient:
         self.layout: BlobLayout | None = None
         self._kv: Callable[[int], np.ndarray] | None = None
         self._routing: Callable[[int], np.ndarray] | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None        # fetches (and calibration)
+        self._put_pool: ThreadPoolExecutor | None = None    # puts
+        self.put_workers = max(1, workers // 2)
         self._slots: SimpleQueue[np.ndarray] = SimpleQueue()
         self._inflight: deque[_Op] = deque()
         self._known: OrderedDict[bytes, None] = OrderedDict()   # keys stored (a hint for skipping puts)
@@ -145,12 +149,13 @@ class StorageClient:
              routing: Callable[[int], np.ndarray] | None = None) -> None:
         """Where host block ``h``'s bytes are: ``kv(h)`` (and ``routing(h)``), uint8 views."""
         self.layout, self._kv, self._routing = layout, kv, routing
-        arena = np.empty((self.workers, self.batch, layout.nbytes), np.uint8)
+        arena = np.empty((self.workers + self.put_workers, self.batch, layout.nbytes), np.uint8)
         self.backend.register_buffer(memoryview(arena.reshape(-1)))
         self._arena = arena
-        for w in range(self.workers):
+        for w in range(len(arena)):
             self._slots.put(arena[w])
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-storage")
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-fetch")
+        self._put_pool = ThreadPoolExecutor(self.put_workers, thread_name_prefix="kvtier-put")
 
     def name(self, key: bytes) -> str:
         return object_name(key, self.namespace)
@@ -202,10 +207,11 @@ class StorageClient:
             raise ValueError(f"storage client runs fetch and put ops, not {op.kind!r}")
         blocks = op.dst_blocks if op.kind == "fetch" else op.src_blocks
         run = self._fetch_batch if op.kind == "fetch" else self._put_batch
+        pool = self._pool if op.kind == "fetch" else self._put_pool
         futures, starts = [], []
         if self.breaker.allow():
             for s in range(0, op.num_blocks, self.batch):
-                futures.append(self._pool.submit(run, op.keys[s:s + self.batch], blocks[s:s + self.batch]))
+                futures.append(pool.submit(run, op.keys[s:s + self.batch], blocks[s:s + self.batch]))  # type: ignore[union-attr]
                 starts.append(s)
         entry = _Op(op, futures, starts, time.monotonic())
         if not futures:                         # breaker open: fail at once, no I/O
@@ -454,6 +460,7 @@ class StorageClient:
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._put_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.backend.close()

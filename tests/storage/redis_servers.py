@@ -39,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
+from urllib.parse import quote
 
 import pytest
 
@@ -186,7 +187,7 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         if self.tls:
             return f"rediss://{auth}{HOST}:{self.port}/0?ssl_ca_certs={self.tls['ca']}"
         return f"redis://{auth}{HOST}:{self.port}/0"
@@ -202,6 +203,19 @@ class ServerHandle:
     def client(self, timeout: float = 1.0):
         """A plain redis-py client for test set-up/inspection (FLUSHALL, INFO, CONFIG SET)."""
         return _client(self.port, self.password, self.tls["ca"] if self.tls else None, timeout)
+
+    def flushall(self) -> None:
+        """A clean, live server for the next test: restart it (same port and dir) if a test
+        killed or paused it, then FLUSHALL."""
+        if self.alive:
+            self.resume()
+        else:
+            self.start()
+        c = self.client()
+        try:
+            c.flushall()
+        finally:
+            c.close()
 
     def log_tail(self, n: int = 15) -> str:
         try:
@@ -457,9 +471,18 @@ class ClusterHandle:
         _wait_cluster_ok([n for n in self.nodes if n.alive], timeout)
 
     def flushall(self) -> None:
+        """A clean, whole cluster for the next test: restart killed nodes (they rejoin from their
+        nodes.conf), wait for cluster_state:ok, then FLUSHALL every node that takes writes."""
+        restarted = False
         for n in self.nodes:
-            if not n.alive:
-                continue
+            if n.alive:
+                n.resume()
+            else:
+                n.start()
+                restarted = True
+        if restarted:
+            self.wait_ok()
+        for n in self.nodes:
             c = n.client()
             try:
                 c.flushall()

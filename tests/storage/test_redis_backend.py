@@ -29,7 +29,7 @@ def names_for(n: int, tag: str | None = None) -> list[str]:
     return [f"kvt:default:{tag}{i:06x}" for i in range(n)]
 
 
-def blobs(sizes, seed: int = 0) -> list[bytes]:
+def blobs(sizes) -> list[bytes]:
     return [os.urandom(s) for s in sizes]
 
 
@@ -278,8 +278,10 @@ def test_allkeys_lru_evicts_old_objects_as_missing(make_valkey):
         assert be.put_from(names[i:i + 8], views(data[i:i + 8])) == [True] * 8
     bufs = buffers(40, MiB)
     got = be.get_into(names, bufs)
-    assert got[:10] == [MISSING] * 10          # the oldest were evicted: misses, not errors
-    assert got[-3:] == [MiB] * 3               # the newest survive
+    # LRU is approximate (sampled), so: the oldest are gone (misses, not errors), most of the
+    # newest are there
+    assert got[:10] == [MISSING] * 10, got
+    assert got[-8:].count(MiB) >= 3, got
     for g, b, d in zip(got, bufs, data):
         assert g in (MISSING, MiB)
         if g == MiB:
@@ -326,7 +328,8 @@ def test_killed_server_raises_quickly_then_recovers(make_valkey):
     _raises_quickly(lambda: be.put_from(names, views(data)))
     _raises_quickly(lambda: be.exists(names))
     _raises_quickly(lambda: be.delete(names))
-    assert "server_error" in be.stats() or be.stats()["errors"] >= 4
+    s = be.stats()  # never raises: the server's part is an error string
+    assert s["errors"] >= 4 and "server_error" in s
     srv.start()  # same port; no persistence: the objects are gone
     assert be.get_into(names, buffers(4, MiB)) == [MISSING] * 4
     assert be.put_from(names, views(data)) == [True] * 4
