@@ -221,18 +221,26 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
             url = f"{pool_url}{'&' if '?' in pool_url else '?'}throttle={rate}"
         with kvtier.LLM(model, storage=pool_url, write_policy="write_through", **kw) as writer:
             res["kv_bytes_per_token"] = writer.cache.block_nbytes // writer.block_size
-            for salt in salts:                   # one copy of the prompt per repeat (distinct keys)
+            for salt in [*salts, "warm"]:        # one copy of the prompt per repeat (distinct keys)
                 writer.generate([prompt], one, cache_salt=f"{name}-{salt}")
         with kvtier.LLM(model, storage=url, storage_fetch=fetch, **kw) as llm:
-            llm.generate([warm], one, cache_salt="warm")                 # compile, measure prefill
-            llm.generate([warm], one, cache_salt="warm2")
-            hits, cold, tokens_by_tier, outputs_equal = [], [], [], True
+            # warm-up: compile every kernel shape the timed runs use (a full prefill, and a short
+            # prefill over a long cached prefix), measure the prefill rate
+            llm.generate([warm], one, cache_salt="warm")
+            llm.generate([prompt], one, cache_salt=f"warm-cold-{name}")
+            llm.generate([prompt], one, cache_salt=f"{name}-warm")
+            hits, cold, tokens_by_tier, outputs_equal, phases = [], [], [], True, []
             for salt in salts:
                 t_cold, o_cold = ttft(llm, f"cold-{name}-{salt}")          # nothing cached: recompute
                 t_hit, o_hit = ttft(llm, f"{name}-{salt}")                 # its blocks are in storage only
                 cold.append(t_cold)
                 hits.append(t_hit)
                 tokens_by_tier.append(o_hit.cached_tokens_by_tier)
+                m = o_hit.metrics
+                phases.append({"storage_tokens": o_hit.cached_tokens_by_tier["storage"]})
+                phases[-1].update({"to_admission_s": m["admitted"] - m["arrival"],
+                               "fetch_wait_s": m["admitted"] - m.get("prefetch_start", m["admitted"]),
+                               "admission_to_token_s": m["first_token"] - m["admitted"]})
                 outputs_equal &= o_hit.token_ids == o_cold.token_ids
             stats = llm.cache_stats()["storage"]
         res[name] = {"url": url.split("://")[0] + "://..." + url.split("?", 1)[-1] if "?" in url else url,
@@ -240,6 +248,7 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
                      "recompute_ttft_s": statistics.median(cold),
                      "ratio": statistics.median(hits) / statistics.median(cold),
                      "cached_tokens_by_tier": tokens_by_tier[-1], "outputs_equal": outputs_equal,
+                     "phases": phases, "ttft_all_s": hits, "recompute_all_s": cold,
                      "fetch_cost": stats.get("fetch_cost"), "read_gbps": stats.get("read_gbps")}
     return res
 

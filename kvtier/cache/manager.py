@@ -147,6 +147,7 @@ class CacheManager:
         self.stats = CacheStats()
         self.fetch_cost = fetch_cost       # None: fetch every storage hit (storage_fetch="always")
         self._parked: list[list] = []      # fetch chunks landed below a host copy still in flight
+        self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
         self._seeds: dict[str | None, bytes] = {}
         self._tick = 0
         self._next_op = 0
@@ -299,8 +300,8 @@ class CacheManager:
         self.stats.query_tokens += len(req.token_ids)
         if self.has_host:
             for n in device_hits:
-                if n.host_block is None and self.policy.copy_on_land(n.hit_count):
-                    self._backup(n)
+                if n.host_block is None and self.policy.copy_on_land(n.hit_count) and not self._backup(n):
+                    self._defer_backup(n)
         return True
 
     def _take_device(self, n: int) -> list[int] | None:
@@ -387,6 +388,23 @@ class CacheManager:
             if not top.is_root:
                 top.host_reads -= 1
                 self.tree.maybe_candidate(top)
+
+    def _defer_backup(self, node: Node) -> None:
+        """The host tier is full of blocks that copies in flight hold (puts to a slow pool): back
+        ``node`` up when one of them completes, instead of never (write-through must not lose
+        blocks to a burst). Its ancestors come along (``_backup`` copies them first)."""
+        if len(self._backup_backlog) < 65536:
+            self._backup_backlog[id(node)] = node
+
+    def _retry_backups(self) -> None:
+        pending = list(self._backup_backlog.values())
+        self._backup_backlog = {}
+        for i, node in enumerate(pending):
+            if node.host_block is not None or node.device_block is None or not self.tree.alive(node):
+                continue                           # copied meanwhile, or its device copy is gone
+            if not self._backup(node):             # still full: keep it and the rest, in order
+                self._backup_backlog = {id(n): n for n in pending[i:]}
+                return
 
     def _put(self, node: Node) -> None:
         if self.storage is None or node.putting or self.storage.contains(node.key):
@@ -496,8 +514,9 @@ class CacheManager:
                     table[i] = node.device_block
             node.last_access = tick
             req.nodes.append(node)
-            if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count):
-                self._backup(node)
+            if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count) \
+                    and not self._backup(node):
+                self._defer_backup(node)
             parent = node
         tree.num_device_copies += new_copies
 
@@ -701,6 +720,8 @@ class CacheManager:
                         tree.remove(node)
                         continue
             tree.maybe_candidate(node)
+        if self._backup_backlog:
+            self._retry_backups()
         return {}
 
     def _complete_fetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:

@@ -10,6 +10,7 @@ when that reaches the end, the last position's logits give the next token::
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,9 @@ class Request:
     prefetch_from: int | None = None              # cached tokens (device + host) before a storage prefetch
     prefetch_deadline: float | None = None        # monotonic time its prefetch stops holding it back
     generator: torch.Generator | None = None
+    metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
+    # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first
+    # scheduled), first_token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

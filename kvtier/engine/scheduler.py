@@ -17,8 +17,9 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
    - ``wait_complete``: only when every chunk completed (each storage call is bounded by the
      backend's timeouts, so this wait is bounded too);
    - ``timeout``: or after ``prefetch_timeout[0] + prefetch_timeout[1] * tokens / 1000`` seconds;
-   - ``best_effort``: or after the time the cost model expected the fetch to take (x1.5, +5 ms):
-     a fetch slower than expected never delays the request beyond what recompute would have.
+   - ``best_effort``: or once the fetch is late: after 1.5x the time the cost model expected it to
+     take (+10 ms), or, if longer, the time recomputing those blocks would take — a late fetch
+     costs at most one recompute's worth of waiting; what landed by then is used.
 
 After the forward, :meth:`update` commits newly written full blocks to the cache, appends sampled
 tokens, applies stop conditions and frees finished requests.
@@ -125,7 +126,8 @@ class Scheduler:
                 if m.num_storage_blocks:
                     n_fetch = cache.prefetch(req.cache)
                     if n_fetch:
-                        req.prefetch_deadline = time.monotonic() + self._prefetch_budget(req, n_fetch)
+                        req.metrics["prefetch_start"] = time.monotonic()
+                        req.prefetch_deadline = req.metrics["prefetch_start"] + self._prefetch_budget(req, n_fetch)
                         out.prefetching.append(req)
                         idx += 1
                         continue
@@ -137,6 +139,7 @@ class Scheduler:
             if not cache.allocate(req.cache, cached + n):   # fewer hits than first seen: grow
                 n = len(req.cache.block_table) * m.block_size - cached
             del self.waiting[idx]
+            req.metrics.setdefault("admitted", time.monotonic())
             req.status = Status.RUNNING
             req.prefetch_deadline = None
             req.num_computed_tokens = cached
@@ -157,8 +160,9 @@ class Scheduler:
             base, per_1k = self.prefetch_timeout
             return base + per_1k * req.num_tokens / 1000
         cost = self.cache.fetch_cost
-        expected = cost.fetch_seconds(num_blocks) if cost is not None else self.prefetch_timeout[0]
-        return expected * 1.5 + 0.005
+        if cost is None:
+            return self.prefetch_timeout[0]
+        return max(cost.fetch_seconds(num_blocks) * 1.5 + 0.01, cost.recompute_seconds(num_blocks) or 0.0)
 
     def _prefetch_settled(self, req: Request) -> bool:
         """May a request whose prefetch started be admitted now?"""
@@ -208,6 +212,8 @@ class Scheduler:
             if not s.samples:
                 continue
             token = sampled[req.request_id]
+            if not req.output_token_ids:
+                req.metrics["first_token"] = time.monotonic()
             req.all_token_ids.append(token)
             req.output_token_ids.append(token)
             reason = self._stop_reason(req, token)

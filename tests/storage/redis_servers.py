@@ -15,6 +15,9 @@ candidate and raises :class:`ServerUnavailable` (fixtures turn it into a skip wi
 none starts with TLS or no certificate can be made (``openssl`` CLI or the ``cryptography``
 package).
 
+Processes are started with PR_SET_PDEATHSIG=SIGKILL: they die with the *thread* that started
+them, so start servers from the main thread (fixtures do).
+
 Fixtures (import them into a conftest or a test module)::
 
     valkey_server   (module scope)  -> ServerHandle   standalone, no limits; tests flush as needed

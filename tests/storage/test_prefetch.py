@@ -80,3 +80,16 @@ def test_bad_prefetch_settings_are_named(stored):
         kvtier.LLM(model, storage=f"file://{pool}")
     with pytest.raises(ValueError, match="unknown storage URL scheme 's3'"):
         kvtier.LLM(model, storage="s3://bucket", num_host_blocks=8)
+
+
+def test_write_through_stores_every_block_even_when_puts_pin_the_host_tier(checkpoint, tmp_path):
+    """A host tier full of blocks whose puts are in flight (slow pool): backups wait for room
+    instead of being dropped, so every block reaches the pool (close() drains the last ones)."""
+    prompts = [np.random.default_rng(s).integers(0, 300, 440).tolist() for s in range(4)]
+    with kvtier.LLM(checkpoint("llama-tiny"), storage=f"file://{tmp_path}?throttle=400KB", num_host_blocks=60,
+                    block_size=8, write_policy="write_through") as llm:
+        for p in prompts:
+            llm.generate([p], ONE)
+        llm.cache.assert_invariants()
+    stored = list(tmp_path.rglob("kvt:*"))
+    assert len(stored) == 4 * ((440 + 4) // 8), len(stored)

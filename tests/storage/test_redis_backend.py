@@ -149,8 +149,10 @@ def test_db_number_separates_objects(valkey_server):
         b.close()
 
 
-def test_threads_put_get_concurrently_byte_exact(valkey_server):
-    be = RedisBackend.from_url(valkey_server.url + "?batch=8")
+@pytest.mark.parametrize("kind", ["standalone", "cluster"])
+def test_threads_put_get_concurrently_byte_exact(kind, request):
+    server = request.getfixturevalue("valkey_server" if kind == "standalone" else "valkey_cluster")
+    be = RedisBackend.from_url(server.url + "?batch=8")
     shared = names_for(16, "shared")
     shared_data = blobs([70_000 + 1000 * i for i in range(16)])
     be.put_from(shared, views(shared_data))
@@ -396,7 +398,11 @@ def test_cluster_failover_fails_then_works(make_valkey):
     names, data = names_for(24), blobs([100_000] * 24)
     assert be.put_from(names, views(data)) == [True] * 24
     assert_exact(be, names, data)
-    cluster.node_of(names[0]).kill()
+    primary = cluster.node_of(names[0])
+    c = primary.client()
+    assert c.execute_command("WAIT", 1, 5000) >= 1  # its replica has every object
+    c.close()
+    primary.kill()
     failures, deadline = 0, time.monotonic() + 20
     while True:
         try:
