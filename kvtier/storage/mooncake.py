@@ -8,8 +8,9 @@ URL (DESIGN §6)::
 * ``protocol``  ``tcp`` (default) or ``rdma``.
 * ``segment``   memory this process *contributes* to the pool (default 0: the engine only uses the
   pool; memory comes from pool nodes, e.g. ``kvtier pool mooncake --size 4GiB``).
-* ``local_buffer`` size of the backend's own registered bounce buffer, used only for buffers that
-  were not registered with :meth:`register_buffer` (default 64MiB; it grows to fit one object).
+* ``local_buffer`` size of the backend's own registered bounce buffer, allocated on first use by a
+  buffer that was not registered with :meth:`register_buffer` (default 64MiB; grows to fit one
+  object). The client library's own staging buffer is not used (set up with size 0).
 * ``metadata``  transfer-engine metadata service (default ``P2PHANDSHAKE``: none needed).
 * ``timeout``   seconds (default 5): the bound on every wait inside the client library (see below).
 * ``local_hostname`` the address this client advertises to pool nodes (default: 127.0.0.1 when
@@ -23,31 +24,34 @@ calls, plus one memcpy per object, serialised by a lock). The bytes-based ``get`
 are deliberately not used: they return ``b''`` for a missing key *and* for a transfer failure or a
 full client buffer, so errors could not be told from misses.
 
-Return codes of the Mooncake client, found by experiment (wheel
-``mooncake-transfer-engine-non-cuda`` 0.3.13.post1, master + pool node on 127.0.0.1, TCP)::
+Return codes of the Mooncake client (wheel ``mooncake-transfer-engine-non-cuda`` 0.3.13.post1,
+master + pool node on 127.0.0.1, TCP). Seen in experiments (*) or taken from Mooncake's
+``types.h`` / error-code docs for states that are hard to provoke::
 
-     n >= 0  bytes read (batch_get_into) / 0 stored (batch_put_from)
-     -704    OBJECT_NOT_FOUND: never written, evicted, removed, or its pool node was dropped by
-             the master (about client_ttl = 10 s after the node died)          -> MISSING
+     n >= 0  bytes read (batch_get_into) / 0 stored (batch_put_from)                    *
+     -704    OBJECT_NOT_FOUND: never written, evicted, removed, or its pool node was     *
+             dropped by the master (client_ttl = 10 s after the node died)     -> MISSING
      -703    REPLICA_IS_NOT_READY (being written), -707 LEASE_EXPIRED,
      -702    INVALID_REPLICA, -706 OBJECT_HAS_LEASE, -101 SEGMENT_NOT_FOUND    -> MISSING
-     -600    INVALID_PARAMS: on a read, "Buffer too small" (object > buffer);
+     -600    INVALID_PARAMS: on a read, "Buffer too small" (object > buffer);           *
              resolved with get_size: bigger than the buffer -> TOO_LARGE, gone -> MISSING
-     -200    NO_AVAILABLE_HANDLE: pool full on put (the master evicts ~5% in the background
-             above 90% full; later puts succeed)                               -> put False
-     -705    OBJECT_ALREADY_EXISTS on put (0 is returned too: puts never overwrite) -> put True
-     -800    TRANSFER_FAIL: the pool node holding the object died (connection reset/refused)
-             or stopped answering (after the TCP timeouts below)               -> StorageError
-     -900    RPC_FAIL: master unreachable (killed)                             -> StorageError
-     -901    RPC timeout: master not answering (stopped) within MC_RPC_TIMEOUT_MS -> StorageError
-    batch_is_exist: 1 / 0 / negative (-900, -901 as above)                     -> StorageError
-    batch_remove: 0, -704 (fine), -706 (leased by a recent reader: ignored)
+     -200    NO_AVAILABLE_HANDLE: pool full on put (the master evicts ~5% in the        *
+             background above 90% full; later puts succeed)                    -> put False
+     0       put of an existing key (the old value is kept; -705 OBJECT_ALREADY_EXISTS  *
+             is treated the same)                                              -> put True
+     -800    TRANSFER_FAIL: the pool node holding the object died (connection           *
+             reset/refused) or stopped answering (after the TCP timeouts below) -> StorageError
+     -900    RPC_FAIL: master unreachable (killed)                             *  -> StorageError
+     -901    RPC timeout: master stopped, no answer within MC_RPC_TIMEOUT_MS   *  -> StorageError
+    batch_is_exist: 1 / 0 / -900, -901 (not -1 as documented)                  *  -> StorageError
+    batch_remove: 0, -704 (fine), -706 for ``lease_ttl`` after a read *or an exists()* of  *
+             the key (ignored: deletion is best effort)
 
 Any other negative code raises :class:`StorageError` for the whole batch (items are never
 half-reported). A ``put`` on an existing key keeps the old value (objects are immutable).
 
 Time bounds. Every call returns within a bounded time because the backend sets these process-wide
-environment variables (only if the user has not set them) *before* the client is created::
+environment variables (unless the user set them) *before* the client is created::
 
     MC_RPC_TIMEOUT_MS, MC_RPC_CONNECT_TIMEOUT_MS = timeout       master RPCs (library default 30 s)
     MC_TCP_STATUS_TIMEOUT_SEC, MC_TCP_PROGRESS_TIMEOUT_SEC = timeout   a pool node that accepts
@@ -56,12 +60,16 @@ environment variables (only if the user has not set them) *before* the client is
     MC_TCP_BIND_ADDRESS = local_hostname   (otherwise it advertises the NIC address)
     MC_LOG_LEVEL = WARNING             the client library's INFO logging is silenced
 
-Measured (timeout=5 unless said): a SIGKILLed pool node -> -800 at once for reads, ~1 s for puts
-(reconnect with backoff); a SIGSTOPped node -> -800 after ~timeout for reads, ~2 x timeout for a
-batch of puts; a killed master -> -900 at once to ~4.3 s; a stopped master -> -901 after timeout.
-Before ``setup`` the backend probes the master's TCP port (connect timeout = ``timeout``) so a dead
-master fails in milliseconds, not after the retries. The timeouts are per process: the last
-backend created decides them.
+Measured on 127.0.0.1: a SIGKILLed pool node -> -800 at once to ~1 s (reconnect with backoff);
+a SIGSTOPped node -> -800 after ~timeout for reads, up to ~2 x timeout for a batch of puts; a
+stopped master -> -901 after timeout; a killed master -> -900 at once or after ~4.3 s (the RPC
+pool's own connect retries, not configurable). So after a -900/-901 the backend probes the
+master's TCP port before each call (connect timeout min(timeout, 1 s)) until it answers again: a
+dead master then costs milliseconds per call. Likewise ``setup`` is preceded by a probe, so a dead
+master fails fast instead of after the set-up retries (a master that accepts connections but
+never answers can still hold ``setup`` for ~3 x 4.4 s). After a pool node dies the master drops it
+(and its objects, which then read as misses) after its ``client_ttl`` (10 s). These variables are
+per process: the last backend created sets them (a value the user set is never overwritten).
 
 Thread safety: the Mooncake client object is thread-safe (it releases the GIL; 4 threads sharing
 one client, each putting/getting/removing its own and shared keys, gave byte-exact results), so
@@ -235,7 +243,7 @@ def _address(buf: memoryview) -> tuple[int, int]:
         return 0, 0
     if not mv.c_contiguous:
         raise ValueError("mooncake backend needs C-contiguous buffers")
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data), n
+    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]), n
 
 
 class MooncakeBackend(Backend):
@@ -658,6 +666,8 @@ class MooncakeBackend(Backend):
         except Exception as e:  # pragma: no cover
             log.warning("mooncake close failed: %s", e)
         self._bounce = None
+        self._regions = []                  # the client is gone: the memory may be freed
+        self._registered = ()
 
 
 # ------------------------------------------------------------------------------------------------

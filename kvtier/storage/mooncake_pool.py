@@ -12,7 +12,8 @@ Runs two processes and supervises them:
 It waits (with a deadline) until the master reports the node's capacity, prints the URL, and on
 Ctrl-C / SIGTERM stops the node, then the master (SIGTERM, SIGKILL after a grace period); if either
 child dies the other is stopped and the command exits 1. Children are started with
-``PR_SET_PDEATHSIG`` (Linux), so they die with the supervisor even if it is SIGKILLed.
+``PR_SET_PDEATHSIG`` (Linux), so they die with the supervisor even if it is SIGKILLed (verified:
+``kill -9`` of the command leaves no master or node behind).
 
 Python API (tests)::
 
@@ -88,7 +89,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _port_in_use(host: str, port: int) -> bool:
+    """Someone listens there (TIME_WAIT leftovers do not count: the master binds with
+    SO_REUSEADDR, as this check does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -128,9 +132,12 @@ def _kill_leftovers() -> None:
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    # PR_SET_PDEATHSIG fires when the *thread* that forked exits: only from the main thread, so a
+    # pool started from a worker thread is not killed when that thread ends (atexit covers it).
+    pdeath = sys.platform == "linux" and threading.current_thread() is threading.main_thread()
     with open(log_path, "ab") as logf:
         p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                             env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                             env=env, preexec_fn=_die_with_parent if pdeath else None)
     with _LIVE_LOCK:
         _LIVE[p.pid] = p
     return p
@@ -157,6 +164,27 @@ def _signal_and_wait(p: subprocess.Popen | None, sig: int, timeout: float) -> bo
 def _stop_proc(p: subprocess.Popen | None, grace: float = STOP_GRACE) -> None:
     if not _signal_and_wait(p, signal.SIGTERM, grace):
         _signal_and_wait(p, signal.SIGKILL, 10)
+
+
+def _stop_and_wait(p: subprocess.Popen | None, timeout: float = 5.0) -> None:
+    """SIGSTOP ``p`` and wait until all its threads are in state T (stopped)."""
+    if p is None or p.poll() is not None:
+        return
+    os.kill(p.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = []
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                with open(f"/proc/{p.pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:       # not Linux, or a thread ended meanwhile
+            if not os.path.isdir(f"/proc/{p.pid}"):
+                return
+            states = []
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.005)
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -288,17 +316,16 @@ class PoolHandle:
         self.kill_master()
 
     def pause_node(self) -> None:
-        """SIGSTOP the node: connections are accepted (kernel backlog) but never answered."""
-        if self.node is not None and self.node.poll() is None:
-            os.kill(self.node.pid, signal.SIGSTOP)
+        """SIGSTOP the node: connections are accepted (kernel backlog) but never answered.
+        Returns once every thread of it is stopped (on a loaded machine that takes a moment)."""
+        _stop_and_wait(self.node)
 
     def resume_node(self) -> None:
         if self.node is not None and self.node.poll() is None:
             os.kill(self.node.pid, signal.SIGCONT)
 
     def pause_master(self) -> None:
-        if self.master is not None and self.master.poll() is None:
-            os.kill(self.master.pid, signal.SIGSTOP)
+        _stop_and_wait(self.master)
 
     def resume_master(self) -> None:
         if self.master is not None and self.master.poll() is None:
@@ -348,7 +375,8 @@ def start_pool(port: int | None = None, size: int | str = "256MiB", workdir: str
 
     ``port=None`` picks a free port. Logs go to ``workdir`` (a temp dir, removed by ``stop()``,
     when None). Raises :class:`PoolError` (with the logs' tails) if it cannot start; nothing is
-    left running then. Children die with the thread that started them (``PR_SET_PDEATHSIG``).
+    left running then. Started from the main thread, the children die with this process even if it
+is SIGKILLed (``PR_SET_PDEATHSIG``; the node also watches its parent PID); otherwise at exit.
     """
     nbytes = parse_size(size) if isinstance(size, str) else int(size)
     if nbytes <= 0:

@@ -20,7 +20,8 @@ from typing import Iterator
 
 import pytest
 
-from kvtier.storage.mooncake_pool import DEFAULT_LEASE_TTL_MS, PoolError, PoolHandle, find_master_binary, start_pool
+from kvtier.storage.mooncake_pool import (DEFAULT_LEASE_TTL_MS, PoolError, PoolHandle, find_master_binary,
+                                          start_pool)
 
 POOL_SIZE = "256MiB"
 _unavailable: list[str] = []
