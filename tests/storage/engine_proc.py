@@ -10,7 +10,7 @@ import sys
 import kvtier
 
 ENGINE_KW = dict(num_device_blocks=24, block_size=8, num_host_blocks=16, write_policy="write_through",
-                 storage_fetch="always")
+                 storage_fetch="always", prefetch_policy="wait_complete")   # exact hit counts, whatever the timing
 
 
 def run(llm: kvtier.LLM, prompts: list[list[int]], routed: bool) -> list[dict]:
