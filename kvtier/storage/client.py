@@ -113,6 +113,7 @@ class _Op:
 
 class StorageClient:
     def __init__(self, backend: Backend, namespace: str = "default", *, workers: int = 4, batch: int = 16,
+                 put_workers: int | None = None,
                  retries: int = 1, breaker_threshold: int = 3, breaker_cooldown: float = 2.0,
                  on_fetch_io: Callable[[int, float], None] | None = None,
                  on_fetch_busy: Callable[[int, float], None] | None = None) -> None:
@@ -134,7 +135,9 @@ class StorageClient:
         self._routing: Callable[[int], np.ndarray] | None = None
         self._pool: ThreadPoolExecutor | None = None        # fetches (and calibration)
         self._put_pool: ThreadPoolExecutor | None = None    # puts
-        self.put_workers = max(1, workers // 2)
+        self.put_workers = put_workers if put_workers is not None else max(1, workers // 2)
+        if self.put_workers < 1:
+            raise ValueError(f"put_workers must be >= 1, got {put_workers}")
         self._slots: SimpleQueue[np.ndarray] = SimpleQueue()
         self._inflight: deque[_Op] = deque()
         self._known: OrderedDict[bytes, None] = OrderedDict()   # keys stored (a hint for skipping puts)

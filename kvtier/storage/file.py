@@ -137,8 +137,11 @@ class FileBackend(Backend):
             shard = os.path.dirname(path)
             tmp = os.path.join(shard, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
-                os.makedirs(shard, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                except FileNotFoundError:          # first object of this shard
+                    os.makedirs(shard, exist_ok=True)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     _writev_all(fd, [memoryview(b).cast("B") for b in bufs])
                 finally:
