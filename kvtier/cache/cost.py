@@ -15,7 +15,9 @@ Until a side has been measured it uses the backend's prior (below) or, for the p
 
 A decision picks the number of leading storage blocks to fetch, ``k`` in ``{n, n/2, n/4, …, 0}``,
 maximising the time saved ``recompute(k) - fetch(k)``: all, a leading part (a partial run), or
-nothing. ``storage_fetch="always"`` (``always=True``) fetches every hit; the estimates still serve
+nothing. A "nothing" measures nothing, so a pool that was slow once would be refused forever:
+after ``explore_every`` refusals in a row, one run is fetched anyway (counted as ``explore``) to
+measure the pool again. ``storage_fetch="always"`` (``always=True``) fetches every hit; the estimates still serve
 the ``best_effort`` prefetch policy (how long a fetch should take).
 """
 from __future__ import annotations
@@ -69,11 +71,14 @@ class FetchCostModel:
     block_size: int = 16
     prior: tuple[float, float] | None = None   # (latency s, bandwidth bytes/s); None: PRIORS[scheme]
     always: bool = False                       # fetch every hit (no decision)
+    explore_every: int = 16                    # refusals in a row before one fetch re-measures the pool
+    _refused_in_a_row: int = 0
     _fit: _Fit = field(default_factory=_Fit)
     _mean_bytes_per_s: float = 0.0  # bytes / s through one call, when sizes do not vary
     _aggregate_bytes_per_s: float = 0.0   # bytes / s of all calls together while reads were in flight
     _prefill_tokens_per_s: float = 0.0
-    decisions: dict[str, int] = field(default_factory=lambda: {"fetch": 0, "partial": 0, "recompute": 0})
+    decisions: dict[str, int] = field(default_factory=lambda: {"fetch": 0, "partial": 0, "recompute": 0,
+                                                                "explore": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # ------------------------------------------------------------------ measurements
@@ -149,6 +154,13 @@ class FetchCostModel:
                     best_k, best_gain = k, gain
                 k //= 2
         kind = "fetch" if best_k == num_blocks else "partial" if best_k else "recompute"
+        if kind == "recompute":
+            self._refused_in_a_row += 1
+            if self._refused_in_a_row > self.explore_every:
+                self._refused_in_a_row = 0
+                best_k, kind = num_blocks, "explore"
+        else:
+            self._refused_in_a_row = 0
         self.decisions[kind] += 1
         return best_k
 

@@ -106,11 +106,17 @@ class ModelFingerprint:
     dtype: str
     block_size: int
     kv_layout: str = "page_first"
+    weights: str = ""       # which weights (a digest): two fine-tunes of one shape never share KV
+    payload: str = ""       # what else a stored block carries, e.g. R3 routing "routing:48x8:uint8"
 
     def encode(self) -> bytes:
         parts = (self.architecture, self.num_layers, self.num_kv_heads, self.head_dim,
                  self.dtype, self.block_size, self.kv_layout)
-        return b"".join(_field(str(p).encode()) for p in parts)
+        out = b"".join(_field(str(p).encode()) for p in parts)
+        for tag, value in (("weights", self.weights), ("payload", self.payload)):
+            if value:                 # absent when empty: fingerprints without them keep their keys
+                out += _field(tag.encode()) + _field(value.encode())
+        return out
 
 
 @dataclass(frozen=True, slots=True)

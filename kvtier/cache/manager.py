@@ -107,12 +107,15 @@ class _Prefetch:
     """One request's storage->host fetch, in chunks: it holds the node its blocks hang from
     until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
 
-    __slots__ = ("anchor", "locked", "keys", "num_blocks_pending", "num_chunks_pending")
+    __slots__ = ("anchor", "locked", "host_pinned", "keys", "next_index", "num_blocks_pending",
+                 "num_chunks_pending")
 
     def __init__(self, anchor: Node, locked: bool) -> None:
         self.anchor = anchor
-        self.locked = locked    # held by a lock (device copy) rather than a host pin
+        self.locked = locked    # held by a lock (its host copy is still in flight) ...
+        self.host_pinned = not locked   # ... and by a host pin once that copy has landed
         self.keys: tuple[bytes, ...] = ()
+        self.next_index = 0     # chunks land in order: the first item index of the next one
         self.num_blocks_pending = 0
         self.num_chunks_pending = 0
 
@@ -148,6 +151,7 @@ class CacheManager:
         self.fetch_cost = fetch_cost       # None: fetch every storage hit (storage_fetch="always")
         self._parked: list[list] = []      # fetch chunks landed below a host copy still in flight
         self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
+        self._anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
         self._seeds: dict[str | None, bytes] = {}
         self._tick = 0
         self._next_op = 0
@@ -463,11 +467,23 @@ class CacheManager:
         node = pf.anchor
         if node.is_root:
             return
+        if delta > 0:
+            if pf.locked:
+                self.tree.lock(node)
+                self._anchored.setdefault(id(node), []).append(pf)
+            else:
+                node.host_reads += 1
+            return
         if pf.locked:
-            self.tree.lock(node) if delta > 0 else self.tree.unlock(node)
-        else:
-            node.host_reads += delta
-            self.tree.maybe_candidate(node)
+            self.tree.unlock(node)
+            waiting = self._anchored.get(id(node))
+            if waiting is not None and pf in waiting:
+                waiting.remove(pf)
+                if not waiting:
+                    del self._anchored[id(node)]
+        if pf.host_pinned:
+            node.host_reads -= 1
+        self.tree.maybe_candidate(node)
 
     # ------------------------------------------------------------------ commit / free
     def commit(self, req: CacheRequest, num_tokens: int) -> None:
@@ -679,6 +695,8 @@ class CacheManager:
                 self.device_pool.free_one(block)
                 req.block_table[i] = node.device_block
             req.nodes.append(node)
+        if self._backup_backlog:
+            self._retry_backups()
         return rewinds
 
     def _complete_backup(self, items: list, failed: frozenset[int]) -> dict[object, int]:
@@ -692,6 +710,9 @@ class CacheManager:
                 self.host_pool.free_one(tree.drop_host(node))
             else:
                 node.host_ready = True
+                for pf in self._anchored.pop(id(node), ()):   # its fetched blocks will hang below:
+                    pf.host_pinned = True                     # the landed host copy must stay
+                    node.host_reads += 1
                 if self.storage is not None and self.policy.copy_on_land(node.hit_count):
                     self._put(node)
             if node.evict_device_after_copy:
@@ -702,6 +723,8 @@ class CacheManager:
             tree.maybe_candidate(node)
         if self._parked:
             self._unpark_fetches()
+        if self._backup_backlog:
+            self._retry_backups()
         return {}
 
     def _complete_put(self, items: list, failed: frozenset[int]) -> dict[object, int]:
@@ -712,8 +735,10 @@ class CacheManager:
             if idx not in failed:
                 self.storage.add(node.key)  # type: ignore[union-attr]
             if node.evict_host_after_copy:
+                # write_back: evicted once stored; if the put failed the host copy goes anyway
+                # (the pool is only a cache; a dead pool must not freeze the host tier)
                 node.evict_host_after_copy = False
-                if idx not in failed and node.host_evictable():
+                if node.host_evictable():
                     self.host_pool.free_one(tree.drop_host(node))
                     self.stats.evictions["host"] += 1
                     if node.device_block is None:
@@ -726,17 +751,35 @@ class CacheManager:
 
     def _complete_fetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         """A chunk of one prefetch landed: its blocks become host copies below the block before
-        the chunk (the prefetch's anchor for the first chunk). If that block's own host copy is
-        still in flight (its backup was planned with the prefetch), the chunk is parked until
-        the backup completes; if that copy is gone or failed, the chunk is dropped (a miss)."""
+        the chunk (the prefetch's anchor for the first chunk). Chunks land in order: one that
+        completes before an earlier chunk of its prefetch, or while the anchor's own host copy is
+        still in flight (its backup was planned with the prefetch), is parked until then. If the
+        block it hangs from is gone or failed, the chunk is dropped (a miss)."""
+        self._parked.append([items, failed])
+        self._unpark_fetches()
+        return {}
+
+    def _fetch_parent(self, items: list) -> tuple[bool, Node | None]:
+        """(ready to land, the node the chunk hangs from or None if gone)."""
         pf, first = items[0][0], items[0][1]
+        if first != pf.next_index:
+            return False, None                    # an earlier chunk has not landed yet
         parent = pf.anchor if first == 0 else self.tree.nodes.get(pf.keys[first - 1])
         if (parent is not None and not parent.is_root and self.tree.alive(parent)
                 and parent.host_block is not None and not parent.host_ready and parent.device_reads):
-            self._parked.append([items, failed])
-            return {}
-        self._land_fetch(items, failed, parent)
-        return {}
+            return False, parent                  # its host copy is still being written
+        return True, parent
+
+    def _unpark_fetches(self) -> None:
+        progress = True
+        while progress and self._parked:
+            progress = False
+            for entry in list(self._parked):
+                ready, parent = self._fetch_parent(entry[0])
+                if ready:
+                    self._parked.remove(entry)
+                    self._land_fetch(entry[0], entry[1], parent)
+                    progress = True
 
     def _land_fetch(self, items: list, failed: frozenset[int], parent: Node | None) -> None:
         tree = self.tree
@@ -760,23 +803,11 @@ class CacheManager:
                 self.host_pool.free_one(block)
             tree.maybe_candidate(node)
             parent = node
+        pf.next_index = items[-1][1] + 1
         pf.num_blocks_pending -= len(items)
         pf.num_chunks_pending -= 1
         if not pf.num_chunks_pending:
             self._hold(pf, -1)
-
-    def _unpark_fetches(self) -> None:
-        """Land (or drop) parked chunks whose parent's host copy is no longer in flight."""
-        still = []
-        for items, failed in self._parked:
-            pf, first = items[0][0], items[0][1]
-            parent = pf.anchor if first == 0 else self.tree.nodes.get(pf.keys[first - 1])
-            if (parent is not None and not parent.is_root and self.tree.alive(parent)
-                    and parent.host_block is not None and not parent.host_ready and parent.device_reads):
-                still.append([items, failed])
-            else:
-                self._land_fetch(items, failed, parent)
-        self._parked = still
 
     # ================================================================== checks
     def assert_invariants(self, requests: Sequence[CacheRequest] = ()) -> None:
@@ -849,8 +880,10 @@ class CacheManager:
         prefetches = {id(x[0]): x[0] for kind, items in in_flight if kind == "fetch" for x in items}
         for pf in prefetches.values():       # each holds its anchor until its last chunk is done
             assert pf.num_chunks_pending > 0 and pf.num_blocks_pending > 0
-            held = locks if pf.locked else host_reads
-            held[id(pf.anchor)] = held.get(id(pf.anchor), 0) + 1
+            if pf.locked:
+                locks[id(pf.anchor)] = locks.get(id(pf.anchor), 0) + 1
+            if pf.host_pinned:
+                host_reads[id(pf.anchor)] = host_reads.get(id(pf.anchor), 0) + 1
         for node in tree.nodes.values():
             assert node.lock_ref == locks.get(id(node), 0), f"lock_ref {node.lock_ref} != holders of {node}"
             assert node.host_reads == host_reads.get(id(node), 0), f"host pins of {node}"

@@ -34,7 +34,7 @@ from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler
-from kvtier.model import ModelConfig, allocate_kv_caches, load_model
+from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
@@ -103,8 +103,12 @@ class LLM:
             num_device_blocks = self._size_device_blocks(bytes_per_block, block_size, max_num_seqs)
         if storage is not None and num_host_blocks == 0:
             raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
+        routing_payload = ""
+        if cfg.is_moe and capture_routing:    # stored blocks carry routing: not the same objects
+            routing_payload = f"routing:{cfg.num_moe_layers}x{cfg.top_k}:{cfg.num_experts}"
         fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       str(self.dtype).removeprefix("torch."), block_size)
+                                       str(self.dtype).removeprefix("torch."), block_size,
+                                       weights=weights_digest(self.path, load_format), payload=routing_payload)
         if storage_workers is None:          # I/O threads: half the cores, 2..8
             storage_workers = min(8, max(2, (os.cpu_count() or 4) // 2))
         self.storage = open_storage(storage, workers=storage_workers)

@@ -114,10 +114,14 @@ class Scheduler:
         if out.preempted or out.stalled:
             return out                               # no admissions while short of blocks
         idx = 0
-        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        # a request whose prefetch is in flight holds a seat: no more prefetches (host blocks
+        # reserved) than requests that could be admitted, and no one admitted ahead of them then
+        seats = self.max_num_seqs - len(self.running)
+        while idx < len(self.waiting) and budget > 0 and seats > 0:
             req = self.waiting[idx]
             if req.prefetch_deadline is not None and not self._prefetch_settled(req):
                 idx += 1                             # its storage hits are landing: step aside
+                seats -= 1
                 continue
             m = cache.match_prefix(req.cache)
             cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size
@@ -130,6 +134,7 @@ class Scheduler:
                         req.prefetch_deadline = req.metrics["prefetch_start"] + self._prefetch_budget(req, n_fetch)
                         out.prefetching.append(req)
                         idx += 1
+                        seats -= 1
                         continue
             if not cache.allocate(req.cache, min(req.num_tokens, cached + budget)):
                 break
@@ -151,6 +156,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+            seats -= 1
         return out
 
     def _prefetch_budget(self, req: Request, num_blocks: int) -> float:

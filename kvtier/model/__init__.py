@@ -13,11 +13,11 @@ import torch
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvtier.model.families import CausalLM
-from kvtier.model.loader import load_model
+from kvtier.model.loader import load_model, weights_digest
 from kvtier.model.presets import PRESETS, init_model
 
 __all__ = ["AttentionMetadata", "CausalLM", "ModelConfig", "PRESETS", "SUPPORTED_ARCHITECTURES",
-           "allocate_kv_caches", "init_model", "load_model"]
+           "allocate_kv_caches", "init_model", "load_model", "weights_digest"]
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,

@@ -12,6 +12,7 @@ checkpoint shapes that are not on disk (e.g. the ``llama3-8b-shape`` preset writ
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -140,3 +141,28 @@ def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dty
             tensor.normal_(0.0, std, generator=generator)
         loaded[name] = tensor
     return loaded
+
+
+def weights_digest(path: str | os.PathLike, load_format: str = "auto") -> str:
+    """A short digest naming a checkpoint's weights, cheap enough for startup (storage keys carry
+    it, so that two fine-tunes of one architecture never read each other's KV from a shared pool):
+    config.json, and per safetensors shard its name, size, header and three 64 KiB samples of its
+    tensor data (start, middle, end) — any fine-tune changes those. Dummy weights: a constant."""
+    import hashlib
+
+    if load_format == "dummy":
+        return f"dummy:{DUMMY_SEED}"
+    root = Path(path)
+    h = hashlib.sha256()
+    h.update((root / "config.json").read_bytes())
+    for shard in sorted(root.glob("*.safetensors")):
+        size = shard.stat().st_size
+        h.update(shard.name.encode() + size.to_bytes(8, "little"))
+        with open(shard, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(header_len, 1 << 20)))
+            data_start = 8 + header_len
+            for offset in (data_start, data_start + (size - data_start) // 2, max(data_start, size - (64 << 10))):
+                f.seek(offset)
+                h.update(f.read(64 << 10))
+    return h.hexdigest()[:32]

@@ -15,13 +15,15 @@ Invariants:
    that is late (slow pool, timeout) can never write into a host block handed to someone else:
    the manager keeps the blocks reserved until :meth:`poll` reports the op;
 2. a fetched item counts as landed only if its object passed every check of
-   :meth:`BlobLayout.check` (namespace, key, dtype, shape, sizes, checksum); a bad object is
-   counted, deleted from the pool and reported failed (a miss: the tokens are recomputed);
+   :meth:`BlobLayout.check` (namespace, key, dtype, shape, sizes, checksum); a damaged object
+   (bad checksum, truncated, wrong key inside) is counted, deleted from the pool and reported
+   failed (a miss: the tokens are recomputed, then stored again); an object of another layout or
+   namespace is a miss too, but left alone (it is someone else's);
 3. a backend that raises is retried ``retries`` times, then the batch's items are failed; after
-   ``breaker_threshold`` failed calls in a row the breaker opens: lookups answer 0 and ops fail
-   at once without I/O (requests go on by recompute) until ``breaker_cooldown`` has passed; then
-   one call probes the backend: success closes the breaker, failure opens it again for twice as
-   long (at most 60 s);
+   ``breaker_threshold`` failed calls in a row the breaker opens: lookups answer 0, new ops and
+   every batch still queued fail at once without I/O (requests go on by recompute) until
+   ``breaker_cooldown`` has passed; then one call probes the backend: success closes the breaker,
+   failure opens it again for twice as long (at most 60 s);
 4. staging memory comes from a fixed arena (one slot of ``batch`` objects per thread), registered
    once with the backend (zero-copy clients); a slot is used by one batch at a time;
 5. fetches and puts run on separate threads (``workers`` and ``max(1, workers // 2)``): a fetch,
@@ -49,6 +51,11 @@ from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus
 log = logging.getLogger(__name__)
 
 
+# our own objects, damaged (deleted so that the next writer replaces them); anything else that
+# fails the check (another namespace or layout) is left alone and read as a miss
+_DAMAGED = (BlobStatus.BAD_CHECKSUM, BlobStatus.TRUNCATED, BlobStatus.WRONG_KEY)
+
+
 def _flat(a: np.ndarray) -> memoryview:
     """A host block's bytes as a flat writable view (host blocks are contiguous)."""
     assert a.flags.c_contiguous
@@ -56,6 +63,12 @@ def _flat(a: np.ndarray) -> memoryview:
 
 
 class CircuitBreaker:
+    """Closed: every call goes. Open (``threshold`` failed calls in a row): no call goes until
+    ``cooldown`` has passed; then one call, the probe, goes: success closes it, failure opens it
+    again for twice as long (at most ``max_cooldown``)."""
+
+    CLOSED, PROBE = "closed", "probe"
+
     def __init__(self, threshold: int = 3, cooldown: float = 2.0, max_cooldown: float = 60.0) -> None:
         self.threshold = threshold
         self.base_cooldown = cooldown
@@ -71,15 +84,27 @@ class CircuitBreaker:
     def is_open(self) -> bool:
         return self.open_until is not None
 
-    def allow(self) -> bool:
-        """May a call go to the backend now? (after the cooldown, one probe at a time)"""
+    def blocked(self) -> bool:
+        """Would a call be refused now? (claims nothing)"""
+        with self._lock:
+            return self.open_until is not None and (self._probing or time.monotonic() < self.open_until)
+
+    def allow(self) -> str | None:
+        """A token if a call may go now (``PROBE``: this call is the one probe), else None. A
+        probe token must be given back with :meth:`release` once the call returned."""
         with self._lock:
             if self.open_until is None:
-                return True
+                return self.CLOSED
             if self._probing or time.monotonic() < self.open_until:
-                return False
+                return None
             self._probing = True
-            return True
+            return self.PROBE
+
+    def release(self, token: str | None) -> None:
+        """The call that got ``token`` is over (its success/failure, if any, already recorded)."""
+        if token == self.PROBE:
+            with self._lock:
+                self._probing = False
 
     def success(self) -> None:
         with self._lock:
@@ -130,6 +155,7 @@ class StorageClient:
         self._reads_active = 0                  # read calls in flight (busy period bookkeeping)
         self._busy_start = 0.0
         self._busy_bytes = 0
+        self._busy_tainted = False
         self.layout: BlobLayout | None = None
         self._kv: Callable[[int], np.ndarray] | None = None
         self._routing: Callable[[int], np.ndarray] | None = None
@@ -143,7 +169,8 @@ class StorageClient:
         self._known: OrderedDict[bytes, None] = OrderedDict()   # keys stored (a hint for skipping puts)
         self._lock = threading.Lock()
         self.counters = {k: 0 for k in (
-            "lookups", "lookup_hits", "hits", "misses", "corrupt", "put_blocks", "put_refused",
+            "lookups", "lookup_hits", "hits", "misses", "corrupt", "foreign", "skipped_breaker_open",
+            "put_blocks", "put_refused",
             "failed_calls", "bytes_read", "bytes_written", "fetch_seconds", "put_seconds")}
         self._closed = False
 
@@ -166,7 +193,10 @@ class StorageClient:
     # ------------------------------------------------------------------ what the manager asks
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the pool holds (0 while the breaker is open)."""
-        if not keys or not self.breaker.allow():
+        if not keys:
+            return 0
+        token = self.breaker.allow()
+        if token is None:
             return 0
         self.counters["lookups"] += 1
         try:
@@ -174,6 +204,8 @@ class StorageClient:
         except Exception as e:   # a dead pool is a miss
             self._call_failed("lookup", e)
             return 0
+        finally:
+            self.breaker.release(token)
         self.breaker.success()
         n = 0
         for p in present:
@@ -181,8 +213,11 @@ class StorageClient:
                 break
             n += 1
         with self._lock:
-            for k in keys[:n]:
-                self._remember(k)
+            for k, p in zip(keys, present):
+                if p:
+                    self._remember(k)
+                else:
+                    self._known.pop(k, None)       # evicted from the pool: put it again next time
         self.counters["lookup_hits"] += n
         return n
 
@@ -212,9 +247,10 @@ class StorageClient:
         run = self._fetch_batch if op.kind == "fetch" else self._put_batch
         pool = self._pool if op.kind == "fetch" else self._put_pool
         futures, starts = [], []
-        if self.breaker.allow():
+        if not self.breaker.blocked():
             for s in range(0, op.num_blocks, self.batch):
-                futures.append(pool.submit(run, op.keys[s:s + self.batch], blocks[s:s + self.batch]))  # type: ignore[union-attr]
+                futures.append(pool.submit(self._gated, run, op.keys[s:s + self.batch],  # type: ignore[union-attr]
+                                           blocks[s:s + self.batch]))
                 starts.append(s)
         entry = _Op(op, futures, starts, time.monotonic())
         if not futures:                         # breaker open: fail at once, no I/O
@@ -223,12 +259,10 @@ class StorageClient:
 
     def poll(self) -> list[tuple[int, list[int]]]:
         """Ops whose every batch has returned, as (op_id, failed item indices); never blocks.
-        Fetches are reported in submission order (a later fetch may hang below an earlier one)."""
-        out, fetch_blocked = [], False
+        In any order: the manager lands a prefetch's chunks in order itself."""
+        out = []
         for entry in list(self._inflight):
-            is_fetch = entry.op.kind == "fetch"
-            if (is_fetch and fetch_blocked) or not all(f.done() for f in entry.futures):
-                fetch_blocked |= is_fetch
+            if not all(f.done() for f in entry.futures):
                 continue
             self._inflight.remove(entry)
             for start, fut in zip(entry.starts, entry.futures):
@@ -259,12 +293,13 @@ class StorageClient:
 
     # ------------------------------------------------------------------ workers
     def _call(self, what: str, fn, *args):  # type: ignore[no-untyped-def]
-        """fn(*args) with bounded retries; raises after the last failure (counted)."""
+        """fn(*args) with bounded retries (none once the breaker is open); raises after the last
+        failure (counted)."""
         for attempt in range(self.retries + 1):
             try:
                 result = fn(*args)
             except Exception as e:
-                if attempt == self.retries:
+                if attempt == self.retries or self.breaker.is_open:
                     self._call_failed(what, e)
                     raise
                 continue
@@ -276,6 +311,19 @@ class StorageClient:
             self.counters["failed_calls"] += 1
         self.breaker.failure()
         log.warning("storage %s failed on %s: %s", what, self.backend.describe(), e)
+
+    def _gated(self, run, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:  # type: ignore[no-untyped-def]
+        """Run one batch unless the breaker opened since the op was queued (then fail it at once,
+        no I/O); the batch that gets the probe token gives it back whatever happens."""
+        token = self.breaker.allow()
+        if token is None:
+            with self._lock:
+                self.counters["skipped_breaker_open"] += len(keys)
+            return list(range(len(keys)))
+        try:
+            return run(keys, host_blocks)
+        finally:
+            self.breaker.release(token)
 
     def _fetch_batch(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:
         layout, n = self.layout, len(keys)
@@ -295,25 +343,31 @@ class StorageClient:
                 else:
                     sizes = self._call("get", self.backend.get_into, names, [memoryview(slot[j]) for j in range(n)])
             except Exception:
-                self._read_ended(0)
+                self._read_ended(0, failed=True)
                 return list(range(n))
             dt = time.perf_counter() - t0
             self._read_ended(sum(s for s in sizes if s > 0))
-            failed, corrupt, nbytes = [], [], 0
+            failed, corrupt, foreign, nbytes = [], [], 0, 0
             for j, (size, key, hb) in enumerate(zip(sizes, keys, host_blocks)):
                 if size == MISSING:
                     failed.append(j)
                     continue
                 if size == TOO_LARGE:
-                    status = BlobStatus.TRUNCATED
+                    status = BlobStatus.BAD_HEADER        # larger than this layout: not ours
                 elif parts:
                     status = layout.check_parts(slot[j], size, key, kvs[j], rts[j])
                 else:
                     status = layout.check(slot[j], size, key)
                 if status is not BlobStatus.OK:
-                    log.warning("storage object %s is bad (%s): deleted, counted as a miss", names[j], status.value)
                     failed.append(j)
-                    corrupt.append(names[j])
+                    if status in _DAMAGED:               # our object, damaged: delete, rewrite later
+                        log.warning("storage object %s is bad (%s): deleted, counted as a miss",
+                                    names[j], status.value)
+                        corrupt.append(names[j])
+                    else:                                 # another layout's or namespace's: leave it
+                        log.warning("storage object %s is not of this engine's layout (%s): a miss",
+                                    names[j], status.value)
+                        foreign += 1
                     continue
                 if not parts:
                     layout.decode_into(slot[j], kvs[j], rts[j])
@@ -326,8 +380,9 @@ class StorageClient:
             with self._lock:
                 c = self.counters
                 c["hits"] += n - len(failed)
-                c["misses"] += len(failed) - len(corrupt)
+                c["misses"] += len(failed) - len(corrupt) - foreign
                 c["corrupt"] += len(corrupt)
+                c["foreign"] += foreign
                 c["bytes_read"] += nbytes
                 c["fetch_seconds"] += dt
                 for j in failed:                   # not (or no longer) stored intact: put it again
@@ -342,20 +397,22 @@ class StorageClient:
         now = time.perf_counter()
         with self._lock:
             if not self._reads_active:
-                self._busy_start, self._busy_bytes = now, 0
+                self._busy_start, self._busy_bytes, self._busy_tainted = now, 0, False
             self._reads_active += 1
         return now
 
-    def _read_ended(self, nbytes: int) -> None:
+    def _read_ended(self, nbytes: int, failed: bool = False) -> None:
         """A busy period (some read in flight) ends when the last read returns: its bytes over
-        its wall time is the pool's aggregate read rate, whatever the number of calls in it."""
+        its wall time is the pool's aggregate read rate, whatever the number of calls in it. A
+        period with a failed call says nothing about the rate (the breaker deals with failures)."""
         with self._lock:
             self._reads_active -= 1
             self._busy_bytes += nbytes
+            self._busy_tainted |= failed
             if self._reads_active:
                 return
-            period, nbytes = time.perf_counter() - self._busy_start, self._busy_bytes
-        if nbytes and self.on_fetch_busy is not None:
+            period, nbytes, tainted = time.perf_counter() - self._busy_start, self._busy_bytes, self._busy_tainted
+        if nbytes and not tainted and self.on_fetch_busy is not None:
             self.on_fetch_busy(nbytes, period)
 
     def _put_batch(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:
@@ -388,6 +445,9 @@ class StorageClient:
                 c["put_refused"] += len(failed)
                 c["bytes_written"] += (n - len(failed)) * layout.nbytes
                 c["put_seconds"] += dt
+                for j, good in enumerate(ok):
+                    if good:
+                        self._remember(keys[j])
             return failed
         finally:
             self._slots.put(slot)

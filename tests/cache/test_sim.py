@@ -115,7 +115,7 @@ def test_sim_fetches_storage_hits_only_when_cheaper_than_recompute(tmp_path, cap
                             "--write-policy", "write_through", "--prefill-tokens-per-s", "20000",
                             "--storage-gbps", str(gbps), "--storage-latency-ms", "0.1"])
     assert res["hit_tokens"]["storage"] == (128 if fetched else 0)
-    assert res["fetch_decisions"] == {"fetch": int(fetched), "partial": 0, "recompute": int(not fetched)}
+    assert res["fetch_decisions"] == {"fetch": int(fetched), "partial": 0, "recompute": int(not fetched), "explore": 0}
 
 
 @pytest.mark.parametrize("flag,value,msg", [("--device-blocks", "0", "at least one block"),

@@ -90,7 +90,8 @@ def test_an_object_of_another_model_is_a_miss():
     host = Host(3)
     other.bind(other_layout, host.kv.__getitem__, host.rt.__getitem__)
     assert fetch(other, 1, [0], [key(0)]) == [0]
-    assert other.stats()["corrupt"] == 1
+    assert other.stats()["foreign"] == 1
+    assert backend.exists([other.name(key(0))]) == [True]      # someone else's: left alone
 
 
 class Flaky(MemoryBackend):
@@ -182,23 +183,70 @@ def test_a_fetch_is_never_reported_before_its_worker_returned():
     assert c.drain() == [(7, [0])]                       # (a zero object: bad header -> failed)
 
 
-def test_fetches_are_reported_in_submission_order():
+def test_a_fast_fetch_is_not_held_behind_a_slow_one():
     backend = Slow()
     c = client_for(backend, Host(1))
-    c.submit(TransferOp(1, "fetch", (), (0,), (key(0),)))
-    backend.release.set()
-    c.drain()
-    backend.release.clear()
-    backend.writing.clear()
     c.submit(TransferOp(2, "fetch", (), (1,), (key(1),)))   # blocks in the backend
     assert backend.writing.wait(5)
-    fast = MemoryBackend()
-    c.backend = fast                                          # the next op is fast
+    c.backend = MemoryBackend()                                # the next op is fast
     c.submit(TransferOp(3, "fetch", (), (2,), (key(2),)))
-    time.sleep(0.1)
-    assert c.poll() == []                                    # 3 is done but waits behind 2
+    deadline = time.monotonic() + 5
+    done = []
+    while not done and time.monotonic() < deadline:
+        done = c.wait(timeout=0.1)
+    assert [op for op, _ in done] == [3]                      # (the manager orders chunks itself)
     backend.release.set()
-    assert [op for op, _ in c.drain()] == [2, 3]
+    assert [op for op, _ in c.drain()] == [2]
+
+
+def test_batches_queued_before_the_breaker_opened_fail_without_io():
+    backend = Flaky()
+    c = StorageClient(backend, workers=1, batch=1, retries=0, breaker_threshold=3, breaker_cooldown=30)
+    host = Host(1)
+    c.bind(LAYOUT, host.kv.__getitem__, host.rt.__getitem__)
+    backend.down = True
+    c.submit(TransferOp(1, "fetch", (), tuple(range(12)), tuple(key(i) for i in range(12))))
+    (done,) = c.drain()
+    assert done[1] == list(range(12))
+    assert backend.calls == 3                                 # the breaker opened: 9 batches never went
+    assert c.stats()["skipped_breaker_open"] == 9
+
+
+def test_a_probe_that_breaks_before_its_call_does_not_wedge_the_breaker():
+    backend = Flaky()
+    c = client_for(backend, Host(1), retries=0, breaker_threshold=1, breaker_cooldown=0.05)
+    backend.down = True
+    assert c.lookup_prefix([key(0)]) == 0 and c.breaker.is_open
+    time.sleep(0.06)
+    c._kv = None                                               # the probe batch raises before any I/O
+    c.submit(TransferOp(1, "put", (0,), (), (key(0),)))
+    c.drain()
+    c.bind(LAYOUT, Host(1).kv.__getitem__, Host(1).rt.__getitem__)
+    backend.down = False
+    time.sleep(0.06)
+    assert c.lookup_prefix([key(0)]) == 0 and not c.breaker.is_open   # a later probe went
+
+
+def test_a_lookup_miss_forgets_that_a_key_was_stored():
+    backend = MemoryBackend()
+    c = client_for(backend, Host(1))
+    put(c, 0, [0, 1], [key(0), key(1)])
+    assert c.contains(key(1))
+    backend.delete([c.name(key(1))])                          # evicted by the pool
+    assert c.lookup_prefix([key(0), key(1)]) == 1
+    assert not c.contains(key(1))                             # so the next write-through puts it again
+
+
+def test_an_object_of_another_layout_is_a_miss_left_in_place():
+    backend = MemoryBackend()
+    put(client_for(backend, Host(1)), 0, [0], [key(0)])
+    other = StorageClient(backend, workers=1, batch=2)
+    bigger = BlobLayout(LAYOUT.namespace, "float32", (2, 2, 4, 2, 4), 4, KV_NBYTES, RT_NBYTES + 8)
+    host = Host(3)
+    other.bind(bigger, host.kv.__getitem__, lambda h: np.zeros(RT_NBYTES + 8, np.uint8))
+    assert fetch(other, 1, [0], [key(0)]) == [0]
+    assert other.stats()["foreign"] == 1 and other.stats()["corrupt"] == 0
+    assert backend.exists([other.name(key(0))]) == [True]
 
 
 def test_cost_model_fetches_only_when_cheaper_than_recompute():
@@ -215,7 +263,10 @@ def test_cost_model_fetches_only_when_cheaper_than_recompute():
     for n in (1, 4, 16):                                       # 20 MB/s: 52 ms per block > 1 ms
         slow.observe_fetch(n << 20, (n << 20) / 20e6)
     assert slow.blocks_to_fetch(64) == 0
-    assert slow.decisions == {"fetch": 0, "partial": 0, "recompute": 1}
+    assert slow.decisions == {"fetch": 0, "partial": 0, "recompute": 1, "explore": 0}
+    for _ in range(15):
+        assert slow.blocks_to_fetch(64) == 0
+    assert slow.blocks_to_fetch(64) == 64 and slow.decisions["explore"] == 1   # re-measure now and then
     laggy = FetchCostModel("redis", workers=4, batch=16, block_nbytes=1 << 10, block_size=16)
     laggy.observe_prefill(16_000, 1.0)
     for n in (1, 4, 16):              # 20 ms per call, fast bytes: pays only for long runs
