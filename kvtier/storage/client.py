@@ -51,6 +51,8 @@ from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus
 log = logging.getLogger(__name__)
 
 
+_LOOKUP_SLICE = 128    # names per exists call when a lookup is split across threads
+
 # our own objects, damaged (deleted so that the next writer replaces them); anything else that
 # fails the check (another namespace or layout) is left alone and read as a miss
 _DAMAGED = (BlobStatus.BAD_CHECKSUM, BlobStatus.TRUNCATED, BlobStatus.WRONG_KEY)
@@ -161,6 +163,7 @@ class StorageClient:
         self._routing: Callable[[int], np.ndarray] | None = None
         self._pool: ThreadPoolExecutor | None = None        # fetches (and calibration)
         self._put_pool: ThreadPoolExecutor | None = None    # puts
+        self._lookup_pool: ThreadPoolExecutor | None = None  # slices of long lookups (never queued behind I/O)
         self.put_workers = put_workers if put_workers is not None else max(1, workers // 2)
         if self.put_workers < 1:
             raise ValueError(f"put_workers must be >= 1, got {put_workers}")
@@ -186,6 +189,7 @@ class StorageClient:
             self._slots.put(arena[w])
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-fetch")
         self._put_pool = ThreadPoolExecutor(self.put_workers, thread_name_prefix="kvtier-put")
+        self._lookup_pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-lookup")
 
     def name(self, key: bytes) -> str:
         return object_name(key, self.namespace)
@@ -199,8 +203,15 @@ class StorageClient:
         if token is None:
             return 0
         self.counters["lookups"] += 1
+        names = [self.name(k) for k in keys]
         try:
-            present = self.backend.exists([self.name(k) for k in keys])
+            if len(names) > 2 * _LOOKUP_SLICE and self._lookup_pool is not None:
+                # a long prompt: slices looked up at once on the fetch threads (a file pool
+                # answers with one stat per name; a server pipelines each slice)
+                slices = [names[i:i + _LOOKUP_SLICE] for i in range(0, len(names), _LOOKUP_SLICE)]
+                present = [p for part in self._lookup_pool.map(self.backend.exists, slices) for p in part]
+            else:
+                present = self.backend.exists(names)
         except Exception as e:   # a dead pool is a miss
             self._call_failed("lookup", e)
             return 0
@@ -523,7 +534,7 @@ class StorageClient:
         if self._closed:
             return
         self._closed = True
-        for pool in (self._pool, self._put_pool):
+        for pool in (self._pool, self._put_pool, self._lookup_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
         self.backend.close()

@@ -272,3 +272,13 @@ def test_cost_model_fetches_only_when_cheaper_than_recompute():
     for n in (1, 4, 16):              # 20 ms per call, fast bytes: pays only for long runs
         laggy.observe_fetch(n << 10, 0.02 + (n << 10) / 1e9)
     assert laggy.blocks_to_fetch(8) == 0 and laggy.blocks_to_fetch(4096) == 4096
+
+
+def test_a_long_lookup_is_split_across_threads_and_counts_leading_keys():
+    backend = MemoryBackend()
+    c = client_for(backend, Host(1))
+    keys = [i.to_bytes(32, "little") for i in range(600)]
+    backend.put_from([c.name(k) for k in keys], [memoryview(b"x")] * 600)
+    backend.delete([c.name(keys[417])])
+    assert c.lookup_prefix(keys) == 417
+    assert c.lookup_prefix(keys[:417]) == 417
