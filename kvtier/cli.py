@@ -214,7 +214,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-timeout", type=_timeout_pair, default=(0.1, 0.05), metavar="BASE,PER_1K",
                    help="prefetch_policy=timeout: seconds, plus seconds per 1K prompt tokens (default 0.1,0.05)")
     p.add_argument("--storage-workers", type=_positive, default=None,
-                   help="storage I/O worker threads (default: half the cores, 2 to 8)")
+                   help="storage fetch threads; put threads are half as many (default: one per core, 2 to 16)")
     p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
                    help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="tensor parallel ranks (default 1)")

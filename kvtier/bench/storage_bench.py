@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objects", type=int, default=256, help="objects per round (default 256)")
     ap.add_argument("--object-mib", type=float, default=2.0,
                     help="object size in MiB (default 2: one 16-token block of Llama-3-8B KV)")
-    ap.add_argument("--workers", type=int, default=min(8, max(2, (os.cpu_count() or 4) // 2)),
-                    help="I/O threads, both sides (default: half the cores, 2 to 8)")
+    ap.add_argument("--workers", type=int, default=min(16, max(2, os.cpu_count() or 4)),
+                    help="I/O threads, both sides (default: one per core, 2 to 16, as the engine)")
     ap.add_argument("--batch", type=int, default=16, help="objects per call, both sides (default 16)")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds; medians reported (default 3)")
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT from storage vs recompute")

@@ -109,8 +109,8 @@ class LLM:
         fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        str(self.dtype).removeprefix("torch."), block_size,
                                        weights=weights_digest(self.path, load_format), payload=routing_payload)
-        if storage_workers is None:          # I/O threads: half the cores, 2..8
-            storage_workers = min(8, max(2, (os.cpu_count() or 4) // 2))
+        if storage_workers is None:          # fetch threads: one per core, 2..16 (they wait on I/O);
+            storage_workers = min(16, max(2, os.cpu_count() or 4))   # put threads: half as many
         self.storage = open_storage(storage, workers=storage_workers)
         self.fetch_cost = None
         if self.storage is not None:      # always measured; decides only under storage_fetch="auto"
