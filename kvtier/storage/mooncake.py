@@ -291,7 +291,7 @@ class MooncakeBackend(Backend):
         self._counter_lock = threading.Lock()
         self._c = dict(round_trips=0, bytes_read=0, bytes_written=0, gets=0, hits=0, misses=0,
                        too_large=0, puts=0, refused=0, exists=0, deletes=0, errors=0,
-                       zero_copy_items=0, bounce_items=0, connects=0, connect_failures=0)
+                       zero_copy_items=0, bounce_items=0, connects=0, connect_failures=0, resets=0)
         try:
             self._connect()
         except StorageError as e:   # the engine may start while the pool is down: calls retry
@@ -391,12 +391,33 @@ class MooncakeBackend(Backend):
             raise StorageError(f"mooncake master {self.master} unreachable: {e}") from None
         self._master_suspect = False
 
+    def _reset(self) -> None:
+        """The master answers again after RPC failures: it may be a new master process, which
+        knows nothing of this client (calls on the old client keep failing with -900): set a new
+        client up. Calls still running on the old one are waited for (bounded), then it closes."""
+        with self._connect_lock:
+            with self._state:
+                old, self._store = self._store, None
+                deadline = time.monotonic() + self.timeout
+                while self._active and time.monotonic() < deadline:
+                    self._state.wait(0.05)
+                busy = self._active
+            if old is not None and not busy:
+                try:
+                    old.close()
+                except Exception as e:  # pragma: no cover
+                    log.warning("mooncake: closing the old client failed: %s", e)
+            self._next_connect = 0.0
+        self._count(resets=1)
+        self._connect()
+
     def _enter(self) -> Any:
         """The client, with this call counted in flight (close waits for it)."""
         if self._store is None:
             self._connect()
         elif self._master_suspect:
-            self._probe_master()
+            self._probe_master()            # raises while the master's port refuses connections
+            self._reset()
         with self._state:
             if self._closed or self._store is None:
                 raise StorageError(f"mooncake {self.master}: backend is closed")

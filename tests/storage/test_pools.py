@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,9 +94,10 @@ def test_a_second_engine_process_gets_storage_hits_and_identical_outputs(pool, c
 
 
 @pytest.mark.parametrize("pool", SERVERS, indirect=True)
-def test_a_pool_killed_mid_run_costs_recompute_not_answers(pool, checkpoint, cold, tmp_path):
+def test_a_pool_killed_mid_run_costs_recompute_then_recovers(pool, checkpoint, cold, tmp_path):
     url, server = pool
     ps = prompts(2, n=6)
+    later = prompts(6, n=2)
     with kvtier.LLM(checkpoint(PRESET), storage=url, **ENGINE_KW) as llm:
         llm.storage.breaker.base_cooldown = llm.storage.breaker.cooldown = 0.5
         out = run(llm, ps[:3], True)
@@ -103,9 +105,20 @@ def test_a_pool_killed_mid_run_costs_recompute_not_answers(pool, checkpoint, col
         out += run(llm, ps[3:], True)                   # puts and lookups fail: served by recompute
         out += run(llm, ps[:3], True)                   # their hits are on device/host or recomputed
         same(out, cold(ps) + cold(ps[:3]))
-        stats = llm.cache_stats()
-        assert stats["storage"]["failed_calls"] > 0
+        assert llm.cache_stats()["storage"]["failed_calls"] > 0
         llm.cache.assert_invariants()
+        if hasattr(server, "restart"):                  # the pool comes back (empty)
+            server.restart()
+        else:
+            server.flushall()
+        time.sleep(0.6)                                 # past the breaker's cooldown: it probes
+        puts_before = llm.cache_stats()["storage"]["put_blocks"]
+        same(run(llm, later, True), cold(later))
+    stats = llm.cache_stats()["storage"]                # after close(): puts drained
+    assert not stats["breaker_open"] and stats["put_blocks"] > puts_before
+    second = engine_process(checkpoint(PRESET), url, later, tmp_path)   # and they are served again
+    same(second["outputs"], cold(later))
+    assert all(o["by_tier"]["storage"] == 56 for o in second["outputs"])
 
 
 def test_corrupt_and_truncated_objects_are_misses(checkpoint, cold, tmp_path):
