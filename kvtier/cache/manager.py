@@ -135,6 +135,7 @@ class CacheManager:
         block_nbytes: int = 0,
         enable_prefix_caching: bool = True,
         fetch_cost: FetchCostModel | None = None,
+        fetch_chunk_blocks: int = FETCH_CHUNK,
     ) -> None:
         self.block_size = check_block_size(block_size)
         self.device_pool = BlockPool(num_device_blocks, "device")
@@ -149,6 +150,9 @@ class CacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = CacheStats()
         self.fetch_cost = fetch_cost       # None: fetch every storage hit (storage_fetch="always")
+        if fetch_chunk_blocks < 1:
+            raise ValueError(f"fetch_chunk_blocks must be >= 1, got {fetch_chunk_blocks}")
+        self.fetch_chunk = fetch_chunk_blocks
         self._parked: list[list] = []      # fetch chunks landed below a host copy still in flight
         self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
         self._anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
@@ -452,7 +456,7 @@ class CacheManager:
         labels = req.hasher.labels[first:first + len(blocks)]
         pf.keys = keys
         pf.num_blocks_pending = len(blocks)
-        pf.num_chunks_pending = -(-len(blocks) // FETCH_CHUNK)
+        pf.num_chunks_pending = -(-len(blocks) // self.fetch_chunk)
         for i, (k, b, label) in enumerate(zip(keys, blocks, labels)):
             self._staged["fetch"].append((pf, i, k, b, label))
         req.prefetch = pf
@@ -617,10 +621,10 @@ class CacheManager:
         return StepPlan(ops.get("load"), ops.get("backup"), tuple(fetches), ops.get("put"))
 
     def _fetch_ops(self, items: list) -> list[TransferOp]:
-        """One op per chunk of FETCH_CHUNK blocks of one prefetch (items are staged in order)."""
+        """One op per chunk of ``fetch_chunk`` blocks of one prefetch (items are staged in order)."""
         ops, chunk = [], []
         for it in items:
-            if chunk and (it[0] is not chunk[0][0] or it[1] % FETCH_CHUNK == 0):
+            if chunk and (it[0] is not chunk[0][0] or it[1] % self.fetch_chunk == 0):
                 ops.append(self._fetch_op(chunk))
                 chunk = []
             chunk.append(it)

@@ -52,7 +52,8 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.mgr = CacheManager(block_size=BS, num_device_blocks=10, num_host_blocks=20,
                                 storage=SimulatedStorage(self.storage_capacity),
-                                write_policy=self.policy, write_through_threshold=2, block_nbytes=64)
+                                write_policy=self.policy, write_through_threshold=2, block_nbytes=64,
+                                fetch_chunk_blocks=2)   # prefetches of several chunks, landing in any order
         self.reqs: list[Req] = []
         self.swapped: list[list[int]] = []   # token sequences of requests preempted by swap
         self.device: dict[int, bytes] = {}
