@@ -43,3 +43,30 @@ def test_config_only_checkpoint_generates_with_dummy_weights(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*args, "--load-format", "npz"])
     assert "npz" in capsys.readouterr().err
+
+
+def test_generate_with_a_file_pool_is_served_from_storage_by_a_second_run(tmp_path, capsys):
+    model = tmp_path / "m"
+    assert main(["init-model", "llama-tiny", str(model)]) == 0
+    args = ["generate", str(model), "--prompt-ids", ",".join(str(i) for i in range(70)), "--max-tokens", "3",
+            "--ignore-eos", "--block-size", "8", "--num-host-blocks", "16", "--storage", f"file://{tmp_path}/pool",
+            "--write-policy", "write_through", "--storage-fetch", "always", "--prefetch-policy", "timeout",
+            "--prefetch-timeout", "5,0", "--storage-workers", "2", "--json"]
+    assert main(args) == 0 and main(args) == 0            # two engines, one after the other
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert first["token_ids"] == second["token_ids"]
+    assert first["cached_tokens_by_tier"]["storage"] == 0 and second["cached_tokens_by_tier"]["storage"] == 64
+
+
+@pytest.mark.parametrize("flag,value,msg", [("--storage", "s3://bucket", "unknown storage URL scheme 's3'"),
+                                            ("--storage", "file:///tmp/x?size=1", "unknown parameter 'size'"),
+                                            ("--prefetch-timeout", "1", "BASE,PER_1K")])
+def test_bad_storage_flags_are_named(tmp_path, capsys, flag, value, msg):
+    model = tmp_path / "m"
+    assert main(["init-model", "llama-tiny", str(model)]) == 0
+    args = ["generate", str(model), "--prompt-ids", "1,2,3", "--num-host-blocks", "8", flag, value]
+    try:
+        assert main(args) == 2
+    except SystemExit:
+        pass
+    assert msg in capsys.readouterr().err
