@@ -23,8 +23,6 @@ Python API (tests)::
 from __future__ import annotations
 
 import argparse
-import atexit
-import ctypes
 import os
 import re
 import shutil
@@ -39,6 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from kvtier.storage import procs
 from kvtier.storage.memory import parse_size
 
 DEFAULT_PORT = 50051
@@ -100,47 +99,9 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
-_LIBC = None
-
-
-def _die_with_parent() -> None:  # in the child between fork and exec
-    global _LIBC
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: killed when the starting thread exits
-    except Exception:
-        pass
-
-
-_LIVE: dict[int, subprocess.Popen] = {}
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    with _LIVE_LOCK:
-        procs = list(_LIVE.values())
-        _LIVE.clear()
-    for p in procs:
-        try:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-            p.wait(timeout=5)
-        except Exception:
-            pass
-
-
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    # PR_SET_PDEATHSIG fires when the *thread* that forked exits: only from the main thread, so a
-    # pool started from a worker thread is not killed when that thread ends (atexit covers it).
-    pdeath = sys.platform == "linux" and threading.current_thread() is threading.main_thread()
     with open(log_path, "ab") as logf:
-        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                             env=env, preexec_fn=_die_with_parent if pdeath else None)
-    with _LIVE_LOCK:
-        _LIVE[p.pid] = p
-    return p
+        return procs.spawn(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env)
 
 
 def _signal_and_wait(p: subprocess.Popen | None, sig: int, timeout: float) -> bool:
@@ -156,8 +117,7 @@ def _signal_and_wait(p: subprocess.Popen | None, sig: int, timeout: float) -> bo
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return False
-    with _LIVE_LOCK:
-        _LIVE.pop(p.pid, None)
+    procs.forget(p)
     return True
 
 

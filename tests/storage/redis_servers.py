@@ -29,8 +29,6 @@ Fixtures (import them into a conftest or a test module)::
 """
 from __future__ import annotations
 
-import atexit
-import ctypes
 import os
 import shutil
 import signal
@@ -38,13 +36,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import quote
 
 import pytest
+
+from kvtier.storage import procs
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 15.0          # seconds for a server to answer PING
@@ -116,36 +115,6 @@ def _free_port(also_bus: bool = False) -> int:
                 continue
         return port
     raise ServerUnavailable("no free port pair found on 127.0.0.1")
-
-
-_LIBC = None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        global _LIBC
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-_LIVE: dict[int, "subprocess.Popen[bytes]"] = {}
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    with _LIVE_LOCK:
-        procs = list(_LIVE.values())
-        _LIVE.clear()
-    for p in procs:
-        try:
-            p.kill()
-            p.wait(timeout=5)
-        except Exception:
-            pass
 
 
 def _client(port: int, password: str | None = None, tls_ca: str | None = None,
@@ -244,11 +213,8 @@ class ServerHandle:
     def start(self, timeout: float = START_TIMEOUT) -> "ServerHandle":
         if self.alive:
             return self
-        self.proc = subprocess.Popen(self.command_line(), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        with _LIVE_LOCK:
-            _LIVE[self.proc.pid] = self.proc
+        self.proc = procs.spawn(self.command_line(), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -291,8 +257,7 @@ class ServerHandle:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return False
-        with _LIVE_LOCK:
-            _LIVE.pop(p.pid, None)
+        procs.forget(p)
         return True
 
     def kill(self) -> None:

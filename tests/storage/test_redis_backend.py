@@ -16,8 +16,6 @@ import pytest
 
 pytest.importorskip("redis", reason="pip install redis hiredis (kvtier[redis])")
 
-from redis_servers import make_valkey, valkey_cluster, valkey_server  # noqa: E402,F401
-
 from kvtier.storage.base import MISSING, TOO_LARGE, StorageError  # noqa: E402
 from kvtier.storage.redis import RedisBackend, parse_redis_url  # noqa: E402
 
