@@ -107,15 +107,17 @@ class _Prefetch:
     """One request's storage->host fetch, in chunks: it holds the node its blocks hang from
     until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
 
-    __slots__ = ("anchor", "locked", "host_pinned", "keys", "next_index", "num_blocks_pending",
-                 "num_chunks_pending")
+    __slots__ = ("anchor", "locked", "host_pinned", "keys", "start", "next_index", "waits_for",
+                 "num_blocks_pending", "num_chunks_pending")
 
     def __init__(self, anchor: Node, locked: bool) -> None:
         self.anchor = anchor
         self.locked = locked    # held by a lock (its host copy is still in flight) ...
         self.host_pinned = not locked   # ... and by a host pin once that copy has landed
         self.keys: tuple[bytes, ...] = ()
+        self.start = 0          # keys[:start] are fetched by other prefetches (waits_for)
         self.next_index = 0     # chunks land in order: the first item index of the next one
+        self.waits_for: list[_Prefetch] = []
         self.num_blocks_pending = 0
         self.num_chunks_pending = 0
 
@@ -156,6 +158,7 @@ class CacheManager:
         self._parked: list[list] = []      # fetch chunks landed below a host copy still in flight
         self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
         self._anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
+        self._fetching: dict[bytes, _Prefetch] = {}       # block key -> the prefetch fetching it
         self._seeds: dict[str | None, bytes] = {}
         self._tick = 0
         self._next_op = 0
@@ -425,7 +428,9 @@ class CacheManager:
     def prefetch(self, req: CacheRequest) -> int:
         """Plan storage->host fetches of the request's storage hits (after ``match_prefix``).
 
-        Returns the number of blocks planned; they become host hits once fetched.
+        Returns the number of blocks that will land for it; they become host hits once fetched.
+        Leading blocks another request's prefetch is already fetching are not fetched twice: this
+        one waits for them, and its own chunks hang below them (parked until they landed).
         """
         m = req.match
         if m is None or not m.num_storage_blocks or not self.has_host or req.admitted or req.prefetch:
@@ -435,37 +440,60 @@ class CacheManager:
             want = self.fetch_cost.blocks_to_fetch(want)
             if not want:
                 return 0
+        covered = 0                              # leading blocks someone else is fetching
+        while covered < want and m.storage_keys[covered] in self._fetching:
+            covered += 1
+        others = list({id(pf): pf for pf in (self._fetching[k] for k in m.storage_keys[:covered])}.values())
         anchor = req._path[-1] if req._path else self.tree.root
-        if not anchor.is_root and anchor.host_block is None and not self._backup(anchor):
+        if covered == want:                      # all of it is on its way already
+            pf = _Prefetch(anchor, False)
+            pf.waits_for = others
+            req.prefetch = pf
+            req.match = None
+            return covered
+        if covered == 0 and not anchor.is_root and anchor.host_block is None and not self._backup(anchor):
             return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
         # hold the anchor: its landed host copy with a host pin (so our own host evictions below
         # cannot take it), else its device copy with a lock (its host copy is still in flight)
         pf = _Prefetch(anchor, not anchor.host_ready)
         self._hold(pf, +1)           # the node the fetched blocks will hang from stays
         blocks: list[int] = []
-        for _ in m.storage_keys[:want]:
+        for _ in m.storage_keys[covered:want]:
             got = self._take_host(1)
             if got is None:
                 break
             blocks.append(got[0])
-        keys = m.storage_keys[:len(blocks)]
         if not blocks:
             self._hold(pf, -1)
-            return 0
+            if not covered:
+                return 0
+            pf = _Prefetch(anchor, False)        # wait for the others' blocks alone
+            pf.waits_for = others
+            req.prefetch = pf
+            req.match = None
+            return covered
+        keys = m.storage_keys[:covered + len(blocks)]
         first = len(req._path)                  # storage hits follow the device and host hits
-        labels = req.hasher.labels[first:first + len(blocks)]
+        labels = req.hasher.labels[first:first + len(keys)]
         pf.keys = keys
+        pf.start = pf.next_index = covered      # chunk 0 hangs below keys[covered - 1] (or the anchor)
+        pf.waits_for = others
         pf.num_blocks_pending = len(blocks)
         pf.num_chunks_pending = -(-len(blocks) // self.fetch_chunk)
-        for i, (k, b, label) in enumerate(zip(keys, blocks, labels)):
-            self._staged["fetch"].append((pf, i, k, b, label))
+        for i in range(covered, len(keys)):
+            self._staged["fetch"].append((pf, i, keys[i], blocks[i - covered], labels[i]))
+            self._fetching[keys[i]] = pf
         req.prefetch = pf
         req.match = None   # the next match sees the fetched blocks as host hits
-        return len(blocks)
+        return len(keys)
 
     def prefetch_pending(self, req: CacheRequest) -> int:
-        """Blocks of ``req``'s storage prefetch not landed (or failed) yet."""
-        return req.prefetch.num_blocks_pending if req.prefetch is not None else 0
+        """Blocks of ``req``'s storage prefetch not landed (or failed) yet, its own and those
+        of the prefetches it waits for."""
+        pf = req.prefetch
+        if pf is None:
+            return 0
+        return pf.num_blocks_pending + sum(o.num_blocks_pending for o in pf.waits_for)
 
     def _hold(self, pf: _Prefetch, delta: int) -> None:
         node = pf.anchor
@@ -624,7 +652,7 @@ class CacheManager:
         """One op per chunk of ``fetch_chunk`` blocks of one prefetch (items are staged in order)."""
         ops, chunk = [], []
         for it in items:
-            if chunk and (it[0] is not chunk[0][0] or it[1] % self.fetch_chunk == 0):
+            if chunk and (it[0] is not chunk[0][0] or (it[1] - it[0].start) % self.fetch_chunk == 0):
                 ops.append(self._fetch_op(chunk))
                 chunk = []
             chunk.append(it)
@@ -769,6 +797,8 @@ class CacheManager:
         if first != pf.next_index:
             return False, None                    # an earlier chunk has not landed yet
         parent = pf.anchor if first == 0 else self.tree.nodes.get(pf.keys[first - 1])
+        if parent is None and first > 0 and self._fetching.get(pf.keys[first - 1]) not in (None, pf):
+            return False, None                    # another request's prefetch is fetching it
         if (parent is not None and not parent.is_root and self.tree.alive(parent)
                 and parent.host_block is not None and not parent.host_ready and parent.device_reads):
             return False, parent                  # its host copy is still being written
@@ -791,6 +821,8 @@ class CacheManager:
         self._tick += 1
         broken = False
         for idx, (_pf, _i, key, block, label) in enumerate(items):
+            if self._fetching.get(key) is pf:
+                del self._fetching[key]
             if broken or idx in failed or parent is None or not (
                     parent.is_root or (tree.alive(parent) and parent.host_ready)):
                 broken = True

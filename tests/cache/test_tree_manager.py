@@ -315,3 +315,56 @@ def test_a_prefetch_does_not_evict_its_own_anchor():
     after = mgr.match_prefix(d)
     assert after.num_storage_blocks == 0 and after.num_host_blocks >= 1
     mgr.assert_invariants([d])
+
+
+def _stored(n_blocks: int, chunk: int = 2):
+    storage = SimulatedStorage()
+    serve(CacheManager(block_size=BS, num_device_blocks=16, num_host_blocks=16, storage=storage,
+                       write_policy="write_through"), "w", blocks(0, n_blocks))
+    return CacheManager(block_size=BS, num_device_blocks=16, num_host_blocks=16, storage=storage,
+                        fetch_chunk_blocks=chunk)
+
+
+def test_a_prefix_being_fetched_is_not_fetched_again():
+    mgr = _stored(8)
+    a, b = mgr.new_request("a", blocks(0, 6)), mgr.new_request("b", blocks(0, 8))
+    mgr.match_prefix(a)
+    assert mgr.prefetch(a) == 6
+    mgr.match_prefix(b)
+    assert mgr.prefetch(b) == 8                  # 6 on their way for a, 2 of its own
+    plan = mgr.take_plan()
+    items = sorted((op for op in plan.fetches), key=lambda op: -op.op_id)   # complete newest first
+    assert sum(op.num_blocks for op in items) == 8                          # not 6 + 8
+    assert mgr.host_pool.num_used == 8
+    for op in items:                             # b's chunk first: it waits (parked) for a's
+        mgr.complete(op.op_id)
+        mgr.assert_invariants([a, b])
+    assert mgr.prefetch_pending(a) == mgr.prefetch_pending(b) == 0
+    assert mgr.match_prefix(b).num_host_blocks == 8
+    mgr.assert_invariants([a, b])
+
+
+def test_a_request_whose_prefix_is_all_on_its_way_waits_for_it():
+    mgr = _stored(6)
+    a, b = mgr.new_request("a", blocks(0, 6)), mgr.new_request("b", blocks(0, 6))
+    mgr.match_prefix(a), mgr.prefetch(a)
+    mgr.match_prefix(b)
+    assert mgr.prefetch(b) == 6 and mgr.prefetch_pending(b) == 6      # nothing of its own
+    plan = mgr.take_plan()
+    assert sum(op.num_blocks for op in plan.fetches) == 6
+    mgr.complete_plan(plan)
+    assert mgr.prefetch_pending(b) == 0 and mgr.match_prefix(b).num_host_blocks == 6
+    mgr.assert_invariants([a, b])
+
+
+def test_when_the_shared_fetch_fails_the_follower_is_dropped_not_misplaced():
+    mgr = _stored(8)
+    a, b = mgr.new_request("a", blocks(0, 6)), mgr.new_request("b", blocks(0, 8))
+    mgr.match_prefix(a), mgr.prefetch(a)
+    mgr.match_prefix(b), mgr.prefetch(b)
+    plan = mgr.take_plan()
+    for op in plan.fetches:                      # a's last chunk fails
+        mgr.complete(op.op_id, [1] if op.keys[-1] == a.keys[5] else [])
+    assert mgr.match_prefix(b).num_host_blocks == 5     # up to the failed block; b's 2 were freed
+    assert mgr.host_pool.num_used == 5
+    mgr.assert_invariants([a, b])

@@ -93,3 +93,17 @@ def test_write_through_stores_every_block_even_when_puts_pin_the_host_tier(check
         llm.cache.assert_invariants()
     stored = list(tmp_path.rglob("kvt:*"))
     assert len(stored) == 4 * ((440 + 4) // 8), len(stored)
+
+
+def test_requests_sharing_a_stored_prefix_fetch_it_once(stored):
+    model, pool, cold = stored
+    longer = PROMPT + [7, 8, 9]
+    with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", prefetch_policy="wait_complete",
+                    **KW) as llm:
+        outs = llm.generate([PROMPT, PROMPT, longer], ONE, cache_salt="s")
+        llm.cache.assert_invariants()
+        stats = llm.cache_stats()["storage"]
+    assert outs[0].token_ids == outs[1].token_ids == cold.token_ids
+    # 54 blocks shared by all three (fetched once) + the 55th only the longer prompt can use
+    assert stats["hits"] == 55
+    assert [o.num_cached_tokens for o in outs] == [54 * 8, 54 * 8, 55 * 8]
