@@ -75,7 +75,10 @@ class FetchCostModel:
     _refused_in_a_row: int = 0
     _fit: _Fit = field(default_factory=_Fit)
     _mean_bytes_per_s: float = 0.0  # bytes / s through one call, when sizes do not vary
-    _aggregate_bytes_per_s: float = 0.0   # bytes / s of all calls together while reads were in flight
+    _busy_bytes: float = 0.0        # decayed sums over busy periods (reads in flight): a big fetch
+    _busy_seconds: float = 0.0      # weighs more than a small one (bytes-weighted rate)
+    _prefill_tokens: float = 0.0    # decayed sums over prefill steps (token-weighted rate)
+    _prefill_seconds: float = 0.0
     _prefill_tokens_per_s: float = 0.0
     decisions: dict[str, int] = field(default_factory=lambda: {"fetch": 0, "partial": 0, "recompute": 0,
                                                                 "explore": 0})
@@ -95,18 +98,17 @@ class FetchCostModel:
         """Reads in flight for ``seconds`` (wall clock, any number of calls at once) moved ``nbytes``."""
         if nbytes <= 0 or seconds <= 0:
             return
-        rate = nbytes / seconds
         with self._lock:
-            old = self._aggregate_bytes_per_s
-            self._aggregate_bytes_per_s = rate if not old else 0.7 * old + 0.3 * rate
+            self._busy_bytes = self._busy_bytes * 0.8 + nbytes
+            self._busy_seconds = self._busy_seconds * 0.8 + seconds
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A forward computed ``num_tokens`` prompt tokens in ``seconds``."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        rate = num_tokens / seconds
-        old = self._prefill_tokens_per_s
-        self._prefill_tokens_per_s = rate if not old else 0.7 * old + 0.3 * rate
+        self._prefill_tokens = self._prefill_tokens * 0.8 + num_tokens
+        self._prefill_seconds = self._prefill_seconds * 0.8 + seconds
+        self._prefill_tokens_per_s = self._prefill_tokens / self._prefill_seconds
 
     # ------------------------------------------------------------------ estimates
     def call_model(self) -> tuple[float, float]:
@@ -121,13 +123,17 @@ class FetchCostModel:
             return 0.0, mean_rate          # sizes never varied: the mean rate includes latency
         return lat0, bw0
 
+    @property
+    def aggregate_bytes_per_s(self) -> float:
+        with self._lock:
+            return self._busy_bytes / self._busy_seconds if self._busy_seconds > 0 else 0.0
+
     def fetch_seconds(self, num_blocks: int) -> float:
         """Expected wall time to fetch ``num_blocks`` objects."""
         if num_blocks <= 0:
             return 0.0
         lat, bw = self.call_model()
-        with self._lock:
-            aggregate = self._aggregate_bytes_per_s
+        aggregate = self.aggregate_bytes_per_s
         if aggregate > 0:
             return lat + num_blocks * self.block_nbytes / aggregate
         # nothing measured in flight yet: calls in parallel, each at the per-call rate
@@ -167,5 +173,5 @@ class FetchCostModel:
     def as_dict(self) -> dict:
         lat, bw = self.call_model()
         return {"decisions": dict(self.decisions), "call_latency_s": lat, "call_bandwidth_gbps": bw / 1e9,
-                "aggregate_gbps": self._aggregate_bytes_per_s / 1e9,
+                "aggregate_gbps": self.aggregate_bytes_per_s / 1e9,
                 "prefill_tokens_per_s": self._prefill_tokens_per_s}

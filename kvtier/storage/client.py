@@ -485,6 +485,9 @@ class StorageClient:
                     return False
                 if self.on_fetch_io is not None:
                     self.on_fetch_io(sum(sizes), dt)
+            assert self._pool is not None        # start every fetch thread first (not timed)
+            started = threading.Barrier(self.workers)
+            list(self._pool.map(lambda _: started.wait(5), range(self.workers)))
             others = [self._slots.get() for _ in range(self.workers - 1)]
             try:                                  # every worker at once: the aggregate rate
                 views = [bufs] + [[memoryview(o[j]) for j in range(n)] for o in others]
@@ -497,7 +500,6 @@ class StorageClient:
                     finally:
                         self._read_ended(sum(s for s in got if s > 0))
                     return got
-                assert self._pool is not None
                 results = list(self._pool.map(read, views))
             finally:
                 for o in others:
