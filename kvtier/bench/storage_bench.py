@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -236,7 +235,7 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
     salts = [f"run{r}" for r in range(repeat)]
     res: dict = {"prompt_tokens": prompt_tokens}
     for name, fetch in (("storage", "auto"), ("slow_auto", "auto"), ("slow_always", "always")):
-        url = pool_url
+        url, rate = pool_url, None
         if name != "storage":         # the same pool, slowed: "auto" = fetching the prompt takes 4x recompute
             rate = slow_throttle
             if rate == "auto":
@@ -267,8 +266,7 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
                                "admission_to_token_s": m["first_token"] - m["admitted"]})
                 outputs_equal &= o_hit.token_ids == o_cold.token_ids
             stats = llm.cache_stats()["storage"]
-        res[name] = {"url": url.split("://")[0] + "://..." + url.split("?", 1)[-1] if "?" in url else url,
-                     "storage_fetch": fetch, "ttft_s": statistics.median(hits),
+        res[name] = {"url": pool_url, "throttle": rate, "storage_fetch": fetch, "ttft_s": statistics.median(hits),
                      "recompute_ttft_s": statistics.median(cold),
                      "ratio": statistics.median(hits) / statistics.median(cold),
                      "cached_tokens_by_tier": tokens_by_tier[-1], "outputs_equal": outputs_equal,

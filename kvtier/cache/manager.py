@@ -293,8 +293,8 @@ class CacheManager(PrefetchMixin):
         self.stats.query_tokens += len(req.token_ids)
         if self.has_host:
             for n in device_hits:
-                if n.host_block is None and self.policy.copy_on_land(n.hit_count) and not self._backup(n):
-                    self._defer_backup(n)
+                if n.host_block is None and self.policy.copy_on_land(n.hit_count):
+                    self._copy_down(n)
         return True
 
     def _take_device(self, n: int) -> list[int] | None:
@@ -382,11 +382,11 @@ class CacheManager(PrefetchMixin):
                 top.host_reads -= 1
                 self.tree.maybe_candidate(top)
 
-    def _defer_backup(self, node: Node) -> None:
-        """The host tier is full of blocks that copies in flight hold (puts to a slow pool): back
-        ``node`` up when one of them completes, instead of never (write-through must not lose
-        blocks to a burst). Its ancestors come along (``_backup`` copies them first)."""
-        if len(self._backup_backlog) < 65536:
+    def _copy_down(self, node: Node) -> None:
+        """Copy-on-land backup of ``node``. If the host tier is full of blocks that copies in
+        flight hold (puts to a slow pool), it is backed up when a copy completes, instead of never
+        (write-through must not lose blocks to a burst); ancestors come along (``_backup``)."""
+        if not self._backup(node) and len(self._backup_backlog) < 65536:
             self._backup_backlog[id(node)] = node
 
     def _retry_backups(self) -> None:
@@ -451,9 +451,8 @@ class CacheManager(PrefetchMixin):
                     table[i] = node.device_block
             node.last_access = tick
             req.nodes.append(node)
-            if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count) \
-                    and not self._backup(node):
-                self._defer_backup(node)
+            if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count):
+                self._copy_down(node)
             parent = node
         tree.num_device_copies += new_copies
 
@@ -569,7 +568,14 @@ class CacheManager(PrefetchMixin):
                         kind, op_id, len(failed), len(items))
         ok_blocks = len(items) - len(failed)
         self.stats.bytes_moved[_BYTES_KEY[kind]] += ok_blocks * self.block_nbytes
-        return getattr(self, f"_complete_{kind}")(items, failed)
+        rewinds = getattr(self, f"_complete_{kind}")(items, failed)
+        # what any completion may unblock: fetched chunks waiting for a host copy or an earlier
+        # chunk to land; backups waiting for host blocks that copies in flight held
+        if self._parked:
+            self._unpark_fetches()
+        if self._backup_backlog:
+            self._retry_backups()
+        return rewinds
 
     def complete_plan(self, plan: StepPlan, failed: dict[str, Collection[int]] | None = None) -> dict[object, int]:
         """Complete every op of ``plan`` (``failed`` by kind); merged rewinds."""
@@ -599,8 +605,6 @@ class CacheManager(PrefetchMixin):
                 self.device_pool.free_one(block)
                 req.block_table[i] = node.device_block
             req.nodes.append(node)
-        if self._backup_backlog:
-            self._retry_backups()
         return rewinds
 
     def _complete_backup(self, items: list, failed: frozenset[int]) -> dict[object, int]:
@@ -625,10 +629,6 @@ class CacheManager(PrefetchMixin):
                     self.device_pool.free_one(tree.drop_device(node))
                     self.stats.evictions["device"] += 1
             tree.maybe_candidate(node)
-        if self._parked:
-            self._unpark_fetches()
-        if self._backup_backlog:
-            self._retry_backups()
         return {}
 
     def _complete_put(self, items: list, failed: frozenset[int]) -> dict[object, int]:
@@ -649,8 +649,6 @@ class CacheManager(PrefetchMixin):
                         tree.remove(node)
                         continue
             tree.maybe_candidate(node)
-        if self._backup_backlog:
-            self._retry_backups()
         return {}
 
     # ================================================================== checks

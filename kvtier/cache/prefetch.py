@@ -68,11 +68,7 @@ class PrefetchMixin:
         others = list({id(pf): pf for pf in (self._fetching[k] for k in m.storage_keys[:covered])}.values())
         anchor = req._path[-1] if req._path else self.tree.root
         if covered == want:                      # all of it is on its way already
-            pf = _Prefetch(anchor, False)
-            pf.waits_for = others
-            req.prefetch = pf
-            req.match = None
-            return covered
+            return self._wait_for(req, anchor, others, covered)
         if covered == 0 and not anchor.is_root and anchor.host_block is None and not self._backup(anchor):
             return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
         # hold the anchor: its landed host copy with a host pin (so our own host evictions below
@@ -87,13 +83,7 @@ class PrefetchMixin:
             blocks.append(got[0])
         if not blocks:
             self._hold(pf, -1)
-            if not covered:
-                return 0
-            pf = _Prefetch(anchor, False)        # wait for the others' blocks alone
-            pf.waits_for = others
-            req.prefetch = pf
-            req.match = None
-            return covered
+            return self._wait_for(req, anchor, others, covered) if covered else 0
         keys = m.storage_keys[:covered + len(blocks)]
         first = len(req._path)                  # storage hits follow the device and host hits
         labels = req.hasher.labels[first:first + len(keys)]
@@ -108,6 +98,15 @@ class PrefetchMixin:
         req.prefetch = pf
         req.match = None   # the next match sees the fetched blocks as host hits
         return len(keys)
+
+    def _wait_for(self, req: CacheRequest, anchor: Node, others: list[_Prefetch], covered: int) -> int:
+        """``req`` fetches nothing itself: it waits for the ``covered`` blocks others fetch."""
+        pf = _Prefetch(anchor, False)
+        pf.host_pinned = False                   # holds nothing: it has no chunk of its own
+        pf.waits_for = others
+        req.prefetch = pf
+        req.match = None
+        return covered
 
     def prefetch_pending(self, req: CacheRequest) -> int:
         """Blocks of ``req``'s storage prefetch not landed (or failed) yet, its own and those
@@ -160,10 +159,10 @@ class PrefetchMixin:
         """A chunk of one prefetch landed: its blocks become host copies below the block before
         the chunk (the prefetch's anchor for the first chunk). Chunks land in order: one that
         completes before an earlier chunk of its prefetch, or while the anchor's own host copy is
-        still in flight (its backup was planned with the prefetch), is parked until then. If the
-        block it hangs from is gone or failed, the chunk is dropped (a miss)."""
+        still in flight (its backup was planned with the prefetch), stays parked until then
+        (``complete`` lands what it can after every completion). If the block it hangs from is
+        gone or failed, the chunk is dropped (a miss)."""
         self._parked.append([items, failed])
-        self._unpark_fetches()
         return {}
 
     def _fetch_parent(self, items: list) -> tuple[bool, Node | None]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.cache import CacheManager
 from kvtier.engine.request import Request, Status
@@ -45,7 +45,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
-    prefetching: list[Request] = field(default_factory=list)   # prefetches started this step
     stalled: bool = False        # a running request waits for device blocks that copies will free
 
     @property
@@ -132,7 +131,6 @@ class Scheduler:
                     if n_fetch:
                         req.metrics["prefetch_start"] = time.monotonic()
                         req.prefetch_deadline = req.metrics["prefetch_start"] + self._prefetch_budget(req, n_fetch)
-                        out.prefetching.append(req)
                         idx += 1
                         seats -= 1
                         continue
@@ -173,9 +171,6 @@ class Scheduler:
     def _prefetch_settled(self, req: Request) -> bool:
         """May a request whose prefetch started be admitted now?"""
         return not self.cache.prefetch_pending(req.cache) or time.monotonic() >= req.prefetch_deadline  # type: ignore[operator]
-
-    def has_prefetching(self) -> bool:
-        return any(r.prefetch_deadline is not None for r in self.waiting)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)

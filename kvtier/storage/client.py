@@ -134,7 +134,6 @@ class _Op:
     op: TransferOp
     futures: list[Future]
     starts: list[int]                   # first item index of each batch
-    submitted: float
     failed: list[int] = field(default_factory=list)
 
 
@@ -206,7 +205,7 @@ class StorageClient:
         names = [self.name(k) for k in keys]
         try:
             if len(names) > 2 * _LOOKUP_SLICE and self._lookup_pool is not None:
-                # a long prompt: slices looked up at once on the fetch threads (a file pool
+                # a long prompt: slices looked up at once on the lookup threads (a file pool
                 # answers with one stat per name; a server pipelines each slice)
                 slices = [names[i:i + _LOOKUP_SLICE] for i in range(0, len(names), _LOOKUP_SLICE)]
                 present = [p for part in self._lookup_pool.map(self.backend.exists, slices) for p in part]
@@ -237,8 +236,7 @@ class StorageClient:
         return key in self._known
 
     def add(self, key: bytes) -> None:
-        with self._lock:
-            self._remember(key)
+        """The manager's ack of a put: already recorded when the put returned (``_put_batch``)."""
 
     def _remember(self, key: bytes) -> None:
         known = self._known
@@ -263,7 +261,7 @@ class StorageClient:
                 futures.append(pool.submit(self._gated, run, op.keys[s:s + self.batch],  # type: ignore[union-attr]
                                            blocks[s:s + self.batch]))
                 starts.append(s)
-        entry = _Op(op, futures, starts, time.monotonic())
+        entry = _Op(op, futures, starts)
         if not futures:                         # breaker open: fail at once, no I/O
             entry.failed = list(range(op.num_blocks))
         self._inflight.append(entry)
