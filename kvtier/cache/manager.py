@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 from kvtier.cache.cost import FetchCostModel
+from kvtier.cache.handoff import Export, HandoffMixin, TailBlock
 from kvtier.cache.keys import BlockHasher, MMItem, ModelFingerprint, namespace_seed
 from kvtier.cache.plan import MatchResult, StepPlan, TransferOp
 from kvtier.cache.policy import WritePolicy, get_eviction_key
@@ -59,7 +60,7 @@ class CacheRequest:
 
     __slots__ = ("rid", "token_ids", "hasher", "nodes", "block_table", "num_loading",
                  "admitted", "freed", "_path", "_num_device_hits", "_num_host_hits", "_epoch", "match",
-                 "prefetch", "_storage_probe")
+                 "prefetch", "_storage_probe", "tail")
 
     def __init__(self, rid: object, token_ids: list[int], hasher: BlockHasher) -> None:
         self.rid = rid
@@ -77,6 +78,7 @@ class CacheRequest:
         self.match: MatchResult | None = None
         self.prefetch: _Prefetch | None = None     # its storage prefetch (one per admission)
         self._storage_probe: tuple | None = None   # last storage lookup: (first, end, hits)
+        self.tail: TailBlock | None = None         # PD: the prompt's partial block, from the pool
 
     @property
     def keys(self) -> list[bytes]:
@@ -101,10 +103,11 @@ class CacheStats:
 
 
 _BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host",
-              "fetch": "storage_to_host", "put": "host_to_storage"}
+              "fetch": "storage_to_host", "put": "host_to_storage", "tailfetch": "storage_to_host"}
+_STAT_KIND = {"tailfetch": "fetch"}
 
 
-class CacheManager(PrefetchMixin):
+class CacheManager(PrefetchMixin, HandoffMixin):
     def __init__(
         self,
         block_size: int = 16,
@@ -141,6 +144,8 @@ class CacheManager(PrefetchMixin):
         self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
         self._anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
         self._fetching: dict[bytes, _Prefetch] = {}       # block key -> the prefetch fetching it
+        self._exporting: dict[int, tuple[Node, list[Export]]] = {}   # hand-offs waiting for puts
+        self._tail_ops: list[TransferOp] = []             # fetches of hand-off partial blocks
         self._seeds: dict[str | None, bytes] = {}
         self._tick = 0
         self._next_op = 0
@@ -276,6 +281,8 @@ class CacheManager(PrefetchMixin):
         for j, n in enumerate(host_hits):
             self._staged["load"].append((req, nd + j, n, blocks[j]))
         req.num_loading = len(host_hits)
+        if req.tail is not None:
+            self._load_tail(req, blocks, nd)
         self._tick += 1
         tick = self._tick
         for n in path:
@@ -462,6 +469,8 @@ class CacheManager(PrefetchMixin):
         if req.freed:
             raise ValueError(f"request {req.rid!r} freed twice")
         req.freed = True
+        if req.tail is not None:
+            self._drop_tail(req)
         if not req.admitted:
             return
         tree, unlocked = self.tree, 0
@@ -505,7 +514,7 @@ class CacheManager(PrefetchMixin):
             return node.lock_ref == 0 and all(unlocked_below(c) for c in node.children.values()
                                                if c.device_block is not None)
         return sum(1 for kind, items in (*self._pending.values(), ("backup", self._staged["backup"]))
-                   if kind == "backup" for n, _d, _h in items if unlocked_below(n))
+                   if kind == "backup" for n, _d, _h in items if type(n) is not TailBlock and unlocked_below(n))
 
     # ================================================================== plans
     def take_plan(self) -> StepPlan:
@@ -534,6 +543,9 @@ class CacheManager(PrefetchMixin):
             ops[kind] = TransferOp(op_id, kind, src, dst, keys)  # type: ignore[arg-type]
             self._pending[op_id] = (kind, items)
             self._staged[kind] = []
+        if self._tail_ops:
+            fetches.extend(self._tail_ops)
+            self._tail_ops = []
         return StepPlan(ops.get("load"), ops.get("backup"), tuple(fetches), ops.get("put"))
 
     @property
@@ -563,7 +575,7 @@ class CacheManager(PrefetchMixin):
             self._pending[op_id] = (kind, items)
             raise ValueError(f"failed item indices {bad} out of range for op {op_id} ({len(items)} items)")
         if failed:
-            self.stats.failures[kind] += len(failed)
+            self.stats.failures[_STAT_KIND.get(kind, kind)] += len(failed)
             log.warning("%s op %d: %d of %d blocks failed; degrading to recompute",
                         kind, op_id, len(failed), len(items))
         ok_blocks = len(items) - len(failed)
@@ -587,6 +599,9 @@ class CacheManager(PrefetchMixin):
     def _complete_load(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         tree, rewinds = self.tree, {}
         for idx, (req, i, node, block) in enumerate(items):
+            if type(node) is TailBlock:
+                self._tail_loaded(req, node, block, idx not in failed, rewinds)
+                continue
             node.host_reads -= 1
             tree.maybe_candidate(node)
             req.num_loading -= 1
@@ -610,18 +625,24 @@ class CacheManager(PrefetchMixin):
     def _complete_backup(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         tree = self.tree
         for idx, (node, _dev, host) in enumerate(items):
+            if type(node) is TailBlock:
+                self._tail_backed_up(node, idx not in failed)
+                continue
             node.device_reads -= 1
             parent = node.parent
             if idx in failed or not (parent.is_root or parent.host_ready):   # parent's copy failed
                 if idx not in failed:
                     self.stats.failures["backup"] += 1
                 self.host_pool.free_one(tree.drop_host(node))
+                if id(node) in self._exporting:
+                    self._export_node_done(node, False)
             else:
                 node.host_ready = True
                 for pf in self._anchored.pop(id(node), ()):   # its fetched blocks will hang below:
                     pf.host_pinned = True                     # the landed host copy must stay
                     node.host_reads += 1
-                if self.storage is not None and self.policy.copy_on_land(node.hit_count):
+                if self.storage is not None and (self.policy.copy_on_land(node.hit_count)
+                                                 or id(node) in self._exporting):
                     self._put(node)
             if node.evict_device_after_copy:
                 node.evict_device_after_copy = False
@@ -634,10 +655,15 @@ class CacheManager(PrefetchMixin):
     def _complete_put(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         tree = self.tree
         for idx, (node, _host) in enumerate(items):
+            if type(node) is TailBlock:
+                self._tail_put(node, idx not in failed)
+                continue
             node.putting = False
             node.host_reads -= 1
             if idx not in failed:
                 self.storage.add(node.key)  # type: ignore[union-attr]
+            if id(node) in self._exporting:
+                self._export_node_done(node, idx not in failed)
             if node.evict_host_after_copy:
                 # write_back: evicted once stored; if the put failed the host copy goes anyway
                 # (the pool is only a cache; a dead pool must not freeze the host tier)
@@ -699,7 +725,26 @@ class CacheManager(PrefetchMixin):
         host_reads: dict[int, int] = {}
         in_flight = [*self._pending.values(), *self._staged.items(),
                      *(("fetch", items) for items, _failed in self._parked)]
+        def tail_owns(t: TailBlock) -> None:
+            assert t.host_block not in host_owner, f"host block {t.host_block} owned twice"
+            host_owner[t.host_block] = t
         for kind, items in in_flight:
+            if kind == "tailfetch":
+                tail_owns(items[0])
+                continue
+            if kind in ("load", "backup", "put") and items and any(type(it[0 if kind != "load" else 2])
+                                                                   is TailBlock for it in items):
+                tails = [it for it in items if type(it[0 if kind != "load" else 2]) is TailBlock]
+                items = [it for it in items if type(it[0 if kind != "load" else 2]) is not TailBlock]
+                for it in tails:
+                    t = it[0 if kind != "load" else 2]
+                    tail_owns(t)
+                    if kind == "backup":
+                        assert t.device_block not in dev_owner
+                        dev_owner[t.device_block] = t
+                    if kind == "load" and it[0].freed:
+                        assert it[3] not in dev_owner
+                        dev_owner[it[3]] = it[0]
             if kind == "load":
                 for req, _i, n, b in items:
                     host_reads[id(n)] = host_reads.get(id(n), 0) + 1
@@ -726,6 +771,11 @@ class CacheManager(PrefetchMixin):
                 locks[id(pf.anchor)] = locks.get(id(pf.anchor), 0) + 1
             if pf.host_pinned:
                 host_reads[id(pf.anchor)] = host_reads.get(id(pf.anchor), 0) + 1
+        for r in live:
+            if r.tail is not None and r.tail.state == "ready":
+                tail_owns(r.tail)
+        for node, exports in self._exporting.values():   # hand-offs hold their blocks' device copies
+            locks[id(node)] = locks.get(id(node), 0) + len(exports)
         for node in tree.nodes.values():
             assert node.lock_ref == locks.get(id(node), 0), f"lock_ref {node.lock_ref} != holders of {node}"
             assert node.host_reads == host_reads.get(id(node), 0), f"host pins of {node}"

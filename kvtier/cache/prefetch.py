@@ -53,7 +53,12 @@ class PrefetchMixin:
         Returns the number of blocks that will land for it; they become host hits once fetched.
         Leading blocks another request's prefetch is already fetching are not fetched twice: this
         one waits for them, and its own chunks hang below them (parked until they landed).
+        A hand-off request's partial last block (``expect_tail``) is fetched too (counted).
         """
+        tail = self._fetch_tail(req) if req.tail is not None and not req.admitted else 0   # type: ignore[attr-defined]
+        return tail + self._prefetch_blocks(req)
+
+    def _prefetch_blocks(self, req: CacheRequest) -> int:
         m = req.match
         if m is None or not m.num_storage_blocks or not self.has_host or req.admitted or req.prefetch:
             return 0
@@ -111,10 +116,11 @@ class PrefetchMixin:
     def prefetch_pending(self, req: CacheRequest) -> int:
         """Blocks of ``req``'s storage prefetch not landed (or failed) yet, its own and those
         of the prefetches it waits for."""
+        tail = 1 if req.tail is not None and req.tail.state == "fetching" else 0
         pf = req.prefetch
         if pf is None:
-            return 0
-        return pf.num_blocks_pending + sum(o.num_blocks_pending for o in pf.waits_for)
+            return tail
+        return tail + pf.num_blocks_pending + sum(o.num_blocks_pending for o in pf.waits_for)
 
     def _hold(self, pf: _Prefetch, delta: int) -> None:
         node = pf.anchor

@@ -1,195 +1,22 @@
 """The offline API (DESIGN §6): ``kvtier.LLM(model, ...).generate(prompts, SamplingParams(...))``.
 
-One engine step::
-
-    poll copies ─► schedule() ─► upload inputs ─► submit plan (loads queued on the load stream,
-        layer by layer) ─► forward (layer l waits on load event l, GPU-side) + sample
-        ─► loads landed ─► update()
-        ─► submit plan (backups of the blocks just written: offload stream, after the forward)
-        ─► poll copies ─► finished requests: outputs, free
-
-Copies complete asynchronously on the GPU (the transfer engine polls their events) and
-synchronously on CPU; storage fetches and puts run on the storage client's worker threads on both
-(polled too). The manager counts bytes as landed only when they have.
+A thin front end over :class:`~kvtier.engine.core.EngineCore`: ``generate`` queues its prompts
+and steps the engine until all of them finished (the serving front end is
+:class:`~kvtier.engine.async_engine.AsyncEngine`).
 """
 from __future__ import annotations
 
-import logging
-import os
-from dataclasses import dataclass
-from itertools import count
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 
-import time
-
-from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
-from kvtier.cache.cost import FetchCostModel
-from kvtier.engine.cuda_graph import DecodeGraphs
-from kvtier.engine.request import Request
-from kvtier.engine.routing import RoutingCapture, validate_routed_experts
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.core import EngineCore, RequestOutput
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.scheduler import Scheduler
-from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
-from kvtier.storage import BlobLayout, namespace_digest, open_storage
-from kvtier.transfer.engine import TransferEngine
-from kvtier.transfer.host_pool import HostKV
 
-log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["LLM", "RequestOutput"]
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
-    num_cached_tokens: int
-    cached_tokens_by_tier: dict[str, int]
-    routed_experts: np.ndarray | None = None
-    metrics: dict[str, float] | None = None     # monotonic times: arrival, [prefetch_start], admitted, first_token
-
-
-class LLM:
-    def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "auto",
-                 block_size: int = 16, num_device_blocks: int | None = None, num_host_blocks: int = 0,
-                 storage: str | None = None, write_policy: str = "write_through_selective",
-                 write_through_threshold: int = 2, enable_prefix_caching: bool = True,
-                 prefetch_policy: str = "best_effort", storage_fetch: str = "auto",
-                 tensor_parallel_size: int = 1, preemption_mode: str | None = None,
-                 load_format: str = "auto", seed: int = 0, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int | None = None,
-                 attention_backend: str | None = None, eviction: str = "lru",
-                 capture_routing: bool = True, cuda_graphs: bool | None = None,
-                 prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int | None = None) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
-        if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
-            raise ValueError(f"unknown prefetch_policy {prefetch_policy!r}; choose best_effort, wait_complete or timeout")
-        if storage_fetch not in ("auto", "always"):
-            raise ValueError(f"unknown storage_fetch {storage_fetch!r}; choose auto or always")
-        if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        if str(device).startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device='cuda' asked for, but torch sees no CUDA device")
-        check_block_size(block_size)
-        self.path = Path(model)
-        self.device = torch.device(device)
-        self.config = cfg = ModelConfig.from_hf_dir(self.path)
-        self.dtype = self._resolve_dtype(dtype, cfg)
-        if attention_backend is None:
-            attention_backend = "triton" if self.device.type == "cuda" else "torch"
-        if preemption_mode is None:
-            preemption_mode = "swap" if num_host_blocks else "recompute"
-        if preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
-        if preemption_mode == "swap" and not num_host_blocks:
-            raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
-        self.preemption_mode = preemption_mode
-        self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=load_format)
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.tokenizer = _load_tokenizer(self.path)
-        self.seed = seed
-        self._generator = torch.Generator(self.device).manual_seed(seed)
-
-        bytes_per_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * self.dtype.itemsize
-        if num_device_blocks is None:
-            num_device_blocks = self._size_device_blocks(bytes_per_block, block_size, max_num_seqs)
-        if storage is not None and num_host_blocks == 0:
-            raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
-        routing_payload = ""
-        if cfg.is_moe and capture_routing:    # stored blocks carry routing: not the same objects
-            routing_payload = f"routing:{cfg.num_moe_layers}x{cfg.top_k}:{cfg.num_experts}"
-        fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       str(self.dtype).removeprefix("torch."), block_size,
-                                       weights=weights_digest(self.path, load_format), payload=routing_payload)
-        if storage_workers is None:          # fetch threads: one per core, 2..16 (they wait on I/O);
-            storage_workers = min(16, max(2, os.cpu_count() or 4))   # put threads: half as many
-        self.storage = open_storage(storage, workers=storage_workers)
-        self.fetch_cost = None
-        if self.storage is not None:      # always measured; decides only under storage_fetch="auto"
-            self.fetch_cost = FetchCostModel(self.storage.backend.scheme, self.storage.workers, self.storage.batch,
-                                             0, block_size, always=storage_fetch == "always")
-            self.storage.on_fetch_io = self.fetch_cost.observe_fetch
-            self.storage.on_fetch_busy = self.fetch_cost.observe_busy
-        self.cache = CacheManager(
-            block_size=block_size, num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-            storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,
-            eviction=eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
-            enable_prefix_caching=enable_prefix_caching, fetch_cost=self.fetch_cost)
-        # one block more than the pool hands out: the scratch block padded CUDA-graph rows write to
-        self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
-        # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
-        self._host = (HostKV((num_host_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                             self.dtype, self.device) if num_host_blocks else None)
-        self.host_kv = self._host.tensor if self._host is not None else None
-        self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
-                                       num_device_blocks, num_host_blocks, self.device)
-                        if cfg.is_moe and capture_routing else None)
-        self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing)
-        if self.storage is not None:
-            self._bind_storage(fingerprint)
-        if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
-            cuda_graphs = self.device.type == "cuda"
-        graphs = None
-        if cuda_graphs:
-            graphs = DecodeGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
-                                  min(max_num_seqs, 256), num_device_blocks, self.device,
-                                  capture=self.device.type == "cuda",
-                                  routing_shape=(cfg.num_moe_layers, cfg.top_k) if self.routing else None)
-        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs)
-        self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
-                                   cfg.eos_token_ids, preemption_mode, prefetch_policy, tuple(prefetch_timeout))
-        self.block_size = block_size
-        self._ids = count()
-        self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
-        self._closed = False
-
-    # ------------------------------------------------------------------ set-up helpers
-    def _bind_storage(self, fingerprint: ModelFingerprint) -> None:
-        """One storage object per host block: its KV bytes (then its routing bytes), zero-copy views."""
-        host_u8 = self.host_kv.view(torch.uint8).numpy()       # [num_host_blocks, block bytes...]
-        routing = self.routing
-        layout = BlobLayout(namespace_digest(self.storage.namespace, fingerprint.encode()),
-                            str(self.dtype).removeprefix("torch."), tuple(self.host_kv.shape[1:]),
-                            fingerprint.block_size,
-                            host_u8[0].nbytes, routing.block_nbytes if routing is not None else 0)
-        self.storage.bind(layout, host_u8.__getitem__,
-                          (lambda h: routing.host_store[h].view(np.uint8)) if routing is not None else None)
-        if self.fetch_cost is not None:
-            self.fetch_cost.block_nbytes = layout.nbytes
-            self.storage.calibrate()           # the cost model starts from this pool's measured speed
-
-    def _resolve_dtype(self, dtype: str, cfg: ModelConfig) -> torch.dtype:
-        if dtype == "auto":
-            return cfg.torch_dtype if self.device.type == "cuda" else torch.float32
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
-        return _DTYPES[dtype]
-
-    def _size_device_blocks(self, bytes_per_block: int, block_size: int, max_num_seqs: int) -> int:
-        """Blocks that fit in free memory (90% of free GPU memory after weights; 20% of free RAM on
-        CPU), capped at what max_num_seqs full-length sequences could use."""
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.9) - (1 << 30)          # 1 GiB headroom for activations
-        else:
-            budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.2)
-        cap = max_num_seqs * -(-self.max_model_len // block_size)
-        n = min(budget // bytes_per_block, cap)
-        need = -(-self.max_model_len // block_size)
-        if n < need:
-            raise ValueError(f"only {n} KV blocks fit in free memory, but one {self.max_model_len}-token "
-                             f"sequence needs {need}; lower max_model_len or free memory")
-        return int(n)
-
-    # ------------------------------------------------------------------ API
+class LLM(EngineCore):
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
@@ -203,10 +30,10 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        reqs = [self._make_request(p, sp, cache_salt) for p, sp in zip(prompts, params)]
+        reqs = [self.make_request(p, sp, cache_salt) for p, sp in zip(prompts, params)]
         mine = {r.request_id for r in reqs}
         for r in reqs:
-            self.scheduler.add(r)
+            self.enqueue(r)
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(reqs):
@@ -217,208 +44,10 @@ class LLM:
             # an error or Ctrl-C mid-batch: drop this call's unfinished requests and their blocks
             for r in reqs:
                 if r.request_id not in done:
-                    self.scheduler.abort(r.request_id)
+                    self.abort(r.request_id)
             self._drain()
             raise
         return [done[r.request_id] for r in reqs]
 
-    def _make_request(self, prompt, params: SamplingParams, cache_salt: str | None) -> Request:  # type: ignore[no-untyped-def]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"text prompts need a tokenizer, and {self.path} has none; pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        if params.return_routed_experts and self.routing is None:
-            raise ValueError("return_routed_experts=True needs a MoE model with routing capture on "
-                             f"({self.config.architecture}, capture_routing="
-                             f"{self.config.is_moe and self.routing is not None})")
-        vocab = self.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is not an int in 0..{vocab - 1}")
-        ids = [int(t) for t in ids]
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                             f"(max_model_len), leaving no room to generate")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if -(-longest // self.block_size) > self.cache.device_pool.num_blocks:
-            raise ValueError(f"a request of {len(ids)} prompt tokens + max_tokens={params.max_tokens} needs "
-                             f"{-(-longest // self.block_size)} blocks, more than the whole device tier "
-                             f"({self.cache.device_pool.num_blocks} blocks of {self.block_size} tokens)")
-        rid = str(next(self._ids))
-        req = Request(rid, ids, params, cache_salt=cache_salt)
-        if params.seed is not None:
-            req.generator = torch.Generator(self.device).manual_seed(params.seed)
-        else:
-            req.generator = self._generator
-        return req
-
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
-        self._check_open()
-        if self.routing is not None:
-            self.routing.flush()
-        ops_before = self._ops_done
-        self._pump()                              # copies that landed since the last step
-        out = self.scheduler.schedule()
-        rewinds: dict[object, int] = {}
-
-        def start_loads():  # type: ignore[no-untyped-def]
-            rewinds.update(self._pump())          # loads: queued (GPU) or done (CPU)
-            return self.transfer.layer_hook()
-        t0 = time.perf_counter()
-        sampled = self.runner.execute(out, start_loads) if out.scheduled else {}
-        if self.fetch_cost is not None and sampled and out.num_tokens >= 2 * len(out.scheduled):
-            # a step with prefill work that synchronized (it sampled): the recompute side of the cost model
-            self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - t0)
-        if not out.scheduled:
-            start_loads()
-        rewinds.update(self._complete(self.transfer.wait_loads()))   # the forward waited on them
-        finished = self.scheduler.update(out, sampled, rewinds)
-        self._pump()                              # backups of what the forward wrote, puts
-        results = []
-        for req in finished:
-            try:
-                results.append(self._output(req))
-            finally:                      # a failed output still returns the request's blocks
-                self.scheduler.release(req)
-        progressed = out.scheduled or self._ops_done != ops_before
-        if not progressed and self.scheduler.has_unfinished():
-            if self.transfer.num_in_flight:        # nothing to run until copies land: wait for them
-                self._complete(self.transfer.drain())
-            elif self.storage is not None and self.storage.num_in_flight:   # prefetches landing
-                self._complete(self.storage.wait(timeout=0.05))
-            elif not self.cache.num_pending_ops:
-                req = self.scheduler.waiting[0]
-                raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
-                                   f"the device tier has {self.cache.device_pool.num_blocks} blocks")
-        return results
-
-    def _pump(self) -> dict[object, int]:
-        """Submit the manager's staged copies and hand back those that landed, until quiet (on
-        CPU every copy lands at once, and a landed copy may stage the next: backup -> put)."""
-        rewinds: dict[object, int] = {}
-        while True:
-            plan = self.cache.take_plan()
-            for op in plan:
-                if op.kind in ("fetch", "put"):
-                    self.storage.submit(op)        # type: ignore[union-attr]
-                else:
-                    self.transfer.submit(op)
-            landed = self.transfer.poll()
-            if self.storage is not None:
-                landed += self.storage.poll()
-            rewinds.update(self._complete(landed))
-            if not plan and not landed:
-                return rewinds
-
-    def _complete(self, landed: list[tuple[int, list[int]]]) -> dict[object, int]:
-        rewinds: dict[object, int] = {}
-        for op_id, failed in landed:
-            rewinds.update(self.cache.complete(op_id, failed))
-        self._ops_done += len(landed)
-        return rewinds
-
-    def _drain(self) -> None:
-        """Wait for every copy in flight and hand it to the manager (close, errors)."""
-        self._pump()
-        while self.transfer.num_in_flight or (self.storage is not None and self.storage.num_in_flight):
-            self._complete(self.transfer.drain())
-            if self.storage is not None:
-                self._complete(self.storage.drain())
-            self._pump()
-
-    def _output(self, req: Request) -> RequestOutput:
-        routed = None
-        if req.params.return_routed_experts:
-            if self.routing is None:
-                raise ValueError("return_routed_experts=True needs a MoE model")
-            routed = self.routing.gather(req.cache.block_table, req.num_tokens - 1)
-        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
-        return RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), text,
-                             req.finish_reason or "length", req.num_cached_tokens or 0,
-                             dict(req.cached_tokens_by_tier), routed, dict(req.metrics))
-
-    def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
-        """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""
-        self._check_open()
-        ids = list(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
-        vocab = self.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is not an int in 0..{vocab - 1}")
-        ids = [int(t) for t in ids]
-        if not 2 <= len(ids) <= self.max_model_len:
-            raise ValueError(f"score needs 2..{self.max_model_len} tokens (max_model_len), got {len(ids)}")
-        forced = None
-        if routed_experts is not None:
-            cfg = self.config
-            if not cfg.is_moe:
-                raise ValueError("routed_experts given, but the model has no MoE layers")
-            forced = validate_routed_experts(routed_experts, len(ids), cfg.num_moe_layers, cfg.top_k, cfg.num_experts)
-        return self.runner.score(ids, forced)
-
-    def cache_stats(self) -> dict:
-        s = self.cache.stats
-        moved = s.bytes_moved
-        hits = sum(s.hit_tokens.values())
-        return {
-            "device": {"hit_tokens": s.hit_tokens["device"], "evictions": s.evictions["device"],
-                       "bytes_in": moved["host_to_device"], "blocks_used": self.cache.device_pool.num_used},
-            "host": {"hit_tokens": s.hit_tokens["host"], "evictions": s.evictions["host"],
-                     "bytes_in": moved["device_to_host"] + moved["storage_to_host"],
-                     "blocks_used": self.cache.host_pool.num_used},
-            "storage": self._storage_stats(),
-            "query_tokens": s.query_tokens,
-            "miss_tokens": max(0, s.query_tokens - hits),
-            "failures": dict(s.failures),
-        }
-
-    def _storage_stats(self) -> dict:
-        s = self.cache.stats
-        out = {"hit_tokens": s.hit_tokens["storage"], "bytes_in": s.bytes_moved["host_to_storage"],
-               "bytes_out": s.bytes_moved["storage_to_host"]}
-        if self.storage is not None:
-            out.update(self.storage.stats())
-            out["evictions"] = out.get("server", {}).get("evictions", 0)
-        if self.fetch_cost is not None:
-            out["fetch_cost"] = self.fetch_cost.as_dict()
-        return out
-
-    def close(self) -> None:
-        """Wait for copies in flight, then release device and (pinned) host memory."""
-        if self._closed:
-            return
-        self._drain()
-        if self.routing is not None:
-            self.routing.flush()
-        self._closed = True
-        self.kv_caches.clear()
-        self.host_kv = None
-        if self.storage is not None:
-            self.storage.close()
-        if self._host is not None:
-            self._host.release()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this LLM is closed")
-
     def __enter__(self) -> "LLM":
         return self
-
-    def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
-        self.close()
-
-
-def _load_tokenizer(path: Path):  # type: ignore[no-untyped-def]
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

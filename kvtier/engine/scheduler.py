@@ -123,10 +123,10 @@ class Scheduler:
                 seats -= 1
                 continue
             m = cache.match_prefix(req.cache)
-            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size
+            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache)
             if req.prefetch_from is None:
                 req.prefetch_from = cached               # what device + host held at arrival
-                if m.num_storage_blocks:
+                if m.num_storage_blocks or req.cache.tail is not None:   # (a PD hand-off's last block)
                     n_fetch = cache.prefetch(req.cache)
                     if n_fetch:
                         req.metrics["prefetch_start"] = time.monotonic()
@@ -137,7 +137,7 @@ class Scheduler:
             if not cache.allocate(req.cache, min(req.num_tokens, cached + budget)):
                 break
             m = req.cache.match                      # allocate re-matches if the tree changed
-            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size
+            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache)
             n = min(req.num_tokens - cached, budget)
             if not cache.allocate(req.cache, cached + n):   # fewer hits than first seen: grow
                 n = len(req.cache.block_table) * m.block_size - cached
@@ -212,6 +212,11 @@ class Scheduler:
             self.cache.commit(req.cache, req.num_computed_tokens)
             if not s.samples:
                 continue
+            if req.handoff_stop is not None:         # its handed-off first token already ended it
+                req.status = Status.FINISHED
+                req.finish_reason = req.handoff_stop
+                finished.append(req)
+                continue
             token = sampled[req.request_id]
             if not req.output_token_ids:
                 req.metrics["first_token"] = time.monotonic()
@@ -240,6 +245,10 @@ class Scheduler:
                     req.finish_reason = "abort"
                     return req
         return None
+
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        """Would ``token``, just appended to ``req``, end it? ("stop" | "length" | None)"""
+        return self._stop_reason(req, token)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

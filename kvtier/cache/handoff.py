@@ -1,0 +1,237 @@
+"""Prefill/decode hand-off through the storage pool (DESIGN §7): the part of the CacheManager
+that writes a prompt's blocks for another engine (P) and reads them back (D).
+
+::
+
+    P  export(r, n)        every block of r's first n tokens to the pool: full blocks through the
+                           tree (host copy, then a put; blocks the pool holds are skipped), the last
+                           partial block through a scratch host block under ``<hex>:partial:<k>``
+       export.done         all of them acked (``export.failed`` counts the ones that did not land)
+    D  expect_tail(r, ..)  r's prompt ends in a partial block P wrote: ``prefetch(r)`` fetches it
+                           into a scratch host block beside r's storage hits; once r's full blocks
+                           are hits (device, host or storage), ``allocate`` loads it into r's own
+                           device block, and ``tail_hit(r)`` counts its tokens as cached
+
+A partial block is not a tree node (the radix tree holds full blocks only): a :class:`TailBlock`
+owns its scratch host block (and, on P, the request's last device block) until its copies
+completed, then frees them. The full blocks an export waits for stay locked (their device copies
+cannot be evicted before their host copy and put landed).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.cache.keys import BlockHasher, object_name
+from kvtier.cache.plan import TransferOp
+
+if TYPE_CHECKING:
+    from kvtier.cache.manager import CacheRequest
+    from kvtier.cache.tree import Node
+
+
+class TailBlock:
+    """The last, partial block of a prompt on its way to (P) or from (D) the pool."""
+
+    __slots__ = ("key", "index", "num_tokens", "host_block", "device_block", "state", "export")
+
+    def __init__(self, key: str, index: int, num_tokens: int) -> None:
+        self.key = key                  # "<hex>:partial:<num_tokens>" (storage object name)
+        self.index = index              # block index in the request (= full blocks before it)
+        self.num_tokens = num_tokens
+        self.host_block: int | None = None
+        self.device_block: int | None = None
+        # D: wanted -> fetching -> ready -> loading -> done | failed | dropped
+        # P: backing_up -> putting -> done | failed
+        self.state = "wanted"
+        self.export: Export | None = None
+
+
+class Export:
+    """One request's prompt on its way to the pool (P): ``done`` once every block was acked."""
+
+    __slots__ = ("rid", "num_tokens", "keys", "num_waiting", "failed", "skipped")
+
+    def __init__(self, rid: object, num_tokens: int, keys: list[str]) -> None:
+        self.rid = rid
+        self.num_tokens = num_tokens
+        self.keys = keys                # storage names of the blocks, in order (manifest)
+        self.num_waiting = 0            # blocks not acked yet
+        self.failed = 0                 # blocks that did not reach the pool
+        self.skipped = 0                # full blocks the pool already held
+
+    @property
+    def done(self) -> bool:
+        return self.num_waiting == 0
+
+
+class HandoffMixin:
+    """Mixed into CacheManager (uses its tree, pools, staged ops and counters)."""
+
+    # ------------------------------------------------------------------ keys
+    def handoff_keys(self, req: CacheRequest, num_tokens: int) -> tuple[list[bytes], str | None]:
+        """Block keys of ``req``'s first ``num_tokens`` tokens: the full blocks', and the partial
+        block's name (None when ``num_tokens`` is a multiple of the block size)."""
+        if not 0 < num_tokens <= len(req.token_ids):
+            raise ValueError(f"num_tokens must be in 1..{len(req.token_ids)}, got {num_tokens}")
+        src = req.hasher
+        h = BlockHasher(self.block_size, src.seed, self.hash_name, src._lora, src._mm)
+        h.extend(req.token_ids[:num_tokens])
+        return list(h.keys), h.partial_key()
+
+    def manifest_names(self, req: CacheRequest, num_tokens: int) -> list[str]:
+        full, tail = self.handoff_keys(req, num_tokens)
+        ns = self.storage.namespace if self.storage is not None else "default"   # type: ignore[union-attr]
+        return [object_name(k, ns) for k in full] + ([object_name(tail, ns)] if tail else [])
+
+    # ------------------------------------------------------------------ P: export
+    def export(self, req: CacheRequest, num_tokens: int) -> Export:
+        """Write every block of ``req``'s first ``num_tokens`` tokens (committed KV) to the pool.
+
+        Call it before ``free(req)``: the partial block's device block passes from the request to
+        the export (freed once copied). Poll ``export.done``; a block that could not be written
+        counts in ``export.failed`` (D recomputes it).
+        """
+        if self.storage is None or not self.has_host:
+            raise ValueError("a hand-off export needs a host tier and a storage pool")
+        if not req.admitted or req.freed:
+            raise ValueError(f"request {req.rid!r} is not running")
+        bs = self.block_size
+        n_full, n_tail = divmod(num_tokens, bs)
+        if len(req.nodes) < n_full or len(req.block_table) < n_full + (1 if n_tail else 0):
+            raise ValueError(f"request {req.rid!r} has not computed {num_tokens} tokens yet")
+        exp = Export(req.rid, num_tokens, self.manifest_names(req, num_tokens))
+        for node in req.nodes[:n_full]:
+            if self.storage.contains(node.key):
+                exp.skipped += 1
+                continue
+            exp.num_waiting += 1
+            self.tree.lock(node)                # its device copy stays until its put landed
+            self._exporting.setdefault(id(node), (node, []))[1].append(exp)
+            if node.host_ready:
+                self._put(node)                 # (or a put already in flight: we wait for it)
+            elif node.host_block is None:
+                self._copy_down(node)           # then put when it lands (_complete_backup)
+        if n_tail:
+            tail = TailBlock(self.handoff_keys(req, num_tokens)[1] or "", n_full, n_tail)
+            tail.export = exp
+            exp.num_waiting += 1
+            got = self._take_host(1)
+            if got is None:                     # host tier full of pinned blocks: D recomputes it
+                self._export_ack(exp, ok=False)
+            else:
+                tail.host_block = got[0]
+                tail.device_block = req.block_table.pop(n_full)   # ours now (freed once copied)
+                tail.state = "backing_up"
+                self._staged["backup"].append((tail, tail.device_block, tail.host_block))
+        return exp
+
+    def _export_ack(self, exp: Export, ok: bool) -> None:
+        exp.num_waiting -= 1
+        if not ok:
+            exp.failed += 1
+
+    def _export_node_done(self, node: Node, ok: bool) -> None:
+        """A full block an export waits for was stored (or failed to be)."""
+        entry = self._exporting.pop(id(node), None)
+        if entry is None:
+            return
+        for exp in entry[1]:
+            self._export_ack(exp, ok)
+            self.tree.unlock(node)
+        self.tree.maybe_candidate(node)
+
+    def _tail_backed_up(self, tail: TailBlock, ok: bool) -> None:
+        self.device_pool.free_one(tail.device_block)     # type: ignore[arg-type]
+        tail.device_block = None
+        if not ok:
+            self.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            tail.host_block, tail.state = None, "failed"
+            self._export_ack(tail.export, ok=False)      # type: ignore[arg-type]
+            return
+        tail.state = "putting"
+        self._staged["put"].append((tail, tail.host_block))
+
+    def _tail_put(self, tail: TailBlock, ok: bool) -> None:
+        self.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
+        tail.host_block, tail.state = None, ("done" if ok else "failed")
+        self._export_ack(tail.export, ok)                # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ D: import
+    def expect_tail(self, req: CacheRequest, num_tokens: int) -> str | None:
+        """``req``'s first ``num_tokens`` tokens were written to the pool by a prefill engine:
+        fetch their last partial block too (``prefetch``). Returns its name (None if the prompt
+        ends on a block boundary)."""
+        if req.admitted or req.tail is not None:
+            raise ValueError(f"request {req.rid!r} is already admitted or expects a tail")
+        if num_tokens >= len(req.token_ids):
+            raise ValueError("a handed-off request must hold at least one token past the prompt")
+        name = self.handoff_keys(req, num_tokens)[1]
+        if name is not None and self.storage is not None and self.has_host:
+            req.tail = TailBlock(name, num_tokens // self.block_size, num_tokens % self.block_size)
+        return name
+
+    def _fetch_tail(self, req: CacheRequest) -> int:
+        tail = req.tail
+        if tail is None or tail.state != "wanted":
+            return 0
+        got = self._take_host(1)
+        if got is None:
+            tail.state = "failed"
+            return 0
+        tail.host_block, tail.state = got[0], "fetching"
+        op_id, self._next_op = self._next_op, self._next_op + 1
+        self._pending[op_id] = ("tailfetch", [tail])
+        self._tail_ops.append(TransferOp(op_id, "fetch", (), (tail.host_block,), (tail.key,)))  # type: ignore[arg-type]
+        return 1
+
+    def _complete_tailfetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+        tail: TailBlock = items[0]
+        if failed or tail.state == "dropped":
+            self.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            tail.host_block = None
+            tail.state = "failed" if tail.state != "dropped" else "dropped"
+        else:
+            tail.state = "ready"
+        return {}
+
+    def tail_hit(self, req: CacheRequest) -> int:
+        """Tokens of ``req``'s fetched partial block that count as cached with its last match:
+        only when every full block before it is a device or host hit."""
+        tail = req.tail
+        if tail is None or tail.state not in ("ready", "loading") or req.match is None:
+            return 0
+        m = req.match
+        return tail.num_tokens if m.num_device_blocks + m.num_host_blocks == tail.index else 0
+
+    def _load_tail(self, req: CacheRequest, blocks: list[int], first_own: int) -> None:
+        """At admission: load the fetched partial block into ``req``'s own device block."""
+        tail = req.tail
+        if tail is None or tail.state != "ready":
+            return
+        if self.tail_hit(req) and first_own <= tail.index < first_own + len(blocks):
+            tail.state = "loading"
+            self._staged["load"].append((req, tail.index, tail, blocks[tail.index - first_own]))
+            req.num_loading += 1
+        else:                                    # its full blocks were not all hits: recomputed
+            self._drop_tail(req)
+
+    def _drop_tail(self, req: CacheRequest) -> None:
+        tail = req.tail
+        if tail is None:
+            return
+        if tail.state == "ready":
+            self.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            tail.host_block = None
+        if tail.state in ("fetching", "ready", "wanted"):
+            tail.state = "dropped"                       # a fetch in flight frees its block when done
+
+    def _tail_loaded(self, req: CacheRequest, tail: TailBlock, block: int, ok: bool,
+                     rewinds: dict[object, int]) -> None:
+        self.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
+        tail.host_block = None
+        tail.state = "done" if ok else "failed"
+        req.num_loading -= 1
+        if req.freed:
+            self.device_pool.free_one(block)
+        elif not ok or req.rid in rewinds:
+            rewinds.setdefault(req.rid, tail.index * self.block_size)
