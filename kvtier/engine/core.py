@@ -456,7 +456,8 @@ class EngineCore:
         text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
         return RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), text,
                              req.finish_reason or "length", req.num_cached_tokens or 0,
-                             dict(req.cached_tokens_by_tier), routed, dict(req.metrics))
+                             dict(req.cached_tokens_by_tier), routed, dict(req.metrics),
+                             None if req.handoff is None or req.handoff.get("export") else dict(req.handoff))
 
     def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
         """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""

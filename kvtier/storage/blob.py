@@ -72,7 +72,8 @@ class BlobLayout:
         """Size of a whole object."""
         return HEADER_NBYTES + self.kv_nbytes + self.routing_nbytes
 
-    def _header(self, key: bytes, checksum: int) -> bytes:
+    def _header(self, key: bytes | str, checksum: int) -> bytes:
+        key = header_key(key)
         if len(key) > 32:
             raise ValueError(f"block key of {len(key)} bytes; at most 32")
         shape = tuple(self.shape) + (0,) * (6 - len(self.shape))
@@ -131,7 +132,8 @@ class BlobLayout:
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
-    def _check_header(self, buf: np.ndarray, size: int, key: bytes) -> BlobStatus:
+    def _check_header(self, buf: np.ndarray, size: int, key: bytes | str) -> BlobStatus:
+        key = header_key(key)
         if size < _FMT.size:
             return BlobStatus.TRUNCATED
         f = _FMT.unpack_from(memoryview(buf[:_FMT.size]))
@@ -158,3 +160,9 @@ class BlobLayout:
         np.copyto(kv.reshape(-1), buf[h:h + k])
         if routing is not None:
             np.copyto(routing.reshape(-1), buf[h + k:h + k + self.routing_nbytes])
+
+
+def header_key(key: bytes | str) -> bytes:
+    """The key bytes a header carries: a block key, or the digest of a partial block's name
+    (``<hex>:partial:<n>``, PD hand-off)."""
+    return bytes.fromhex(key.split(":", 1)[0]) if isinstance(key, str) else key

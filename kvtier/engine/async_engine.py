@@ -1,0 +1,218 @@
+"""The serving front end: the engine core's step loop on its own thread, streaming tokens to
+asyncio callers (the HTTP server).
+
+::
+
+    asyncio callers                       engine thread
+    generate(prompt) ─ make_request ─► inbox ─► enqueue ─► step() ─► step() ─► ...
+          ▲ (validated in the caller: a bad                          │ new tokens of every
+          │  request never reaches the engine)                       │ request, each step
+          └──────────── per-request asyncio.Queue ◄── call_soon_threadsafe ┘
+
+Requests that arrive while a step runs join the next one (continuous batching across clients).
+A caller that goes away (client disconnect, cancellation) aborts its request: its blocks return
+to the pool at the next step boundary. Everything that touches engine state runs on the engine
+thread (``call(fn)`` for stats); callers only read immutable results.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from kvtier.engine.core import EngineCore, RequestOutput
+from kvtier.engine.request import Request
+from kvtier.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests wait for admission than ``max_queue``: the caller should retry later (503)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (closed, or a step raised): no request can be served."""
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens of one request since the last delta; ``output`` is set on the last one."""
+    token_ids: list[int]
+    output: RequestOutput | None = None
+
+
+class _Sink:
+    __slots__ = ("loop", "queue", "req", "sent")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, req: Request) -> None:
+        self.loop, self.queue, self.req, self.sent = loop, asyncio.Queue(), req, 0
+
+    def push(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:          # the caller's loop is closed: nobody is listening
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_queue: int = 1024, idle_wait: float = 0.05) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.core = core
+        self.max_queue = max_queue
+        self._idle_wait = idle_wait
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}         # engine thread only
+        self._num_queued = 0                       # added, not yet admitted (approximate, for 503)
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers (asyncio)
+    @property
+    def num_running(self) -> int:
+        return len(self.core.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.core.scheduler.waiting)
+
+    def make_request(self, prompt: Any, params: SamplingParams, cache_salt: str | None = None,
+                     request_id: str | None = None, **handoff: Any) -> Request:
+        """Validate (ValueError names the problem) without touching engine state."""
+        self._check_alive()
+        return self.core.make_request(prompt, params, cache_salt, request_id, **handoff)
+
+    async def generate(self, req: Request) -> AsyncIterator[Delta]:
+        """Stream ``req`` (from :meth:`make_request`): deltas of new tokens, the last one with the
+        finished output. Leaving the iteration early aborts the request."""
+        self._check_alive()
+        if self.num_waiting + self._num_queued >= self.max_queue:
+            raise QueueFull(f"{self.num_waiting + self._num_queued} requests are waiting "
+                            f"(max_queue={self.max_queue}); retry later")
+        sink = _Sink(asyncio.get_running_loop(), req)
+        self._num_queued += 1
+        self._inbox.put(("add", sink))
+        done = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.output is not None:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self._inbox.put(("abort", req.request_id))
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run ``fn(core)`` on the engine thread between steps (stats, cache inspection)."""
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, fut))
+        return await fut
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop (requests in flight fail with EngineDead), then close the core."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout)
+        self.core.close()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDead(f"the engine stopped: {self._error!r}")
+        if self._stop.is_set():
+            raise EngineDead("the engine is shutting down")
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        core = self.core
+        try:
+            while not self._stop.is_set():
+                self._take_inbox(block=not core.has_unfinished())
+                if not core.has_unfinished():
+                    continue
+                finished = core.step()
+                self._emit(finished)
+        except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
+            log.exception("engine step failed; failing every request in flight")
+            self._error = e
+        err = EngineDead(f"the engine stopped: {self._error!r}" if self._error else "the engine is shutting down")
+        for rid, sink in list(self._sinks.items()):
+            sink.push(err)
+            try:
+                core.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self._sinks.clear()
+        while True:                    # callers still waiting on a call() or an add
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[1].push(err)
+            elif cmd[0] == "call":
+                self._resolve(cmd[2], exc=err)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=self._idle_wait) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind = cmd[0]
+            if kind == "add":
+                sink = cmd[1]
+                self._num_queued -= 1
+                try:
+                    self.core.enqueue(sink.req)
+                    self._sinks[sink.req.request_id] = sink
+                except Exception as e:  # noqa: BLE001 - the caller gets it (e.g. a closed engine)
+                    sink.push(e)
+            elif kind == "abort":
+                if self._sinks.pop(cmd[1], None) is not None:
+                    self.core.abort(cmd[1])
+            elif kind == "call":
+                try:
+                    self._resolve(cmd[2], result=cmd[1](self.core))
+                except Exception as e:  # noqa: BLE001
+                    self._resolve(cmd[2], exc=e)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+        def set_() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        try:
+            fut.get_loop().call_soon_threadsafe(set_)
+        except RuntimeError:
+            pass
+
+    def _emit(self, finished: list[RequestOutput]) -> None:
+        done = {o.request_id: o for o in finished}
+        for rid, sink in list(self._sinks.items()):
+            toks = sink.req.output_token_ids
+            out = done.get(rid)
+            if out is not None:
+                sink.push(Delta(out.token_ids[sink.sent:], out))
+                del self._sinks[rid]
+            elif len(toks) > sink.sent and not (sink.req.handoff and sink.req.handoff.get("export")):
+                sink.push(Delta(list(toks[sink.sent:])))
+                sink.sent = len(toks)

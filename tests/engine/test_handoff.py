@@ -1,0 +1,95 @@
+"""PD hand-off at the engine core: P exports a prompt's blocks (full + partial) to a file pool,
+D starts from P's first token and loads them; tokens and routed experts equal a colocated run."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.engine.core import EngineCore
+
+KW = dict(num_host_blocks=64, block_size=8)
+PARAMS = kvtier.SamplingParams(max_tokens=6, ignore_eos=True, return_routed_experts=True)
+
+
+def run(core: EngineCore, **add) -> kvtier.RequestOutput:
+    req = core.add_request(**add)
+    for _ in range(10_000):
+        for out in core.step():
+            if out.request_id == req.request_id:
+                core.cache.assert_invariants()
+                return out
+    raise AssertionError("request never finished")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return checkpoint("qwen3-moe-tiny")
+
+
+@pytest.mark.parametrize("n_prompt", [37, 40])       # a partial last block, and none
+def test_decode_side_loads_every_prompt_token_from_the_pool(model, tmp_path, n_prompt):
+    prompt = np.random.default_rng(n_prompt).integers(0, 250, n_prompt).tolist()
+    with kvtier.LLM(model, block_size=8) as colo:
+        ref = colo.generate([prompt], PARAMS)[0]
+    url = f"file://{tmp_path}"
+    with EngineCore(model, storage=url, **KW) as p, EngineCore(model, storage=url, **KW) as d:
+        first = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1, return_routed_experts=True),
+                    export=True)
+        h = first.handoff
+        assert h["complete"] and h["failed_blocks"] == 0 and h["num_tokens"] == n_prompt
+        assert len(h["keys"]) == -(-n_prompt // 8) and (":partial:5" in h["keys"][-1]) == (n_prompt == 37)
+        assert first.token_ids == ref.token_ids[:1]
+        out = run(d, prompt=prompt, params=PARAMS, handoff=h)
+        assert out.token_ids == ref.token_ids
+        np.testing.assert_array_equal(out.routed_experts, ref.routed_experts)
+        assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": n_prompt}
+        assert out.handoff["result"] == "ok"
+        # D's own cache serves a repeat: device hits, the tail fetched again
+        again = run(d, prompt=prompt, params=PARAMS, handoff=h)
+        assert again.token_ids == ref.token_ids
+        assert again.cached_tokens_by_tier["device"] == n_prompt // 8 * 8
+
+
+def test_missing_blocks_are_recomputed_or_fail_under_error(model, tmp_path):
+    prompt = np.random.default_rng(1).integers(0, 250, 29).tolist()
+    with kvtier.LLM(model, block_size=8) as colo:
+        ref = colo.generate([prompt], PARAMS)[0]
+    url = f"file://{tmp_path}"
+    with EngineCore(model, storage=url, **KW) as p:
+        h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
+    for f in tmp_path.rglob("*"):          # the pool lost the prompt's objects
+        if f.is_file() and "partial" in f.name or f.suffix == ".kvt":
+            f.unlink()
+    with EngineCore(model, storage=url, **KW) as d:
+        out = run(d, prompt=prompt, params=PARAMS, handoff=h)
+        assert out.token_ids == ref.token_ids
+        assert out.handoff["result"] == "recomputed" and out.handoff["missing_tokens"] > 0
+    with EngineCore(model, storage=url, pd_on_miss="error", **KW) as d:
+        out = run(d, prompt=prompt, params=PARAMS, handoff=h)
+        assert out.finish_reason == "error" and "missing" in out.error
+        d.cache.assert_invariants()
+        assert d.cache.device_pool.num_used == d.cache.tree.num_device_copies
+
+
+def test_first_token_that_ends_the_request(model, tmp_path):
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    url = f"file://{tmp_path}"
+    with EngineCore(model, storage=url, **KW) as p, EngineCore(model, storage=url, **KW) as d:
+        h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
+        one = kvtier.SamplingParams(max_tokens=1, return_routed_experts=True)
+        out = run(d, prompt=prompt, params=one, handoff=h)
+        assert out.token_ids == [h["first_token"]] and out.finish_reason == "length"
+        assert out.routed_experts.shape[0] == len(prompt)
+
+
+def test_a_manifest_from_another_model_is_refused(model, checkpoint, tmp_path):
+    prompt = list(range(20))
+    url = f"file://{tmp_path}"
+    with EngineCore(model, storage=url, **KW) as p:
+        h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
+    with EngineCore(checkpoint("llama-tiny"), storage=url, **KW) as d:
+        with pytest.raises(ValueError, match="handoff.keys do not match"):
+            d.add_request(prompt, kvtier.SamplingParams(), handoff=h)
+        with pytest.raises(ValueError, match="num_tokens"):
+            d.add_request(prompt[:-1], kvtier.SamplingParams(), handoff=h)
