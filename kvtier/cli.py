@@ -168,6 +168,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_positive, default=1, help="run the prompt N times (shows prefix hits)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (colocated, or the prefill/decode side of PD)",
+                       description="Serve MODEL over an OpenAI-compatible API: POST /v1/completions, "
+                                   "/v1/chat/completions (SSE streaming), GET /v1/models, /health, /metrics. "
+                                   "--role prefill|decode with a shared --storage pool runs one side of "
+                                   "prefill/decode disaggregation (put `kvtier router` in front).")
+    p.add_argument("model", help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_positive, default=8000, help="port (default 8000)")
+    p.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
+                   help="colocated: whole requests; prefill: runs prefills for the router and writes their "
+                        "KV to --storage; decode: continues them from the pool (default colocated)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model directory's name)")
+    p.add_argument("--max-queue", type=_positive, default=1024,
+                   help="requests waiting for admission before new ones get 503 (default 1024)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                   help="uvicorn log level (default info)")
+    _add_llm_flags(p)
+
+    p = sub.add_parser("router", help="OpenAI-compatible front of prefill and decode servers (PD)",
+                       description="Route each request to a prefill server (which writes the prompt's KV to "
+                                   "the shared pool) and then to a decode server (which reads it from there); "
+                                   "round robin among healthy servers; a failed prefill side runs the request "
+                                   "colocated on a decode server.")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill server, e.g. http://127.0.0.1:8100 (repeat for several)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", required=True,
+                   help="a decode server (repeat for several)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_positive, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients (default none)")
+    p.add_argument("--backend-api-key", default=None, help="key the router sends to P and D (default none)")
+    p.add_argument("--timeout", type=_positive_float, default=600.0,
+                   help="seconds a request to P or D may take (default 600)")
+    p.add_argument("--health-interval", type=_positive_float, default=2.0,
+                   help="seconds between health checks of every server (default 2)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                   help="uvicorn log level (default info)")
+
     p = sub.add_parser("demo", help="multi-turn workload through all three tiers (start here)",
                        description="Write a small random MoE checkpoint, run a multi-turn chat workload "
                                    "through device, host and storage tiers, print hits per tier and TTFT "
@@ -228,12 +268,25 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget per step (default 2048)")
     p.add_argument("--max-num-seqs", type=_positive, default=256, help="running requests at most (default 256)")
     p.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
+    p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
+                   help="attention kernels (default: triton on cuda, torch on cpu)")
+    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")
+    p.add_argument("--no-routing-capture", dest="capture_routing", action="store_false",
+                   help="MoE: do not capture routed experts (R3)")
+    p.add_argument("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA-graph decode (default: on for cuda)")
+    p.add_argument("--pd-on-miss", choices=("recompute", "error"), default="recompute",
+                   help="PD decode side: blocks missing, corrupt or late in the pool are recomputed, or the "
+                        "request fails with 502 (default recompute)")
+    p.add_argument("--export-timeout", type=_positive_float, default=30.0,
+                   help="PD prefill side: seconds to wait for the pool to ack a prompt's blocks (default 30)")
 
 
 _LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
              "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
              "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs",
-             "max_model_len", "prefetch_timeout", "storage_workers")
+             "max_model_len", "prefetch_timeout", "storage_workers", "attention_backend", "eviction",
+             "capture_routing", "cuda_graphs", "pd_on_miss", "export_timeout")
 
 
 def _generate(args) -> int:  # type: ignore[no-untyped-def]
@@ -295,6 +348,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from kvtier.serve.server import serve
+            serve(args.model, host=args.host, port=args.port, role=args.role, api_key=args.api_key,
+                  served_model_name=args.served_model_name, max_queue=args.max_queue, log_level=args.log_level,
+                  **{k: getattr(args, k) for k in _LLM_KEYS})
+            return 0
+        if args.command == "router":
+            from kvtier.serve.server import route
+            route(args.prefill, args.decode, host=args.host, port=args.port, log_level=args.log_level,
+                  api_key=args.api_key, backend_api_key=args.backend_api_key, timeout=args.timeout,
+                  health_interval=args.health_interval)
+            return 0
         if args.command == "demo":
             from kvtier.demo import run_demo
             run_demo(model_dir=args.model, clients=args.clients, turns=args.turns, device=args.device,

@@ -1,0 +1,82 @@
+"""Prometheus metrics of one server (DESIGN §6 names), in a registry of its own.
+
+Per-request figures (tokens, cached tokens by tier, TTFT, inter-token latency, PD hand-off
+results) are counted as requests finish; the cache's own counters (bytes moved, evictions,
+storage failures) and the queue gauges are read from the engine at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class _CacheCollector:
+    """Cache counters from the last ``cache_stats()`` snapshot (taken on the engine thread)."""
+
+    def __init__(self) -> None:
+        self.stats: dict | None = None
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        s = self.stats
+        moved = CounterMetricFamily("kvtier_bytes_moved", "KV bytes moved between tiers", labels=["direction"])
+        evict = CounterMetricFamily("kvtier_evictions", "KV blocks evicted per tier", labels=["tier"])
+        fail = CounterMetricFamily("kvtier_storage_failures", "failed block copies per operation", labels=["op"])
+        if s is not None:
+            for direction, v in s["bytes_moved"].items():
+                moved.add_metric([direction], v)
+            for tier in ("device", "host", "storage"):
+                evict.add_metric([tier], s["evictions"].get(tier, 0))
+            for op, v in s["failures"].items():
+                fail.add_metric([op], v)
+        yield moved
+        yield evict
+        yield fail
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter("kvtier_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvtier_generation_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter("kvtier_cached_tokens", "prompt tokens served from cache, per tier",
+                                     ["tier"], registry=r)
+        self.running = Gauge("kvtier_requests_running", "requests in the running batch", registry=r)
+        self.waiting = Gauge("kvtier_requests_waiting", "requests waiting for admission", registry=r)
+        self.ttft = Histogram("kvtier_time_to_first_token_seconds", "arrival to first token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kvtier_inter_token_latency_seconds", "time between tokens of a request",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.handoffs = Counter("kvtier_pd_handoffs", "PD hand-offs served (decode side): ok | recomputed | "
+                                "error", ["result"], registry=r)
+        self.requests = Counter("kvtier_requests", "finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        for tier in ("device", "host", "storage"):
+            self.cached_tokens.labels(tier)
+        for result in ("ok", "recomputed", "error"):
+            self.handoffs.labels(result)
+        self._cache = _CacheCollector()
+        r.register(self._cache)
+
+    def finished(self, output, finish_reason: str) -> None:  # type: ignore[no-untyped-def]
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(len(output.token_ids))
+        for tier, n in output.cached_tokens_by_tier.items():
+            self.cached_tokens.labels(tier).inc(n)
+        if output.handoff is not None and "result" in output.handoff:
+            self.handoffs.labels(output.handoff["result"]).inc()
+
+    def render(self, cache_stats: dict, running: int, waiting: int) -> bytes:
+        self._cache.stats = {"bytes_moved": cache_stats["bytes_moved"], "evictions": cache_stats["evictions"],
+                             "failures": cache_stats["failures"]}
+        self.running.set(running)
+        self.waiting.set(waiting)
+        return generate_latest(self.registry)
+
+
+def snapshot(core) -> dict:  # type: ignore[no-untyped-def]
+    """What /metrics needs from the engine (runs on the engine thread)."""
+    return core.cache.stats.as_dict()

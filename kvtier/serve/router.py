@@ -1,0 +1,256 @@
+"""``kvtier router``: one OpenAI endpoint in front of prefill (P) and decode (D) servers.
+
+::
+
+    client ─► router ─► P /kvtier/prefill/...   prefill; the prompt's blocks written to the pool;
+                │                               answers the first token's chunks + manifest
+                └─────► D /v1/...  + kvtier_handoff   D loads the blocks from the pool and decodes;
+                                                      its stream continues after P's chunks
+
+P and D never talk to each other: the pool carries the KV. Backends are picked round robin among
+the healthy ones (``GET /health`` every ``health_interval`` seconds; a backend that fails a
+request is marked down at once). A P that is down, answers an error, or could not write every
+block -> the request runs colocated on a D. A D that fails before answering -> the next D (the
+hand-off is in the pool, any D can read it). Every call has a timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvtier.serve.api import error_response
+
+log = logging.getLogger(__name__)
+_PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+_PREFILL = {"completion": "/kvtier/prefill/completions", "chat": "/kvtier/prefill/chat"}
+
+
+class Backend:
+    def __init__(self, url: str, role: str) -> None:
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
+        self.url, self.role = url, role
+        self.healthy = True
+        self.info: dict = {}
+
+    def __repr__(self) -> str:
+        return f"{self.role}:{self.url}{'' if self.healthy else ' (down)'}"
+
+
+class Router:
+    def __init__(self, prefill: list[str], decode: list[str], api_key: str | None = None,
+                 backend_api_key: str | None = None, timeout: float = 600.0, connect_timeout: float = 3.0,
+                 health_interval: float = 2.0) -> None:
+        if not decode:
+            raise ValueError("the router needs at least one --decode server")
+        self.prefill = [Backend(u, "prefill") for u in prefill]
+        self.decode = [Backend(u, "decode") for u in decode]
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self.health_interval = health_interval
+        self._rr = {"prefill": 0, "decode": 0}
+        self.client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+        r = self.registry = CollectorRegistry()
+        self.routes = Counter("kvtier_router_requests", "requests by route: pd (P then D), colocated (D alone)",
+                              ["route"], registry=r)
+        self.fallbacks = Counter("kvtier_router_fallbacks", "requests served colocated on D instead of PD, by reason",
+                                 ["reason"], registry=r)
+        self.prefill_seconds = Histogram("kvtier_router_prefill_seconds", "P's answer time (prefill + pool writes)",
+                                         registry=r)
+        for route in ("pd", "colocated"):
+            self.routes.labels(route)
+        self.app = self._build()
+
+    # ------------------------------------------------------------------ backends
+    def _pick(self, role: str, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
+        pool = self.prefill if role == "prefill" else self.decode
+        cands = [b for b in pool if b.healthy and b.url not in exclude]
+        if not cands:
+            return None
+        i = self._rr[role] % len(cands)
+        self._rr[role] += 1
+        return cands[i]
+
+    async def _check(self, b: Backend) -> None:
+        try:
+            r = await self.client.get(b.url + "/health", timeout=httpx.Timeout(2.0))   # type: ignore[union-attr]
+            b.healthy = r.status_code == 200
+            if b.healthy:
+                b.info = r.json()
+        except (httpx.HTTPError, ValueError):
+            b.healthy = False
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(b) for b in self.prefill + self.decode))
+            await asyncio.sleep(self.health_interval)
+
+    # ------------------------------------------------------------------ app
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="kvtier router", version=__import__("kvtier").__version__,
+                      description="OpenAI-compatible front of kvtier prefill and decode servers.")
+        router = self
+
+        @app.on_event("startup")
+        async def _start() -> None:
+            router.client = httpx.AsyncClient(timeout=router.timeout, headers=router.headers,
+                                              limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+            await asyncio.gather(*(router._check(b) for b in router.prefill + router.decode))
+            router._health_task = asyncio.create_task(router._health_loop())
+
+        @app.on_event("shutdown")
+        async def _stop() -> None:
+            if router._health_task is not None:
+                router._health_task.cancel()
+            if router.client is not None:
+                await router.client.aclose()
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
+            if router.api_key and request.url.path.startswith("/v1/"):
+                got = request.headers.get("authorization", "")
+                if not secrets.compare_digest(got.encode(), f"Bearer {router.api_key}".encode()):
+                    return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health() -> Response:
+            up = [b.url for b in router.decode if b.healthy]
+            if not up:
+                return error_response(503, "no decode server is up")
+            return JSONResponse({"status": "ok", "role": "router", "decode_up": up,
+                                 "prefill_up": [b.url for b in router.prefill if b.healthy]})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            d = router._pick("decode")
+            if d is None:
+                return error_response(503, "no decode server is up")
+            r = await router.client.get(d.url + "/v1/models")           # type: ignore[union-attr]
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await router.handle("completion", request)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await router.handle("chat", request)
+
+        return app
+
+    # ------------------------------------------------------------------ requests
+    async def handle(self, kind: str, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return error_response(400, f"the request body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object")
+        if "kvtier_handoff" in body:
+            return error_response(400, "kvtier_handoff is set by the router, not by clients", "kvtier_handoff")
+        stream = body.get("stream") is True
+        handoff, reason = await self._prefill(kind, body)
+        if isinstance(handoff, Response):
+            return handoff                                  # the client's error (4xx), from P
+        if handoff is None:
+            self.fallbacks.labels(reason).inc()
+            self.routes.labels("colocated").inc()
+            return await self._decode(kind, body, stream, None)
+        self.routes.labels("pd").inc()
+        return await self._decode(kind, dict(body, kvtier_handoff=handoff["handoff"]), stream, handoff["chunks"])
+
+    async def _prefill(self, kind: str, body: dict) -> tuple[Any, str]:
+        """P's half: (hand-off, "") or (None, why the request runs colocated) or (4xx Response, "")."""
+        tried: set[str] = set()
+        reason = "no_prefill_server"
+        while True:
+            p = self._pick("prefill", tried)
+            if p is None:
+                return None, reason
+            tried.add(p.url)
+            t0 = time.monotonic()
+            try:
+                r = await self.client.post(p.url + _PREFILL[kind], json=dict(body, stream=False))   # type: ignore[union-attr]
+            except httpx.HTTPError as e:
+                log.warning("prefill server %s failed (%s); trying the next one", p.url, e)
+                p.healthy = False
+                reason = "prefill_down"
+                continue
+            if 400 <= r.status_code < 500 and r.status_code not in (404, 408, 429):
+                return Response(r.content, status_code=r.status_code, media_type="application/json"), ""
+            if r.status_code != 200:
+                log.warning("prefill server %s answered %d: %s", p.url, r.status_code, r.text[:200])
+                reason = "prefill_error"
+                continue
+            self.prefill_seconds.observe(time.monotonic() - t0)
+            res = r.json()
+            m = res.get("manifest") or {}
+            if not m.get("complete"):
+                log.warning("prefill server %s could not write every block (%s failed): colocated on D",
+                            p.url, m.get("failed_blocks"))
+                return None, "prefill_write_failed"
+            return {"chunks": res["chunks"], "handoff": {
+                "namespace": m["namespace"], "keys": m["keys"], "num_tokens": m["num_tokens"],
+                "first_token": res["first_token"], "prompt_token_ids": res["prompt_token_ids"],
+                "prefill_cached_tokens": res.get("cached_tokens", 0), "response_id": res["id"],
+                "created": res["created"]}}, ""
+
+    async def _decode(self, kind: str, body: dict, stream: bool, first_chunks: list | None) -> Response:
+        tried: set[str] = set()
+        last_error = "no decode server is up"
+        while True:
+            d = self._pick("decode", tried)
+            if d is None:
+                return error_response(503, last_error)
+            tried.add(d.url)
+            req = self.client.build_request("POST", d.url + _PATHS[kind], json=body)   # type: ignore[union-attr]
+            try:
+                r = await self.client.send(req, stream=True)                         # type: ignore[union-attr]
+            except httpx.HTTPError as e:
+                log.warning("decode server %s failed (%s); trying the next one", d.url, e)
+                d.healthy = False
+                last_error = f"decode server {d.url} failed: {e}"
+                continue
+            if r.status_code == 503 and len(tried) < len(self.decode):
+                await r.aclose()
+                continue
+            if r.status_code != 200 or not stream:
+                try:
+                    content = await r.aread()
+                finally:
+                    await r.aclose()
+                return Response(content, status_code=r.status_code,
+                                media_type=r.headers.get("content-type", "application/json"))
+            return StreamingResponse(_relay(first_chunks, r), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _relay(first_chunks: list | None, r: httpx.Response) -> AsyncIterator[bytes]:
+    """P's first-token chunks, then D's stream as it comes."""
+    try:
+        for c in first_chunks or ():
+            yield f"data: {json.dumps(c, separators=(',', ':'))}\n\n".encode()
+        async for b in r.aiter_raw():
+            yield b
+    except httpx.HTTPError as e:       # D died mid-stream: say so, end the stream
+        err = {"error": {"message": f"decode server failed mid-stream: {e}", "type": "server_error", "code": 502}}
+        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await r.aclose()
