@@ -1,0 +1,166 @@
+"""Prefill/decode disaggregation through a real pool (Valkey, Mooncake): `kvtier serve --role
+prefill`, `--role decode` and `kvtier router` as processes on 127.0.0.1. Outputs and routed experts
+equal a colocated run; a dead pool or a dead P costs a recompute, never a wrong answer."""
+from __future__ import annotations
+
+import base64
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import kvtier
+
+ENGINE = ["--num-host-blocks", 64, "--max-model-len", 1024, "--served-model-name", "moe"]
+D_ONLY = ["--storage-fetch", "always", "--prefetch-policy", "wait_complete"]   # exact hand-off counts
+PROMPTS = [f"Customer {i} asks: how do tiered KV caches move blocks between GPU, host and pool? " * (1 + i % 3)
+           for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def offline(moe_model):
+    llm = kvtier.LLM(moe_model, max_model_len=1024)
+    yield llm
+    llm.close()
+
+
+def ref(offline, prompt, n=10):
+    return offline.generate([prompt], kvtier.SamplingParams(max_tokens=n, return_routed_experts=True))[0]
+
+
+@pytest.fixture(scope="module", params=["valkey", "mooncake"])
+def pd(request, procs, moe_model):
+    """(pool handle, P, D, D under --pd-on-miss error, router)."""
+    pool = request.getfixturevalue("valkey_server" if request.param == "valkey" else "mooncake_pool")
+    url = pool.url
+    tag = request.param
+    p = procs(["serve", moe_model, "--role", "prefill", "--storage", url, *ENGINE], f"{tag}-p")
+    d = procs(["serve", moe_model, "--role", "decode", "--storage", url, *ENGINE, *D_ONLY], f"{tag}-d")
+    d_err = procs(["serve", moe_model, "--role", "decode", "--storage", url, *ENGINE, *D_ONLY,
+                   "--pd-on-miss", "error"], f"{tag}-derr")
+    for x in (p, d, d_err):
+        x.wait_ready()
+    router = procs(["router", "--prefill", p.url, "--decode", d.url, "--health-interval", 0.5],
+                   f"{tag}-router").wait_ready()
+    return pool, p, d, d_err, router
+
+
+def metric(proc, name: str, labels: str = "") -> float:
+    text = httpx.get(proc.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def completion(url: str, prompt: str, stream: bool, n: int = 10, **extra) -> dict:
+    body = {"model": "moe", "prompt": prompt, "max_tokens": n, "temperature": 0, "return_routed_experts": True,
+            "stream": stream, **extra}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0] | {"usage": r.json()["usage"]}
+    text, last = "", None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+                c = json.loads(line[6:])
+                assert "error" not in c, c
+                text += c["choices"][0]["text"]
+                last = c["choices"][0]
+    return last | {"text": text}
+
+
+def experts(choice: dict) -> np.ndarray:
+    r = choice["routed_experts"]
+    return np.frombuffer(base64.b64decode(r["data"]), dtype=r["dtype"]).reshape(r["shape"])
+
+
+def test_pd_outputs_and_routed_experts_equal_colocated(pd, offline):
+    pool, p, d, d_err, router = pd
+    ok0 = metric(d, "kvtier_pd_handoffs_total", '{result="ok"}')
+    for i, prompt in enumerate(PROMPTS[:4]):
+        want = ref(offline, prompt)
+        got = completion(router.url, prompt, stream=bool(i % 2))
+        assert got["text"] == want.text and got["finish_reason"] == "length"
+        np.testing.assert_array_equal(experts(got), want.routed_experts)
+    assert metric(d, "kvtier_pd_handoffs_total", '{result="ok"}') - ok0 == 4       # every prompt token loaded
+    assert metric(router, "kvtier_router_requests_total", '{route="pd"}') >= 4
+    # chat through the openai client, streamed across the hand-off
+    c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    tok = offline.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    want = ref(offline, ids, 8).text
+    streamed = c.chat.completions.create(model="moe", messages=messages, max_tokens=8, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == want
+    assert c.chat.completions.create(model="moe", messages=messages, max_tokens=8,
+                                     temperature=0).choices[0].message.content == want
+
+
+def test_pd_miss_is_recomputed_or_502_under_error(pd, offline):
+    pool, p, d, d_err, router = pd
+    prompt = PROMPTS[5] + " (a fresh one)"
+    res = httpx.post(p.url + "/kvtier/prefill/completions", timeout=60,
+                     json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0}).json()
+    m = res["manifest"]
+    handoff = {"namespace": m["namespace"], "keys": m["keys"], "num_tokens": m["num_tokens"],
+               "first_token": res["first_token"], "prompt_token_ids": res["prompt_token_ids"]}
+    pool.clear() if hasattr(pool, "clear") else pool.flushall()        # the pool lost them
+    want = ref(offline, prompt, 6).text
+    r = httpx.post(d_err.url + "/v1/completions", timeout=60, json={
+        "model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0, "kvtier_handoff": handoff})
+    assert r.status_code == 502 and "missing" in r.json()["error"]["message"], r.text
+    assert metric(d_err, "kvtier_pd_handoffs_total", '{result="error"}') == 1
+    before = metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}')
+    r = httpx.post(d.url + "/v1/completions", timeout=60, json={
+        "model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0, "kvtier_handoff": handoff})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    assert metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}') == before + 1
+
+
+def test_the_pool_killed_mid_run_costs_a_recompute_not_an_answer(pd, offline):
+    pool, p, d, d_err, router = pd
+    want = {pr: ref(offline, pr, 12).text for pr in PROMPTS}
+
+    def degraded() -> float:
+        return (metric(router, "kvtier_router_fallbacks_total", '{reason="prefill_write_failed"}')
+                + metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}'))
+    before = degraded()
+    killer = threading.Timer(0.3, pool.kill if hasattr(pool, "flushall") else pool.kill_node)
+    killer.start()
+    try:
+        def one(i):
+            pr = PROMPTS[i % len(PROMPTS)]
+            return pr, completion(router.url, pr, stream=bool(i % 2), n=12)["text"]
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(one, range(24)))
+    finally:
+        killer.join()
+    for pr, text in results:
+        assert text == want[pr]
+    assert degraded() > before           # the pool did die mid-run: P could not write, or D recomputed
+    # and with the pool still down
+    assert completion(router.url, PROMPTS[0] + " later", stream=False)["text"] == ref(offline, PROMPTS[0] + " later").text
+    if hasattr(pool, "flushall"):
+        pool.start()
+    else:
+        pool.restart()
+
+
+def test_a_dead_prefill_server_sends_requests_colocated_to_decode(pd, offline):
+    pool, p, d, d_err, router = pd
+    p.kill()
+    before = metric(router, "kvtier_router_requests_total", '{route="colocated"}')
+    for i, prompt in enumerate(PROMPTS[:3]):
+        want = ref(offline, prompt)
+        got = completion(router.url, prompt, stream=bool(i % 2))
+        assert got["text"] == want.text
+        np.testing.assert_array_equal(experts(got), want.routed_experts)
+    assert metric(router, "kvtier_router_requests_total", '{route="colocated"}') == before + 3
