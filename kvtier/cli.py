@@ -14,7 +14,8 @@ PRESET_NAMES = ("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtr
                 "qwen3-moe-tiny", "qwen3-moe-demo", "qwen3-0.6b-shape", "qwen3-moe-small", "llama3-8b-shape")
 _GPU_BENCHES = {"throughput": "kvtier.bench.throughput", "routing": "kvtier.bench.routing_bench",
                 "transfer": "kvtier.bench.transfer_bench", "overlap": "kvtier.bench.overlap_bench",
-                "attention": "kvtier.bench.attention_bench", "storage": "kvtier.bench.storage_bench"}
+                "attention": "kvtier.bench.attention_bench", "storage": "kvtier.bench.storage_bench",
+                "pd": "kvtier.bench.pd_bench"}
 
 
 def _block_size(text: str) -> int:

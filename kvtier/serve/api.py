@@ -135,6 +135,12 @@ class Server:
             body = server.metrics.render(stats, server.engine.num_running, server.engine.num_waiting)
             return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        @app.get("/kvtier/stats")
+        async def stats() -> Response:
+            """The engine's cache_stats() (every tier, storage client, cost model) as JSON."""
+            s = await server.engine.call(lambda core: core.cache_stats())
+            return Response(json.dumps(s, default=str), media_type="application/json")
+
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await server.respond("completion", body, request)
@@ -218,7 +224,8 @@ class Server:
         gen.stream = TextStream(self.tokenizer, body.stop_strings)
         return gen
 
-    async def _deltas(self, gen: _Gen, replay: bool = False, emit_replayed: bool = False) -> AsyncIterator[str | None]:
+    async def _deltas(self, gen: _Gen, replay: bool = False,
+                      emit_replayed: bool = False) -> AsyncIterator[tuple[str, list[int]] | None]:
         """Text pieces of ``gen`` as they come, after one ``None`` once the engine produced its
         first delta (so that callers can answer errors before it with a status code); sets
         ``gen.output`` and ``gen.finish_reason`` at the end. ``replay``: D of a hand-off; P's
@@ -230,8 +237,8 @@ class Server:
         if replay:
             piece = stream.push(gen.req.output_token_ids[:1])
             skip = 1
-            if emit_replayed and piece:
-                yield piece
+            if emit_replayed:
+                yield piece, gen.req.output_token_ids[:1]
             if stream.stopped:
                 gen.finish_reason = "stop"
                 return
@@ -255,8 +262,8 @@ class Server:
                 if toks:
                     t_prev = now
                 piece = stream.push(toks)
-                if piece:
-                    yield piece
+                if piece or toks:
+                    yield piece, toks
                 if stream.stopped:
                     gen.finish_reason = "stop"
                     await agen.aclose()          # aborts the engine request
@@ -266,7 +273,7 @@ class Server:
             out = gen.output
             piece = stream.finish()
             if piece:
-                yield piece
+                yield piece, []
             gen.finish_reason = out.finish_reason
             m = out.metrics or {}
             if "first_token" in m and not replay:
@@ -308,9 +315,16 @@ class Server:
         try:
             if gen.kind == "chat" and not replay:
                 yield _data(self._chunk(gen, {"role": "assistant", "content": ""}))
-            async for piece in _prepend(first, rest):
-                if piece:
-                    yield _data(self._chunk(gen, {"content": piece}, piece))
+            ids = gen.body.return_token_ids
+            async for item in _prepend(first, rest):
+                if item is None:
+                    continue
+                piece, toks = item
+                if piece or (ids and toks):
+                    c = self._chunk(gen, {"content": piece}, piece)
+                    if ids:
+                        c["choices"][0]["token_ids"] = toks
+                    yield _data(c)
             last = self._chunk(gen, {}, "", gen.finish_reason)
             self._extras(gen, last["choices"][0])
             yield _data(last)
@@ -342,7 +356,7 @@ class Server:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect() -> str:
-            return "".join([p async for p in pieces if p])
+            return "".join([p[0] async for p in pieces if p])
         text = await _until_disconnect(request, collect())
         if kind == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -352,6 +366,8 @@ class Server:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
             obj = "text_completion"
         self._extras(gen, choice)
+        if body.return_token_ids:
+            choice["token_ids"] = list(gen.output.token_ids) if gen.output is not None else []
         return JSONResponse({"id": gen.rid, "object": obj, "created": gen.created, "model": gen.model,
                              "choices": [choice], "usage": self._usage(gen)})
 
@@ -379,8 +395,11 @@ class Server:
         except EngineDead as e:
             raise APIError(503, str(e)) from None
         piece = gen.stream.push(out.token_ids[:1])                # type: ignore[union-attr]
-        if piece:
-            chunks.append(self._chunk(gen, {"content": piece}, piece))
+        if piece or body.return_token_ids:
+            c = self._chunk(gen, {"content": piece}, piece)
+            if body.return_token_ids:
+                c["choices"][0]["token_ids"] = out.token_ids[:1]
+            chunks.append(c)
         m = out.metrics or {}
         if "first_token" in m:
             self.metrics.ttft.observe(m["first_token"] - m["arrival"])

@@ -51,6 +51,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
     user: Optional[str] = None
+    return_token_ids: bool = Field(False, description="each choice (each stream chunk) also carries its token ids")
     kvtier_handoff: Optional[Handoff] = None
 
     @field_validator("stop")

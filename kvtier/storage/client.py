@@ -173,7 +173,8 @@ class StorageClient:
         self.counters = {k: 0 for k in (
             "lookups", "lookup_hits", "hits", "misses", "corrupt", "foreign", "skipped_breaker_open",
             "put_blocks", "put_refused",
-            "failed_calls", "bytes_read", "bytes_written", "fetch_seconds", "put_seconds")}
+            "failed_calls", "bytes_read", "bytes_written", "fetch_seconds", "put_seconds",
+            "busy_read_bytes", "busy_read_seconds")}      # reads over wall time while any was in flight
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
@@ -421,6 +422,8 @@ class StorageClient:
             if self._reads_active:
                 return
             period, nbytes, tainted = time.perf_counter() - self._busy_start, self._busy_bytes, self._busy_tainted
+            self.counters["busy_read_bytes"] += nbytes
+            self.counters["busy_read_seconds"] += period
         if nbytes and not tainted and self.on_fetch_busy is not None:
             self.on_fetch_busy(nbytes, period)
 

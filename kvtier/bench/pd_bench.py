@@ -1,0 +1,253 @@
+"""``kvtier bench pd``: prefill/decode disaggregation through a pool vs one colocated server.
+
+The same workload (random prompts of mixed lengths, mixed output lengths, Poisson arrivals at
+``--rate``) is streamed through (1) one colocated ``kvtier serve`` and (2) ``kvtier serve --role
+prefill`` + ``--role decode`` behind ``kvtier router``, one after the other (never at once: on one
+GPU they would share it). Reported per setup: TTFT (request sent -> first token's chunk) and
+inter-token latency (gaps between chunks / tokens in them), mean, p50, p90; and the hand-off
+rate: bytes D read from the pool over the wall time its reads were in flight, against the raw
+client of that pool (``kvtier bench storage``'s baseline, same object size and threads).
+
+Every server is a process on 127.0.0.1, started and stopped here.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.storage import procs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, args: list[str], log: Path) -> None:
+        import httpx
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kvtier.cli", *map(str, args), "--port", str(self.port), "--log-level", "warning"]
+        self.log = log
+        self.p = procs.spawn(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self._httpx = httpx
+
+    def wait(self, timeout: float = 600.0) -> "_Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"server exited ({self.p.returncode}); log {self.log}:\n"
+                                   + "\n".join(self.log.read_text(errors="replace").splitlines()[-20:]))
+            try:
+                if self._httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except self._httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not ready after {timeout} s; log {self.log}")
+
+    def stats(self) -> dict:
+        return self._httpx.get(self.url + "/kvtier/stats", timeout=30).json()
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+        procs.forget(self.p)
+
+
+def workload(n: int, rate: float, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], vocab: int,
+             seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    t = 0.0
+    out = []
+    for i in range(n):
+        t += rng.exponential(1.0 / rate) if rate > 0 else 0.0
+        n_in = int(rng.integers(prompt_tokens[0], prompt_tokens[1] + 1))
+        out.append({"at": t, "prompt": rng.integers(0, min(vocab, 32000), n_in).tolist(),
+                    "max_tokens": int(rng.integers(output_tokens[0], output_tokens[1] + 1))})
+    return out
+
+
+async def _drive(url: str, model: str, reqs: list[dict], timeout: float) -> list[dict]:
+    import httpx
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024)) as client:
+        async def one(r: dict) -> dict:
+            await asyncio.sleep(r["at"])
+            body = {"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True}
+            t0 = time.perf_counter()
+            times, counts, tokens = [], [], []
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"{url}: {resp.status_code} {(await resp.aread())[:300]!r}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    c = json.loads(line[6:])
+                    if "error" in c:
+                        raise RuntimeError(f"{url}: {c['error']}")
+                    ids = c["choices"][0].get("token_ids") or []
+                    if ids:
+                        times.append(time.perf_counter() - t0)
+                        counts.append(len(ids))
+                        tokens += ids
+            itl = [(b - a) / k for a, b, k in zip(times, times[1:], counts[1:])]
+            return {"ttft": times[0], "itl": itl, "tokens": tokens, "n": len(tokens)}
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+
+def _summary(results: list[dict], wall: float) -> dict:
+    ttft = [r["ttft"] for r in results]
+    itl = [x for r in results for x in r["itl"]]
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+    return {"ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+            "itl_mean_s": statistics.fmean(itl) if itl else float("nan"), "itl_p50_s": pct(itl, 50),
+            "itl_p90_s": pct(itl, 90), "output_tokens_per_s": sum(r["n"] for r in results) / wall, "wall_s": wall}
+
+
+def run(model: str, storage: str | None, engine_args: list[str], requests: int, rate: float,
+        prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int, workers: int,
+        timeout: float = 600.0) -> dict:
+    from kvtier.bench.storage_bench import bench_bytes
+    from kvtier.model import ModelConfig
+
+    cfg = ModelConfig.from_hf_dir(Path(model))
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-pd-"))
+    pool_url = storage or f"file://{tmp / 'pool'}"
+    name = "bench"
+    common = [model, "--served-model-name", name, *engine_args]
+    reqs = workload(requests, rate, prompt_tokens, output_tokens, cfg.vocab_size, seed)
+    warm = workload(4, 0, prompt_tokens, (4, 4), cfg.vocab_size, seed + 1)
+    res: dict = {"model": model, "pool": pool_url.split("@")[-1], "requests": requests, "rate": rate,
+                 "prompt_tokens": list(prompt_tokens), "output_tokens": list(output_tokens)}
+    servers: list[_Server] = []
+    try:
+        colo = _Server(["serve", *common], tmp / "colocated.log").wait()
+        servers.append(colo)
+        asyncio.run(_drive(colo.url, name, warm, timeout))
+        t0 = time.perf_counter()
+        base = asyncio.run(_drive(colo.url, name, reqs, timeout))
+        res["colocated"] = _summary(base, time.perf_counter() - t0)
+        colo.stop()
+        servers.remove(colo)
+
+        pd_args = ["--storage", pool_url, "--storage-workers", str(workers)]
+        p = _Server(["serve", *common, "--role", "prefill", *pd_args], tmp / "prefill.log")
+        d = _Server(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"], tmp / "decode.log")
+        servers += [p, d]
+        p.wait(), d.wait()
+        router = _Server(["router", "--prefill", p.url, "--decode", d.url], tmp / "router.log").wait()
+        servers.append(router)
+        asyncio.run(_drive(router.url, name, warm, timeout))
+        s0 = d.stats()["storage"]
+        t0 = time.perf_counter()
+        pd = asyncio.run(_drive(router.url, name, reqs, timeout))
+        res["pd"] = _summary(pd, time.perf_counter() - t0)
+        s1 = d.stats()["storage"]
+        res["identical_tokens"] = sum(a["tokens"] == b["tokens"] for a, b in zip(base, pd))
+        busy_b = s1["busy_read_bytes"] - s0["busy_read_bytes"]
+        busy_s = s1["busy_read_seconds"] - s0["busy_read_seconds"]
+        res["handoff"] = {"bytes": busy_b, "gbps": busy_b / busy_s / 1e9 if busy_s else float("nan"),
+                          "storage_hit_tokens": s1["hit_tokens"] - s0["hit_tokens"],
+                          "fetch_threads": workers}
+        obj = int(s1["bytes_read"] / max(1, s1["hits"])) if s1["hits"] else None
+        for s in servers:
+            s.stop()
+        servers.clear()
+        if obj:
+            raw = bench_bytes(pool_url, objects=256, object_bytes=obj, workers=workers, batch=16, repeat=3)
+            res["pool_raw"] = {k: raw[k] for k in raw if k.endswith("gbps") or k in ("object_bytes",)}
+            if "raw_get_gbps" in raw:
+                res["handoff"]["ratio_vs_raw_get"] = res["handoff"]["gbps"] / raw["raw_get_gbps"]
+        for k in ("ttft_mean_s", "ttft_p50_s", "itl_mean_s", "itl_p50_s"):
+            res[f"pd_over_colocated_{k}"] = res["pd"][k] / res["colocated"][k]
+    finally:
+        for s in servers:
+            s.stop()
+    return res
+
+
+def _pair(text: str) -> tuple[int, int]:
+    a, _, b = text.partition(",")
+    lo, hi = int(a), int(b or a)
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 0 < LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier bench pd", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory (default: a fresh qwen3-moe-tiny checkpoint)")
+    ap.add_argument("--preset", default="qwen3-moe-tiny",
+                    help="preset written when --model is not given (with --load-format dummy: config only)")
+    ap.add_argument("--storage", default=None, help="pool URL (default: file:// in a temporary directory)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="weights (default auto)")
+    ap.add_argument("--requests", type=int, default=24, help="requests (default 24)")
+    ap.add_argument("--rate", type=float, default=4.0, help="arrivals per second, Poisson; 0 = all at once (default 4)")
+    ap.add_argument("--prompt-tokens", type=_pair, default=(64, 384), help="LO,HI prompt lengths (default 64,384)")
+    ap.add_argument("--output-tokens", type=_pair, default=(8, 64), help="LO,HI output lengths (default 8,64)")
+    ap.add_argument("--num-device-blocks", type=int, default=None, help="per server (default: sized from memory; "
+                    "on one GPU each server takes its share: give it)")
+    ap.add_argument("--num-host-blocks", type=int, default=1024, help="per server (default 1024)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="context (default: the model's)")
+    ap.add_argument("--storage-workers", type=int, default=min(16, max(2, os.cpu_count() or 4)),
+                    help="fetch threads of D, and of the raw baseline (default: one per core, 2..16)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--out", default=None, help="also write the JSON result to this file")
+    a = ap.parse_args(argv)
+    model = a.model
+    if model is None:
+        from kvtier.model import init_model
+        model = str(init_model(a.preset, tempfile.mkdtemp(prefix="kvtier-pd-model-"), seed=0,
+                               config_only=a.load_format == "dummy"))
+    engine = ["--device", a.device, "--load-format", a.load_format, "--num-host-blocks", a.num_host_blocks]
+    if a.num_device_blocks:
+        engine += ["--num-device-blocks", a.num_device_blocks]
+    if a.max_model_len:
+        engine += ["--max-model-len", a.max_model_len]
+    res = run(model, a.storage, [str(x) for x in engine], a.requests, a.rate, a.prompt_tokens, a.output_tokens,
+              a.seed, a.storage_workers)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    print(f"kvtier bench pd: {a.requests} requests at {a.rate}/s, prompts {a.prompt_tokens}, outputs "
+          f"{a.output_tokens}, pool {res['pool']}")
+    for k in ("colocated", "pd"):
+        s = res[k]
+        print(f"  {k:10s} TTFT mean {s['ttft_mean_s'] * 1e3:8.1f} ms  p50 {s['ttft_p50_s'] * 1e3:8.1f}  p90 "
+              f"{s['ttft_p90_s'] * 1e3:8.1f} | ITL mean {s['itl_mean_s'] * 1e3:6.2f} ms  p50 "
+              f"{s['itl_p50_s'] * 1e3:6.2f}  p90 {s['itl_p90_s'] * 1e3:6.2f} | {s['output_tokens_per_s']:8.1f} tok/s")
+    h = res["handoff"]
+    print(f"  hand-off: {h['bytes'] / 1e6:.1f} MB read by D at {h['gbps']:.3f} GB/s"
+          + (f" = {h['ratio_vs_raw_get']:.2f} x the raw client's get ({res['pool_raw']['raw_get_gbps']:.3f} GB/s)"
+             if "ratio_vs_raw_get" in h else ""))
+    print(f"  identical token streams: {res['identical_tokens']} / {a.requests}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
