@@ -121,3 +121,31 @@ def test_bf16_storage_hits_in_a_fresh_engine_equal_cold(preset, prefetch_policy,
         assert w.token_ids == c.token_ids
         if c.routed_experts is not None:
             assert np.array_equal(w.routed_experts, c.routed_experts)
+
+
+@pytest.mark.parametrize("n_prompt", [77, 96])
+def test_bf16_pd_handoff_on_cuda_equals_colocated(n_prompt, checkpoint, tmp_path):
+    """P exports (full blocks + the partial one) through a file pool; D, a second engine on the
+    GPU, loads them through its host tier (layer-overlapped H2D) and decodes: tokens and routed
+    experts equal a colocated run."""
+    from kvtier.engine.core import EngineCore
+    path = checkpoint("qwen3-moe-tiny")
+    prompt = prompts_for(7, (n_prompt,))[0]
+    sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts=True)
+    kw = dict(device="cuda", dtype="bfloat16", num_device_blocks=128, num_host_blocks=64, block_size=16)
+    with kvtier.LLM(path, **{k: v for k, v in kw.items() if k != "num_host_blocks"}) as colo:
+        want = colo.generate([prompt], sp)[0]
+    url = f"file://{tmp_path}"
+    with EngineCore(path, storage=url, **kw) as p, EngineCore(path, storage=url, storage_fetch="always", **kw) as d:
+        def run(core, **add):
+            req = core.add_request(**add)
+            while True:
+                for out in core.step():
+                    if out.request_id == req.request_id:
+                        return out
+        h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
+        assert h["complete"]
+        out = run(d, prompt=prompt, params=sp, handoff=h)
+    assert out.token_ids == want.token_ids
+    np.testing.assert_array_equal(out.routed_experts, want.routed_experts)
+    assert out.cached_tokens_by_tier["storage"] == n_prompt and out.handoff["result"] == "ok"
