@@ -1,10 +1,16 @@
 """Shared fixtures: tiny random checkpoints written once per session, and their HF models."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU; the flag must be set before anything imports
+    # triton (a test module importing kvtier.engine at collection would, before the kernel tests)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvtier.model import init_model
 
