@@ -16,10 +16,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,51 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.storage import procs
+from kvtier.serve.launch import ServerProcess
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    def __init__(self, args: list[str], log: Path) -> None:
-        import httpx
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvtier.cli", *map(str, args), "--port", str(self.port), "--log-level", "warning"]
-        self.log = log
-        self.p = procs.spawn(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-        self._httpx = httpx
-
-    def wait(self, timeout: float = 600.0) -> "_Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.p.poll() is not None:
-                raise RuntimeError(f"server exited ({self.p.returncode}); log {self.log}:\n"
-                                   + "\n".join(self.log.read_text(errors="replace").splitlines()[-20:]))
-            try:
-                if self._httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except self._httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not ready after {timeout} s; log {self.log}")
-
-    def stats(self) -> dict:
-        return self._httpx.get(self.url + "/kvtier/stats", timeout=30).json()
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
-        procs.forget(self.p)
+def _stats(server: ServerProcess) -> dict:
+    import httpx
+    return httpx.get(server.url + "/kvtier/stats", timeout=30).json()
 
 
 def workload(n: int, rate: float, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], vocab: int,
@@ -139,9 +97,9 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
     warm = workload(4, 0, prompt_tokens, (4, 4), cfg.vocab_size, seed + 1)
     res: dict = {"model": model, "pool": pool_url.split("@")[-1], "requests": requests, "rate": rate,
                  "prompt_tokens": list(prompt_tokens), "output_tokens": list(output_tokens)}
-    servers: list[_Server] = []
+    servers: list[ServerProcess] = []
     try:
-        colo = _Server(["serve", *common], tmp / "colocated.log").wait()
+        colo = ServerProcess(["serve", *common], tmp / "colocated.log").wait_ready()
         servers.append(colo)
         asyncio.run(_drive(colo.url, name, warm, timeout))
         t0 = time.perf_counter()
@@ -151,18 +109,19 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
         servers.remove(colo)
 
         pd_args = ["--storage", pool_url, "--storage-workers", str(workers)]
-        p = _Server(["serve", *common, "--role", "prefill", *pd_args], tmp / "prefill.log")
-        d = _Server(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"], tmp / "decode.log")
+        p = ServerProcess(["serve", *common, "--role", "prefill", *pd_args], tmp / "prefill.log")
+        d = ServerProcess(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"],
+                          tmp / "decode.log")
         servers += [p, d]
-        p.wait(), d.wait()
-        router = _Server(["router", "--prefill", p.url, "--decode", d.url], tmp / "router.log").wait()
+        p.wait_ready(), d.wait_ready()
+        router = ServerProcess(["router", "--prefill", p.url, "--decode", d.url], tmp / "router.log").wait_ready()
         servers.append(router)
         asyncio.run(_drive(router.url, name, warm, timeout))
-        s0 = d.stats()["storage"]
+        s0 = _stats(d)["storage"]
         t0 = time.perf_counter()
         pd = asyncio.run(_drive(router.url, name, reqs, timeout))
         res["pd"] = _summary(pd, time.perf_counter() - t0)
-        s1 = d.stats()["storage"]
+        s1 = _stats(d)["storage"]
         res["identical_tokens"] = sum(a["tokens"] == b["tokens"] for a, b in zip(base, pd))
         busy_b = s1["busy_read_bytes"] - s0["busy_read_bytes"]
         busy_s = s1["busy_read_seconds"] - s0["busy_read_seconds"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.cache.keys import BlockHasher, object_name
+from kvtier.cache.keys import object_name
 from kvtier.cache.plan import TransferOp
 
 if TYPE_CHECKING:
@@ -73,13 +73,12 @@ class HandoffMixin:
         block's name (None when ``num_tokens`` is a multiple of the block size)."""
         if not 0 < num_tokens <= len(req.token_ids):
             raise ValueError(f"num_tokens must be in 1..{len(req.token_ids)}, got {num_tokens}")
-        src = req.hasher
-        h = BlockHasher(self.block_size, src.seed, self.hash_name, src._lora, src._mm)
-        h.extend(req.token_ids[:num_tokens])
-        return list(h.keys), h.partial_key()
+        n_full = num_tokens // self.block_size      # the request's own keys (matching reuses them)
+        full = self._sync_keys(req, n_full * self.block_size)[:n_full]
+        return list(full), req.hasher.partial_key(num_tokens, req.token_ids)
 
-    def manifest_names(self, req: CacheRequest, num_tokens: int) -> list[str]:
-        full, tail = self.handoff_keys(req, num_tokens)
+    def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
+        """Storage object names of :meth:`handoff_keys`' blocks (a hand-off manifest's keys)."""
         ns = self.storage.namespace if self.storage is not None else "default"   # type: ignore[union-attr]
         return [object_name(k, ns) for k in full] + ([object_name(tail, ns)] if tail else [])
 
@@ -99,7 +98,8 @@ class HandoffMixin:
         n_full, n_tail = divmod(num_tokens, bs)
         if len(req.nodes) < n_full or len(req.block_table) < n_full + (1 if n_tail else 0):
             raise ValueError(f"request {req.rid!r} has not computed {num_tokens} tokens yet")
-        exp = Export(req.rid, num_tokens, self.manifest_names(req, num_tokens))
+        full, tail_name = self.handoff_keys(req, num_tokens)
+        exp = Export(req.rid, num_tokens, self.manifest_names(full, tail_name))
         for node in req.nodes[:n_full]:
             if self.storage.contains(node.key):
                 exp.skipped += 1
@@ -112,7 +112,7 @@ class HandoffMixin:
             elif node.host_block is None:
                 self._copy_down(node)           # then put when it lands (_complete_backup)
         if n_tail:
-            tail = TailBlock(self.handoff_keys(req, num_tokens)[1] or "", n_full, n_tail)
+            tail = TailBlock(tail_name, n_full, n_tail)              # type: ignore[arg-type]
             tail.export = exp
             exp.num_waiting += 1
             got = self._take_host(1)
@@ -189,7 +189,8 @@ class HandoffMixin:
         if failed or tail.state == "dropped":
             self.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
             tail.host_block = None
-            tail.state = "failed" if tail.state != "dropped" else "dropped"
+            if tail.state != "dropped":
+                tail.state = "failed"
         else:
             tail.state = "ready"
         return {}

@@ -266,17 +266,25 @@ class BlockHasher:
         self.ensure_keys(after)
         return self._keys[before:after]
 
-    def partial_key(self) -> str | None:
-        """Name of the last, partial block (PD hand-off): ``<hex>:partial:<n>``; None if empty."""
-        n = len(self._pending)
+    def partial_key(self, num_tokens: int | None = None, tokens: Sequence[int] | None = None) -> str | None:
+        """Name of a last, partial block (PD hand-off): ``<hex>:partial:<n>``; None if empty.
+
+        Default: the block after every full block so far (the pending tokens). With
+        ``num_tokens`` and ``tokens`` (the sequence's tokens): the partial block that ends the
+        first ``num_tokens`` of them (its full blocks must be hashed: ``ensure_keys``)."""
+        if num_tokens is None:
+            num_tokens, pending = self._num_tokens, self._pending
+        else:
+            pending = list(tokens[num_tokens - num_tokens % self.block_size:num_tokens])  # type: ignore[index]
+        n = len(pending)
         if not n:
             return None
-        keys = self.keys
-        parent = keys[-1] if keys else self.seed
-        start = self._num_tokens - n
+        n_full = (num_tokens - n) // self.block_size
+        parent = self.ensure_keys(n_full)[n_full - 1] if n_full else self.seed
+        start = num_tokens - n
         extras = b"" if (self._lora is None and not self._mm) else block_extras(
             start, start + self.block_size, self._lora, self._mm)
-        return f"{self._digest(parent + encode_tokens(self._pending) + extras).hex()}:partial:{n}"
+        return f"{self._digest(parent + encode_tokens(pending) + extras).hex()}:partial:{n}"
 
 
 def object_name(key: bytes | str, namespace: str = "default", tp_rank: int | None = None,

@@ -213,6 +213,6 @@ class AsyncEngine:
             if out is not None:
                 sink.push(Delta(out.token_ids[sink.sent:], out))
                 del self._sinks[rid]
-            elif len(toks) > sink.sent and not (sink.req.handoff and sink.req.handoff.get("export")):
+            elif len(toks) > sink.sent and not sink.req.export:
                 sink.push(Delta(list(toks[sink.sent:])))
                 sink.sent = len(toks)

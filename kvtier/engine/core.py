@@ -175,7 +175,6 @@ class EngineCore:
         self.block_size = block_size
         self._ids = count()
         self._exports: dict[str, tuple[RequestOutput, object, float]] = {}   # P: outputs waiting for acks
-        self._handoffs_checked: set[str] = set()
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
         self._closed = False
 
@@ -231,7 +230,7 @@ class EngineCore:
         """Queue a request made by :meth:`make_request` (the engine thread's half of add_request)."""
         self._check_open()
         self.scheduler.add(req)
-        if req.handoff is not None and not req.handoff.get("export"):
+        if req.handoff is not None:
             self.cache.expect_tail(req.cache, req.num_prompt_tokens)
 
     def abort(self, request_id: str) -> bool:
@@ -282,7 +281,7 @@ class EngineCore:
         else:
             req.generator = self._generator
         if export:
-            req.handoff = {"export": True}
+            req.export = True
         elif handoff is not None:
             self._accept_handoff(req, handoff)
         return req
@@ -302,7 +301,7 @@ class EngineCore:
             raise ValueError(f"handoff.namespace is {ns!r}, but this engine's pool namespace is "
                              f"{self.storage.namespace!r}")                # type: ignore[union-attr]
         probe = self.cache.new_request(req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt)
-        mine = self.cache.manifest_names(probe, n)
+        mine = self.cache.manifest_names(*self.cache.handoff_keys(probe, n))
         if manifest.get("keys") != mine:
             raise ValueError("handoff.keys do not match the blocks this engine would read for this prompt: "
                              "the prefill engine runs another model, dtype, block size or cache_salt")
@@ -338,7 +337,7 @@ class EngineCore:
         for req in finished:
             try:
                 output = self._output(req)
-                if req.handoff is not None and req.handoff.get("export"):
+                if req.export:
                     self._start_export(req, output)      # comes out once the pool acked its blocks
                 else:
                     results.append(output)
@@ -367,10 +366,8 @@ class EngineCore:
         for s in out.scheduled:
             req = s.request
             h = req.handoff
-            if h is None or h.get("export") or "result" in h or req.num_cached_tokens is None:
-                continue
-            if req.num_computed_tokens < (req.num_cached_tokens or 0):
-                continue                             # a load failed: rewound, runs again
+            if h is None or "result" in h or req.num_cached_tokens is None:
+                continue                 # (a failed load has lowered num_cached_tokens already)
             missing = req.num_prompt_tokens - req.num_cached_tokens
             h["missing_tokens"] = missing
             h["result"] = "ok" if missing == 0 else ("error" if self.pd_on_miss == "error" else "recomputed")
@@ -382,10 +379,7 @@ class EngineCore:
                     self.scheduler.release(req)
                 else:
                     self.scheduler.abort(req.request_id)
-                o = RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), None,
-                                  "error", req.num_cached_tokens or 0, dict(req.cached_tokens_by_tier),
-                                  None, dict(req.metrics), dict(h), msg)
-                failed.append(o)
+                failed.append(self._output(req, error=msg))
         return failed
 
     def _start_export(self, req: Request, output: RequestOutput) -> None:
@@ -447,17 +441,21 @@ class EngineCore:
                 self._complete(self.storage.drain())
             self._pump()
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, error: str | None = None) -> RequestOutput:
+        """The request's output; with ``error``, a failed one (finish_reason "error", no text
+        nor routing: its blocks may be gone already)."""
         routed = None
-        if req.params.return_routed_experts:
+        if req.params.return_routed_experts and error is None:
             if self.routing is None:
                 raise ValueError("return_routed_experts=True needs a MoE model")
             routed = self.routing.gather(req.cache.block_table, req.num_tokens - 1)
-        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
+        text = (self.tokenizer.decode(req.output_token_ids)
+                if self.tokenizer is not None and error is None else None)
         return RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), text,
-                             req.finish_reason or "length", req.num_cached_tokens or 0,
+                             "error" if error else (req.finish_reason or "length"), req.num_cached_tokens or 0,
                              dict(req.cached_tokens_by_tier), routed, dict(req.metrics),
-                             None if req.handoff is None or req.handoff.get("export") else dict(req.handoff))
+                             None if req.handoff is None else dict(req.handoff),
+                             error)
 
     def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
         """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""

@@ -44,7 +44,8 @@ class Request:
     prefetch_from: int | None = None              # cached tokens (device + host) before a storage prefetch
     prefetch_deadline: float | None = None        # monotonic time its prefetch stops holding it back
     generator: torch.Generator | None = None
-    handoff: dict | None = None                   # PD: P's manifest (D) or export (P); see engine/core.py
+    handoff: dict | None = None                   # PD, D side: P's manifest, then the result (engine/core.py)
+    export: bool = False                          # PD, P side: write the prompt to the pool once prefilled
     handoff_stop: str | None = None               # D: the first token P sampled already ended it
     metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
     # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first

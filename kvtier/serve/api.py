@@ -25,7 +25,7 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -56,6 +56,28 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
                         status_code=status)
 
 
+def check_role(role: str, has_storage: bool) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; choose {', '.join(ROLES)}")
+    if role != "colocated" and not has_storage:
+        raise ValueError(f"--role {role} hands KV over through a storage pool: give --storage URL "
+                         "(and --num-host-blocks)")
+
+
+def require_api_key(app: FastAPI, key: str | None, prefixes: tuple[str, ...]) -> None:
+    """401 for requests under ``prefixes`` without ``Authorization: Bearer KEY`` (if a key is set)."""
+    if not key:
+        return
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if request.url.path.startswith(prefixes) and not secrets.compare_digest(
+                request.headers.get("authorization", "").encode(), expected):
+            return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
+        return await call_next(request)
+
+
 @dataclass
 class _Gen:
     """One request through the generation path."""
@@ -68,17 +90,13 @@ class _Gen:
     stream: TextStream | None = None
     output: Any = None
     finish_reason: str | None = None
-    text: list[str] = field(default_factory=list)
 
 
 class Server:
     def __init__(self, engine: AsyncEngine, model_name: str, role: str = "colocated",
                  api_key: str | None = None) -> None:
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; choose {', '.join(ROLES)}")
         core = engine.core
-        if role != "colocated" and core.storage is None:
-            raise ValueError(f"--role {role} hands KV over through a storage pool: give --storage URL")
+        check_role(role, core.storage is not None)
         self.engine, self.model_name, self.role, self.api_key = engine, model_name, role, api_key
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
@@ -107,13 +125,12 @@ class Server:
         async def _api(_request: Request, exc: APIError) -> JSONResponse:
             return error_response(exc.status, exc.message, exc.param, exc.type)
 
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
-            if server.api_key and (request.url.path.startswith("/v1/") or request.url.path.startswith("/kvtier/")):
-                got = request.headers.get("authorization", "")
-                if not secrets.compare_digest(got.encode(), f"Bearer {server.api_key}".encode()):
-                    return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
-            return await call_next(request)
+        @app.exception_handler(QueueFull)
+        @app.exception_handler(EngineDead)
+        async def _busy(_request: Request, exc: Exception) -> JSONResponse:
+            return error_response(503, str(exc))
+
+        require_api_key(app, server.api_key, ("/v1/", "/kvtier/"))
 
         @app.get("/health")
         async def health() -> Response:
@@ -219,8 +236,6 @@ class Server:
                                                f"{rid}-{secrets.token_hex(4)}", **extra)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        except EngineDead as e:
-            raise APIError(503, str(e)) from None
         gen.stream = TextStream(self.tokenizer, body.stop_strings)
         return gen
 
@@ -279,9 +294,7 @@ class Server:
             if "first_token" in m and not replay:
                 self.metrics.ttft.observe(m["first_token"] - m["arrival"])
             self.metrics.finished(out, gen.finish_reason)
-        except QueueFull as e:
-            raise APIError(503, str(e)) from None
-        except EngineDead as e:
+        except (QueueFull, EngineDead) as e:      # raised as an APIError: said in-stream if streaming
             raise APIError(503, str(e)) from None
 
     # ------------------------------------------------------------------ response shapes
@@ -388,12 +401,7 @@ class Server:
                 if delta.output is not None:
                     return delta.output
             return None
-        try:
-            out = await _until_disconnect(request, run())
-        except QueueFull as e:
-            raise APIError(503, str(e)) from None
-        except EngineDead as e:
-            raise APIError(503, str(e)) from None
+        out = await _until_disconnect(request, run())
         piece = gen.stream.push(out.token_ids[:1])                # type: ignore[union-attr]
         if piece or body.return_token_ids:
             c = self._chunk(gen, {"content": piece}, piece)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from typing import Any, AsyncIterator
 
@@ -27,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kvtier.serve.api import error_response
+from kvtier.serve.api import error_response, require_api_key
 
 log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -117,13 +116,7 @@ class Router:
             if router.client is not None:
                 await router.client.aclose()
 
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
-            if router.api_key and request.url.path.startswith("/v1/"):
-                got = request.headers.get("authorization", "")
-                if not secrets.compare_digest(got.encode(), f"Bearer {router.api_key}".encode()):
-                    return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
-            return await call_next(request)
+        require_api_key(app, router.api_key, ("/v1/",))
 
         @app.get("/health")
         async def health() -> Response:

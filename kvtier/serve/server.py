@@ -13,13 +13,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
 
     from kvtier.engine.async_engine import AsyncEngine
     from kvtier.engine.core import EngineCore
-    from kvtier.serve.api import ROLES, Server
+    from kvtier.serve.api import Server, check_role
 
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; choose {', '.join(ROLES)}")
-    if role != "colocated" and not llm_kwargs.get("storage"):
-        raise ValueError(f"--role {role} hands KV over through a storage pool: give --storage URL "
-                         "(and --num-host-blocks)")
+    check_role(role, bool(llm_kwargs.get("storage")))     # before loading the model
     core = EngineCore(model, **llm_kwargs)
     engine = AsyncEngine(core, max_queue=max_queue)
     try:

@@ -104,28 +104,6 @@ def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) ->
         return procs.spawn(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env)
 
 
-def _signal_and_wait(p: subprocess.Popen | None, sig: int, timeout: float) -> bool:
-    if p is None:
-        return True
-    if p.poll() is None:
-        try:
-            os.kill(p.pid, signal.SIGCONT)     # a stopped process cannot handle SIGTERM
-            os.kill(p.pid, sig)
-        except ProcessLookupError:
-            pass
-    try:
-        p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    procs.forget(p)
-    return True
-
-
-def _stop_proc(p: subprocess.Popen | None, grace: float = STOP_GRACE) -> None:
-    if not _signal_and_wait(p, signal.SIGTERM, grace):
-        _signal_and_wait(p, signal.SIGKILL, 10)
-
-
 def _stop_and_wait(p: subprocess.Popen | None, timeout: float = 5.0) -> None:
     """SIGSTOP ``p`` and wait until all its threads are in state T (stopped)."""
     if p is None or p.poll() is not None:
@@ -265,10 +243,10 @@ class PoolHandle:
     def kill_node(self) -> None:
         """SIGKILL the pool node (its memory and objects are gone: reads fail with TRANSFER_FAIL,
         then miss once the master drops the node, ~10 s later)."""
-        _signal_and_wait(self.node, signal.SIGKILL, 10)
+        procs.signal_and_wait(self.node, signal.SIGKILL, 10)
 
     def kill_master(self) -> None:
-        _signal_and_wait(self.master, signal.SIGKILL, 10)
+        procs.signal_and_wait(self.master, signal.SIGKILL, 10)
 
     def kill(self) -> None:
         """A crash of the whole pool (node and master, SIGKILL)."""
@@ -312,8 +290,8 @@ class PoolHandle:
             raise PoolError(f"clearing {self.url} failed: {r.stderr.decode(errors='replace')[-2000:]}")
 
     def _stop_children(self) -> None:
-        _stop_proc(self.node)        # first: it unmounts its segment from the live master
-        _stop_proc(self.master)
+        procs.stop(self.node, STOP_GRACE)        # first: it unmounts its segment from the live master
+        procs.stop(self.master, STOP_GRACE)
 
     def stop(self) -> None:
         """SIGTERM node then master (SIGKILL after 5 s each); removes an own temp workdir."""

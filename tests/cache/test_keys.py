@@ -78,6 +78,16 @@ def test_partial_key_names_hex_and_token_count():
     assert (hex_part, tag, n) == (expected, "partial", "2")
 
 
+def test_partial_key_of_a_prefix_equals_a_hasher_that_stopped_there():
+    tokens = list(range(3, 40))
+    longer = BlockHasher(BS, SEED)
+    longer.extend(tokens)                     # a request that went on (D: prompt + generated)
+    for n in (1, BS - 1, BS, BS + 2, 3 * BS + 1, len(tokens)):
+        stopped = BlockHasher(BS, SEED)
+        stopped.extend(tokens[:n])
+        assert longer.partial_key(n, tokens) == stopped.partial_key()
+
+
 def test_object_name_adds_tensor_parallel_suffix():
     key = keys_of(list(range(BS)))[0]
     assert object_name(key, "ns") == f"kvt:ns:{key.hex()}"

@@ -4,9 +4,9 @@ equal a colocated run; a dead pool or a dead P costs a recompute, never a wrong 
 from __future__ import annotations
 
 import base64
+import json
 import re
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -68,7 +68,6 @@ def completion(url: str, prompt: str, stream: bool, n: int = 10, **extra) -> dic
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                import json
                 c = json.loads(line[6:])
                 assert "error" not in c, c
                 text += c["choices"][0]["text"]

@@ -244,40 +244,13 @@ class ServerHandle:
         raise ServerUnavailable(f"server on {self.address} not ready after {timeout}s ({last}):\n"
                                 f"{self.log_tail()}")
 
-    def _signal_and_wait(self, sig: int, timeout: float) -> bool:
-        p = self.proc
-        if p is None:
-            return True
-        if p.poll() is None:
-            try:
-                os.kill(p.pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        procs.forget(p)
-        return True
-
     def kill(self) -> None:
         """SIGKILL (a crash: nothing is saved, clients see connection resets)."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)  # in case a test stopped it
-            except ProcessLookupError:
-                pass
-        self._signal_and_wait(signal.SIGKILL, 10)
+        procs.signal_and_wait(self.proc, signal.SIGKILL, 10)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if not self._signal_and_wait(signal.SIGTERM, 5):
-            self._signal_and_wait(signal.SIGKILL, 10)
+        procs.stop(self.proc, 5)
 
     def pause(self) -> None:
         """SIGSTOP: the server accepts connections (kernel backlog) but never answers."""
