@@ -8,19 +8,27 @@ parameter the model needs must be present, or loading fails naming the missing t
 memory from a fixed seed, small enough that bf16 forwards stay finite. For benchmarks of
 checkpoint shapes that are not on disk (e.g. the ``llama3-8b-shape`` preset written with
 ``kvtier init-model --config-only``).
+
+:func:`weights_digest` names the weights for storage keys: every byte of the files
+:func:`safetensors_files` lists (the loader's own list), cached per file by
+:mod:`kvtier.model.digest_cache`.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+import xxhash
 from safetensors import safe_open
+from tqdm import tqdm
 
 from kvtier.model.config import ModelConfig
+from kvtier.model.digest_cache import DigestCache, file_stamp
 from kvtier.model.families import CausalLM
 from kvtier.model.layers import RMSNorm, RotaryEmbedding
 
@@ -31,10 +39,18 @@ DUMMY_SEED = 0
 
 
 def safetensors_files(path: Path) -> list[Path]:
+    """The weight files the loader reads, in order (and :func:`weights_digest` hashes: one list,
+    so the two can never disagree). Index entries may name sub-folders (``sub/x.safetensors``) but
+    never leave the checkpoint (no absolute names, no ``..``)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            parts = Path(name).parts
+            if not isinstance(name, str) or not parts or Path(name).is_absolute() or ".." in parts:
+                raise ValueError(f"{index} names weight file {name!r} outside the checkpoint directory")
+        return [path / name for name in names]
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
@@ -144,25 +160,52 @@ def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dty
 
 
 def weights_digest(path: str | os.PathLike, load_format: str = "auto") -> str:
-    """A short digest naming a checkpoint's weights, cheap enough for startup (storage keys carry
-    it, so that two fine-tunes of one architecture never read each other's KV from a shared pool):
-    config.json, and per safetensors shard its name, size, header and three 64 KiB samples of its
-    tensor data (start, middle, end) — any fine-tune changes those. Dummy weights: a constant."""
-    import hashlib
+    """The digest naming a checkpoint's weights (storage keys carry it, DESIGN §3: two fine-tunes
+    of one base never share a key, however few tensors differ): xxh3-128 of config.json and of
+    every byte of every weight file the loader reads (:func:`safetensors_files`, sub-folders of
+    an index included), each with its name. Dummy weights: a constant. Sampling a few windows
+    per file is not enough: a partial fine-tune changes only some tensors.
 
+    Hashing reads the whole checkpoint once (disk speed: ~1 s per GB); a per-file digest is kept
+    in the user's cache (:mod:`kvtier.model.digest_cache`) keyed by the file's real path, size,
+    mtime, ctime, inode and device, so restarting a server on an unchanged checkpoint reads only
+    config.json."""
     if load_format == "dummy":
         return f"dummy:{DUMMY_SEED}"
     root = Path(path)
-    h = hashlib.sha256()
-    h.update((root / "config.json").read_bytes())
-    for shard in sorted(root.glob("*.safetensors")):
-        size = shard.stat().st_size
-        h.update(shard.name.encode() + size.to_bytes(8, "little"))
-        with open(shard, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            h.update(f.read(min(header_len, 1 << 20)))
-            data_start = 8 + header_len
-            for offset in (data_start, data_start + (size - data_start) // 2, max(data_start, size - (64 << 10))):
-                f.seek(offset)
-                h.update(f.read(64 << 10))
-    return h.hexdigest()[:32]
+    files = safetensors_files(root)
+    h = xxhash.xxh3_128(b"kvtier-weights-v2\0")
+    h.update(_framed((root / "config.json").read_bytes()))
+    with DigestCache.open() as cache:
+        todo = [f for f in files if cache.get(f) is None]
+        total = sum(f.stat().st_size for f in todo)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="hashing weights", file=sys.stderr,
+                  disable=total < _PROGRESS_BYTES, leave=False) as bar:
+            for f in files:
+                digest = cache.get(f)
+                if digest is None:
+                    stamp = file_stamp(f)
+                    digest = cache.put(f, _file_digest(f, bar.update), stamp)
+                h.update(_framed(f.relative_to(root).as_posix().encode()) + _framed(bytes.fromhex(digest)))
+    return h.hexdigest()
+
+
+_PROGRESS_BYTES = 1 << 30          # a progress bar when more than this is to be hashed
+_READ_CHUNK = 16 << 20             # large reads: hashing runs at disk speed, not syscall speed
+
+
+def _framed(data: bytes) -> bytes:
+    """Length-prefixed, so that no two sequences of fields hash alike."""
+    return len(data).to_bytes(8, "little") + data
+
+
+def _file_digest(file: Path, progress: Callable[[int], object] = lambda n: None) -> str:
+    """xxh3-128 of every byte of ``file``, streamed through one reused buffer."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(file, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            progress(n)
+    return h.hexdigest()

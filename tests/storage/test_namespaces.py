@@ -2,7 +2,11 @@
 stored block contains (R3 routing), so different engines simply miss each other's objects."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
 
 import kvtier
 from kvtier.model import init_model, weights_digest
@@ -37,3 +41,24 @@ def test_routing_capture_on_and_off_use_different_objects(checkpoint, tmp_path):
     assert storage_hits(moe, url, capture_routing=True) == 96
     names = list((tmp_path / "pool").rglob("kvt:*"))
     assert len(names) == 2 * ((100 + 2) // 8)                  # both kinds kept, none deleted
+
+
+def test_a_partial_fine_tune_never_reads_the_base_models_kv(checkpoint, tmp_path):
+    base = checkpoint("llama-tiny")
+    tuned = shutil.copytree(base, tmp_path / "tuned")
+    tensors = load_file(base / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"               # one late tensor, deep in the shard
+    tensors[name] = tensors[name] + 0.5 * torch.randn(tensors[name].shape, generator=torch.Generator().manual_seed(0))
+    save_file(tensors, tuned / "model.safetensors", metadata={"format": "pt"})
+    url = f"file://{tmp_path}/pool"
+    params = kvtier.SamplingParams(max_tokens=8, ignore_eos=True)
+    with kvtier.LLM(base, storage=url, **KW) as llm:
+        llm.generate([PROMPT], params)                          # the base model's blocks, written through
+
+    with kvtier.LLM(tuned, storage=url, **KW) as llm:
+        warm = llm.generate([PROMPT], params)[0]
+    with kvtier.LLM(tuned, num_host_blocks=32, block_size=8) as llm:
+        cold = llm.generate([PROMPT], params)[0]
+
+    assert warm.cached_tokens_by_tier["storage"] == 0
+    assert warm.token_ids == cold.token_ids
