@@ -2,19 +2,28 @@
 
 Layout: one file per object, ``<dir>/<aa>/<bb>/<name>`` (two levels of 256 shards by a hash of
 the name, so no directory grows past a few thousand entries). Safe with several processes (and
-engines) on one directory:
+engines) of one user on one directory:
 
-* a write goes to ``.<name>.<pid>.<thread>.tmp`` in the shard, then ``os.replace`` — readers see a
-  whole object or none, never a partial one;
-* a read opens the file and reads it whole; an eviction that unlinks it meanwhile does not affect
-  the open file (POSIX), so a reader never sees a torn object;
+* a write goes to a temp file ``.<name>.<pid>.<thread>.tmp`` in the shard, created with
+  ``O_EXCL|O_NOFOLLOW`` (a name that exists, e.g. a planted symlink, is never opened: another
+  name is drawn), then ``os.replace`` — readers see a whole object or none, never a partial one;
+* a read opens the file (``O_NOFOLLOW``: a symlink is a miss, never followed) and reads it whole;
+  an eviction that unlinks it meanwhile does not affect the open file (POSIX), so a reader never
+  sees a torn object;
 * LRU order is by mtime: objects a process read are touched in batches on its write path, before
   an eviction scan and on close (never on the read path: a syscall per hit costs throughput);
 * the size bound is kept by every process: each tracks the bytes it wrote since its last scan of
   the directory; when the estimate passes ``capacity``, it scans (under an ``flock`` on
   ``<dir>/.evict.lock``, so one process evicts at a time) and removes the least recently used
   files (by mtime; a hit touches its file) down to 90% of the capacity. Stray temp files older than
-  ten minutes (a writer that died) go in the same scan.
+  ten minutes (a writer that died) go in the same scan;
+* a full disk (ENOSPC, EDQUOT) runs the same scan down to 80% of what the pool holds, then the
+  write is tried once more; only if that fails too is the object refused (a miss, not a dead pool).
+
+Privacy: any object's layer-0 V reveals its prompt tokens, whatever the ``cache_salt``. The pool
+is one user's: the root is created 0700 (an existing one of ours with group/other bits is
+tightened, with a warning), shard folders 0700, objects and temp files 0600; a root owned by
+another user (or a symlink to one, or a symlink owned by another user) is refused.
 
 Mounted distributed file systems (3FS, NFS, Lustre) work the same way through their mount point.
 """
@@ -24,7 +33,9 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import shutil
+import stat
 import threading
 import time
 from typing import Sequence
@@ -38,6 +49,10 @@ from kvtier.storage.memory import parse_size, query_params
 log = logging.getLogger(__name__)
 _STALE_TMP_S = 600.0
 _TOUCH_AFTER_S = 60.0
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_EVICT_TO = 0.8          # a full disk: evict down to this fraction of what the pool holds
+_FULL_EVICT_EVERY_S = 1.0     # ... at most once a second per process (threads failing together)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class FileBackend(Backend):
@@ -46,10 +61,7 @@ class FileBackend(Backend):
     def __init__(self, root: str, capacity_bytes: int | None = None) -> None:
         if not os.path.isabs(root):
             raise ValueError(f"file:// storage needs an absolute directory, got {root!r}")
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot create storage directory {root!r}: {e}") from None
+        _make_private_root(root)
         if not os.access(root, os.W_OK | os.X_OK):
             raise ValueError(f"storage directory {root!r} is not writable")
         self.root = root
@@ -61,6 +73,9 @@ class FileBackend(Backend):
         self._estimate = self._scan_size()
         self.evictions = 0
         self.round_trips = 0
+        self.full_disk_evictions = 0       # scans run because a write hit ENOSPC/EDQUOT
+        self.full_disk_refused = 0         # writes refused because the disk stayed full
+        self._last_full_evict = -float("inf")
         self._touch: list[str] = []        # objects read since the last mtime refresh
 
     @classmethod
@@ -84,7 +99,7 @@ class FileBackend(Backend):
     # ------------------------------------------------------------------ Backend
     def exists(self, names: Sequence[str]) -> list[bool]:
         self.round_trips += 1
-        return [os.path.isfile(self._path(n)) for n in names]
+        return [_is_object(self._path(n)) for n in names]
 
     def get_into(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         return self.get_into_parts(names, [[b] for b in bufs])
@@ -100,11 +115,11 @@ class FileBackend(Backend):
         for name, bufs in zip(names, parts):
             path = self._path(name)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                out.append(MISSING)
-                continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ELOOP):    # ELOOP: a symlink, not our object
+                    out.append(MISSING)
+                    continue
                 raise StorageError(f"file storage {self.root}: cannot open {name}: {e}") from e
             try:
                 # one readv with a 1-byte sentinel after the parts: a larger object fills it
@@ -125,35 +140,32 @@ class FileBackend(Backend):
         out, written = [], 0
         if len(self._touch) >= 256:
             self._touch_hits()
+        evicted_for_space = False
         for name, bufs in zip(names, parts):
             path = self._path(name)
             nbytes = sum(len(b) for b in bufs)
             if nbytes > self.capacity:
                 out.append(False)
                 continue
-            if os.path.exists(path):           # immutable, content-addressed: already there
+            if _is_object(path):               # immutable, content-addressed: already there
                 out.append(True)
                 continue
-            shard = os.path.dirname(path)
-            tmp = os.path.join(shard, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
                 try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                except FileNotFoundError:          # first object of this shard
-                    os.makedirs(shard, exist_ok=True)
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    _writev_all(fd, [memoryview(b).cast("B") for b in bufs])
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
+                    self._write(path, name, bufs)
+                except OSError as e:
+                    # a full disk: make room once per call (not once per object: a disk full of
+                    # other data must not empty the pool object by object), then try again
+                    if e.errno not in _FULL_ERRNOS or evicted_for_space:
+                        raise
+                    evicted_for_space = True
+                    self._evict_for_space()
+                    self._write(path, name, bufs)
             except OSError as e:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    out.append(False)          # disk full: refused, not a dead pool
+                if e.errno in _FULL_ERRNOS:
+                    with self._lock:
+                        self.full_disk_refused += 1
+                    out.append(False)          # disk still full: refused, not a dead pool
                     continue
                 raise StorageError(f"file storage {self.root}: cannot write {name}: {e}") from e
             written += nbytes
@@ -165,6 +177,41 @@ class FileBackend(Backend):
             if over:
                 self._evict()
         return out
+
+    def _write(self, path: str, name: str, bufs: Sequence[memoryview]) -> None:
+        """Write one object through a fresh temp file (0600, never an existing name), then rename
+        it over ``path``. Raises OSError; leaves no temp file behind."""
+        shard = os.path.dirname(path)
+        fd, tmp = self._create_temp(shard, name)
+        try:
+            try:
+                _writev_all(fd, [memoryview(b).cast("B") for b in bufs])
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def _create_temp(self, shard: str, name: str) -> tuple[int, str]:
+        """(fd, path) of a new temp file in ``shard``. The usual name is
+        ``.<name>.<pid>.<thread>.tmp``; if something is there already (a planted file or
+        symlink, or a dead writer's leftover the scan will remove), a random one is drawn: an
+        existing name is never opened."""
+        base = f".{name}.{os.getpid()}.{threading.get_ident()}"
+        for attempt in range(4):
+            tmp = os.path.join(shard, f"{base}.tmp" if attempt == 0 else f"{base}.{secrets.token_hex(8)}.tmp")
+            try:
+                return os.open(tmp, _CREATE, 0o600), tmp
+            except FileExistsError:
+                continue
+            except FileNotFoundError:          # first object of this shard
+                _make_private_dirs(self.root, shard)
+                return os.open(tmp, _CREATE, 0o600), tmp
+        raise OSError(errno.EEXIST, f"no free temp file name for {name} in {shard}")
 
     def delete(self, names: Sequence[str]) -> None:
         for n in names:
@@ -186,14 +233,14 @@ class FileBackend(Backend):
     # ------------------------------------------------------------------ size bound
     def _files(self):  # type: ignore[no-untyped-def]
         for d1 in os.scandir(self.root):
-            if not d1.is_dir() or len(d1.name) != 2:
+            if not d1.is_dir(follow_symlinks=False) or len(d1.name) != 2:
                 continue
             for d2 in os.scandir(d1.path):
-                if not d2.is_dir():
+                if not d2.is_dir(follow_symlinks=False):
                     continue
                 for f in os.scandir(d2.path):
                     try:
-                        st = f.stat()
+                        st = f.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
                     yield f.path, f.name, st
@@ -201,63 +248,114 @@ class FileBackend(Backend):
     def _scan_size(self) -> int:
         return sum(st.st_size for _, name, st in self._files() if not name.startswith("."))
 
-    def _evict(self) -> None:
-        """Remove least recently used objects down to 90% of the capacity (one process at a time)."""
+    def _evict(self, keep_fraction: float | None = None) -> None:
+        """Remove least recently used objects down to 90% of the capacity, or (``keep_fraction``,
+        a full disk) down to that fraction of what the pool holds; one process at a time."""
         self._touch_hits()
-        lock_path = os.path.join(self.root, ".evict.lock")
-        with open(lock_path, "a") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-            try:
-                now = time.time()
-                objects, total = [], 0
-                for path, name, st in self._files():
-                    if name.startswith("."):
-                        if name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
-                            try:
-                                os.unlink(path)
-                            except OSError:
-                                pass
-                        continue
-                    objects.append((st.st_mtime, st.st_size, path))
-                    total += st.st_size
-                target = int(self.capacity * 0.9)
-                if total > self.capacity:
-                    objects.sort()
-                    for _mtime, size, path in objects:
-                        if total <= target:
-                            break
+        lock_fd = os.open(os.path.join(self.root, ".evict.lock"),
+                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            now = time.time()
+            objects, total = [], 0
+            for path, name, st in self._files():
+                if name.startswith("."):
+                    if name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
                         try:
                             os.unlink(path)
-                            self.evictions += 1
-                        except FileNotFoundError:
+                        except OSError:
                             pass
-                        total -= size
-                with self._lock:
-                    self._estimate = total
-            finally:
-                fcntl.flock(lock_file, fcntl.LOCK_UN)
+                    continue
+                objects.append((st.st_mtime, st.st_size, path))
+                total += st.st_size
+            target = int(self.capacity * 0.9) if total > self.capacity else total
+            if keep_fraction is not None:
+                target = min(target, int(total * keep_fraction))
+            if total > target:
+                objects.sort()
+                for _mtime, size, path in objects:
+                    if total <= target:
+                        break
+                    try:
+                        os.unlink(path)
+                        self.evictions += 1
+                    except FileNotFoundError:
+                        pass
+                    total -= size
+            with self._lock:
+                self._estimate = total
+        finally:
+            os.close(lock_fd)                  # releases the flock
+
+    def _evict_for_space(self) -> None:
+        """A write hit a full disk: free a fifth of the pool, unless this process did so within
+        the last second (threads that hit ENOSPC together free space once, then all retry)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last_full_evict < _FULL_EVICT_EVERY_S:
+                return
+            self._last_full_evict = now
+            self.full_disk_evictions += 1
+        log.warning("file storage %s: disk full; evicting down to %d%% of the pool", self.root,
+                    int(_FULL_EVICT_TO * 100))
+        self._evict(_FULL_EVICT_TO)
 
     def close(self) -> None:
         self._touch_hits()
 
     def stats(self) -> dict:
         return {"nbytes_estimate": self._estimate, "capacity": self.capacity, "evictions": self.evictions,
-                "round_trips": self.round_trips}
+                "round_trips": self.round_trips, "full_disk_evictions": self.full_disk_evictions,
+                "full_disk_refused": self.full_disk_refused}
 
     def describe(self) -> str:
         return f"file://{self.root}?capacity={self.capacity}"
 
 
-def _first_bytes(bufs: Sequence[memoryview], size: int) -> list[memoryview]:
-    """The leading ``size`` bytes of the concatenation of ``bufs``, as views."""
-    out = []
-    for b in bufs:
-        if size <= 0:
-            break
-        b = memoryview(b).cast("B")
-        out.append(b[:size])
-        size -= len(out[-1])
-    return out
+def _make_private_root(root: str) -> None:
+    """Create ``root`` 0700, or check an existing one: a directory of this user (a symlink only if
+    ours too), group/other bits removed. ValueError naming the path and the uids otherwise."""
+    uid = os.geteuid()
+    try:
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ValueError(f"cannot create storage directory {root!r}: {e}") from None
+    link = os.lstat(root)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != uid:
+        raise ValueError(f"storage directory {root!r} is a symlink owned by uid {link.st_uid}, "
+                         f"not by this process's uid {uid}: refusing to follow it")
+    st = os.stat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"storage directory {root!r} is not a directory")
+    if st.st_uid != uid:
+        raise ValueError(f"storage directory {root!r} is owned by uid {st.st_uid}, not by this "
+                         f"process's uid {uid}: a pool must be private (its objects reveal prompts)")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        log.warning("storage directory %s had mode %o: tightened to 700 (its objects reveal prompts)",
+                    root, stat.S_IMODE(st.st_mode))
+        os.chmod(root, 0o700)
+
+
+def _make_private_dirs(root: str, shard: str) -> None:
+    """Create the shard folders between ``root`` and ``shard``, each 0700."""
+    path = root
+    for part in os.path.relpath(shard, root).split(os.sep):
+        path = os.path.join(path, part)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+
+
+def _is_object(path: str) -> bool:
+    """A regular file is at ``path`` (a symlink, whatever it points to, is not an object)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _readv_all(fd: int, views: list[memoryview]) -> int:

@@ -1,8 +1,12 @@
-"""file:// backend: atomic objects, size bound with eviction, several processes on one directory."""
+"""file:// backend: atomic objects, size bound with eviction, several processes on one directory,
+a private pool (modes, owner, no symlink followed), a full disk that evicts."""
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
+import stat
+import threading
 
 import numpy as np
 import pytest
@@ -104,3 +108,133 @@ def test_throttle_slows_reads_and_writes(tmp_path):
     be.put_from(["a", "b"], [blob(1, 1 << 20), blob(2, 1 << 20)])      # 2 MiB at 4 MB/s
     assert time.monotonic() - t0 >= 0.45
     assert "throttled" in be.describe()
+
+
+# ---------------------------------------------------------------- a private pool
+def mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_root_shards_and_objects_are_private(tmp_path):
+    be = FileBackend(str(tmp_path / "pool"))
+    be.put_from(["a"], [blob(1)])
+    obj = be._path("a")
+    shard2, shard1 = os.path.dirname(obj), os.path.dirname(os.path.dirname(obj))
+    assert (mode(tmp_path / "pool"), mode(shard1), mode(shard2), mode(obj)) == (0o700, 0o700, 0o700, 0o600)
+    be._evict()
+    assert mode(tmp_path / "pool" / ".evict.lock") == 0o600
+
+
+def test_an_open_root_of_ours_is_tightened_with_a_warning(tmp_path, caplog):
+    root = tmp_path / "pool"
+    root.mkdir()
+    os.chmod(root, 0o755)
+    FileBackend(str(root))
+    assert mode(root) == 0o700
+    assert "tightened to 700" in caplog.text
+
+
+def test_a_root_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "pool"
+    root.mkdir(mode=0o700)
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1000)      # the directory is someone else's
+    with pytest.raises(ValueError, match=rf"{root}.* uid {me}, not by this process's uid {me + 1000}"):
+        FileBackend(str(root))
+
+
+def test_a_symlinked_root_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    (tmp_path / "pool").symlink_to(target)
+    real_lstat, me = os.lstat, os.geteuid()
+
+    def lstat(path, *a, **kw):  # type: ignore[no-untyped-def]
+        st = real_lstat(path, *a, **kw)
+        if str(path) == str(tmp_path / "pool"):                # the link is someone else's
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, me + 1000, *tuple(st)[5:]))
+        return st
+    monkeypatch.setattr(os, "lstat", lstat)
+    with pytest.raises(ValueError, match="symlink owned by uid"):
+        FileBackend(str(tmp_path / "pool"))
+
+
+def test_a_planted_symlink_at_the_temp_path_is_not_followed(tmp_path):
+    be = FileBackend(str(tmp_path / "pool"))
+    be.put_from(["other"], [blob(0)])                          # (the shard of "a" may differ)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    obj = be._path("a")
+    os.makedirs(os.path.dirname(obj), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(obj), f".a.{os.getpid()}.{threading.get_ident()}.tmp")
+    os.symlink(victim, tmp)
+
+    assert be.put_from(["a"], [blob(1)]) == [True]
+
+    assert victim.read_bytes() == b"precious"
+    buf = memoryview(bytearray(4096))
+    assert be.get_into(["a"], [buf]) == [4096] and bytes(buf) == bytes(blob(1))
+
+
+def test_a_symlinked_object_is_not_read_and_is_replaced_by_a_put(tmp_path):
+    be = FileBackend(str(tmp_path / "pool"))
+    secret = tmp_path / "secret"
+    secret.write_bytes(bytes(blob(9)))
+    be.put_from(["b"], [blob(0)])
+    obj = be._path("a")
+    os.makedirs(os.path.dirname(obj), exist_ok=True)
+    os.symlink(secret, obj)
+
+    assert be.exists(["a"]) == [False]
+    assert be.get_into(["a"], [memoryview(bytearray(4096))]) == [MISSING]
+    assert be.put_from(["a"], [blob(1)]) == [True]
+    assert not os.path.islink(obj) and secret.read_bytes() == bytes(blob(9))
+
+
+# ---------------------------------------------------------------- a full disk
+def full_disk_until_evicted(be: FileBackend, monkeypatch) -> list[str]:
+    """Writes fail with ENOSPC until an eviction ran; returns the log of what happened."""
+    events: list[str] = []
+    real_write, real_evict = FileBackend._write, FileBackend._evict
+
+    def write(self, path, name, bufs):  # type: ignore[no-untyped-def]
+        if "evict" not in events:
+            events.append(f"ENOSPC {name}")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        events.append(f"wrote {name}")
+        return real_write(self, path, name, bufs)
+
+    def evict(self, keep_fraction=None):  # type: ignore[no-untyped-def]
+        events.append("evict")
+        return real_evict(self, keep_fraction)
+    monkeypatch.setattr(FileBackend, "_write", write)
+    monkeypatch.setattr(FileBackend, "_evict", evict)
+    return events
+
+
+def test_a_full_disk_evicts_the_oldest_fifth_then_writes(tmp_path, monkeypatch):
+    be = FileBackend(str(tmp_path), capacity_bytes=100 * 4096)
+    for i in range(10):
+        be.put_from([f"o{i}"], [blob(i)])
+        os.utime(be._path(f"o{i}"), (1e9 + i, 1e9 + i))        # o0 oldest
+    events = full_disk_until_evicted(be, monkeypatch)
+
+    assert be.put_from(["new"], [blob(99)]) == [True]
+
+    assert events == ["ENOSPC new", "evict", "wrote new"]
+    assert be.exists([f"o{i}" for i in range(10)]) == [False, False] + [True] * 8   # down to 80%
+    assert be.exists(["new"]) == [True]
+    assert be.stats()["full_disk_evictions"] == 1
+
+
+def test_a_disk_that_stays_full_refuses_the_put(tmp_path, monkeypatch):
+    be = FileBackend(str(tmp_path), capacity_bytes=100 * 4096)
+    be.put_from(["o0"], [blob(0)])
+
+    def write(self, path, name, bufs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    monkeypatch.setattr(FileBackend, "_write", write)
+
+    assert be.put_from(["a", "b"], [blob(1), blob(2)]) == [False, False]   # refused, not an error
+    assert be.stats()["full_disk_evictions"] == 1                         # one eviction per call
+    assert be.stats()["full_disk_refused"] == 2
