@@ -15,10 +15,13 @@ Invariants:
    that is late (slow pool, timeout) can never write into a host block handed to someone else:
    the manager keeps the blocks reserved until :meth:`poll` reports the op;
 2. a fetched item counts as landed only if its object passed every check of
-   :meth:`BlobLayout.check` (namespace, key, dtype, shape, sizes, checksum); a damaged object
-   (bad checksum, truncated, wrong key inside) is counted, deleted from the pool and reported
-   failed (a miss: the tokens are recomputed, then stored again); an object of another layout or
-   namespace is a miss too, but left alone (it is someone else's);
+   :meth:`BlobLayout.check` (namespace, key, dtype, shape, sizes, checksum); any other object
+   under the block's name is reported failed (a miss: the tokens are recomputed), counted
+   (``corrupt``: damaged; ``foreign``: another layout or namespace) and deleted
+   (``replaced_corrupt``), so that the next put stores a good one — puts skip names that exist,
+   so an object left in place would keep the block out of the pool for good. The name is ours to
+   clear: it is the block key, chained from a seed that holds the whole model fingerprint, so no
+   other engine's good object can have it (a new blob format must bump the key format version);
 3. a backend that raises is retried ``retries`` times, then the batch's items are failed; after
    ``breaker_threshold`` failed calls in a row the breaker opens: lookups answer 0, new ops and
    every batch still queued fail at once without I/O (requests go on by recompute) until
@@ -53,8 +56,7 @@ log = logging.getLogger(__name__)
 
 _LOOKUP_SLICE = 128    # names per exists call when a lookup is split across threads
 
-# our own objects, damaged (deleted so that the next writer replaces them); anything else that
-# fails the check (another namespace or layout) is left alone and read as a miss
+# failed checks counted as ``corrupt`` (our object, damaged); any other failure is ``foreign``
 _DAMAGED = (BlobStatus.BAD_CHECKSUM, BlobStatus.TRUNCATED, BlobStatus.WRONG_KEY)
 
 
@@ -171,7 +173,8 @@ class StorageClient:
         self._known: OrderedDict[bytes, None] = OrderedDict()   # keys stored (a hint for skipping puts)
         self._lock = threading.Lock()
         self.counters = {k: 0 for k in (
-            "lookups", "lookup_hits", "hits", "misses", "corrupt", "foreign", "skipped_breaker_open",
+            "lookups", "lookup_hits", "hits", "misses", "corrupt", "foreign", "replaced_corrupt",
+            "skipped_breaker_open",
             "put_blocks", "put_refused",
             "failed_calls", "bytes_read", "bytes_written", "fetch_seconds", "put_seconds",
             "busy_read_bytes", "busy_read_seconds")}      # reads over wall time while any was in flight
@@ -357,7 +360,7 @@ class StorageClient:
                 return list(range(n))
             dt = time.perf_counter() - t0
             self._read_ended(sum(s for s in sizes if s > 0))
-            failed, corrupt, foreign, nbytes = [], [], 0, 0
+            failed, bad, corrupt, nbytes = [], [], 0, 0
             for j, (size, key, hb) in enumerate(zip(sizes, keys, host_blocks)):
                 if size == MISSING:
                     failed.append(j)
@@ -368,31 +371,30 @@ class StorageClient:
                     status = layout.check_parts(slot[j], size, key, kvs[j], rts[j])
                 else:
                     status = layout.check(slot[j], size, key)
-                if status is not BlobStatus.OK:
+                if status is not BlobStatus.OK:              # a miss; deleted so a put replaces it
                     failed.append(j)
-                    if status in _DAMAGED:               # our object, damaged: delete, rewrite later
-                        log.warning("storage object %s is bad (%s): deleted, counted as a miss",
-                                    names[j], status.value)
-                        corrupt.append(names[j])
-                    else:                                 # another layout's or namespace's: leave it
-                        log.warning("storage object %s is not of this engine's layout (%s): a miss",
-                                    names[j], status.value)
-                        foreign += 1
+                    bad.append(names[j])
+                    corrupt += status in _DAMAGED
+                    log.warning("storage object %s is bad (%s): a miss, deleted to be written again",
+                                names[j], status.value)
                     continue
                 if not parts:
                     layout.decode_into(slot[j], kvs[j], rts[j])
                 nbytes += size
-            if corrupt:
+            replaced = 0
+            if bad:
                 try:
-                    self.backend.delete(corrupt)
+                    self.backend.delete(bad)
+                    replaced = len(bad)
                 except Exception as e:
                     log.warning("could not delete bad storage objects: %s", e)
             with self._lock:
                 c = self.counters
                 c["hits"] += n - len(failed)
-                c["misses"] += len(failed) - len(corrupt) - foreign
-                c["corrupt"] += len(corrupt)
-                c["foreign"] += foreign
+                c["misses"] += len(failed) - len(bad)
+                c["corrupt"] += corrupt
+                c["foreign"] += len(bad) - corrupt
+                c["replaced_corrupt"] += replaced
                 c["bytes_read"] += nbytes
                 c["fetch_seconds"] += dt
                 for j in failed:                   # not (or no longer) stored intact: put it again

@@ -80,7 +80,7 @@ def test_corrupt_and_truncated_objects_are_misses_counted_and_deleted():
     assert np.array_equal(host.kv[5], host.kv[0]) and np.array_equal(host.kv[8], host.kv[3])
 
 
-def test_an_object_of_another_model_is_a_miss():
+def test_an_object_of_another_model_under_our_name_is_a_miss_and_deleted():
     backend = MemoryBackend()
     put(client_for(backend, Host(1)), 0, [0], [key(0)])
     other = StorageClient(backend, workers=1, batch=2)
@@ -90,7 +90,25 @@ def test_an_object_of_another_model_is_a_miss():
     other.bind(other_layout, host.kv.__getitem__, host.rt.__getitem__)
     assert fetch(other, 1, [0], [key(0)]) == [0]
     assert other.stats()["foreign"] == 1
-    assert backend.exists([other.name(key(0))]) == [True]      # someone else's: left alone
+    assert backend.exists([other.name(key(0))]) == [False]     # (real keys chain the model: debris)
+
+
+@pytest.mark.parametrize("garbage", [b"", b"not a blob", bytes(LAYOUT.nbytes), bytes(4 * LAYOUT.nbytes)])
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_foreign_object_under_our_name_is_replaced_by_the_next_put(kind, garbage, tmp_path):
+    from kvtier.storage.file import FileBackend
+    backend = MemoryBackend() if kind == "memory" else FileBackend(str(tmp_path / "pool"))
+    src, dst = Host(1), Host(2)
+    c = client_for(backend, src)
+    name = c.name(key(0))
+    assert backend.put_from([name], [memoryview(garbage)]) == [True]   # planted first: puts skip it
+
+    assert fetch(c, 0, [5], [key(0)]) == [0]                   # a miss
+    assert put(c, 1, [0], [key(0)]) == []
+    assert fetch(client_for(backend, dst), 2, [5], [key(0)]) == []
+
+    assert np.array_equal(dst.kv[5], src.kv[0]) and np.array_equal(dst.rt[5], src.rt[0])
+    assert c.stats()["replaced_corrupt"] == 1
 
 
 class Flaky(MemoryBackend):
@@ -236,7 +254,7 @@ def test_a_lookup_miss_forgets_that_a_key_was_stored():
     assert not c.contains(key(1))                             # so the next write-through puts it again
 
 
-def test_an_object_of_another_layout_is_a_miss_left_in_place():
+def test_an_object_of_another_layout_under_our_name_is_a_miss_and_deleted():
     backend = MemoryBackend()
     put(client_for(backend, Host(1)), 0, [0], [key(0)])
     other = StorageClient(backend, workers=1, batch=2)
@@ -245,7 +263,7 @@ def test_an_object_of_another_layout_is_a_miss_left_in_place():
     other.bind(bigger, host.kv.__getitem__, lambda h: np.zeros(RT_NBYTES + 8, np.uint8))
     assert fetch(other, 1, [0], [key(0)]) == [0]
     assert other.stats()["foreign"] == 1 and other.stats()["corrupt"] == 0
-    assert backend.exists([other.name(key(0))]) == [True]
+    assert backend.exists([other.name(key(0))]) == [False]
 
 
 def test_cost_model_fetches_only_when_cheaper_than_recompute():
