@@ -19,14 +19,14 @@ from __future__ import annotations
 import importlib
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
 from kvtier.storage.blob import BlobLayout, namespace_digest
 from kvtier.storage.client import StorageClient
 from kvtier.storage.memory import MemoryBackend, parse_size
 from kvtier.storage.throttle import ThrottledBackend
 
 __all__ = ["MISSING", "TOO_LARGE", "Backend", "BlobLayout", "MemoryBackend", "StorageClient", "StorageError",
-           "namespace_digest", "open_backend", "open_storage", "parse_size"]
+           "namespace_digest", "open_backend", "open_storage", "parse_size", "redact_url"]
 
 # scheme -> "module:class" (imported on use: redis/mooncake clients are optional extras)
 BACKENDS = {
@@ -40,13 +40,15 @@ BACKENDS = {
 
 
 def open_backend(url: str) -> Backend:
-    """The backend a storage URL names (``throttle=`` honoured). Bad URLs raise ValueError."""
+    """The backend a storage URL names (``throttle=`` honoured). Bad URLs raise ValueError (which,
+    like every message and log line of this package that shows a URL, shows it redacted: a
+    password never reaches a log)."""
     if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"storage must be a URL like file:///dir or redis://host:port, got {url!r}")
+        raise ValueError(f"storage must be a URL like file:///dir or redis://host:port, got {redact_url(url)!r}")
     parsed = urlparse(url)
     target = BACKENDS.get(parsed.scheme)
     if target is None:
-        raise ValueError(f"unknown storage URL scheme {parsed.scheme!r} in {url!r}; expected one of "
+        raise ValueError(f"unknown storage URL scheme {parsed.scheme!r} in {redact_url(url)!r}; expected one of "
                          f"{', '.join(s + '://' for s in BACKENDS)}")
     query = parse_qsl(parsed.query, keep_blank_values=True)
     throttle = [v for k, v in query if k == "throttle"]

@@ -48,7 +48,7 @@ import numpy as np
 
 from kvtier.cache.keys import object_name
 from kvtier.cache.plan import TransferOp
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, redact_url
 from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,12 @@ class StorageClient:
         self._put_pool = ThreadPoolExecutor(self.put_workers, thread_name_prefix="kvtier-put")
         self._lookup_pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-lookup")
 
+    @property
+    def where(self) -> str:
+        """The backend's URL for logs, stats and health (redacted again: a backend's own
+        ``describe()`` is not trusted to hide every secret)."""
+        return redact_url(self.backend.describe())
+
     def name(self, key: bytes) -> str:
         return object_name(key, self.namespace)
 
@@ -323,7 +329,7 @@ class StorageClient:
         with self._lock:
             self.counters["failed_calls"] += 1
         self.breaker.failure()
-        log.warning("storage %s failed on %s: %s", what, self.backend.describe(), e)
+        log.warning("storage %s failed on %s: %s", what, self.where, redact_url(e))
 
     def _gated(self, run, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:  # type: ignore[no-untyped-def]
         """Run one batch unless the breaker opened since the op was queued (then fail it at once,
@@ -509,7 +515,7 @@ class StorageClient:
                     self._slots.put(o)
             return all(s >= 0 for got in results for s in got)
         except Exception as e:
-            log.warning("storage calibration failed on %s: %s", self.backend.describe(), e)
+            log.warning("storage calibration failed on %s: %s", self.where, e)
             return False
         finally:
             try:
@@ -521,7 +527,7 @@ class StorageClient:
     # ------------------------------------------------------------------ stats, close
     def stats(self) -> dict:
         c = dict(self.counters)
-        out = {"backend": self.backend.describe(), **c,
+        out = {"backend": self.where, **c,
                "breaker_open": self.breaker.is_open, "breaker_trips": self.breaker.trips}
         if c["fetch_seconds"] > 0:
             out["read_gbps"] = c["bytes_read"] / c["fetch_seconds"] / 1e9

@@ -43,7 +43,7 @@ from urllib.parse import unquote, urlparse
 
 import xxhash
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
 from kvtier.storage.memory import parse_size, query_params
 
 log = logging.getLogger(__name__)
@@ -82,11 +82,11 @@ class FileBackend(Backend):
     def from_url(cls, url: str) -> "FileBackend":
         p = urlparse(url)
         if p.netloc not in ("", "localhost"):
-            raise ValueError(f"file:// URL must be file:///absolute/dir (no host), got {url!r}")
+            raise ValueError(f"file:// URL must be file:///absolute/dir (no host), got {redact_url(url)!r}")
         q = query_params(url, ("capacity",))
         path = unquote(p.path)
         if not path or path == "/":
-            raise ValueError(f"file:// URL needs a directory, got {url!r}")
+            raise ValueError(f"file:// URL needs a directory, got {redact_url(url)!r}")
         return cls(path, parse_size(q["capacity"]) if "capacity" in q else None)
 
     # ------------------------------------------------------------------ paths

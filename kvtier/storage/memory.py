@@ -8,7 +8,7 @@ from collections import OrderedDict
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, redact_url
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 1000, "mib": 1 << 20, "mb": 1000**2,
           "gib": 1 << 30, "gb": 1000**3, "tib": 1 << 40, "tb": 1000**4}
@@ -30,9 +30,9 @@ def query_params(url: str, allowed: Sequence[str]) -> dict[str, str]:
     q = parse_qs(urlparse(url).query, keep_blank_values=True)
     for name, values in q.items():
         if name not in allowed:
-            raise ValueError(f"unknown parameter {name!r} in storage URL {url!r}; allowed: {', '.join(allowed)}")
+            raise ValueError(f"unknown parameter {name!r} in storage URL {redact_url(url)!r}; allowed: {', '.join(allowed)}")
         if len(values) != 1:
-            raise ValueError(f"parameter {name!r} given {len(values)} times in {url!r}")
+            raise ValueError(f"parameter {name!r} given {len(values)} times in {redact_url(url)!r}")
     return {k: v[0] for k, v in q.items()}
 
 

@@ -95,7 +95,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
 from kvtier.storage.memory import parse_size
 
 log = logging.getLogger(__name__)
@@ -174,45 +174,46 @@ def local_hostname_for(master_host: str, master_port: int) -> str:
 def parse_mooncake_url(url: str) -> dict[str, Any]:
     """``mooncake://host:port?...`` -> keyword arguments of :class:`MooncakeBackend`."""
     if not isinstance(url, str):
-        raise ValueError(f"mooncake URL must be a string, got {url!r}")
+        raise ValueError(f"mooncake URL must be a string, got {type(url).__name__}")
+    shown = redact_url(url)                 # what messages show (a password, if any, hidden)
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as e:
-        raise ValueError(f"bad mooncake URL {url!r}: {e} (expected mooncake://host:port"
+        raise ValueError(f"bad mooncake URL {shown!r}: {redact_url(e)} (expected mooncake://host:port"
                          f"?protocol=tcp)") from None
     if parts.scheme != "mooncake":
-        raise ValueError(f"not a mooncake:// URL: {url!r}")
+        raise ValueError(f"not a mooncake:// URL: {shown!r}")
     if parts.username is not None or parts.password is not None:
-        raise ValueError(f"mooncake URL takes no user/password: {url!r}")
+        raise ValueError(f"mooncake URL takes no user/password: {shown!r}")
     if not parts.hostname:
         raise ValueError(f"mooncake URL needs the master's host:port, e.g. "
-                         f"mooncake://127.0.0.1:50051?protocol=tcp; got {url!r}")
+                         f"mooncake://127.0.0.1:50051?protocol=tcp; got {shown!r}")
     if port is None or port == 0:
-        raise ValueError(f"mooncake URL needs the master's port (e.g. :50051), got {url!r}")
+        raise ValueError(f"mooncake URL needs the master's port (e.g. :50051), got {shown!r}")
     if parts.path not in ("", "/"):
-        raise ValueError(f"mooncake URL takes no path, got {parts.path!r} in {url!r}")
+        raise ValueError(f"mooncake URL takes no path: {shown!r}")
     if parts.fragment:
-        raise ValueError(f"mooncake URL takes no #fragment, got {parts.fragment!r} in {url!r}")
+        raise ValueError(f"mooncake URL takes no #fragment: {shown!r}")
     query: dict[str, str] = {}
     for k, v in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
         if k not in URL_PARAMS:
-            raise ValueError(f"unknown mooncake URL parameter {k!r} in {url!r}; "
+            raise ValueError(f"unknown mooncake URL parameter {k!r} in {shown!r}; "
                              f"known: {', '.join(URL_PARAMS)}")
         if k in query:
-            raise ValueError(f"mooncake URL parameter {k!r} given twice in {url!r}")
+            raise ValueError(f"mooncake URL parameter {k!r} given twice in {shown!r}")
         if v == "" and k != "rdma_devices":
-            raise ValueError(f"mooncake URL parameter {k!r} is empty in {url!r}")
+            raise ValueError(f"mooncake URL parameter {k!r} is empty in {shown!r}")
         query[k] = v
     if parts.query and not query:
-        raise ValueError(f"bad mooncake URL query {parts.query!r} in {url!r}")
+        raise ValueError(f"bad mooncake URL query in {shown!r}")
     kw: dict[str, Any] = {"host": parts.hostname, "port": port}
     if "protocol" in query:
         kw["protocol"] = query["protocol"]
     if "segment" in query:
-        kw["segment"] = 0 if query["segment"].strip() == "0" else _size(query, "segment", url)
+        kw["segment"] = 0 if query["segment"].strip() == "0" else _size(query, "segment", shown)
     if "local_buffer" in query:
-        kw["local_buffer"] = _size(query, "local_buffer", url)
+        kw["local_buffer"] = _size(query, "local_buffer", shown)
     if "metadata" in query:
         kw["metadata"] = query["metadata"]
     if "timeout" in query:
@@ -220,7 +221,7 @@ def parse_mooncake_url(url: str) -> dict[str, Any]:
             kw["timeout"] = float(query["timeout"])
         except ValueError:
             raise ValueError(f"mooncake URL parameter 'timeout' must be seconds, got "
-                             f"{query['timeout']!r} in {url!r}") from None
+                             f"{query['timeout']!r} in {shown!r}") from None
     if "local_hostname" in query:
         kw["local_hostname"] = query["local_hostname"]
     if "rdma_devices" in query:
@@ -228,11 +229,11 @@ def parse_mooncake_url(url: str) -> dict[str, Any]:
     return kw
 
 
-def _size(query: dict[str, str], key: str, url: str) -> int:
+def _size(query: dict[str, str], key: str, shown: str) -> int:
     try:
         return parse_size(query[key])
     except ValueError as e:
-        raise ValueError(f"mooncake URL parameter {key!r}: {e} (in {url!r})") from None
+        raise ValueError(f"mooncake URL parameter {key!r}: {e} (in {shown!r})") from None
 
 
 def _address(buf: memoryview) -> tuple[int, int]:
@@ -308,7 +309,7 @@ class MooncakeBackend(Backend):
         if self.metadata != "P2PHANDSHAKE":
             q.append(f"metadata={self.metadata}")
         q.append(f"timeout={self.timeout:g}")
-        return f"mooncake://{self.master}?{'&'.join(q)}"
+        return redact_url(f"mooncake://{self.master}?{'&'.join(q)}")   # metadata may be a URL with a password
 
     def __repr__(self) -> str:
         return f"MooncakeBackend({self.describe()})"

@@ -57,12 +57,13 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import re
 import threading
 import time
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, quote, unquote
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
 
 try:  # the optional dependency: pip install redis hiredis (kvtier[redis])
     import redis as _redis
@@ -138,14 +139,19 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     if scheme not in ("redis", "rediss", "redis+cluster"):
         raise ValueError(f"unknown redis URL scheme {scheme!r} (expected redis, rediss or "
                          f"redis+cluster)")
+    safe_url = redact_url(url)              # what messages show: never the password
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if "@" in rest and "@" not in authority:   # a raw '/', '?' or '#' in a password split it
+        raise ValueError(f"redis URL has an '@' after the host (percent-encode '/', '?', '#' and '@' "
+                         f"in a password or a path, e.g. %2F, %40): {safe_url!r}")
     rest, _, fragment = rest.partition("#")
     if fragment:
-        raise ValueError(f"redis URL must not have a fragment ('#{fragment}')")
+        raise ValueError(f"redis URL must not have a fragment ('#'; percent-encode it in a password): "
+                         f"{safe_url!r}")
     rest, _, query = rest.partition("?")
     netloc, slash, path = rest.partition("/")
     # credentials (may contain '@' or ':' when percent-encoded; the last '@' ends them)
     userinfo, at, hostlist = netloc.rpartition("@")
-    safe_url = url.replace(userinfo, "***") if at and userinfo else url
     username = password = None
     if at:
         if ":" not in userinfo:
@@ -167,7 +173,7 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     db = 0
     if slash and path not in ("",):
         if not path.isdigit():
-            raise ValueError(f"redis URL has a bad db {path!r} (expected /N, N >= 0): {safe_url!r}")
+            raise ValueError(f"redis URL has a bad db {redact_url(path)!r} (expected /N, N >= 0): {safe_url!r}")
         db = int(path)
     if cluster and db != 0:
         raise ValueError(f"redis+cluster:// has only db 0, got /{path}: {safe_url!r}")
