@@ -31,6 +31,13 @@ Invariants:
    once with the backend (zero-copy clients); a slot is used by one batch at a time;
 5. fetches and puts run on separate threads (``workers`` and ``max(1, workers // 2)``): a fetch,
    which a request waits for, never queues behind a bulk of write-through puts.
+
+Health (:meth:`StorageClient.health`, shown by the server's ``/health``) is read from state the
+I/O paths record (last success, last error, the breaker): no I/O on the caller's thread, no wait
+on a worker. So that an idle engine notices a pool that died (and one that came back), a daemon
+thread probes it (``exists`` of one name) every ``probe_interval`` seconds in which no call
+succeeded; a probe that fails counts toward the breaker, one that succeeds closes it, one that
+has not returned after ``probe_timeout`` makes the pool unhealthy. :meth:`close` stops it.
 """
 from __future__ import annotations
 
@@ -117,6 +124,14 @@ class CircuitBreaker:
             self.failures, self.open_until, self._probing = 0, None, False
             self.cooldown = self.base_cooldown
 
+    def probe_failed(self) -> None:
+        """A health probe (not a call of the breaker's own) failed: it counts toward opening a
+        closed breaker; an open one is left to its own probe and cooldown."""
+        with self._lock:
+            if self.open_until is not None:
+                return
+        self.failure()
+
     def failure(self) -> None:
         with self._lock:
             self.failures += 1
@@ -144,7 +159,8 @@ class StorageClient:
                  put_workers: int | None = None,
                  retries: int = 1, breaker_threshold: int = 3, breaker_cooldown: float = 2.0,
                  on_fetch_io: Callable[[int, float], None] | None = None,
-                 on_fetch_busy: Callable[[int, float], None] | None = None) -> None:
+                 on_fetch_busy: Callable[[int, float], None] | None = None,
+                 probe_interval: float | None = 2.0, probe_timeout: float = 5.0) -> None:
         if workers < 1 or batch < 1 or retries < 0:
             raise ValueError(f"workers and batch must be >= 1 and retries >= 0, got {workers}, {batch}, {retries}")
         self.backend = backend
@@ -179,6 +195,21 @@ class StorageClient:
             "failed_calls", "bytes_read", "bytes_written", "fetch_seconds", "put_seconds",
             "busy_read_bytes", "busy_read_seconds")}      # reads over wall time while any was in flight
         self._closed = False
+        self.where = redact_url(backend.describe())   # for logs, stats, health (a backend's own
+        #                                               describe() is not trusted to hide every secret)
+        # health: written by the I/O paths and the probe, read by health() (one short lock)
+        self._health_lock = threading.Lock()
+        self._last_ok: float | None = None            # monotonic time of the last call that succeeded
+        self._last_error: tuple[float, str] | None = None
+        self._probe_started: float | None = None      # a probe call in flight since
+        self.probe_interval, self.probe_timeout = probe_interval, probe_timeout
+        self._stop_probe = threading.Event()
+        self._probe_thread: threading.Thread | None = None
+        if probe_interval is not None:
+            if probe_interval <= 0 or probe_timeout <= 0:
+                raise ValueError(f"probe_interval and probe_timeout must be > 0, got {probe_interval}, {probe_timeout}")
+            self._probe_thread = threading.Thread(target=self._probe_loop, name="kvtier-storage-probe", daemon=True)
+            self._probe_thread.start()
 
     # ------------------------------------------------------------------ set-up
     def bind(self, layout: BlobLayout, kv: Callable[[int], np.ndarray],
@@ -193,12 +224,6 @@ class StorageClient:
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-fetch")
         self._put_pool = ThreadPoolExecutor(self.put_workers, thread_name_prefix="kvtier-put")
         self._lookup_pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-lookup")
-
-    @property
-    def where(self) -> str:
-        """The backend's URL for logs, stats and health (redacted again: a backend's own
-        ``describe()`` is not trusted to hide every secret)."""
-        return redact_url(self.backend.describe())
 
     def name(self, key: bytes) -> str:
         return object_name(key, self.namespace)
@@ -226,7 +251,7 @@ class StorageClient:
             return 0
         finally:
             self.breaker.release(token)
-        self.breaker.success()
+        self._succeeded()
         n = 0
         for p in present:
             if not p:
@@ -322,12 +347,19 @@ class StorageClient:
                     self._call_failed(what, e)
                     raise
                 continue
-            self.breaker.success()
+            self._succeeded()
             return result
+
+    def _succeeded(self) -> None:
+        with self._health_lock:
+            self._last_ok = time.monotonic()
+        self.breaker.success()
 
     def _call_failed(self, what: str, e: Exception) -> None:
         with self._lock:
             self.counters["failed_calls"] += 1
+        with self._health_lock:
+            self._last_error = (time.monotonic(), f"{what}: {redact_url(e) or type(e).__name__}")
         self.breaker.failure()
         log.warning("storage %s failed on %s: %s", what, self.where, redact_url(e))
 
@@ -472,6 +504,67 @@ class StorageClient:
         finally:
             self._slots.put(slot)
 
+    # ------------------------------------------------------------------ health
+    def health(self) -> dict:
+        """The pool's state for ``/health``, from what the I/O paths and the probe recorded: no
+        I/O, no wait on a worker, safe from any thread::
+
+            {"ok": bool, "reason": str | None, "backend": url (redacted),
+             "breaker_open": bool, "failures_in_a_row": int, "last_error": str | None,
+             "last_error_s_ago": float | None, "last_ok_s_ago": float | None}
+
+        Not ok while the breaker is open, while the last call failed, or while a probe has been
+        stuck longer than ``probe_timeout``."""
+        now = time.monotonic()
+        with self._health_lock:
+            last_ok, last_error, probe_started = self._last_ok, self._last_error, self._probe_started
+        breaker_open, failures = self.breaker.is_open, self.breaker.failures
+        error = last_error[1] if last_error else None
+        reason = None
+        if probe_started is not None and now - probe_started > self.probe_timeout:
+            reason = f"the pool has not answered a probe for {now - probe_started:.1f} s"
+        elif breaker_open:
+            reason = f"circuit breaker open after {failures} failed calls (last: {error})"
+        elif failures:
+            reason = f"the last call failed ({error})"
+        return {"ok": reason is None, "reason": reason, "backend": self.where, "breaker_open": breaker_open,
+                "failures_in_a_row": failures, "last_error": error,
+                "last_error_s_ago": None if last_error is None else now - last_error[0],
+                "last_ok_s_ago": None if last_ok is None else now - last_ok}
+
+    def _probe_loop(self) -> None:
+        """Probe the pool when nothing succeeded for ``probe_interval`` seconds."""
+        assert self.probe_interval is not None
+        while not self._stop_probe.wait(self.probe_interval):
+            with self._health_lock:
+                last_ok = self._last_ok
+            if last_ok is not None and time.monotonic() - last_ok < self.probe_interval:
+                continue                          # busy and well: nothing to learn
+            self.probe()
+
+    def probe(self) -> bool:
+        """One light call (``exists`` of a name never written), recorded like any other call:
+        a success closes the breaker, a failure counts toward opening it (never while open, so
+        that it does not stretch the breaker's own probing). Called by the probe thread."""
+        with self._health_lock:
+            self._probe_started = time.monotonic()
+        try:
+            self.backend.exists([f"{self.name(b'')}health-probe"])
+        except Exception as e:
+            with self._health_lock:
+                was_ok = self._last_error is None or (self._last_ok or 0) > self._last_error[0]
+                self._last_error = (time.monotonic(), f"probe: {redact_url(e) or type(e).__name__}")
+            if was_ok:                            # logged once per outage, not once per probe
+                log.warning("storage %s does not answer: %s", self.where, redact_url(e))
+            self.breaker.probe_failed()
+            return False
+        else:
+            self._succeeded()
+            return True
+        finally:
+            with self._health_lock:
+                self._probe_started = None
+
     def calibrate(self, num_objects: int = 4) -> bool:
         """Time reads of 1 and ``num_objects`` objects of this layout's size (written, read back,
         deleted under ``…:calibrate:<pid>`` names), so the cost model starts from this pool's
@@ -540,11 +633,14 @@ class StorageClient:
         return out
 
     def close(self) -> None:
-        """Wait for every op in flight (their completions must have been polled by the caller
-        before, or are dropped), then close the backend."""
+        """Stop the health probe, wait for every op in flight (their completions must have been
+        polled by the caller before, or are dropped), then close the backend."""
         if self._closed:
             return
         self._closed = True
+        self._stop_probe.set()
+        if self._probe_thread is not None:       # a probe stuck in the backend: left (a daemon)
+            self._probe_thread.join(self.probe_timeout)
         for pool in (self._pool, self._put_pool, self._lookup_pool):
             if pool is not None:
                 pool.shutdown(wait=True)

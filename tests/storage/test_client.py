@@ -29,6 +29,7 @@ class Host:
 
 
 def client_for(backend: Backend, host: Host, **kw) -> StorageClient:
+    kw.setdefault("probe_interval", None)     # the specs below count calls: no health probe
     c = StorageClient(backend, workers=2, batch=4, **kw)
     c.bind(LAYOUT, host.kv.__getitem__, host.rt.__getitem__)
     return c
@@ -218,7 +219,8 @@ def test_a_fast_fetch_is_not_held_behind_a_slow_one():
 
 def test_batches_queued_before_the_breaker_opened_fail_without_io():
     backend = Flaky()
-    c = StorageClient(backend, workers=1, batch=1, retries=0, breaker_threshold=3, breaker_cooldown=30)
+    c = StorageClient(backend, workers=1, batch=1, retries=0, breaker_threshold=3, breaker_cooldown=30,
+                      probe_interval=None)
     host = Host(1)
     c.bind(LAYOUT, host.kv.__getitem__, host.rt.__getitem__)
     backend.down = True
