@@ -12,7 +12,9 @@ Any URL also takes ``throttle=RATE`` (e.g. ``throttle=200MB``): every read and w
 that many bytes per second, to see how the engine behaves against a slow pool (benchmarks).
 
 :class:`~kvtier.storage.client.StorageClient` runs the I/O on worker threads with self-checking
-blobs (:mod:`kvtier.storage.blob`), retries and a circuit breaker; any failure is a miss.
+blobs (:mod:`kvtier.storage.blob`), retries and a circuit breaker; any failure is a miss. Its
+``health()`` is the pool's state for ``/health``. A URL is shown (errors, logs, ``describe()``) only
+through :func:`~kvtier.storage.base.redact_url`: passwords never reach a log.
 """
 from __future__ import annotations
 

@@ -110,3 +110,20 @@ def test_a_busy_healthy_pool_is_not_probed():
         time.sleep(0.01)
     assert backend.calls == lookups
     c.close()
+
+
+def test_a_stopped_valkey_server_is_noticed_and_so_is_its_return(make_valkey):
+    from kvtier.storage import open_backend
+    server = make_valkey()
+    c = StorageClient(open_backend(f"{server.url}?timeout=0.3"), probe_interval=0.1, probe_timeout=2.0)
+    assert eventually(lambda: c.health()["last_ok_s_ago"] is not None)   # a first probe answered
+    assert c.health()["ok"]
+
+    server.pause()                                                 # SIGSTOP: connections hang
+    try:
+        assert eventually(lambda: not c.health()["ok"])
+        assert c.health()["reason"]
+    finally:
+        server.resume()
+    assert eventually(lambda: c.health()["ok"])
+    c.close()
