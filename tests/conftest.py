@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random checkpoints written once per session, and their HF models."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,13 @@ if not torch.cuda.is_available():
     # triton (a test module importing kvtier.engine at collection would, before the kernel tests)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvtier.model import init_model
+# weights digests are cached per user (kvtier/model/digest_cache.py): the tests, and the engine
+# processes they start (they inherit the environment), keep theirs in a folder of their own
+if "KVTIER_CACHE_DIR" not in os.environ:
+    os.environ["KVTIER_CACHE_DIR"] = _cache_dir = tempfile.mkdtemp(prefix="kvtier-test-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+
+from kvtier.model import init_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
