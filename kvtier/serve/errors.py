@@ -44,9 +44,14 @@ def sse_error(e: APIError) -> str:
     return f"data: {json.dumps(error_body(e.status, e.message, e.param, e.type), separators=(',', ':'))}\n\n"
 
 
-def invalid_json_message(error: str, position: Any) -> str:
-    """``the request body is not valid JSON: Expecting value at character 27`` (server and router)."""
-    where = f" at character {position}" if isinstance(position, int) else ""
+def invalid_json_message(error: str, doc: Any = None, position: Any = None) -> str:
+    """``the request body is not valid JSON: Expecting value at line 1, column 28`` (server, router)."""
+    where = ""
+    if isinstance(position, int) and isinstance(doc, (str, bytes)):
+        before = doc[:position]
+        newline = "\n" if isinstance(doc, str) else b"\n"
+        line = before.count(newline) + 1
+        where = f" at line {line}, column {position - (before.rfind(newline) + 1) + 1}"
     return f"the request body is not valid JSON: {error}{where}"
 
 
@@ -60,7 +65,7 @@ def add_error_handlers(app: FastAPI) -> None:
         ctx = first.get("ctx") or {}
         loc = list(first.get("loc", ()))
         if first.get("type") == "json_invalid":
-            return error_response(400, invalid_json_message(ctx.get("error", "JSON decode error"), loc[-1]))
+            return error_response(400, invalid_json_message(ctx.get("error", "JSON decode error"), exc.body, loc[-1]))
         param = getattr(ctx.get("error"), "param", None)       # protocol.FieldError: a whole-body check
         if isinstance(param, str):
             return error_response(400, str(ctx["error"]), param=param)

@@ -160,9 +160,9 @@ class Router:
         try:
             body = json.loads(await request.body())
         except json.JSONDecodeError as e:
-            return error_response(400, invalid_json_message(e.msg, e.pos))
+            return error_response(400, invalid_json_message(e.msg, e.doc, e.pos))
         except ValueError as e:                         # not UTF-8
-            return error_response(400, invalid_json_message(str(e), None))
+            return error_response(400, invalid_json_message(str(e)))
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         if "kvtier_handoff" in body:
