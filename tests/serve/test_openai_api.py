@@ -4,6 +4,7 @@ offline API on the same engine settings; 16 parallel clients; cached tokens; err
 from __future__ import annotations
 
 import base64
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -200,7 +201,7 @@ def test_a_non_streaming_client_that_disconnects_behind_the_api_key_is_aborted(s
     before, gen_before = metric(server, aborted), generated(server)
     n = CTX - 8
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5,
+        httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
                    json={"model": "moe", "prompt": "go", "max_tokens": n, "ignore_eos": True, "temperature": 0})
     wait_idle(server)
     assert metric(server, aborted) == before + 1
@@ -244,3 +245,22 @@ def test_a_chunked_body_is_413_once_it_passes_the_cap(server):
     answer = raw_post(server, ["Transfer-Encoding: chunked"], encoded)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_stream_clients_that_leave_before_the_first_chunk_are_aborted_cleanly(server):
+    """No "aclose(): asynchronous generator is already running" in the log, every request aborted."""
+    import socket
+    aborted = 'kvtier_requests_total{finish_reason="abort"}'
+    before = metric(server, aborted)
+    body = json.dumps({"model": "moe", "prompt": "a long prompt to prefill " * 18, "max_tokens": 50,
+                       "ignore_eos": True, "stream": True}).encode()
+    for _ in range(4):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:   # send, then hang up at once
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+        time.sleep(0.5)
+    wait_idle(server)
+    assert metric(server, aborted) == before + 4
+    log = server.log.read_text(errors="replace")
+    assert "already running" not in log and "Traceback" not in log, server.tail()
