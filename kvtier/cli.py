@@ -42,6 +42,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _count(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {value}")
+    return value
+
+
 def _tier_blocks(text: str) -> int | float:
     value = _capacity(text)
     if value == 0:
@@ -176,11 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prefill/decode disaggregation (put `kvtier router` in front).")
     p.add_argument("model", help="Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_positive, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000)")
     p.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
                    help="colocated: whole requests; prefill: runs prefills for the router and writes their "
                         "KV to --storage; decode: continues them from the pool (default colocated)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default none)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /kvtier/* (default: $KVTIER_API_KEY, "
+                        "else none; the variable keeps the key out of `ps`)")
+    p.add_argument("--max-body-bytes", type=_positive, default=None,
+                   help="largest request body; larger ones get 413 before any parsing (default 16 MiB)")
+    p.add_argument("--require-cache-salt", action="store_true",
+                   help="refuse requests without cache_salt (400): cached_tokens would tell a client whether "
+                        "another tenant sent the same prefix (docs/SERVING.md)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
     p.add_argument("--max-queue", type=_positive, default=1024,
@@ -199,9 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[], metavar="URL", required=True,
                    help="a decode server (repeat for several)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_positive, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients (default none)")
-    p.add_argument("--backend-api-key", default=None, help="key the router sends to P and D (default none)")
+    p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' from clients on /v1/* (default: $KVTIER_API_KEY, "
+                        "else none)")
+    p.add_argument("--backend-api-key", default=None,
+                   help="key the router sends to P and D (default: $KVTIER_BACKEND_API_KEY, else none)")
+    p.add_argument("--max-body-bytes", type=_positive, default=None,
+                   help="largest request body; larger ones get 413 before any parsing (default 16 MiB)")
     p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="seconds a request to P or D may take (default 600)")
     p.add_argument("--health-interval", type=_positive_float, default=2.0,
@@ -353,13 +372,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.serve.server import serve
             serve(args.model, host=args.host, port=args.port, role=args.role, api_key=args.api_key,
                   served_model_name=args.served_model_name, max_queue=args.max_queue, log_level=args.log_level,
+                  max_body_bytes=args.max_body_bytes, require_cache_salt=args.require_cache_salt,
                   **{k: getattr(args, k) for k in _LLM_KEYS})
             return 0
         if args.command == "router":
             from kvtier.serve.server import route
             route(args.prefill, args.decode, host=args.host, port=args.port, log_level=args.log_level,
                   api_key=args.api_key, backend_api_key=args.backend_api_key, timeout=args.timeout,
-                  health_interval=args.health_interval)
+                  health_interval=args.health_interval, max_body_bytes=args.max_body_bytes)
             return 0
         if args.command == "demo":
             from kvtier.demo import run_demo

@@ -8,6 +8,9 @@ for the next token. Windows start only where the text was complete, so the piece
 
 Stop strings: text that could be the start of a stop string is held back until it is not; on a
 match the text is cut before the stop string and the stream ends (``stopped``).
+
+``skip_special_tokens`` (default, as the offline API and vLLM): special tokens (``<|im_end|>``,
+``<|endoftext|>``) add no text.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from typing import Any, Sequence
 
 
 class TextStream:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self._prefix = 0          # window start (token index)
@@ -43,7 +47,8 @@ class TextStream:
     def _decode(self, final: bool) -> None:
         if self.tokenizer is None:
             return
-        decode = self.tokenizer.decode
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         before = decode(self.ids[self._prefix:self._read]) if self._read > self._prefix else ""
         after = decode(self.ids[self._prefix:])
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):

@@ -1,13 +1,16 @@
 """Prometheus metrics of one server (DESIGN §6 names), in a registry of its own.
 
 Per-request figures (tokens, cached tokens by tier, TTFT, inter-token latency, PD hand-off
-results) are counted as requests finish; the cache's own counters (bytes moved, evictions,
-storage failures) and the queue gauges are read from the engine at scrape time.
+results) are counted as requests end, however they end: ``kvtier_requests_total{finish_reason}``
+has ``stop`` / ``length`` / ``abort`` (the client went away; its tokens so far are counted) /
+``error`` / ``prefill`` (P's half of a hand-off). The cache's own counters (bytes moved,
+evictions, storage failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``) and the
+queue gauges are read from a snapshot the engine thread takes at scrape time.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -24,7 +27,12 @@ class _CacheCollector:
         moved = CounterMetricFamily("kvtier_bytes_moved", "KV bytes moved between tiers", labels=["direction"])
         evict = CounterMetricFamily("kvtier_evictions", "KV blocks evicted per tier", labels=["tier"])
         fail = CounterMetricFamily("kvtier_storage_failures", "failed block copies per operation", labels=["op"])
+        blocks = GaugeMetricFamily("kvtier_tier_blocks", "KV blocks of each tier: used (held by requests or "
+                                   "cached) | free", labels=["tier", "state"])
         if s is not None:
+            for tier, (used, total) in s["tier_blocks"].items():
+                blocks.add_metric([tier, "used"], used)
+                blocks.add_metric([tier, "free"], total - used)
             for direction, v in s["bytes_moved"].items():
                 moved.add_metric([direction], v)
             for tier in ("device", "host", "storage"):
@@ -34,6 +42,7 @@ class _CacheCollector:
         yield moved
         yield evict
         yield fail
+        yield blocks
 
 
 class ServerMetrics:
@@ -60,23 +69,32 @@ class ServerMetrics:
         self._cache = _CacheCollector()
         r.register(self._cache)
 
-    def finished(self, output, finish_reason: str) -> None:  # type: ignore[no-untyped-def]
+    def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int,
+                 output=None) -> None:  # type: ignore[no-untyped-def]
+        """One request ended; ``output``: the engine's final output, None if it had none (aborted,
+        or cut by a stop string)."""
         self.requests.labels(finish_reason).inc()
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(len(output.token_ids))
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generated_tokens)
+        if output is None:
+            return
         for tier, n in output.cached_tokens_by_tier.items():
             self.cached_tokens.labels(tier).inc(n)
         if output.handoff is not None and "result" in output.handoff:
             self.handoffs.labels(output.handoff["result"]).inc()
 
     def render(self, cache_stats: dict, running: int, waiting: int) -> bytes:
-        self._cache.stats = {"bytes_moved": cache_stats["bytes_moved"], "evictions": cache_stats["evictions"],
-                             "failures": cache_stats["failures"]}
+        self._cache.stats = cache_stats
         self.running.set(running)
         self.waiting.set(waiting)
         return generate_latest(self.registry)
 
 
 def snapshot(core) -> dict:  # type: ignore[no-untyped-def]
-    """What /metrics needs from the engine (runs on the engine thread)."""
-    return core.cache.stats.as_dict()
+    """What /metrics needs from the engine (runs on the engine thread): the cache's counters, and
+    (used, total) blocks per tier."""
+    s = core.cache.stats.as_dict()
+    cache = core.cache
+    return {"bytes_moved": s["bytes_moved"], "evictions": s["evictions"], "failures": s["failures"],
+            "tier_blocks": {"device": (cache.device_pool.num_used, cache.device_pool.num_blocks),
+                            "host": (cache.host_pool.num_used, cache.host_pool.num_blocks)}}

@@ -26,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kvtier.serve.api import error_response, require_api_key
+from kvtier.serve import asgi
+from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error
 
 log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -49,12 +50,13 @@ class Backend:
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], api_key: str | None = None,
                  backend_api_key: str | None = None, timeout: float = 600.0, connect_timeout: float = 3.0,
-                 health_interval: float = 2.0) -> None:
+                 health_interval: float = 2.0, max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES) -> None:
         if not decode:
             raise ValueError("the router needs at least one --decode server")
         self.prefill = [Backend(u, "prefill") for u in prefill]
         self.decode = [Backend(u, "decode") for u in decode]
-        self.api_key = api_key
+        if backend_api_key == "":
+            raise ValueError("the backend API key is empty: give a key, or none if the servers need none")
         self.headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self.health_interval = health_interval
@@ -70,7 +72,8 @@ class Router:
                                          registry=r)
         for route in ("pd", "colocated"):
             self.routes.labels(route)
-        self.app = self._build()
+        self.api = self._build()
+        self.app = asgi.wrap(self.api, api_key, ("/v1/",), max_body_bytes)
 
     # ------------------------------------------------------------------ backends
     def _pick(self, role: str, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
@@ -85,10 +88,10 @@ class Router:
     async def _check(self, b: Backend) -> None:
         try:
             r = await self.client.get(b.url + "/health", timeout=httpx.Timeout(2.0))   # type: ignore[union-attr]
-            b.healthy = r.status_code == 200
-            if b.healthy:
-                b.info = r.json()
-        except (httpx.HTTPError, ValueError):
+            b.info = r.json()
+            # a D without its pool cannot take hand-offs, but its engine still serves colocated
+            b.healthy = r.status_code == 200 or (b.role == "decode" and b.info.get("engine") == "ok")
+        except (httpx.HTTPError, ValueError, AttributeError):
             b.healthy = False
 
     async def _health_loop(self) -> None:
@@ -116,7 +119,7 @@ class Router:
             if router.client is not None:
                 await router.client.aclose()
 
-        require_api_key(app, router.api_key, ("/v1/",))
+        add_error_handlers(app)
 
         @app.get("/health")
         async def health() -> Response:
@@ -135,7 +138,11 @@ class Router:
             d = router._pick("decode")
             if d is None:
                 return error_response(503, "no decode server is up")
-            r = await router.client.get(d.url + "/v1/models")           # type: ignore[union-attr]
+            try:
+                r = await router.client.get(d.url + "/v1/models")           # type: ignore[union-attr]
+            except httpx.HTTPError as e:
+                d.healthy = False
+                return error_response(502, f"decode server {d.url} failed: {_describe(e)}")
             return Response(r.content, status_code=r.status_code, media_type="application/json")
 
         @app.post("/v1/completions")
@@ -152,8 +159,10 @@ class Router:
     async def handle(self, kind: str, request: Request) -> Response:
         try:
             body = json.loads(await request.body())
-        except ValueError as e:
-            return error_response(400, f"the request body is not JSON: {e}")
+        except json.JSONDecodeError as e:
+            return error_response(400, invalid_json_message(e.msg, e.doc, e.pos))
+        except ValueError as e:                         # not UTF-8
+            return error_response(400, invalid_json_message(str(e)))
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         if "kvtier_handoff" in body:
@@ -170,7 +179,8 @@ class Router:
         return await self._decode(kind, dict(body, kvtier_handoff=handoff["handoff"]), stream, handoff["chunks"])
 
     async def _prefill(self, kind: str, body: dict) -> tuple[Any, str]:
-        """P's half: (hand-off, "") or (None, why the request runs colocated) or (4xx Response, "")."""
+        """P's half: (hand-off, "") or (None, why the request runs colocated) or (the client's
+        error from P, "")."""
         tried: set[str] = set()
         reason = "no_prefill_server"
         while True:
@@ -186,7 +196,7 @@ class Router:
                 p.healthy = False
                 reason = "prefill_down"
                 continue
-            if 400 <= r.status_code < 500 and r.status_code not in (404, 408, 429):
+            if _clients_fault(r):
                 return Response(r.content, status_code=r.status_code, media_type="application/json"), ""
             if r.status_code != 200:
                 log.warning("prefill server %s answered %d: %s", p.url, r.status_code, r.text[:200])
@@ -216,10 +226,13 @@ class Router:
             req = self.client.build_request("POST", d.url + _PATHS[kind], json=body)   # type: ignore[union-attr]
             try:
                 r = await self.client.send(req, stream=True)                         # type: ignore[union-attr]
+            except httpx.TimeoutException as e:
+                # not retried on the next D: the request may still be running on this one
+                return error_response(504, f"decode server {d.url} did not answer in time: {_describe(e)}")
             except httpx.HTTPError as e:
                 log.warning("decode server %s failed (%s); trying the next one", d.url, e)
                 d.healthy = False
-                last_error = f"decode server {d.url} failed: {e}"
+                last_error = f"decode server {d.url} failed: {_describe(e)}"
                 continue
             if r.status_code == 503 and len(tried) < len(self.decode):
                 await r.aclose()
@@ -227,6 +240,8 @@ class Router:
             if r.status_code != 200 or not stream:
                 try:
                     content = await r.aread()
+                except httpx.HTTPError as e:
+                    return error_response(502, f"decode server {d.url} failed while answering: {_describe(e)}")
                 finally:
                     await r.aclose()
                 return Response(content, status_code=r.status_code,
@@ -243,7 +258,23 @@ async def _relay(first_chunks: list | None, r: httpx.Response) -> AsyncIterator[
         async for b in r.aiter_raw():
             yield b
     except httpx.HTTPError as e:       # D died mid-stream: say so, end the stream
-        err = {"error": {"message": f"decode server failed mid-stream: {e}", "type": "server_error", "code": 502}}
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        err = APIError(502, f"decode server failed mid-stream: {_describe(e)}")
+        yield (sse_error(err) + "data: [DONE]\n\n").encode()
     finally:
         await r.aclose()
+
+
+def _clients_fault(r: httpx.Response) -> bool:
+    """P's answer is an error of the client's request (D would answer the same), not of P."""
+    if r.status_code in (400, 413):
+        return True
+    if r.status_code == 404:                   # unknown model: named in the error's param
+        try:
+            return r.json()["error"]["param"] == "model"
+        except (ValueError, KeyError, TypeError):
+            return False
+    return False
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -1,37 +1,73 @@
-"""``kvtier serve`` and ``kvtier router``: build the app, run it under uvicorn."""
+"""``kvtier serve`` and ``kvtier router``: build the app, run it under uvicorn.
+
+API keys come from the flag or, so that they need not be on the command line (where ``ps``
+shows them), from the environment: ``KVTIER_API_KEY`` (clients' key, server and router) and
+``KVTIER_BACKEND_API_KEY`` (the key the router sends to its servers). The flag wins; an empty key
+is an error, never "no authentication".
+"""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
+
+API_KEY_ENV = "KVTIER_API_KEY"
+BACKEND_API_KEY_ENV = "KVTIER_BACKEND_API_KEY"
+
+
+def resolve_key(flag_value: str | None, env_name: str, flag_name: str) -> str | None:
+    """The key from ``flag_value``, else from the environment; None: no key. ValueError if empty."""
+    if flag_value is not None:
+        if not flag_value:
+            raise ValueError(f"{flag_name} is empty: give a key (or leave the flag out for no authentication)")
+        return flag_value
+    value = os.environ.get(env_name)
+    if value is None:
+        return None
+    if not value:
+        raise ValueError(f"{env_name} is set but empty: give a key (or unset it for no authentication)")
+    return value
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "colocated",
           api_key: str | None = None, served_model_name: str | None = None, max_queue: int = 1024,
-          log_level: str = "info", **llm_kwargs: Any) -> None:
+          log_level: str = "info", max_body_bytes: int | None = None, require_cache_salt: bool = False,
+          **llm_kwargs: Any) -> None:
     import uvicorn
 
     from kvtier.engine.async_engine import AsyncEngine
     from kvtier.engine.core import EngineCore
     from kvtier.serve.api import Server, check_role
+    from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
 
+    api_key = resolve_key(api_key, API_KEY_ENV, "--api-key")
     check_role(role, bool(llm_kwargs.get("storage")))     # before loading the model
     core = EngineCore(model, **llm_kwargs)
     engine = AsyncEngine(core, max_queue=max_queue)
     try:
-        server = Server(engine, served_model_name or Path(model).name, role, api_key)
+        server = Server(engine, served_model_name or Path(model).name, role, api_key,
+                        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                        require_cache_salt=require_cache_salt)
         logging.getLogger("kvtier").info("serving %s as %r (role %s) on http://%s:%d", model,
                                          server.model_name, role, host, port)
-        uvicorn.run(server.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        try:
+            uvicorn.run(server.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        finally:
+            server.close()
     finally:
         engine.shutdown()
 
 
 def route(prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", **kwargs: Any) -> None:
+          log_level: str = "info", api_key: str | None = None, backend_api_key: str | None = None,
+          max_body_bytes: int | None = None, **kwargs: Any) -> None:
     import uvicorn
 
+    from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
     from kvtier.serve.router import Router
 
-    router = Router(prefill, decode, **kwargs)
+    router = Router(prefill, decode, api_key=resolve_key(api_key, API_KEY_ENV, "--api-key"),
+                    backend_api_key=resolve_key(backend_api_key, BACKEND_API_KEY_ENV, "--backend-api-key"),
+                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, **kwargs)
     uvicorn.run(router.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -17,12 +17,12 @@ from redis_servers import valkey_server  # noqa: E402,F401
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory):
-    """procs(args, name) -> started ServerProcess (not waited for); each stopped at module end."""
+    """procs(args, name, env=None) -> started ServerProcess (not waited for); each stopped at module end."""
     started: list[ServerProcess] = []
     logs = tmp_path_factory.mktemp("logs")
 
-    def start(args: list, name: str) -> ServerProcess:
-        p = ServerProcess(args, logs / f"{name}.log")
+    def start(args: list, name: str, env: dict | None = None) -> ServerProcess:
+        p = ServerProcess(args, logs / f"{name}.log", env=env)
         started.append(p)
         return p
 

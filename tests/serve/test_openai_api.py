@@ -1,8 +1,10 @@
 """`kvtier serve` through the `openai` client: completions and chat, streaming or not, equal the
-offline API on the same engine settings; 16 parallel clients; cached tokens; errors; disconnects."""
+offline API on the same engine settings; 16 parallel clients; cached tokens; errors; disconnects
+(streaming or not, behind the API key); the body size cap."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -178,3 +180,87 @@ def test_models_health_and_metrics(server, client):
                  "kvtier_inter_token_latency_seconds_bucket", "kvtier_pd_handoffs_total"):
         assert re.search(rf"^{name}", m, re.M), name
     assert float(re.search(r"^kvtier_generation_tokens_total (\S+)", m, re.M).group(1)) > 0
+
+
+def metric(server, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_idle(server, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(server, "kvtier_requests_running") or metric(server, "kvtier_requests_waiting"):
+        if time.monotonic() > deadline:
+            raise AssertionError("a request is still in the engine")
+        time.sleep(0.1)
+
+
+def test_a_non_streaming_client_that_disconnects_behind_the_api_key_is_aborted(server):
+    """The key check is a pure ASGI layer: the endpoint still sees the client hang up."""
+    aborted = 'kvtier_requests_total{finish_reason="abort"}'
+    before, gen_before = metric(server, aborted), generated(server)
+    n = CTX - 8
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
+                   json={"model": "moe", "prompt": "go", "max_tokens": n, "ignore_eos": True, "temperature": 0})
+    wait_idle(server)
+    assert metric(server, aborted) == before + 1
+    assert 0 < generated(server) - gen_before < n        # its tokens so far are counted, and it never finished
+
+
+def raw_post(server, head: list[str], chunks: list[bytes]) -> bytes:
+    """POST /v1/completions over a bare socket: what an HTTP client library would not send."""
+    import socket
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        lines = ["POST /v1/completions HTTP/1.1", "Host: x", f"Authorization: Bearer {KEY}",
+                 "Content-Type: application/json", *head]
+        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        try:
+            for c in chunks:
+                s.sendall(c)
+        except (BrokenPipeError, ConnectionResetError):   # the server answered before reading it all
+            pass
+        out = b""
+        while not out.endswith(b"}") and (b := s.recv(65536)):
+            out += b
+        return out
+
+
+CAP = 16 * 1024 * 1024        # the default --max-body-bytes
+
+
+def test_a_content_length_over_the_cap_is_413_at_once(server):
+    t0 = time.monotonic()
+    answer = raw_post(server, [f"Content-Length: {CAP + 1}"], [b'{"model": "moe", "prompt": "'])
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b'"param":null' in answer and b"--max-body-bytes" in answer
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_chunked_body_is_413_once_it_passes_the_cap(server):
+    mib = 1024 * 1024
+    chunks = [b'{"model": "moe", "prompt": "']
+    chunks += [b"x" * mib] * (CAP // mib + 1)
+    encoded = [f"{len(c):x}\r\n".encode() + c + b"\r\n" for c in chunks]
+    answer = raw_post(server, ["Transfer-Encoding: chunked"], encoded)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_stream_clients_that_leave_before_the_first_chunk_are_aborted_cleanly(server):
+    """No "aclose(): asynchronous generator is already running" in the log, every request aborted."""
+    import socket
+    aborted = 'kvtier_requests_total{finish_reason="abort"}'
+    before = metric(server, aborted)
+    body = json.dumps({"model": "moe", "prompt": "a long prompt to prefill " * 18, "max_tokens": 50,
+                       "ignore_eos": True, "stream": True}).encode()
+    for _ in range(4):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:   # send, then hang up at once
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+        time.sleep(0.5)
+    wait_idle(server)
+    assert metric(server, aborted) == before + 4
+    log = server.log.read_text(errors="replace")
+    assert "already running" not in log and "Traceback" not in log, server.tail()

@@ -1,0 +1,115 @@
+"""Pure ASGI layers in front of the server's and the router's apps: API key, body size cap.
+
+::
+
+    uvicorn ─► ApiKeyAuth ─► BodyLimit ─► FastAPI app
+                 401          413
+
+Both are plain ``async __call__(scope, receive, send)`` classes, not Starlette's
+``BaseHTTPMiddleware``: that one runs the endpoint in a task of its own behind a wrapped
+``receive``, so the endpoint never sees ``http.disconnect`` and a client that hangs up on a
+non-streaming request is never noticed (its request generates to the end). These layers hand
+``receive`` through untouched (ApiKeyAuth) or only count the bytes it carries (BodyLimit).
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Any, Awaitable, Callable
+
+from starlette.exceptions import HTTPException
+
+from kvtier.serve.errors import error_response
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ApiKeyAuth:
+    """401 for HTTP requests under ``prefixes`` without ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: ASGIApp, key: str, prefixes: tuple[str, ...]) -> None:
+        if not key:
+            raise ValueError("the API key is empty: give a key, or none for no authentication")
+        self.app, self.prefixes = app, prefixes
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._expected):
+                response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` once a streamed body passes the cap: the app's body parsing lets
+    HTTPExceptions through, so its exception handler answers 413 in the OpenAI shape."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, body_too_large_message(max_bytes))
+
+
+def body_too_large_message(max_bytes: int) -> str:
+    return f"the request body is over the server's limit of {max_bytes} bytes (--max-body-bytes)"
+
+
+class BodyLimit:
+    """413 for request bodies over ``max_bytes``: at once when Content-Length says so, else (a
+    chunked body) as soon as the bytes received pass the cap — before the app parses any JSON."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_bytes}")
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counted_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge:         # an app without a handler for it (or one that re-raised)
+            if started:
+                raise
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Connection: close, because the rest of the body is never read from the socket
+        response = error_response(413, body_too_large_message(self.max_bytes), headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def wrap(app: ASGIApp, api_key: str | None, key_prefixes: tuple[str, ...], max_body_bytes: int | None) -> ASGIApp:
+    """The app behind the layers that are configured (``None``: that layer is off)."""
+    if max_body_bytes is not None:
+        app = BodyLimit(app, max_body_bytes)
+    if api_key is not None:
+        app = ApiKeyAuth(app, api_key, key_prefixes)
+    return app
