@@ -60,31 +60,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     cannot overflow into inf - inf, the top token always has probability > 0, and top-p always
     keeps it (so temperature -> 0+ and top_p -> 0+ both give the argmax)."""
     out: list[int] = [0] * len(params)
-    finfo = torch.finfo(logits.dtype) if logits.dtype.is_floating_point else torch.finfo(torch.float32)
-    clean = torch.nan_to_num(logits.float() if not logits.dtype.is_floating_point else logits,
-                             nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
-    has_finite = torch.isfinite(logits).any(dim=-1).tolist()
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy or not has_finite[i]]
+    if not logits.dtype.is_floating_point:
+        logits = logits.float()
+    finfo = torch.finfo(logits.dtype)
+    clean = torch.nan_to_num(logits, nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:       # (one sync, and none on an all-greedy step)
+        finite = torch.isfinite(logits[sampled_rows]).any(dim=-1).tolist()
+        sampled_rows = [i for i, ok in zip(sampled_rows, finite) if ok]
+    greedy_rows = sorted(set(range(len(params))) - set(sampled_rows))
     if greedy_rows:
         ids = clean[greedy_rows].argmax(dim=-1).tolist()
         for i, t in zip(greedy_rows, ids):
             out[i] = t
-    for i, p in enumerate(params):
-        if p.greedy or not has_finite[i]:
-            continue
+    for i in sampled_rows:
+        p = params[i]
         row = clean[i].double()
         row = (row - row.max()) / p.temperature          # <= 0; the top token(s) exactly 0
         if p.top_k:
             kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
+        if p.top_p >= 1.0:
+            out[i] = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=generators[i]).item())
+            continue
         # sorted by logit, not by probability: distinct logits whose probabilities round equal keep
         # their order, so the first kept token is an argmax
         sorted_row, order = row.sort(descending=True, stable=True)
         sorted_p = torch.softmax(sorted_row, dim=-1)
-        if p.top_p < 1.0:
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p   # smallest set reaching top_p
-            keep[0] = True                                    # and never empty
-            sorted_p = sorted_p * keep
-        pick = torch.multinomial(sorted_p, 1, generator=generators[i])
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p       # smallest set reaching top_p
+        keep[0] = True                                        # and never empty
+        pick = torch.multinomial(sorted_p * keep, 1, generator=generators[i])
         out[i] = int(order[pick].item())
     return out
