@@ -18,6 +18,9 @@ __all__ = ["LLM", "RequestOutput"]
 
 
 class LLM(EngineCore):
+    """``kvtier.LLM(model, **keywords)``: the keywords and their defaults are EngineCore's (with a
+    storage pool and nothing else set, a host tier sized from free memory and write_through)."""
+
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:

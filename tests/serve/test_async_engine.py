@@ -91,7 +91,7 @@ def test_a_full_queue_says_so_and_bad_input_never_reaches_the_engine(engine):
     assert not any(isinstance(r, Exception) and not isinstance(r, QueueFull) for r in results)
 
 
-def test_a_failing_step_fails_every_caller_and_the_engine_says_dead(engine):
+def test_steps_that_keep_failing_with_no_request_to_blame_fail_every_caller_and_kill_the_engine(engine):
     def boom():
         raise RuntimeError("kernel exploded")
     engine.core.step = boom
