@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_count, default=0, help="sample from the k best tokens; 0 = off (default 0)")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave special tokens (EOS...) out of the text (default: on)")
     p.add_argument("--return-routed-experts", action="store_true", help="print the routed experts' shape (MoE)")
     p.add_argument("--repeat", type=_positive, default=1, help="run the prompt N times (shows prefix hits)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -255,14 +257,17 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-device-blocks", type=_positive, default=None,
                    help="device tier size in blocks (default: sized from free memory)")
-    p.add_argument("--num-host-blocks", type=_count, default=0, help="host tier size in blocks; 0 = none (default 0)")
+    p.add_argument("--num-host-blocks", type=_count, default=None,
+                   help="host tier size in blocks; 0 = none (default: none, or with --storage a host tier "
+                        "sized from free memory: twice the device tier, at most a quarter of available RAM)")
     p.add_argument("--storage", default=None,
-                   help="storage pool URL (needs --num-host-blocks): file:///dir[?capacity=100GiB], "
+                   help="storage pool URL (its I/O goes through the host tier): file:///dir[?capacity=100GiB], "
                         "memory://?capacity=1GiB, redis://[:password@]host:port/db, rediss://..., "
                         "redis+cluster://host:port,host:port, mooncake://host:port?protocol=tcp[&segment=4GiB]; "
                         "any URL takes &throttle=RATE to simulate a slow pool (default none)")
-    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through_selective",
-                   help="when blocks are copied down a tier (default write_through_selective)")
+    p.add_argument("--write-policy", choices=WRITE_POLICIES, default=None,
+                   help="when blocks are copied down a tier (default: write_through with --storage, so every "
+                        "computed block reaches the pool; else write_through_selective)")
     p.add_argument("--write-through-threshold", type=_positive, default=2,
                    help="hits before write_through_selective copies down (default 2)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -323,7 +328,8 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
         prompt = args.prompt
     sp = kvtier.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
-                               return_routed_experts=args.return_routed_experts)
+                               return_routed_experts=args.return_routed_experts,
+                               skip_special_tokens=args.skip_special_tokens)
     with kvtier.LLM(args.model, **{k: getattr(args, k) for k in _LLM_KEYS}) as llm:
         for _ in range(args.repeat):
             o = llm.generate([prompt], sp)[0]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
@@ -46,6 +47,7 @@ from kvtier.cache.tree import Node, RadixTree
 log = logging.getLogger(__name__)
 TIERS = ("device", "host", "storage")
 FETCH_CHUNK = 32      # blocks per fetch op: a request may start with the chunks that landed
+MAX_SEEDS = 1024      # namespace seeds kept (one per cache_salt, least recently used dropped)
 
 
 def check_block_size(block_size: object) -> int:
@@ -146,7 +148,9 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         self._fetching: dict[bytes, _Prefetch] = {}       # block key -> the prefetch fetching it
         self._exporting: dict[int, tuple[Node, list[Export]]] = {}   # hand-offs waiting for puts
         self._tail_ops: list[TransferOp] = []             # fetches of hand-off partial blocks
-        self._seeds: dict[str | None, bytes] = {}
+        # namespace seed per cache_salt, most recent last: salts are chosen by clients, so it is
+        # bounded (an evicted salt's seed is just computed again, to the same bytes)
+        self._seeds: OrderedDict[str | None, bytes] = OrderedDict()
         self._tick = 0
         self._next_op = 0
         self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": []}
@@ -162,6 +166,10 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         seed = self._seeds.get(cache_salt)
         if seed is None:
             seed = self._seeds[cache_salt] = namespace_seed(self.fingerprint, cache_salt, self.hash_name)
+            if len(self._seeds) > MAX_SEEDS:
+                self._seeds.popitem(last=False)
+        else:
+            self._seeds.move_to_end(cache_salt)
         hasher = BlockHasher(self.block_size, seed, self.hash_name, lora_name, mm_items)
         return CacheRequest(rid, token_ids, hasher)
 

@@ -10,6 +10,10 @@ asyncio callers (the HTTP server).
           └──────────── per-request asyncio.Queue ◄── call_soon_threadsafe ┘
 
 Requests that arrive while a step runs join the next one (continuous batching across clients).
+A step that fails fails its own requests (their final output has ``finish_reason="error"``,
+``error_kind="internal"``) and the loop goes on; the engine is dead only when it is closed or
+``max_step_failures`` steps in a row raise with no request to blame (``EngineDead`` then).
+A request whose id is in the engine already is refused with ValueError (HTTP 400).
 A caller that goes away (client disconnect, cancellation) aborts its request: its blocks return
 to the pool at the next step boundary. Everything that touches engine state runs on the engine
 thread (``call(fn)`` for stats); callers only read immutable results.
@@ -59,9 +63,13 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, max_queue: int = 1024, idle_wait: float = 0.05) -> None:
+    def __init__(self, core: EngineCore, max_queue: int = 1024, idle_wait: float = 0.05,
+                 max_step_failures: int = 3) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_step_failures < 1:
+            raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
+        self.max_step_failures = max_step_failures
         self.core = core
         self.max_queue = max_queue
         self._idle_wait = idle_wait
@@ -110,7 +118,7 @@ class AsyncEngine:
                     return
         finally:
             if not done:
-                self._inbox.put(("abort", req.request_id))
+                self._inbox.put(("abort", sink))     # the sink: never another request of that id
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run ``fn(core)`` on the engine thread between steps (stats, cache inspection)."""
@@ -135,12 +143,22 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         core = self.core
+        failures = 0                   # steps in a row that raised (no request to blame)
         try:
             while not self._stop.is_set():
                 self._take_inbox(block=not core.has_unfinished())
                 if not core.has_unfinished():
                     continue
-                finished = core.step()
+                try:
+                    finished = core.step()
+                except Exception:  # noqa: BLE001 - maybe transient: dead only if it keeps failing
+                    failures += 1
+                    if failures >= self.max_step_failures or core.closed:
+                        raise
+                    log.exception("engine step failed with no request to blame (%d in a row)", failures)
+                    self._stop.wait(self._idle_wait)
+                    continue
+                failures = 0
                 self._emit(finished)
         except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
             log.exception("engine step failed; failing every request in flight")
@@ -179,8 +197,10 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - the caller gets it (e.g. a closed engine)
                     sink.push(e)
             elif kind == "abort":
-                if self._sinks.pop(cmd[1], None) is not None:
-                    self.core.abort(cmd[1])
+                rid = cmd[1].req.request_id
+                if self._sinks.get(rid) is cmd[1]:
+                    del self._sinks[rid]
+                    self.core.abort(rid)
             elif kind == "call":
                 try:
                     self._resolve(cmd[2], result=cmd[1](self.core))

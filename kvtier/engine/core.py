@@ -21,6 +21,9 @@ One engine step::
         ─► submit plan (backups of the blocks just written: offload stream, after the forward)
         ─► poll copies ─► finished requests: outputs, free
 
+A step that raises fails its requests, not the engine (:meth:`step`): they come out with
+``finish_reason="error"`` and ``error_kind="internal"``, their blocks returned; the others go on.
+
 Copies complete asynchronously on the GPU (the transfer engine polls their events) and
 synchronously on CPU; storage fetches and puts run on the storage client's worker threads on both
 (polled too). The manager counts bytes as landed only when they have.
@@ -41,18 +44,20 @@ import time
 
 from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
 from kvtier.cache.cost import FetchCostModel
+from kvtier.cache.policy import WritePolicy
 from kvtier.engine.cuda_graph import DecodeGraphs
-from kvtier.engine.request import Request
+from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
 
 log = logging.getLogger(__name__)
+_AUTO_ID = "kvtier-auto-"      # ids the engine makes; given ids may not start so: never the same
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,6 +74,10 @@ class RequestOutput:
     metrics: dict[str, float] | None = None     # monotonic times: arrival, [prefetch_start], admitted, first_token
     handoff: dict | None = None                 # PD: P's manifest, or D's hand-off result (engine/core.py)
     error: str | None = None                    # the request failed (finish_reason "error"): why
+    # which failure, when finish_reason is "error": "handoff" = a PD hand-off that could not be
+    # served as asked (pd_on_miss="error"; handoff["result"] == "error"; HTTP 502), or "internal" =
+    # the engine failed while running it (a step raised; the engine goes on; HTTP 500)
+    error_kind: str | None = None
 
 
 class HandoffError(RuntimeError):
@@ -77,8 +86,8 @@ class HandoffError(RuntimeError):
 
 class EngineCore:
     def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "auto",
-                 block_size: int = 16, num_device_blocks: int | None = None, num_host_blocks: int = 0,
-                 storage: str | None = None, write_policy: str = "write_through_selective",
+                 block_size: int = 16, num_device_blocks: int | None = None, num_host_blocks: int | None = None,
+                 storage: str | None = None, write_policy: str | None = None,
                  write_through_threshold: int = 2, enable_prefix_caching: bool = True,
                  prefetch_policy: str = "best_effort", storage_fetch: str = "auto",
                  tensor_parallel_size: int = 1, preemption_mode: str | None = None,
@@ -88,6 +97,29 @@ class EngineCore:
                  capture_routing: bool = True, cuda_graphs: bool | None = None,
                  prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int | None = None,
                  pd_on_miss: str = "recompute", export_timeout: float = 30.0) -> None:
+        """Load ``model`` and set up the tiers (DESIGN §6 lists the keywords). Defaults that
+        depend on others:
+
+        - ``num_device_blocks=None``: sized from free memory;
+        - ``num_host_blocks=None``: no host tier (0), unless ``storage`` is set: then a host tier
+          sized from free RAM (:meth:`_size_host_blocks`), since storage I/O goes through it;
+        - ``write_policy=None``: ``"write_through"`` with a storage pool (every computed block goes
+          host -> pool, so the pool serves the next engine), else ``"write_through_selective"``.
+
+        Bad sizes and types raise ValueError naming the value before the model is loaded."""
+        _check_int("max_model_len", max_model_len, 1, optional=True)
+        _check_int("num_device_blocks", num_device_blocks, 1, optional=True)
+        _check_int("num_host_blocks", num_host_blocks, 0, optional=True)
+        _check_int("max_num_seqs", max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        _check_int("write_through_threshold", write_through_threshold, 1)
+        _check_int("seed", seed, None)
+        if write_policy is None:
+            write_policy = "write_through" if storage is not None else "write_through_selective"
+        WritePolicy(write_policy, write_through_threshold)       # names a bad policy now, not after loading
+        if storage is not None and num_host_blocks == 0:
+            raise ValueError("a storage tier needs a host tier: num_host_blocks=0 turns it off; "
+                             "leave num_host_blocks unset (sized from free memory) or set it > 0")
         if pd_on_miss not in ("recompute", "error"):
             raise ValueError(f"unknown pd_on_miss {pd_on_miss!r}; choose recompute or error")
         if not export_timeout > 0:
@@ -111,24 +143,29 @@ class EngineCore:
         self.dtype = self._resolve_dtype(dtype, cfg)
         if attention_backend is None:
             attention_backend = "triton" if self.device.type == "cuda" else "torch"
-        if preemption_mode is None:
-            preemption_mode = "swap" if num_host_blocks else "recompute"
-        if preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
-        if preemption_mode == "swap" and not num_host_blocks:
-            raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
-        self.preemption_mode = preemption_mode
-        self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=load_format)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        bytes_per_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * self.dtype.itemsize
+        if num_host_blocks is not None and num_host_blocks * bytes_per_block > _available_ram():
+            raise ValueError(f"num_host_blocks={num_host_blocks} needs {num_host_blocks * bytes_per_block / 2**30:.1f} "
+                             f"GiB of host memory ({bytes_per_block} bytes per block), more than the "
+                             f"{_available_ram() / 2**30:.1f} GiB available")
+        if preemption_mode not in (None, "swap", "recompute"):
+            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
+        if preemption_mode == "swap" and not num_host_blocks and storage is None:
+            raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
+        self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=load_format)
         self.tokenizer = _load_tokenizer(self.path)
         self.seed = seed
         self._generator = torch.Generator(self.device).manual_seed(seed)
 
-        bytes_per_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * self.dtype.itemsize
         if num_device_blocks is None:
             num_device_blocks = self._size_device_blocks(bytes_per_block, block_size, max_num_seqs)
-        if storage is not None and num_host_blocks == 0:
-            raise ValueError("a storage tier needs a host tier: set num_host_blocks > 0")
+        if num_host_blocks is None:
+            num_host_blocks = (self._size_host_blocks(bytes_per_block, block_size, num_device_blocks)
+                               if storage is not None else 0)
+        if preemption_mode is None:
+            preemption_mode = "swap" if num_host_blocks else "recompute"
+        self.preemption_mode = preemption_mode
         routing_payload = ""
         if cfg.is_moe and capture_routing:    # stored blocks carry routing: not the same objects
             routing_payload = f"routing:{cfg.num_moe_layers}x{cfg.top_k}:{cfg.num_experts}"
@@ -176,6 +213,7 @@ class EngineCore:
         self._ids = count()
         self._exports: dict[str, tuple[RequestOutput, object, float]] = {}   # P: outputs waiting for acks
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
+        self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
         self._closed = False
 
     # ------------------------------------------------------------------ set-up helpers
@@ -201,13 +239,13 @@ class EngineCore:
         return _DTYPES[dtype]
 
     def _size_device_blocks(self, bytes_per_block: int, block_size: int, max_num_seqs: int) -> int:
-        """Blocks that fit in free memory (90% of free GPU memory after weights; 20% of free RAM on
-        CPU), capped at what max_num_seqs full-length sequences could use."""
+        """Blocks that fit in free memory (90% of free GPU memory after weights; 20% of available
+        RAM on CPU), capped at what max_num_seqs full-length sequences could use."""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.9) - (1 << 30)          # 1 GiB headroom for activations
         else:
-            budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.2)
+            budget = int(_available_ram() * 0.2)
         cap = max_num_seqs * -(-self.max_model_len // block_size)
         n = min(budget // bytes_per_block, cap)
         need = -(-self.max_model_len // block_size)
@@ -216,19 +254,37 @@ class EngineCore:
                              f"sequence needs {need}; lower max_model_len or free memory")
         return int(n)
 
+    def _size_host_blocks(self, bytes_per_block: int, block_size: int, num_device_blocks: int) -> int:
+        """The host tier a storage pool gets when num_host_blocks is not given: twice the device
+        tier (room for its backups and for fetches) and at least two full-length sequences,
+        capped at a quarter of the available RAM."""
+        need = -(-self.max_model_len // block_size)
+        budget = int(_available_ram() * 0.25) // bytes_per_block
+        n = min(max(2 * num_device_blocks, 2 * need), budget)
+        if n < 1:
+            raise ValueError(f"no room for a host tier in free memory ({_available_ram()} bytes, "
+                             f"{bytes_per_block} per block); set num_host_blocks")
+        log.info("host tier: %d blocks (%.2f GiB; num_host_blocks not set, a storage pool is)",
+                 n, n * bytes_per_block / 2**30)
+        return int(n)
+
     # ------------------------------------------------------------------ API
     def add_request(self, prompt, params: SamplingParams | None = None, cache_salt: str | None = None,  # type: ignore[no-untyped-def]
                     request_id: str | None = None, *, handoff: dict | None = None, export: bool = False) -> Request:
         """Validate and queue a request; it joins the next step. ``export``: P of a PD hand-off;
         ``handoff``: D of one (``{"first_token", "num_tokens", "keys", "namespace"}``)."""
+        if request_id is not None:
+            self._check_new_id(str(request_id))       # before the work of make_request
         req = self.make_request(prompt, params or SamplingParams(), cache_salt, request_id,
                                 handoff=handoff, export=export)
         self.enqueue(req)
         return req
 
     def enqueue(self, req: Request) -> None:
-        """Queue a request made by :meth:`make_request` (the engine thread's half of add_request)."""
+        """Queue a request made by :meth:`make_request` (the engine thread's half of add_request).
+        ValueError if a request with its id is still in the engine (their outputs would mix)."""
         self._check_open()
+        self._check_new_id(req.request_id)
         self.scheduler.add(req)
         if req.handoff is not None:
             self.cache.expect_tail(req.cache, req.num_prompt_tokens)
@@ -240,6 +296,12 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._exports)
+
+    def _check_new_id(self, request_id: str) -> None:
+        sched = self.scheduler
+        if request_id in self._exports or any(r.request_id == request_id
+                                               for r in (*sched.waiting, *sched.running)):
+            raise ValueError(f"request_id {request_id!r} is already in use by a request in the engine")
 
     def make_request(self, prompt, params: SamplingParams, cache_salt: str | None,  # type: ignore[no-untyped-def]
                      request_id: str | None = None, *, handoff: dict | None = None,
@@ -265,7 +327,10 @@ class EngineCore:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                              f"(max_model_len), leaving no room to generate")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        longest = len(ids) + params.max_tokens
+        if longest > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} + {len(ids)} prompt tokens = {longest} tokens, "
+                             f"more than the model's context of {self.max_model_len} (max_model_len)")
         if -(-longest // self.block_size) > self.cache.device_pool.num_blocks:
             raise ValueError(f"a request of {len(ids)} prompt tokens + max_tokens={params.max_tokens} needs "
                              f"{-(-longest // self.block_size)} blocks, more than the whole device tier "
@@ -274,7 +339,12 @@ class EngineCore:
             raise ValueError("a request is either the prefill (export) or the decode (handoff) side of a hand-off")
         if (export or handoff is not None) and self.storage is None:
             raise ValueError("a PD hand-off needs a storage pool: start the engine with storage=URL")
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:
+            rid = f"{_AUTO_ID}{next(self._ids)}"
+        elif str(request_id).startswith(_AUTO_ID):
+            raise ValueError(f"request_id {request_id!r} starts with {_AUTO_ID!r}, the prefix of automatic ids")
+        else:
+            rid = str(request_id)
         req = Request(rid, ids, params, cache_salt=cache_salt)
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -312,20 +382,56 @@ class EngineCore:
         req.handoff_stop = self.scheduler.stop_reason(req, first)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it.
+
+        A failure fails requests, not the engine: if the forward of a batch raises, its requests
+        run one by one and only those that fail alone are blamed; if anything after the forward
+        raises, every request of the step without an output is. A blamed request comes out with
+        ``finish_reason="error"``, ``error_kind="internal"``; its blocks return to the pools, the
+        copies in flight are drained and the step goes on. Only a failure with no request to blame
+        (before anything was scheduled) raises."""
         self._check_open()
         if self.routing is not None:
             self.routing.flush()
         ops_before = self._ops_done
         self._pump()                              # copies that landed since the last step
         out = self.scheduler.schedule()
+        results: list[RequestOutput] = []
+        try:
+            self._run(out, results)
+        except Exception as e:  # noqa: BLE001 - blamed on this step's requests, reported in their outputs
+            answered = {o.request_id for o in results} | set(self._exports)
+            blamed = [s.request for s in out.scheduled if s.request.request_id not in answered]
+            if not blamed:
+                raise
+            log.exception("engine step failed; failing its %d requests", len(blamed))
+            results += [self._fail(req, e) for req in blamed]
+            self._drain()
+        progressed = out.scheduled or self._ops_done != ops_before or results
+        if not progressed and self.has_unfinished():
+            if self.transfer.num_in_flight:        # nothing to run until copies land: wait for them
+                self._complete(self.transfer.drain())
+            elif self.storage is not None and self.storage.num_in_flight:   # prefetches, puts landing
+                self._complete(self.storage.wait(timeout=0.05))
+            elif not self.cache.num_pending_ops and self.scheduler.waiting:
+                req = self.scheduler.waiting[0]     # blocks held elsewhere (e.g. exports): it cannot run
+                results.append(self._fail(req, RuntimeError(
+                    f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: the device "
+                    f"tier has {self.cache.device_pool.num_blocks} blocks")))
+        return results
+
+    def _run(self, out: SchedulerOutput, results: list[RequestOutput]) -> None:
+        """The step after schedule(): forward, update, outputs (into ``results``), copies."""
         rewinds: dict[object, int] = {}
+        hook: list = []
 
         def start_loads():  # type: ignore[no-untyped-def]
-            rewinds.update(self._pump())          # loads: queued (GPU) or done (CPU)
-            return self.transfer.layer_hook()
+            if not hook:                          # once per step, whatever forwards run in it
+                rewinds.update(self._pump())      # loads: queued (GPU) or done (CPU)
+                hook.append(self.transfer.layer_hook())
+            return hook[0]
         t0 = time.perf_counter()
-        sampled = self.runner.execute(out, start_loads) if out.scheduled else {}
+        sampled = self._forward(out, start_loads, results) if out.scheduled else {}
         if self.fetch_cost is not None and sampled and out.num_tokens >= 2 * len(out.scheduled):
             # a step with prefill work that synchronized (it sampled): the recompute side of the cost model
             self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - t0)
@@ -333,7 +439,7 @@ class EngineCore:
             start_loads()
         rewinds.update(self._complete(self.transfer.wait_loads()))   # the forward waited on them
         finished = self.scheduler.update(out, sampled, rewinds)
-        results = self._check_handoffs(out, finished)
+        results += self._check_handoffs(out, finished)
         for req in finished:
             try:
                 output = self._output(req)
@@ -346,17 +452,38 @@ class EngineCore:
         self._pump()                              # backups of what the forward wrote, puts
         if self._exports:
             results += self._finished_exports()
-        progressed = out.scheduled or self._ops_done != ops_before or results
-        if not progressed and self.has_unfinished():
-            if self.transfer.num_in_flight:        # nothing to run until copies land: wait for them
-                self._complete(self.transfer.drain())
-            elif self.storage is not None and self.storage.num_in_flight:   # prefetches, puts landing
-                self._complete(self.storage.wait(timeout=0.05))
-            elif not self.cache.num_pending_ops and self.scheduler.waiting:
-                req = self.scheduler.waiting[0]
-                raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: "
-                                   f"the device tier has {self.cache.device_pool.num_blocks} blocks")
-        return results
+
+    def _forward(self, out: SchedulerOutput, start_loads, results: list[RequestOutput]) -> dict[str, int]:  # type: ignore[no-untyped-def]
+        """The step's forward and sampling. If a batch of several raises, its requests run one by
+        one (the KV they write is their own, rewritten alike): those that fail alone are failed
+        (outputs into ``results``) and dropped from ``out``, the others go on with the step."""
+        try:
+            return self.runner.execute(out, start_loads)
+        except Exception as e:  # noqa: BLE001
+            if len(out.scheduled) == 1:
+                raise
+            log.warning("a forward of %d requests failed (%r): running them one by one", len(out.scheduled), e)
+        sampled: dict[str, int] = {}
+        survivors = []
+        for s in out.scheduled:
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput([s], []), start_loads))
+                survivors.append(s)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.exception("request %s failed in the forward", s.request.request_id)
+                results.append(self._fail(s.request, e))
+        out.scheduled = survivors
+        return sampled
+
+    def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
+        """Fail ``req`` for an internal error: return its blocks (wherever the step left it) and
+        make its error output."""
+        self._exports.pop(req.request_id, None)
+        if self.scheduler.abort(req.request_id) is None and req.cache is not None and not req.cache.freed:
+            self.cache.free(req.cache)            # finished in update, not yet released
+        req.status = Status.FINISHED
+        self.num_failed_requests += 1
+        return self._output(req, error=f"internal error: {exc!r}", error_kind="internal")
 
     # ------------------------------------------------------------------ PD hand-off
     def _check_handoffs(self, out, finished: list[Request]) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
@@ -379,7 +506,7 @@ class EngineCore:
                     self.scheduler.release(req)
                 else:
                     self.scheduler.abort(req.request_id)
-                failed.append(self._output(req, error=msg))
+                failed.append(self._output(req, error=msg, error_kind="handoff"))
         return failed
 
     def _start_export(self, req: Request, output: RequestOutput) -> None:
@@ -441,21 +568,21 @@ class EngineCore:
                 self._complete(self.storage.drain())
             self._pump()
 
-    def _output(self, req: Request, error: str | None = None) -> RequestOutput:
+    def _output(self, req: Request, error: str | None = None, error_kind: str | None = None) -> RequestOutput:
         """The request's output; with ``error``, a failed one (finish_reason "error", no text
-        nor routing: its blocks may be gone already)."""
+        nor routing: its blocks may be gone already) of ``error_kind`` (RequestOutput says which)."""
         routed = None
         if req.params.return_routed_experts and error is None:
             if self.routing is None:
                 raise ValueError("return_routed_experts=True needs a MoE model")
             routed = self.routing.gather(req.cache.block_table, req.num_tokens - 1)
-        text = (self.tokenizer.decode(req.output_token_ids)
+        text = (self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
                 if self.tokenizer is not None and error is None else None)
         return RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), text,
                              "error" if error else (req.finish_reason or "length"), req.num_cached_tokens or 0,
                              dict(req.cached_tokens_by_tier), routed, dict(req.metrics),
                              None if req.handoff is None else dict(req.handoff),
-                             error)
+                             error, error_kind if error else None)
 
     def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
         """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""
@@ -490,6 +617,7 @@ class EngineCore:
             "query_tokens": s.query_tokens,
             "miss_tokens": max(0, s.query_tokens - hits),
             "failures": dict(s.failures),
+            "failed_requests": self.num_failed_requests,
         }
 
     def _storage_stats(self) -> dict:
@@ -520,6 +648,10 @@ class EngineCore:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this LLM is closed")
@@ -529,6 +661,28 @@ class EngineCore:
 
     def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
         self.close()
+
+
+def _check_int(name: str, value: object, minimum: int | None, optional: bool = False) -> None:
+    """ValueError naming ``value`` unless it is an int >= ``minimum`` (or None when optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+            (minimum is not None and value < minimum):
+        want = "an int" + (f" >= {minimum}" if minimum is not None else "") + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+def _available_ram() -> int:
+    """Bytes of memory available to allocate now (MemAvailable: free + reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _load_tokenizer(path: Path):  # type: ignore[no-untyped-def]

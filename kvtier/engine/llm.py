@@ -2,7 +2,8 @@
 
 A thin front end over :class:`~kvtier.engine.core.EngineCore`: ``generate`` queues its prompts
 and steps the engine until all of them finished (the serving front end is
-:class:`~kvtier.engine.async_engine.AsyncEngine`).
+:class:`~kvtier.engine.async_engine.AsyncEngine`). A request that fails inside the engine raises
+RuntimeError here (its batch's other requests are aborted; the engine stays usable).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ __all__ = ["LLM", "RequestOutput"]
 
 
 class LLM(EngineCore):
+    """``kvtier.LLM(model, **keywords)``: the keywords and their defaults are EngineCore's (with a
+    storage pool and nothing else set, a host tier sized from free memory and write_through)."""
+
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
@@ -38,8 +42,11 @@ class LLM(EngineCore):
         try:
             while len(done) < len(reqs):
                 for out in self.step():
-                    if out.request_id in mine:
-                        done[out.request_id] = out
+                    if out.request_id not in mine:
+                        continue
+                    if out.error_kind == "internal":   # offline: no error outputs, an exception
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                    done[out.request_id] = out
         except BaseException:
             # an error or Ctrl-C mid-batch: drop this call's unfinished requests and their blocks
             for r in reqs:

@@ -1,4 +1,5 @@
-"""SamplingParams (DESIGN §6) and the sampler: greedy, temperature, top-k, top-p, per-request seed."""
+"""SamplingParams (DESIGN §6) and the sampler: greedy, temperature, top-k, top-p, per-request seed;
+never fails on valid params, whatever the logits (NaN, +-inf, huge)."""
 from __future__ import annotations
 
 import math
@@ -17,6 +18,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_routed_experts: bool = False
+    skip_special_tokens: bool = True            # RequestOutput.text leaves out special tokens (EOS...)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -38,6 +40,9 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        for flag in ("ignore_eos", "return_routed_experts", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -46,25 +51,44 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` [n, vocab] (float32)."""
+    """One token id per row of ``logits`` [n, vocab]; never raises on any valid params and logits.
+
+    The model's logits may hold NaN or +-inf (e.g. a bf16 overflow): NaN counts as the lowest
+    logit, +-inf as the largest/lowest finite one, so greedy is the argmax of the cleaned row and
+    a row with no finite value at all falls back to it. A sampled row works in float64 from its
+    max (``row - max`` <= 0, the max exactly 0): dividing by any temperature down to 1e-300 then
+    cannot overflow into inf - inf, the top token always has probability > 0, and top-p always
+    keeps it (so temperature -> 0+ and top_p -> 0+ both give the argmax)."""
     out: list[int] = [0] * len(params)
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if not logits.dtype.is_floating_point:
+        logits = logits.float()
+    finfo = torch.finfo(logits.dtype)
+    clean = torch.nan_to_num(logits, nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:       # (one sync, and none on an all-greedy step)
+        finite = torch.isfinite(logits[sampled_rows]).any(dim=-1).tolist()
+        sampled_rows = [i for i, ok in zip(sampled_rows, finite) if ok]
+    greedy_rows = sorted(set(range(len(params))) - set(sampled_rows))
     if greedy_rows:
-        ids = logits[greedy_rows].argmax(dim=-1).tolist()
+        ids = clean[greedy_rows].argmax(dim=-1).tolist()
         for i, t in zip(greedy_rows, ids):
             out[i] = t
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
+    for i in sampled_rows:
+        p = params[i]
+        row = clean[i].double()
+        row = (row - row.max()) / p.temperature          # <= 0; the top token(s) exactly 0
         if p.top_k:
             kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p   # smallest set reaching top_p
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        if p.top_p >= 1.0:
+            out[i] = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=generators[i]).item())
+            continue
+        # sorted by logit, not by probability: distinct logits whose probabilities round equal keep
+        # their order, so the first kept token is an argmax
+        sorted_row, order = row.sort(descending=True, stable=True)
+        sorted_p = torch.softmax(sorted_row, dim=-1)
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p       # smallest set reaching top_p
+        keep[0] = True                                        # and never empty
+        pick = torch.multinomial(sorted_p * keep, 1, generator=generators[i])
+        out[i] = int(order[pick].item())
     return out

@@ -191,30 +191,51 @@ def test_padded_static_decode_path_matches(preset, checkpoint, reference):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want   # and with prefix hits
 
 
-def test_a_failing_step_leaks_nothing_and_the_engine_recovers(checkpoint, reference, monkeypatch):
+def test_a_failing_request_leaks_nothing_and_the_engine_recovers(checkpoint, reference, monkeypatch):
     preset = "llama-tiny"
     prompts = prompts_for(8)
     want = reference(preset, prompts)
     with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8, num_host_blocks=16,
                     write_policy="write_through") as llm:
-        calls = {"n": 0}
         real = llm.runner.execute
+        victim = {"prompt": prompts[1]}
 
-        def flaky(out, start_loads=None):
-            calls["n"] += 1
-            if calls["n"] == 3:
+        def poisoned(out, start_loads=None):     # fails whenever the victim is in the batch
+            if any(s.request.prompt_token_ids == victim["prompt"] for s in out.scheduled):
                 raise RuntimeError("injected forward failure")
             return real(out, start_loads)
 
-        monkeypatch.setattr(llm.runner, "execute", flaky)
-        with pytest.raises(RuntimeError, match="injected"):
+        monkeypatch.setattr(llm.runner, "execute", poisoned)
+        with pytest.raises(RuntimeError, match="failed: internal error: RuntimeError.*injected"):
             llm.generate(prompts, GREEDY)
         assert not llm.scheduler.has_unfinished()
         tree = llm.cache.tree
         assert llm.cache.device_pool.num_free + tree.num_device_copies == llm.cache.device_pool.num_blocks
         assert all(n.lock_ref == 0 for n in tree.nodes.values())
         llm.cache.assert_invariants()
+        assert llm.cache_stats()["failed_requests"] == 1
+        victim["prompt"] = None
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
+def test_a_batch_whose_forward_fails_once_is_retried_request_by_request(checkpoint, reference, monkeypatch):
+    preset = "llama-tiny"
+    prompts = prompts_for(8)
+    want = reference(preset, prompts)
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8) as llm:
+        calls = {"n": 0}
+        real = llm.runner.execute
+
+        def flaky(out, start_loads=None):
+            calls["n"] += 1
+            if calls["n"] == 3:                  # a batched decode step, once
+                raise RuntimeError("injected transient failure")
+            return real(out, start_loads)
+
+        monkeypatch.setattr(llm.runner, "execute", flaky)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert llm.cache_stats()["failed_requests"] == 0
+        llm.cache.assert_invariants()
 
 
 def test_padded_static_decode_path_captures_routing(checkpoint):

@@ -91,7 +91,7 @@ def test_a_full_queue_says_so_and_bad_input_never_reaches_the_engine(engine):
     assert not any(isinstance(r, Exception) and not isinstance(r, QueueFull) for r in results)
 
 
-def test_a_failing_step_fails_every_caller_and_the_engine_says_dead(engine):
+def test_steps_that_keep_failing_with_no_request_to_blame_fail_every_caller_and_kill_the_engine(engine):
     def boom():
         raise RuntimeError("kernel exploded")
     engine.core.step = boom
@@ -102,3 +102,88 @@ def test_a_failing_step_fails_every_caller_and_the_engine_says_dead(engine):
     asyncio.run(main())
     with pytest.raises(EngineDead):
         engine.make_request([1, 2, 3], LONG)
+
+
+def held_by_requests(core) -> tuple[int, int]:
+    """(device, host) blocks in use that no tree node owns: held by requests (or leaked)."""
+    nodes = core.cache.tree.nodes.values()
+    return (core.cache.device_pool.num_used - sum(n.device_block is not None for n in nodes),
+            core.cache.host_pool.num_used - sum(n.host_block is not None for n in nodes))
+
+
+def test_a_failing_request_fails_alone_and_the_engine_serves_on(checkpoint, monkeypatch):
+    prompts = [[i + 1] * (5 + 3 * i) for i in range(4)]
+    with kvtier.LLM(checkpoint("llama-tiny"), block_size=8) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, LONG)]
+    core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64, num_host_blocks=32,
+                      write_policy="write_through")
+    real = core.runner.execute
+
+    def poisoned(out, start_loads=None):          # fails whenever the victim is in the batch
+        if any(s.request.request_id == "victim" for s in out.scheduled):
+            raise RuntimeError("injected: kernel exploded")
+        return real(out, start_loads)
+    monkeypatch.setattr(core.runner, "execute", poisoned)
+    engine = AsyncEngine(core, max_queue=16)
+    try:
+        async def main():
+            reqs = [engine.make_request(p, LONG) for p in prompts]
+            victim = engine.make_request([7] * 9, LONG, request_id="victim")
+            outs = await asyncio.gather(*(collect(engine, r) for r in [*reqs, victim]))
+            engine._check_alive()
+            after = await collect(engine, engine.make_request(prompts[0], LONG))
+            state = await engine.call(lambda c: (c.cache.assert_invariants(), held_by_requests(c),
+                                                 c.cache_stats()["failed_requests"]))
+            return outs, after, state
+        outs, after, (_, held, failed) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    *others, victim = outs
+    assert victim.finish_reason == "error" and victim.error_kind == "internal"
+    assert "kernel exploded" in victim.error and victim.handoff is None
+    assert [o.token_ids for o in others] == want
+    assert all(o.finish_reason == "length" and o.error is None for o in others)
+    assert after.token_ids == want[0]
+    assert held == (0, 0) and failed == 1
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1e-300}, {"top_p": 1e-300, "temperature": 1.0},
+                                    {"temperature": 1e-300, "top_p": 1e-300, "top_k": 3}])
+def test_extreme_sampling_params_complete_and_give_the_greedy_tokens(engine, params):
+    greedy = kvtier.SamplingParams(max_tokens=8, ignore_eos=True)
+    extreme = kvtier.SamplingParams(max_tokens=8, ignore_eos=True, seed=1, **params)
+
+    async def main():
+        return [await collect(engine, engine.make_request([3, 1, 4, 1, 5], p)) for p in (greedy, extreme)]
+    want, got = asyncio.run(main())
+    assert got.finish_reason == "length" and got.token_ids == want.token_ids
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_request_finishes(engine):
+    async def main():
+        first = engine.make_request([1, 2, 3], LONG, request_id="same")
+        task = asyncio.ensure_future(collect(engine, first))
+        while not engine.num_running:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ValueError, match="request_id 'same' is already in use"):
+            await collect(engine, engine.make_request([4, 5, 6], LONG, request_id="same"))
+        return await task
+    out = asyncio.run(main())
+    assert out.finish_reason == "length" and len(out.token_ids) == LONG.max_tokens
+    engine._check_alive()
+
+
+def test_steps_failing_with_no_request_to_blame_kill_the_engine_only_when_repeated(engine, monkeypatch):
+    real, calls = engine.core.step, {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] <= engine.max_step_failures - 1:
+            raise RuntimeError("scheduler hiccup")
+        return real()
+    monkeypatch.setattr(engine.core, "step", flaky)
+
+    async def main():
+        return await collect(engine, engine.make_request([1, 2, 3], LONG))
+    assert asyncio.run(main()).finish_reason == "length"       # one failure short of dead
+    engine._check_alive()

@@ -1,0 +1,71 @@
+"""The sampler never fails: any valid SamplingParams and any logits row (NaN, +-inf, huge values)
+give a token id in range; temperature -> 0+ and top_p -> 0+ give the argmax."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.engine.sampling import SamplingParams, sample
+
+VOCAB = 12
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+logit = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True),
+                  st.sampled_from([0.0, FLOAT32_MAX, -FLOAT32_MAX, 1e30, -1e30, math.inf, -math.inf, math.nan]))
+rows = st.lists(logit, min_size=1, max_size=VOCAB)
+tiny = st.floats(min_value=1e-300, max_value=1e-100)
+params = st.builds(SamplingParams,
+                   temperature=st.one_of(st.just(0.0), tiny, st.floats(min_value=1e-300, max_value=1e6)),
+                   top_p=st.one_of(st.just(1.0), tiny, st.floats(min_value=1e-300, max_value=1.0)),
+                   top_k=st.integers(min_value=0, max_value=2 * VOCAB),
+                   seed=st.integers(min_value=0, max_value=2 ** 31))
+
+
+def cleaned(row: list[float]) -> list[float]:
+    """The reference logits: NaN is the lowest logit, +-inf the largest/lowest finite one."""
+    return [-FLOAT32_MAX if math.isnan(x) else max(-FLOAT32_MAX, min(FLOAT32_MAX, x)) for x in row]
+
+
+def is_argmax(row: list[float], token: int) -> bool:
+    return cleaned(row)[token] == max(cleaned(row))
+
+
+def one(row: list[float], p: SamplingParams) -> int:
+    g = torch.Generator().manual_seed(p.seed or 0)
+    return sample(torch.tensor([row], dtype=torch.float32), [p], [g])[0]
+
+
+@settings(max_examples=400, deadline=None)
+@given(rows, params)
+def test_any_valid_params_and_logits_give_a_token_in_range(row, p):
+    assert 0 <= one(row, p) < len(row)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows, tiny, st.integers(min_value=0, max_value=2 * VOCAB))
+def test_temperature_towards_zero_gives_the_argmax(row, temperature, top_k):
+    t = one(row, SamplingParams(temperature=temperature, top_k=top_k))
+    assert is_argmax(row, t)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows, tiny, st.floats(min_value=1e-3, max_value=1e3))
+def test_top_p_towards_zero_gives_the_argmax(row, top_p, temperature):
+    t = one(row, SamplingParams(temperature=temperature, top_p=top_p))
+    assert is_argmax(row, t)
+
+
+def test_rows_of_a_batch_are_sampled_independently_and_bf16_logits_are_accepted():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [math.nan, math.nan, math.nan], [1.0, math.inf, math.nan]],
+                          dtype=torch.bfloat16)
+    ps = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0), SamplingParams()]
+    assert sample(logits, ps, [torch.Generator()] * 3) == [1, 0, 1]
+
+
+@pytest.mark.parametrize("flag", ["ignore_eos", "skip_special_tokens", "return_routed_experts"])
+def test_flags_must_be_bools(flag):
+    with pytest.raises(ValueError, match=f"{flag} must be a bool, got 'yes'"):
+        SamplingParams(**{flag: "yes"})
