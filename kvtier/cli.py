@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=_positive, default=4, help="concurrent conversations (default 4)")
     p.add_argument("--turns", type=_positive, default=4, help="turns per conversation (default 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="compute dtype; auto = the checkpoint's on cuda (bfloat16), float32 on cpu (default auto)")
     p.add_argument("--storage", default=None,
                    help="storage pool URL (default: file:// in a temporary directory, removed at the end)")
 
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from kvtier.demo import run_demo
             run_demo(model_dir=args.model, clients=args.clients, turns=args.turns, device=args.device,
-                     storage=args.storage)
+                     storage=args.storage, dtype=args.dtype)
             return 0
         if args.command == "bench":
             from kvtier.bench import cache_bench
