@@ -12,10 +12,25 @@ from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
 # (tests/test_cli.py keeps the two equal).
 PRESET_NAMES = ("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
                 "qwen3-moe-tiny", "qwen3-moe-demo", "qwen3-0.6b-shape", "qwen3-moe-small", "llama3-8b-shape")
-_GPU_BENCHES = {"throughput": "kvtier.bench.throughput", "routing": "kvtier.bench.routing_bench",
-                "transfer": "kvtier.bench.transfer_bench", "overlap": "kvtier.bench.overlap_bench",
-                "attention": "kvtier.bench.attention_bench", "storage": "kvtier.bench.storage_bench",
-                "pd": "kvtier.bench.pd_bench"}
+# Every `kvtier bench NAME`: the module whose main(argv) parses its own flags (None: `cache`, whose
+# flags are the `bench` subparser's own), and its line in `kvtier bench --help`.
+BENCHES = {
+    "cache": (None, "CPU: cost of the cache manager per request (match, allocate, commit, free); flags below"),
+    "peers": ("kvtier.bench.peers", "CPU: the same per request, kvtier vs vLLM's and SGLang's prefix caches "
+                                    "(pip install 'kvtier[peers]')"),
+    "throughput": ("kvtier.bench.throughput", "GPU: engine tokens/s vs HF transformers generate"),
+    "routing": ("kvtier.bench.routing_bench", "GPU: tokens/s with R3 routing capture on vs off"),
+    "attention": ("kvtier.bench.attention_bench", "GPU: paged attention, Triton vs torch reference vs SDPA "
+                                                  "(--smoke: tiny shapes on CPU)"),
+    "transfer": ("kvtier.bench.transfer_bench", "GPU: host<->device copy GB/s vs a contiguous pinned copy"),
+    "overlap": ("kvtier.bench.overlap_bench", "GPU: host-hit TTFT vs device hit and recompute; decode with "
+                                              "backups"),
+    "storage": ("kvtier.bench.storage_bench", "CPU or GPU: pool put/get GB/s vs its raw client; --ttft: TTFT "
+                                              "served from storage vs recompute"),
+    "pd": ("kvtier.bench.pd_bench", "CPU or GPU: prefill/decode disaggregation through a pool vs one "
+                                    "colocated server (TTFT, ITL, hand-off GB/s)"),
+}
+_GPU_BENCHES = {name: module for name, (module, _) in BENCHES.items() if module is not None}
 
 
 def _block_size(text: str) -> int:
@@ -130,16 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 
-    p = sub.add_parser("bench", help="benchmarks: cache, throughput, routing, attention, transfer, overlap, storage",
-                       description="Run a benchmark. 'cache': CPU cost of match+allocate+commit+free per "
-                                   "request (flags below). GPU: 'throughput' (kvtier vs HF transformers "
-                                   "generation), 'routing' (R3 capture on vs off), 'attention' (Triton vs "
-                                   "torch vs SDPA), 'transfer' (host<->device copy GB/s vs a contiguous pinned "
-                                   "copy), 'overlap' (host-hit TTFT vs device hit and recompute; decode with "
-                                   "backups). CPU or GPU: 'storage' (put/get GB/s per backend vs its raw "
-                                   "client; TTFT served from storage vs recompute). `kvtier bench NAME --help` "
-                                   "lists their flags.")
-    p.add_argument("name", choices=("cache", *_GPU_BENCHES), help="which benchmark")
+    p = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES),
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run a benchmark (`kvtier bench NAME --help` lists its flags):\n"
+                                   + "\n".join(f"  {name:<11} {line}" for name, (_, line) in BENCHES.items()))
+    p.add_argument("name", choices=tuple(BENCHES), help="which benchmark")
     p.add_argument("--requests", type=_positive, default=2000, help="requests in the trace (default 2000)")
     p.add_argument("--prompts", type=_positive, default=200, help="shared prefixes (default 200)")
     p.add_argument("--prompt-tokens", type=_positive, default=4096, help="tokens per prompt (default 4096)")
@@ -238,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=_positive, default=4, help="concurrent conversations (default 4)")
     p.add_argument("--turns", type=_positive, default=4, help="turns per conversation (default 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="compute dtype; auto = the checkpoint's on cuda (bfloat16), float32 on cpu (default auto)")
     p.add_argument("--storage", default=None,
                    help="storage pool URL (default: file:// in a temporary directory, removed at the end)")
 
@@ -390,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from kvtier.demo import run_demo
             run_demo(model_dir=args.model, clients=args.clients, turns=args.turns, device=args.device,
-                     storage=args.storage)
+                     storage=args.storage, dtype=args.dtype)
             return 0
         if args.command == "bench":
             from kvtier.bench import cache_bench

@@ -7,7 +7,14 @@ each turn resends the whole history plus a new question) with a deliberately sma
 a host tier and a storage pool (by default ``file://`` in a temporary directory — the embedded
 pool that persists), so that hits come from all three tiers. For every
 turn it times the first token (TTFT) with the cache and by recompute (a second engine with prefix
-caching off, same weights), and checks that both produce the same tokens.
+caching off, same weights), and counts the turns whose first token is the same both ways.
+
+It runs in the dtype users run (``dtype="auto"``: the checkpoint's on CUDA, bf16 for the CUDA
+model; float32 on CPU). In float32 every output is identical to recompute (the tests check it).
+In bf16 a prefix read from the cache was computed by other kernels (a prefill over cached KV,
+not one full prefill), so its rounding differs, and where a random model's top two logits nearly
+tie, that can flip a greedy token: the demo reports how many outputs matched rather than
+stopping at the first that did not.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ def _ttft(llm: kvtier.LLM, prompt: list[int]) -> tuple[float, object]:
 
 def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, system_tokens: int | None = None,
              question_tokens: int = 48, answer_tokens: int = 24, seed: int = 0, device: str = "cpu",
-             storage: str | None = None, out=print) -> dict:
+             storage: str | None = None, dtype: str = "auto", out=print) -> dict:
     tmp = None
     pool_dir = None
     if storage is None:
@@ -64,12 +71,10 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
     # client's history and a little more, the host tier a little more again.
     per_client = -(-(system_tokens + turns * (question_tokens + answer_tokens)) // 16)
     device_blocks, host_blocks = (per_client + 16, per_client + 24) if cuda else (48, 56)
-    # fp32: a cached prefix is computed by other kernels (prefill over cached KV) than a full
-    # prefill; in bf16 that rounding alone can flip a greedy token of a random model
     sizes = dict(block_size=16, num_device_blocks=device_blocks, device=device, load_format=load_format,
-                 dtype="float32",
-                 max_num_batched_tokens=max(1024, 16 * per_client + 64))
+                 dtype=dtype, max_num_batched_tokens=max(1024, 16 * per_client + 64))
     out(f"storage pool: {storage}")
+    identical = 0
     # storage_fetch="auto": storage hits are fetched only when the cost model says they beat recompute
     with kvtier.LLM(path, num_host_blocks=host_blocks, storage=storage, storage_fetch="auto",
                     write_policy="write_through", **sizes) as llm, \
@@ -81,8 +86,7 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
                 prompt = list(histories[c])
                 t_cache, o = _ttft(llm, prompt)
                 t_cold, o_cold = _ttft(cold, prompt)
-                if o.token_ids != o_cold.token_ids:
-                    raise AssertionError(f"client {c} turn {turn}: cache hit changed the output")
+                identical += o.token_ids == o_cold.token_ids
                 by_tier = o.cached_tokens_by_tier
                 for t in TIERS:
                     totals[t] += by_tier[t]
@@ -91,6 +95,7 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
                 answer = llm.generate([prompt], kvtier.SamplingParams(max_tokens=answer_tokens, ignore_eos=True))[0]
                 histories[c] += answer.token_ids
         stats = llm.cache_stats()
+        dtype_used = str(llm.dtype).removeprefix("torch.")
     out(f"{'turn':>4} {'client':>6} {'prompt':>7} {'device':>7} {'host':>6} {'storage':>8} "
         f"{'TTFT cache':>11} {'TTFT recompute':>15}")
     for turn, c, n, by_tier, t_cache, t_cold in rows:
@@ -104,9 +109,14 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
     verdict = (f"{speedup:.2f}x faster than recompute" if speedup >= 1
                else f"{1 / speedup:.2f}x slower than recompute (this model is too small for the tokens a "
                     f"cache hit saves to outweigh the copies)")
-    out(f"TTFT after the first turn: {verdict}; every output identical to recompute")
+    out(f"TTFT after the first turn: {verdict}")
+    why = "" if identical == len(rows) else (
+        f" (the others differ by a flipped greedy token: in {dtype_used} a cached prefix rounds differently "
+        f"from a full prefill, and this random model's logits nearly tie)")
+    out(f"{identical} of {len(rows)} outputs identical to recompute, {dtype_used}{why}")
     if tmp is not None:
         tmp.cleanup()
     if pool_dir is not None:
         pool_dir.cleanup()
-    return {"hit_tokens": totals, "prompt_tokens": prompt_tokens, "ttft_speedup": speedup, "stats": stats}
+    return {"hit_tokens": totals, "prompt_tokens": prompt_tokens, "ttft_speedup": speedup, "stats": stats,
+            "outputs": len(rows), "identical_outputs": identical, "dtype": dtype_used}

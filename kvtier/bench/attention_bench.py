@@ -9,7 +9,8 @@ prefill of new tokens over a cached prefix. Timing on CUDA uses CUDA events afte
 reports the median of ``--iters`` runs; off CUDA it uses the host clock. The SDPA baseline runs on
 K/V already gathered into contiguous ``[batch, kv_heads, seq, head_dim]`` tensors (gather not
 timed), i.e. what a non-paged engine would run; the random-length decode case has no SDPA number.
-Each case also reports the Triton output's max abs error vs the fp32 reference.
+Each case also reports the Triton output's max abs error vs the fp32 reference. Without triton
+installed, the torch reference and SDPA are timed alone (the Triton columns read ``-``).
 """
 from __future__ import annotations
 
@@ -184,6 +185,7 @@ def time_graph(fn, iters: int) -> float | None:
 
 
 def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
+    """``attn``: the Triton backend, or None (triton not installed): reference and SDPA only."""
     from kvtier.model.attention import reference_attention
 
     cuda = device == "cuda"
@@ -193,15 +195,16 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
     res = Result(case.name, kind, meta.num_seqs, q.shape[0], sum(case.seq_lens), str(dtype).split(".")[-1])
     kw = {} if args.num_splits is None else {"num_splits": args.num_splits}
 
-    out = attn(q, kv, meta, scale, **kw)
-    ref = reference_attention(q.float(), kv.float(), meta, scale)
-    res.max_abs_err = (out.float() - ref).abs().max().item()
-    del ref
-
     inner = args.inner if cuda else 1
-    res.triton_ms = time_fn(lambda: attn(q, kv, meta, scale, **kw), args.warmup, args.iters, cuda,
-                            inner)
-    if cuda:
+    out = None
+    if attn is not None:
+        out = attn(q, kv, meta, scale, **kw)
+        ref = reference_attention(q.float(), kv.float(), meta, scale)
+        res.max_abs_err = (out.float() - ref).abs().max().item()
+        del ref
+        res.triton_ms = time_fn(lambda: attn(q, kv, meta, scale, **kw), args.warmup, args.iters, cuda,
+                                inner)
+    if cuda and attn is not None:
         try:
             res.triton_graph_ms = time_graph(lambda: attn(q, kv, meta, scale, **kw), args.iters)
         except Exception as exc:                                    # noqa: BLE001
@@ -212,8 +215,9 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
         try:
             k, v = contiguous_kv(case, kv, meta)
             sdpa, how = make_sdpa(case, q, k, v, scale)
-            o = sdpa().transpose(1, 2).reshape(q.shape)
-            res.sdpa_vs_triton_err = (o.float() - out.float()).abs().max().item()
+            if out is not None:
+                o = sdpa().transpose(1, 2).reshape(q.shape)
+                res.sdpa_vs_triton_err = (o.float() - out.float()).abs().max().item()
             res.sdpa_ms = time_fn(sdpa, args.warmup, args.iters, cuda, inner)
             res.notes.append(f"sdpa: {how}")
             del k, v
@@ -224,6 +228,8 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
     kv_bytes = sum(case.seq_lens) * case.num_kv_heads * case.head_dim * 2 * elt
     qo_bytes = 2 * q.numel() * elt
     kernel_ms = res.triton_graph_ms or res.triton_ms       # rates from the kernel-only time
+    if kernel_ms is None:
+        return res
     res.triton_gbps = (kv_bytes + qo_bytes) / (kernel_ms * 1e-3) / 1e9
     flops = 0
     for ql, sl in zip(case.query_lens, case.seq_lens):
@@ -236,11 +242,14 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
 def fmt(res: Result) -> str:
     def ms(x):
         return "      -  " if x is None else f"{x:9.3f}"
+    head = (f"{res.name:26s} {res.dtype:8s} T={res.num_tokens:<5d} KV={res.kv_tokens:<7d} "
+            f"triton {ms(res.triton_ms)} ms (graph {ms(res.triton_graph_ms)})  ref {ms(res.reference_ms)} ms  "
+            f"sdpa {ms(res.sdpa_ms)} ms")
+    if res.triton_ms is None:
+        return head
     sd = "" if res.sdpa_ms is None else (f"  triton/sdpa {res.triton_ms / res.sdpa_ms:5.2f}x"
                                          f" (sdpa-triton err {res.sdpa_vs_triton_err:.1e})")
-    return (f"{res.name:26s} {res.dtype:8s} T={res.num_tokens:<5d} KV={res.kv_tokens:<7d} "
-            f"triton {ms(res.triton_ms)} ms (graph {ms(res.triton_graph_ms)})  ref {ms(res.reference_ms)} ms  sdpa {ms(res.sdpa_ms)} ms"
-            f"  | {res.triton_gbps:7.1f} GB/s {res.triton_tflops:7.2f} TFLOP/s"
+    return (head + f"  | {res.triton_gbps:7.1f} GB/s {res.triton_tflops:7.2f} TFLOP/s"
             f"  err {res.max_abs_err:.1e}{sd}")
 
 
@@ -273,8 +282,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
     args.iters = args.iters or (3 if args.smoke else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
 
+    try:
+        import triton
+    except ImportError:
+        triton = None
+        print("kvtier bench attention: triton is not installed (pip install triton): timing the torch "
+              "reference and SDPA only", file=sys.stderr)
     from kvtier.model.attention import get_backend
-    attn = get_backend("triton")
+    attn = get_backend("triton") if triton is not None else None
+    triton_version = triton.__version__ if triton is not None else "not installed"
     torch.manual_seed(0)
 
     cases = smoke_cases() if args.smoke else full_cases()
@@ -282,8 +298,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         wanted = [w.strip() for w in args.cases.split(",") if w.strip()]
         cases = [c for c in cases if any(w in c.name for w in wanted)]
     dev_name = torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)"
-    import triton
-    print(f"# device {dev_name}  torch {torch.__version__}  triton {triton.__version__}  "
+    print(f"# device {dev_name}  torch {torch.__version__}  triton {triton_version}  "
           f"dtype {dtype_name}  iters {args.iters}")
     results = []
     for case in cases:
@@ -294,7 +309,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
+            json.dump({"device": dev_name, "torch": torch.__version__, "triton": triton_version,
                        "dtype": dtype_name, "iters": args.iters,
                        "results": [asdict(r) for r in results]}, f, indent=2)
     return results

@@ -8,7 +8,8 @@ inter-token latency (gaps between chunks / tokens in them), mean, p50, p90; and 
 rate: bytes D read from the pool over the wall time its reads were in flight, against the raw
 client of that pool (``kvtier bench storage``'s baseline, same object size and threads).
 
-Every server is a process on 127.0.0.1, started and stopped here.
+Every server is a process on 127.0.0.1, started and stopped here; the temporary directory
+holding the model, the default pool and the logs is removed at the end, however it ends.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -84,12 +87,12 @@ def _summary(results: list[dict], wall: float) -> dict:
 
 def run(model: str, storage: str | None, engine_args: list[str], requests: int, rate: float,
         prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int, workers: int,
-        timeout: float = 600.0) -> dict:
+        tmp: Path, timeout: float = 600.0) -> dict:
+    """Both setups; servers' logs (and the default pool) go to ``tmp``, which the caller owns."""
     from kvtier.bench.storage_bench import bench_bytes
     from kvtier.model import ModelConfig
 
     cfg = ModelConfig.from_hf_dir(Path(model))
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-pd-"))
     pool_url = storage or f"file://{tmp / 'pool'}"
     name = "bench"
     common = [model, "--served-model-name", name, *engine_args]
@@ -176,18 +179,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
     a = ap.parse_args(argv)
-    model = a.model
-    if model is None:
-        from kvtier.model import init_model
-        model = str(init_model(a.preset, tempfile.mkdtemp(prefix="kvtier-pd-model-"), seed=0,
-                               config_only=a.load_format == "dummy"))
     engine = ["--device", a.device, "--load-format", a.load_format, "--num-host-blocks", a.num_host_blocks]
     if a.num_device_blocks:
         engine += ["--num-device-blocks", a.num_device_blocks]
     if a.max_model_len:
         engine += ["--max-model-len", a.max_model_len]
-    res = run(model, a.storage, [str(x) for x in engine], a.requests, a.rate, a.prompt_tokens, a.output_tokens,
-              a.seed, a.storage_workers)
+    # One temporary directory for the model, the default pool and the servers' logs, removed on
+    # every way out: normal end, an error, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt here;
+    # the servers are stopped by run()'s own finally before the directory goes).
+    on_term = signal.getsignal(signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-pd-") as work:
+            tmp = Path(work)
+            model = a.model
+            if model is None:
+                from kvtier.model import init_model
+                model = str(init_model(a.preset, tmp / "model", seed=0, config_only=a.load_format == "dummy"))
+            res = run(model, a.storage, [str(x) for x in engine], a.requests, a.rate, a.prompt_tokens,
+                      a.output_tokens, a.seed, a.storage_workers, tmp)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, on_term)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     if a.json:

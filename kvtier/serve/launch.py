@@ -1,6 +1,12 @@
 """A ``kvtier serve`` / ``kvtier router`` process on a free 127.0.0.1 port (``kvtier bench pd``,
 the HTTP tests): started in its own process group, waited for (``GET /health``, with a deadline),
-stopped by SIGTERM then SIGKILL; it dies with its launcher (``storage/procs.py``)."""
+stopped by SIGTERM then SIGKILL; it dies with its launcher (``storage/procs.py``).
+
+The child imports the launcher's own kvtier whatever the working directory: ``python -m
+kvtier.cli`` would put the cwd first on ``sys.path``, so a ``kvtier/`` folder there (a checkout,
+a decoy) would be imported instead. ``_BOOT`` puts the directory holding this kvtier in front of
+it (works on Python 3.10, which has no ``-P``) and leaves the cwd as it is, so relative paths in
+the arguments keep their meaning."""
 from __future__ import annotations
 
 import signal
@@ -11,7 +17,16 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import kvtier
 from kvtier.storage import procs
+
+_KVTIER_ROOT = str(Path(kvtier.__file__).resolve().parent.parent)
+_BOOT = f"import sys; sys.path.insert(0, {_KVTIER_ROOT!r}); from kvtier.cli import main; sys.exit(main())"
+
+
+def kvtier_command(*args: object) -> list[str]:
+    """argv running ``kvtier ARGS...`` in a child process, with this process's kvtier."""
+    return [sys.executable, "-c", _BOOT, *map(str, args)]
 
 
 def free_port() -> int:
@@ -24,8 +39,7 @@ class ServerProcess:
     def __init__(self, args: Sequence[object], log: Path, env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "kvtier.cli", *map(str, args), "--port", str(self.port),
-                     "--log-level", "warning"]
+        self.args = kvtier_command(*args, "--port", self.port, "--log-level", "warning")
         self.log = Path(log)
         with open(self.log, "ab") as f:
             self.popen = procs.spawn(self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,

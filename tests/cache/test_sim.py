@@ -1,7 +1,9 @@
-"""``kvtier sim`` on tiny traces written here, through the CLI entry point."""
+"""``kvtier sim`` on tiny traces written here and on the shipped Mooncake samples, through the CLI
+entry point."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +11,7 @@ from kvtier.bench.traces import TraceError, _tokens_of_hash, read_trace, tokens_
 from kvtier.cli import main
 
 TIERS = {"device", "host", "storage"}
+SAMPLES = Path(__file__).resolve().parents[2] / "traces"
 
 
 def write_jsonl(path, rows):
@@ -125,3 +128,23 @@ def test_sim_bad_tier_and_cost_flags_are_named(trace, capsys, flag, value, msg):
     with pytest.raises(SystemExit):
         main(["sim", str(trace), flag, value])
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,requests", [("mooncake_conversation_1k.jsonl", 1000),
+                                           ("mooncake_synthetic_500.jsonl", 500)])
+def test_shipped_samples_are_mooncake_traces_with_shared_prefixes(name, requests):
+    rows = [json.loads(line) for line in (SAMPLES / name).read_text().splitlines()]
+    assert len(rows) == requests
+    assert all(set(r) == {"timestamp", "input_length", "output_length", "hash_ids"} for r in rows)
+    # one hash id per 512-token block of the prompt, the last one partial
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 512) for r in rows)
+    firsts = [r["hash_ids"][0] for r in rows]
+    assert len(set(firsts)) < len(firsts)                  # some requests share a leading block
+    assert (SAMPLES / "README.md").read_text().count("Apache License 2.0") == 1
+
+
+def test_sim_on_the_shipped_sample_hits_the_cache(capsys):
+    res = run_json(capsys, ["sim", str(SAMPLES / "mooncake_conversation_1k.jsonl"), "--limit", "200",
+                            "--storage-blocks", "inf", "--json"])
+    assert res["requests"] == 200 and res["skipped_requests"] == 0
+    assert res["hit_tokens"]["device"] > 0 and res["prompt_tokens"] > sum(res["hit_tokens"].values())
