@@ -29,6 +29,8 @@ BENCHES = {
                                               "served from storage vs recompute"),
     "pd": ("kvtier.bench.pd_bench", "CPU or GPU: prefill/decode disaggregation through a pool vs one "
                                     "colocated server (TTFT, ITL, hand-off GB/s)"),
+    "soak": ("kvtier.bench.soak", "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "
+                                  "server with every tier; checks 5xx, leaks, answers, /health latency"),
 }
 _GPU_BENCHES = {name: module for name, (module, _) in BENCHES.items() if module is not None}
 

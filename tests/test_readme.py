@@ -24,7 +24,7 @@ README = (ROOT / "README.md").read_text()
 
 # Flip once `--storage URL` alone gives a default host tier and writes every block through
 # (write_through is the default with a pool): then the README's persistent-pool example runs.
-POOL_DEFAULTS_LANDED = False
+POOL_DEFAULTS_LANDED = True
 
 POOL_EXAMPLE = "--storage file:///tmp/kvtier-pool"
 # command pattern -> flags added to keep it small ("" = run as written)

@@ -234,7 +234,7 @@ class Server:
     def _failure(self, out: Any) -> APIError:
         """The error of a failed output: a PD hand-off that could not be served (502), or a step
         that raised inside the engine (500: this request only, the engine goes on)."""
-        if out.handoff is not None and out.handoff.get("result") == "error":
+        if getattr(out, "error_kind", None) == "handoff":
             return APIError(502, out.error or "PD hand-off failed")
         log.error("request %s failed inside the engine: %s", out.request_id, out.error)
         return APIError(500, f"the request failed inside the engine: {out.error or 'unknown error'}")

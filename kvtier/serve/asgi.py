@@ -13,6 +13,7 @@ non-streaming request is never noticed (its request generates to the end). These
 """
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any, Awaitable, Callable
 
@@ -26,6 +27,14 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# An oversized body is read and thrown away (never buffered, never parsed) up to this many bytes
+# before the 413 goes out: a client still sending when the server answers and closes gets a
+# connection reset instead of the 413 (uvicorn stops reading once the response is complete).
+# Beyond it (or after DRAIN_MAX_S) the connection is simply closed after the 413. A client that
+# sent `Expect: 100-continue` (curl does for large bodies) has sent nothing yet: it gets the 413
+# at once and never sends the body.
+DRAIN_MAX_BYTES = 256 * 1024 * 1024
+DRAIN_MAX_S = 10.0
 
 
 class ApiKeyAuth:
@@ -72,8 +81,11 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            if int(length) <= DRAIN_MAX_BYTES and headers.get(b"expect", b"").lower() != b"100-continue":
+                await _drain(receive, DRAIN_MAX_BYTES)
             await self._refuse(scope, receive, send)
             return
         received = 0
@@ -85,6 +97,8 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    if message.get("more_body"):
+                        await _drain(receive, DRAIN_MAX_BYTES - received)
                     raise BodyTooLarge(self.max_bytes)
             return message
 
@@ -104,6 +118,23 @@ class BodyLimit:
         # Connection: close, because the rest of the body is never read from the socket
         response = error_response(413, body_too_large_message(self.max_bytes), headers={"Connection": "close"})
         await response(scope, receive, send)
+
+
+async def _drain(receive: Receive, max_bytes: int) -> None:
+    """Read and discard the rest of a request body (at most ``max_bytes``, ``DRAIN_MAX_S``)."""
+    async def drain() -> None:
+        nonlocal max_bytes
+        while max_bytes > 0:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            max_bytes -= len(message.get("body", b""))
+            if not message.get("more_body"):
+                return
+    try:
+        await asyncio.wait_for(drain(), DRAIN_MAX_S)
+    except asyncio.TimeoutError:
+        pass
 
 
 def wrap(app: ASGIApp, api_key: str | None, key_prefixes: tuple[str, ...], max_body_bytes: int | None) -> ASGIApp:

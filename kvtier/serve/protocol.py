@@ -7,12 +7,13 @@ the field, never a silently different answer. Unknown fields are refused the sam
 ``null`` is accepted wherever OpenAI marks a field nullable (and for kvtier's own optional
 fields) and means the field's default; ``max_tokens: null`` means the rest of the context. Text
 with a lone surrogate (``"\ud800"`` in JSON: no UTF-8 exists for it) is a 400 naming its field.
+Booleans are JSON ``true``/``false`` only (``"yes"`` or ``1`` for ``stream`` is a 400, not a guess).
 """
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, StrictBool, ConfigDict, Field, field_validator, model_validator
 
 from kvtier.engine.sampling import SamplingParams
 
@@ -41,7 +42,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: Optional[bool] = False
+    include_usage: Optional[StrictBool] = False
 
 
 class Handoff(BaseModel):
@@ -68,18 +69,18 @@ class _Sampling(_Body):
     seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = Field(default_factory=list)
-    ignore_eos: Optional[bool] = False
-    return_routed_experts: Optional[bool] = False
+    ignore_eos: Optional[StrictBool] = False
+    return_routed_experts: Optional[StrictBool] = False
     cache_salt: Optional[str] = Field(None, max_length=1024)
-    stream: Optional[bool] = False
+    stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(1, ge=1, le=1, description="only 1 is supported")
     presence_penalty: Optional[float] = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
     frequency_penalty: Optional[float] = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported: {} only")
     user: Optional[str] = None
-    skip_special_tokens: Optional[bool] = Field(True, description="leave special tokens out of the text")
-    return_token_ids: Optional[bool] = Field(False, description="each choice (each stream chunk) also carries "
+    skip_special_tokens: Optional[StrictBool] = Field(True, description="leave special tokens out of the text")
+    return_token_ids: Optional[StrictBool] = Field(False, description="each choice (each stream chunk) also carries "
                                                                 "its token ids")
     kvtier_handoff: Optional[Handoff] = None
 
@@ -124,7 +125,7 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1, description="null: the rest of the context")
-    echo: Optional[bool] = Field(False, description="not supported: false only")
+    echo: Optional[StrictBool] = Field(False, description="not supported: false only")
     logprobs: Optional[int] = Field(None, ge=0, le=0, description="not supported")
     suffix: Optional[str] = Field(None, max_length=0, description="not supported")
     best_of: Optional[int] = Field(None, ge=1, le=1)
@@ -172,9 +173,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="null: max_tokens")
-    logprobs: Optional[bool] = Field(False, description="not supported")
+    logprobs: Optional[StrictBool] = Field(False, description="not supported")
     top_logprobs: Optional[int] = Field(None, ge=0, le=0)
-    add_generation_prompt: Optional[bool] = True
+    add_generation_prompt: Optional[StrictBool] = True
 
     @field_validator("logprobs")
     @classmethod

@@ -229,12 +229,21 @@ def raw_post(server, head: list[str], chunks: list[bytes]) -> bytes:
 CAP = 16 * 1024 * 1024        # the default --max-body-bytes
 
 
-def test_a_content_length_over_the_cap_is_413_at_once(server):
+def test_a_content_length_over_the_cap_is_413_before_the_body_with_expect_continue(server):
     t0 = time.monotonic()
-    answer = raw_post(server, [f"Content-Length: {CAP + 1}"], [b'{"model": "moe", "prompt": "'])
+    answer = raw_post(server, [f"Content-Length: {CAP + 1}", "Expect: 100-continue"], [])
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b'"param":null' in answer and b"--max-body-bytes" in answer
     assert time.monotonic() - t0 < 5
+
+
+def test_a_client_that_sends_an_oversized_body_reads_the_413(server):
+    """httpx (like the openai client) sends the whole body before it reads: the server reads and
+    drops it, unparsed, so the client sees the 413 instead of a connection reset."""
+    body = b'{"model": "moe", "prompt": "' + b"a" * (CAP + 10) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
 def test_a_chunked_body_is_413_once_it_passes_the_cap(server):

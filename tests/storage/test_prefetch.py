@@ -77,7 +77,7 @@ def test_bad_prefetch_settings_are_named(stored):
     with pytest.raises(ValueError, match="prefetch_timeout"):
         kvtier.LLM(model, storage=f"file://{pool}", prefetch_timeout=(-1, 0), **KW)
     with pytest.raises(ValueError, match="needs a host tier"):
-        kvtier.LLM(model, storage=f"file://{pool}")
+        kvtier.LLM(model, storage=f"file://{pool}", num_host_blocks=0)
     with pytest.raises(ValueError, match="unknown storage URL scheme 's3'"):
         kvtier.LLM(model, storage="s3://bucket", num_host_blocks=8)
 
