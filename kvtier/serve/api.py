@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.serve import asgi
 from kvtier.serve.detok import TextStream
-from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error
+from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
 from kvtier.serve.metrics import ServerMetrics, snapshot
 from kvtier.serve.prompts import PromptTokenizer
 from kvtier.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -389,7 +389,7 @@ class Server:
             # wait for the engine's first delta here: errors before it (queue full, a PD miss
             # under --pd-on-miss error) are a status code, not an in-stream error
             try:
-                first = await _until_disconnect(request, _next(pieces))
+                first = await until_disconnect(request, _next(pieces))
             except BaseException:
                 await pieces.aclose()
                 raise
@@ -398,7 +398,7 @@ class Server:
 
         async def collect() -> str:
             return "".join([p[0] async for p in pieces if p])
-        text = await _until_disconnect(request, collect())
+        text = await until_disconnect(request, collect())
         if kind == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                       "logprobs": None, "finish_reason": gen.finish_reason}
@@ -431,7 +431,7 @@ class Server:
                         gen.finish_reason = "error" if delta.output.finish_reason == "error" else "prefill"
                         return delta.output
             return None
-        out = await _until_disconnect(request, run())
+        out = await until_disconnect(request, run())
         if out is None or out.finish_reason == "error" or not out.token_ids:
             raise self._failure(out) if out is not None else APIError(500, "the prefill produced no output")
         piece = gen.stream.push(out.token_ids[:1])                # type: ignore[union-attr]
@@ -468,24 +468,3 @@ async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for e in rest:
         yield e
-
-
-async def _until_disconnect(request: Request, coro: Any) -> Any:
-    """Await ``coro``; if the client goes away first, cancel it (which aborts its request).
-
-    The task is awaited after its cancel: until it has unwound, a generator it was iterating is
-    still running, and closing that generator then fails ("aclose(): asynchronous generator is
-    already running")."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise APIError(499, "client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task

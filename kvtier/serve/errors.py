@@ -10,6 +10,8 @@ ASGI layers of ``asgi.py``, the router's own answers, an in-stream error event).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -84,3 +86,25 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _bug(_request: Request, exc: Exception) -> JSONResponse:
         # a bug of ours, not the client's: logged with its traceback (Starlette re-raises it)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def until_disconnect(request: Request, coro: Any) -> Any:
+    """Await ``coro``; if the client goes away first, cancel it (which aborts its request, or
+    closes the router's call to the server that runs it) and raise APIError(499).
+
+    The task is awaited after its cancel: until it has unwound, a generator it was iterating is
+    still running, and closing that generator then fails ("aclose(): asynchronous generator is
+    already running")."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task

@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kvtier.serve import asgi
-from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error
+from kvtier.serve.errors import (APIError, add_error_handlers, error_response, invalid_json_message, sse_error,
+                                 until_disconnect)
 
 log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -167,6 +168,11 @@ class Router:
             return error_response(400, "the request body must be a JSON object")
         if "kvtier_handoff" in body:
             return error_response(400, "kvtier_handoff is set by the router, not by clients", "kvtier_handoff")
+        # a client that hangs up cancels the calls to P and D: their connections close, and the
+        # servers abort the request (a stream is closed by Starlette when its client leaves)
+        return await until_disconnect(request, self._route(kind, body))
+
+    async def _route(self, kind: str, body: dict) -> Response:
         stream = body.get("stream") is True
         handoff, reason = await self._prefill(kind, body)
         if isinstance(handoff, Response):

@@ -208,6 +208,21 @@ def test_a_non_streaming_client_that_disconnects_behind_the_api_key_is_aborted(s
     assert 0 < generated(server) - gen_before < n        # its tokens so far are counted, and it never finished
 
 
+def test_a_client_that_hangs_up_on_the_router_is_aborted_on_the_server(server, procs):
+    """Behind `kvtier router` (with keys of its own and for its backend) the hang-up reaches the
+    server: the router's call is cancelled, its connection closed, the request aborted."""
+    router = procs(["router", "--decode", server.url, "--api-key", "router-key", "--backend-api-key", KEY],
+                   "router-hangup").wait_ready(60)
+    aborted = 'kvtier_requests_total{finish_reason="abort"}'
+    before = metric(server, aborted)
+    n = CTX - 8
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", headers={"Authorization": "Bearer router-key"}, timeout=0.5,
+                   json={"model": "moe", "prompt": "go", "max_tokens": n, "ignore_eos": True, "temperature": 0})
+    wait_idle(server)
+    assert metric(server, aborted) == before + 1
+
+
 def raw_post(server, head: list[str], chunks: list[bytes]) -> bytes:
     """POST /v1/completions over a bare socket: what an HTTP client library would not send."""
     import socket
