@@ -12,6 +12,7 @@ _LAZY = {
     "LLM": "kvtier.engine.llm",
     "SamplingParams": "kvtier.engine.sampling",
     "RequestOutput": "kvtier.engine.llm",
+    "CompletionOutput": "kvtier.engine.llm",
 }
 # submodules reachable as attributes after a bare ``import kvtier`` (``kvtier.routing.replay``)
 _LAZY_MODULES = ("routing",)

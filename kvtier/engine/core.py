@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import Sequence
@@ -62,7 +62,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request (``SamplingParams.n`` of them)."""
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str                          # "stop" | "length" | "abort" | "error"
+    routed_experts: np.ndarray | None = None    # [len(prompt)+len(token_ids)-1, num_moe_layers, top_k]
+    logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob}, sampled + top-k
+
+
+@dataclass
 class RequestOutput:
+    """A finished request. ``token_ids``, ``text``, ``finish_reason`` and ``routed_experts`` are
+    those of ``outputs[0]`` (the only sample when n=1)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -78,6 +91,8 @@ class RequestOutput:
     # served as asked (pd_on_miss="error"; handoff["result"] == "error"; HTTP 502), or "internal" =
     # the engine failed while running it (a step raised; the engine goes on; HTTP 500)
     error_kind: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)   # one per sample, by index
+    prompt_logprobs: list[dict[int, float] | None] | None = None    # per prompt token (the first: None)
 
 
 class HandoffError(RuntimeError):
@@ -578,11 +593,14 @@ class EngineCore:
             routed = self.routing.gather(req.cache.block_table, req.num_tokens - 1)
         text = (self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
                 if self.tokenizer is not None and error is None else None)
-        return RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), text,
-                             "error" if error else (req.finish_reason or "length"), req.num_cached_tokens or 0,
+        finish = "error" if error else (req.finish_reason or "length")
+        sample = CompletionOutput(0, list(req.output_token_ids), text, finish, routed,
+                                  None if req.logprobs is None else list(req.logprobs))
+        return RequestOutput(req.request_id, list(req.prompt_token_ids), sample.token_ids, text,
+                             finish, req.num_cached_tokens or 0,
                              dict(req.cached_tokens_by_tier), routed, dict(req.metrics),
                              None if req.handoff is None else dict(req.handoff),
-                             error, error_kind if error else None)
+                             error, error_kind if error else None, [sample], req.prompt_logprobs)
 
     def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
         """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""

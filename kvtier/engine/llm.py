@@ -11,10 +11,10 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.engine.core import EngineCore, RequestOutput
+from kvtier.engine.core import CompletionOutput, EngineCore, RequestOutput
 from kvtier.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "RequestOutput"]
+__all__ = ["CompletionOutput", "LLM", "RequestOutput"]
 
 
 class LLM(EngineCore):

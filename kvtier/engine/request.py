@@ -47,6 +47,8 @@ class Request:
     handoff: dict | None = None                   # PD, D side: P's manifest, then the result (engine/core.py)
     export: bool = False                          # PD, P side: write the prompt to the pool once prefilled
     handoff_stop: str | None = None               # D: the first token P sampled already ended it
+    logprobs: list[dict[int, float]] | None = None          # per generated token (params.logprobs set)
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (params.prompt_logprobs set)
     metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
     # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first
     # scheduled), first_token
