@@ -44,9 +44,15 @@ class EngineDead(RuntimeError):
 
 @dataclass(slots=True)
 class Delta:
-    """New tokens of one request since the last delta; ``output`` is set on the last one."""
+    """New tokens of one sample (``index``, 0..n-1) of a request since that sample's last delta.
+    ``finish_reason`` is set on a sample's last delta; ``output`` (every sample) on the request's
+    very last one. ``logprobs``: one entry per token of ``token_ids`` (``SamplingParams.logprobs``
+    set), as in ``CompletionOutput.logprobs``."""
     token_ids: list[int]
     output: RequestOutput | None = None
+    index: int = 0
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 class _Sink:
