@@ -10,28 +10,42 @@
                                                  stream chunks + the hand-off manifest (router)
 
 The app runs behind the pure ASGI layers of ``asgi.py`` (API key, body cap). One generation path
-serves every endpoint: prompt ids (tokenized off the event loop, ``prompts.py``) -> engine deltas
--> :class:`TextStream` (detokenization, stop strings) -> chunks; a non-streaming answer is the same chunks joined. A
-``kvtier_handoff`` field (role=decode, sent by the router) starts the request from P's first
-token: its chunks were already sent by the router, so D's stream continues after them.
+serves every endpoint::
+
+    a call (one HTTP request) ─ prompts (tokenized off the event loop, ``prompts.py``) ─► one engine
+    request per prompt, run concurrently, each with n samples ─► choices, index = prompt * n + sample
+    engine deltas (per sample) ─► the choice's TextStream (detokenization, stop-string hold-back) ─► pieces
+    pieces ─► SSE chunks ({"index": i, ...} of whichever choice has new text; each choice's last
+              chunk carries its finish_reason) | the whole answer, built from the choices at the end
+
+The engine matches stop strings itself (``SamplingParams.stop``); the TextStream holds back text
+that may begin one, so no stop-string text is ever sent, and cuts there. Logprobs are shaped by
+``logprobs.py``; completions' ``echo`` puts the prompt's text (and with logprobs, its tokens'
+logprobs from ``prompt_logprobs``) before each choice's. ``usage`` counts each prompt once and the
+tokens of every choice. A ``kvtier_handoff`` field (role=decode, sent by the router) starts the
+request from P's first token: its chunks were already sent by the router, so D's stream continues
+after them; a hand-off carries one prompt and one sample without logprobs (P answers 501 to
+others, and the router runs them colocated).
 
 Errors (OpenAI's ``{"error": {...}}``, ``errors.py``): 400 bad field (named), prompt over the
 context, invalid JSON or an engine ValueError; 401 wrong ``--api-key``; 404 unknown model or route;
 413 body over ``--max-body-bytes``; 500 a request that failed inside the engine (that request
 only: the engine goes on); 502 PD blocks missing under ``--pd-on-miss error``; 503 queue full or
 engine stopped. Once a stream has started, an error is an in-stream ``{"error": ...}`` event.
-A client that goes away (before or during its answer) has its engine request aborted.
+A client that goes away (before or during its answer) has every engine request of its call
+aborted; so has a call one of whose requests failed.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
@@ -41,9 +55,10 @@ from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.serve import asgi
 from kvtier.serve.detok import TextStream
 from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
+from kvtier.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from kvtier.serve.metrics import ServerMetrics, snapshot
 from kvtier.serve.prompts import PromptTokenizer
-from kvtier.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvtier.serve.protocol import ChatCompletionRequest, CompletionRequest, sampling_param
 
 log = logging.getLogger(__name__)
 ROLES = ("colocated", "prefill", "decode")
@@ -57,19 +72,64 @@ def check_role(role: str, has_storage: bool) -> None:
                          "(and --num-host-blocks)")
 
 
-@dataclass
+@dataclass(eq=False)
+class _Choice:
+    """One choice of an answer: sample ``sample`` of its prompt (``index`` = prompt * n + sample)."""
+    index: int
+    sample: int
+    stream: TextStream
+    echo: str = ""                     # completions' echo: the prompt's text, before the choice's
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)     # per token of token_ids (logprobs asked)
+    finish_reason: str | None = None
+    offset: int = 0                    # text offset of the next token (completions' logprobs)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
 class _Gen:
-    """One request through the generation path."""
+    """One engine request of a call: one prompt, its n samples."""
+    req: Any
+    choices: list[_Choice]
+    output: Any = None
+    finish_reason: str | None = None   # None at the end: aborted (the client went away)
+    num_generated: int = 0             # tokens received so far, every sample (an aborted request's count)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One HTTP request: one engine request per prompt."""
     kind: str                          # "completion" | "chat"
     body: Any
     rid: str
     created: int
     model: str
-    req: Any = None
-    stream: TextStream | None = None
-    output: Any = None
-    finish_reason: str | None = None   # None at the end: aborted (the client went away)
-    num_generated: int = 0             # tokens received so far (an aborted request's count)
+    gens: list[_Gen]
+    echo_only: bool = False            # echo with max_tokens=0: nothing generated is shown
+
+    @property
+    def choices(self) -> list[_Choice]:
+        return [c for g in self.gens for c in g.choices]
+
+    @property
+    def logprobs(self) -> bool:
+        return self.body.engine_logprobs is not None
+
+    def gen_of(self, choice: _Choice) -> _Gen:
+        return self.gens[choice.index // self.body.n]
+
+
+@dataclass(eq=False, slots=True)
+class _Piece:
+    """New text and tokens of one choice; ``end``: the choice's last (its finish_reason is set)."""
+    choice: _Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    end: bool = False
 
 
 class Server:
@@ -85,6 +145,7 @@ class Server:
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.prompts = PromptTokenizer(core.tokenizer, core.max_model_len)
+        self.strings = TokenStrings(core.tokenizer)
         self.metrics = ServerMetrics()
         self.api = self._build()
         self.app = asgi.wrap(self.api, api_key, ("/v1/", "/kvtier/"), max_body_bytes)
@@ -179,57 +240,78 @@ class Server:
                             | {"status": "unavailable", "reason": reason}, status_code=503)
 
     # ------------------------------------------------------------------ requests
-    async def _prompt_ids(self, kind: str, body: Any, budget: int) -> list[int]:
+    async def _prompt_ids(self, kind: str, body: Any, prompt: Any, budget: int) -> list[int]:
         if body.kvtier_handoff is not None:
             return list(body.kvtier_handoff.prompt_token_ids)
         if kind == "completion":
-            return await self.prompts.completion_ids(body.prompt, budget)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            return await self.prompts.completion_ids(prompt, budget)
+        messages = [{"role": m.role, "content": m.text()} for m in prompt]
         return await self.prompts.chat_ids(messages, body.add_generation_prompt, budget)
 
-    async def _start(self, kind: str, body: Any, export: bool = False) -> _Gen:
+    def _echo_text(self, prompt: Any, ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    async def _start(self, kind: str, body: Any, export: bool = False) -> _Call:
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} is not served here (this server serves "
                                 f"{self.model_name!r})", "model")
         handoff = body.kvtier_handoff
-        if handoff is not None and self.role != "decode":
-            raise APIError(400, f"kvtier_handoff is for servers with --role decode (this one is {self.role})",
-                           "kvtier_handoff")
+        prompts = body.prompts
+        if handoff is not None:
+            if self.role != "decode":
+                raise APIError(400, f"kvtier_handoff is for servers with --role decode (this one is {self.role})",
+                               "kvtier_handoff")
+            if why := _beyond_handoff(body):
+                raise APIError(400, f"a PD hand-off carries one prompt and one sample without logprobs: {why}",
+                               "kvtier_handoff")
         if self.require_cache_salt and not body.cache_salt:
             raise APIError(400, "this server requires a cache_salt on every request (--require-cache-salt): "
                                 "prefix-cache hits are shared only between requests with the same salt",
                            "cache_salt")
-        asked = body.max_tokens
-        if kind == "chat" and body.max_completion_tokens is not None:
-            asked = body.max_completion_tokens
-        ids = await self._prompt_ids(kind, body, self.max_model_len - (asked or 1))
-        max_tokens = asked if asked is not None else max(1, self.max_model_len - len(ids))   # null: the rest
-        if len(ids) + max_tokens > self.max_model_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens={max_tokens}: together over "
-                                f"the model's context of {self.max_model_len} tokens", "max_tokens")
-        try:
-            params = body.sampling_params(1 if export else max_tokens)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        asked = body.max_tokens_asked
+        echo_only = asked == 0                   # echo, max_tokens=0: the prompt (and its logprobs) alone
+        ids_of = await asyncio.gather(*(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1))
+                                        for p in prompts))
+        params_of = []
+        for i, ids in enumerate(ids_of):
+            max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
+            if len(ids) + max_tokens > self.max_model_len:
+                which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+                raise APIError(400, f"{which} has {len(ids)} tokens and max_tokens={max_tokens}: together over "
+                                    f"the model's context of {self.max_model_len} tokens", "max_tokens")
+            try:
+                params = body.sampling_params(max_tokens)
+                if export:                       # P of PD: the first token only
+                    params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            except ValueError as e:
+                raise APIError(400, str(e), sampling_param(str(e))) from None
+            params_of.append(params)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         rid = (handoff.response_id if handoff is not None and handoff.response_id else
                prefix + secrets.token_hex(12))
         created = handoff.created if handoff is not None and handoff.created else int(time.time())
-        gen = _Gen(kind, body, rid, created, self.model_name)
         extra: dict[str, Any] = {}
         if export:
             extra["export"] = True
         elif handoff is not None:
             extra["handoff"] = {"namespace": handoff.namespace, "keys": handoff.keys,
                                 "num_tokens": handoff.num_tokens, "first_token": handoff.first_token}
+
+        def make() -> list[Any]:   # validates every id against the vocabulary: O(prompt), off the event loop
+            return [self.engine.make_request(ids, params, body.cache_salt, f"{rid}-{i}-{secrets.token_hex(4)}",
+                                             **extra) for i, (ids, params) in enumerate(zip(ids_of, params_of))]
         try:
-            # validates every id against the vocabulary: O(prompt), so off the event loop too
-            gen.req = await asyncio.to_thread(self.engine.make_request, ids, params, body.cache_salt,
-                                              f"{rid}-{secrets.token_hex(4)}", **extra)
+            reqs = await asyncio.to_thread(make)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        gen.stream = TextStream(self.tokenizer, body.stop_strings, skip_special_tokens=body.skip_special_tokens)
-        return gen
+        n, echo = body.n, kind == "completion" and body.echo
+        gens = [_Gen(req, [_Choice(i * n + j, j, TextStream(self.tokenizer, body.stop_strings,
+                                                            skip_special_tokens=body.skip_special_tokens),
+                                   self._echo_text(p, ids) if echo else "") for j in range(n)])
+                for i, (req, p, ids) in enumerate(zip(reqs, prompts, ids_of))]
+        return _Call(kind, body, rid, created, self.model_name, gens, echo_only)
 
     def _failure(self, out: Any) -> APIError:
         """The error of a failed output: a PD hand-off that could not be served (502), or a step
@@ -241,9 +323,8 @@ class Server:
 
     def _account(self, gen: _Gen) -> None:
         """Count a request that reached the engine, however it ended (finish reason None: aborted)."""
-        out = gen.output
-        n_out = len(out.token_ids) if out is not None else gen.num_generated
-        self.metrics.finished(gen.finish_reason or "abort", len(gen.req.prompt_token_ids), n_out, out)
+        self.metrics.finished(gen.finish_reason or "abort", len(gen.req.prompt_token_ids), gen.num_generated,
+                              gen.output)
 
     @contextlib.contextmanager
     def _engine_errors(self, gen: _Gen) -> Iterator[None]:
@@ -265,26 +346,75 @@ class Server:
             if not refused:
                 self._account(gen)
 
-    async def _deltas(self, gen: _Gen, replay: bool = False,
-                      emit_replayed: bool = False) -> AsyncIterator[tuple[str, list[int]] | None]:
-        """Text pieces of ``gen`` as they come, after one ``None`` once the engine produced its
-        first delta (so that callers can answer errors before it with a status code); sets
-        ``gen.output`` and ``gen.finish_reason`` at the end. ``replay``: D of a hand-off; P's
-        first token is pushed through the text stream first (emitted only if ``emit_replayed``:
-        a streaming client got it from the router already). Closing it early (a client that went
-        away) aborts the engine request; every request that reached the engine is counted once."""
-        stream = gen.stream
-        assert stream is not None
+    def _push(self, call: _Call, choice: _Choice, toks: list[int], lps: list | None) -> _Piece:
+        """New tokens of ``choice`` through its text stream: the text that can go out now, and the
+        tokens (and their logprobs) up to the one that completed a stop string, if one did."""
+        if call.echo_only or not toks:
+            return _Piece(choice, "", [], None)
+        if call.logprobs and (lps is None or len(lps) != len(toks)):
+            raise APIError(500, "the engine returned no logprobs for tokens of a request that asked for them")
+        stream = choice.stream
+        if stream.stop:                          # token by token: where a stop string completes
+            text, n = "", 0
+            while n < len(toks) and not stream.stopped:
+                text += stream.push(toks[n:n + 1])
+                n += 1
+        else:
+            text, n = stream.push(toks), len(toks)
+        toks = toks[:n]
+        lps = lps[:n] if call.logprobs else None
+        choice.token_ids += toks
+        if lps is not None:
+            choice.logprobs += lps
+        if stream.stopped:
+            choice.finish_reason = "stop"
+        return _Piece(choice, text, toks, lps)
+
+    @staticmethod
+    def _end(call: _Call, choice: _Choice, reason: str) -> str:
+        """``choice`` ended with ``reason``: the text its stream held back."""
+        choice.finish_reason = "length" if call.echo_only else reason
+        return choice.stream.finish()
+
+    async def _deltas(self, call: _Call, gen: _Gen, replay: bool = False,
+                      emit_replayed: bool = False) -> AsyncIterator[_Piece | None]:
+        """Pieces of ``gen``'s choices as they come, after one ``None`` once the engine produced its
+        first delta (so that callers can answer errors before it with a status code); a piece with
+        ``end`` closes its choice (``finish_reason`` set). Sets ``gen.output`` and
+        ``gen.finish_reason`` at the end. ``replay``: D of a hand-off; P's first token is pushed
+        through the text stream first (emitted only if ``emit_replayed``: a streaming client got
+        it from the router already). The request ends early (aborted in the engine) once every
+        choice has met a stop string, and when this is closed early (a client that went away);
+        every request that reached the engine is counted once."""
+        defer = call.body.return_routed_experts     # choices' ends wait for the output (their routing)
+        held: list[_Choice] = []
+
+        def ended(p: _Piece) -> _Piece:
+            if p.choice.done:
+                if defer and gen.output is None:
+                    held.append(p.choice)
+                else:
+                    p.end = True
+            return p
+
+        def release() -> list[_Piece]:
+            pieces = [_Piece(c, "", [], None, True) for c in held]
+            held.clear()
+            return pieces
         skip = 0
         with self._engine_errors(gen):
             if replay:
                 first = gen.req.output_token_ids[:1]
                 gen.num_generated = skip = 1
-                piece = stream.push(first)
+                piece = ended(self._push(call, gen.choices[0], first, None))
                 if emit_replayed:
-                    yield piece, first
-                if stream.stopped:
+                    yield piece
+                elif piece.end:
+                    yield _Piece(piece.choice, "", [], None, True)
+                if piece.choice.done:
                     gen.finish_reason = "stop"
+                    for p in release():          # no output comes: announce them as they are
+                        yield p
                     return
             t_prev = None
             started = False
@@ -299,6 +429,7 @@ class Server:
                         started = True
                         yield None
                     toks = delta.token_ids[skip:]
+                    lps = delta.logprobs[len(delta.token_ids) - len(toks):] if delta.logprobs is not None else None
                     skip = max(0, skip - len(delta.token_ids))
                     gen.num_generated += len(toks)
                     now = time.monotonic()
@@ -306,14 +437,29 @@ class Server:
                         self.metrics.itl.observe((now - t_prev) / len(toks))
                     if toks:
                         t_prev = now
-                    piece = stream.push(toks)
-                    if piece or toks:
-                        yield piece, toks
-                    if stream.stopped:
-                        gen.finish_reason = "stop"
-                        return                   # the finally below aborts the engine request
+                    gen.output = out
+                    pieces = []                 # at most one per choice: its end comes last
+                    choice = gen.choices[delta.index]
+                    if not choice.done:
+                        piece = self._push(call, choice, toks, lps)
+                        reason = delta.finish_reason or (_reason(out, choice) if out is not None else None)
+                        if not choice.done and reason is not None:
+                            piece.text += self._end(call, choice, reason)
+                        pieces.append(piece)
+                    if out is not None:                 # the request's end: every choice ends
+                        pieces += [_Piece(c, self._end(call, c, _reason(out, c)), [], None)
+                                   for c in gen.choices if not c.done]
+                    for piece in pieces:
+                        if piece.text or piece.token_ids or piece.choice.done:
+                            yield ended(piece)
+                    if out is not None or all(c.done for c in gen.choices):
+                        for p in release():         # with the output (their routing), or none comes
+                            yield p
                     if out is not None:
-                        gen.output = out
+                        break
+                    if all(c.done for c in gen.choices):
+                        gen.finish_reason = "stop"
+                        return                      # the finally below aborts the engine request
             finally:
                 await agen.aclose()
             out = gen.output
@@ -321,107 +467,193 @@ class Server:
             m = out.metrics or {}
             if "first_token" in m and not replay:
                 self.metrics.ttft.observe(m["first_token"] - m["arrival"])
-            piece = stream.finish()
-            if piece:
-                yield piece, []
+
+    async def _events(self, call: _Call, replay: bool = False,
+                      emit_replayed: bool = False) -> AsyncIterator[_Piece | None]:
+        """The pieces of every request of ``call`` as they come (``_deltas``), after one ``None``
+        once each has had its first delta (or ended). Closing it aborts every request."""
+        if len(call.gens) == 1:
+            inner = self._deltas(call, call.gens[0], replay, emit_replayed)
+            try:
+                async for piece in inner:
+                    yield piece
+            finally:
+                await inner.aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: _Gen) -> None:
+            try:
+                async for piece in self._deltas(call, gen):
+                    queue.put_nowait((i, piece))
+            except Exception as e:  # noqa: BLE001 - the consumer raises it
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, _END))
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(call.gens)]
+        try:
+            unstarted, live, backlog, ready = set(range(len(tasks))), len(tasks), [], False
+            while live:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None or item is _END:
+                    unstarted.discard(i)
+                    live -= item is _END
+                else:
+                    backlog.append(item)
+                if not unstarted:
+                    if not ready:
+                        ready = True
+                        yield None
+                    for piece in backlog:
+                        yield piece
+                    backlog.clear()
+        finally:                                     # the others' engine requests are aborted
+            for t in tasks:
+                t.cancel()
 
     # ------------------------------------------------------------------ response shapes
-    def _chunk(self, gen: _Gen, delta: dict | None = None, text: str | None = None,
+    def _chunk(self, call: _Call, choice: _Choice, delta: dict | None = None, text: str | None = None,
                finish: str | None = None) -> dict:
-        if gen.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+        if call.kind == "chat":
+            c: dict[str, Any] = {"index": choice.index, "delta": delta or {}, "logprobs": None,
+                                 "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": choice.index, "text": text or "", "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": gen.rid, "object": obj, "created": gen.created, "model": gen.model, "choices": [choice]}
+        return {"id": call.rid, "object": obj, "created": call.created, "model": call.model, "choices": [c]}
 
-    def _extras(self, gen: _Gen, choice: dict) -> None:
-        out = gen.output
-        if out is not None and out.routed_experts is not None:
-            r = out.routed_experts
-            choice["routed_experts"] = {"dtype": str(r.dtype), "shape": list(r.shape),
-                                        "data": base64.b64encode(r.tobytes()).decode()}
+    def _logprobs(self, call: _Call, token_ids: list[int], logprobs: list, choice: _Choice) -> dict:
+        """``logprobs`` of a choice (or a chunk of it) in the endpoint's shape."""
+        if call.kind == "chat":
+            return chat_logprobs(self.strings, token_ids, logprobs, call.body.top_logprobs or 0)
+        shaped, choice.offset = completion_logprobs(self.strings, token_ids, logprobs, choice.offset)
+        return shaped
 
-    def _usage(self, gen: _Gen) -> dict:
+    def _extras(self, call: _Call, gen: _Gen, choice: _Choice, shape: dict) -> None:
         out = gen.output
-        n_prompt = len(gen.req.prompt_token_ids)
-        n_out = len(out.token_ids) if out is not None else gen.num_generated
-        h = gen.body.kvtier_handoff
-        cached = h.prefill_cached_tokens if h is not None else (out.num_cached_tokens if out is not None else 0)
+        if out is None:
+            return
+        samples = out.outputs
+        r = samples[choice.sample].routed_experts if choice.sample < len(samples) else \
+            out.routed_experts if choice.sample == 0 else None
+        if r is not None:
+            shape["routed_experts"] = {"dtype": str(r.dtype), "shape": list(r.shape),
+                                       "data": base64.b64encode(r.tobytes()).decode()}
+
+    def _usage(self, call: _Call) -> dict:
+        n_prompt = sum(len(g.req.prompt_token_ids) for g in call.gens)       # once per prompt, not per sample
+        n_out = sum(len(c.token_ids) for g in call.gens for c in g.choices)
+        h = call.body.kvtier_handoff
+        cached = h.prefill_cached_tokens if h is not None else \
+            sum(g.output.num_cached_tokens for g in call.gens if g.output is not None)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def _sse(self, gen: _Gen, first: Any, rest: AsyncIterator[Any], replay: bool) -> AsyncIterator[str]:
+    def _first_chunks(self, call: _Call) -> list[dict]:
+        """What a stream starts with, per choice: chat's role, completions' echoed prompt."""
+        if call.kind == "chat":
+            return [self._chunk(call, c, {"role": "assistant", "content": ""}) for c in call.choices]
+        return [self._chunk(call, c, text=c.echo) for c in call.choices if c.echo]
+
+    async def _sse(self, call: _Call, first: Any, rest: AsyncIterator[Any], replay: bool) -> AsyncIterator[str]:
+        body = call.body
         try:
-            if gen.kind == "chat" and not replay:
-                yield _data(self._chunk(gen, {"role": "assistant", "content": ""}))
-            ids = gen.body.return_token_ids
-            async for item in _prepend(first, rest):
-                if item is None:
-                    continue
-                piece, toks = item
-                if piece or (ids and toks):
-                    c = self._chunk(gen, {"content": piece}, piece)
-                    if ids:
-                        c["choices"][0]["token_ids"] = toks
+            if not replay:
+                for c in self._first_chunks(call):
                     yield _data(c)
-            last = self._chunk(gen, {}, "", gen.finish_reason)
-            self._extras(gen, last["choices"][0])
-            yield _data(last)
-            so = gen.body.stream_options
+            async for piece in _prepend(first, rest):
+                if piece is None:
+                    continue
+                choice = piece.choice
+                if piece.text or ((body.return_token_ids or call.logprobs) and piece.token_ids):
+                    c = self._chunk(call, choice, {"content": piece.text}, piece.text)
+                    shape = c["choices"][0]
+                    if body.return_token_ids:
+                        shape["token_ids"] = piece.token_ids
+                    if call.logprobs:
+                        shape["logprobs"] = self._logprobs(call, piece.token_ids, piece.logprobs or [], choice)
+                    yield _data(c)
+                if piece.end:
+                    last = self._chunk(call, choice, {}, "", choice.finish_reason)
+                    self._extras(call, call.gen_of(choice), choice, last["choices"][0])
+                    yield _data(last)
+            so = body.stream_options
             if so is not None and so.include_usage:
-                usage = self._chunk(gen)
-                usage["choices"] = []
-                usage["usage"] = self._usage(gen)
-                yield _data(usage)
+                yield _data({"id": call.rid, "object": "chat.completion.chunk" if call.kind == "chat" else
+                             "text_completion", "created": call.created, "model": call.model, "choices": [],
+                             "usage": self._usage(call)})
         except APIError as e:           # mid-stream: the status is sent; say it in the stream
             yield sse_error(e)
-        finally:                        # a client that went away: its engine request is aborted
+        finally:                        # a client that went away: its engine requests are aborted
             await rest.aclose()
         yield "data: [DONE]\n\n"
 
+    def _choice(self, call: _Call, gen: _Gen, choice: _Choice) -> dict:
+        """A choice of a whole (non-streaming) answer."""
+        body, stream = call.body, choice.stream
+        text = stream.text[:stream.sent]
+        if call.kind == "chat":
+            shape: dict[str, Any] = {"index": choice.index, "message": {"role": "assistant", "content": text},
+                                     "logprobs": None, "finish_reason": choice.finish_reason}
+        else:
+            shape = {"index": choice.index, "text": choice.echo + text, "logprobs": None,
+                     "finish_reason": choice.finish_reason}
+        if call.logprobs:
+            ids, lps = choice.token_ids, choice.logprobs
+            if body.engine_prompt_logprobs is not None:          # echo: the prompt's tokens first
+                prompt_lps = gen.output.prompt_logprobs if gen.output is not None else None
+                if prompt_lps is None:
+                    raise APIError(500, "the engine returned no prompt logprobs for a request that asked for them")
+                ids, lps = gen.req.prompt_token_ids + ids, list(prompt_lps) + lps
+            shape["logprobs"] = self._logprobs(call, ids, lps, choice)
+        self._extras(call, gen, choice, shape)
+        if body.return_token_ids:
+            shape["token_ids"] = list(choice.token_ids)
+            shape["prompt_token_ids"] = list(gen.req.prompt_token_ids)
+        return shape
+
     async def respond(self, kind: str, body: Any, request: Request) -> Response:
-        gen = await self._start(kind, body)
+        if body.stream and body.engine_prompt_logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported when streaming (the prompt's logprobs come "
+                                "with the end of the request): use stream=false", "echo")
+        call = await self._start(kind, body)
         replay = body.kvtier_handoff is not None
-        pieces = self._deltas(gen, replay, emit_replayed=not body.stream)
+        events = self._events(call, replay, emit_replayed=not body.stream)
         if body.stream:
             # wait for the engine's first delta here: errors before it (queue full, a PD miss
             # under --pd-on-miss error) are a status code, not an in-stream error
             try:
-                first = await until_disconnect(request, _next(pieces))
+                first = await until_disconnect(request, _next(events))
             except BaseException:
-                await pieces.aclose()
+                await events.aclose()
                 raise
-            return StreamingResponse(self._sse(gen, first, pieces, replay), media_type="text/event-stream",
+            return StreamingResponse(self._sse(call, first, events, replay), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        async def collect() -> str:
-            return "".join([p[0] async for p in pieces if p])
-        text = await until_disconnect(request, collect())
-        if kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": None, "finish_reason": gen.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
-            obj = "text_completion"
-        self._extras(gen, choice)
-        if body.return_token_ids:
-            choice["token_ids"] = list(gen.output.token_ids) if gen.output is not None else []
-        return JSONResponse({"id": gen.rid, "object": obj, "created": gen.created, "model": gen.model,
-                             "choices": [choice], "usage": self._usage(gen)})
+        async def collect() -> None:
+            async for _ in events:
+                pass
+        await until_disconnect(request, collect())
+        return JSONResponse({"id": call.rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                             "created": call.created, "model": call.model,
+                             "choices": [self._choice(call, g, c) for g in call.gens for c in g.choices],
+                             "usage": self._usage(call)})
 
     async def prefill(self, kind: str, body: Any, request: Request) -> Response:
-        """P of a PD hand-off: the prefill, its blocks written to the pool, the first token's chunks."""
+        """P of a PD hand-off: the prefill, its blocks written to the pool, the first token's chunks.
+        A request a hand-off cannot carry (several prompts or samples, logprobs) is a 501: the
+        router then runs it colocated on a D."""
         if self.role != "prefill":
             raise APIError(404, f"/kvtier/prefill is served by --role prefill (this server is {self.role})")
         if body.kvtier_handoff is not None:
             raise APIError(400, "a prefill request cannot carry kvtier_handoff", "kvtier_handoff")
-        gen = await self._start(kind, body, export=True)
-        chunks = []
-        if kind == "chat":
-            chunks.append(self._chunk(gen, {"role": "assistant", "content": ""}))
+        if why := _beyond_handoff(body):
+            raise APIError(501, f"a PD hand-off carries one prompt and one sample without logprobs: {why}")
+        call = await self._start(kind, body, export=True)
+        gen, choice = call.gens[0], call.gens[0].choices[0]
+        chunks = self._first_chunks(call)
 
         async def run() -> Any:
             with self._engine_errors(gen):
@@ -434,18 +666,35 @@ class Server:
         out = await until_disconnect(request, run())
         if out is None or out.finish_reason == "error" or not out.token_ids:
             raise self._failure(out) if out is not None else APIError(500, "the prefill produced no output")
-        piece = gen.stream.push(out.token_ids[:1])                # type: ignore[union-attr]
-        if piece or body.return_token_ids:
-            c = self._chunk(gen, {"content": piece}, piece)
+        piece = self._push(call, choice, out.token_ids[:1], None)
+        if piece.text or body.return_token_ids:
+            c = self._chunk(call, choice, {"content": piece.text}, piece.text)
             if body.return_token_ids:
                 c["choices"][0]["token_ids"] = out.token_ids[:1]
             chunks.append(c)
         m = out.metrics or {}
         if "first_token" in m:
             self.metrics.ttft.observe(m["first_token"] - m["arrival"])
-        return JSONResponse({"id": gen.rid, "created": gen.created, "chunks": chunks,
+        return JSONResponse({"id": call.rid, "created": call.created, "chunks": chunks,
                              "prompt_token_ids": out.prompt_token_ids, "first_token": out.token_ids[0],
                              "cached_tokens": out.num_cached_tokens, "manifest": out.handoff})
+
+
+def _reason(out: Any, choice: _Choice) -> str:
+    """The finish reason of ``choice`` in its request's final output."""
+    samples = out.outputs
+    return samples[choice.sample].finish_reason if choice.sample < len(samples) else out.finish_reason
+
+
+def _beyond_handoff(body: Any) -> str:
+    """What in ``body`` a PD hand-off cannot carry ('' if nothing)."""
+    if len(body.prompts) > 1:
+        return f"{len(body.prompts)} prompts"
+    if body.n > 1:
+        return f"n={body.n}"
+    if body.engine_logprobs is not None or body.engine_prompt_logprobs is not None:
+        return "logprobs"
+    return ""
 
 
 def _data(obj: dict) -> str:

@@ -1,8 +1,17 @@
 """Request bodies of the OpenAI-compatible API (DESIGN §6), validated by pydantic.
 
+OpenAI's fields as OpenAI defines them: ``n`` (1..128 samples per prompt), ``logprobs``
+(completions: an int 0..20, the top-k per token; chat: ``true`` + ``top_logprobs`` 0..20),
+``echo`` (completions: the prompt before each choice's text; with logprobs its tokens' logprobs
+too; ``max_tokens: 0`` then scores the prompt alone), ``prompt`` as a string, a token list or a
+list of either (one engine request per prompt), ``stop``, ``seed``, ``presence_penalty`` /
+``frequency_penalty`` (-2..2), ``best_of`` (null or ``n``). kvtier's own: ``min_tokens``,
+``repetition_penalty``, ``logprobs_mode`` and those of ``_Sampling`` below. What they mean for
+the engine: ``kvtier/engine/sampling.py``.
+
 Fields OpenAI defines that kvtier does not implement are accepted only at their neutral value
-(``n=1``, ``echo=false``, penalties 0, no logprobs, no logit_bias): anything else is a 400 naming
-the field, never a silently different answer. Unknown fields are refused the same way.
+(``suffix`` empty, ``logit_bias`` ``{}``, ``response_format`` text): anything else is a 400 naming
+the field, never a silently different answer. Unknown fields (``tools``, ...) are refused the same way.
 
 ``null`` is accepted wherever OpenAI marks a field nullable (and for kvtier's own optional
 fields) and means the field's default; ``max_tokens: null`` means the rest of the context. Text
@@ -15,7 +24,9 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, StrictBool, ConfigDict, Field, field_validator, model_validator
 
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+
+MAX_PROMPTS = 1024          # prompts in one completions request
 
 
 class FieldError(ValueError):
@@ -74,9 +85,14 @@ class _Sampling(_Body):
     cache_salt: Optional[str] = Field(None, max_length=1024)
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(1, ge=1, le=1, description="only 1 is supported")
-    presence_penalty: Optional[float] = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
-    frequency_penalty: Optional[float] = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
+    n: Optional[int] = Field(1, ge=1, le=MAX_N, description="samples per prompt")
+    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                                description="> 1 discourages every token of the prompt and output")
+    min_tokens: Optional[int] = Field(0, ge=0, description="no EOS or stop token before this many tokens")
+    logprobs_mode: Optional[Literal["raw", "processed"]] = Field(
+        "raw", description="raw: the model's distribution; processed: the one sampled from")
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported: {} only")
     user: Optional[str] = None
     skip_special_tokens: Optional[StrictBool] = Field(True, description="leave special tokens out of the text")
@@ -100,6 +116,17 @@ class _Sampling(_Body):
             raise ValueError("at most 16 stop strings")
         return v
 
+    @model_validator(mode="after")
+    def _min_tokens(self) -> "_Sampling":
+        cap = self.max_tokens_asked
+        if cap is not None and self.min_tokens > cap:
+            raise FieldError("min_tokens", f"min_tokens={self.min_tokens} is more than max_tokens={cap}")
+        return self
+
+    @property
+    def max_tokens_asked(self) -> int | None:
+        return self.max_tokens
+
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int]) -> list[int]:
@@ -109,46 +136,85 @@ class _Sampling(_Body):
 
     @property
     def stop_strings(self) -> list[str]:
+        """The non-empty stop strings ("" stops nothing)."""
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: top-k per generated token, None for none."""
+        return None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        kw: dict[str, Any] = {}
-        if "skip_special_tokens" in _SAMPLING_FIELDS:     # engines that decode text themselves
-            kw["skip_special_tokens"] = self.skip_special_tokens
+        """The engine's params (ValueError names the bad field first: ``sampling_param`` finds it)."""
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, return_routed_experts=self.return_routed_experts, **kw)
+                              ignore_eos=self.ignore_eos, return_routed_experts=self.return_routed_experts,
+                              skip_special_tokens=self.skip_special_tokens, n=self.n,
+                              logprobs=self.engine_logprobs, prompt_logprobs=self.engine_prompt_logprobs,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty,
+                              min_tokens=self.min_tokens,
+                              stop=tuple(self.stop_strings), logprobs_mode=self.logprobs_mode)
+
+
+def sampling_param(message: str) -> str | None:
+    """The field a SamplingParams ValueError is about (its messages start with the field's name)."""
+    name = message.split(" ", 1)[0]
+    return name if name in _SAMPLING_FIELDS else None
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1, description="null: the rest of the context")
-    echo: Optional[StrictBool] = Field(False, description="not supported: false only")
-    logprobs: Optional[int] = Field(None, ge=0, le=0, description="not supported")
+    max_tokens: Optional[int] = Field(16, ge=0, description="null: the rest of the context; 0: with echo only "
+                                                            "(the prompt's logprobs, nothing generated)")
+    echo: Optional[StrictBool] = Field(False, description="the prompt before each choice's text (and its logprobs)")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="top-k logprobs per token")
     suffix: Optional[str] = Field(None, max_length=0, description="not supported")
-    best_of: Optional[int] = Field(None, ge=1, le=1)
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N, description="null or n only")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError(f"{len(v)} prompts in one request; send one request per prompt")
-            v = v[0]
-        if isinstance(v, list) and not v or v == "":
-            raise ValueError("the prompt is empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("token ids are >= 0")
+    def _prompts(cls, v: Any) -> Any:
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"{len(batch)} prompts in one request: at most {MAX_PROMPTS}")
+        for i, p in enumerate(batch):
+            where = f"prompt {i}" if len(batch) > 1 else "the prompt"
+            if isinstance(p, list) and not p or p == "":
+                raise ValueError(f"{where} is empty")
+            if isinstance(p, list) and any(t < 0 for t in p):
+                raise ValueError(f"{where}: token ids are >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _echo_and_best_of(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "max_tokens=0 generates nothing: it needs echo=true (the prompt, "
+                                           "with its logprobs)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise FieldError("best_of", f"best_of={self.best_of} with n={self.n}: only best_of = n (or null) is "
+                                        "supported; every sample is returned")
+        return self
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts of the request (one engine request each)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]   # type: ignore[arg-type]
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
@@ -170,19 +236,37 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ResponseFormat(_Body):
+    type: Literal["text"] = Field(description="only text is supported")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="null: max_tokens")
-    logprobs: Optional[StrictBool] = Field(False, description="not supported")
-    top_logprobs: Optional[int] = Field(None, ge=0, le=0)
+    logprobs: Optional[StrictBool] = Field(False, description="the logprob of each generated token")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most "
+                                                                                 "likely tokens at each position")
+    response_format: Optional[ResponseFormat] = None
     add_generation_prompt: Optional[StrictBool] = True
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def prompts(self) -> list[list[ChatMessage]]:
+        """One prompt: the messages."""
+        return [self.messages]
+
+    @property
+    def max_tokens_asked(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 _SAMPLING_FIELDS = set(getattr(SamplingParams, "__dataclass_fields__", {}))

@@ -120,8 +120,9 @@ def test_stop_strings_and_extra_fields(client, offline):
 @pytest.mark.parametrize("kw,status,param", [
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"temperature": -1}, 400, "temperature"),
-    ({"n": 2}, 400, "n"),
-    ({"logprobs": 3}, 400, "logprobs"),
+    ({"n": 129}, 400, "n"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"best_of": 3}, 400, "best_of"),
     ({"prompt": "x" * (CTX + 10)}, 400, "max_tokens"),
     ({"prompt": [10 ** 9]}, 400, None),
     ({"model": "nope"}, 404, "model"),
