@@ -184,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_count, default=0, help="sample from the k best tokens; 0 = off (default 0)")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--logprobs", type=_count, default=None, metavar="K",
+                   help="per generated token: its logprob and the K most likely (0..20; printed with --json)")
+    p.add_argument("--prompt-logprobs", type=_count, default=None, metavar="K",
+                   help="the same per prompt token (the whole prompt is computed; printed with --json)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="-2..2, subtracted once from the logit of every token generated so far (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="-2..2, subtracted per occurrence from the logit of tokens generated so far (default 0)")
+    p.add_argument("--repetition-penalty", type=_positive_float, default=1.0,
+                   help="> 1 discourages every token of the prompt and output (HF's; default 1)")
+    p.add_argument("--min-tokens", type=_count, default=0, help="no EOS or stop token before this many (default 0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output before this text (repeat for several)")
     p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="leave special tokens (EOS...) out of the text (default: on)")
     p.add_argument("--return-routed-experts", action="store_true", help="print the routed experts' shape (MoE)")
@@ -343,7 +356,11 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
     sp = kvtier.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
                                return_routed_experts=args.return_routed_experts,
-                               skip_special_tokens=args.skip_special_tokens)
+                               skip_special_tokens=args.skip_special_tokens,
+                               logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                               repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+                               stop=tuple(args.stop))
     with kvtier.LLM(args.model, **{k: getattr(args, k) for k in _LLM_KEYS}) as llm:
         for _ in range(args.repeat):
             o = llm.generate([prompt], sp)[0]
@@ -352,6 +369,10 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
             if o.routed_experts is not None:
                 res["routed_experts_shape"] = list(o.routed_experts.shape)
                 res["routed_experts_dtype"] = str(o.routed_experts.dtype)
+            if sp.logprobs is not None:              # [{token id: logprob}] per generated token
+                res["logprobs"] = o.outputs[0].logprobs if o.outputs else None
+            if sp.prompt_logprobs is not None:       # per prompt token; the first: null
+                res["prompt_logprobs"] = o.prompt_logprobs
             if args.json:
                 print(json.dumps(res))
             else:
@@ -360,6 +381,8 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
                 print(f"token_ids={o.token_ids} finish={o.finish_reason} cached={o.num_cached_tokens} "
                       f"{o.cached_tokens_by_tier}" + (f" routed_experts={res['routed_experts_shape']}"
                                                       if o.routed_experts is not None else ""))
+                if res.get("logprobs") is not None:
+                    print("logprobs=" + str([round(lps[t], 4) for t, lps in zip(o.token_ids, res["logprobs"])]))
     return 0
 
 
