@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, StrictBool, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, StrictBool, StrictInt, ConfigDict, Field, field_validator, model_validator
 
 from kvtier.engine.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -174,7 +174,8 @@ class CompletionRequest(_Sampling):
     max_tokens: Optional[int] = Field(16, ge=0, description="null: the rest of the context; 0: with echo only "
                                                             "(the prompt's logprobs, nothing generated)")
     echo: Optional[StrictBool] = Field(False, description="the prompt before each choice's text (and its logprobs)")
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="top-k logprobs per token")
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description="top-k logprobs per token "
+                                                                               "(an int: chat's is the bool)")
     suffix: Optional[str] = Field(None, max_length=0, description="not supported")
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N, description="null or n only")
 

@@ -1,0 +1,445 @@
+"""The OpenAI fields RL rollouts and eval harnesses need (issue 15), through a `kvtier serve`
+process: batched prompts x ``n``, ``logprobs`` (completions' and chat's shapes), ``echo``,
+penalties, ``seed``, ``min_tokens``, ``stop``, streaming of several choices, usage, nulls and bad
+values. References: the offline API (``kvtier.LLM.generate``, same engine settings) and the
+official ``openai`` client. PD: a request a hand-off cannot carry runs colocated."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+import kvtier
+from kvtier.model.tokenizer import BYTE_VOCAB_SIZE
+from kvtier.serve.api import Server
+from kvtier.serve.router import Router
+
+CTX = 512
+PROMPTS = ["The cache keeps blocks of", "Rollouts need many samples of", "Eval harnesses score"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def server(procs, moe_model):
+    return procs(["serve", moe_model, "--max-model-len", CTX, "--served-model-name", "moe"], "fields").wait_ready()
+
+
+@pytest.fixture(scope="module")
+def offline(moe_model):
+    llm = kvtier.LLM(moe_model, max_model_len=CTX)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def ref(offline, prompts, **kw):
+    return offline.generate(prompts, kvtier.SamplingParams(**kw))
+
+
+def post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json={"model": "moe", **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(server, path: str, body: dict) -> list[dict]:
+    """Every chunk of a stream (an in-stream error fails the test)."""
+    chunks = []
+    with httpx.stream("POST", server.url + path, json={"model": "moe", "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])
+                assert "error" not in c, c
+                chunks.append(c)
+    return chunks
+
+
+def chat_ids(offline, messages):
+    tok = offline.tokenizer
+    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+def token_text(offline, t: int) -> str:
+    return offline.tokenizer.decode([t], skip_special_tokens=False)
+
+
+def token_bytes(offline, t: int) -> list[int]:
+    """The byte-level demo tokenizer: id b < 256 is the byte b; specials are their text."""
+    return [t] if t < BYTE_VOCAB_SIZE else list(token_text(offline, t).encode())
+
+
+def top(lps: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+
+
+# ---------------------------------------------------------------- batched prompts x n
+@pytest.mark.parametrize("n", [1, 2])
+def test_batched_prompts_times_n_equal_the_offline_api(server, offline, n):
+    want = ref(offline, PROMPTS, max_tokens=8, temperature=0, n=n, ignore_eos=True)
+    r = post(server, "/v1/completions", {"prompt": PROMPTS, "n": n, "max_tokens": 8, "temperature": 0,
+                                         "ignore_eos": True, "return_token_ids": True})
+    assert [c["index"] for c in r["choices"]] == list(range(3 * n))
+    for i, w in enumerate(want):
+        assert len(w.outputs) == n
+        for j, sample in enumerate(w.outputs):
+            c = r["choices"][i * n + j]
+            assert c["text"] == sample.text and c["token_ids"] == sample.token_ids
+            assert c["prompt_token_ids"] == w.prompt_token_ids and c["finish_reason"] == "length"
+    u = r["usage"]
+    assert u["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in want)      # once per prompt
+    assert u["completion_tokens"] == 3 * n * 8 and u["total_tokens"] == u["prompt_tokens"] + 3 * n * 8
+    ids = [w.prompt_token_ids for w in want[:2]]
+    r2 = post(server, "/v1/completions", {"prompt": ids, "n": n, "max_tokens": 8, "temperature": 0,
+                                          "ignore_eos": True})
+    assert [c["text"] for c in r2["choices"]] == [s.text for w in want[:2] for s in w.outputs]
+
+
+def test_seeded_samples_equal_the_offline_api(server, offline):
+    kw = dict(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, n=3, ignore_eos=True)
+    want = ref(offline, PROMPTS[:2], **kw)
+    r = post(server, "/v1/completions", {"prompt": PROMPTS[:2], **kw, "return_token_ids": True})
+    got = [c["token_ids"] for c in r["choices"]]
+    assert got == [s.token_ids for w in want for s in w.outputs]
+    assert len({tuple(t) for t in got[:3]}) > 1             # the samples differ
+
+
+def test_penalties_seed_and_min_tokens_pass_through(server, offline):
+    kw = dict(max_tokens=12, temperature=0, presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.3,
+              min_tokens=4, seed=7)
+    want = ref(offline, [PROMPTS[0]], **kw)[0]
+    r = post(server, "/v1/completions", {"prompt": PROMPTS[0], **kw, "return_token_ids": True})
+    assert r["choices"][0]["token_ids"] == want.token_ids and r["choices"][0]["text"] == want.text
+    plain = ref(offline, [PROMPTS[0]], max_tokens=12, temperature=0)[0]
+    assert plain.token_ids != want.token_ids                  # the penalties did something
+    chat = [{"role": "user", "content": "repeat after me: la la la"}]
+    want = ref(offline, [chat_ids(offline, chat)], **kw)[0]
+    r = post(server, "/v1/chat/completions", {"messages": chat, **kw})
+    assert r["choices"][0]["message"]["content"] == want.text
+
+
+def test_stop_strings_end_every_choice_as_the_offline_api(server, offline):
+    free = ref(offline, PROMPTS, max_tokens=24, temperature=0, ignore_eos=True)
+    stop = [ascii_piece(free[0].text, 4), ascii_piece(free[2].text, 2)]
+    want = ref(offline, PROMPTS, max_tokens=24, temperature=0, ignore_eos=True, stop=tuple(stop))
+    body = {"prompt": PROMPTS, "n": 2, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": stop,
+            "return_token_ids": True}
+    r = post(server, "/v1/completions", body)
+    chunks = stream(server, "/v1/completions", body)
+    for i, w in enumerate(want):
+        for j in range(2):
+            c = r["choices"][i * 2 + j]
+            assert c["text"] == w.outputs[j].text and c["finish_reason"] == w.outputs[j].finish_reason
+            assert c["token_ids"] == w.outputs[j].token_ids
+            mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == i * 2 + j]
+            assert "".join(m["text"] for m in mine) == c["text"]
+    assert want[0].outputs[0].finish_reason == "stop" and not any(s in want[0].outputs[0].text for s in stop)
+
+
+def ascii_piece(text: str, after: int) -> str:
+    """Two printable ASCII characters of ``text`` from ``after`` on, else one (the model writes
+    mostly other bytes)."""
+    def printable(piece: str) -> bool:
+        return piece.isascii() and piece.isprintable()
+    for width in (2, 1):
+        for start in (after, 0):
+            for i in range(start, len(text) - width + 1):
+                if printable(text[i:i + width]):
+                    return text[i:i + width]
+    raise AssertionError(f"no ASCII in {text!r}")
+
+
+# ---------------------------------------------------------------- logprobs
+def check_completion_logprobs(offline, lp: dict, token_ids: list[int], want: list, k: int, offset: int = 0):
+    assert lp["tokens"] == [token_text(offline, t) for t in token_ids]
+    for t, got_lp, got_top, w in zip(token_ids, lp["token_logprobs"], lp["top_logprobs"], want):
+        if w is None:
+            assert got_lp is None and got_top is None
+            continue
+        assert got_lp == pytest.approx(w[t], abs=TOL)
+        assert len(w) in (k, k + 1) and t in w             # the sampled token and the top k
+        assert got_top == pytest.approx({token_text(offline, i): v for i, v in w.items()}, abs=TOL)
+    offsets = [offset]
+    for s in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(s))
+    assert lp["text_offset"] == offsets
+
+
+def test_completion_logprobs_equal_the_offline_api(server, offline):
+    want = ref(offline, PROMPTS[:2], max_tokens=6, temperature=0, n=2, logprobs=3, ignore_eos=True)
+    r = post(server, "/v1/completions", {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 6, "temperature": 0,
+                                         "logprobs": 3, "ignore_eos": True, "return_token_ids": True})
+    for i, w in enumerate(want):
+        for j, sample in enumerate(w.outputs):
+            c = r["choices"][i * 2 + j]
+            assert c["token_ids"] == sample.token_ids
+            check_completion_logprobs(offline, c["logprobs"], sample.token_ids, sample.logprobs, 3)
+
+
+def test_chat_logprobs_equal_the_offline_api(server, offline):
+    messages = [{"role": "user", "content": "what is a KV cache?"}]
+    want = ref(offline, [chat_ids(offline, messages)], max_tokens=6, temperature=0, logprobs=4, ignore_eos=True)[0]
+    r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
+                                              "logprobs": True, "top_logprobs": 4, "ignore_eos": True})
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(want.token_ids)
+    for entry, t, w in zip(content, want.token_ids, want.outputs[0].logprobs):
+        assert entry["token"] == token_text(offline, t) and entry["bytes"] == token_bytes(offline, t)
+        assert entry["logprob"] == pytest.approx(w[t], abs=TOL)
+        assert [(e["token"], e["bytes"]) for e in entry["top_logprobs"]] == \
+            [(token_text(offline, i), token_bytes(offline, i)) for i, _ in top(w, 4)]
+        assert [e["logprob"] for e in entry["top_logprobs"]] == pytest.approx([v for _, v in top(w, 4)], abs=TOL)
+    plain = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                  "logprobs": True, "ignore_eos": True})
+    assert all(e["top_logprobs"] == [] for e in plain["choices"][0]["logprobs"]["content"])
+    assert r["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"] == want.text
+
+
+def test_processed_logprobs_are_those_of_the_sampling_distribution(server, offline):
+    kw = dict(max_tokens=5, temperature=0.7, top_k=3, seed=3, logprobs=2, logprobs_mode="processed")
+    want = ref(offline, [PROMPTS[1]], **kw)[0].outputs[0]
+    r = post(server, "/v1/completions", {"prompt": PROMPTS[1], **kw, "return_token_ids": True})
+    check_completion_logprobs(offline, r["choices"][0]["logprobs"], want.token_ids, want.logprobs, 2)
+
+
+# ---------------------------------------------------------------- echo
+def test_echo_puts_the_prompt_before_each_choice(server, offline):
+    want = ref(offline, PROMPTS[:2], max_tokens=6, temperature=0, ignore_eos=True)
+    r = post(server, "/v1/completions", {"prompt": PROMPTS[:2], "echo": True, "max_tokens": 6, "temperature": 0,
+                                         "ignore_eos": True})
+    assert [c["text"] for c in r["choices"]] == [p + w.text for p, w in zip(PROMPTS, want)]
+    ids = want[0].prompt_token_ids
+    r = post(server, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 6, "temperature": 0,
+                                         "ignore_eos": True})
+    assert r["choices"][0]["text"] == offline.tokenizer.decode(ids) + want[0].text
+    for prompt, n in ((PROMPTS[:2], 1), (PROMPTS[0], 2)):
+        chunks = stream(server, "/v1/completions", {"prompt": prompt, "echo": True, "n": n, "max_tokens": 6,
+                                                    "temperature": 0, "ignore_eos": True})
+        for i in range(2):
+            texts = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i]
+            k = i if n == 1 else 0
+            assert texts[0] == PROMPTS[k] and "".join(texts) == PROMPTS[k] + want[k].text
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, offline):
+    """What eval harnesses send for a loglikelihood: echo, logprobs, max_tokens 0 (or 1)."""
+    prompt = PROMPTS[2]
+    want = ref(offline, [prompt], max_tokens=1, temperature=0, prompt_logprobs=2)[0]
+    r = post(server, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0})
+    c = r["choices"][0]
+    assert c["text"] == prompt and c["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    assert want.prompt_logprobs[0] is None and len(want.prompt_logprobs) == len(want.prompt_token_ids)
+    check_completion_logprobs(offline, c["logprobs"], want.prompt_token_ids, want.prompt_logprobs, 2)
+    full = ref(offline, [prompt], max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True)[0]
+    r = post(server, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 3,
+                                         "temperature": 0, "ignore_eos": True})
+    c = r["choices"][0]
+    assert c["text"] == prompt + full.text
+    check_completion_logprobs(offline, c["logprobs"], full.prompt_token_ids + full.token_ids,
+                              full.prompt_logprobs + full.outputs[0].logprobs, 2)
+
+
+# ---------------------------------------------------------------- streaming several choices
+def by_choice(chunks: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            out.setdefault(ch["index"], []).append(ch)
+    return out
+
+
+@pytest.mark.parametrize("n,logprobs", [(1, None), (3, 2)])
+def test_streamed_choices_reassemble_to_the_whole_answer(server, n, logprobs):
+    body = {"prompt": PROMPTS[:2], "n": n, "max_tokens": 12, "temperature": 1.0, "seed": 11, "logprobs": logprobs,
+            "return_token_ids": True, "stop": ["e"]}
+    whole = post(server, "/v1/completions", body)
+    chunks = stream(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == []
+    assert all(chunks[-1]["usage"][k] == whole["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
+    parts = by_choice(chunks[:-1])
+    assert sorted(parts) == list(range(2 * n))
+    for i, mine in parts.items():
+        want = whole["choices"][i]
+        assert [m["finish_reason"] for m in mine[:-1]] == [None] * (len(mine) - 1)
+        assert mine[-1]["finish_reason"] == want["finish_reason"]
+        assert "".join(m["text"] for m in mine) == want["text"]
+        assert sum((m.get("token_ids", []) for m in mine), []) == want["token_ids"]
+        lps = [m["logprobs"] for m in mine if m["logprobs"] is not None]
+        if logprobs is None:
+            assert lps == [] and want["logprobs"] is None
+            continue
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert sum((lp[key] for lp in lps), []) == want["logprobs"][key]
+
+
+def test_a_chat_stream_of_three_choices_through_the_openai_client(client):
+    kw = dict(model="moe", messages=[{"role": "user", "content": "sample me"}], n=3, max_tokens=8, temperature=1.0,
+              seed=5, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    for i, want in enumerate(whole.choices):
+        mine = [ch for c in chunks for ch in c.choices if ch.index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(m.delta.content or "" for m in mine) == want.message.content
+        assert [m.finish_reason for m in mine if m.finish_reason] == [want.finish_reason]
+        streamed = [e for m in mine if m.logprobs is not None for e in m.logprobs.content]
+        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in want.logprobs.content]
+
+
+def test_the_openai_client_parses_n_and_logprobs(client, offline):
+    r = client.completions.create(model="moe", prompt=PROMPTS[:2], n=2, logprobs=2, max_tokens=4, temperature=0,
+                                  echo=True, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    want = ref(offline, PROMPTS[:2], max_tokens=4, temperature=0, ignore_eos=True)
+    for c in r.choices:
+        w = want[c.index // 2]
+        assert c.text == PROMPTS[c.index // 2] + w.text
+        assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(w.prompt_token_ids) + 4
+        assert all(isinstance(d, dict) for d in c.logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(model="moe", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, logprobs=True, top_logprobs=3, temperature=0)
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in chat.choices)
+    e = chat.choices[1].logprobs.content[0]
+    assert isinstance(e.bytes, list) and len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - TOL
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_usage_counts_each_prompt_once_and_every_choice(server, offline, n):
+    r = post(server, "/v1/completions", {"prompt": PROMPTS, "n": n, "max_tokens": 5, "temperature": 0.8,
+                                         "ignore_eos": True})
+    n_prompt = sum(len(offline.tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS)
+    assert r["usage"]["prompt_tokens"] == n_prompt and r["usage"]["completion_tokens"] == 3 * n * 5
+    assert all(len(c["text"]) > 0 for c in r["choices"])
+    again = post(server, "/v1/completions", {"prompt": PROMPTS, "n": n, "max_tokens": 5, "ignore_eos": True})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+# ---------------------------------------------------------------- nulls and bad values
+NEW_NULLABLE = ["n", "logprobs", "echo", "best_of", "presence_penalty", "frequency_penalty", "seed", "stop",
+                "min_tokens", "repetition_penalty", "logprobs_mode", "logit_bias", "suffix"]
+
+
+def test_null_new_fields_mean_their_default(server):
+    base = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    want = post(server, "/v1/completions", base)["choices"]
+    got = post(server, "/v1/completions", base | {f: None for f in NEW_NULLABLE})["choices"]
+    assert [c["text"] for c in got] == [c["text"] for c in want] and got[0]["logprobs"] is None
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    want = post(server, "/v1/chat/completions", chat)["choices"]
+    nulls = {f: None for f in NEW_NULLABLE if f not in ("echo", "best_of", "suffix")}
+    got = post(server, "/v1/chat/completions", chat | nulls | {"top_logprobs": None, "response_format": None})
+    assert got["choices"][0]["message"] == want[0]["message"] and got["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,kw,param", [
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"n": 129}, "n"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": CTX, "max_tokens": None}, "min_tokens"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
+    ("/v1/completions", {"echo": "yes"}, "echo"),
+    ("/v1/completions", {"logprobs_mode": "softmax"}, "logprobs_mode"),
+    ("/v1/completions", {"prompt": ["ok", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": ["x"] * 1025}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "x" * (CTX + 10)]}, "max_tokens"),
+    ("/v1/completions", {"suffix": "tail"}, "suffix"),
+    ("/v1/completions", {"logit_bias": {"12": 3}}, "logit_bias"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+])
+def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
+    body = {"model": "moe", "max_tokens": 4, **({"prompt": "hi"} if "completions" == path[4:] else
+                                                {"messages": [{"role": "user", "content": "hi"}]}), **kw}
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+# ---------------------------------------------------------------- disconnects
+def metric(server, name: str) -> float:
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(server.url + "/metrics").text, re.M).group(1))
+
+
+def test_a_client_that_hangs_up_aborts_every_request_of_its_call(server):
+    before = metric(server, "kvtier_generation_tokens_total")
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={"model": "moe", "prompt": PROMPTS, "n": 2, "max_tokens": 300, "ignore_eos": True,
+                            "stream": True}, timeout=60) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + 30
+    while metric(server, "kvtier_requests_running") != 0:
+        assert time.monotonic() < deadline, "requests of the call are still running"
+        time.sleep(0.1)
+    assert metric(server, "kvtier_generation_tokens_total") - before < 6 * 300
+
+
+# ---------------------------------------------------------------- PD
+class _Pool:
+    def health(self) -> dict:
+        return {"ok": True}
+
+
+def _fake_server(role: str) -> Server:
+    """A server of ``role`` over an engine that must not be reached (the refusals come first)."""
+    engine = SimpleNamespace(core=SimpleNamespace(storage=_Pool(), tokenizer=None, max_model_len=CTX),
+                             _check_alive=lambda: None)
+    return Server(engine, "moe", role=role)          # type: ignore[arg-type]
+
+
+HANDOFF = {"namespace": "ns", "keys": ["k"], "num_tokens": 3, "first_token": 1, "prompt_token_ids": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("kw", [{"n": 2}, {"prompt": ["a", "b"]}, {"logprobs": 0}, {"echo": True, "logprobs": 1}])
+def test_what_a_hand_off_cannot_carry_runs_colocated(kw, monkeypatch):
+    body = {"model": "moe", "prompt": "hi", "max_tokens": 4, **kw}
+    p = _fake_server("prefill")
+    with TestClient(p.app) as pc:
+        r = pc.post("/kvtier/prefill/completions", json=body)
+        assert r.status_code == 501, r.text
+        got_at_d = []
+
+        def backend(req: httpx.Request) -> httpx.Response:
+            if req.url.path == "/health":
+                return httpx.Response(200, json={"status": "ok", "engine": "ok"})
+            if req.url.host == "p.test":                # the real prefill server's answer
+                answer = pc.post(req.url.path, content=req.content, headers={"Content-Type": "application/json"})
+                return httpx.Response(answer.status_code, content=answer.content)
+            got_at_d.append(json.loads(req.content))
+            return httpx.Response(200, json={"choices": []})
+        real = httpx.AsyncClient
+        monkeypatch.setattr(httpx, "AsyncClient", lambda **a: real(transport=httpx.MockTransport(backend), **a))
+        router = Router(["http://p.test"], ["http://d.test"], health_interval=60)
+        with TestClient(router.app) as rc:
+            assert rc.post("/v1/completions", json=body).status_code == 200
+        assert got_at_d == [body]                     # colocated on D: no kvtier_handoff
+    d = _fake_server("decode")
+    with TestClient(d.app) as dc:
+        r = dc.post("/v1/completions", json=body | {"kvtier_handoff": HANDOFF})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kvtier_handoff", r.text
+    p.close()
+    d.close()
