@@ -34,3 +34,12 @@ def procs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe_model(checkpoint):
     return checkpoint("qwen3-moe-tiny")
+
+
+@pytest.fixture(scope="module")
+def offline(moe_model, request):
+    """The offline API on the engine settings of the module's server (``max_model_len`` = its ``CTX``)."""
+    import kvtier
+    llm = kvtier.LLM(moe_model, max_model_len=request.module.CTX)
+    yield llm
+    llm.close()

@@ -28,13 +28,6 @@ def server(procs, moe_model):
 
 
 @pytest.fixture(scope="module")
-def offline(moe_model):
-    llm = kvtier.LLM(moe_model, max_model_len=CTX)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
