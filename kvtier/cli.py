@@ -29,6 +29,8 @@ BENCHES = {
                                               "served from storage vs recompute"),
     "pd": ("kvtier.bench.pd_bench", "CPU or GPU: prefill/decode disaggregation through a pool vs one "
                                     "colocated server (TTFT, ITL, hand-off GB/s)"),
+    "rollout": ("kvtier.bench.rollout_bench", "GPU: n=8 samples on one prompt vs 8 requests (time, blocks held); "
+                                              "decode with logprobs on vs off"),
     "soak": ("kvtier.bench.soak", "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "
                                   "server with every tier; checks 5xx, leaks, answers, /health latency"),
 }
