@@ -234,3 +234,17 @@ def test_cli_generate_prints_the_samples(checkpoint, capsys):
     assert res["token_ids"] == want[0].token_ids
     assert main(args) == 0
     assert "sample 2: token_ids=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_samples_preempted_for_want_of_device_blocks_give_the_same_samples(checkpoint, mode):
+    path = checkpoint("llama-tiny")
+    params = sampled(4, seed=2, max_tokens=30)
+    want = [o.token_ids for o in one_by_one(path, PROMPT, params)]
+    # each sample needs ceil(59/8) = 8 blocks (3 of them shared): 4 of them cannot all fit in 14
+    with kvtier.LLM(path, block_size=BS, num_device_blocks=14, preemption_mode=mode,
+                    num_host_blocks=64 if mode == "swap" else 0) as llm:
+        (out,), _, _ = run(llm, PROMPT, params)
+        assert llm.scheduler.num_preemptions > 0
+        assert held_by_requests(llm) == 0
+    assert [c.token_ids for c in out.outputs] == want

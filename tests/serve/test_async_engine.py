@@ -220,3 +220,26 @@ def test_a_caller_that_leaves_aborts_every_sample(engine):
             await asyncio.sleep(0.01)
         raise AssertionError(f"samples still hold blocks: {state}")
     asyncio.run(main())
+
+
+def test_sample_deltas_carry_their_tokens_logprobs_in_step(engine, monkeypatch):
+    real = engine.core.scheduler.update
+
+    def update_with_logprobs(out, sampled, rewinds=None):    # stands in for the sampler's logprobs:
+        finished = real(out, sampled, rewinds)               # {token: -position} per generated token
+        for s in out.scheduled:
+            r = s.request
+            r.logprobs = r.logprobs or []
+            r.logprobs += [{t: -float(i)} for i, t in enumerate(r.output_token_ids) if i >= len(r.logprobs)]
+        return finished
+    monkeypatch.setattr(engine.core.scheduler, "update", update_with_logprobs)
+    params = kvtier.SamplingParams(max_tokens=9, temperature=0.8, seed=1, n=2, ignore_eos=True)
+
+    async def main():
+        return [d async for d in engine.generate(engine.make_request(list(range(1, 20)), params))]
+    deltas = asyncio.run(main())
+    for c in deltas[-1].output.outputs:
+        mine = [d for d in deltas if d.index == c.index]
+        assert all(len(d.logprobs) == len(d.token_ids) for d in mine)
+        want = [{t: -float(i)} for i, t in enumerate(c.token_ids)]
+        assert [lp for d in mine for lp in d.logprobs] == c.logprobs == want
