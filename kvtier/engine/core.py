@@ -405,8 +405,8 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         sched = self.scheduler
         # (a group whose sample 0 finished still owns its id until its last sample did)
-        if request_id in self._exports or request_id in self._groups or any(r.request_id == request_id
-                                               for r in (*sched.waiting, *sched.running)):
+        if request_id in self._exports or request_id in self._groups or any(
+                r.request_id == request_id for r in (*sched.waiting, *sched.running)):
             raise ValueError(f"request_id {request_id!r} is already in use by a request in the engine")
 
     def make_request(self, prompt, params: SamplingParams, cache_salt: str | None,  # type: ignore[no-untyped-def]
