@@ -184,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--top-k", type=_count, default=0, help="sample from the k best tokens; 0 = off (default 0)")
-    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (sample i of --n draws with seed + i)")
+    p.add_argument("--n", type=_positive, default=1,
+                   help="samples of the prompt (one prefill, n decodes sharing its KV; default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="leave special tokens (EOS...) out of the text (default: on)")
@@ -345,7 +348,7 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
     sp = kvtier.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
                                return_routed_experts=args.return_routed_experts,
-                               skip_special_tokens=args.skip_special_tokens)
+                               skip_special_tokens=args.skip_special_tokens, n=args.n)
     with kvtier.LLM(args.model, **{k: getattr(args, k) for k in _LLM_KEYS}) as llm:
         for _ in range(args.repeat):
             o = llm.generate([prompt], sp)[0]
@@ -354,6 +357,9 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
             if o.routed_experts is not None:
                 res["routed_experts_shape"] = list(o.routed_experts.shape)
                 res["routed_experts_dtype"] = str(o.routed_experts.dtype)
+            if args.n > 1:       # the fields above are sample 0's
+                res["samples"] = [{"index": c.index, "token_ids": c.token_ids, "text": c.text,
+                                   "finish_reason": c.finish_reason} for c in o.outputs]
             if args.json:
                 print(json.dumps(res))
             else:
@@ -362,6 +368,10 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
                 print(f"token_ids={o.token_ids} finish={o.finish_reason} cached={o.num_cached_tokens} "
                       f"{o.cached_tokens_by_tier}" + (f" routed_experts={res['routed_experts_shape']}"
                                                       if o.routed_experts is not None else ""))
+                for c in o.outputs[1:]:
+                    if c.text is not None:
+                        print(c.text)
+                    print(f"sample {c.index}: token_ids={c.token_ids} finish={c.finish_reason}")
     return 0
 
 
