@@ -29,6 +29,8 @@ BENCHES = {
                                               "served from storage vs recompute"),
     "pd": ("kvtier.bench.pd_bench", "CPU or GPU: prefill/decode disaggregation through a pool vs one "
                                     "colocated server (TTFT, ITL, hand-off GB/s)"),
+    "rollout": ("kvtier.bench.rollout_bench", "GPU: n=8 samples on one prompt vs 8 requests (time, blocks held); "
+                                              "decode with logprobs on vs off"),
     "soak": ("kvtier.bench.soak", "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "
                                   "server with every tier; checks 5xx, leaks, answers, /health latency"),
 }
@@ -182,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--top-k", type=_count, default=0, help="sample from the k best tokens; 0 = off (default 0)")
-    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (sample i of --n draws with seed + i)")
+    p.add_argument("--n", type=_positive, default=1,
+                   help="samples of the prompt (one prefill, n decodes sharing its KV; default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--logprobs", type=_count, default=None, metavar="K",
                    help="per generated token: its logprob and the K most likely (0..20; printed with --json)")
@@ -356,7 +361,7 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
     sp = kvtier.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
                                return_routed_experts=args.return_routed_experts,
-                               skip_special_tokens=args.skip_special_tokens,
+                               skip_special_tokens=args.skip_special_tokens, n=args.n,
                                logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
@@ -370,9 +375,15 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
                 res["routed_experts_shape"] = list(o.routed_experts.shape)
                 res["routed_experts_dtype"] = str(o.routed_experts.dtype)
             if sp.logprobs is not None:              # [{token id: logprob}] per generated token
-                res["logprobs"] = o.outputs[0].logprobs if o.outputs else None
+                res["logprobs"] = o.outputs[0].logprobs
             if sp.prompt_logprobs is not None:       # per prompt token; the first: null
                 res["prompt_logprobs"] = o.prompt_logprobs
+            if args.n > 1:       # the fields above are sample 0's
+                res["samples"] = [{"index": c.index, "token_ids": c.token_ids, "text": c.text,
+                                   "finish_reason": c.finish_reason} for c in o.outputs]
+                if sp.logprobs is not None:
+                    for sample, c in zip(res["samples"], o.outputs):
+                        sample["logprobs"] = c.logprobs
             if args.json:
                 print(json.dumps(res))
             else:
@@ -383,6 +394,10 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
                                                       if o.routed_experts is not None else ""))
                 if res.get("logprobs") is not None:
                     print("logprobs=" + str([round(lps[t], 4) for t, lps in zip(o.token_ids, res["logprobs"])]))
+                for c in o.outputs[1:]:
+                    if c.text is not None:
+                        print(c.text)
+                    print(f"sample {c.index}: token_ids={c.token_ids} finish={c.finish_reason}")
     return 0
 
 

@@ -10,6 +10,9 @@ asyncio callers (the HTTP server).
           └──────────── per-request asyncio.Queue ◄── call_soon_threadsafe ┘
 
 Requests that arrive while a step runs join the next one (continuous batching across clients).
+Each delta holds new tokens of one sample (``Delta.index``; n > 1 samples: engine/group.py), with
+their logprobs when asked; a sample's last delta has its ``finish_reason``, the request's last
+delta its ``output`` (every sample).
 A step that fails fails its own requests (their final output has ``finish_reason="error"``,
 ``error_kind="internal"``) and the loop goes on; the engine is dead only when it is closed or
 ``max_step_failures`` steps in a row raise with no request to blame (``EngineDead`` then).
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from kvtier.engine.core import EngineCore, RequestOutput
+from kvtier.engine.group import check_n
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
 
@@ -56,10 +60,24 @@ class Delta:
 
 
 class _Sink:
-    __slots__ = ("loop", "queue", "req", "sent")
+    __slots__ = ("loop", "queue", "req", "sent", "ended")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: Request) -> None:
-        self.loop, self.queue, self.req, self.sent = loop, asyncio.Queue(), req, 0
+        self.loop, self.queue, self.req = loop, asyncio.Queue(), req
+        self.sent = [0] * req.params.n           # tokens sent, per sample
+        self.ended: set[int] = set()             # samples whose finish_reason was sent
+
+    def delta(self, index: int, token_ids: list[int], logprobs: list | None,
+              finish_reason: str | None) -> Delta | None:
+        """Sample ``index``'s delta since the last one (None: nothing new)."""
+        start, end = self.sent[index], len(token_ids)
+        if end <= start and (finish_reason is None or index in self.ended):
+            return None
+        self.sent[index] = end
+        if finish_reason is not None:
+            self.ended.add(index)
+        return Delta(list(token_ids[start:end]), index=index, finish_reason=finish_reason,
+                     logprobs=None if logprobs is None else list(logprobs[start:end]))
 
     def push(self, item: object) -> None:
         try:
@@ -100,7 +118,9 @@ class AsyncEngine:
                      request_id: str | None = None, **handoff: Any) -> Request:
         """Validate (ValueError names the problem) without touching engine state."""
         self._check_alive()
-        return self.core.make_request(prompt, params, cache_salt, request_id, **handoff)
+        req = self.core.make_request(prompt, params, cache_salt, request_id, **handoff)
+        check_n(req)
+        return req
 
     async def generate(self, req: Request) -> AsyncIterator[Delta]:
         """Stream ``req`` (from :meth:`make_request`): deltas of new tokens, the last one with the
@@ -232,13 +252,22 @@ class AsyncEngine:
             pass
 
     def _emit(self, finished: list[RequestOutput]) -> None:
+        """Each sample's new tokens since its last delta; a finished request's rest, per sample
+        (from its output), the last delta carrying the output."""
         done = {o.request_id: o for o in finished}
         for rid, sink in list(self._sinks.items()):
-            toks = sink.req.output_token_ids
             out = done.get(rid)
             if out is not None:
-                sink.push(Delta(out.token_ids[sink.sent:], out))
+                rows = [(c.index, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs]
+            elif sink.req.export:                # P of a hand-off: its one token comes with the output
+                continue
+            else:
+                rows = self.core.progress(sink.req)
+            deltas = [d for d in (sink.delta(*row) for row in rows) if d is not None]
+            if out is not None:
+                if not deltas:    # (the last sample's finish is always unsent; never lose the output)
+                    deltas.append(Delta([], index=out.outputs[0].index))
+                deltas[-1].output = out
                 del self._sinks[rid]
-            elif len(toks) > sink.sent and not sink.req.export:
-                sink.push(Delta(list(toks[sink.sent:])))
-                sink.sent = len(toks)
+            for d in deltas:
+                sink.push(d)

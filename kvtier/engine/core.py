@@ -3,8 +3,14 @@ offline ``kvtier.LLM`` (engine/llm.py) and the serving ``AsyncEngine`` (engine/a
 
     add_request(prompt, params, ...) -> Request     validated and queued; joins the next step
     step() -> [RequestOutput]                        one engine step; the requests it finished
-    abort(request_id)                                drop a request, return its blocks
+    abort(request_id)                                drop a request (every sample), return its blocks
     has_unfinished()
+
+``SamplingParams.n > 1`` (engine/group.py): one prefill, n decodes. The request runs as sample 0;
+once it sampled its first token, samples 1..n-1 are queued at the front, share the prompt's
+full blocks through the tree and compute only its last partial block. One RequestOutput per
+request, when every sample finished (``outputs``, by index); a sample that fails fails the request.
+A PD hand-off of n > 1 samples is refused (ValueError).
 
 Prefill/decode hand-off (DESIGN §7): ``add_request(..., export=True)`` (P) runs the prefill and,
 once its first token is sampled, writes every block of the prompt to the pool; its output comes
@@ -17,12 +23,14 @@ One engine step::
 
     poll copies ─► schedule() ─► upload inputs ─► submit plan (loads queued on the load stream,
         layer by layer) ─► forward (layer l waits on load event l, GPU-side) + sample
-        ─► loads landed ─► update()
+        ─► loads landed ─► update() ─► fork (n > 1: a sample 0 that sampled its first token
+        queues samples 1..n-1)
         ─► submit plan (backups of the blocks just written: offload stream, after the forward)
-        ─► poll copies ─► finished requests: outputs, free
+        ─► poll copies ─► finished requests: outputs, free ─► samples folded into their requests
 
 A step that raises fails its requests, not the engine (:meth:`step`): they come out with
-``finish_reason="error"`` and ``error_kind="internal"``, their blocks returned; the others go on.
+``finish_reason="error"`` and ``error_kind="internal"``, their blocks returned (an n > 1 request's
+other samples aborted); the others go on.
 
 Copies complete asynchronously on the GPU (the transfer engine polls their events) and
 synchronously on CPU; storage fetches and puts run on the storage client's worker threads on both
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 from typing import Sequence
@@ -46,6 +54,7 @@ from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
 from kvtier.cache.cost import FetchCostModel
 from kvtier.cache.policy import WritePolicy
 from kvtier.engine.cuda_graph import DecodeGraphs
+from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner
@@ -227,6 +236,10 @@ class EngineCore:
         self.block_size = block_size
         self._ids = count()
         self._exports: dict[str, tuple[RequestOutput, object, float]] = {}   # P: outputs waiting for acks
+        # n > 1 (engine/group.py): the groups by the user's request id, and every sample's
+        # (sample 0's too) request id -> (its group, its index)
+        self._groups: dict[str, SampleGroup] = {}
+        self._sample_of: dict[str, tuple[SampleGroup, int]] = {}
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
         self._closed = False
@@ -300,22 +313,100 @@ class EngineCore:
         ValueError if a request with its id is still in the engine (their outputs would mix)."""
         self._check_open()
         self._check_new_id(req.request_id)
+        check_n(req)
         self.scheduler.add(req)
         if req.handoff is not None:
             self.cache.expect_tail(req.cache, req.num_prompt_tokens)
+        if req.params.n > 1:
+            group = self._groups[req.request_id] = SampleGroup(req)
+            self._sample_of[req.request_id] = (group, 0)
+            if not self.cache.enable_prefix_caching:   # no prompt to share: n requests from the start
+                self._fork(group, front=False)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a queued or running request and return its blocks; False if unknown/finished."""
+        """Drop a queued or running request (every sample of it) and return its blocks; False if
+        unknown/finished."""
         self._exports.pop(request_id, None)     # an export in flight finishes on its own
-        return self.scheduler.abort(request_id) is not None
+        entry = self._sample_of.get(request_id)
+        if entry is None:
+            return self.scheduler.abort(request_id) is not None
+        group = entry[0]                        # (an internal sample id aborts its whole request)
+        self._end_group(group)
+        aborted = [self.scheduler.abort(r.request_id) for r in group.unfinished()]
+        return any(r is not None for r in aborted)
+
+    def progress(self, req: Request) -> list[tuple[int, list[int], list | None, str | None]]:
+        """(index, token_ids, logprobs, finish_reason or None) of every sample of ``req`` started
+        so far (streaming: AsyncEngine); token_ids and logprobs are live lists, not copies."""
+        entry = self._sample_of.get(req.request_id)
+        if entry is None or entry[0].head is not req:
+            return [(0, req.output_token_ids, req.logprobs, None)]
+        return entry[0].progress()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._exports)
 
+    def _fork(self, group: SampleGroup, front: bool = True) -> None:
+        """Queue samples 1..n-1 of ``group`` (engine/group.py): sample 0 has sampled its first
+        token, so the prompt's full blocks are in the tree. At the front of the queue: admitted
+        next, while those blocks are on device (nothing else allocates before them)."""
+        head = group.head
+        # the prompt's logprobs are the request's (sample 0's): computing them again would make
+        # every sample recompute the whole prompt (a prompt_logprobs request matches nothing)
+        params = replace(head.params, n=1, prompt_logprobs=None)
+        for i in range(1, group.n):
+            req = self.make_request(head.prompt_token_ids, params, head.cache_salt)
+            req.request_id = group.sample_id(i, _AUTO_ID)
+            seed = head.params.sample_seed(i)
+            req.generator = self._generator if seed is None else torch.Generator(self.device).manual_seed(seed)
+            group.samples[i] = req
+            self._sample_of[req.request_id] = (group, i)
+            self.scheduler.add(req)
+        group.forked = True
+        if front:
+            self.scheduler.waiting.rotate(group.n - 1)    # the ones just added, in index order
+
+    def _end_group(self, group: SampleGroup) -> None:
+        """``group``'s request is answered or aborted: its id (and its samples') are free again."""
+        group.ended = True
+        self._groups.pop(group.request_id, None)
+        for r in group.samples:
+            if r is not None:
+                self._sample_of.pop(r.request_id, None)
+
+    def _group_outputs(self, results: list[RequestOutput]) -> list[RequestOutput]:
+        """A step's outputs with samples folded into their requests' (engine/group.py): a sample
+        that finished waits in its group, the last one gives the request's output; one that
+        failed fails the request: its other samples are aborted (their blocks returned)."""
+        if not self._sample_of:
+            return results
+        entries = [(o, self._sample_of.get(o.request_id)) for o in results]   # before groups end
+        outs = []
+        for o, entry in entries:
+            if entry is None:
+                outs.append(o)
+                continue
+            group, i = entry
+            if group.ended:               # another sample of it failed in this step: answered
+                continue
+            if o.error is not None:
+                self._end_group(group)
+                for r in group.unfinished():
+                    self.scheduler.abort(r.request_id)
+                error = f"sample {i} of {group.n}: {o.error}"
+                outs.append(group.fail(self._output(group.head, error=error, error_kind=o.error_kind)))
+                continue
+            done = group.finish(i, o)
+            if done is not None:
+                self._end_group(group)
+                outs.append(done)
+        return outs
+
     def _check_new_id(self, request_id: str) -> None:
         sched = self.scheduler
-        if request_id in self._exports or any(r.request_id == request_id
-                                               for r in (*sched.waiting, *sched.running)):
+        # (a group whose sample 0 finished still owns its id until its last sample did)
+        if request_id in self._exports or request_id in self._groups or any(
+                r.request_id == request_id for r in (*sched.waiting, *sched.running)):
             raise ValueError(f"request_id {request_id!r} is already in use by a request in the engine")
 
     def make_request(self, prompt, params: SamplingParams, cache_salt: str | None,  # type: ignore[no-untyped-def]
@@ -433,7 +524,7 @@ class EngineCore:
                 results.append(self._fail(req, RuntimeError(
                     f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: the device "
                     f"tier has {self.cache.device_pool.num_blocks} blocks")))
-        return results
+        return self._group_outputs(results)
 
     def _run(self, out: SchedulerOutput, results: list[RequestOutput]) -> None:
         """The step after schedule(): forward, update, outputs (into ``results``), copies."""
@@ -454,6 +545,11 @@ class EngineCore:
             start_loads()
         rewinds.update(self._complete(self.transfer.wait_loads()))   # the forward waited on them
         finished = self.scheduler.update(out, sampled, rewinds)
+        if self._groups:                 # n > 1: a sample 0 that sampled its first token forks
+            for s in out.scheduled:
+                entry = self._sample_of.get(s.request.request_id)
+                if entry is not None and not entry[0].forked and s.request.output_token_ids:
+                    self._fork(entry[0])
         results += self._check_handoffs(out, finished)
         for req in finished:
             try:

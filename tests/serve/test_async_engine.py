@@ -187,3 +187,59 @@ def test_steps_failing_with_no_request_to_blame_kill_the_engine_only_when_repeat
         return await collect(engine, engine.make_request([1, 2, 3], LONG))
     assert asyncio.run(main()).finish_reason == "length"       # one failure short of dead
     engine._check_alive()
+
+
+def test_n_samples_stream_per_index_deltas_that_add_up_to_each_samples_output(engine):
+    params = kvtier.SamplingParams(max_tokens=12, temperature=0.8, seed=4, n=3, ignore_eos=True)
+
+    async def main():
+        return [d async for d in engine.generate(engine.make_request(list(range(1, 20)), params))]
+    deltas = asyncio.run(main())
+    out = deltas[-1].output
+    assert out is not None and all(d.output is None for d in deltas[:-1])
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        mine = [d for d in deltas if d.index == c.index]
+        assert len(mine) > 1                                     # streamed, not sent at the end
+        assert [t for d in mine for t in d.token_ids] == c.token_ids and len(c.token_ids) == 12
+        assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + ["length"]
+        assert all(d.logprobs is None for d in mine)             # not asked for
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3   # seeds 4, 5, 6
+
+
+def test_a_caller_that_leaves_aborts_every_sample(engine):
+    async def main():
+        req = engine.make_request([1, 2, 3, 4, 5], kvtier.SamplingParams(max_tokens=500, ignore_eos=True, n=4))
+        async for d in engine.generate(req):
+            if d.index == 3:
+                break                                   # every sample runs; the client goes away
+        for _ in range(200):
+            state = await engine.call(lambda core: (core.has_unfinished(), held_by_requests(core)))
+            if state == (False, (0, 0)):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"samples still hold blocks: {state}")
+    asyncio.run(main())
+
+
+def test_sample_deltas_carry_their_tokens_logprobs_in_step(engine, monkeypatch):
+    real = engine.core.scheduler.update
+
+    def update_with_logprobs(out, sampled, rewinds=None):    # stands in for the sampler's logprobs:
+        finished = real(out, sampled, rewinds)               # {token: -position} per generated token
+        for s in out.scheduled:
+            r = s.request
+            r.logprobs = r.logprobs or []
+            r.logprobs += [{t: -float(i)} for i, t in enumerate(r.output_token_ids) if i >= len(r.logprobs)]
+        return finished
+    monkeypatch.setattr(engine.core.scheduler, "update", update_with_logprobs)
+    params = kvtier.SamplingParams(max_tokens=9, temperature=0.8, seed=1, n=2, ignore_eos=True)
+
+    async def main():
+        return [d async for d in engine.generate(engine.make_request(list(range(1, 20)), params))]
+    deltas = asyncio.run(main())
+    for c in deltas[-1].output.outputs:
+        mine = [d for d in deltas if d.index == c.index]
+        assert all(len(d.logprobs) == len(d.token_ids) for d in mine)
+        want = [{t: -float(i)} for i, t in enumerate(c.token_ids)]
+        assert [lp for d in mine for lp in d.logprobs] == c.logprobs == want

@@ -1,0 +1,109 @@
+"""``n > 1`` samples per prompt (``SamplingParams.n``, GRPO-style groups): one prefill, n decodes.
+
+::
+
+    add_request(prompt, n=4) ─► sample 0: the request itself (its id, generator seed+0)
+        prefill ─► first token sampled, the prompt's full blocks committed to the tree
+        └─► fork: samples 1..3 queued at the FRONT of the waiting queue (ids
+            "kvtier-auto-<id>#<i>", generators seed+i, same prompt and params)
+    samples 1..3: the prompt's full blocks match as device hits (locked, shared, never copied);
+        each computes only the tokens of the prompt's last partial block (< block_size: that
+        recompute is the "copy on write" of the partial block, exact and cheaper than a copy
+        kernel), then decodes on its own blocks
+    a sample that finishes: its CompletionOutput waits in the group (its blocks are freed)
+    the last one ─► one RequestOutput, ``outputs`` sorted by index; the request-level fields
+        (cached tokens, metrics, prompt_logprobs) are sample 0's: the prompt's
+
+Prefix hits on any tier are shared the same way: sample 0 loads/fetches the prompt once, the
+others find it on device. With ``enable_prefix_caching=False`` there is nothing to share: the
+samples are queued with sample 0 and run as n independent requests. A PD hand-off
+(``export``/``handoff``) of n > 1 samples is refused (ValueError): a manifest carries one
+first token. ``abort(id)`` aborts every sample; a sample that fails (``error_kind="internal"``)
+fails the request, its other samples aborted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from kvtier.engine.request import Request
+
+if TYPE_CHECKING:                       # core imports this module
+    from kvtier.engine.core import CompletionOutput, RequestOutput
+
+
+def check_n(req: Request) -> None:
+    """ValueError if ``req`` asks for n > 1 samples where they cannot be served."""
+    n = req.params.n
+    if n > 1 and (req.export or req.handoff is not None):
+        raise ValueError(f"n={n} samples cannot be served through a PD hand-off (export/handoff): "
+                         f"send n=1 or run the request colocated")
+
+
+@dataclass(eq=False)
+class SampleGroup:
+    """The samples of one request: ``samples[i]`` is sample i's Request (None until forked)."""
+    head: Request                                   # sample 0, the request the user added
+    samples: list[Request | None] = field(init=False)
+    done: dict[int, CompletionOutput] = field(default_factory=dict)
+    head_output: RequestOutput | None = None        # sample 0's own output
+    forked: bool = False
+    ended: bool = False             # its output is out, or it was aborted (EngineCore._end_group)
+
+    def __post_init__(self) -> None:
+        self.samples = [self.head] + [None] * (self.head.params.n - 1)
+
+    @property
+    def request_id(self) -> str:
+        return self.head.request_id
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def sample_id(self, index: int, prefix: str) -> str:
+        """Sample ``index``'s request id: ``prefix`` is reserved (users cannot pass ids starting
+        with it) and ``#`` never occurs in the engine's own ids, so no id can collide."""
+        return self.request_id if index == 0 else f"{prefix}{self.request_id}#{index}"
+
+    def unfinished(self) -> list[Request]:
+        """The samples forked and not finished (queued or running)."""
+        return [r for i, r in enumerate(self.samples) if r is not None and i not in self.done]
+
+    def finish(self, index: int, output: RequestOutput) -> RequestOutput | None:
+        """Sample ``index`` finished with ``output`` (its own RequestOutput, one sample): the
+        request's RequestOutput once every sample has, else None."""
+        self.done[index] = replace(output.outputs[0], index=index)
+        if index == 0:
+            self.head_output = output
+        if len(self.done) < self.n:
+            return None
+        out = self.head_output
+        out.outputs = [self.done[i] for i in range(self.n)]    # token_ids etc. are outputs[0]'s already
+        return out
+
+    def fail(self, error_output: RequestOutput) -> RequestOutput:
+        """The request failed: ``error_output`` is sample 0's error output (the request-level
+        fields); every sample, finished or not, is reported with finish_reason "error" and the
+        tokens it had, so that the request's fields stay ``outputs[0]``'s."""
+        template = error_output.outputs[0]
+        started = {i: (toks, lps) for i, toks, lps, _ in self.progress()}
+        outputs = []
+        for i in range(self.n):
+            toks, lps = started.get(i, ([], None))
+            outputs.append(replace(template, index=i, token_ids=list(toks), text=None, routed_experts=None,
+                                   logprobs=None if lps is None else list(lps)))
+        error_output.outputs = outputs
+        error_output.token_ids = outputs[0].token_ids
+        return error_output
+
+    def progress(self) -> list[tuple[int, list[int], list | None, str | None]]:
+        """(index, token_ids, logprobs, finish_reason or None) of every sample started so far."""
+        rows = []
+        for i, r in enumerate(self.samples):
+            c = self.done.get(i)
+            if c is not None:
+                rows.append((i, c.token_ids, c.logprobs, c.finish_reason))
+            elif r is not None:
+                rows.append((i, r.output_token_ids, r.logprobs, None))
+        return rows
