@@ -252,7 +252,7 @@ def by_choice(chunks: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-@pytest.mark.parametrize("n,logprobs", [(1, None), (3, 2)])
+@pytest.mark.parametrize("n,logprobs", [(1, None), (3, None), (3, 2)])
 def test_streamed_choices_reassemble_to_the_whole_answer(server, n, logprobs):
     body = {"prompt": PROMPTS[:2], "n": n, "max_tokens": 12, "temperature": 1.0, "seed": 11, "logprobs": logprobs,
             "return_token_ids": True, "stop": ["e"]}
@@ -276,9 +276,10 @@ def test_streamed_choices_reassemble_to_the_whole_answer(server, n, logprobs):
             assert sum((lp[key] for lp in lps), []) == want["logprobs"][key]
 
 
-def test_a_chat_stream_of_three_choices_through_the_openai_client(client):
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_chat_stream_of_three_choices_through_the_openai_client(client, logprobs):
     kw = dict(model="moe", messages=[{"role": "user", "content": "sample me"}], n=3, max_tokens=8, temperature=1.0,
-              seed=5, logprobs=True, top_logprobs=2)
+              seed=5, logprobs=logprobs, top_logprobs=2 if logprobs else None)
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
@@ -289,6 +290,9 @@ def test_a_chat_stream_of_three_choices_through_the_openai_client(client):
         assert "".join(m.delta.content or "" for m in mine) == want.message.content
         assert [m.finish_reason for m in mine if m.finish_reason] == [want.finish_reason]
         streamed = [e for m in mine if m.logprobs is not None for e in m.logprobs.content]
+        if not logprobs:
+            assert streamed == [] and want.logprobs is None
+            continue
         assert [e.model_dump() for e in streamed] == [e.model_dump() for e in want.logprobs.content]
 
 
