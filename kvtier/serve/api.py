@@ -323,8 +323,9 @@ class Server:
 
     def _account(self, gen: _Gen) -> None:
         """Count a request that reached the engine, however it ended (finish reason None: aborted)."""
-        self.metrics.finished(gen.finish_reason or "abort", len(gen.req.prompt_token_ids), gen.num_generated,
-                              gen.output)
+        out = gen.output
+        n_out = gen.num_generated if out is None else sum(len(c.token_ids) for c in out.outputs) or len(out.token_ids)
+        self.metrics.finished(gen.finish_reason or "abort", len(gen.req.prompt_token_ids), n_out, out)
 
     @contextlib.contextmanager
     def _engine_errors(self, gen: _Gen) -> Iterator[None]:

@@ -5,12 +5,14 @@ values. References: the offline API (``kvtier.LLM.generate``, same engine settin
 official ``openai`` client. PD: a request a hand-off cannot carry runs colocated."""
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from starlette.testclient import TestClient
@@ -151,6 +153,21 @@ def ascii_piece(text: str, after: int) -> str:
                 if printable(text[i:i + width]):
                     return text[i:i + width]
     raise AssertionError(f"no ASCII in {text!r}")
+
+
+def test_each_choice_has_its_routed_experts(server, offline):
+    want = ref(offline, PROMPTS[:2], max_tokens=5, temperature=1.0, seed=9, n=2, return_routed_experts=True)
+    body = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 9,
+            "return_routed_experts": True}
+    whole = post(server, "/v1/completions", body)["choices"]
+    ends = [c["choices"][0] for c in stream(server, "/v1/completions", body) if c["choices"][0]["finish_reason"]]
+    assert sorted(e["index"] for e in ends) == [0, 1, 2, 3]
+    for i, w in enumerate(want):
+        for j, sample in enumerate(w.outputs):
+            for got in (whole[i * 2 + j], next(e for e in ends if e["index"] == i * 2 + j)):
+                r = got["routed_experts"]
+                arr = np.frombuffer(base64.b64decode(r["data"]), dtype=r["dtype"]).reshape(r["shape"])
+                np.testing.assert_array_equal(arr, sample.routed_experts)
 
 
 # ---------------------------------------------------------------- logprobs
