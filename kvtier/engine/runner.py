@@ -89,7 +89,7 @@ class ModelRunner:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_rows = [i for i in want if params[i].logprobs_mode == "raw"]
         proc_rows = [i for i in want if params[i].logprobs_mode == "processed"]
-        raw = torch.log_softmax(logits[raw_rows], dim=-1) if raw_rows else None   # before penalties
+        raw = torch.log_softmax(_rows(logits, raw_rows), dim=-1) if raw_rows else None   # before penalties
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             self.penalties.apply(logits, penalized, [samplers[i] for i in penalized])
@@ -109,7 +109,7 @@ class ModelRunner:
             else:                    # both modes in one step: back to the order of ``want``
                 by_row = {row: n for n, row in enumerate(raw_rows + proc_rows)}
                 lp = torch.cat([raw, processed])[[by_row[i] for i in want]]
-            gen = pack.add(lp, tokens[want], max(params[i].logprobs for i in want))
+            gen = pack.add(lp, _rows(tokens, want), max(params[i].logprobs for i in want))
         prompt = self._prompt_logprobs(hidden, prompt_rows, pack) if prompt_rows else None
         host = pack.fetch()
         token_ids = [int(t) for t in host[:len(samplers)]]
@@ -176,6 +176,12 @@ class ModelRunner:
         hidden = self.model(ids[:-1], torch.arange(n, device=self.device), kv, meta, routing_in=forced)
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
         return logprobs.gather(1, ids[1:, None]).squeeze(1).cpu().numpy()
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``; ``t`` itself when that is every row in order (the usual decode step, where
+    every request asked alike: no index upload, no copy)."""
+    return t if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1 else t[rows]
 
 
 _PROMPT_SLICE = 512      # prompt positions whose logits are computed at once (bounds their memory)
