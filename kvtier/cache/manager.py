@@ -62,7 +62,7 @@ class CacheRequest:
 
     __slots__ = ("rid", "token_ids", "hasher", "nodes", "block_table", "num_loading",
                  "admitted", "freed", "_path", "_num_device_hits", "_num_host_hits", "_epoch", "match",
-                 "prefetch", "_storage_probe", "tail")
+                 "prefetch", "_storage_probe", "tail", "no_hits")
 
     def __init__(self, rid: object, token_ids: list[int], hasher: BlockHasher) -> None:
         self.rid = rid
@@ -81,6 +81,7 @@ class CacheRequest:
         self.prefetch: _Prefetch | None = None     # its storage prefetch (one per admission)
         self._storage_probe: tuple | None = None   # last storage lookup: (first, end, hits)
         self.tail: TailBlock | None = None         # PD: the prompt's partial block, from the pool
+        self.no_hits = False                       # match nothing (it must compute every token)
 
     @property
     def keys(self) -> list[bytes]:
@@ -193,7 +194,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         path: list[Node] = []
         nd = nh = ns = 0
         storage_keys: tuple[bytes, ...] = ()
-        if self.enable_prefix_caching and max_blocks > 0:
+        if self.enable_prefix_caching and max_blocks > 0 and not req.no_hits:
             labels = self._sync_labels(req, max_blocks * bs)
             append = path.append
             children = self.tree.root.children

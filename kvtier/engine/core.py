@@ -54,6 +54,7 @@ from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
 from kvtier.cache.cost import FetchCostModel
 from kvtier.cache.policy import WritePolicy
 from kvtier.engine.cuda_graph import DecodeGraphs
+from kvtier.engine.detok import StopStrings
 from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
@@ -445,6 +446,12 @@ class EngineCore:
             raise ValueError("a request is either the prefill (export) or the decode (handoff) side of a hand-off")
         if (export or handoff is not None) and self.storage is None:
             raise ValueError("a PD hand-off needs a storage pool: start the engine with storage=URL")
+        if handoff is not None and (params.logprobs is not None or params.prompt_logprobs is not None):
+            raise ValueError(f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: the decode "
+                             "side of a PD hand-off has neither its first token's logits nor the prompt's")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)!r} is matched on the output text, and {self.path} has "
+                             "no tokenizer; use stop_token_ids")
         if request_id is None:
             rid = f"{_AUTO_ID}{next(self._ids)}"
         elif str(request_id).startswith(_AUTO_ID):
@@ -452,6 +459,8 @@ class EngineCore:
         else:
             rid = str(request_id)
         req = Request(rid, ids, params, cache_salt=cache_salt)
+        if params.stop:
+            req.stop_strings = StopStrings(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         else:
@@ -687,8 +696,12 @@ class EngineCore:
             if self.routing is None:
                 raise ValueError("return_routed_experts=True needs a MoE model")
             routed = self.routing.gather(req.cache.block_table, req.num_tokens - 1)
-        text = (self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
-                if self.tokenizer is not None and error is None else None)
+        if error is not None or self.tokenizer is None:
+            text = None
+        elif req.stop_strings is not None and req.stop_strings.stopped:
+            text = req.stop_strings.text          # ends before the stop string
+        else:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
         finish = "error" if error else (req.finish_reason or "length")
         sample = CompletionOutput(0, list(req.output_token_ids), text, finish, routed,
                                   None if req.logprobs is None else list(req.logprobs))

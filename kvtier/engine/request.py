@@ -2,7 +2,8 @@
 
 ``all_token_ids = prompt + generated``; ``num_computed_tokens`` of them have KV in the request's
 blocks (cached prefix included). A step computes ``all_token_ids[num_computed : num_computed + n]``;
-when that reaches the end, the last position's logits give the next token::
+when that reaches the end, the last position's logits give the next token (and, for a request
+that asked for prompt logprobs, every position's logits score the prompt token after it)::
 
     prompt:  p0 p1 p2 p3 p4 p5 p6 | generated: g0 g1
              └ cached ┘└ chunk 1 ┘             └ decode steps, one token each
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.cache import CacheRequest
+from kvtier.engine.detok import StopStrings
 from kvtier.engine.sampling import SamplingParams
 
 
@@ -49,12 +51,26 @@ class Request:
     handoff_stop: str | None = None               # D: the first token P sampled already ended it
     logprobs: list[dict[int, float]] | None = None          # per generated token (params.logprobs set)
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (params.prompt_logprobs set)
+    # what the runner computed in the last step, taken by Scheduler.update only if the step's
+    # work is kept (a rewound step's token and logprobs are dropped together)
+    step_logprobs: dict[int, float] | None = None
+    step_prompt_logprobs: tuple[int, list[dict[int, float] | None]] | None = None   # (first prompt index, entries)
+    stop_strings: StopStrings | None = None       # params.stop, matched on the incremental text
     metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
     # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first
     # scheduled), first_token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Are prompt logprobs still to come? (then no prefix hits: hit blocks have no logits)"""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

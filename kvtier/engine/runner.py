@@ -8,6 +8,7 @@ Input layout of a step (flattened varlen batch, DESIGN §4)::
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.routing import RoutingCapture
-from kvtier.engine.sampling import sample
+from kvtier.engine.request import Request
+from kvtier.engine.sampling import Penalties, draw
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
@@ -31,6 +33,7 @@ class ModelRunner:
         self.device = device
         self.routing = routing
         self.decode_graphs = decode_graphs
+        self.penalties = Penalties(model.config.vocab_size, model.config.eos_token_ids, device)
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         ids: list[int] = []
@@ -78,11 +81,83 @@ class ModelRunner:
         if self.routing is not None:
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         samplers = [s.request for s in out.scheduled if s.samples]
-        if not samplers:
+        prompt_rows = self._prompt_logprob_rows(out)
+        if not samplers and not prompt_rows:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
-        return {r.request_id: t for r, t in zip(samplers, tokens)}
+        logits = self.model.compute_logits(hidden[sample_rows]) if samplers else None
+        params = [r.params for r in samplers]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_rows = [i for i in want if params[i].logprobs_mode == "raw"]
+        proc_rows = [i for i in want if params[i].logprobs_mode == "processed"]
+        raw = torch.log_softmax(_rows(logits, raw_rows), dim=-1) if raw_rows else None   # before penalties
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            self.penalties.apply(logits, penalized, [samplers[i] for i in penalized])
+        if samplers:
+            tokens, processed = draw(logits, params, [r.generator for r in samplers], proc_rows)
+        else:
+            tokens, processed = torch.zeros(0, dtype=torch.long, device=self.device), None
+        # everything the host needs from this step in one transfer (one sync): the tokens, then
+        # per logprobs row the sampled token's logprob and its top-k, then the prompt's
+        pack = _Pack(tokens)
+        gen = None
+        if want:
+            if not proc_rows:
+                lp = raw
+            elif not raw_rows:
+                lp = processed
+            else:                    # both modes in one step: back to the order of ``want``
+                by_row = {row: n for n, row in enumerate(raw_rows + proc_rows)}
+                lp = torch.cat([raw, processed])[[by_row[i] for i in want]]
+            gen = pack.add(lp, _rows(tokens, want), max(params[i].logprobs for i in want))
+        prompt = self._prompt_logprobs(hidden, prompt_rows, pack) if prompt_rows else None
+        host = pack.fetch()
+        token_ids = [int(t) for t in host[:len(samplers)]]
+        if gen is not None:
+            entries = pack.entries(host, gen, [token_ids[i] for i in want], [params[i].logprobs for i in want])
+            for i, entry in zip(want, entries):
+                samplers[i].step_logprobs = entry
+        if prompt is not None:
+            targets = [t for span in prompt_rows for t in span.targets]
+            ks = [span.req.params.prompt_logprobs for span in prompt_rows for _ in span.targets]
+            entries = iter(pack.entries(host, prompt, targets, ks))
+            for span in prompt_rows:
+                scored = [next(entries) for _ in span.targets]
+                if span.start == 0:          # the first prompt token has no logprob
+                    span.req.step_prompt_logprobs = (0, [None, *scored])
+                else:
+                    span.req.step_prompt_logprobs = (span.start + 1, scored)
+        return {r.request_id: t for r, t in zip(samplers, token_ids)}
+
+    def _prompt_logprob_rows(self, out: SchedulerOutput) -> list[_PromptSpan]:
+        """The positions of this step whose logits score a prompt token, per request that asked
+        for prompt logprobs: position j scores token j+1, so a chunk's last position scores the
+        next chunk's first token (the prompt is known: nothing is carried between chunks)."""
+        spans = []
+        offset = 0
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                end = min(start + s.num_tokens, req.num_prompt_tokens - 1)
+                spans.append(_PromptSpan(req, start, list(range(offset, offset + max(0, end - start))),
+                                         req.prompt_token_ids[start + 1:end + 1]))
+            offset += s.num_tokens
+        return spans
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[_PromptSpan], pack: _Pack) -> tuple[int, int, int]:
+        """Raw logprobs of the prompt tokens ``spans`` score, onto ``pack``. Only these rows'
+        logits are computed, a slice of rows at a time (a [rows, vocab] float32 block each)."""
+        rows = [r for span in spans for r in span.rows]
+        targets = torch.tensor([t for span in spans for t in span.targets], dtype=torch.long, device=self.device)
+        k = max(span.req.params.prompt_logprobs for span in spans)   # type: ignore[type-var]
+        pieces = []
+        for a in range(0, len(rows), _PROMPT_SLICE):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows[a:a + _PROMPT_SLICE]]), dim=-1)
+            pieces.append(_Pack.scored(lp, targets[a:a + _PROMPT_SLICE], k))
+        if not pieces:
+            pieces.append(_Pack.scored(hidden.new_zeros(0, 1, dtype=torch.float32), targets, 0))
+        return pack.add_block(torch.cat(pieces), k)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], routing_in: np.ndarray | None) -> np.ndarray:
@@ -101,3 +176,61 @@ class ModelRunner:
         hidden = self.model(ids[:-1], torch.arange(n, device=self.device), kv, meta, routing_in=forced)
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
         return logprobs.gather(1, ids[1:, None]).squeeze(1).cpu().numpy()
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``; ``t`` itself when that is every row in order (the usual decode step, where
+    every request asked alike: no index upload, no copy)."""
+    return t if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1 else t[rows]
+
+
+_PROMPT_SLICE = 512      # prompt positions whose logits are computed at once (bounds their memory)
+
+
+@dataclass
+class _PromptSpan:
+    req: Request
+    start: int               # the chunk's first position
+    rows: list[int]          # rows of the step's hidden states that score a prompt token
+    targets: list[int]       # the tokens they score: prompt[start+1 : start+1+len(rows)]
+
+
+class _Pack:
+    """What one step hands to the host, packed on the device into one float64 vector (token ids
+    and top-k ids are exact in float64) and moved in one transfer."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.parts = [tokens.double()]
+        self.size = tokens.numel()
+
+    @staticmethod
+    def scored(lp: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """[rows, 1 + 2k]: logprob of ``ids``, then the top-k logprobs, then their token ids."""
+        top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        return torch.cat([lp.gather(1, ids[:, None]), top.values, top.indices.to(lp.dtype)], dim=1).double()
+
+    def add(self, lp: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[int, int, int]:
+        return self.add_block(self.scored(lp, ids, k), k)
+
+    def add_block(self, block: torch.Tensor, k: int) -> tuple[int, int, int]:
+        where = (self.size, block.shape[0], block.shape[1])
+        self.parts.append(block.flatten())
+        self.size += block.numel()
+        return where
+
+    def fetch(self) -> np.ndarray:
+        return torch.cat(self.parts).cpu().numpy()
+
+    @staticmethod
+    def entries(host: np.ndarray, where: tuple[int, int, int], ids: list[int], ks: list[int]) -> list[dict[int, float]]:
+        """Per row: {its token: logprob, then its own top-k (rank order): logprob}."""
+        start, n, width = where
+        block = host[start:start + n * width].reshape(n, width)
+        k = (width - 1) // 2
+        out = []
+        for row, token, kr in zip(block.tolist(), ids, ks):
+            entry = {token: row[0]}
+            for j in range(kr):
+                entry.setdefault(int(row[1 + k + j]), row[1 + j])
+            out.append(entry)
+        return out

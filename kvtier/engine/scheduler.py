@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvtier.cache import CacheManager
+from kvtier.cache import CacheManager, CacheRequest
 from kvtier.engine.request import Request, Status
 
 
@@ -80,8 +80,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
-        req.cache = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
+        req.cache = self._cache_request(req)
         self.waiting.append(req)
+
+    def _cache_request(self, req: Request) -> CacheRequest:
+        c = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
+        # prompt logprobs need the logits of every prompt position: a hit has none, so such a
+        # request computes its whole prompt (as vLLM does); its blocks are still committed
+        c.no_hits = req.needs_prompt_logits
+        return c
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -182,7 +189,7 @@ class Scheduler:
             self.cache.swap_out(req.cache)
         else:
             self.cache.free(req.cache)
-        req.cache = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
+        req.cache = self._cache_request(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.prefetch_from = None            # its prefix may be in storage again: prefetch anew
@@ -207,9 +214,12 @@ class Scheduler:
                     tiers["device"] = min(tiers["device"], valid)
                     tiers["host"] = min(tiers["host"], valid - tiers["device"])
                     tiers["storage"] = valid - tiers["device"] - tiers["host"]
+                req.step_logprobs = req.step_prompt_logprobs = None
                 continue
             req.num_computed_tokens += s.num_tokens
             self.cache.commit(req.cache, req.num_computed_tokens)
+            if req.step_prompt_logprobs is not None:
+                _take_prompt_logprobs(req)
             if not s.samples:
                 continue
             if req.handoff_stop is not None:         # its handed-off first token already ended it
@@ -222,6 +232,9 @@ class Scheduler:
                 req.metrics["first_token"] = time.monotonic()
             req.all_token_ids.append(token)
             req.output_token_ids.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(req.step_logprobs)    # type: ignore[arg-type]
+                req.step_logprobs = None
             reason = self._stop_reason(req, token)
             if reason is not None:
                 req.status = Status.FINISHED
@@ -256,6 +269,18 @@ class Scheduler:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
+        if req.stop_strings is not None and req.stop_strings.push(token, len(req.output_token_ids)):
+            return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+def _take_prompt_logprobs(req: Request) -> None:
+    """Append the prompt logprobs the step computed past those the request has (a request
+    recomputed after a preemption scores again what it scored before)."""
+    first, entries = req.step_prompt_logprobs          # type: ignore[misc]
+    req.step_prompt_logprobs = None
+    have = len(req.prompt_logprobs)                    # type: ignore[arg-type]
+    if first <= have:
+        req.prompt_logprobs.extend(entries[have - first:])   # type: ignore[union-attr]

@@ -53,7 +53,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.serve import asgi
-from kvtier.serve.detok import TextStream
+from kvtier.engine.detok import TextStream
 from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
 from kvtier.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from kvtier.serve.metrics import ServerMetrics, snapshot

@@ -222,18 +222,8 @@ def test_a_caller_that_leaves_aborts_every_sample(engine):
     asyncio.run(main())
 
 
-def test_sample_deltas_carry_their_tokens_logprobs_in_step(engine, monkeypatch):
-    real = engine.core.scheduler.update
-
-    def update_with_logprobs(out, sampled, rewinds=None):    # stands in for the sampler's logprobs:
-        finished = real(out, sampled, rewinds)               # {token: -position} per generated token
-        for s in out.scheduled:
-            r = s.request
-            r.logprobs = r.logprobs or []
-            r.logprobs += [{t: -float(i)} for i, t in enumerate(r.output_token_ids) if i >= len(r.logprobs)]
-        return finished
-    monkeypatch.setattr(engine.core.scheduler, "update", update_with_logprobs)
-    params = kvtier.SamplingParams(max_tokens=9, temperature=0.8, seed=1, n=2, ignore_eos=True)
+def test_sample_deltas_carry_their_tokens_logprobs_in_step(engine):
+    params = kvtier.SamplingParams(max_tokens=9, temperature=0.8, seed=1, n=2, ignore_eos=True, logprobs=2)
 
     async def main():
         return [d async for d in engine.generate(engine.make_request(list(range(1, 20)), params))]
@@ -241,5 +231,7 @@ def test_sample_deltas_carry_their_tokens_logprobs_in_step(engine, monkeypatch):
     for c in deltas[-1].output.outputs:
         mine = [d for d in deltas if d.index == c.index]
         assert all(len(d.logprobs) == len(d.token_ids) for d in mine)
-        want = [{t: -float(i)} for i, t in enumerate(c.token_ids)]
-        assert [lp for d in mine for lp in d.logprobs] == c.logprobs == want
+        streamed = [lp for d in mine for lp in d.logprobs]
+        assert streamed == c.logprobs and len(streamed) == len(c.token_ids) == 9
+        # each entry: the sampled token (first) and the top 2
+        assert all(next(iter(lp)) == t and 2 <= len(lp) <= 3 for lp, t in zip(streamed, c.token_ids))

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvtier.model.tokenizer import EOS_TOKEN_ID, IM_END_TOKEN_ID, build_byte_tokenizer
-from kvtier.serve.detok import TextStream
+from kvtier.engine.detok import TextStream
 
 
 class Tok:

@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings, for streaming.
+"""Incremental detokenization with stop strings: the server streams with it, the engine matches
+stop strings with it (engine/ never imports serve/).
 
 Decoding the whole output again for every new token costs O(n^2); instead each step decodes a
 short window: the text of ``ids[prefix:read]`` (already sent) and of ``ids[prefix:]``, and sends
@@ -72,3 +73,32 @@ class TextStream:
         out = text[self.sent:end]
         self.sent = max(self.sent, end)
         return out
+
+
+class StopStrings:
+    """The engine's stop strings of one request (``SamplingParams.stop``), on its incremental text.
+
+    A match counts once ``min_tokens`` tokens were generated: the stream runs without stop
+    strings until then and gets them at the ``min_tokens``-th token, so a match completed by that
+    token or a later one is found (its search starts ``len(stop) - 1`` characters back), one
+    completed earlier is not (vLLM's rule). On a match ``text`` ends before the stop string."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], skip_special_tokens: bool, min_tokens: int) -> None:
+        self.stream = TextStream(tokenizer, (), skip_special_tokens)
+        self.stop = tuple(stop)
+        self.min_tokens = min_tokens
+
+    def push(self, token: int, num_generated: int) -> bool:
+        """``token`` was appended as generated token number ``num_generated``: did it end the text?"""
+        if num_generated >= self.min_tokens:
+            self.stream.stop = self.stop
+        self.stream.push([token])
+        return self.stream.stopped
+
+    @property
+    def stopped(self) -> bool:
+        return self.stream.stopped
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
