@@ -14,12 +14,14 @@ serves every endpoint::
 
     a call (one HTTP request) ─ prompts (tokenized off the event loop, ``prompts.py``) ─► one engine
     request per prompt, run concurrently, each with n samples ─► choices, index = prompt * n + sample
-    engine deltas (per sample) ─► the choice's TextStream (detokenization, stop-string hold-back) ─► pieces
+    engine deltas (per sample) ─► the choice's text (``choice_text.py``: the engine's stop-string
+              matcher, what may begin a stop string held back) ─► pieces
     pieces ─► SSE chunks ({"index": i, ...} of whichever choice has new text; each choice's last
               chunk carries its finish_reason) | the whole answer, built from the choices at the end
 
-The engine matches stop strings itself (``SamplingParams.stop``); the TextStream holds back text
-that may begin one, so no stop-string text is ever sent, and cuts there. Logprobs are shaped by
+The engine matches stop strings itself (``SamplingParams.stop``); the server runs the same
+matcher on the same tokens (its text is the engine's) and holds back text that may begin a stop
+string, so no stop-string text is ever sent. Logprobs are shaped by
 ``logprobs.py``; completions' ``echo`` puts the prompt's text (and with logprobs, its tokens'
 logprobs from ``prompt_logprobs``) before each choice's. ``usage`` counts each prompt once and the
 tokens of every choice. A ``kvtier_handoff`` field (role=decode, sent by the router) starts the
@@ -53,7 +55,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.serve import asgi
-from kvtier.engine.detok import TextStream
+from kvtier.serve.choice_text import ChoiceText
 from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
 from kvtier.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from kvtier.serve.metrics import ServerMetrics, snapshot
@@ -77,7 +79,7 @@ class _Choice:
     """One choice of an answer: sample ``sample`` of its prompt (``index`` = prompt * n + sample)."""
     index: int
     sample: int
-    stream: TextStream
+    stream: ChoiceText
     echo: str = ""                     # completions' echo: the prompt's text, before the choice's
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)     # per token of token_ids (logprobs asked)
@@ -307,8 +309,8 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         n, echo = body.n, kind == "completion" and body.echo
-        gens = [_Gen(req, [_Choice(i * n + j, j, TextStream(self.tokenizer, body.stop_strings,
-                                                            skip_special_tokens=body.skip_special_tokens),
+        gens = [_Gen(req, [_Choice(i * n + j, j, ChoiceText(self.tokenizer, body.stop_strings, body.skip_special_tokens,
+                                                            body.min_tokens),
                                    self._echo_text(p, ids) if echo else "") for j in range(n)])
                 for i, (req, p, ids) in enumerate(zip(reqs, prompts, ids_of))]
         return _Call(kind, body, rid, created, self.model_name, gens, echo_only)
@@ -355,13 +357,7 @@ class Server:
         if call.logprobs and (lps is None or len(lps) != len(toks)):
             raise APIError(500, "the engine returned no logprobs for tokens of a request that asked for them")
         stream = choice.stream
-        if stream.stop:                          # token by token: where a stop string completes
-            text, n = "", 0
-            while n < len(toks) and not stream.stopped:
-                text += stream.push(toks[n:n + 1])
-                n += 1
-        else:
-            text, n = stream.push(toks), len(toks)
+        text, n = stream.push(toks)
         toks = toks[:n]
         lps = lps[:n] if call.logprobs else None
         choice.token_ids += toks
@@ -593,8 +589,7 @@ class Server:
 
     def _choice(self, call: _Call, gen: _Gen, choice: _Choice) -> dict:
         """A choice of a whole (non-streaming) answer."""
-        body, stream = call.body, choice.stream
-        text = stream.text[:stream.sent]
+        body, text = call.body, choice.stream.text
         if call.kind == "chat":
             shape: dict[str, Any] = {"index": choice.index, "message": {"role": "assistant", "content": text},
                                      "logprobs": None, "finish_reason": choice.finish_reason}
