@@ -404,20 +404,27 @@ def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
 
 # ---------------------------------------------------------------- disconnects
 def metric(server, name: str) -> float:
-    return float(re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(server.url + "/metrics").text, re.M).group(1))
+    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
-def test_a_client_that_hangs_up_aborts_every_request_of_its_call(server):
-    before = metric(server, "kvtier_generation_tokens_total")
-    with httpx.stream("POST", server.url + "/v1/completions",
-                      json={"model": "moe", "prompt": PROMPTS, "n": 2, "max_tokens": 300, "ignore_eos": True,
-                            "stream": True}, timeout=60) as r:
-        assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_client_that_hangs_up_aborts_every_request_of_its_call(server, streamed):
+    aborted = 'kvtier_requests_total{finish_reason="abort"}'
+    before, gen_before = metric(server, aborted), metric(server, "kvtier_generation_tokens_total")
+    body = {"model": "moe", "prompt": PROMPTS, "n": 2, "max_tokens": 300, "ignore_eos": True, "stream": streamed}
+    if streamed:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
     deadline = time.monotonic() + 30
-    while metric(server, "kvtier_requests_running") != 0:
+    while metric(server, "kvtier_requests_running") != 0 or metric(server, aborted) < before + 3:
         assert time.monotonic() < deadline, "requests of the call are still running"
         time.sleep(0.1)
-    assert metric(server, "kvtier_generation_tokens_total") - before < 6 * 300
+    assert metric(server, aborted) == before + 3                 # one engine request per prompt
+    assert metric(server, "kvtier_generation_tokens_total") - gen_before < 6 * 300
 
 
 # ---------------------------------------------------------------- PD
