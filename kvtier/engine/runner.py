@@ -17,7 +17,7 @@ import torch
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import Penalties, draw
+from kvtier.engine.sampling import Penalties, draw, topk
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
@@ -206,7 +206,7 @@ class _Pack:
     @staticmethod
     def scored(lp: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
         """[rows, 1 + 2k]: logprob of ``ids``, then the top-k logprobs, then their token ids."""
-        top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        top = topk(lp, k)
         return torch.cat([lp.gather(1, ids[:, None]), top.values, top.indices.to(lp.dtype)], dim=1).double()
 
     def add(self, lp: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[int, int, int]:
@@ -227,10 +227,15 @@ class _Pack:
         start, n, width = where
         block = host[start:start + n * width].reshape(n, width)
         k = (width - 1) // 2
+        # whole columns to Python at once, then one dict per row built in C (dict.update over a
+        # zip): this runs on the engine thread after every step's sync, with the GPU idle
+        sampled = block[:, 0].tolist()
+        values = block[:, 1:1 + k].tolist()
+        top_ids = block[:, 1 + k:].astype(np.int64).tolist()
         out = []
-        for row, token, kr in zip(block.tolist(), ids, ks):
-            entry = {token: row[0]}
-            for j in range(kr):
-                entry.setdefault(int(row[1 + k + j]), row[1 + j])
+        for token, s, v, i, kr in zip(ids, sampled, values, top_ids, ks):
+            entry = {token: s}
+            # the sampled token's top-k value (if it is in the top k) is the same logprob
+            entry.update(zip(i[:kr], v[:kr]))
             out.append(entry)
         return out

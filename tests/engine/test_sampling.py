@@ -69,3 +69,19 @@ def test_rows_of_a_batch_are_sampled_independently_and_bf16_logits_are_accepted(
 def test_flags_must_be_bools(flag):
     with pytest.raises(ValueError, match=f"{flag} must be a bool, got 'yes'"):
         SamplingParams(**{flag: "yes"})
+
+
+@pytest.mark.parametrize("vocab", [262, 5_000, 32_000, 128_256, 151_936])
+def test_two_pass_topk_equals_torch_topk(vocab):
+    """The vocabulary-long top-k of the logprobs path (two passes over chunks) against torch.topk
+    on random rows (distinct values: same indices too), and -inf rows never name a padded id."""
+    from kvtier.engine.sampling import topk
+    x = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
+    for k in (0, 1, 5, 20):
+        got, want = topk(x, k), torch.topk(x, k, dim=-1)
+        assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+    x[0] = float("-inf")
+    x[1, 3:] = float("-inf")
+    got = topk(x, 5)
+    assert torch.equal(got.values, torch.topk(x, 5, dim=-1).values) and bool((got.indices < vocab).all())
+    assert set(got.indices[1, :3].tolist()) == {0, 1, 2}
