@@ -10,7 +10,7 @@ from kvtier.bench import soak
 def test_short_soak_meets_every_goal(checkpoint):
     args = soak.build_parser().parse_args(["--requests", "240", "--concurrency", "8", "--no-progress",
                                            "--huge-bytes", str(20 << 20),
-                                           "--model", str(checkpoint("qwen3-moe-tiny"))])
+                                           "--model", str(checkpoint("qwen3-tiny"))])
     s = soak.run(args)
     assert s["requests"] == 240
     assert s["five_xx"] == 0, s["unexpected_examples"]
