@@ -34,6 +34,7 @@ RUN = {
     r"^kvtier sim traces/": "",
     r"^kvtier bench cache$": "--requests 20 --prompts 2 --prompt-tokens 256 --repeat 1",
     r"^kvtier bench peers$": "--requests 20 --prompts 2 --warmup 5 --repeat 1 --num-blocks 4096",
+    r"^kvtier bench soak$": "--requests 30 --concurrency 4 --no-progress --huge-bytes 17000000",
 }
 # command pattern -> why it is not run here
 NOT_RUN = {
@@ -42,7 +43,7 @@ NOT_RUN = {
     r"python -m pytest": "the test suite itself",
     r"^apt-get install ": "system packages: .ci/run installs them",
     r"--device cuda": "needs a GPU",
-    r"^kvtier bench (transfer|overlap)\b": "GPU benchmark",
+    r"^kvtier bench (transfer|overlap|rollout)\b": "GPU benchmark",
     r"^kvtier bench storage --ttft\b": "two engines on a 1 GiB prompt: minutes on a CPU",
     r"^kvtier (serve|router) ": "a server: tests/serve start the same ones",
     r"^kvtier pool mooncake ": "starts a Mooncake master: tests/storage start the same one",
