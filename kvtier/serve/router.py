@@ -204,6 +204,8 @@ class Router:
                 continue
             if _clients_fault(r):
                 return Response(r.content, status_code=r.status_code, media_type="application/json"), ""
+            if r.status_code == 501:          # what a hand-off cannot carry (n > 1, logprobs, several
+                return None, "not_handed_off"  # prompts): any P would say so; nothing is wrong with P
             if r.status_code != 200:
                 log.warning("prefill server %s answered %d: %s", p.url, r.status_code, r.text[:200])
                 reason = "prefill_error"

@@ -465,6 +465,7 @@ def test_what_a_hand_off_cannot_carry_runs_colocated(kw, monkeypatch):
         router = Router(["http://p.test"], ["http://d.test"], health_interval=60)
         with TestClient(router.app) as rc:
             assert rc.post("/v1/completions", json=body).status_code == 200
+            assert 'kvtier_router_fallbacks_total{reason="not_handed_off"} 1.0' in rc.get("/metrics").text
         assert got_at_d == [body]                     # colocated on D: no kvtier_handoff
     d = _fake_server("decode")
     with TestClient(d.app) as dc:
