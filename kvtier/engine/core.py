@@ -59,7 +59,7 @@ from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import SamplingParams, check_int
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
@@ -132,13 +132,13 @@ class EngineCore:
           host -> pool, so the pool serves the next engine), else ``"write_through_selective"``.
 
         Bad sizes and types raise ValueError naming the value before the model is loaded."""
-        _check_int("max_model_len", max_model_len, 1, optional=True)
-        _check_int("num_device_blocks", num_device_blocks, 1, optional=True)
-        _check_int("num_host_blocks", num_host_blocks, 0, optional=True)
-        _check_int("max_num_seqs", max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        _check_int("write_through_threshold", write_through_threshold, 1)
-        _check_int("seed", seed, None)
+        check_int("max_model_len", max_model_len, 1, optional=True)
+        check_int("num_device_blocks", num_device_blocks, 1, optional=True)
+        check_int("num_host_blocks", num_host_blocks, 0, optional=True)
+        check_int("max_num_seqs", max_num_seqs, 1)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int("write_through_threshold", write_through_threshold, 1)
+        check_int("seed", seed)
         if write_policy is None:
             write_policy = "write_through" if storage is not None else "write_through_selective"
         WritePolicy(write_policy, write_through_threshold)       # names a bad policy now, not after loading
@@ -788,16 +788,6 @@ class EngineCore:
 
     def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
         self.close()
-
-
-def _check_int(name: str, value: object, minimum: int | None, optional: bool = False) -> None:
-    """ValueError naming ``value`` unless it is an int >= ``minimum`` (or None when optional)."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-            (minimum is not None and value < minimum):
-        want = "an int" + (f" >= {minimum}" if minimum is not None else "") + (" or None" if optional else "")
-        raise ValueError(f"{name} must be {want}, got {value!r}")
 
 
 def _available_ram() -> int:

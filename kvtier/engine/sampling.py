@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -39,9 +40,19 @@ MAX_LOGPROBS = 20           # as vLLM and OpenAI's chat top_logprobs
 LOGPROBS_MODES = ("raw", "processed")
 
 
-def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None,
+              optional: bool = False) -> None:
+    """ValueError naming ``value`` unless it is an int in ``lo..hi`` (either bound may be None),
+    or None when ``optional``. One check for SamplingParams and the engine's constructor."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+            (lo is not None and value < lo) or (hi is not None and value > hi):
+        if lo is not None and hi is not None:
+            want = f"an int in {lo}..{hi}"
+        else:
+            want = "an int" + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
+        raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -88,10 +99,10 @@ class SamplingParams:
         for flag in ("ignore_eos", "return_routed_experts", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
-        _check_int("n", self.n, 1, MAX_N)
+        check_int("n", self.n, 1, MAX_N)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+                check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
@@ -99,7 +110,7 @@ class SamplingParams:
         v = self.repetition_penalty
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {v!r}")
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         stop_strings = (self.stop,) if isinstance(self.stop, str) else self.stop
         try:
             stop_strings = tuple(stop_strings)
