@@ -332,6 +332,9 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
                    help="MoE: do not capture routed experts (R3)")
     p.add_argument("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA-graph decode (default: on for cuda)")
+    p.add_argument("--overlap-schedule", dest="overlap_schedule", action=argparse.BooleanOptionalAction,
+                   default=None, help="schedule step N+1 on the CPU while the GPU runs step N "
+                                      "(default: on for cuda; --no-overlap-schedule turns it off)")
     p.add_argument("--pd-on-miss", choices=("recompute", "error"), default="recompute",
                    help="PD decode side: blocks missing, corrupt or late in the pool are recomputed, or the "
                         "request fails with 502 (default recompute)")
@@ -343,7 +346,7 @@ _LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blo
              "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
              "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs",
              "max_model_len", "prefetch_timeout", "storage_workers", "attention_backend", "eviction",
-             "capture_routing", "cuda_graphs", "pd_on_miss", "export_timeout")
+             "capture_routing", "cuda_graphs", "overlap_schedule", "pd_on_miss", "export_timeout")
 
 
 def _generate(args) -> int:  # type: ignore[no-untyped-def]

@@ -22,11 +22,27 @@ recomputing whatever is missing (or failing the request under ``pd_on_miss="erro
 One engine step::
 
     poll copies ─► schedule() ─► upload inputs ─► submit plan (loads queued on the load stream,
-        layer by layer) ─► forward (layer l waits on load event l, GPU-side) + sample
-        ─► loads landed ─► update() ─► fork (n > 1: a sample 0 that sampled its first token
-        queues samples 1..n-1)
+        layer by layer) ─► forward (layer l waits on load event l, GPU-side) + sample, queued
+        ─► advance() ─► [results of the step:] tokens to the host ─► loads landed ─► update()
+        ─► fork (n > 1: a sample 0 that sampled its first token queues samples 1..n-1)
         ─► submit plan (backups of the blocks just written: offload stream, after the forward)
         ─► poll copies ─► finished requests: outputs, free ─► samples folded into their requests
+
+Overlap scheduling (``overlap_schedule``, on for CUDA): the results of step N are taken after
+step N+1 is scheduled and queued, so the host's work (scheduling, inputs, outputs, copies) runs
+while the GPU computes and the GPU never waits for it in steady decode::
+
+    host:  sched N+1 ─ launch N+1 ─ results N ─ sched N+2 ─ launch N+2 ─ results N+1 ─ ...
+    GPU:   ... forward N ────────────┤ forward N+1 ──────────────────┤ forward N+2 ...
+
+A decode of step N+1 reads its input token from step N's sampled tokens on the device. A request
+that step N finishes (a stop token) runs in step N+1 for nothing; its token there is dropped and
+its blocks return once step N+1's results are in. Outputs are the same as without overlap (a
+seeded or greedy request draws from its own generator; an unseeded sampled request draws from
+the engine's shared generator, so its tokens depend on the batches around it either way). The
+step in flight is finished first when the next schedule needs its tokens on the host: a step
+that loaded blocks (a failed load rewinds its request), one with repetition/presence/frequency
+penalties or min_tokens (they count the output on the host), and before any preemption.
 
 A step that raises fails its requests, not the engine (:meth:`step`): they come out with
 ``finish_reason="error"`` and ``error_kind="internal"``, their blocks returned (an n > 1 request's
@@ -58,7 +74,7 @@ from kvtier.engine.detok import StopStrings
 from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.runner import ModelRunner, StepResult
 from kvtier.engine.sampling import SamplingParams, check_int
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
@@ -105,6 +121,17 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None    # per prompt token (the first: None)
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A step queued on the device whose results the host has not taken yet."""
+    out: SchedulerOutput
+    ends: list[int]              # each scheduled request's computed length after it (Scheduler.advance)
+    result: StepResult
+    sync: bool                   # the next schedule needs its results first
+    loads: bool                  # it loaded blocks (host -> device)
+    t0: float                    # perf_counter at launch
+
+
 class HandoffError(RuntimeError):
     """A PD hand-off that cannot be served as asked (``pd_on_miss="error"`` and blocks missing)."""
 
@@ -121,7 +148,8 @@ class EngineCore:
                  attention_backend: str | None = None, eviction: str = "lru",
                  capture_routing: bool = True, cuda_graphs: bool | None = None,
                  prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int | None = None,
-                 pd_on_miss: str = "recompute", export_timeout: float = 30.0) -> None:
+                 pd_on_miss: str = "recompute", export_timeout: float = 30.0,
+                 overlap_schedule: bool | None = None) -> None:
         """Load ``model`` and set up the tiers (DESIGN §6 lists the keywords). Defaults that
         depend on others:
 
@@ -129,7 +157,10 @@ class EngineCore:
         - ``num_host_blocks=None``: no host tier (0), unless ``storage`` is set: then a host tier
           sized from free RAM (:meth:`_size_host_blocks`), since storage I/O goes through it;
         - ``write_policy=None``: ``"write_through"`` with a storage pool (every computed block goes
-          host -> pool, so the pool serves the next engine), else ``"write_through_selective"``.
+          host -> pool, so the pool serves the next engine), else ``"write_through_selective"``;
+        - ``overlap_schedule=None``: on for CUDA (the CPU schedules step N+1 while the GPU runs
+          step N), off on CPU (where a step runs to its end before the host goes on: nothing to
+          overlap, and a finished request's extra step would cost a forward).
 
         Bad sizes and types raise ValueError naming the value before the model is loaded."""
         check_int("max_model_len", max_model_len, 1, optional=True)
@@ -243,6 +274,10 @@ class EngineCore:
         self._sample_of: dict[str, tuple[SampleGroup, int]] = {}
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
+        self.overlap_schedule = self.device.type == "cuda" if overlap_schedule is None else bool(overlap_schedule)
+        self._inflight: _Launched | None = None   # overlap: the step on the GPU, results not taken
+        self._rewinds: dict[object, int] = {}     # failed loads: request id -> tokens still valid
+        self._loads_submitted = 0
         self._closed = False
 
     # ------------------------------------------------------------------ set-up helpers
@@ -345,7 +380,7 @@ class EngineCore:
         return entry[0].progress()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._exports)
+        return self.scheduler.has_unfinished() or bool(self._exports) or self._inflight is not None
 
     def _fork(self, group: SampleGroup, front: bool = True) -> None:
         """Queue samples 1..n-1 of ``group`` (engine/group.py): sample 0 has sampled its first
@@ -499,6 +534,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it.
 
+        Overlap scheduling (``overlap_schedule``, the module docstring): the step launched last
+        time is still on the GPU while this one is scheduled and launched; its results are taken
+        after. It is taken first instead when the next schedule needs its tokens on the host
+        (:attr:`_Launched.sync`), or when scheduling would have to preempt (``needs_sync``).
+
         A failure fails requests, not the engine: if the forward of a batch raises, its requests
         run one by one and only those that fail alone are blamed; if anything after the forward
         raises, every request of the step without an output is. A blamed request comes out with
@@ -506,22 +546,31 @@ class EngineCore:
         copies in flight are drained and the step goes on. Only a failure with no request to blame
         (before anything was scheduled) raises."""
         self._check_open()
-        if self.routing is not None:
-            self.routing.flush()
         ops_before = self._ops_done
         self._pump()                              # copies that landed since the last step
-        out = self.scheduler.schedule()
         results: list[RequestOutput] = []
-        try:
-            self._run(out, results)
-        except Exception as e:  # noqa: BLE001 - blamed on this step's requests, reported in their outputs
-            answered = {o.request_id for o in results} | set(self._exports)
-            blamed = [s.request for s in out.scheduled if s.request.request_id not in answered]
-            if not blamed:
-                raise
-            log.exception("engine step failed; failing its %d requests", len(blamed))
-            results += [self._fail(req, e) for req in blamed]
-            self._drain()
+        prev, self._inflight = self._inflight, None
+        if prev is not None and prev.sync:
+            self._finish(prev, results)
+            prev = None
+        out = self.scheduler.schedule(defer_preempt=prev is not None)
+        if out.needs_sync:                        # it would preempt: first the step in flight
+            self._finish(prev, results)           # type: ignore[arg-type]
+            prev = None
+            out = self.scheduler.schedule()
+        cur = self._launch(out, results) if out.scheduled else None
+        if prev is not None:
+            self._finish(prev, results)
+        if cur is not None:
+            if self.overlap_schedule and not cur.sync:
+                self._inflight = cur
+            else:
+                self._finish(cur, results)
+        elif not out.scheduled:
+            self._pump()                          # staged copies (e.g. a swap's) go out now
+            self._complete(self.transfer.wait_loads())
+        if self._exports:
+            results += self._finished_exports()
         progressed = out.scheduled or self._ops_done != ops_before or results
         if not progressed and self.has_unfinished():
             if self.transfer.num_in_flight:        # nothing to run until copies land: wait for them
@@ -535,25 +584,81 @@ class EngineCore:
                     f"tier has {self.cache.device_pool.num_blocks} blocks")))
         return self._group_outputs(results)
 
-    def _run(self, out: SchedulerOutput, results: list[RequestOutput]) -> None:
-        """The step after schedule(): forward, update, outputs (into ``results``), copies."""
-        rewinds: dict[object, int] = {}
-        hook: list = []
+    def _launch(self, out: SchedulerOutput, results: list[RequestOutput]) -> _Launched | None:
+        """Queue the step (forward and sampling) and advance its requests; None if every one of
+        them failed (their outputs into ``results``)."""
+        loads_before = self._loads_submitted
 
         def start_loads():  # type: ignore[no-untyped-def]
             if not hook:                          # once per step, whatever forwards run in it
-                rewinds.update(self._pump())      # loads: queued (GPU) or done (CPU)
+                self._pump()                      # loads: queued (GPU) or done (CPU)
                 hook.append(self.transfer.layer_hook())
             return hook[0]
+        hook: list = []
         t0 = time.perf_counter()
-        sampled = self._forward(out, start_loads, results) if out.scheduled else {}
-        if self.fetch_cost is not None and sampled and out.num_tokens >= 2 * len(out.scheduled):
-            # a step with prefill work that synchronized (it sampled): the recompute side of the cost model
-            self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - t0)
-        if not out.scheduled:
-            start_loads()
-        rewinds.update(self._complete(self.transfer.wait_loads()))   # the forward waited on them
-        finished = self.scheduler.update(out, sampled, rewinds)
+        self.runner.start_step()
+        try:
+            result = self._forward(out, start_loads, results)
+            if not out.scheduled:
+                return None
+            ends = self.scheduler.advance(out)
+        except Exception as e:  # noqa: BLE001 - blamed on this step's requests, reported in their outputs
+            self._blame(out, results, e)
+            return None
+        # the next schedule needs this step's tokens on the host if it loaded blocks (a failed
+        # load rewinds its request), fell back to one-by-one, or penalizes by what it samples
+        loads = self._loads_submitted != loads_before
+        sync = loads or result.collected or any(s.request.params.has_penalties for s in out.scheduled)
+        return _Launched(out, ends, result, sync, loads, t0)
+
+    def _forward(self, out: SchedulerOutput, start_loads, results: list[RequestOutput]) -> StepResult:  # type: ignore[no-untyped-def]
+        """The step's forward and sampling, queued. If a batch of several raises, its requests
+        run one by one, each to its results (the KV they write is their own, rewritten alike):
+        those that fail alone are failed (outputs into ``results``) and dropped from ``out``, the
+        others go on with the step."""
+        try:
+            return self.runner.execute(out, start_loads)
+        except Exception as e:  # noqa: BLE001
+            if len(out.scheduled) == 1:
+                raise
+            log.warning("a forward of %d requests failed (%r): running them one by one", len(out.scheduled), e)
+        sampled: dict[str, int] = {}
+        survivors = []
+        for s in out.scheduled:
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput([s], []), start_loads).collect())
+                survivors.append(s)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.exception("request %s failed in the forward", s.request.request_id)
+                results.append(self._fail(s.request, e))
+        out.scheduled = survivors
+        return StepResult.done(sampled)
+
+    def _finish(self, step: _Launched, results: list[RequestOutput]) -> None:
+        """A launched step's results: update, outputs (into ``results``), copies."""
+        out = step.out
+        try:
+            sampled = step.result.collect()
+            if self.routing is not None:
+                self.routing.flush()
+            if self.fetch_cost is not None and sampled and out.num_tokens >= 2 * len(out.scheduled):
+                # a step with prefill work, from launch to results: the recompute side of the cost model
+                self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - step.t0)
+            if step.loads:
+                self._complete(self.transfer.wait_loads())     # the forward waited on them
+            rewinds = {s.request.request_id: self._rewinds.pop(s.request.request_id)
+                       for s in out.scheduled if s.request.request_id in self._rewinds}
+            finished = self.scheduler.update(out, step.ends, sampled, rewinds)
+        except Exception as e:  # noqa: BLE001
+            self.scheduler.drop(out)
+            self._blame(out, results, e)
+            return
+        try:
+            self._outputs(out, finished, results)
+        except Exception as e:  # noqa: BLE001
+            self._blame(out, results, e)
+
+    def _outputs(self, out: SchedulerOutput, finished: list[Request], results: list[RequestOutput]) -> None:
         if self._groups:                 # n > 1: a sample 0 that sampled its first token forks
             for s in out.scheduled:
                 entry = self._sample_of.get(s.request.request_id)
@@ -570,37 +675,25 @@ class EngineCore:
             finally:                      # a failed output still returns the request's blocks
                 self.scheduler.release(req)
         self._pump()                              # backups of what the forward wrote, puts
-        if self._exports:
-            results += self._finished_exports()
 
-    def _forward(self, out: SchedulerOutput, start_loads, results: list[RequestOutput]) -> dict[str, int]:  # type: ignore[no-untyped-def]
-        """The step's forward and sampling. If a batch of several raises, its requests run one by
-        one (the KV they write is their own, rewritten alike): those that fail alone are failed
-        (outputs into ``results``) and dropped from ``out``, the others go on with the step."""
-        try:
-            return self.runner.execute(out, start_loads)
-        except Exception as e:  # noqa: BLE001
-            if len(out.scheduled) == 1:
-                raise
-            log.warning("a forward of %d requests failed (%r): running them one by one", len(out.scheduled), e)
-        sampled: dict[str, int] = {}
-        survivors = []
-        for s in out.scheduled:
-            try:
-                sampled.update(self.runner.execute(SchedulerOutput([s], []), start_loads))
-                survivors.append(s)
-            except Exception as e:  # noqa: BLE001 - this request alone fails
-                log.exception("request %s failed in the forward", s.request.request_id)
-                results.append(self._fail(s.request, e))
-        out.scheduled = survivors
-        return sampled
+    def _blame(self, out: SchedulerOutput, results: list[RequestOutput], exc: BaseException) -> None:
+        """Fail the requests of ``out`` without an output yet (the step raised ``exc``)."""
+        answered = {o.request_id for o in results} | set(self._exports)
+        blamed = [s.request for s in out.scheduled
+                  if s.request.request_id not in answered and not s.request.is_finished]
+        if not blamed:
+            raise exc
+        log.error("engine step failed; failing its %d requests", len(blamed), exc_info=exc)
+        results += [self._fail(req, exc) for req in blamed]
+        self._drain()
 
     def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
         """Fail ``req`` for an internal error: return its blocks (wherever the step left it) and
         make its error output."""
         self._exports.pop(req.request_id, None)
-        if self.scheduler.abort(req.request_id) is None and req.cache is not None and not req.cache.freed:
-            self.cache.free(req.cache)            # finished in update, not yet released
+        if (self.scheduler.abort(req.request_id) is None and req.cache is not None and not req.cache.freed
+                and req not in self.scheduler.draining):
+            self.scheduler.release(req)           # finished in update, not yet released
         req.status = Status.FINISHED
         self.num_failed_requests += 1
         return self._output(req, error=f"internal error: {exc!r}", error_kind="internal")
@@ -654,33 +747,37 @@ class EngineCore:
             done.append(output)
         return done
 
-    def _pump(self) -> dict[object, int]:
+    def _pump(self) -> None:
         """Submit the manager's staged copies and hand back those that landed, until quiet (on
         CPU every copy lands at once, and a landed copy may stage the next: backup -> put)."""
-        rewinds: dict[object, int] = {}
         while True:
             plan = self.cache.take_plan()
             for op in plan:
                 if op.kind in ("fetch", "put"):
                     self.storage.submit(op)        # type: ignore[union-attr]
                 else:
+                    self._loads_submitted += op.kind == "load"
                     self.transfer.submit(op)
             landed = self.transfer.poll()
             if self.storage is not None:
                 landed += self.storage.poll()
-            rewinds.update(self._complete(landed))
+            self._complete(landed)
             if not plan and not landed:
-                return rewinds
+                return
 
-    def _complete(self, landed: list[tuple[int, list[int]]]) -> dict[object, int]:
-        rewinds: dict[object, int] = {}
+    def _complete(self, landed: list[tuple[int, list[int]]]) -> None:
+        """Hand landed copies to the manager; a failed load's rewind (recompute its request from
+        there) waits in ``_rewinds`` for the step that loaded, which applies it."""
         for op_id, failed in landed:
-            rewinds.update(self.cache.complete(op_id, failed))
+            self._rewinds.update(self.cache.complete(op_id, failed))
         self._ops_done += len(landed)
-        return rewinds
 
     def _drain(self) -> None:
-        """Wait for every copy in flight and hand it to the manager (close, errors)."""
+        """Finish the step in flight; wait for every copy in flight and hand it to the manager
+        (close, errors)."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._finish(step, [])                 # (close: its requests' outputs are not wanted)
         self._pump()
         while self.transfer.num_in_flight or (self.storage is not None and self.storage.num_in_flight):
             self._complete(self.transfer.drain())
@@ -764,7 +861,7 @@ class EngineCore:
             return
         self._drain()
         if self.routing is not None:
-            self.routing.flush()
+            self.routing.flush(wait=True)
         self._closed = True
         self.kv_caches.clear()
         self.host_kv = None

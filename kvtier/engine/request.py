@@ -3,7 +3,9 @@
 ``all_token_ids = prompt + generated``; ``num_computed_tokens`` of them have KV in the request's
 blocks (cached prefix included). A step computes ``all_token_ids[num_computed : num_computed + n]``;
 when that reaches the end, the last position's logits give the next token (and, for a request
-that asked for prompt logprobs, every position's logits score the prompt token after it)::
+that asked for prompt logprobs, every position's logits score the prompt token after it).
+``num_computed_tokens`` moves when a step is launched; the sampled token joins ``all_token_ids``
+when the step's results reach the host (``num_pending`` counts those in between)::
 
     prompt:  p0 p1 p2 p3 p4 p5 p6 | generated: g0 g1
              └ cached ┘└ chunk 1 ┘             └ decode steps, one token each
@@ -37,6 +39,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens sampled by launched steps whose ids the host has not seen yet (overlap scheduling:
+    # 0 or 1 when the scheduler runs; the next step reads the id on the device)
+    num_pending: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     cache: CacheRequest | None = None
@@ -75,6 +80,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens including those still in flight: what the next step computes up to."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

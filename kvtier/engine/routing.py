@@ -3,9 +3,10 @@
 During a forward every MoE layer writes its top-k expert ids into ``buffer(T)`` (a device tensor
 [T, num_moe_layers, top_k], no host sync). :meth:`record` then starts one non-blocking copy of
 *only this step's rows* into pinned host memory on the compute stream and records an event.
-:meth:`flush` (start of the next step, or when a finished request needs its routing) waits for
-that event — long complete by then — and scatters the rows on the CPU into routing blocks that
-mirror the KV blocks::
+:meth:`flush` (when the engine has a step's results, when a finished request needs its routing,
+before a tier move) scatters the rows of every step that landed, in order, on the CPU into
+routing blocks that mirror the KV blocks (a step still in flight under overlap scheduling is
+left for later: its rows are for positions nobody reads yet)::
 
     device_store  [num_device_blocks, block_size, num_moe_layers, top_k]   (CPU, by device slot)
     host_store    [num_host_blocks,   block_size, num_moe_layers, top_k]   (CPU, by host block)
@@ -39,7 +40,6 @@ class RoutingCapture:
         self.device = device
         self._buf = torch.zeros((0, num_moe_layers, top_k), dtype=torch.int32, device=device)
         self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
-        self._staging: torch.Tensor | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -54,13 +54,9 @@ class RoutingCapture:
     def record(self, rows: torch.Tensor, slot_mapping: np.ndarray) -> None:
         """Start copying this step's rows to the host; no CPU wait."""
         if rows.device.type == "cuda":
-            # one pinned staging buffer, reused: flush() (start of the next step) has consumed the
-            # previous step's rows before this step's copy is queued
-            assert not self._pending, "flush() before recording the next step"
-            if self._staging is None or self._staging.shape[0] < rows.shape[0]:
-                self._staging = torch.empty((max(rows.shape[0], 256), *rows.shape[1:]), dtype=rows.dtype,
-                                            pin_memory=True)
-            host = self._staging[:rows.shape[0]]
+            # pinned staging from torch's caching host allocator: a buffer goes back to it when
+            # flushed, and is not handed out again before its copy completed
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -68,14 +64,19 @@ class RoutingCapture:
             host, event = rows.clone(), None
         self._pending.append((host, np.asarray(slot_mapping, dtype=np.int64), event))
 
-    def flush(self) -> None:
-        """Scatter every recorded step into the device-slot routing blocks."""
+    def flush(self, wait: bool = False) -> None:
+        """Scatter the recorded steps whose rows have landed, in order, into the device-slot
+        routing blocks. Every step whose results the engine has seen has landed (its routing was
+        queued before its tokens); ``wait=True`` also waits for the steps still in flight."""
         flat = self.device_store.reshape(-1, self.num_moe_layers, self.top_k)
-        for host, slots, event in self._pending:
+        while self._pending:
+            host, slots, event = self._pending[0]
             if event is not None:
+                if not wait and not event.query():
+                    return
                 event.synchronize()
             flat[slots] = host.numpy().astype(self.dtype)
-        self._pending.clear()
+            self._pending.pop(0)
 
     def gather(self, block_table: list[int], num_tokens: int) -> np.ndarray:
         """Routing of positions [0, num_tokens) of a request: [num_tokens, layers, top_k]."""

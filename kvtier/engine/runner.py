@@ -5,6 +5,19 @@ Input layout of a step (flattened varlen batch, DESIGN §4)::
     input_ids  = [ r0 chunk ........ | r1 decode | r2 decode | r3 chunk .... ]
     positions  = [ c0 .. c0+n0-1     | c1        | c2        | c3 .. c3+n3-1 ]   c = num_computed
     sample at  = the last token of each request whose chunk reaches its end
+
+:meth:`ModelRunner.execute` queues a step and returns a :class:`StepResult` at once: the sampled
+tokens (and logprobs) are on their way to pinned host memory; :meth:`StepResult.collect` waits for
+them. Between the two the engine may schedule and launch the next step (overlap scheduling): a
+decode whose last token is still in flight takes it from the previous step's token tensor on the
+device, so the host never waits for it::
+
+    step N   : forward ─ sample ─► tokens_N (device) ─► copy to pinned host ─► collect (host)
+    step N+1 :          (built on the host meanwhile)   input_ids[at] = tokens_N[row] ─ forward ...
+
+A step's integer inputs go up in two non-blocking copies from pinned memory (int64: ids,
+positions, slots, sample rows, placeholder places; int32: the attention metadata): a blocking
+``torch.tensor(..., device=cuda)`` would wait for the step in flight.
 """
 from __future__ import annotations
 
@@ -17,7 +30,7 @@ import torch
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import Penalties, draw, topk
+from kvtier.engine.sampling import Penalties, draw, to_device, topk
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
@@ -34,30 +47,69 @@ class ModelRunner:
         self.routing = routing
         self.decode_graphs = decode_graphs
         self.penalties = Penalties(model.config.vocab_size, model.config.eos_token_ids, device)
+        self._last: StepResult | None = None     # the last launched step ...
+        self._feed: StepResult | None = None     # ... as of this step's start: its tokens feed this one
 
-    def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def start_step(self) -> None:
+        """A new step begins (its forwards, several if a batch is retried request by request,
+        read the tokens still in flight from the step launched before it)."""
+        self._feed = self._last
+
+    def build_inputs(self, out: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        pending_at: list[int] = []          # places in ids of tokens still on the device ...
+        pending_rows: list[int] = []        # ... and their rows in the last step's tokens
         for s in out.scheduled:
             req = s.request
             start = req.num_computed_tokens
             end = start + s.num_tokens
-            ids.extend(req.all_token_ids[start:end])
+            known = req.all_token_ids[start:end]
+            ids.extend(known)
+            if len(known) < s.num_tokens:   # the last one was sampled by the step in flight
+                last = self._feed
+                if len(known) != s.num_tokens - 1 or last is None or req not in last.rows:
+                    raise RuntimeError(f"request {req.request_id}: positions {start}..{end - 1} need "
+                                       f"{s.num_tokens - len(known)} tokens the host has not seen")
+                pending_at.append(len(ids))
+                pending_rows.append(last.rows[req])
+                ids.append(0)
             positions.extend(range(start, end))
             query_lens.append(s.num_tokens)
             seq_lens.append(end)
             tables.append(req.cache.block_table[: -(-end // self.block_size)])
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return input_ids, pos, meta, sample_rows
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, "cpu")
+        return self._upload(ids, positions, meta, sample_rows, pending_at, pending_rows)
+
+    def _upload(self, ids: list[int], positions: list[int], meta: AttentionMetadata, sample_rows: list[int],
+                pending_at: list[int], pending_rows: list[int]) -> StepInputs:
+        """The step's inputs on the device, in two non-blocking copies (the module docstring)."""
+        n = len(ids)
+        wide = np.concatenate([np.asarray(ids, np.int64), np.asarray(positions, np.int64), meta.slot_mapping_cpu,
+                               np.asarray(sample_rows + pending_at + pending_rows, np.int64)])
+        narrow = np.concatenate([meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
+                                 meta.block_tables.numpy().ravel()])
+        wide_d, narrow_d = to_device(wide, self.device), to_device(narrow, self.device)
+        b = meta.num_seqs
+        dev = AttentionMetadata(
+            slot_mapping=wide_d[2 * n:3 * n], query_start_loc=narrow_d[:b + 1], seq_lens=narrow_d[b + 1:2 * b + 1],
+            block_tables=narrow_d[2 * b + 1:].view(b, -1), query_lens_cpu=meta.query_lens_cpu,
+            seq_lens_cpu=meta.seq_lens_cpu, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            slot_mapping_cpu=meta.slot_mapping_cpu)
+        input_ids = wide_d[:n]
+        tail = wide_d[3 * n:]
+        ns, npend = len(sample_rows), len(pending_at)
+        if npend:
+            at, rows = tail[ns:ns + npend], tail[ns + npend:]
+            input_ids.index_copy_(0, at, self._feed.tokens.index_select(0, rows))   # type: ignore[union-attr]
+        return StepInputs(input_ids, wide_d[n:2 * n], dev, sample_rows, tail[:ns])
 
     def execute(self, out: SchedulerOutput,
-                start_loads: Callable[[], Callable[[int], None] | None] | None = None) -> dict[str, int]:
-        """Forward the step; returns the sampled token of every request that samples.
+                start_loads: Callable[[], Callable[[int], None] | None] | None = None) -> StepResult:
+        """Queue the step's forward and sampling; returns at once (:class:`StepResult`).
 
         ``start_loads()`` is called once the step's inputs are uploaded, before the first layer:
         it queues the step's host->device loads and returns the hook ``layer_hook(l)`` that runs
@@ -66,7 +118,8 @@ class ModelRunner:
         the loads' DMA: queued after a GiB of KV, they would hold the whole forward back until the
         loads were done. A replayed CUDA graph has no per-layer hook: it waits for the last layer
         (so for all of them) before the replay."""
-        input_ids, positions, meta, sample_rows = self.build_inputs(out)
+        inputs = self.build_inputs(out)
+        input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         layer_hook = start_loads() if start_loads is not None else None
         graphs = self.decode_graphs
         if graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None:
@@ -82,9 +135,11 @@ class ModelRunner:
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         samplers = [s.request for s in out.scheduled if s.samples]
         prompt_rows = self._prompt_logprob_rows(out)
+        result = StepResult(samplers)
         if not samplers and not prompt_rows:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows]) if samplers else None
+            self._last = None
+            return result
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)) if samplers else None
         params = [r.params for r in samplers]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_rows = [i for i in want if params[i].logprobs_mode == "raw"]
@@ -100,7 +155,6 @@ class ModelRunner:
         # everything the host needs from this step in one transfer (one sync): the tokens, then
         # per logprobs row the sampled token's logprob and its top-k, then the prompt's
         pack = _Pack(tokens)
-        gen = None
         if want:
             if not proc_rows:
                 lp = raw
@@ -108,26 +162,14 @@ class ModelRunner:
                 lp = processed
             else:                    # both modes in one step: back to the order of ``want``
                 by_row = {row: n for n, row in enumerate(raw_rows + proc_rows)}
-                lp = torch.cat([raw, processed])[[by_row[i] for i in want]]
-            gen = pack.add(lp, _rows(tokens, want), max(params[i].logprobs for i in want))
-        prompt = self._prompt_logprobs(hidden, prompt_rows, pack) if prompt_rows else None
-        host = pack.fetch()
-        token_ids = [int(t) for t in host[:len(samplers)]]
-        if gen is not None:
-            entries = pack.entries(host, gen, [token_ids[i] for i in want], [params[i].logprobs for i in want])
-            for i, entry in zip(want, entries):
-                samplers[i].step_logprobs = entry
-        if prompt is not None:
-            targets = [t for span in prompt_rows for t in span.targets]
-            ks = [span.req.params.prompt_logprobs for span in prompt_rows for _ in span.targets]
-            entries = iter(pack.entries(host, prompt, targets, ks))
-            for span in prompt_rows:
-                scored = [next(entries) for _ in span.targets]
-                if span.start == 0:          # the first prompt token has no logprob
-                    span.req.step_prompt_logprobs = (0, [None, *scored])
-                else:
-                    span.req.step_prompt_logprobs = (span.start + 1, scored)
-        return {r.request_id: t for r, t in zip(samplers, token_ids)}
+                lp = torch.cat([raw, processed])[to_device([by_row[i] for i in want], self.device)]
+            result.logprobs = (want, pack.add(lp, _rows(tokens, want), max(params[i].logprobs for i in want)))
+        if prompt_rows:
+            result.prompt = (prompt_rows, self._prompt_logprobs(hidden, prompt_rows, pack))
+        result.tokens = tokens
+        result.host = pack.start()
+        self._last = result
+        return result
 
     def _prompt_logprob_rows(self, out: SchedulerOutput) -> list[_PromptSpan]:
         """The positions of this step whose logits score a prompt token, per request that asked
@@ -149,11 +191,12 @@ class ModelRunner:
         """Raw logprobs of the prompt tokens ``spans`` score, onto ``pack``. Only these rows'
         logits are computed, a slice of rows at a time (a [rows, vocab] float32 block each)."""
         rows = [r for span in spans for r in span.rows]
-        targets = torch.tensor([t for span in spans for t in span.targets], dtype=torch.long, device=self.device)
+        targets = to_device([t for span in spans for t in span.targets], self.device)
         k = max(span.req.params.prompt_logprobs for span in spans)   # type: ignore[type-var]
         pieces = []
         for a in range(0, len(rows), _PROMPT_SLICE):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[rows[a:a + _PROMPT_SLICE]]), dim=-1)
+            at = to_device(rows[a:a + _PROMPT_SLICE], self.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, at)), dim=-1)
             pieces.append(_Pack.scored(lp, targets[a:a + _PROMPT_SLICE], k))
         if not pieces:
             pieces.append(_Pack.scored(hidden.new_zeros(0, 1, dtype=torch.float32), targets, 0))
@@ -178,10 +221,95 @@ class ModelRunner:
         return logprobs.gather(1, ids[1:, None]).squeeze(1).cpu().numpy()
 
 
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows_cpu: list[int]
+    sample_rows: torch.Tensor          # the same, on the device
+
+
+class _HostCopy:
+    """A device vector on its way to pinned host memory (on CPU: the vector itself)."""
+
+    def __init__(self, vec: torch.Tensor) -> None:
+        self.event = None
+        if vec.is_cuda:
+            host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            host.copy_(vec, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            vec = host
+        self.vec = vec
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.vec.numpy()
+
+
+class StepResult:
+    """A launched step's sampled tokens (and logprobs), by request; :meth:`collect` waits for them.
+    ``tokens`` (device) and ``rows`` let the next step read a token before the host has it."""
+
+    def __init__(self, samplers: list[Request]) -> None:
+        self.samplers = samplers
+        self.rows = {r: i for i, r in enumerate(samplers)}
+        self.tokens: torch.Tensor | None = None
+        self.host: _HostCopy | None = None
+        self.logprobs: tuple[list[int], tuple[int, int, int]] | None = None      # (sampler rows, where in pack)
+        self.prompt: tuple[list[_PromptSpan], tuple[int, int, int]] | None = None
+        self._sampled: dict[str, int] | None = None
+
+    def collect(self) -> dict[str, int]:
+        """Wait for the step's results; the sampled token by request id. Sets each sampler's
+        ``step_logprobs`` and ``step_prompt_logprobs`` (taken by Scheduler.update)."""
+        if self._sampled is not None:
+            return self._sampled
+        if self.host is None:
+            self._sampled = {}
+            return self._sampled
+        host = self.host.wait()
+        samplers = self.samplers
+        token_ids = [int(t) for t in host[:len(samplers)]]
+        if self.logprobs is not None:
+            want, where = self.logprobs
+            entries = _Pack.entries(host, where, [token_ids[i] for i in want],
+                                    [samplers[i].params.logprobs for i in want])   # type: ignore[misc]
+            for i, entry in zip(want, entries):
+                samplers[i].step_logprobs = entry
+        if self.prompt is not None:
+            spans, where = self.prompt
+            targets = [t for span in spans for t in span.targets]
+            ks = [span.req.params.prompt_logprobs for span in spans for _ in span.targets]
+            entries_it = iter(_Pack.entries(host, where, targets, ks))   # type: ignore[arg-type]
+            for span in spans:
+                scored = [next(entries_it) for _ in span.targets]
+                if span.start == 0:          # the first prompt token has no logprob
+                    span.req.step_prompt_logprobs = (0, [None, *scored])
+                else:
+                    span.req.step_prompt_logprobs = (span.start + 1, scored)
+        self._sampled = {r.request_id: t for r, t in zip(samplers, token_ids)}
+        self.host = None                      # the pinned buffer goes back to torch's cache
+        return self._sampled
+
+    @property
+    def collected(self) -> bool:
+        return self._sampled is not None
+
+    @classmethod
+    def done(cls, sampled: dict[str, int]) -> "StepResult":
+        """A result the host has already (a step run request by request)."""
+        r = cls([])
+        r._sampled = sampled
+        return r
+
+
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``t[rows]``; ``t`` itself when that is every row in order (the usual decode step, where
     every request asked alike: no index upload, no copy)."""
-    return t if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1 else t[rows]
+    return t if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1 else t.index_select(0, to_device(rows, t.device))
 
 
 _PROMPT_SLICE = 512      # prompt positions whose logits are computed at once (bounds their memory)
@@ -218,8 +346,9 @@ class _Pack:
         self.size += block.numel()
         return where
 
-    def fetch(self) -> np.ndarray:
-        return torch.cat(self.parts).cpu().numpy()
+    def start(self) -> _HostCopy:
+        """Queue the copy to the host (pinned memory, no wait)."""
+        return _HostCopy(torch.cat(self.parts))
 
     @staticmethod
     def entries(host: np.ndarray, where: tuple[int, int, int], ids: list[int], ks: list[int]) -> list[dict[int, float]]:

@@ -206,21 +206,21 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Seq
     if not sampled:
         return tokens, processed
     sp = [params[i] for i in sampled]
-    idx = torch.tensor(sampled, device=device)
+    idx = to_device(sampled, device)
     rows = clean[idx].double()
     rows = (rows - rows.max(dim=-1, keepdim=True).values) / _column([p.temperature for p in sp], rows)
     if any(p.top_k for p in sp):
         vocab = rows.shape[-1]
         ks = [min(p.top_k, vocab) for p in sp]
         top = topk(rows, max(ks)).values
-        kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in ks], device=device)[:, None])
-        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=device)[:, None], float("-inf"))
+        kth = top.gather(1, to_device([max(k - 1, 0) for k in ks], device)[:, None])
+        kth = kth.masked_fill(to_device([k == 0 for k in ks], device)[:, None], float("-inf"))
         rows = rows.masked_fill(rows < kth, float("-inf"))
     logp = torch.log_softmax(rows, dim=-1)
     nucleus = [j for j, p in enumerate(sp) if p.top_p < 1.0]
     sorted_probs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     if nucleus:
-        nidx = torch.tensor(nucleus, device=device)
+        nidx = to_device(nucleus, device)
         # sorted by logit, not by probability: distinct logits whose probabilities round equal
         # keep their order, so the first kept token is an argmax
         sorted_rows, order = rows[nidx].sort(dim=-1, descending=True, stable=True)
@@ -251,8 +251,18 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Seq
     return tokens, processed
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """A small host list or array on ``device`` without waiting for the GPU: through pinned memory,
+    non-blocking (``torch.tensor(..., device="cuda")`` synchronizes the stream, which with overlap
+    scheduling would wait for the step in flight)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+    return to_device(values, like.device, like.dtype)[:, None]
 
 
 class Penalties:

@@ -21,8 +21,20 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
      take (+10 ms), or, if longer, the time recomputing those blocks would take — a late fetch
      costs at most one recompute's worth of waiting; what landed by then is used.
 
-After the forward, :meth:`update` commits newly written full blocks to the cache, appends sampled
-tokens, applies stop conditions and frees finished requests.
+A step's life after schedule()::
+
+    launch: runner queues the forward + sampling ─► advance(): num_computed_tokens += chunk,
+            num_pending += 1 per sampling request
+    results on the host: update() commits the full blocks the step wrote, appends the sampled
+            tokens (num_pending -= 1), applies stop conditions, returns the finished requests
+
+With overlap scheduling (engine/core.py) the next schedule() runs between the two, while the GPU
+runs the step: a decode whose token is still in flight is scheduled from ``num_tokens_ahead``
+(the runner reads that token on the device), a request whose in-flight token ends it by length
+is not scheduled, and ``defer_preempt=True`` makes schedule() stop and say so
+(``SchedulerOutput.needs_sync``) instead of preempting, so that nothing in flight is preempted.
+A request that finished by a token the host had not seen when the next step was scheduled runs
+in that step for nothing: its token there is dropped.
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     stalled: bool = False        # a running request waits for device blocks that copies will free
+    needs_sync: bool = False     # defer_preempt: a preemption is needed; finish the step in flight first
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +90,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.draining: list[Request] = []     # finished, blocks held until their steps in flight land
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -94,18 +108,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, defer_preempt: bool = False) -> SchedulerOutput:
+        """This step's work. ``defer_preempt``: a step is in flight; rather than preempt, return
+        with ``needs_sync`` set (and nothing admitted): schedule again once it finished."""
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [])
         cache = self.cache
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_ahead - req.num_computed_tokens, budget)
+            if n <= 0 or (req.num_pending and self._ends_in_flight(req)):
+                i += 1                               # nothing to compute until its token lands
+                continue
             while not cache.allocate(req.cache, req.num_computed_tokens + n):
                 if cache.num_device_blocks_freeing:  # copies out are landing: wait, don't preempt more
                     out.stalled = True
                     break
+                if defer_preempt:
+                    out.needs_sync = True
+                    return out
                 victim = self.running.pop()          # newest first
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -180,7 +202,12 @@ class Scheduler:
         return not self.cache.prefetch_pending(req.cache) or time.monotonic() >= req.prefetch_deadline  # type: ignore[operator]
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
+        return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens_ahead)
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Will the token(s) in flight end ``req`` whatever they are (by length)?"""
+        return (req.handoff_stop is not None or len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
+                or req.num_tokens_ahead >= self.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         """Free everything; the request starts over from its cached prefix: under swap, every
@@ -199,12 +226,28 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ update
-    def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               rewinds: dict[object, int] | None = None) -> list[Request]:
-        """Apply a finished step; returns requests that finished in it."""
-        finished = []
+    def advance(self, out: SchedulerOutput) -> list[int]:
+        """The step is launched: its chunks count as computed, its samples as pending. Returns
+        each scheduled request's computed length after the step (for :meth:`update`)."""
+        ends = []
         for s in out.scheduled:
             req = s.request
+            req.num_computed_tokens += s.num_tokens
+            req.num_pending += s.samples
+            ends.append(req.num_computed_tokens)
+        return ends
+
+    def update(self, out: SchedulerOutput, ends: list[int], sampled: dict[str, int],
+               rewinds: dict[object, int] | None = None) -> list[Request]:
+        """Apply a step whose results reached the host (``ends`` from :meth:`advance`); returns
+        the requests that finished in it."""
+        finished = []
+        for s, end in zip(out.scheduled, ends):
+            req = s.request
+            req.num_pending -= s.samples
+            if req.status is not Status.RUNNING:    # finished or aborted while the step ran: dropped
+                req.step_logprobs = req.step_prompt_logprobs = None
+                continue
             if rewinds and req.request_id in rewinds:   # a load failed: recompute from there
                 valid = rewinds[req.request_id]
                 req.num_computed_tokens = min(req.num_computed_tokens, valid)
@@ -216,8 +259,7 @@ class Scheduler:
                     tiers["storage"] = valid - tiers["device"] - tiers["host"]
                 req.step_logprobs = req.step_prompt_logprobs = None
                 continue
-            req.num_computed_tokens += s.num_tokens
-            self.cache.commit(req.cache, req.num_computed_tokens)
+            self.cache.commit(req.cache, end)
             if req.step_prompt_logprobs is not None:
                 _take_prompt_logprobs(req)
             if not s.samples:
@@ -243,19 +285,38 @@ class Scheduler:
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
+        if self.draining:
+            self._free_drained()
         return finished
 
+    def drop(self, out: SchedulerOutput) -> None:
+        """A launched step whose results will never come (it failed): nothing of it is pending."""
+        for s in out.scheduled:
+            s.request.num_pending -= s.samples
+        self._free_drained()
+
+    def _free_drained(self) -> None:
+        for req in [r for r in self.draining if not r.num_pending]:
+            self.draining.remove(req)
+            self.cache.free(req.cache)
+
     def release(self, req: Request) -> None:
-        self.cache.free(req.cache)
+        """Return a finished request's blocks; if a step in flight still computes for it (its
+        token there is dropped), once that step's results are in (:meth:`update`): until then
+        its slots are written and its routing rows are on their way to them."""
+        if req.num_pending:
+            self.draining.append(req)
+        else:
+            self.cache.free(req.cache)
 
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.running, self.waiting):
             for req in list(queue):
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self.cache.free(req.cache)
                     req.status = Status.FINISHED
                     req.finish_reason = "abort"
+                    self.release(req)
                     return req
         return None
 
