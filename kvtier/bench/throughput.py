@@ -6,6 +6,11 @@ kvtier runs all of them; HF ``generate`` runs the first ``--hf-requests`` of the
 padded batches of ``--hf-batch`` (each batch generates to its longest output; only each request's
 own output tokens count as useful). Both in the same process on the same GPU; prints tokens/s of
 each and the ratio.
+
+It also prints the run's HBM roofline: the bytes the workload must read (every step reads the
+weights once and the KV of every sequence in its batch) over the HBM bandwidth measured by a
+device copy in the same run, and the ratio roofline / time taken (1.0 = at the memory limit).
+``--no-overlap-schedule`` runs without overlap scheduling; ``--compare-overlap`` runs both.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False,
     import kvtier
 
     with kvtier.LLM(path, device=device, dtype=dtype, **llm_kwargs) as llm:
-        # warm-up on the same shapes (Triton compiles each kernel variant on first use)
-        llm.generate([p for p, _ in reqs[:64]], kvtier.SamplingParams(max_tokens=16, ignore_eos=True))
+        # warm-up on the same shapes (Triton compiles each kernel variant on first use): every
+        # prompt, a few tokens each
+        llm.generate([p for p, _ in reqs], kvtier.SamplingParams(max_tokens=8, ignore_eos=True))
         if profile:
             from torch.profiler import ProfilerActivity, profile as torch_profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -41,6 +47,7 @@ def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False,
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
         if device == "cuda":
             torch.cuda.synchronize()
+        read = _count_bytes_read(llm)
         t0 = time.perf_counter()
         outs = llm.generate([p for p, _ in reqs],
                             [kvtier.SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs])
@@ -50,8 +57,49 @@ def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False,
         toks = sum(len(o.token_ids) for o in outs)
         assert toks == sum(n for _, n in reqs), "every request must generate exactly its output length"
         return {"requests": len(reqs), "output_tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
-                "preemptions": llm.scheduler.num_preemptions,
-                "num_device_blocks": llm.cache.device_pool.num_blocks}
+                "preemptions": llm.scheduler.num_preemptions, "overlap_schedule": llm.overlap_schedule,
+                "num_device_blocks": llm.cache.device_pool.num_blocks, "steps": read["steps"],
+                "weight_bytes_read": read["weights"], "kv_bytes_read": read["kv"]}
+
+
+def _count_bytes_read(llm) -> dict:  # type: ignore[no-untyped-def]
+    """Wraps the runner to count, per step, the weights (once) and the KV of every sequence of
+    the batch (its whole context, K and V, every layer): what the step must read from HBM."""
+    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    cfg = llm.config
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * llm.dtype.itemsize
+    counts = {"steps": 0, "weights": 0, "kv": 0}
+    real = llm.runner.execute
+
+    def execute(out, start_loads=None):  # type: ignore[no-untyped-def]
+        counts["steps"] += 1
+        counts["weights"] += weights
+        counts["kv"] += kv_per_token * sum(s.request.num_computed_tokens + s.num_tokens for s in out.scheduled)
+        return real(out, start_loads)
+    llm.runner.execute = execute
+    return counts
+
+
+def hbm_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), median of 5."""
+    if device != "cuda":
+        return float("nan")
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del a, b
+    return nbytes / sorted(times[1:])[2]
+
+
+def roofline(run: dict, bandwidth: float) -> dict:
+    seconds = (run["weight_bytes_read"] + run["kv_bytes_read"]) / bandwidth
+    return {"roofline_seconds": seconds, "roofline_ratio": seconds / run["seconds"]}
 
 
 def run_hf(path: Path, reqs, device: str, batch: int) -> dict:
@@ -95,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096, help="context length (bounds CUDA-graph tables)")
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    ap.add_argument("--no-overlap-schedule", dest="overlap_schedule", action="store_false",
+                    help="run without overlap scheduling")
+    ap.add_argument("--compare-overlap", action="store_true", help="run with and without overlap scheduling")
     ap.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on cuda)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -111,12 +162,23 @@ def main(argv: list[str] | None = None) -> int:
     from kvtier.model import ModelConfig
     vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
     reqs = make_requests(args.requests, args.seed, vocab, tuple(args.input_range), tuple(args.output_range))
-    ours = run_kvtier(path, reqs, args.device, args.dtype, args.profile, max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-                      max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs)
-    print(f"kvtier: {ours['requests']} requests, {ours['output_tokens']} tokens in {ours['seconds']:.1f}s "
-          f"= {ours['tokens_per_s']:.0f} tok/s (preemptions {ours['preemptions']})", flush=True)
-    res = {"kvtier": ours, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    bandwidth = hbm_bandwidth(args.device)
+    res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "hbm_bytes_per_s": bandwidth}
+    modes = [True, False] if args.compare_overlap else [args.overlap_schedule]
+    for overlap in modes:
+        run = run_kvtier(path, reqs, args.device, args.dtype, args.profile,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                         attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+                         cuda_graphs=args.cuda_graphs, overlap_schedule=overlap)
+        run.update(roofline(run, bandwidth))
+        print(f"kvtier (overlap {'on' if run['overlap_schedule'] else 'off'}): {run['requests']} requests, "
+              f"{run['output_tokens']} tokens in {run['seconds']:.1f}s = {run['tokens_per_s']:.0f} tok/s "
+              f"(preemptions {run['preemptions']}, {run['steps']} steps); HBM roofline "
+              f"{run['roofline_seconds']:.1f}s at {bandwidth / 1e12:.2f} TB/s measured: "
+              f"{run['roofline_ratio']:.2f} of roofline", flush=True)
+        res.setdefault("kvtier", run)
+        res["kvtier_overlap_" + ("on" if run["overlap_schedule"] else "off")] = run
+    ours = res["kvtier"]
     if args.hf_requests:
         hf = run_hf(path, reqs[:args.hf_requests], args.device, args.hf_batch)
         print(f"hf transformers: {hf['requests']} requests (batch {args.hf_batch}), {hf['output_tokens']} useful "

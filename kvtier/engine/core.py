@@ -262,6 +262,7 @@ class EngineCore:
                                   min(max_num_seqs, 256), num_device_blocks, self.device,
                                   capture=self.device.type == "cuda",
                                   routing_shape=(cfg.num_moe_layers, cfg.top_k) if self.routing else None)
+            graphs.capture_all()
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
                                    cfg.eos_token_ids, preemption_mode, prefetch_policy, tuple(prefetch_timeout))

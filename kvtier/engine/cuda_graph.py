@@ -52,6 +52,13 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = None
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (engine start), not at its first decode step: a capture
+        takes tens of ms, which would stall the requests of that step."""
+        if self.capture:
+            for bp in self.buckets:
+                self._graph(bp)
+
     def bucket(self, batch: int) -> int | None:
         for b in self.buckets:
             if b >= batch:

@@ -10,11 +10,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 import kvtier
 from kvtier.engine.core import EngineCore
 
 BS = 8
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent H100)")
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:
@@ -83,12 +85,9 @@ def count_placeholder_steps(core: EngineCore) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
-def test_outputs_with_overlap_equal_those_without(preset, checkpoint):
-    path = checkpoint(preset)
-    moe = preset.endswith("moe-tiny")
+def check_identity(path, moe: bool, **kw) -> None:  # type: ignore[no-untyped-def]
     ps = prompts(5, (3, 9, 14, 5, 20, 7, 11, 4))
-    with EngineCore(path, block_size=BS, overlap_schedule=False) as probe:
+    with EngineCore(path, block_size=BS, overlap_schedule=False, **kw) as probe:
         first = probe.add_request(ps[1], kvtier.SamplingParams(max_tokens=6, ignore_eos=True))
         while probe.has_unfinished():
             probe.step()
@@ -96,7 +95,7 @@ def test_outputs_with_overlap_equal_those_without(preset, checkpoint):
     params = [replace(sp, return_routed_experts=moe) for sp in mixed_params(stop_token)]
     runs = {}
     for overlap in (False, True):
-        with EngineCore(path, block_size=BS, overlap_schedule=overlap) as core:
+        with EngineCore(path, block_size=BS, overlap_schedule=overlap, **kw) as core:
             placeholders = count_placeholder_steps(core)
             runs[overlap] = run_all(core, ps, params)
             core.cache.assert_invariants()
@@ -107,6 +106,55 @@ def test_outputs_with_overlap_equal_those_without(preset, checkpoint):
                 assert placeholders[0] == 0
     assert runs[True] == runs[False]
     assert runs[False]["r1"][1] == "stop" and len(runs[False]) == len(ps)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
+def test_outputs_with_overlap_equal_those_without(preset, checkpoint):
+    check_identity(checkpoint(preset), preset.endswith("moe-tiny"))
+
+
+@cuda
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
+def test_cuda_outputs_with_overlap_equal_those_without(preset, checkpoint):
+    check_identity(checkpoint(preset), preset.endswith("moe-tiny"), device="cuda", dtype="float32")
+
+
+@cuda
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
+def test_cuda_steady_decode_schedules_and_launches_without_waiting_for_the_gpu(preset, checkpoint):
+    """No host sync between a step's results and the next launch in steady decode: scheduling and
+    launching run under torch's sync debug mode "error" (a synchronizing call raises, and a step
+    that raises fails its requests)."""
+    path = checkpoint(preset)
+    with EngineCore(path, device="cuda", dtype="bfloat16", block_size=BS, num_device_blocks=256,
+                    overlap_schedule=True) as core:
+        for i, p in enumerate(prompts(21, (5, 9, 13, 17, 21, 25))):
+            core.add_request(p, kvtier.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=i,
+                                                      logprobs=2))
+        for _ in range(3):                                   # prefills, CUDA graphs captured
+            core.step()
+        assert len(core.scheduler.running) == 6 and not core.scheduler.waiting
+        real_launch, real_schedule = core._launch, core.scheduler.schedule
+        guarded = [0]
+
+        def strict(fn):  # type: ignore[no-untyped-def]
+            def call(*a, **k):  # type: ignore[no-untyped-def]
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return fn(*a, **k)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    guarded[0] += 1
+            return call
+        core._launch, core.scheduler.schedule = strict(real_launch), strict(real_schedule)
+        outs = []
+        for _ in range(20):
+            outs += core.step()
+        core._launch, core.scheduler.schedule = real_launch, real_schedule
+        while core.has_unfinished():
+            outs += core.step()
+        assert guarded[0] >= 40 and len(outs) == 6
+        assert all(o.error is None and len(o.token_ids) == 40 for o in outs), [o.error for o in outs]
 
 
 def test_overlap_equals_no_overlap_under_preemption_and_host_loads(checkpoint):
