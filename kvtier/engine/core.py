@@ -462,11 +462,7 @@ class EngineCore:
             raise ValueError("return_routed_experts=True needs a MoE model with routing capture on "
                              f"({self.config.architecture}, capture_routing="
                              f"{self.config.is_moe and self.routing is not None})")
-        vocab = self.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is not an int in 0..{vocab - 1}")
-        ids = [int(t) for t in ids]
+        ids = _token_ids(ids, self.config.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                              f"(max_model_len), leaving no room to generate")
@@ -813,11 +809,7 @@ class EngineCore:
         """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""
         self._check_open()
         ids = list(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
-        vocab = self.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is not an int in 0..{vocab - 1}")
-        ids = [int(t) for t in ids]
+        ids = _token_ids(ids, self.config.vocab_size)
         if not 2 <= len(ids) <= self.max_model_len:
             raise ValueError(f"score needs 2..{self.max_model_len} tokens (max_model_len), got {len(ids)}")
         forced = None
@@ -886,6 +878,18 @@ class EngineCore:
 
     def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
         self.close()
+
+
+def _token_ids(ids: list, vocab: int) -> list[int]:
+    """``ids`` as plain ints, each checked to be a token id (ValueError naming the first bad one).
+    A list of Python ints (the usual prompt) is checked in C (type set, min, max): a per-token
+    Python loop cost ~2 ms for a 4K-token prompt on the engine thread."""
+    if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < vocab)):
+        return ids
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            raise ValueError(f"token id {t!r} is not an int in 0..{vocab - 1}")
+    return [int(t) for t in ids]
 
 
 def _available_ram() -> int:
