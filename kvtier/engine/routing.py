@@ -20,6 +20,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.engine.staging import PinnedRing
+
+_RING = 4          # staging slots: steps whose rows may be on their way at once
+
 
 def routing_dtype(num_experts: int) -> np.dtype:
     for dt in (np.uint8, np.uint16, np.uint32):
@@ -40,6 +44,7 @@ class RoutingCapture:
         self.device = device
         self._buf = torch.zeros((0, num_moe_layers, top_k), dtype=torch.int32, device=device)
         self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        self._ring = PinnedRing(device, _RING)          # pinned staging, reused (engine/staging.py)
 
     @property
     def bytes_per_token(self) -> int:
@@ -54,12 +59,10 @@ class RoutingCapture:
     def record(self, rows: torch.Tensor, slot_mapping: np.ndarray) -> None:
         """Start copying this step's rows to the host; no CPU wait."""
         if rows.device.type == "cuda":
-            # pinned staging from torch's caching host allocator: a buffer goes back to it when
-            # flushed, and is not handed out again before its copy completed
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            if len(self._pending) >= _RING - 1:        # its ring slot still holds rows not scattered
+                self.flush(wait=True)
+            copy = self._ring.download(rows)
+            host, event = copy.host, copy.event
         else:
             host, event = rows.clone(), None
         self._pending.append((host, np.asarray(slot_mapping, dtype=np.int64), event))

@@ -16,8 +16,9 @@ device, so the host never waits for it::
     step N+1 :          (built on the host meanwhile)   input_ids[at] = tokens_N[row] ─ forward ...
 
 A step's integer inputs go up in two non-blocking copies from pinned memory (int64: ids,
-positions, slots, sample rows, placeholder places; int32: the attention metadata): a blocking
-``torch.tensor(..., device=cuda)`` would wait for the step in flight.
+positions, slots, sample rows, placeholder places; int32: the attention metadata), and its
+results come down in one, through rings of reusable pinned buffers (engine/staging.py): a
+blocking ``torch.tensor(..., device=cuda)`` would wait for the step in flight.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import Penalties, draw, to_device, topk
 from kvtier.engine.scheduler import SchedulerOutput
+from kvtier.engine.staging import HostCopy, PinnedRing
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
 
@@ -49,6 +51,7 @@ class ModelRunner:
         self.penalties = Penalties(model.config.vocab_size, model.config.eos_token_ids, device)
         self._last: StepResult | None = None     # the last launched step ...
         self._feed: StepResult | None = None     # ... as of this step's start: its tokens feed this one
+        self._up, self._down = PinnedRing(device), PinnedRing(device)   # a step's inputs, its results
 
     def start_step(self) -> None:
         """A new step begins (its forwards, several if a batch is retried request by request,
@@ -92,7 +95,7 @@ class ModelRunner:
                                np.asarray(sample_rows + pending_at + pending_rows, np.int64)])
         narrow = np.concatenate([meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
                                  meta.block_tables.numpy().ravel()])
-        wide_d, narrow_d = to_device(wide, self.device), to_device(narrow, self.device)
+        wide_d, narrow_d = self._up.upload(wide), self._up.upload(narrow)
         b = meta.num_seqs
         dev = AttentionMetadata(
             slot_mapping=wide_d[2 * n:3 * n], query_start_loc=narrow_d[:b + 1], seq_lens=narrow_d[b + 1:2 * b + 1],
@@ -167,7 +170,7 @@ class ModelRunner:
         if prompt_rows:
             result.prompt = (prompt_rows, self._prompt_logprobs(hidden, prompt_rows, pack))
         result.tokens = tokens
-        result.host = pack.start()
+        result.host = self._down.download(pack.vector())
         self._last = result
         return result
 
@@ -230,25 +233,6 @@ class StepInputs:
     sample_rows: torch.Tensor          # the same, on the device
 
 
-class _HostCopy:
-    """A device vector on its way to pinned host memory (on CPU: the vector itself)."""
-
-    def __init__(self, vec: torch.Tensor) -> None:
-        self.event = None
-        if vec.is_cuda:
-            host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
-            host.copy_(vec, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-            vec = host
-        self.vec = vec
-
-    def wait(self) -> np.ndarray:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.vec.numpy()
-
-
 class StepResult:
     """A launched step's sampled tokens (and logprobs), by request; :meth:`collect` waits for them.
     ``tokens`` (device) and ``rows`` let the next step read a token before the host has it."""
@@ -257,7 +241,7 @@ class StepResult:
         self.samplers = samplers
         self.rows = {r: i for i, r in enumerate(samplers)}
         self.tokens: torch.Tensor | None = None
-        self.host: _HostCopy | None = None
+        self.host: HostCopy | None = None
         self.logprobs: tuple[list[int], tuple[int, int, int]] | None = None      # (sampler rows, where in pack)
         self.prompt: tuple[list[_PromptSpan], tuple[int, int, int]] | None = None
         self._sampled: dict[str, int] | None = None
@@ -346,9 +330,8 @@ class _Pack:
         self.size += block.numel()
         return where
 
-    def start(self) -> _HostCopy:
-        """Queue the copy to the host (pinned memory, no wait)."""
-        return _HostCopy(torch.cat(self.parts))
+    def vector(self) -> torch.Tensor:
+        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
 
     @staticmethod
     def entries(host: np.ndarray, where: tuple[int, int, int], ids: list[int], ks: list[int]) -> list[dict[int, float]]:
