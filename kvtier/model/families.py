@@ -5,6 +5,7 @@ All six are one pre-norm decoder; the config chooses the variations (see config.
     h = embed(ids)
     per layer l:  h = h + o_proj(attn(rope(q_norm?(q)), rope(k_norm?(k)), v))     q/k/v bias: Qwen2
                   h = h + mlp(h)          dense MLP, or SparseMoE for l in cfg.moe_layer_ids
+                  (each residual add is fused into the norm after it: model/fused.py)
     hidden = norm(h);  logits = lm_head(hidden)      (lm_head tied to embed when tie_word_embeddings)
 
 Parameter names equal the Hugging Face names of the Llama/Qwen layout, so the loader only renames
@@ -35,12 +36,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, positions, rotary, kv_cache, meta, attn_fn, layer_hook, routing_out, routing_in):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta, attn_fn, layer_hook)
-        x = self.post_attention_layernorm(h)
+    def forward(self, h, residual, positions, rotary, kv_cache, meta, attn_fn, layer_hook, routing_out, routing_in):
+        """(out, residual): the layer's input is ``h + residual`` (the previous layer's residual
+        add is fused into this layer's first norm, model/fused.py); the first layer has none."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        attn = self.self_attn(x, positions, rotary, kv_cache, meta, attn_fn, layer_hook)
+        x, residual = self.post_attention_layernorm(attn, residual)
         if isinstance(self.mlp, SparseMoE):
-            return h + self.mlp(x, routing_out, routing_in)
-        return h + self.mlp(x)
+            return self.mlp(x, routing_out, routing_in), residual
+        return self.mlp(x), residual
 
 
 class Decoder(nn.Module):
@@ -76,10 +83,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, h.dtype)      # once per step, shared by all layers
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, rope, kv_cache, meta, self.attn_fn, layer_hook,
-                      routing_out, routing_in)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, rope, kv_cache, meta, self.attn_fn, layer_hook,
+                                routing_out, routing_in)
+        return self.model.norm(h, residual)[0]
 
     def fuse_projections(self) -> None:
         """After loading: q/k/v and gate/up projections become one GEMM each."""

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from kvtier.model.attention import AttentionMetadata, write_kv
+from kvtier.model.attention import AttentionMetadata
 from kvtier.model.config import ModelConfig
+from kvtier.model.fused import add_rms_norm, rope_write_kv, silu_and_mul
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -30,10 +31,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in fp32, as transformers does; F.rms_norm is one kernel
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * y.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+        """``weight * rms_norm(x)`` in fp32 as transformers computes it; with ``residual``, of
+        ``h = x + residual`` and returns (normed, h) — one fused kernel on CUDA (model/fused.py)."""
+        out, h = add_rms_norm(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, h)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -120,19 +122,6 @@ class RotaryEmbedding(nn.Module):
         sin = (emb.sin() * self.attention_factor).to(dtype)[:, None, :]
         return cos, sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q [T, Hq, D] and k [T, Hk, D] by their absolute positions [T] (rotate-half layout)."""
-        return apply_rotary(q, k, *self.cos_sin(positions, q.dtype))
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
 
 # ---------------------------------------------------------------------------------------------------
 
@@ -149,7 +138,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if self.act is F.silu:
+                return self.down_proj(silu_and_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -196,12 +188,11 @@ class SelfAttention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rotary) if isinstance(rotary, tuple) else rotary(positions, q, k)
+        cos, sin = rotary if isinstance(rotary, tuple) else rotary.cos_sin(positions, q.dtype)
         if layer_hook is not None:
             layer_hook(self.layer_idx)   # e.g. wait until this layer's KV has arrived from the host tier
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None)
+        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)   # (q/k norm,) RoPE, KV write
         out = attn_fn(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
