@@ -81,6 +81,8 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--points", default="64x1100,256x630", help="BATCHxCONTEXT,...")
     ap.add_argument("--overlap", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--fused", choices=("both", "on", "off"), default="on",
+                    help="fused Triton ops (KVTIER_FUSED), both: off then on")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prof-steps", type=int, default=20)
     args = ap.parse_args()
@@ -95,10 +97,13 @@ def main() -> int:
     rows = []
     for point in args.points.split(","):
         batch, context = (int(x) for x in point.split("x"))
-        for overlap in modes:
+        for overlap, fused in [(o, f) for o in modes for f in {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[args.fused]]:
+            os.environ["KVTIER_FUSED"] = fused
             r = measure(path, batch, context, overlap, args.steps, args.prof_steps, bw)
+            r["fused"] = fused == "1"
             rows.append(r)
-            print(f"batch {batch} ctx ~{r['context']} overlap {'on' if overlap else 'off'}: {r['ms_per_step']:.2f} ms/step, "
+            print(f"batch {batch} ctx ~{r['context']} overlap {'on' if overlap else 'off'} fused {'on' if r['fused'] else 'off'}: "
+                  f"{r['ms_per_step']:.2f} ms/step, "
                   f"GPU busy {r['gpu_busy_ms_per_step']:.2f} ms ({r['gpu_busy_fraction']:.0%}), "
                   f"{r['kernels_per_step']:.0f} kernels/step, roofline {r['roofline_ms']:.2f} ms "
                   f"= {r['roofline_ratio']:.2f}; ms/step by 10 steps {r['ms_by_10_steps']}", flush=True)
