@@ -31,6 +31,12 @@ BENCHES = {
                                     "colocated server (TTFT, ITL, hand-off GB/s)"),
     "rollout": ("kvtier.bench.rollout_bench", "GPU: n=8 samples on one prompt vs 8 requests (time, blocks held); "
                                               "decode with logprobs on vs off"),
+    "multiturn": ("kvtier.bench.multiturn", "any OpenAI server (--url) or kvtier's: multi-turn chat, histories "
+                                            "resent each round; TTFT/ITL/throughput per --compare config"),
+    "longdoc": ("kvtier.bench.longdoc", "any OpenAI server or kvtier's: long documents asked several times "
+                                        "(tile/interleave/random); TTFT per round"),
+    "trace": ("kvtier.bench.trace_replay", "any OpenAI server or kvtier's: replay a Mooncake-format trace at "
+                                           "its timestamps"),
     "soak": ("kvtier.bench.soak", "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "
                                   "server with every tier; checks 5xx, leaks, answers, /health latency"),
 }

@@ -1,0 +1,90 @@
+"""``kvtier bench multiturn``: multi-turn chat, the recipe of SGLang's
+``benchmark/hicache/bench_multiturn.py``.
+
+``--clients`` conversations of ``--rounds`` rounds. Round 1 of a client sends ``--request-length``
+random tokens; each next round sends the client's whole history (every earlier question and
+answer) plus a new ``--request-length`` question, so a history grows to ``rounds x (request +
+output)`` tokens and its earlier rounds are a prefix cache hit, if the cache kept them. A
+client's next round is sent once its last answer arrived; requests start at Poisson times of
+``--request-rate`` per second, at most ``--max-parallel`` at once; with ``--round-barrier`` every
+client finishes round r before any starts round r+1. Per round: mean TTFT and cached tokens.
+
+The working set is ``clients x history`` tokens: against a device tier of ``--device-blocks``, a
+working set 4x the device tier is the regime where the host and storage tiers pay off::
+
+    kvtier bench multiturn --model qwen3-0.6b-shape --device cuda --clients 32 --rounds 8 \\
+        --request-length 1024 --output-length 64 --device-blocks 4400 --compare device,host,storage
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from typing import Any, Callable
+
+from kvtier.bench import serving
+
+
+def workload(args: argparse.Namespace) -> serving.Workload:
+    async def run(server: serving.Server, client: Any, tick: Callable[[], None]) -> list[serving.Record]:
+        rng = random.Random(args.seed)
+        vocab = args.vocab
+        arrivals = serving.Arrivals(args.request_rate, args.max_parallel, args.seed)
+        histories = [[] for _ in range(args.clients)]
+        records: list[serving.Record] = []
+
+        async def one_round(c: int, r: int) -> None:
+            question = [rng.randrange(vocab) for _ in range(args.request_length)]
+            prompt = histories[c] + question
+            rec = serving.Record(c, r, len(prompt), args.output_length)
+            await arrivals.admit()
+            try:
+                await serving.send(client, server, rec, prompt)
+            finally:
+                arrivals.slots.release()
+            records.append(rec)
+            tick()
+            histories[c] = prompt + serving.answer_ids(rec, rng, vocab)
+
+        async def conversation(c: int) -> None:
+            for r in range(args.rounds):
+                await one_round(c, r)
+
+        if args.round_barrier:
+            for r in range(args.rounds):
+                await asyncio.gather(*(one_round(c, r) for c in range(args.clients)))
+        else:
+            await asyncio.gather(*(conversation(c) for c in range(args.clients)))
+        return records
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtier bench multiturn", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=8, help="conversations (default 8)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
+    ap.add_argument("--request-length", type=int, default=256, help="tokens of each new question (default 256)")
+    ap.add_argument("--output-length", type=int, default=32, help="tokens of each answer (default 32)")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second (default inf: no pacing)")
+    ap.add_argument("--max-parallel", type=int, default=16, help="requests in flight at most (default 16)")
+    ap.add_argument("--round-barrier", action="store_true", help="all clients finish a round before the next")
+    serving.add_common_flags(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("clients", "rounds", "request_length", "output_length"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    t0 = time.perf_counter()
+    serving.run(args, "multiturn", workload(args), args.clients * args.rounds)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

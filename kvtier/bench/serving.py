@@ -1,0 +1,366 @@
+"""What the serving benchmarks share (``kvtier bench multiturn|longdoc|trace``): a server to send
+to, streaming requests with their timings, statistics, and one driver for ``--compare``.
+
+::
+
+    --url URL (any OpenAI-compatible server: kvtier, vLLM, SGLang)    or   a kvtier server this
+                                                                          bench starts (its own
+    workload (the bench's): requests, each at its time, ───────────►      process, 127.0.0.1),
+      at most --max-parallel in flight, streamed                          once per --compare config
+    per request: TTFT (first content chunk), inter-token gaps, output tokens, cached prompt
+      tokens (``usage.prompt_tokens_details.cached_tokens``); per tier from kvtier's /metrics
+    ─► table (ratios to the first config), --json PATH, --plot PATH.png
+
+Prompts are token ids (``"prompt": [ids]`` on ``/v1/completions``, which kvtier, vLLM and SGLang
+take), so no tokenizer is needed and prompts share exactly the prefixes the workload says. Greedy,
+``ignore_eos``: every request generates its ``max_tokens``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator
+
+# kvtier serve flags per --compare configuration (the device and host sizes come from the bench)
+CONFIGS = ("recompute", "device", "host", "storage")
+
+
+@dataclass
+class Record:
+    """One request as the client saw it."""
+    group: int                     # the client (multiturn) or the document (longdoc); trace: 0
+    round: int
+    prompt_tokens: int
+    max_tokens: int
+    start: float = 0.0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    end: float = 0.0
+    output_tokens: int = 0
+    output_ids: list[int] | None = None
+    cached_tokens: int | None = None
+    error: str | None = None
+
+
+class Server:
+    """Where the requests go: ``url`` as given, or a kvtier server started with ``flags``."""
+
+    def __init__(self, url: str | None, model: str | None, flags: list[str], log_dir: Path) -> None:
+        self.url, self.model, self.flags, self.log_dir = url, model, flags, log_dir
+        self.proc = None
+        self.token_ids = True           # does it take return_token_ids (kvtier, recent vLLM)?
+
+    def __enter__(self) -> "Server":
+        if self.url is None:
+            from kvtier.serve.launch import ServerProcess
+            if self.model is None:
+                raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
+            log = self.log_dir / f"server-{len(list(self.log_dir.glob('server-*.log')))}.log"
+            self.proc = ServerProcess(["serve", self.model, *self.flags], log).wait_ready()
+            self.url = self.proc.url
+        import httpx
+        models = httpx.get(self.url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
+        self.name = models[0]["id"]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.url = None
+
+    def metrics(self) -> dict[str, float]:
+        """kvtier's cached prompt tokens per tier so far (empty for other servers)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+        try:
+            text = httpx.get(self.url.rstrip("/") + "/metrics", timeout=10).text   # type: ignore[union-attr]
+            out = {}
+            for fam in text_string_to_metric_families(text):
+                if fam.name == "kvtier_cached_tokens":
+                    for s in fam.samples:
+                        if s.name.endswith("_total"):
+                            out[s.labels["tier"]] = s.value
+            return out
+        except Exception:  # noqa: BLE001 - not kvtier, or no metrics: per-tier counts are left out
+            return {}
+
+
+async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> Record:
+    """Stream one completion; fills ``rec``'s timings, tokens and cached tokens."""
+    body = {"model": server.name, "prompt": prompt, "max_tokens": rec.max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if server.token_ids:
+        body["return_token_ids"] = True
+    rec.start = last = time.perf_counter()
+    ids: list[int] = []
+    try:
+        async with client.stream("POST", server.url.rstrip("/") + "/v1/completions", json=body) as r:   # type: ignore[union-attr]
+            if r.status_code == 400 and server.token_ids:        # a server without return_token_ids
+                await r.aread()
+                server.token_ids = False
+                return await send(client, server, rec, prompt)
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    rec.cached_tokens = ((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
+                for choice in chunk.get("choices") or ():
+                    got = choice.get("token_ids") or []
+                    if not (choice.get("text") or got):
+                        continue
+                    now = time.perf_counter()
+                    if rec.ttft is None:
+                        rec.ttft = now - rec.start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    ids += got
+                    rec.output_tokens += max(1, len(got))
+    except Exception as e:  # noqa: BLE001 - counted as a failed request, the run goes on
+        rec.error = repr(e)
+    rec.end = time.perf_counter()
+    rec.output_ids = ids if server.token_ids and len(ids) == rec.output_tokens else None
+    return rec
+
+
+def answer_ids(rec: Record, rng: random.Random, vocab: int) -> list[int]:
+    """The answer's token ids as the server generated them (``return_token_ids``), or, from a
+    server without them, as many stand-in ids (its cached answer then goes unused)."""
+    if rec.output_ids is not None:
+        return rec.output_ids
+    return [rng.randrange(vocab) for _ in range(rec.output_tokens)]
+
+
+class Arrivals:
+    """Poisson arrivals at ``rate`` requests/s (``inf``: no wait), at most ``max_parallel`` in flight."""
+
+    def __init__(self, rate: float, max_parallel: int, seed: int) -> None:
+        if not rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (inf: no pacing), got {rate}")
+        if max_parallel < 1:
+            raise ValueError(f"--max-parallel must be >= 1, got {max_parallel}")
+        self.rate, self.rng = rate, random.Random(seed)
+        self.slots = asyncio.Semaphore(max_parallel)
+        self._next = 0.0
+
+    async def admit(self) -> None:
+        """Wait for this request's arrival time and a free slot (release with ``slots``)."""
+        if math.isfinite(self.rate):
+            now = time.perf_counter()
+            self._next = max(self._next, now) + self.rng.expovariate(self.rate)
+            await asyncio.sleep(max(0.0, self._next - now))
+        await self.slots.acquire()
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def summarize(records: list[Record], wall: float) -> dict:
+    ok = [r for r in records if r.error is None and r.ttft is not None]
+    ttft = [r.ttft for r in ok]
+    itl = [g for r in ok for g in r.itl]
+    rounds = sorted({r.round for r in records})
+    by_round = {k: [r for r in ok if r.round == k] for k in rounds}
+
+    def mean(xs: list[float]) -> float | None:
+        return statistics.fmean(xs) if xs else None
+
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    return {
+        "requests": len(records), "failed": len(records) - len(ok), "seconds": wall,
+        "ttft_mean": mean(ttft), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "ttft_p99": pct(ttft, 99),
+        "itl_mean": mean(itl), "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90), "itl_p99": pct(itl, 99),
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall if wall else None,
+        "requests_per_s": len(ok) / wall if wall else None,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(cached) if cached else None,
+        "ttft_by_round": [mean([r.ttft for r in by_round[k]]) for k in rounds],   # type: ignore[misc]
+        "cached_by_round": [sum(r.cached_tokens or 0 for r in by_round[k]) for k in rounds],
+        "prompt_by_round": [sum(r.prompt_tokens for r in by_round[k]) for k in rounds],
+        "ttfts": ttft,
+    }
+
+
+@contextlib.contextmanager
+def progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[], None]]:
+    """A rich progress bar of ``total`` requests; yields the function to advance it by one."""
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda: bar.advance(task)
+
+
+def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
+    """kvtier serve flags of a --compare configuration (and the bench's engine flags)."""
+    if config not in CONFIGS:
+        raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
+    flags = ["--device", args.device, "--block-size", str(args.block_size),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.dtype:
+        flags += ["--dtype", args.dtype]
+    if args.load_format:
+        flags += ["--load-format", args.load_format]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.device_blocks:
+        flags += ["--num-device-blocks", str(args.device_blocks)]
+    if config == "recompute":
+        return flags + ["--no-prefix-caching", "--num-host-blocks", "0"]
+    if config == "device":
+        return flags + ["--num-host-blocks", "0"]
+    flags += ["--num-host-blocks", str(args.host_blocks)]
+    if config == "storage":
+        flags += ["--storage", args.storage or f"file://{tmp}/pool"]
+    return flags
+
+
+def add_common_flags(ap: Any) -> None:
+    ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start kvtier "
+                                                "servers, one per --compare configuration)")
+    ap.add_argument("--model", default=None, help="what the started kvtier server serves: a checkpoint "
+                                                  "directory or a preset name (written to a temporary folder)")
+    ap.add_argument("--compare", default="host", help="comma-separated configurations of the started server, "
+                    "the first the baseline of the ratios: recompute, device (prefix cache on the GPU only), "
+                    "host (+ host tier), storage (+ file:// pool, or --storage URL) (default host)")
+    ap.add_argument("--device", default="cpu", help="the started server's device (default cpu)")
+    ap.add_argument("--dtype", default=None, help="its dtype (default: the engine's)")
+    ap.add_argument("--load-format", default=None, help="auto or dummy (default auto; presets: dummy)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device-blocks", type=int, default=None, help="device tier blocks (default: from free memory)")
+    ap.add_argument("--host-blocks", type=int, default=4096, help="host tier blocks for host/storage (default 4096)")
+    ap.add_argument("--storage", default=None, help="pool URL of the storage config (default: a temporary file://)")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the served "
+                                                            "model's vocab, 32000 with --url)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every result here")
+    ap.add_argument("--plot", default=None, metavar="PATH.png", help="plot TTFT per round and its CDF here")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def resolve_model(args: Any, tmp: Path) -> tuple[str | None, int]:
+    """(the started server's model directory, the vocabulary token ids are drawn from)."""
+    if args.url is not None:
+        return None, args.vocab or 32000
+    if args.model is None:
+        raise SystemExit("give --model (a checkpoint or preset to serve) or --url (a running server)")
+    from kvtier.model import ModelConfig, init_model
+    from kvtier.model.presets import PRESETS
+    path = Path(args.model)
+    if not path.exists():
+        if args.model not in PRESETS:
+            raise SystemExit(f"--model {args.model!r}: no such directory and not a preset ({', '.join(PRESETS)})")
+        args.load_format = args.load_format or "dummy"      # a preset: random weights from its config
+        path = init_model(args.model, tmp / "model", config_only=args.load_format == "dummy")
+    vocab = ModelConfig.from_hf_dir(path).vocab_size
+    return str(path), min(args.vocab or vocab, vocab)
+
+
+Workload = Callable[[Server, Any, Callable[[], None]], Awaitable[list[Record]]]
+
+
+def run(args: Any, name: str, workload: Workload, count: int) -> dict:
+    """Run ``workload`` once per configuration (or once against --url); print the table; write
+    --json and --plot. ``count``: its number of requests (the progress bar's total)."""
+    configs = ["url"] if args.url else [c.strip() for c in args.compare.split(",") if c.strip()]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix=f"kvtier-bench-{name}-") as tmp_name:
+        tmp = Path(tmp_name)
+        model, args.vocab = resolve_model(args, tmp)
+        for config in configs:
+            flags = [] if args.url else server_flags(config, args, tmp)
+            with Server(args.url, model, flags, tmp) as server:
+                before = server.metrics()
+                with progress(count, f"{name} [{config}]", args.progress) as tick:
+                    t0 = time.perf_counter()
+                    records = asyncio.run(_with_client(workload, server, args, tick))
+                    wall = time.perf_counter() - t0
+                after = server.metrics()
+            res = summarize(records, wall)
+            res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
+            res["errors"] = sorted({r.error for r in records if r.error})[:5]
+            results[config] = res
+    out = {"bench": name, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    if args.plot:
+        plot(results, args.plot, name)
+    return out
+
+
+async def _with_client(workload: Workload, server: Server, args: Any, tick: Callable[[], None]) -> list[Record]:
+    import httpx
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        return await workload(server, client, tick)
+
+
+def table(results: dict[str, dict]) -> str:
+    """One row per configuration; TTFT and throughput also as ratios to the first row."""
+    base = next(iter(results.values()))
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.1f}"
+
+    def ratio(x: float | None, b: float | None) -> str:
+        return "-" if x is None or not b else f"{x / b:.2f}"
+
+    rows = [f"{'config':<10} {'reqs':>5} {'fail':>4} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'p99':>7} "
+            f"{'ITL mean':>8} {'p90':>6} {'tok/s':>8} {'cached %':>8} {'TTFT x':>7} {'tok/s x':>7}"]
+    for config, r in results.items():
+        cached = "-" if r["cached_tokens"] is None or not r["prompt_tokens"] else \
+            f"{100 * r['cached_tokens'] / r['prompt_tokens']:.0f}"
+        rows.append(f"{config:<10} {r['requests']:>5} {r['failed']:>4} {ms(r['ttft_mean']):>9} {ms(r['ttft_p50']):>7} "
+                    f"{ms(r['ttft_p90']):>7} {ms(r['ttft_p99']):>7} {ms(r['itl_mean']):>8} {ms(r['itl_p90']):>6} "
+                    f"{r['output_tokens_per_s'] or 0:>8.0f} {cached:>8} {ratio(r['ttft_mean'], base['ttft_mean']):>7} "
+                    f"{ratio(r['output_tokens_per_s'], base['output_tokens_per_s']):>7}")
+        if r["cached_tokens_by_tier"]:
+            rows.append(" " * 11 + "cached by tier: " + ", ".join(f"{t} {int(n)}" for t, n in
+                                                                  sorted(r["cached_tokens_by_tier"].items())))
+    return "\n".join(rows)
+
+
+def plot(results: dict[str, dict], path: str, name: str) -> None:
+    """Mean TTFT per round (left) and the TTFT CDF (right), one line per configuration."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for config, r in results.items():
+        a.plot(range(len(r["ttft_by_round"])), [1e3 * (x or 0) for x in r["ttft_by_round"]], marker="o", label=config)
+        xs = sorted(r["ttfts"])
+        b.plot([1e3 * x for x in xs], [(i + 1) / len(xs) for i in range(len(xs))], label=config)
+    a.set(xlabel="round", ylabel="mean TTFT (ms)", title=f"{name}: TTFT per round")
+    a.xaxis.get_major_locator().set_params(integer=True)
+    b.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def record_dicts(records: list[Record]) -> list[dict]:
+    return [asdict(r) for r in records]

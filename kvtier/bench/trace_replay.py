@@ -1,0 +1,103 @@
+"""``kvtier bench trace FILE``: replay a request trace (Mooncake's published format, or token ids;
+kvtier/bench/traces.py reads both) against the server, each request at its timestamp.
+
+A Mooncake request is ``hash_ids`` (one per 512-token block; equal leading hash ids = equal
+prefixes) plus an input and output length. Its tokens are made from the hash ids, so requests
+share exactly the prefixes the trace says. ``--block-tokens`` shrinks every block (and the input
+length with it) to fit a small model: 512 is the trace as published. Timestamps (ms) are honoured,
+scaled by ``--time-scale`` (0.5 = twice as fast; 0 = all at once); ``--requests`` replays the
+first N, ``--max-output-tokens`` caps the answers. A round is a tenth of the replay, in order::
+
+    kvtier bench trace traces/mooncake_conversation_1k.jsonl --model qwen3-0.6b-shape --device cuda \\
+        --block-tokens 64 --requests 300 --compare device,host
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from typing import Any, Callable
+
+from kvtier.bench import serving
+from kvtier.bench.traces import TraceError, read_trace, tokens_of_hashes
+
+
+def prompts(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
+    """(seconds after the start, prompt ids, output tokens) of each request to replay (those over
+    ``--max-input-tokens`` left out)."""
+    try:
+        reqs = read_trace(args.file, 512, vocab, args.requests)
+    except TraceError as e:
+        raise SystemExit(f"{args.file}: {e}") from None
+    if not reqs:
+        raise SystemExit(f"{args.file}: no requests")
+    t0 = reqs[0].timestamp
+    out = []
+    for r in reqs:
+        if r.hash_ids is not None:
+            n = max(1, math.ceil(r.input_length * args.block_tokens / 512))
+            ids = tokens_of_hashes(r.hash_ids, args.block_tokens, vocab)[:n]
+        else:
+            ids = [t % vocab for t in r.input_ids]
+        if args.max_input_tokens is not None and len(ids) > args.max_input_tokens:
+            continue
+        out.append(((r.timestamp - t0) / 1e3 * args.time_scale, ids,
+                    max(1, min(r.output_length or 1, args.max_output_tokens))))
+    return out
+
+
+def workload(args: argparse.Namespace) -> serving.Workload:
+    async def run(server: serving.Server, client: Any, tick: Callable[[], None]) -> list[serving.Record]:
+        todo = prompts(args, args.vocab)
+        per_round = max(1, math.ceil(len(todo) / 10))
+        records: list[serving.Record] = []
+        start = time.perf_counter()
+        slots = asyncio.Semaphore(args.max_parallel)
+
+        async def replay(i: int, at: float, prompt: list[int], out: int) -> None:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            async with slots:
+                rec = serving.Record(0, i // per_round, len(prompt), out)
+                await serving.send(client, server, rec, prompt)
+            records.append(rec)
+            tick()
+
+        await asyncio.gather(*(replay(i, at, p, o) for i, (at, p, o) in enumerate(todo)))
+        return records
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtier bench trace", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file", help="JSONL trace (e.g. traces/mooncake_conversation_1k.jsonl)")
+    ap.add_argument("--requests", type=int, default=None, help="replay the first N (default all)")
+    ap.add_argument("--block-tokens", type=int, default=512,
+                    help="tokens per Mooncake hash block (default 512, the trace's; smaller shrinks prompts)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="timestamps x this (default 1; 0: all at once)")
+    ap.add_argument("--max-output-tokens", type=int, default=64, help="answers capped at this (default 64)")
+    ap.add_argument("--max-input-tokens", type=int, default=None,
+                    help="leave out requests whose prompt is longer (default: none left out)")
+    ap.add_argument("--max-parallel", type=int, default=64, help="requests in flight at most (default 64)")
+    serving.add_common_flags(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.block_tokens < 1 or args.time_scale < 0 or args.max_output_tokens < 1 or args.max_parallel < 1:
+        raise SystemExit("--block-tokens, --max-output-tokens and --max-parallel must be >= 1, --time-scale >= 0")
+    if args.requests is not None and args.requests < 1:
+        raise SystemExit(f"--requests must be >= 1, got {args.requests}")
+    count = len(prompts(args, 1 << 20))
+    if not count:
+        raise SystemExit(f"{args.file}: every request is over --max-input-tokens {args.max_input_tokens}")
+    t0 = time.perf_counter()
+    serving.run(args, "trace", workload(args), count)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""``kvtier bench multiturn | longdoc | trace`` end to end on a tiny model on CPU: real kvtier
+servers (one per --compare configuration, its own process), real sockets. Checked for shape and
+sanity, not speed: every request answered, later rounds served from the prefix cache where the
+workload shares prefixes (and never with the cache off), the JSON and the plot written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.bench import longdoc, multiturn, serving, trace_replay
+from kvtier.serve.launch import ServerProcess
+
+TINY = ["--model", "qwen3-tiny", "--max-model-len", "512", "--no-progress"]
+
+
+def run_bench(module, argv, tmp_path, capsys) -> dict:  # type: ignore[no-untyped-def]
+    out = tmp_path / "result.json"
+    assert module.main([*argv, *TINY, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    for config, r in result["results"].items():
+        assert config in printed                               # one table row per configuration
+        assert r["failed"] == 0, r["errors"]
+        assert r["ttft_mean"] > 0 and r["itl_mean"] > 0 and r["output_tokens_per_s"] > 0
+        assert r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"]
+    return result
+
+
+def test_multiturn_rounds_after_the_first_hit_the_cache_unless_it_is_off(tmp_path, capsys):
+    plot = tmp_path / "ttft.png"
+    res = run_bench(multiturn, ["--clients", "3", "--rounds", "3", "--request-length", "24", "--output-length", "4",
+                                "--compare", "recompute,host", "--plot", str(plot)], tmp_path, capsys)["results"]
+    assert list(res) == ["recompute", "host"]
+    for r in res.values():
+        assert r["requests"] == 9 and len(r["ttft_by_round"]) == 3
+        # round k resends k earlier rounds of 24 + 4 tokens: the prompt grows as the recipe says
+        assert r["prompt_by_round"] == [3 * 24, 3 * (2 * 24 + 4), 3 * (3 * 24 + 2 * 4)]
+    assert res["recompute"]["cached_tokens"] == 0
+    assert res["host"]["cached_by_round"][0] == 0
+    # each later round finds the client's history, the full 16-token blocks of what the last
+    # request computed: round 1 has 28 tokens of history (1 block), round 2 has 56 (3 blocks)
+    assert res["host"]["cached_by_round"][1:] == [3 * 16, 3 * 48]
+    assert sum(res["host"]["cached_tokens_by_tier"].values()) == res["host"]["cached_tokens"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_longdoc_tile_asks_every_document_again_from_the_cache(tmp_path, capsys):
+    res = run_bench(longdoc, ["--documents", "3", "--document-length", "64", "--questions", "2",
+                              "--order", "tile", "--max-inflight", "1", "--compare", "device"], tmp_path, capsys)["results"]["device"]
+    assert res["requests"] == 6 and res["cached_by_round"][0] == 0
+    assert res["cached_by_round"][1] == 3 * 64            # every document, whole blocks: a hit
+
+
+def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path, capsys):
+    res = run_bench(trace_replay, ["traces/mooncake_conversation_1k.jsonl", "--requests", "20", "--block-tokens", "32",
+                                   "--max-input-tokens", "400", "--max-output-tokens", "4", "--time-scale", "0.001",
+                                   "--compare", "device"], tmp_path, capsys)["results"]["device"]
+    assert 0 < res["requests"] <= 20 and res["cached_tokens"] > 0
+
+
+def test_url_measures_a_running_server(tmp_path, capsys, checkpoint):
+    server = ServerProcess(["serve", checkpoint("qwen3-tiny"), "--max-model-len", "512"], tmp_path / "s.log")
+    try:
+        server.wait_ready(timeout=300)
+        out = tmp_path / "r.json"
+        assert longdoc.main(["--url", server.url, "--documents", "2", "--document-length", "40", "--questions", "2",
+                             "--max-inflight", "1", "--vocab", "256", "--no-progress", "--json", str(out)]) == 0
+    finally:
+        server.stop()
+    res = json.loads(out.read_text())["results"]
+    assert list(res) == ["url"] and res["url"]["failed"] == 0 and res["url"]["cached_tokens"] == 2 * 32
+
+
+def test_orders_and_bad_settings():
+    assert longdoc.order(2, 2, "tile", 0) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert longdoc.order(2, 2, "interleave", 0) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    rand = longdoc.order(3, 2, "random", 1)
+    assert sorted(rand) == longdoc.order(3, 2, "interleave", 0)
+    assert all(q == 0 for d, q in rand if (d, q) == min((x for x in rand if x[0] == d), key=rand.index))
+    with pytest.raises(ValueError, match="unknown configuration 'gpu'"):
+        serving.server_flags("gpu", None, None)
+    with pytest.raises(ValueError, match="request-rate"):
+        serving.Arrivals(0, 4, 0)
+    with pytest.raises(SystemExit, match="clients"):
+        multiturn.main(["--clients", "0"])
