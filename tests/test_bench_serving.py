@@ -82,5 +82,5 @@ def test_orders_and_bad_settings():
         serving.server_flags("gpu", None, None)
     with pytest.raises(ValueError, match="request-rate"):
         serving.Arrivals(0, 4, 0)
-    with pytest.raises(SystemExit, match="clients"):
+    with pytest.raises(SystemExit):
         multiturn.main(["--clients", "0"])

@@ -234,6 +234,18 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
     return flags
 
 
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1 (the message names the bad value)."""
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def add_common_flags(ap: Any) -> None:
     ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start kvtier "
                                                 "servers, one per --compare configuration)")
@@ -283,6 +295,7 @@ Workload = Callable[[Server, Any, Callable[[], None]], Awaitable[list[Record]]]
 def run(args: Any, name: str, workload: Workload, count: int) -> dict:
     """Run ``workload`` once per configuration (or once against --url); print the table; write
     --json and --plot. ``count``: its number of requests (the progress bar's total)."""
+    started = time.perf_counter()
     configs = ["url"] if args.url else [c.strip() for c in args.compare.split(",") if c.strip()]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix=f"kvtier-bench-{name}-") as tmp_name:
@@ -303,6 +316,7 @@ def run(args: Any, name: str, workload: Workload, count: int) -> dict:
             results[config] = res
     out = {"bench": name, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     print(table(results))
+    print(f"({time.perf_counter() - started:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     if args.plot:
