@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 18's goal runs on the lent H100: multiturn at a working set 4x the device tier (recompute,
+# device, +host, +storage), storage at 16x (host vs +storage), longdoc, a trace replay. JSON + PNG
+# plots under $OUT. Each server: qwen3-0.6b-shape, dummy bf16 weights (~6-7 min in all).
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kvtier-gpu}; mkdir -p "$OUT"
+if [ -d .gpuwheels ]; then     # the device image has no web stack: carried wheels (no numpy: the image's)
+  python -m pip install -q --no-deps --no-index --find-links .gpuwheels --target /tmp/webdeps fastapi uvicorn \
+    prometheus-client httpx httpcore h11 anyio idna certifi starlette pydantic pydantic-core annotated-types \
+    typing-inspection typing-extensions click annotated-doc rich markdown-it-py mdurl pygments matplotlib \
+    contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil packaging 2>&1 | grep -v WARNING | tail -3
+  export PYTHONPATH=$PWD:/tmp/webdeps
+fi
+M="--model qwen3-0.6b-shape --device cuda --max-model-len 16384 --max-num-batched-tokens 8192 --no-progress"
+b() { python -m kvtier.cli bench "$@" 2>&1 | grep -v "Loading weights\|Writing model\|hashing"; }
+for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $step in
+  # 16 clients x 6 rounds x (1024 + 64): histories to ~6.5K tokens, working set ~104K tokens =
+  # 6.5K blocks; device tier 1,640 blocks = 1/4 of it
+  multiturn) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
+      --device-blocks 1640 --host-blocks 8192 --compare recompute,device,host,storage \
+      --storage "file:///dev/shm/kvt-pool-mt" --json "$OUT/multiturn.json" --plot "$OUT/multiturn.png" | tee "$OUT/multiturn.log" ;;
+  # working set 16x the device tier (410 blocks); host tier 1/4 of the working set: the pool holds the rest
+  storage16) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
+      --device-blocks 410 --host-blocks 1640 --compare host,storage --storage "file:///dev/shm/kvt-pool-16" \
+      --json "$OUT/multiturn16.json" --plot "$OUT/multiturn16.png" | tee "$OUT/multiturn16.log" ;;
+  longdoc) b longdoc $M --documents 24 --document-length 4096 --questions 3 --max-inflight 4 --device-blocks 2048 \
+      --host-blocks 8192 --compare device,host --json "$OUT/longdoc.json" --plot "$OUT/longdoc.png" | tee "$OUT/longdoc.log" ;;
+  trace) b trace traces/mooncake_conversation_1k.jsonl $M --requests 300 --block-tokens 128 --time-scale 0.05 \
+      --max-output-tokens 32 --max-input-tokens 12000 --device-blocks 2048 --host-blocks 8192 --compare device,host \
+      --json "$OUT/trace.json" --plot "$OUT/trace.png" | tee "$OUT/trace.log" ;;
+esac; done; done
+rm -rf /dev/shm/kvt-pool-*
