@@ -9,7 +9,7 @@ if [ -d .gpuwheels ]; then     # the device image has no web stack: carried whee
   python -m pip install -q --no-deps --no-index --find-links .gpuwheels --target /tmp/webdeps fastapi uvicorn \
     prometheus-client httpx httpcore h11 anyio idna certifi starlette pydantic pydantic-core annotated-types \
     typing-inspection typing-extensions click annotated-doc rich markdown-it-py mdurl pygments matplotlib \
-    contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil packaging 2>&1 | grep -v WARNING | tail -3
+    contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil packaging opentelemetry-api importlib-metadata zipp 2>&1 | grep -v WARNING | tail -3
   export PYTHONPATH=$PWD:/tmp/webdeps
 fi
 M="--model qwen3-0.6b-shape --device cuda --max-model-len 16384 --max-num-batched-tokens 8192 --no-progress"
