@@ -24,6 +24,13 @@ for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $
   storage16) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
       --device-blocks 410 --host-blocks 1640 --compare host,storage --storage "file:///dev/shm/kvt-pool-16" \
       --json "$OUT/multiturn16.json" --plot "$OUT/multiturn16.png" | tee "$OUT/multiturn16.log" ;;
+  # the host tier's default preemption is swap: the same runs with recompute preemption
+  multiturn_rc) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
+      --device-blocks 1640 --host-blocks 8192 --compare device,host,storage --server-args "--preemption-mode recompute" \
+      --storage "file:///dev/shm/kvt-pool-mtrc" --json "$OUT/multiturn_rc.json" --plot "$OUT/multiturn_rc.png" | tee "$OUT/multiturn_rc.log" ;;
+  storage16_rc) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
+      --device-blocks 410 --host-blocks 1640 --compare host,storage --storage "file:///dev/shm/kvt-pool-16rc" \
+      --server-args "--preemption-mode recompute" --json "$OUT/multiturn16_rc.json" | tee "$OUT/multiturn16_rc.log" ;;
   longdoc) b longdoc $M --documents 24 --document-length 4096 --questions 3 --max-inflight 4 --device-blocks 2048 \
       --host-blocks 8192 --compare device,host --json "$OUT/longdoc.json" --plot "$OUT/longdoc.png" | tee "$OUT/longdoc.log" ;;
   trace) b trace traces/mooncake_conversation_1k.jsonl $M --requests 300 --block-tokens 128 --time-scale 0.05 \

@@ -224,6 +224,8 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.device_blocks:
         flags += ["--num-device-blocks", str(args.device_blocks)]
+    import shlex
+    flags += shlex.split(args.server_args or "")
     if config == "recompute":
         return flags + ["--no-prefix-caching", "--num-host-blocks", "0"]
     if config == "device":
@@ -262,6 +264,8 @@ def add_common_flags(ap: Any) -> None:
     ap.add_argument("--host-blocks", type=int, default=4096, help="host tier blocks for host/storage (default 4096)")
     ap.add_argument("--storage", default=None, help="pool URL of the storage config (default: a temporary file://)")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--server-args", default=None, metavar="'FLAGS'",
+                    help="more `kvtier serve` flags for every started server, e.g. '--preemption-mode recompute'")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the served "
                                                             "model's vocab, 32000 with --url)")
