@@ -31,6 +31,10 @@ for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $
   storage16_rc) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
       --device-blocks 410 --host-blocks 1640 --compare host,storage --storage "file:///dev/shm/kvt-pool-16rc" \
       --server-args "--preemption-mode recompute" --json "$OUT/multiturn16_rc.json" | tee "$OUT/multiturn16_rc.log" ;;
+  # the same recipe on the 8B shape, where a prefill costs what a cache hit saves
+  multiturn8b) b multiturn ${M/qwen3-0.6b-shape/llama3-8b-shape} --clients 16 --rounds 6 --request-length 1024 \
+      --output-length 64 --max-parallel 16 --device-blocks 1640 --host-blocks 8192 --compare recompute,device,host,storage \
+      --storage "file:///dev/shm/kvt-pool-8b" --json "$OUT/multiturn8b.json" --plot "$OUT/multiturn8b.png" | tee "$OUT/multiturn8b.log" ;;
   longdoc) b longdoc $M --documents 24 --document-length 4096 --questions 3 --max-inflight 4 --device-blocks 2048 \
       --host-blocks 8192 --compare device,host --json "$OUT/longdoc.json" --plot "$OUT/longdoc.png" | tee "$OUT/longdoc.log" ;;
   trace) b trace traces/mooncake_conversation_1k.jsonl $M --requests 300 --block-tokens 128 --time-scale 0.05 \
