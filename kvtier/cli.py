@@ -305,7 +305,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
                         "any URL takes &throttle=RATE to simulate a slow pool (default none)")
     p.add_argument("--write-policy", choices=WRITE_POLICIES, default=None,
                    help="when blocks are copied down a tier (default: write_through with --storage, so every "
-                        "computed block reaches the pool; else write_through_selective)")
+                        "computed block reaches the pool, and with a host tier; else write_through_selective)")
     p.add_argument("--write-through-threshold", type=_positive, default=2,
                    help="hits before write_through_selective copies down (default 2)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

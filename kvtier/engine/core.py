@@ -156,8 +156,10 @@ class EngineCore:
         - ``num_device_blocks=None``: sized from free memory;
         - ``num_host_blocks=None``: no host tier (0), unless ``storage`` is set: then a host tier
           sized from free RAM (:meth:`_size_host_blocks`), since storage I/O goes through it;
-        - ``write_policy=None``: ``"write_through"`` with a storage pool (every computed block goes
-          host -> pool, so the pool serves the next engine), else ``"write_through_selective"``;
+        - ``write_policy=None``: ``"write_through"`` with a host tier or a storage pool (every
+          computed block is copied down: multi-turn histories come back from the host tier, and
+          the pool serves the next engine; ``write_through_selective`` left most of a multi-turn
+          working set uncached, docs/BENCHMARKS.md), else ``"write_through_selective"``;
         - ``overlap_schedule=None``: on for CUDA (the CPU schedules step N+1 while the GPU runs
           step N), off on CPU (where a step runs to its end before the host goes on: nothing to
           overlap, and a finished request's extra step would cost a forward).
@@ -171,7 +173,7 @@ class EngineCore:
         check_int("write_through_threshold", write_through_threshold, 1)
         check_int("seed", seed)
         if write_policy is None:
-            write_policy = "write_through" if storage is not None else "write_through_selective"
+            write_policy = "write_through" if storage is not None or num_host_blocks else "write_through_selective"
         WritePolicy(write_policy, write_through_threshold)       # names a bad policy now, not after loading
         if storage is not None and num_host_blocks == 0:
             raise ValueError("a storage tier needs a host tier: num_host_blocks=0 turns it off; "
