@@ -35,6 +35,8 @@ RUN = {
     r"^kvtier bench cache$": "--requests 20 --prompts 2 --prompt-tokens 256 --repeat 1",
     r"^kvtier bench peers$": "--requests 20 --prompts 2 --warmup 5 --repeat 1 --num-blocks 4096",
     r"^kvtier bench soak$": "--requests 30 --concurrency 4 --no-progress --huge-bytes 17000000",
+    r"^kvtier bench multiturn --model qwen3-tiny ": "--clients 2 --rounds 2 --request-length 20 --output-length 4 "
+                                                   "--max-model-len 512 --no-progress",
 }
 # command pattern -> why it is not run here
 NOT_RUN = {
@@ -46,6 +48,7 @@ NOT_RUN = {
     r"^kvtier bench (transfer|overlap|rollout)\b": "GPU benchmark",
     r"^kvtier bench storage --ttft\b": "two engines on a 1 GiB prompt: minutes on a CPU",
     r"^kvtier (serve|router) ": "a server: tests/serve start the same ones",
+    r"^kvtier bench \w+ .*--url ": "needs a running server: tests/test_bench_serving.py runs --url against one",
     r"^kvtier pool mooncake ": "starts a Mooncake master: tests/storage start the same one",
     r"^python scripts/bench_pools\.py": "starts Valkey and Mooncake servers",
 }
