@@ -282,7 +282,8 @@ def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, 
 
     core = EngineCore(model, device=args.device, num_device_blocks=args.device_blocks,
                       num_host_blocks=args.host_blocks, storage=pool, write_policy="write_through",
-                      max_num_seqs=32, max_num_batched_tokens=1024, storage_fetch="always")
+                      max_num_seqs=32, max_num_batched_tokens=1024, storage_fetch="always",
+                      overlap_schedule=args.overlap_schedule)
     engine = AsyncEngine(core, max_queue=4096)
     server = Server(engine, MODEL_NAME)
     port = free_port()
@@ -469,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-blocks", type=int, default=96, help="device tier, blocks of 16 tokens (default 96)")
     p.add_argument("--host-blocks", type=int, default=192, help="host tier, blocks (default 192)")
     p.add_argument("--huge-bytes", type=int, default=40 << 20, help="size of the oversized bodies (default 40 MiB)")
+    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's overlap scheduling (default: on for cuda, off for cpu)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
