@@ -239,7 +239,11 @@ class StorageClient:
         self.counters["lookups"] += 1
         names = [self.name(k) for k in keys]
         try:
-            if len(names) > 2 * _LOOKUP_SLICE and self._lookup_pool is not None:
+            # a prefix is usable only from its first block: a prompt the pool has never seen (the
+            # usual cold request) is answered by one name, not one stat or key per block
+            if len(names) > 1 and keys[0] not in self._known and not self.backend.exists(names[:1])[0]:
+                present = [False]
+            elif len(names) > 2 * _LOOKUP_SLICE and self._lookup_pool is not None:
                 # a long prompt: slices looked up at once on the lookup threads (a file pool
                 # answers with one stat per name; a server pipelines each slice)
                 slices = [names[i:i + _LOOKUP_SLICE] for i in range(0, len(names), _LOOKUP_SLICE)]

@@ -246,6 +246,21 @@ def test_a_probe_that_breaks_before_its_call_does_not_wedge_the_breaker():
     assert c.lookup_prefix([key(0)]) == 0 and not c.breaker.is_open   # a later probe went
 
 
+def test_a_prompt_whose_first_block_the_pool_lacks_is_answered_by_one_name():
+    backend = MemoryBackend()
+    c = client_for(backend, Host(1))
+    put(c, 0, [0, 1, 2], [key(0), key(1), key(2)])
+    asked: list[int] = []
+    real = backend.exists
+    backend.exists = lambda names: asked.append(len(names)) or real(names)   # type: ignore[method-assign]
+    assert c.lookup_prefix([key(9)] + [key(i) for i in range(3)]) == 0    # first block unknown: 1 name
+    assert asked == [1]
+    assert client_for(backend, Host(2)).lookup_prefix([key(i) for i in range(5)]) == 3   # then the rest
+    assert asked == [1, 1, 5]
+    assert c.lookup_prefix([key(i) for i in range(5)]) == 3               # first block known stored
+    assert asked == [1, 1, 5, 5]
+
+
 def test_a_lookup_miss_forgets_that_a_key_was_stored():
     backend = MemoryBackend()
     c = client_for(backend, Host(1))
