@@ -232,7 +232,8 @@ class Server:
             return JSONResponse(error_body(503, str(e)) | {"status": "unavailable", "role": self.role,
                                                            "engine": "stopped"}, status_code=503)
         pool = self.pool_health()
-        body = {"status": "ok", "role": self.role, "engine": "ok", "pool": pool}
+        body = {"status": "ok", "role": self.role, "engine": "ok", "pool": pool,
+                "pd_on_miss": self.engine.core.pd_on_miss}
         if pool is None or pool.get("ok", True):
             return JSONResponse(body)
         reason = f"the storage pool is unreachable: {pool.get('reason') or 'no reason given'}"

@@ -12,6 +12,11 @@ the healthy ones (``GET /health`` every ``health_interval`` seconds; a backend t
 request is marked down at once). A P that is down, answers an error, or could not write every
 block -> the request runs colocated on a D. A D that fails before answering -> the next D (the
 hand-off is in the pool, any D can read it). Every call has a timeout.
+
+A stream starts with P's first token as soon as P answers when every healthy D recomputes what
+it misses (``pd_on_miss`` in its /health is ``recompute``): such a D cannot fail the hand-off for
+the pool's sake, so its answer only continues the stream (an error of D's then ends the stream
+as an error event). Otherwise P's chunks wait for D's headers, so that D's 502 can be the answer.
 """
 from __future__ import annotations
 
@@ -182,7 +187,40 @@ class Router:
             self.routes.labels("colocated").inc()
             return await self._decode(kind, body, stream, None)
         self.routes.labels("pd").inc()
-        return await self._decode(kind, dict(body, kvtier_handoff=handoff["handoff"]), stream, handoff["chunks"])
+        body = dict(body, kvtier_handoff=handoff["handoff"])
+        if stream and self._decode_recomputes():
+            return StreamingResponse(self._relay_early(kind, body, handoff["chunks"]), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._decode(kind, body, stream, handoff["chunks"])
+
+    def _decode_recomputes(self) -> bool:
+        """Does every healthy D recompute what it misses (``pd_on_miss=recompute``, in its
+        /health)? Then a hand-off cannot fail on D for the pool's sake, and a stream may start
+        with P's first token before D answers."""
+        up = [b for b in self.decode if b.healthy]
+        return bool(up) and all(b.info.get("pd_on_miss") == "recompute" for b in up)
+
+    async def _relay_early(self, kind: str, body: dict, first_chunks: list) -> AsyncIterator[bytes]:
+        """P's first-token chunks at once, then D's stream; D's error, if it has one, as the
+        stream's last event."""
+        for c in first_chunks:
+            yield f"data: {json.dumps(c, separators=(',', ':'))}\n\n".encode()
+        r = await self._open_decode(kind, body)
+        if isinstance(r, APIError):
+            yield (sse_error(r) + "data: [DONE]\n\n").encode()
+            return
+        if r.status_code != 200:
+            try:
+                detail = (await r.aread()).decode(errors="replace")[:300]
+            except httpx.HTTPError as e:
+                detail = _describe(e)
+            finally:
+                await r.aclose()
+            yield (sse_error(APIError(502, f"decode server answered {r.status_code}: {detail}"))
+                   + "data: [DONE]\n\n").encode()
+            return
+        async for b in _relay(None, r):
+            yield b
 
     async def _prefill(self, kind: str, body: dict) -> tuple[Any, str]:
         """P's half: (hand-off, "") or (None, why the request runs colocated) or (the client's
@@ -223,20 +261,22 @@ class Router:
                 "prefill_cached_tokens": res.get("cached_tokens", 0), "response_id": res["id"],
                 "created": res["created"]}}, ""
 
-    async def _decode(self, kind: str, body: dict, stream: bool, first_chunks: list | None) -> Response:
+    async def _open_decode(self, kind: str, body: dict) -> httpx.Response | APIError:
+        """D's response, headers read and body streaming (a D that fails to connect or is busy:
+        the next one), or the router's error when none answers."""
         tried: set[str] = set()
         last_error = "no decode server is up"
         while True:
             d = self._pick("decode", tried)
             if d is None:
-                return error_response(503, last_error)
+                return APIError(503, last_error)
             tried.add(d.url)
             req = self.client.build_request("POST", d.url + _PATHS[kind], json=body)   # type: ignore[union-attr]
             try:
                 r = await self.client.send(req, stream=True)                         # type: ignore[union-attr]
             except httpx.TimeoutException as e:
                 # not retried on the next D: the request may still be running on this one
-                return error_response(504, f"decode server {d.url} did not answer in time: {_describe(e)}")
+                return APIError(504, f"decode server {d.url} did not answer in time: {_describe(e)}")
             except httpx.HTTPError as e:
                 log.warning("decode server %s failed (%s); trying the next one", d.url, e)
                 d.healthy = False
@@ -245,17 +285,23 @@ class Router:
             if r.status_code == 503 and len(tried) < len(self.decode):
                 await r.aclose()
                 continue
-            if r.status_code != 200 or not stream:
-                try:
-                    content = await r.aread()
-                except httpx.HTTPError as e:
-                    return error_response(502, f"decode server {d.url} failed while answering: {_describe(e)}")
-                finally:
-                    await r.aclose()
-                return Response(content, status_code=r.status_code,
-                                media_type=r.headers.get("content-type", "application/json"))
-            return StreamingResponse(_relay(first_chunks, r), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return r
+
+    async def _decode(self, kind: str, body: dict, stream: bool, first_chunks: list | None) -> Response:
+        r = await self._open_decode(kind, body)
+        if isinstance(r, APIError):
+            return error_response(r.status, r.message)
+        if r.status_code != 200 or not stream:
+            try:
+                content = await r.aread()
+            except httpx.HTTPError as e:
+                return error_response(502, f"decode server failed while answering: {_describe(e)}")
+            finally:
+                await r.aclose()
+            return Response(content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type", "application/json"))
+        return StreamingResponse(_relay(first_chunks, r), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _relay(first_chunks: list | None, r: httpx.Response) -> AsyncIterator[bytes]:

@@ -3,6 +3,7 @@ colocated to D, and the router's own errors in OpenAI's shape. P and D are stand
 ``httpx.MockTransport``) so that each failure can be staged; `test_pd.py` runs real servers."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -33,11 +34,12 @@ class Backends:
         self.prefill = lambda req: httpx.Response(500, json={"error": {"message": "unset"}})
         self.decode = lambda req: httpx.Response(200, json={"choices": [{"text": "from D"}]})
         self.calls: list[str] = []
+        self.health = {"status": "ok", "engine": "ok"}
 
     def __call__(self, req: httpx.Request) -> httpx.Response:
         self.calls.append(f"{req.url.host}{req.url.path}")
         if req.url.path == "/health":
-            return httpx.Response(200, json={"status": "ok", "engine": "ok"})
+            return httpx.Response(200, json=self.health)
         return self.prefill(req) if req.url.host == "p.test" else self.decode(req)
 
 
@@ -163,3 +165,44 @@ def test_bad_ports_and_empty_keys_stop_the_command_with_a_message(args, env, mes
     r = subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, **env))
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+HANDOFF = {"chunks": [{"choices": [{"index": 0, "text": "P"}]}], "first_token": 5, "prompt_token_ids": [1, 2],
+           "manifest": {"complete": True, "namespace": "ns", "keys": ["k"], "num_tokens": 2},
+           "cached_tokens": 0, "id": "cmpl-1", "created": 1}
+
+
+@pytest.mark.parametrize("d_mode", ["recompute", "error"])
+def test_a_stream_starts_with_ps_token_before_d_answers_only_when_d_recomputes(routed, d_mode):
+    c, router, backends = routed
+    backends.prefill = lambda req: httpx.Response(200, json=HANDOFF)
+
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices":[{"index":0,"text":"D"}]}\n\ndata: [DONE]\n\n'
+
+    async def slow_d(req):                      # D answers after 1.5 s
+        await asyncio.sleep(1.5)
+        return httpx.Response(200, stream=Stream(), headers={"content-type": "text/event-stream"})
+    backends.decode = slow_d
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": d_mode}   # (its /health)
+    t0 = time.monotonic()
+    with c.stream("POST", "/v1/completions", json=BODY | {"stream": True}) as r:
+        events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(events))
+        waited = time.monotonic() - t0
+        rest = list(events)
+    assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
+    assert (waited < 1.0) if d_mode == "recompute" else (waited >= 1.5), waited
+
+
+def test_a_d_error_after_ps_early_token_ends_the_stream_with_an_openai_error(routed):
+    c, router, backends = routed
+    backends.prefill = lambda req: httpx.Response(200, json=HANDOFF)
+    backends.decode = lambda req: httpx.Response(500, json={"error": {"message": "boom"}})
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
+    r = c.post("/v1/completions", json=BODY | {"stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "P" and events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 502 and "answered 500" in err["message"] and "boom" in err["message"]
