@@ -110,7 +110,13 @@ def test_a_pool_killed_mid_run_costs_recompute_then_recovers(pool, checkpoint, c
             server.restart()
         else:
             server.flushall()
-        time.sleep(0.6)                                 # past the breaker's cooldown: it probes
+        # past the breaker's cooldown a lookup probes the pool; a pool still starting (a loaded
+        # machine) fails the probe and the cooldown doubles: lookups go on until one closes it
+        deadline = time.monotonic() + 30
+        while llm.storage.breaker.is_open and time.monotonic() < deadline:
+            time.sleep(0.2)
+            llm.storage.lookup_prefix([b"probe".ljust(32, b"\0")])
+        assert not llm.storage.breaker.is_open, "the restarted pool never closed the breaker"
         puts_before = llm.cache_stats()["storage"]["put_blocks"]
         same(run(llm, later, True), cold(later))
     stats = llm.cache_stats()["storage"]                # after close(): puts drained
