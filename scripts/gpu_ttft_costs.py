@@ -53,6 +53,18 @@ def main() -> None:
         res["device_hit_ttft_s"] = statistics.median(hits)
         res["device_hit_gpu_s"] = gpu
         res["device_hit_ratio"] = res["device_hit_ttft_s"] / gpu
+        import cProfile
+        import io
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for i in range(3):
+            ttft(llm, prefix + [30 + i] * 48)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        (out / "ttft_hit_cprofile.txt").write_text(buf.getvalue())
+        print(buf.getvalue()[:6000])
         cold = [ttft(llm, [rng.randrange(32000) for _ in range(4144)]) for _ in range(6)][1:]
         res["cold_ttft_s"] = statistics.median(cold)
     with kvtier.LLM(path, storage=f"file://{tmp}/pool", num_host_blocks=4096, **kw) as llm:
@@ -61,6 +73,12 @@ def main() -> None:
         cold_pool = [ttft(llm, [rng.randrange(32000) for _ in range(4144)]) for _ in range(5)]
         res["cold_ttft_with_pool_s"] = statistics.median(cold_pool)
         res["pool_ratio"] = res["cold_ttft_with_pool_s"] / res["cold_ttft_s"]
+        ttft(llm, prefix + [1] * 48)
+        for i in range(3):
+            ttft(llm, prefix + [2 + i] * 48)
+        hits_pool = [ttft(llm, prefix + [10 + i] * 48) for i in range(5)]
+        res["device_hit_ttft_with_pool_s"] = statistics.median(hits_pool)
+        res["pool_hit_ratio"] = res["device_hit_ttft_with_pool_s"] / res["device_hit_ttft_s"]
     print(json.dumps(res, indent=1))
     (out / "ttft_costs.json").write_text(json.dumps(res, indent=1))
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="triton is not installed: triton attention backend untested")
 
 from kvtier.model.attention import AttentionMetadata, get_backend, reference_attention, write_kv  # noqa: E402
-from kvtier.model.triton_attention import triton_attention  # noqa: E402
+from kvtier.model.triton_attention import choose_splits, triton_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -136,6 +136,27 @@ def test_split_kv_with_multi_token_queries():
     check(q, kv, meta, atol=1e-4, num_splits=3)
 
 
+def test_choose_splits():
+    # a device hit: 48 new tokens over a 4K prefix fill 8 of 132 SMs -> split the KV range
+    assert choose_splits([48], 4144, 64, 8, 132) == 16
+    # decode of 4 sequences: few programs, split; bounded by MIN_POSITIONS_PER_SPLIT for short ones
+    assert choose_splits([1] * 4, 4096, 8, 8, 132) == 8
+    assert choose_splits([1] * 4, 300, 8, 8, 132) == 1
+    # a full 4K prompt (64 query blocks x 8 heads) or a big decode batch already fill the GPU
+    assert choose_splits([4096], 4096, 64, 8, 132) == 1
+    assert choose_splits([1] * 64, 4096, 8, 8, 132) == 1
+    for q in ([1], [48], [200, 3], [1] * 9):
+        n = choose_splits(q, 8192, 64, 2, 132)
+        assert n >= 1 and n & (n - 1) == 0
+
+
+def test_split_kv_short_extend_over_long_prefix():
+    # the shape of a device hit (a few new tokens over a cached prefix), split as choose_splits does;
+    # the early rows of the tile see fewer positions: some splits are empty for them
+    q, kv, meta = make_case([20, 3], [300, 150], 4, 2, 64, 16, torch.float32, seed=11)
+    check(q, kv, meta, atol=1e-4, num_splits=4)
+
+
 def test_fp16():
     q_lens, s_lens = [1, 25, 10], [60, 70, 10]
     q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float16, seed=6)
@@ -202,6 +223,15 @@ def test_gpu_decode(dtype, atol, num_splits):
     q, kv, meta = make_case([1] * n, s_lens, 16, 8, 128, 16, dtype, seed=8)
     check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0,
           num_splits=num_splits)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_gpu_short_extend_auto_splits(dtype, atol):
+    # 48 new tokens over a 4K cached prefix: split automatically (the device-hit shape)
+    q, kv, meta = make_case([48], [4144], 16, 8, 128, 16, dtype, seed=12)
+    check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0)
 
 
 @gpu

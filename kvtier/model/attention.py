@@ -36,6 +36,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     slot_mapping_cpu: np.ndarray | None = None  # the same slots on the CPU (routing capture)
+    # CUDA graphs: query_start_loc has this many sequences' entries (trailing ones empty), the
+    # kernel's grid covers them all, and the host lists above are only bounds (engine/cuda_graph.py)
+    graph_num_seqs: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -13,8 +13,9 @@ full-prompt prefill in the same varlen batch:
   independent of the cache block size); tiles entirely visible to every row of the query tile run
   without the causal mask, the rest are masked (query at absolute position p sees 0..p);
 * online softmax in fp32 (``exp2`` with the scale folded in), fp32 accumulator;
-* decode-heavy steps with too few programs to fill the GPU split the KV range of each program
-  over ``num_splits`` programs (flash-decoding); a small second kernel merges the partial results.
+* steps with too few programs to fill the GPU (decode; a short extend over a long cached prefix)
+  split the KV range of each program over ``num_splits`` programs (flash-decoding); a small
+  second kernel merges the partial results (:func:`choose_splits`).
 
 fp32 inputs use IEEE fp32 dot products (set ``ALLOW_TF32 = True`` to trade accuracy for speed).
 Tile sizes come from :func:`_launch_config` (a "decode" config when ``max_query_len <= 16``, else a
@@ -223,6 +224,23 @@ if _IMPORT_ERROR is None:
                  res.to(out_ptr.dtype.element_ty))
 
 
+def choose_splits(query_lens: list[int], max_seq_len: int, block_q: int, num_kv_heads: int,
+                  sms: int) -> int:
+    """Split-KV factor (a power of two) for a step: 1 when its programs fill the GPU, else enough
+    splits of the KV range for ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, each split at
+    least ``MIN_POSITIONS_PER_SPLIT`` positions. Decode steps and short extends over a long cached
+    prefix (a device hit: 48 new tokens over 4K are 8 programs on 132 SMs) both need it."""
+    if max(query_lens) <= block_q:
+        busy = len(query_lens) * num_kv_heads
+    else:
+        busy = sum(-(-q // block_q) for q in query_lens) * num_kv_heads
+    if busy >= sms:
+        return 1
+    n = min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS_PER_SM * sms // busy),
+            max(1, max_seq_len // MIN_POSITIONS_PER_SPLIT))
+    return 1 << (max(1, n).bit_length() - 1)   # a power of two: NUM_SPLITS is a compile-time constant
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -301,7 +319,7 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
         raise ValueError(f"query has {num_tokens} tokens, metadata {sum(meta.query_lens_cpu)}")
 
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    num_seqs = meta.num_seqs
+    num_seqs = meta.num_seqs if meta.graph_num_seqs is None else meta.graph_num_seqs
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
@@ -318,19 +336,9 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     n_kv_tiles = triton.cdiv(meta.max_seq_len, block_n)
 
     if num_splits is None:
-        num_splits = 1
-        if query.is_cuda and meta.max_query_len <= DECODE_MAX_QUERY_LEN:
-            # programs that actually have work
-            if meta.max_query_len <= block_q:
-                busy = num_seqs * num_kv_heads
-            else:
-                busy = sum(triton.cdiv(q, block_q) for q in meta.query_lens_cpu) * num_kv_heads
-            sms = _sm_count(query.device)
-            if busy < sms:
-                num_splits = min(MAX_SPLITS, triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * sms, busy),
-                                 max(1, meta.max_seq_len // MIN_POSITIONS_PER_SPLIT))
-        num_splits = 1 << (max(1, min(num_splits, n_kv_tiles)).bit_length() - 1)
-        # a power of two: NUM_SPLITS is a compile-time constant, so few variants get compiled
+        num_splits = choose_splits(meta.query_lens_cpu, meta.max_seq_len, block_q, num_kv_heads,
+                                   _sm_count(query.device)) if query.is_cuda else 1
+        num_splits = 1 << (min(num_splits, n_kv_tiles).bit_length() - 1)
     num_splits = max(1, min(int(num_splits), n_kv_tiles))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
 

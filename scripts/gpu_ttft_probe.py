@@ -1,0 +1,151 @@
+"""GPU: where a request's TTFT goes (issue 16's fixed costs). qwen3-0.6b-shape, bf16, a 4,096-token
+prefix + 48 new tokens. Wraps the engine's phases with wall-clock timers and reports, per request
+(median of 5): total, schedule, forward launch (runner.execute), waiting for results (collect),
+pumping copies, storage lookups; with and without a ``file://`` pool, with the pool's puts idle or in
+flight, and with a short GIL switch interval (to see contention with the I/O threads)."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvtier
+from kvtier.engine import runner as runner_mod
+from kvtier.model import init_model
+
+_GPU = os.environ.get("PROBE_DEVICE", "cuda") == "cuda"
+VOCAB, PREFIX = (32000, 4096) if _GPU else (300, 256)
+SP = kvtier.SamplingParams(max_tokens=1, ignore_eos=True)
+T: collections.Counter = collections.Counter()
+
+
+def timed(name, fn):  # type: ignore[no-untyped-def]
+    def wrap(*a, **k):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            T[name] += time.perf_counter() - t0
+    return wrap
+
+
+def instrument(llm) -> None:  # type: ignore[no-untyped-def]
+    llm.scheduler.schedule = timed("schedule", llm.scheduler.schedule)
+    llm.runner.execute = timed("execute", llm.runner.execute)
+    llm._pump = timed("pump", llm._pump)
+    llm._outputs = timed("outputs", llm._outputs)
+    llm.cache.match_prefix = timed("match", llm.cache.match_prefix)
+    if llm.storage is not None:
+        llm.storage.lookup_prefix = timed("lookup", llm.storage.lookup_prefix)
+
+
+_collect = runner_mod.StepResult.collect
+runner_mod.StepResult.collect = timed("collect", _collect)  # type: ignore[method-assign]
+
+
+def one(llm, prompt) -> dict:  # type: ignore[no-untyped-def]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    T.clear()
+    t0 = time.perf_counter()
+    llm.generate([prompt], SP)
+    d = {k: v * 1e3 for k, v in T.items()}
+    d["total"] = (time.perf_counter() - t0) * 1e3
+    return d
+
+
+def med(rows: list[dict]) -> dict:
+    keys = sorted({k for r in rows for k in r})
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 3) for k in keys}
+
+
+def idle(llm) -> None:  # type: ignore[no-untyped-def]
+    while llm.storage is not None and llm.storage.num_in_flight:
+        llm.step()
+        time.sleep(0.01)
+    for _ in range(3):
+        llm.step()
+
+
+def main() -> None:
+    out = Path(os.environ.get("OUT", "/tmp"))
+    tmp = tempfile.mkdtemp()
+    dev = os.environ.get("PROBE_DEVICE", "cuda")
+    preset = "qwen3-0.6b-shape" if dev == "cuda" else "llama-tiny"
+    path = init_model(preset, Path(tmp) / "m", config_only=dev == "cuda")
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
+    fresh = lambda: [rng.randrange(VOCAB) for _ in range(PREFIX + 48)]  # noqa: E731
+    res: dict = {}
+    kw = dict(device=dev, load_format="dummy", num_device_blocks=4096 if _GPU else 256, max_model_len=8192 if _GPU else 512,
+              max_num_batched_tokens=8192 if _GPU else 512)
+    for label, extra in (("nopool", {}), ("pool", {"storage": f"file://{tmp}/pool", "num_host_blocks": 4096})):
+        with kvtier.LLM(path, **kw, **extra) as llm:
+            instrument(llm)
+            one(llm, prefix + [1] * 48)
+            for i in range(3):
+                one(llm, prefix + [2 + i] * 48)
+                one(llm, fresh())
+            idle(llm)
+            hits, colds = [], []
+            for i in range(5):
+                idle(llm)
+                hits.append(one(llm, prefix + [10 + i] * 48))
+                idle(llm)
+                colds.append(one(llm, fresh()))
+            res[f"{label}_hit_idle"] = med(hits)
+            res[f"{label}_cold_idle"] = med(colds)
+            if label == "pool":
+                for si in (0.005, 0.0002):
+                    sys.setswitchinterval(si)
+                    hits, colds = [], []
+                    for i in range(5):
+                        idle(llm)
+                        one(llm, fresh())                 # its puts are in flight during the next
+                        hits.append(one(llm, prefix + [20 + i] * 48))
+                        colds.append(one(llm, fresh()))
+                    res[f"pool_hit_busy_si{si}"] = med(hits)
+                    res[f"pool_cold_busy_si{si}"] = med(colds)
+                sys.setswitchinterval(0.005)
+                res["storage_stats"] = llm.storage.stats() if hasattr(llm.storage, "stats") else None
+    print(json.dumps(res, indent=1, default=str))
+    (out / "ttft_probe.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__" and not os.environ.get("PROBE_PROFILE"):
+    main()
+
+
+def profile_hit() -> None:
+    """One device hit under torch.profiler (CPU and CUDA): the top CPU-side ops and runtime calls."""
+    from torch.profiler import ProfilerActivity, profile
+    out = Path(os.environ.get("OUT", "/tmp"))
+    tmp = tempfile.mkdtemp()
+    path = init_model("qwen3-0.6b-shape", Path(tmp) / "m", config_only=True)
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
+    with kvtier.LLM(path, device="cuda", load_format="dummy", num_device_blocks=4096, max_model_len=8192,
+                    max_num_batched_tokens=8192) as llm:
+        for i in range(4):
+            one(llm, prefix + [1 + i] * 48)
+        times = [one(llm, prefix + [10 + i] * 48)["total"] for i in range(5)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one(llm, prefix + [20] * 48)
+        ka = prof.key_averages()
+        text = (f"hit TTFT ms {times}\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40)
+                + "\n" + ka.table(sort_by="self_cuda_time_total", row_limit=25))
+        print(text)
+        (out / "hit_profile.txt").write_text(text)
+        prof.export_chrome_trace(str(out / "hit_trace.json"))
+
+
+if __name__ == "__main__" and os.environ.get("PROBE_PROFILE"):
+    profile_hit()
