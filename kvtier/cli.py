@@ -337,7 +337,8 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-routing-capture", dest="capture_routing", action="store_false",
                    help="MoE: do not capture routed experts (R3)")
     p.add_argument("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA-graph decode (default: on for cuda)")
+                   help="replay decode steps and other steps of up to 256 tokens from CUDA graphs "
+                        "captured at start (default: on for cuda)")
     p.add_argument("--overlap-schedule", dest="overlap_schedule", action=argparse.BooleanOptionalAction,
                    default=None, help="schedule step N+1 on the CPU while the GPU runs step N "
                                       "(default: on for cuda; --no-overlap-schedule turns it off)")

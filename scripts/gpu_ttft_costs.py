@@ -50,6 +50,7 @@ def main() -> None:
             ttft(llm, prefix + [20] * 48)
         gpu = sum(e.self_device_time_total for e in prof.key_averages()
                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        (out / "ttft_hit_kernels.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
         res["device_hit_ttft_s"] = statistics.median(hits)
         res["device_hit_gpu_s"] = gpu
         res["device_hit_ratio"] = res["device_hit_ttft_s"] / gpu
@@ -67,6 +68,15 @@ def main() -> None:
         print(buf.getvalue()[:6000])
         cold = [ttft(llm, [rng.randrange(32000) for _ in range(4144)]) for _ in range(6)][1:]
         res["cold_ttft_s"] = statistics.median(cold)
+    with kvtier.LLM(path, cuda_graphs=False, **kw) as llm:       # the same hit, eager
+        for i in range(4):
+            ttft(llm, prefix + [1 + i] * 48)
+        res["device_hit_eager_ttft_s"] = statistics.median([ttft(llm, prefix + [10 + i] * 48) for i in range(5)])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ttft(llm, prefix + [20] * 48)
+        res["device_hit_eager_gpu_s"] = sum(e.self_device_time_total for e in prof.key_averages()
+                                            if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        (out / "ttft_hit_kernels_eager.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
     with kvtier.LLM(path, storage=f"file://{tmp}/pool", num_host_blocks=4096, **kw) as llm:
         for _ in range(2):
             ttft(llm, [rng.randrange(32000) for _ in range(4144)])

@@ -104,7 +104,7 @@ def main() -> None:
             res[f"{label}_hit_idle"] = med(hits)
             res[f"{label}_cold_idle"] = med(colds)
             if label == "pool":
-                for si in (0.005, 0.0002):
+                for si in (0.005, 0.001, 0.0005, 0.0002):
                     sys.setswitchinterval(si)
                     hits, colds = [], []
                     for i in range(5):

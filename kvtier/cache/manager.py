@@ -2,6 +2,7 @@
 
 The scheduler's vocabulary (one request ``r``, a :class:`CacheRequest` from :meth:`new_request`)::
 
+    start_lookup(r)            at arrival: the pool's lookup of r's blocks, on a storage thread
     match_prefix(r)            longest cached prefix: device hits, then host hits, then storage hits
     prefetch(r)                storage hits -> host blocks, as many as the cost model says pay
                                (chunks complete later; then match again)   -- cache/prefetch.py
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 TIERS = ("device", "host", "storage")
 FETCH_CHUNK = 32      # blocks per fetch op: a request may start with the chunks that landed
 MAX_SEEDS = 1024      # namespace seeds kept (one per cache_salt, least recently used dropped)
+PROBE_TTL_S = 2.0     # a request's storage lookup older than this is asked again when it is matched
 
 
 def check_block_size(block_size: object) -> int:
@@ -79,7 +82,7 @@ class CacheRequest:
         self._epoch = -1
         self.match: MatchResult | None = None
         self.prefetch: _Prefetch | None = None     # its storage prefetch (one per admission)
-        self._storage_probe: tuple | None = None   # last storage lookup: (first, end, hits)
+        self._storage_probe: tuple | None = None   # last storage lookup: (first, end, hits or its future, when)
         self.tail: TailBlock | None = None         # PD: the prompt's partial block, from the pool
         self.no_hits = False                       # match nothing (it must compute every token)
 
@@ -187,6 +190,66 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         self._sync_labels(req, end)
         return req.hasher.ensure_keys(end // self.block_size)
 
+    def _tree_prefix(self, req: CacheRequest, max_blocks: int) -> tuple[list[Node], int, int]:
+        """(path, device hits, device + host hits) of ``req``'s first ``max_blocks`` blocks."""
+        labels = self._sync_labels(req, max_blocks * self.block_size)
+        path: list[Node] = []
+        append = path.append
+        children = self.tree.root.children
+        for label in labels[:max_blocks] if len(labels) > max_blocks else labels:
+            node = children.get(label)
+            if node is None:
+                break
+            append(node)
+            children = node.children
+        req.hasher.adopt_path(path)         # matched blocks need no hashing
+        # device copies are prefix-closed: the device hits end where the first node
+        # without one is (binary search); past them every node must be readable on host
+        lo, hi = 0, len(path)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if path[mid].device_block is None:
+                hi = mid
+            else:
+                lo = mid + 1
+        nh = lo
+        while nh < len(path) and path[nh].host_ready:
+            nh += 1
+        return path, lo, nh
+
+    def start_lookup(self, req: CacheRequest) -> None:
+        """At arrival: ask the pool, on the storage client's lookup thread, for the blocks past
+        what device and host hold now, so that :meth:`match_prefix` finds the answer ready when
+        the request is scheduled: the engine thread does not wait for the pool (a round trip to
+        a server) while other requests' steps could run."""
+        lookup = getattr(self.storage, "lookup_prefix_async", None)
+        max_blocks = (len(req.token_ids) - 1) // self.block_size if req.token_ids else 0
+        if lookup is None or not self.enable_prefix_caching or req.no_hits or max_blocks <= 0:
+            return
+        _, _, nh = self._tree_prefix(req, max_blocks)
+        if nh < max_blocks:
+            keys = req.hasher.ensure_keys(max_blocks)
+            req._storage_probe = (nh, max_blocks, lookup(keys[nh:max_blocks]), time.monotonic())
+
+    def _storage_hits(self, req: CacheRequest, nh: int, max_blocks: int) -> int:
+        """How many blocks from ``nh`` on the pool holds: from the lookup started at arrival (or
+        an earlier step) when it covers ``nh`` and is fresh, else asked now."""
+        probe = req._storage_probe          # one lookup per range, not one per step
+        if probe is not None and probe[1] == max_blocks and time.monotonic() - probe[3] < PROBE_TTL_S:
+            first, _, hits, at = probe
+            if not isinstance(hits, int):   # started at arrival: usually answered by now
+                try:
+                    hits = int(hits.result())
+                except Exception:  # noqa: BLE001 - a failed or cancelled lookup is a miss
+                    hits = 0
+                req._storage_probe = (first, max_blocks, hits, at)
+            if first <= nh <= first + hits:   # the block after the hits is absent (or the end)
+                return first + hits - nh
+        keys = req.hasher.ensure_keys(max_blocks)
+        ns = self.storage.lookup_prefix(keys[nh:max_blocks])   # type: ignore[union-attr]
+        req._storage_probe = (nh, max_blocks, ns, time.monotonic())
+        return ns
+
     def match_prefix(self, req: CacheRequest) -> MatchResult:
         """Longest cached prefix of full blocks, leaving at least one token to compute."""
         bs = self.block_size
@@ -195,38 +258,11 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         nd = nh = ns = 0
         storage_keys: tuple[bytes, ...] = ()
         if self.enable_prefix_caching and max_blocks > 0 and not req.no_hits:
-            labels = self._sync_labels(req, max_blocks * bs)
-            append = path.append
-            children = self.tree.root.children
-            for label in labels[:max_blocks] if len(labels) > max_blocks else labels:
-                node = children.get(label)
-                if node is None:
-                    break
-                append(node)
-                children = node.children
-            req.hasher.adopt_path(path)         # matched blocks need no hashing
-            # device copies are prefix-closed: the device hits end where the first node
-            # without one is (binary search); past them every node must be readable on host
-            lo, hi = 0, len(path)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if path[mid].device_block is None:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            nd = nh = lo
-            while nh < len(path) and path[nh].host_ready:
-                nh += 1
+            path, nd, nh = self._tree_prefix(req, max_blocks)
             del path[nh:]
             if self.storage is not None and nh < max_blocks and req.prefetch is None:
-                keys = req.hasher.ensure_keys(max_blocks)
-                probe = req._storage_probe          # one lookup per range, not one per step
-                if probe is not None and probe[:2] == (nh, max_blocks):
-                    ns = probe[2]
-                else:
-                    ns = self.storage.lookup_prefix(keys[nh:max_blocks])
-                    req._storage_probe = (nh, max_blocks, ns)
-                storage_keys = tuple(keys[nh:nh + ns])
+                ns = self._storage_hits(req, nh, max_blocks)
+                storage_keys = tuple(req.hasher.ensure_keys(max_blocks)[nh:nh + ns]) if ns else ()
         req._path, req._num_device_hits, req._num_host_hits = path, nd, nh - nd
         req._epoch = self.tree.epoch
         req.match = MatchResult(bs, nd, nh - nd, ns, storage_keys)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
@@ -69,7 +70,7 @@ import time
 from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
 from kvtier.cache.cost import FetchCostModel
 from kvtier.cache.policy import WritePolicy
-from kvtier.engine.cuda_graph import DecodeGraphs
+from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
 from kvtier.engine.detok import StopStrings
 from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
@@ -78,11 +79,19 @@ from kvtier.engine.runner import ModelRunner, StepResult
 from kvtier.engine.sampling import SamplingParams, check_int
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
+from kvtier.model.moe import SparseMoE
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
 
 log = logging.getLogger(__name__)
+
+# With a storage pool, its I/O threads take and give back the interpreter lock at every syscall,
+# and the engine thread gives it up in every torch call; at CPython's default 5 ms switch
+# interval the engine thread waited up to that long to get it back (H100, 0.6B: a device hit with
+# puts in flight took 15.4 ms at 5 ms, 7.7 ms at 0.5 ms; without a pool 9.4 ms). Process-wide;
+# only ever lowered.
+IO_SWITCH_INTERVAL_S = 0.0005
 _AUTO_ID = "kvtier-auto-"      # ids the engine makes; given ids may not start so: never the same
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -258,14 +267,23 @@ class EngineCore:
             self._bind_storage(fingerprint)
         if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
             cuda_graphs = self.device.type == "cuda"
-        graphs = None
+        graphs = step_graphs = None
         if cuda_graphs:
+            capture = self.device.type == "cuda"
+            routing_shape = (cfg.num_moe_layers, cfg.top_k) if self.routing else None
             graphs = DecodeGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
                                   min(max_num_seqs, 256), num_device_blocks, self.device,
-                                  capture=self.device.type == "cuda",
-                                  routing_shape=(cfg.num_moe_layers, cfg.top_k) if self.routing else None)
+                                  capture=capture, routing_shape=routing_shape)
             graphs.capture_all()
-        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs)
+            # other steps of up to 256 tokens (MoE layers dispatch densely up to there: no sync)
+            max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
+            if max_tokens >= StepGraphs.SIZES[0]:
+                step_graphs = StepGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
+                                         max_tokens, num_device_blocks, self.device, capture=capture,
+                                         routing_shape=routing_shape, pool=graphs.pool())
+                step_graphs.capture_all()
+        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs,
+                                  step_graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
                                    cfg.eos_token_ids, preemption_mode, prefetch_policy, tuple(prefetch_timeout))
         self.block_size = block_size
@@ -286,6 +304,8 @@ class EngineCore:
     # ------------------------------------------------------------------ set-up helpers
     def _bind_storage(self, fingerprint: ModelFingerprint) -> None:
         """One storage object per host block: its KV bytes (then its routing bytes), zero-copy views."""
+        if sys.getswitchinterval() > IO_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
         host_u8 = self.host_kv.view(torch.uint8).numpy()       # [num_host_blocks, block bytes...]
         routing = self.routing
         layout = BlobLayout(namespace_digest(self.storage.namespace, fingerprint.encode()),

@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode steps (:class:`DecodeGraphs`) and any other step of
+at most 256 tokens (:class:`StepGraphs`: prefill chunks, extends over a cached prefix, mixed).
 
 A decode step (one new token per sequence) launches ~40 kernels per layer; at small per-kernel
 work the CPU cannot launch them as fast as the GPU runs them. So, per padded batch size
@@ -15,6 +16,22 @@ lengths up to ``max_model_len`` (captured with that as the maximum). MoE layers 
 at decode sizes (no host sync) and write their routed experts into a static buffer (R3).
 
 On a CPU the same padded static-buffer path runs eagerly (``capture=False``): that is its test.
+
+A step that is not pure decode (a device hit's 48 new tokens over a 4K cached prefix; a short
+prompt; a prefill chunk beside decode rows) launched ~250 kernels from Python, 10-25 ms of CPU for
+4 ms of GPU work on an H100 (0.6B model). :class:`StepGraphs` captures, per padded token count
+(16, 32, 64, 128, 256), the forward of a step of that many tokens in any number of sequences::
+
+    step of T tokens in S sequences -> bucket Tp >= T; static buffers hold the step's rows, then
+    tokens T..Tp-1 as one padding sequence (positions 0.. in the scratch block, its slots
+    written by the same layer before attention reads them), then empty sequences up to the
+    graph's bound (4, or Tp): the attention grid covers that many sequences
+    (``AttentionMetadata.graph_num_seqs``); programs without tokens exit.
+
+Its attention tiles and split-KV factor are those of a single Tp-token query over
+``max_model_len`` (fixed at capture). MoE layers dispatch densely up to 256 tokens (no host sync).
+A step with host loads runs eagerly instead: its per-layer waits let the loads overlap the
+forward, which a replayed graph cannot.
 """
 from __future__ import annotations
 
@@ -23,10 +40,12 @@ import torch
 from kvtier.model.attention import AttentionMetadata
 
 
-class DecodeGraphs:
+class _Graphs:
+    """Captured forwards keyed by padded size, over static buffers of ``rows`` sequences/tokens."""
+
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
-                 max_batch: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None = None) -> None:
+                 rows: int, scratch_block: int, device: torch.device, capture: bool,
+                 routing_shape: tuple[int, int] | None, pool=None) -> None:  # type: ignore[no-untyped-def]
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -34,36 +53,172 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.device = device
         self.capture = capture
-        self.buckets = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
-        if self.buckets[-1] < max_batch:
-            self.buckets.append(max_batch)
-        bmax = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size)
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(bmax, dtype=i64, device=device)
-        self.positions = torch.zeros(bmax, dtype=i64, device=device)
-        self.slot_mapping = torch.zeros(bmax, dtype=i64, device=device)
-        self.query_start_loc = torch.arange(bmax + 1, dtype=i32, device=device)
-        self.seq_lens = torch.ones(bmax, dtype=i32, device=device)
-        self.block_tables = torch.full((bmax, self.max_blocks), scratch_block, dtype=i32, device=device)
+        self.input_ids = torch.zeros(rows, dtype=i64, device=device)
+        self.positions = torch.zeros(rows, dtype=i64, device=device)
+        self.slot_mapping = torch.zeros(rows, dtype=i64, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=i32, device=device)
+        self.seq_lens = torch.ones(rows, dtype=i32, device=device)
+        self.block_tables = torch.full((rows, self.max_blocks), scratch_block, dtype=i32, device=device)
         # R3: MoE layers write the step's expert ids here inside the graph
-        self.routing_out = (torch.zeros((bmax, *routing_shape), dtype=i32, device=device)
+        self.routing_out = (torch.zeros((rows, *routing_shape), dtype=i32, device=device)
                             if routing_shape is not None else None)
+        self.buckets: list[int] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self._pool = None
+        self._pool = pool
+        self.runs = 0           # steps run through this path (replayed, or eagerly on a CPU)
+        self._arange = torch.arange(rows + 1, dtype=torch.int64, device=device)
 
     def capture_all(self) -> None:
-        """Capture every bucket now (engine start), not at its first decode step: a capture
-        takes tens of ms, which would stall the requests of that step."""
+        """Capture every bucket now (engine start), not at its first step: a capture takes tens
+        of ms, which would stall the requests of that step."""
         if self.capture:
             for bp in self.buckets:
                 self._graph(bp)
 
-    def bucket(self, batch: int) -> int | None:
+    def bucket(self, n: int) -> int | None:
         for b in self.buckets:
-            if b >= batch:
+            if b >= n:
                 return b
         return None
+
+    def pool(self):  # type: ignore[no-untyped-def]
+        """The memory pool the graphs share (graphs replay one at a time, in stream order)."""
+        return self._pool
+
+    def _forward(self, bp: int, meta: AttentionMetadata) -> torch.Tensor:
+        routing = self.routing_out[:bp] if self.routing_out is not None else None
+        return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches, meta, routing_out=routing)
+
+    def _capture_meta(self, bp: int) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def _reset(self, bp: int) -> None:
+        """Every row of bucket ``bp`` a padding row (before a capture)."""
+        raise NotImplementedError
+
+    def _graph(self, bp):  # type: ignore[no-untyped-def]
+        """The graph of key ``bp`` (a padded size, or a (size, bound) pair), captured once."""
+        if bp not in self._graphs:
+            self._reset(bp)
+            torch.cuda.synchronize(self.device)
+            self._forward(bp, self._capture_meta(bp))      # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(bp, self._capture_meta(bp))
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[bp] = (graph, out)
+        return self._graphs[bp]
+
+
+class StepGraphs(_Graphs):
+    """Forwards of steps of up to ``max_tokens`` tokens in any mix of sequences (module docstring).
+
+    Two graphs per token bucket Tp, by how many sequences the attention grid covers: ``FEW``
+    (a device hit, a short prompt: the KV range split over the GPU as for one Tp-token query
+    over ``max_model_len``) and Tp (a prefill chunk beside decode rows: no split). A grid sized
+    for Tp sequences when the step has one would launch thousands of programs that only exit
+    (measured: 200 us of a 48-token hit's attention per layer instead of 18)."""
+
+    SIZES = (16, 32, 64, 128, 256)
+    FEW = 4
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
+                 max_tokens: int, scratch_block: int, device: torch.device, capture: bool,
+                 routing_shape: tuple[int, int] | None = None, pool=None) -> None:  # type: ignore[no-untyped-def]
+        sizes = [b for b in self.SIZES if b <= max_tokens]
+        super().__init__(model, kv_caches, block_size, max_model_len, sizes[-1] if sizes else 1,
+                         scratch_block, device, capture, routing_shape, pool)
+        self.buckets = sizes
+        self._keys = [(bp, bound) for bp in sizes for bound in (self.FEW, bp)]
+        self.used: set[tuple[int, int]] = set()     # (bucket, bound) of the steps run (tests)
+
+    def capture_all(self) -> None:
+        if self.capture:
+            for key in self._keys:
+                self._graph(key)   # type: ignore[arg-type]
+
+    def _forward(self, key, meta: AttentionMetadata) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
+        return super()._forward(key[0] if isinstance(key, tuple) else key, meta)
+
+    def _capture_meta(self, key) -> AttentionMetadata:  # type: ignore[no-untyped-def, override]
+        # the kernels' bounds (lengths come from the device): FEW sequences as one bp-token query
+        # over max_model_len (split-KV as for a device hit), or bp sequences (no split)
+        bp, bound = key
+        q_lens = [bp] if bound == self.FEW else [1] * bp
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bp], query_start_loc=self.query_start_loc[:bound + 1],
+            seq_lens=self.seq_lens[:bound], block_tables=self.block_tables[:bound],
+            query_lens_cpu=q_lens, seq_lens_cpu=[self.max_model_len] * len(q_lens), max_query_len=bp,
+            max_seq_len=self.max_model_len, graph_num_seqs=bound)
+
+    def _reset(self, key) -> None:  # type: ignore[no-untyped-def, override]
+        bp, bound = key
+        self._pad(0, 0, bp, bound)
+
+    def _pad(self, tokens: int, seqs: int, bp: int, bound: int) -> int:
+        """Tokens [tokens, bp) become one padding sequence after the step's ``seqs`` (positions
+        0.. in the scratch block, written before they are read); sequences after it, up to
+        ``bound``, are empty. Returns how many sequences the step now has."""
+        pad = bp - tokens
+        bs = self.block_size
+        if pad:
+            self.input_ids[tokens:bp] = 0
+            self.positions[tokens:bp].copy_(self._arange[:pad])
+            torch.remainder(self._arange[:pad], bs, out=self.slot_mapping[tokens:bp])
+            self.slot_mapping[tokens:bp] += self.scratch_block * bs
+            self.seq_lens[seqs] = pad
+            self.block_tables[seqs, :-(-pad // bs)] = self.scratch_block
+            seqs += 1
+        self.query_start_loc[seqs:bound + 1] = bp
+        return seqs
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of a step of T <= max bucket tokens."""
+        n, seqs = input_ids.shape[0], meta.num_seqs
+        bp = self.bucket(n)
+        assert bp is not None
+        bound = self.FEW if seqs + (n < bp) <= self.FEW else bp
+        width = meta.block_tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"block table of {width} blocks exceeds max_model_len {self.max_model_len}")
+        graph, out = self._graph((bp, bound)) if self.capture else (None, None)   # type: ignore[arg-type]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.query_start_loc[:seqs + 1].copy_(meta.query_start_loc)
+        self.seq_lens[:seqs].copy_(meta.seq_lens)
+        self.block_tables[:seqs, :width].copy_(meta.block_tables)
+        total = self._pad(n, seqs, bp, bound)
+        self.runs += 1
+        self.used.add((bp, bound))
+        if graph is None:          # the CPU twin: the reference backend reads exact host lengths
+            q_lens = list(meta.query_lens_cpu) + [bp - n] * (total - seqs)
+            s_lens = list(meta.seq_lens_cpu) + [bp - n] * (total - seqs)
+            eager = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:bp], query_start_loc=self.query_start_loc[:total + 1],
+                seq_lens=self.seq_lens[:total], block_tables=self.block_tables[:total],
+                query_lens_cpu=q_lens, seq_lens_cpu=s_lens, max_query_len=max(q_lens), max_seq_len=max(s_lens))
+            return self._forward(bp, eager)[:n]
+        graph.replay()
+        return out[:n]
+
+
+class DecodeGraphs(_Graphs):
+    """Decode steps (one token per sequence) by padded batch size (module docstring)."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
+                 max_batch: int, scratch_block: int, device: torch.device, capture: bool,
+                 routing_shape: tuple[int, int] | None = None, pool=None) -> None:  # type: ignore[no-untyped-def]
+        buckets = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
+        if buckets[-1] < max_batch:
+            buckets.append(max_batch)
+        super().__init__(model, kv_caches, block_size, max_model_len, buckets[-1], scratch_block,
+                         device, capture, routing_shape, pool)
+        self.buckets = buckets
 
     def _meta(self, bp: int, seq_lens_cpu: list[int] | None) -> AttentionMetadata:
         """Captured: lengths come from device memory, the host only knows their bound. Eager
@@ -74,24 +229,11 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bp], block_tables=self.block_tables[:bp],
             query_lens_cpu=[1] * bp, seq_lens_cpu=lens, max_query_len=1, max_seq_len=max(lens))
 
-    def _forward(self, bp: int, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
-        routing = self.routing_out[:bp] if self.routing_out is not None else None
-        return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches,
-                          self._meta(bp, seq_lens_cpu), routing_out=routing)
+    def _capture_meta(self, bp: int) -> AttentionMetadata:
+        return self._meta(bp, None)
 
-    def _graph(self, bp: int):  # type: ignore[no-untyped-def]
-        if bp not in self._graphs:
-            self._reset_padding(0, bp)
-            torch.cuda.synchronize(self.device)
-            self._forward(bp)                        # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(bp)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[bp] = (graph, out)
-        return self._graphs[bp]
+    def _reset(self, bp: int) -> None:
+        self._reset_padding(0, bp)
 
     def _reset_padding(self, start: int, end: int) -> None:
         """Rows [start, end): one token at position 0 of the scratch block."""
@@ -118,7 +260,8 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.block_tables[:batch, :width].copy_(meta.block_tables)
         self._reset_padding(batch, bp)
+        self.runs += 1
         if graph is None:
-            return self._forward(bp, list(meta.seq_lens_cpu) + [1] * (bp - batch))[:batch]
+            return self._forward(bp, self._meta(bp, list(meta.seq_lens_cpu) + [1] * (bp - batch)))[:batch]
         graph.replay()
         return out[:batch]

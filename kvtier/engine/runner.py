@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvtier.engine.cuda_graph import DecodeGraphs
+from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
 from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import Penalties, draw, to_device, topk
@@ -41,13 +41,14 @@ from kvtier.model.families import CausalLM
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, routing: RoutingCapture | None = None,
-                 decode_graphs: DecodeGraphs | None = None) -> None:
+                 decode_graphs: DecodeGraphs | None = None, step_graphs: StepGraphs | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.routing = routing
         self.decode_graphs = decode_graphs
+        self.step_graphs = step_graphs
         self.penalties = Penalties(model.config.vocab_size, model.config.eos_token_ids, device)
         self._last: StepResult | None = None     # the last launched step ...
         self._feed: StepResult | None = None     # ... as of this step's start: its tokens feed this one
@@ -130,6 +131,12 @@ class ModelRunner:
                 layer_hook(len(self.kv_caches) - 1)
             hidden = graphs.run(input_ids, positions, meta)
             routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None
+        elif (layer_hook is None and self.step_graphs is not None
+              and self.step_graphs.bucket(len(input_ids)) is not None):
+            # any other short step; one with loads runs eagerly, its layers waiting one by one
+            hidden = self.step_graphs.run(input_ids, positions, meta)
+            routing_out = (self.step_graphs.routing_out[:len(input_ids)]
+                           if self.step_graphs.routing_out is not None else None)
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
             hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook,

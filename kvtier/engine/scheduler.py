@@ -95,6 +95,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.cache = self._cache_request(req)
+        self.cache.start_lookup(req.cache)      # the pool's answer is ready by its first schedule
         self.waiting.append(req)
 
     def _cache_request(self, req: Request) -> CacheRequest:

@@ -181,6 +181,7 @@ class StorageClient:
         self._pool: ThreadPoolExecutor | None = None        # fetches (and calibration)
         self._put_pool: ThreadPoolExecutor | None = None    # puts
         self._lookup_pool: ThreadPoolExecutor | None = None  # slices of long lookups (never queued behind I/O)
+        self._arrival_pool: ThreadPoolExecutor | None = None  # whole lookups started at a request's arrival
         self.put_workers = put_workers if put_workers is not None else max(1, workers // 2)
         if self.put_workers < 1:
             raise ValueError(f"put_workers must be >= 1, got {put_workers}")
@@ -224,6 +225,8 @@ class StorageClient:
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-fetch")
         self._put_pool = ThreadPoolExecutor(self.put_workers, thread_name_prefix="kvtier-put")
         self._lookup_pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-lookup")
+        # its own threads: a lookup there may wait for slices on the lookup pool above
+        self._arrival_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup-arrival")
 
     def name(self, key: bytes) -> str:
         return object_name(key, self.namespace)
@@ -236,7 +239,6 @@ class StorageClient:
         token = self.breaker.allow()
         if token is None:
             return 0
-        self.counters["lookups"] += 1
         names = [self.name(k) for k in keys]
         try:
             # a prefix is usable only from its first block: a prompt the pool has never seen (the
@@ -261,14 +263,25 @@ class StorageClient:
             if not p:
                 break
             n += 1
-        with self._lock:
+        with self._lock:         # (lookups run on the engine thread and on the arrival threads)
             for k, p in zip(keys, present):
                 if p:
                     self._remember(k)
                 else:
                     self._known.pop(k, None)       # evicted from the pool: put it again next time
-        self.counters["lookup_hits"] += n
+            self.counters["lookups"] += 1
+            self.counters["lookup_hits"] += n
         return n
+
+    def lookup_prefix_async(self, keys: Sequence[bytes]) -> Future:
+        """:meth:`lookup_prefix` on a storage thread (a request's arrival); its Future's result is
+        the count (0 on any failure, as there)."""
+        keys = list(keys)
+        if self._arrival_pool is None or self._closed:
+            done: Future = Future()
+            done.set_result(0 if self._closed else self.lookup_prefix(keys))
+            return done
+        return self._arrival_pool.submit(self.lookup_prefix, keys)
 
     def contains(self, key: bytes) -> bool:
         """Known to be stored (written or seen by this client): no I/O. Used to skip puts."""
@@ -645,7 +658,7 @@ class StorageClient:
         self._stop_probe.set()
         if self._probe_thread is not None:       # a probe stuck in the backend: left (a daemon)
             self._probe_thread.join(self.probe_timeout)
-        for pool in (self._pool, self._put_pool, self._lookup_pool):
+        for pool in (self._arrival_pool, self._pool, self._put_pool, self._lookup_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
         self.backend.close()

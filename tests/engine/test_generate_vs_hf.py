@@ -189,6 +189,31 @@ def test_padded_static_decode_path_matches(preset, checkpoint, reference):
         assert graphs is not None and graphs.bucket(3) == 4 and not graphs.capture
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want   # and with prefix hits
+        assert graphs.runs and llm.runner.step_graphs.runs       # the prompts (57 tokens: bucket 64) too
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen2-moe-tiny"])
+def test_padded_static_step_path_matches(preset, checkpoint, reference):
+    """The CUDA-graph path of other steps (StepGraphs: prompts chunked beside decode rows, short
+    extends over cached prefixes, padded to 16..256 tokens with one-token padding sequences) run
+    eagerly on the CPU: same tokens as transformers, and the same as without graphs."""
+    prompts = prompts_for(21, lengths=(3, 40, 90, 17, 61))
+    want = reference(preset, prompts)
+    kw = dict(num_device_blocks=96, block_size=8, max_num_batched_tokens=64)   # prefills chunked
+    with kvtier.LLM(checkpoint(preset), cuda_graphs=True, **kw) as llm:
+        steps = llm.runner.step_graphs
+        assert steps is not None and steps.buckets == [16, 32, 64] and not steps.capture
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        ran = steps.runs
+        assert {b == steps.FEW for _, b in steps.used} == {True, False}   # few sequences, and many
+        # prefix hits: each prompt again with a short new tail (extends over the cached prefix)
+        tails = [p + [7, 8, 9] for p in prompts]
+        with kvtier.LLM(checkpoint(preset), cuda_graphs=False, **kw) as eager:
+            assert eager.runner.step_graphs is None
+            want_tails = [o.token_ids for o in eager.generate(tails, GREEDY)]
+        assert [o.token_ids for o in llm.generate(tails, GREEDY)] == want_tails
+        assert steps.runs > ran
+        assert llm.cache_stats()["device"]["hit_tokens"] > 0
 
 
 def test_a_failing_request_leaks_nothing_and_the_engine_recovers(checkpoint, reference, monkeypatch):

@@ -88,7 +88,16 @@ def test_cuda_graph_decode_equals_eager(preset, checkpoint):
             assert (llm.runner.decode_graphs is not None) == graphs
             outs[graphs] = llm.generate(prompts, sp)
             if graphs:
-                assert llm.runner.decode_graphs._graphs, "no decode step was replayed from a graph"
+                assert llm.runner.decode_graphs.runs, "no decode step was replayed from a graph"
+                assert llm.runner.step_graphs.runs, "no prefill step was replayed from a graph"
+                # a device hit's short extend over the cached prompt, replayed too
+                before = llm.runner.step_graphs.runs
+                hit = llm.generate([prompts[-1] + [3, 4, 5]], sp)[0]
+                assert llm.runner.step_graphs.runs > before
+                outs["hit"] = hit
+            else:
+                outs["hit_eager"] = llm.generate([prompts[-1] + [3, 4, 5]], sp)[0]
+    assert outs["hit"].token_ids == outs["hit_eager"].token_ids
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
         if a.routed_experts is not None:

@@ -107,3 +107,41 @@ def test_requests_sharing_a_stored_prefix_fetch_it_once(stored):
     # 54 blocks shared by all three (fetched once) + the 55th only the longer prompt can use
     assert stats["hits"] == 55
     assert [o.num_cached_tokens for o in outs] == [54 * 8, 54 * 8, 55 * 8]
+
+
+def test_the_pool_is_asked_at_arrival_off_the_engine_thread(stored, monkeypatch):
+    """A request's storage lookup runs on a storage thread from its arrival; the engine thread
+    only takes the answer (it asks itself only when the request's hits moved since)."""
+    import threading
+    model, pool, cold = stored
+    with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", **KW) as llm:
+        threads = []
+        real = llm.storage.lookup_prefix
+
+        def lookup(keys):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return real(keys)
+
+        monkeypatch.setattr(llm.storage, "lookup_prefix", lookup)
+        out = llm.generate([PROMPT], ONE, cache_salt="s")[0]
+        assert out.token_ids == cold.token_ids
+        assert out.cached_tokens_by_tier["storage"] == 54 * 8
+        assert threads and all(t.startswith("kvtier-lookup-arrival") for t in threads), threads
+        # the same prompt again: device hits now; a longer one asks only past them, at arrival
+        threads.clear()
+        longer = PROMPT + [5] * 16
+        out2 = llm.generate([longer], ONE, cache_salt="s")[0]
+        assert out2.cached_tokens_by_tier["device"] == 55 * 8
+        assert all(t.startswith("kvtier-lookup-arrival") for t in threads), threads
+        llm.cache.assert_invariants()
+
+
+def test_a_stale_arrival_lookup_is_asked_again(stored, monkeypatch):
+    import kvtier.cache.manager as manager
+    model, pool, cold = stored
+    monkeypatch.setattr(manager, "PROBE_TTL_S", 0.0)       # every arrival answer is stale at once
+    with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", **KW) as llm:
+        before = llm.storage.counters["lookups"]
+        out = llm.generate([PROMPT], ONE, cache_salt="s")[0]
+        assert out.token_ids == cold.token_ids and out.cached_tokens_by_tier["storage"] == 54 * 8
+        assert llm.storage.counters["lookups"] - before == 2       # at arrival, then again
