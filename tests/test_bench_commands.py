@@ -73,3 +73,31 @@ def test_bench_pd_removes_its_temp_dir_on_sigterm_and_restores_the_handler(priva
         pd_bench.main(CONFIG_ONLY)
     assert not list(private_tmp.iterdir())
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bench_pd_sweeps_rates_with_repeats_end_to_end(tmp_path, capsys):
+    """Two rates x two runs of 3 requests through a colocated server and P + D behind the router
+    (CPU, fp32): per rate each metric's median and spread, ratios, and identical token streams."""
+    out = tmp_path / "pd.json"
+    assert pd_bench.main(["--requests", "3", "--rate", "0,50", "--repeat", "2", "--prompt-tokens", "24,40",
+                          "--output-tokens", "4,6", "--num-host-blocks", "64", "--out", str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())
+    assert res["rates"] == [0.0, 50.0] and res["repeat"] == 2 and len(res["points"]) == 2
+    for point in res["points"]:
+        for setup in ("colocated", "pd"):
+            ttft = point[setup]["ttft_p90_s"]
+            assert 0 < ttft["min"] <= ttft["median"] <= ttft["max"] < 60
+        assert point["identical_tokens"] == 6                      # fp32 on CPU: the hand-off changes nothing
+        assert point["pd_over_colocated_ttft_p90_s"] > 0
+    assert res["handoff"]["storage_hit_tokens"] > 0
+    text = capsys.readouterr().out
+    assert "50/s PD/colocated" in text and "identical token streams 6 / 6" in text
+
+
+def test_bench_pd_names_bad_rates_and_setups(capsys):
+    for bad in (["--rate", "fast"], ["--rate", "-1"], ["--setups", "both"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit):
+            pd_bench.main(bad)
+    err = capsys.readouterr().err
+    assert "'fast'" in err and "'-1'" in err and "'both'" in err and "--requests and --repeat must be >= 1" in err

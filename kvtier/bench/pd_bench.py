@@ -85,66 +85,111 @@ def _summary(results: list[dict], wall: float) -> dict:
             "itl_p90_s": pct(itl, 90), "output_tokens_per_s": sum(r["n"] for r in results) / wall, "wall_s": wall}
 
 
-def run(model: str, storage: str | None, engine_args: list[str], requests: int, rate: float,
+def _spread(runs: list[dict]) -> dict:
+    """Per metric over repeats: the median, and the spread (min, max)."""
+    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
+                "max": max(r[k] for r in runs)} for k in runs[0]}
+
+
+def _sweep(url: str, name: str, loads: dict[float, list[list[dict]]], timeout: float, bar) -> dict:  # type: ignore[no-untyped-def]
+    """{rate: [per repeat: (summary, results)]} of every workload, one after the other."""
+    out: dict = {}
+    for rate, repeats in loads.items():
+        out[rate] = []
+        for reqs in repeats:
+            t0 = time.perf_counter()
+            results = asyncio.run(_drive(url, name, reqs, timeout))
+            out[rate].append((_summary(results, time.perf_counter() - t0), results))
+            bar()
+    return out
+
+
+def run(model: str, storage: str | None, engine_args: list[str], requests: int, rate: float | list[float],
         prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int, workers: int,
-        tmp: Path, timeout: float = 600.0) -> dict:
-    """Both setups; servers' logs (and the default pool) go to ``tmp``, which the caller owns."""
+        tmp: Path, timeout: float = 600.0, repeat: int = 1,
+        setups: tuple[str, ...] = ("colocated", "pd")) -> dict:
+    """Both setups (or ``setups``), each driven at every rate ``repeat`` times with ``requests``
+    requests (a fresh workload per repeat: seed + repeat); servers' logs (and the default pool)
+    go to ``tmp``, which the caller owns. ``points``: per rate, per setup, each metric's median
+    over the repeats and its spread; ``colocated`` / ``pd``: the first rate's (as before)."""
     from kvtier.bench.storage_bench import bench_bytes
     from kvtier.model import ModelConfig
 
+    rates = [rate] if isinstance(rate, (int, float)) else list(rate)
     cfg = ModelConfig.from_hf_dir(Path(model))
     pool_url = storage or f"file://{tmp / 'pool'}"
     name = "bench"
     common = [model, "--served-model-name", name, *engine_args]
-    reqs = workload(requests, rate, prompt_tokens, output_tokens, cfg.vocab_size, seed)
-    warm = workload(4, 0, prompt_tokens, (4, 4), cfg.vocab_size, seed + 1)
-    res: dict = {"model": model, "pool": pool_url.split("@")[-1], "requests": requests, "rate": rate,
-                 "prompt_tokens": list(prompt_tokens), "output_tokens": list(output_tokens)}
+    loads = {r: [workload(requests, r, prompt_tokens, output_tokens, cfg.vocab_size, seed + k) for k in range(repeat)]
+             for r in rates}
+    warm = workload(4, 0, prompt_tokens, (4, 4), cfg.vocab_size, seed + 1000)
+    res: dict = {"model": model, "pool": pool_url.split("@")[-1], "requests": requests, "rates": rates,
+                 "rate": rates[0], "repeat": repeat, "prompt_tokens": list(prompt_tokens),
+                 "output_tokens": list(output_tokens)}
     servers: list[ServerProcess] = []
-    try:
-        colo = ServerProcess(["serve", *common], tmp / "colocated.log").wait_ready()
-        servers.append(colo)
-        asyncio.run(_drive(colo.url, name, warm, timeout))
-        t0 = time.perf_counter()
-        base = asyncio.run(_drive(colo.url, name, reqs, timeout))
-        res["colocated"] = _summary(base, time.perf_counter() - t0)
-        colo.stop()
-        servers.remove(colo)
+    done = [0]
+    total = len(rates) * repeat * len(setups)
 
-        pd_args = ["--storage", pool_url, "--storage-workers", str(workers)]
-        p = ServerProcess(["serve", *common, "--role", "prefill", *pd_args], tmp / "prefill.log")
-        d = ServerProcess(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"],
-                          tmp / "decode.log")
-        servers += [p, d]
-        p.wait_ready(), d.wait_ready()
-        router = ServerProcess(["router", "--prefill", p.url, "--decode", d.url], tmp / "router.log").wait_ready()
-        servers.append(router)
-        asyncio.run(_drive(router.url, name, warm, timeout))
-        s0 = _stats(d)["storage"]
-        t0 = time.perf_counter()
-        pd = asyncio.run(_drive(router.url, name, reqs, timeout))
-        res["pd"] = _summary(pd, time.perf_counter() - t0)
-        s1 = _stats(d)["storage"]
-        res["identical_tokens"] = sum(a["tokens"] == b["tokens"] for a, b in zip(base, pd))
-        busy_b = s1["busy_read_bytes"] - s0["busy_read_bytes"]
-        busy_s = s1["busy_read_seconds"] - s0["busy_read_seconds"]
-        res["handoff"] = {"bytes": busy_b, "gbps": busy_b / busy_s / 1e9 if busy_s else float("nan"),
-                          "storage_hit_tokens": s1["hit_tokens"] - s0["hit_tokens"],
-                          "fetch_threads": workers}
-        obj = int(s1["bytes_read"] / max(1, s1["hits"])) if s1["hits"] else None
-        for s in servers:
-            s.stop()
-        servers.clear()
-        if obj:
-            raw = bench_bytes(pool_url, objects=256, object_bytes=obj, workers=workers, batch=16, repeat=3)
-            res["pool_raw"] = {k: raw[k] for k in raw if k.endswith("gbps") or k in ("object_bytes",)}
-            if "raw_get_gbps" in raw:
-                res["handoff"]["ratio_vs_raw_get"] = res["handoff"]["gbps"] / raw["raw_get_gbps"]
-        for k in ("ttft_mean_s", "ttft_p50_s", "itl_mean_s", "itl_p50_s"):
-            res[f"pd_over_colocated_{k}"] = res["pd"][k] / res["colocated"][k]
+    def bar() -> None:
+        done[0] += 1
+        print(f"  [{done[0]}/{total}] runs done", file=sys.stderr, flush=True)
+    runs: dict = {}
+    try:
+        if "colocated" in setups:
+            colo = ServerProcess(["serve", *common], tmp / "colocated.log").wait_ready()
+            servers.append(colo)
+            asyncio.run(_drive(colo.url, name, warm, timeout))
+            runs["colocated"] = _sweep(colo.url, name, loads, timeout, bar)
+            colo.stop()
+            servers.remove(colo)
+        if "pd" in setups:
+            pd_args = ["--storage", pool_url, "--storage-workers", str(workers)]
+            p = ServerProcess(["serve", *common, "--role", "prefill", *pd_args], tmp / "prefill.log")
+            d = ServerProcess(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"],
+                              tmp / "decode.log")
+            servers += [p, d]
+            p.wait_ready(), d.wait_ready()
+            router = ServerProcess(["router", "--prefill", p.url, "--decode", d.url], tmp / "router.log").wait_ready()
+            servers.append(router)
+            asyncio.run(_drive(router.url, name, warm, timeout))
+            s0 = _stats(d)["storage"]
+            runs["pd"] = _sweep(router.url, name, loads, timeout, bar)
+            s1 = _stats(d)["storage"]
+            busy_b = s1["busy_read_bytes"] - s0["busy_read_bytes"]
+            busy_s = s1["busy_read_seconds"] - s0["busy_read_seconds"]
+            res["handoff"] = {"bytes": busy_b, "gbps": busy_b / busy_s / 1e9 if busy_s else float("nan"),
+                              "storage_hit_tokens": s1["hit_tokens"] - s0["hit_tokens"],
+                              "fetch_threads": workers}
+            obj = int(s1["bytes_read"] / max(1, s1["hits"])) if s1["hits"] else None
+            for s in servers:
+                s.stop()
+            servers.clear()
+            if obj:
+                raw = bench_bytes(pool_url, objects=256, object_bytes=obj, workers=workers, batch=16, repeat=3)
+                res["pool_raw"] = {k: raw[k] for k in raw if k.endswith("gbps") or k in ("object_bytes",)}
+                if "raw_get_gbps" in raw:
+                    res["handoff"]["ratio_vs_raw_get"] = res["handoff"]["gbps"] / raw["raw_get_gbps"]
     finally:
         for s in servers:
             s.stop()
+    res["points"] = []
+    for r in rates:
+        point: dict = {"rate": r, "requests": requests, "repeats": repeat}
+        for setup, by_rate in runs.items():
+            point[setup] = _spread([summary for summary, _ in by_rate[r]])
+        if len(runs) == 2:
+            point["identical_tokens"] = sum(a["tokens"] == b["tokens"] for (_, xs), (_, ys)
+                                            in zip(runs["colocated"][r], runs["pd"][r]) for a, b in zip(xs, ys))
+            for k in ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s"):
+                point[f"pd_over_colocated_{k}"] = point["pd"][k]["median"] / point["colocated"][k]["median"]
+        res["points"].append(point)
+    for setup, by_rate in runs.items():             # the first rate's first run, as before
+        res[setup] = by_rate[rates[0]][0][0]
+    if len(runs) == 2:
+        first = res["points"][0]
+        res["identical_tokens"] = first["identical_tokens"]
+        for k in ("ttft_mean_s", "ttft_p50_s", "itl_mean_s", "itl_p50_s"):
+            res[f"pd_over_colocated_{k}"] = res["pd"][k] / res["colocated"][k]
     return res
 
 
@@ -154,6 +199,24 @@ def _pair(text: str) -> tuple[int, int]:
     if not 0 < lo <= hi:
         raise argparse.ArgumentTypeError(f"expected LO,HI with 0 < LO <= HI, got {text!r}")
     return lo, hi
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 2 or 2,4,8, got {text!r}") from None
+    if not rates or any(r < 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be >= 0, got {text!r}")
+    return rates
+
+
+def _setups(text: str) -> tuple[str, ...]:
+    names = tuple(x for x in text.split(",") if x)
+    bad = [x for x in names if x not in ("colocated", "pd")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"setups are colocated and pd, got {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="weights (default auto)")
     ap.add_argument("--requests", type=int, default=24, help="requests (default 24)")
-    ap.add_argument("--rate", type=float, default=4.0, help="arrivals per second, Poisson; 0 = all at once (default 4)")
+    ap.add_argument("--rate", type=_rates, default=[4.0],
+                    help="arrivals per second, Poisson; 0 = all at once; several (2,4,8) sweep them (default 4)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per rate, each a fresh workload; medians with their spread (default 1)")
+    ap.add_argument("--setups", type=_setups, default=("colocated", "pd"),
+                    help="colocated,pd (default both; one alone e.g. to split a long sweep)")
     ap.add_argument("--prompt-tokens", type=_pair, default=(64, 384), help="LO,HI prompt lengths (default 64,384)")
     ap.add_argument("--output-tokens", type=_pair, default=(8, 64), help="LO,HI output lengths (default 8,64)")
     ap.add_argument("--num-device-blocks", type=int, default=None, help="per server (default: sized from memory; "
@@ -179,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
     a = ap.parse_args(argv)
+    if a.repeat < 1 or a.requests < 1:
+        ap.error(f"--requests and --repeat must be >= 1, got {a.requests} and {a.repeat}")
     engine = ["--device", a.device, "--load-format", a.load_format, "--num-host-blocks", a.num_host_blocks]
     if a.num_device_blocks:
         engine += ["--num-device-blocks", a.num_device_blocks]
@@ -199,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 from kvtier.model import init_model
                 model = str(init_model(a.preset, tmp / "model", seed=0, config_only=a.load_format == "dummy"))
             res = run(model, a.storage, [str(x) for x in engine], a.requests, a.rate, a.prompt_tokens,
-                      a.output_tokens, a.seed, a.storage_workers, tmp)
+                      a.output_tokens, a.seed, a.storage_workers, tmp, repeat=a.repeat, setups=a.setups)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, on_term)
@@ -208,18 +278,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(res))
         return 0
-    print(f"kvtier bench pd: {a.requests} requests at {a.rate}/s, prompts {a.prompt_tokens}, outputs "
-          f"{a.output_tokens}, pool {res['pool']}")
-    for k in ("colocated", "pd"):
-        s = res[k]
-        print(f"  {k:10s} TTFT mean {s['ttft_mean_s'] * 1e3:8.1f} ms  p50 {s['ttft_p50_s'] * 1e3:8.1f}  p90 "
-              f"{s['ttft_p90_s'] * 1e3:8.1f} | ITL mean {s['itl_mean_s'] * 1e3:6.2f} ms  p50 "
-              f"{s['itl_p50_s'] * 1e3:6.2f}  p90 {s['itl_p90_s'] * 1e3:6.2f} | {s['output_tokens_per_s']:8.1f} tok/s")
-    h = res["handoff"]
-    print(f"  hand-off: {h['bytes'] / 1e6:.1f} MB read by D at {h['gbps']:.3f} GB/s"
-          + (f" = {h['ratio_vs_raw_get']:.2f} x the raw client's get ({res['pool_raw']['raw_get_gbps']:.3f} GB/s)"
-             if "ratio_vs_raw_get" in h else ""))
-    print(f"  identical token streams: {res['identical_tokens']} / {a.requests}")
+    print(f"kvtier bench pd: {a.requests} requests per run, {a.repeat} run(s) per rate, prompts "
+          f"{a.prompt_tokens}, outputs {a.output_tokens}, pool {res['pool']}  (median over runs [min-max])")
+    ms = lambda m: f"{m['median'] * 1e3:7.1f} [{m['min'] * 1e3:.0f}-{m['max'] * 1e3:.0f}]"  # noqa: E731
+    for point in res["points"]:
+        for k in a.setups:
+            s = point[k]
+            print(f"  {point['rate']:5g}/s {k:10s} TTFT mean {ms(s['ttft_mean_s'])} p50 {ms(s['ttft_p50_s'])} "
+                  f"p90 {ms(s['ttft_p90_s'])} | ITL mean {ms(s['itl_mean_s'])} p90 {ms(s['itl_p90_s'])} | "
+                  f"{s['output_tokens_per_s']['median']:7.1f} tok/s")
+        if "identical_tokens" in point:
+            print(f"  {point['rate']:5g}/s PD/colocated: TTFT p90 {point['pd_over_colocated_ttft_p90_s']:.2f}, "
+                  f"ITL p90 {point['pd_over_colocated_itl_p90_s']:.2f}; identical token streams "
+                  f"{point['identical_tokens']} / {a.requests * a.repeat}")
+    h = res.get("handoff")
+    if h:
+        print(f"  hand-off: {h['bytes'] / 1e6:.1f} MB read by D at {h['gbps']:.3f} GB/s"
+              + (f" = {h['ratio_vs_raw_get']:.2f} x the raw client's get ({res['pool_raw']['raw_get_gbps']:.3f} GB/s)"
+                 if "ratio_vs_raw_get" in h else ""))
     return 0
 
 
