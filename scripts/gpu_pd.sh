@@ -11,6 +11,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.tx
 [ -n "${SKIP_TESTS:-}" ] || python -m pytest -q tests/serve/test_async_engine.py tests/engine/test_handoff.py 2>&1 | tail -3 | tee -a $OUT/gpu_tests.txt
 mkdir -p /dev/shm/kvtpd && python -m kvtier.cli bench pd --preset llama3-8b-shape --load-format dummy --device cuda \
   --storage file:///dev/shm/kvtpd --num-device-blocks 2048 --num-host-blocks 1024 --max-model-len 8192 \
-  --requests ${REQS:-32} --rate ${RATE:-2} --prompt-tokens ${PT:-1024,6144} --output-tokens ${OT:-32,128} \
-  --out $OUT/bench_pd.json 2>&1 | tail -8 | tee $OUT/bench_pd.txt
+  --requests ${REQS:-128} --rate ${RATE:-1.5,3} --repeat ${REPEAT:-2} --setups ${SETUPS:-colocated,pd} \
+  --prompt-tokens ${PT:-1024,6144} --output-tokens ${OT:-32,128} \
+  --out $OUT/bench_pd_${SETUPS:-both}.json 2>&1 | grep -v "runs done" | tail -12 | tee $OUT/bench_pd_${SETUPS:-both}.txt
 rm -rf /dev/shm/kvtpd
