@@ -267,6 +267,11 @@ class EngineCore:
             self._bind_storage(fingerprint)
         if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
             cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and self.device.type == "cuda" and attention_backend != "triton":
+            # a captured graph keeps the host lengths the torch reference read at capture
+            log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly",
+                        attention_backend)
+            cuda_graphs = False
         graphs = step_graphs = None
         if cuda_graphs:
             capture = self.device.type == "cuda"
