@@ -282,6 +282,8 @@ class EngineCore:
             graphs.capture_all()
             # other steps of up to 256 tokens (MoE layers dispatch densely up to there: no sync)
             max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
+            if os.environ.get("KVTIER_STEP_GRAPHS", "1") == "0":   # A/B switch (benchmarks)
+                max_tokens = 0
             if max_tokens >= StepGraphs.SIZES[0]:
                 step_graphs = StepGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
                                          max_tokens, num_device_blocks, self.device, capture=capture,
