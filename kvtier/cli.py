@@ -60,10 +60,14 @@ def _count(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    value = _count(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a positive integer, got 0")
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (the message names the bad value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 
@@ -116,7 +120,7 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (power of two; default 16)")
     p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through_selective",
                    help="when blocks are copied down a tier (default write_through_selective)")
-    p.add_argument("--write-through-threshold", type=_positive, default=2,
+    p.add_argument("--write-through-threshold", type=positive_int, default=2,
                    help="hits before write_through_selective copies a block down (default 2)")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="block key digest (default sha256)")
@@ -139,11 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host tier size in blocks; 0 = no host tier, inf = unbounded (default 32768)")
     p.add_argument("--storage-blocks", type=_capacity, default=0,
                    help="storage tier size in blocks; 0 = none, inf = unbounded (default 0)")
-    p.add_argument("--trace-block-tokens", type=_positive, default=512,
+    p.add_argument("--trace-block-tokens", type=positive_int, default=512,
                    help="tokens per hash id in Mooncake-format traces (default 512)")
-    p.add_argument("--kv-bytes-per-token", type=_positive, default=131072,
+    p.add_argument("--kv-bytes-per-token", type=positive_int, default=131072,
                    help="KV bytes per token, all layers, for bytes moved (default 131072)")
-    p.add_argument("--max-running", type=_positive, default=16, help="requests holding blocks at once (default 16)")
+    p.add_argument("--max-running", type=positive_int, default=16, help="requests holding blocks at once (default 16)")
     p.add_argument("--storage-gbps", type=_positive_float, default=2.0,
                    help="storage read bandwidth per call, GB/s, for the fetch-vs-recompute decision (default 2.0)")
     p.add_argument("--storage-latency-ms", type=_non_negative_float, default=0.5,
@@ -151,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens-per-s", type=_non_negative_float, default=0.0,
                    help="recompute rate; storage hits are fetched only when that is faster than "
                         "recomputing them at this rate; 0 = fetch every hit (default 0)")
-    p.add_argument("--limit", type=_positive, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 
@@ -160,10 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a benchmark (`kvtier bench NAME --help` lists its flags):\n"
                                    + "\n".join(f"  {name:<11} {line}" for name, (_, line) in BENCHES.items()))
     p.add_argument("name", choices=tuple(BENCHES), help="which benchmark")
-    p.add_argument("--requests", type=_positive, default=2000, help="requests in the trace (default 2000)")
-    p.add_argument("--prompts", type=_positive, default=200, help="shared prefixes (default 200)")
-    p.add_argument("--prompt-tokens", type=_positive, default=4096, help="tokens per prompt (default 4096)")
-    p.add_argument("--repeat", type=_positive, default=5, help="timed runs; the best is reported (default 5)")
+    p.add_argument("--requests", type=positive_int, default=2000, help="requests in the trace (default 2000)")
+    p.add_argument("--prompts", type=positive_int, default=200, help="shared prefixes (default 200)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=4096, help="tokens per prompt (default 4096)")
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the best is reported (default 5)")
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per block (default 16)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("init-model", help="write a small random HF-format checkpoint",
@@ -186,13 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in the model directory)")
     g.add_argument("--prompt-ids", help="prompt token ids, comma separated, e.g. 1,2,3")
     _add_llm_flags(p)
-    p.add_argument("--max-tokens", type=_positive, default=16, help="tokens to generate (default 16)")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--top-k", type=_count, default=0, help="sample from the k best tokens; 0 = off (default 0)")
     p.add_argument("--sampling-seed", type=int, default=None,
                    help="per-request sampling seed (sample i of --n draws with seed + i)")
-    p.add_argument("--n", type=_positive, default=1,
+    p.add_argument("--n", type=positive_int, default=1,
                    help="samples of the prompt (one prefill, n decodes sharing its KV; default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--logprobs", type=_count, default=None, metavar="K",
@@ -211,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="leave special tokens (EOS...) out of the text (default: on)")
     p.add_argument("--return-routed-experts", action="store_true", help="print the routed experts' shape (MoE)")
-    p.add_argument("--repeat", type=_positive, default=1, help="run the prompt N times (shows prefix hits)")
+    p.add_argument("--repeat", type=positive_int, default=1, help="run the prompt N times (shows prefix hits)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (colocated, or the prefill/decode side of PD)",
@@ -228,14 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /kvtier/* (default: $KVTIER_API_KEY, "
                         "else none; the variable keeps the key out of `ps`)")
-    p.add_argument("--max-body-bytes", type=_positive, default=None,
+    p.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="largest request body; larger ones get 413 before any parsing (default 16 MiB)")
     p.add_argument("--require-cache-salt", action="store_true",
                    help="refuse requests without cache_salt (400): cached_tokens would tell a client whether "
                         "another tenant sent the same prefix (docs/SERVING.md)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
-    p.add_argument("--max-queue", type=_positive, default=1024,
+    p.add_argument("--max-queue", type=positive_int, default=1024,
                    help="requests waiting for admission before new ones get 503 (default 1024)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                    help="uvicorn log level (default info)")
@@ -257,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else none)")
     p.add_argument("--backend-api-key", default=None,
                    help="key the router sends to P and D (default: $KVTIER_BACKEND_API_KEY, else none)")
-    p.add_argument("--max-body-bytes", type=_positive, default=None,
+    p.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="largest request body; larger ones get 413 before any parsing (default 16 MiB)")
     p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="seconds a request to P or D may take (default 600)")
@@ -271,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "through device, host and storage tiers, print hits per tier and TTFT "
                                    "against recompute.")
     p.add_argument("--model", default=None, help="use this model directory instead of a fresh random one")
-    p.add_argument("--clients", type=_positive, default=4, help="concurrent conversations (default 4)")
-    p.add_argument("--turns", type=_positive, default=4, help="turns per conversation (default 4)")
+    p.add_argument("--clients", type=positive_int, default=4, help="concurrent conversations (default 4)")
+    p.add_argument("--turns", type=positive_int, default=4, help="turns per conversation (default 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="compute dtype; auto = the checkpoint's on cuda (bfloat16), float32 on cpu (default auto)")
@@ -293,7 +297,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="compute dtype; auto = checkpoint's on cuda, float32 on cpu (default auto)")
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-device-blocks", type=_positive, default=None,
+    p.add_argument("--num-device-blocks", type=positive_int, default=None,
                    help="device tier size in blocks (default: sized from free memory)")
     p.add_argument("--num-host-blocks", type=_count, default=None,
                    help="host tier size in blocks; 0 = none (default: none, or with --storage a host tier "
@@ -306,7 +310,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-policy", choices=WRITE_POLICIES, default=None,
                    help="when blocks are copied down a tier (default: write_through with --storage, so every "
                         "computed block reaches the pool, and with a host tier; else write_through_selective)")
-    p.add_argument("--write-through-threshold", type=_positive, default=2,
+    p.add_argument("--write-through-threshold", type=positive_int, default=2,
                    help="hits before write_through_selective copies down (default 2)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable prefix caching")
@@ -316,11 +320,11 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
                         "--prefetch-timeout (default best_effort)")
     p.add_argument("--prefetch-timeout", type=_timeout_pair, default=(0.1, 0.05), metavar="BASE,PER_1K",
                    help="prefetch_policy=timeout: seconds, plus seconds per 1K prompt tokens (default 0.1,0.05)")
-    p.add_argument("--storage-workers", type=_positive, default=None,
+    p.add_argument("--storage-workers", type=positive_int, default=None,
                    help="storage fetch threads; put threads are half as many (default: one per core, 2 to 16)")
     p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
                    help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
-    p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="tensor parallel ranks (default 1)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="tensor parallel ranks (default 1)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default=None,
                    help="when the device tier is full: swap a request's KV to the host tier and load it back, "
                         "or recompute it (default: swap when there is a host tier, else recompute)")
@@ -328,9 +332,9 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's safetensors; dummy: random weights in device memory from "
                         "config.json alone (benchmarks) (default auto)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget per step (default 2048)")
-    p.add_argument("--max-num-seqs", type=_positive, default=256, help="running requests at most (default 256)")
-    p.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step (default 2048)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="running requests at most (default 256)")
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="context length (default: the model's)")
     p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                    help="attention kernels (default: triton on cuda, torch on cpu)")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")

@@ -19,6 +19,7 @@ import random
 from typing import Any, Callable
 
 from kvtier.bench import serving
+from kvtier.cli import positive_int
 
 
 def order(documents: int, questions: int, how: str, seed: int) -> list[tuple[int, int]]:
@@ -70,14 +71,14 @@ def workload(args: argparse.Namespace) -> serving.Workload:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier bench longdoc", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--documents", type=serving.positive, default=8, help="documents (default 8)")
-    ap.add_argument("--document-length", type=serving.positive, default=1024, help="tokens per document (default 1024)")
-    ap.add_argument("--questions", type=serving.positive, default=2, help="times each document is asked (default 2)")
-    ap.add_argument("--question-length", type=serving.positive, default=16, help="tokens per question (default 16)")
-    ap.add_argument("--output-length", type=serving.positive, default=16, help="tokens per answer (default 16)")
+    ap.add_argument("--documents", type=positive_int, default=8, help="documents (default 8)")
+    ap.add_argument("--document-length", type=positive_int, default=1024, help="tokens per document (default 1024)")
+    ap.add_argument("--questions", type=positive_int, default=2, help="times each document is asked (default 2)")
+    ap.add_argument("--question-length", type=positive_int, default=16, help="tokens per question (default 16)")
+    ap.add_argument("--output-length", type=positive_int, default=16, help="tokens per answer (default 16)")
     ap.add_argument("--order", choices=("tile", "interleave", "random"), default="tile",
                     help="tile: d0..dN repeated; interleave: each document's questions together (default tile)")
-    ap.add_argument("--max-inflight", type=serving.positive, default=4, help="requests in flight at most (default 4)")
+    ap.add_argument("--max-inflight", type=positive_int, default=4, help="requests in flight at most (default 4)")
     serving.add_common_flags(ap)
     return ap
 

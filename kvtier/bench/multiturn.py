@@ -23,6 +23,7 @@ import random
 from typing import Any, Callable
 
 from kvtier.bench import serving
+from kvtier.cli import positive_int
 
 
 def workload(args: argparse.Namespace) -> serving.Workload:
@@ -62,13 +63,13 @@ def workload(args: argparse.Namespace) -> serving.Workload:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier bench multiturn", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=serving.positive, default=8, help="conversations (default 8)")
-    ap.add_argument("--rounds", type=serving.positive, default=4, help="rounds per conversation (default 4)")
-    ap.add_argument("--request-length", type=serving.positive, default=256, help="tokens of each new question (default 256)")
-    ap.add_argument("--output-length", type=serving.positive, default=32, help="tokens of each answer (default 32)")
+    ap.add_argument("--clients", type=positive_int, default=8, help="conversations (default 8)")
+    ap.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default 4)")
+    ap.add_argument("--request-length", type=positive_int, default=256, help="tokens of each new question (default 256)")
+    ap.add_argument("--output-length", type=positive_int, default=32, help="tokens of each answer (default 32)")
     ap.add_argument("--request-rate", type=float, default=float("inf"),
                     help="Poisson arrivals per second (default inf: no pacing)")
-    ap.add_argument("--max-parallel", type=serving.positive, default=16, help="requests in flight at most (default 16)")
+    ap.add_argument("--max-parallel", type=positive_int, default=16, help="requests in flight at most (default 16)")
     ap.add_argument("--round-barrier", action="store_true", help="all clients finish a round before the next")
     serving.add_common_flags(ap)
     return ap

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from kvtier.cache import CacheManager, CacheRequest
+from kvtier.cli import positive_int
 
 INSTALL_HINT = "pip install 'kvtier[peers]'"
 # peer -> (package it needs, variants: the keyword its adapter takes for the key digest)
@@ -202,16 +203,6 @@ def format_row(r: dict) -> str:
             f"hit {r['hit_share']:.3f}  [{phases}]  runs {r['runs_mean_us']}")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(prog="kvtier bench peers", description=__doc__,
@@ -224,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                                 ("--window", 32, "requests holding blocks at once"),
                                 ("--warmup", 200, "requests of a throwaway replay first"),
                                 ("--repeat", 3, "timed replays; the fastest is reported")):
-        ap.add_argument(flag, type=_positive, default=default, help=f"{what} (default {default})")
+        ap.add_argument(flag, type=positive_int, default=default, help=f"{what} (default {default})")
     ap.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per peer")
     ap.add_argument("--one", choices=sorted(PEERS), default=None, help=argparse.SUPPRESS)   # the child's side

@@ -236,18 +236,6 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
     return flags
 
 
-def positive(text: str) -> int:
-    """argparse type: an integer >= 1 (the message names the bad value)."""
-    import argparse
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def add_common_flags(ap: Any) -> None:
     ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start kvtier "
                                                 "servers, one per --compare configuration)")

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from kvtier.bench import serving
+from kvtier.cli import positive_int
 from kvtier.bench.traces import TraceError, read_trace, tokens_of_hashes
 
 
@@ -72,14 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier bench trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("file", help="JSONL trace (e.g. traces/mooncake_conversation_1k.jsonl)")
-    ap.add_argument("--requests", type=serving.positive, default=None, help="replay the first N (default all)")
-    ap.add_argument("--block-tokens", type=serving.positive, default=512,
+    ap.add_argument("--requests", type=positive_int, default=None, help="replay the first N (default all)")
+    ap.add_argument("--block-tokens", type=positive_int, default=512,
                     help="tokens per Mooncake hash block (default 512, the trace's; smaller shrinks prompts)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="timestamps x this (default 1; 0: all at once)")
-    ap.add_argument("--max-output-tokens", type=serving.positive, default=64, help="answers capped at this (default 64)")
-    ap.add_argument("--max-input-tokens", type=serving.positive, default=None,
+    ap.add_argument("--max-output-tokens", type=positive_int, default=64, help="answers capped at this (default 64)")
+    ap.add_argument("--max-input-tokens", type=positive_int, default=None,
                     help="leave out requests whose prompt is longer (default: none left out)")
-    ap.add_argument("--max-parallel", type=serving.positive, default=64, help="requests in flight at most (default 64)")
+    ap.add_argument("--max-parallel", type=positive_int, default=64, help="requests in flight at most (default 64)")
     serving.add_common_flags(ap)
     return ap
 
