@@ -104,18 +104,17 @@ def _sweep(url: str, name: str, loads: dict[float, list[list[dict]]], timeout: f
     return out
 
 
-def run(model: str, storage: str | None, engine_args: list[str], requests: int, rate: float | list[float],
+def run(model: str, storage: str | None, engine_args: list[str], requests: int, rates: list[float],
         prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int, workers: int,
         tmp: Path, timeout: float = 600.0, repeat: int = 1,
         setups: tuple[str, ...] = ("colocated", "pd")) -> dict:
     """Both setups (or ``setups``), each driven at every rate ``repeat`` times with ``requests``
     requests (a fresh workload per repeat: seed + repeat); servers' logs (and the default pool)
     go to ``tmp``, which the caller owns. ``points``: per rate, per setup, each metric's median
-    over the repeats and its spread; ``colocated`` / ``pd``: the first rate's (as before)."""
+    over the repeats and its spread."""
     from kvtier.bench.storage_bench import bench_bytes
     from kvtier.model import ModelConfig
 
-    rates = [rate] if isinstance(rate, (int, float)) else list(rate)
     cfg = ModelConfig.from_hf_dir(Path(model))
     pool_url = storage or f"file://{tmp / 'pool'}"
     name = "bench"
@@ -124,7 +123,7 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
              for r in rates}
     warm = workload(4, 0, prompt_tokens, (4, 4), cfg.vocab_size, seed + 1000)
     res: dict = {"model": model, "pool": pool_url.split("@")[-1], "requests": requests, "rates": rates,
-                 "rate": rates[0], "repeat": repeat, "prompt_tokens": list(prompt_tokens),
+                 "repeat": repeat, "prompt_tokens": list(prompt_tokens),
                  "output_tokens": list(output_tokens)}
     servers: list[ServerProcess] = []
     done = [0]
@@ -183,13 +182,6 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
             for k in ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s"):
                 point[f"pd_over_colocated_{k}"] = point["pd"][k]["median"] / point["colocated"][k]["median"]
         res["points"].append(point)
-    for setup, by_rate in runs.items():             # the first rate's first run, as before
-        res[setup] = by_rate[rates[0]][0][0]
-    if len(runs) == 2:
-        first = res["points"][0]
-        res["identical_tokens"] = first["identical_tokens"]
-        for k in ("ttft_mean_s", "ttft_p50_s", "itl_mean_s", "itl_p50_s"):
-            res[f"pd_over_colocated_{k}"] = res["pd"][k] / res["colocated"][k]
     return res
 
 

@@ -64,7 +64,8 @@ class _Graphs:
         # R3: MoE layers write the step's expert ids here inside the graph
         self.routing_out = (torch.zeros((rows, *routing_shape), dtype=i32, device=device)
                             if routing_shape is not None else None)
-        self.buckets: list[int] = []
+        self.buckets: list[int] = []      # padded sizes
+        self.keys: list = []              # one graph each (captured by capture_all)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = pool
         self.runs = 0           # steps run through this path (replayed, or eagerly on a CPU)
@@ -74,8 +75,8 @@ class _Graphs:
         """Capture every bucket now (engine start), not at its first step: a capture takes tens
         of ms, which would stall the requests of that step."""
         if self.capture:
-            for bp in self.buckets:
-                self._graph(bp)
+            for key in self.keys:
+                self._graph(key)
 
     def bucket(self, n: int) -> int | None:
         for b in self.buckets:
@@ -91,6 +92,10 @@ class _Graphs:
         routing = self.routing_out[:bp] if self.routing_out is not None else None
         return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches, meta, routing_out=routing)
 
+    def _rows(self, key) -> int:  # type: ignore[no-untyped-def]
+        """Token rows of the graph of ``key``."""
+        return key
+
     def _capture_meta(self, bp: int) -> AttentionMetadata:
         raise NotImplementedError
 
@@ -103,11 +108,11 @@ class _Graphs:
         if bp not in self._graphs:
             self._reset(bp)
             torch.cuda.synchronize(self.device)
-            self._forward(bp, self._capture_meta(bp))      # warm-up: compiles kernels outside the capture
+            self._forward(self._rows(bp), self._capture_meta(bp))   # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(bp, self._capture_meta(bp))
+                out = self._forward(self._rows(bp), self._capture_meta(bp))
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[bp] = (graph, out)
@@ -133,16 +138,11 @@ class StepGraphs(_Graphs):
         super().__init__(model, kv_caches, block_size, max_model_len, sizes[-1] if sizes else 1,
                          scratch_block, device, capture, routing_shape, pool)
         self.buckets = sizes
-        self._keys = [(bp, bound) for bp in sizes for bound in (self.FEW, bp)]
+        self.keys = [(bp, bound) for bp in sizes for bound in (self.FEW, bp)]
         self.used: set[tuple[int, int]] = set()     # (bucket, bound) of the steps run (tests)
 
-    def capture_all(self) -> None:
-        if self.capture:
-            for key in self._keys:
-                self._graph(key)   # type: ignore[arg-type]
-
-    def _forward(self, key, meta: AttentionMetadata) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
-        return super()._forward(key[0] if isinstance(key, tuple) else key, meta)
+    def _rows(self, key) -> int:  # type: ignore[no-untyped-def]
+        return key[0]
 
     def _capture_meta(self, key) -> AttentionMetadata:  # type: ignore[no-untyped-def, override]
         # the kernels' bounds (lengths come from the device): FEW sequences as one bp-token query
@@ -218,7 +218,7 @@ class DecodeGraphs(_Graphs):
             buckets.append(max_batch)
         super().__init__(model, kv_caches, block_size, max_model_len, buckets[-1], scratch_block,
                          device, capture, routing_shape, pool)
-        self.buckets = buckets
+        self.buckets = self.keys = buckets
 
     def _meta(self, bp: int, seq_lens_cpu: list[int] | None) -> AttentionMetadata:
         """Captured: lengths come from device memory, the host only knows their bound. Eager
