@@ -87,7 +87,12 @@ def main() -> None:
     res: dict = {}
     kw = dict(device=dev, load_format="dummy", num_device_blocks=4096 if _GPU else 256, max_model_len=8192 if _GPU else 512,
               max_num_batched_tokens=8192 if _GPU else 512)
-    for label, extra in (("nopool", {}), ("pool", {"storage": f"file://{tmp}/pool", "num_host_blocks": 4096})):
+    configs = (("nopool", {}), ("host", {"num_host_blocks": 4096}),
+               ("pool", {"storage": f"file://{tmp}/pool", "num_host_blocks": 4096}))
+    only = os.environ.get("PROBE_CONFIGS")
+    for label, extra in configs:
+        if only and label not in only.split(","):
+            continue
         with kvtier.LLM(path, **kw, **extra) as llm:
             instrument(llm)
             one(llm, prefix + [1] * 48)
@@ -104,7 +109,7 @@ def main() -> None:
             res[f"{label}_hit_idle"] = med(hits)
             res[f"{label}_cold_idle"] = med(colds)
             if label == "pool":
-                for si in (0.005, 0.001, 0.0005, 0.0002):
+                for si in [float(x) for x in os.environ.get("PROBE_SWITCH", "0.005,0.0005").split(",")]:
                     sys.setswitchinterval(si)
                     hits, colds = [], []
                     for i in range(5):
@@ -120,7 +125,7 @@ def main() -> None:
     (out / "ttft_probe.json").write_text(json.dumps(res, indent=1, default=str))
 
 
-if __name__ == "__main__" and not os.environ.get("PROBE_PROFILE"):
+if __name__ == "__main__" and not os.environ.get("PROBE_PROFILE") and not os.environ.get("PROBE_CPROFILE"):
     main()
 
 
@@ -149,3 +154,51 @@ def profile_hit() -> None:
 
 if __name__ == "__main__" and os.environ.get("PROBE_PROFILE"):
     profile_hit()
+
+
+def cprofile_pool_hit() -> None:
+    """``PROBE_CPROFILE=1``: device hits with a ``file://`` pool configured and idle, under cProfile
+    (engine thread): where the CPU time a pool adds goes. Also the same hits with the default
+    5 ms switch interval (the engine sets 0.5 ms when a pool is configured)."""
+    import cProfile
+    import io
+    import pstats
+    out = Path(os.environ.get("OUT", "/tmp"))
+    tmp = tempfile.mkdtemp()
+    path = init_model("qwen3-0.6b-shape", Path(tmp) / "m", config_only=True)
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
+    fresh = lambda: [rng.randrange(VOCAB) for _ in range(PREFIX + 48)]  # noqa: E731
+    text = ""
+    with kvtier.LLM(path, device="cuda", load_format="dummy", num_device_blocks=4096, max_model_len=8192,
+                    max_num_batched_tokens=8192, storage=f"file://{tmp}/pool", num_host_blocks=4096) as llm:
+        instrument(llm)
+        for i in range(4):
+            one(llm, prefix + [1 + i] * 48)
+            one(llm, fresh())
+        idle(llm)
+        for si in (0.0005, 0.005):
+            sys.setswitchinterval(si)
+            rows = []
+            for i in range(5):
+                idle(llm)
+                rows.append(one(llm, prefix + [30 + i + int(si * 1e4)] * 48))
+            text += f"switch {si}: {json.dumps(med(rows))}\n"
+        sys.setswitchinterval(0.0005)
+        prof = cProfile.Profile()
+        for i in range(5):
+            idle(llm)
+            prof.enable()
+            one(llm, prefix + [60 + i] * 48)
+            prof.disable()
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(45)
+        text += s.getvalue()
+    print(text)
+    (out / "pool_hit_cprofile.txt").write_text(text)
+
+
+if __name__ == "__main__" and os.environ.get("PROBE_CPROFILE"):
+    cprofile_pool_hit()

@@ -16,6 +16,7 @@ generated tokens), hashing each full block once.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -33,6 +34,7 @@ def _sha256(data: bytes) -> bytes:
 
 _xxh3_128 = xxhash.xxh3_128_digest
 
+_KEY_OF = operator.attrgetter("key")
 _DIGESTS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxh3_128": _xxh3_128}
 
 
@@ -171,39 +173,63 @@ class BlockHasher:
 
     Each full block has a *label*: its token bytes plus its tagged extras, block 0 prefixed by
     the namespace seed, so that ``key[i] = H(key[i-1] + label[i])`` with ``key[-1] = b""``.
-    Labels are cheap (one pack of the tokens); digests are computed lazily, only when asked
-    for: the radix tree walks labels, and a matched node already carries its key
-    (:meth:`adopt_path`), so a cache hit never hashes its blocks again.
+    The labels are kept end to end in one byte string, ``stream`` (one pack of the tokens, no
+    per-block objects): the radix tree compares a run of blocks with one slice of it
+    (:meth:`RadixTree.match`), and a block's label is cut out only when that block is hashed or
+    inserted. Digests are computed lazily, only when asked for; a matched node already carries
+    its key (:meth:`adopt_path`), so a cache hit never hashes its blocks again.
+
+    Without extras every label but the first is ``4 * block_size`` bytes (``uniform``) and
+    block ``i`` ends at ``len(seed) + 4 * block_size * (i + 1)``; with extras (LoRA, multimodal
+    items) the ends are kept in a list.
 
     ``extend(tokens)`` appends tokens and returns the keys of blocks that became full;
-    ``keys`` only grows, so generated tokens become cacheable blocks too. Extras (LoRA,
-    multimodal items) are fixed per request.
+    ``keys`` only grows, so generated tokens become cacheable blocks too. Extras are fixed per
+    request.
     """
 
-    __slots__ = ("block_size", "seed", "labels", "_keys", "_digest", "_pending", "_lora", "_mm",
-                 "_num_tokens")
+    __slots__ = ("block_size", "seed", "stream", "uniform", "num_blocks", "_ends", "_width", "_keys",
+                 "_digest", "_pending", "_lora", "_mm", "_num_tokens")
 
     def __init__(self, block_size: int, seed: bytes, hash_name: str = "sha256",
                  lora_name: str | None = None, mm_items: Iterable[MMItem] = ()) -> None:
         self.block_size = block_size
         self.seed = seed
-        self.labels: list[bytes] = []      # one per full block
-        self._keys: list[bytes] = []       # digests of labels[:len(_keys)]
-        self._digest = get_digest(hash_name)
-        self._pending: list[int] = []      # tokens of the last, partial block
+        self.stream = seed                 # seed + the labels of the full blocks, end to end
         self._lora = lora_name
         self._mm = tuple(mm_items)
+        self.uniform = lora_name is None and not self._mm
+        self.num_blocks = 0
+        self._ends: list[int] = []         # end offset of each label in ``stream`` (extras only)
+        self._width = 4 * block_size       # bytes of a label without extras
+        self._keys: list[bytes] = []       # digests of the first len(_keys) labels
+        self._digest = get_digest(hash_name)
+        self._pending: list[int] = []      # tokens of the last, partial block
         self._num_tokens = 0
 
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    def end(self, i: int) -> int:
+        """Offset in ``stream`` where block ``i``'s label ends (``end(-1)`` is 0)."""
+        if i < 0:
+            return 0
+        return len(self.seed) + self._width * (i + 1) if self.uniform else self._ends[i]
+
+    def label(self, i: int) -> bytes:
+        return self.stream[self.end(i - 1):self.end(i)]
+
+    @property
+    def labels(self) -> list[bytes]:
+        """Every full block's label (a new list; the hot paths slice ``stream`` instead)."""
+        return [self.label(i) for i in range(self.num_blocks)]
+
     @property
     def keys(self) -> list[bytes]:
         """Keys of every full block so far (the same list object, growing)."""
-        if len(self._keys) < len(self.labels):
-            self.ensure_keys(len(self.labels))
+        if len(self._keys) < self.num_blocks:
+            self.ensure_keys(self.num_blocks)
         return self._keys
 
     def add_tokens(self, tokens: Sequence[int]) -> int:
@@ -217,51 +243,56 @@ class BlockHasher:
         self._num_tokens += added
         n_full = len(tokens) // bs
         self._pending = list(tokens[n_full * bs:])
-        labels = self.labels
         if not n_full:
-            return len(labels)
-        nbytes = 4 * bs
-        first = len(labels)
-        if self._lora is None and not self._mm:
-            labels.extend([data[j:j + nbytes] for j in range(0, n_full * nbytes, nbytes)])
+            return self.num_blocks
+        nbytes = self._width
+        if self.uniform:
+            self.stream += data[:n_full * nbytes] if len(data) > n_full * nbytes else data
         else:
-            b0 = first * bs
-            labels.extend([data[i * nbytes:(i + 1) * nbytes]
-                           + block_extras(b0 + i * bs, b0 + (i + 1) * bs, self._lora, self._mm)
-                           for i in range(n_full)])
-        if first == 0:
-            labels[0] = self.seed + labels[0]
-        return len(labels)
+            b0 = self.num_blocks * bs
+            parts = [data[i * nbytes:(i + 1) * nbytes]
+                     + block_extras(b0 + i * bs, b0 + (i + 1) * bs, self._lora, self._mm)
+                     for i in range(n_full)]
+            end = len(self.stream)
+            for part in parts:
+                end += len(part)
+                self._ends.append(end)
+            self.stream += b"".join(parts)
+        self.num_blocks += n_full
+        return self.num_blocks
 
     def ensure_keys(self, num_blocks: int) -> list[bytes]:
         """Digest labels up to block ``num_blocks`` (chained); returns the key list."""
-        keys, labels = self._keys, self.labels
+        keys = self._keys
         i = len(keys)
         if i >= num_blocks:
             return keys
+        assert num_blocks <= self.num_blocks, (num_blocks, self.num_blocks)
         parent = keys[-1] if keys else b""
-        digest = self._digest
-        if digest is _sha256:
-            sha256 = hashlib.sha256
-            for label in labels[i:num_blocks]:
-                parent = sha256(parent + label).digest()
+        digest, stream = self._digest, self.stream
+        if digest is _sha256 and self.uniform:
+            sha256, w, start = hashlib.sha256, self._width, self.end(i - 1)
+            end = len(self.seed) + w * (i + 1)
+            for _ in range(num_blocks - i):
+                parent = sha256(parent + stream[start:end]).digest()
                 keys.append(parent)
+                start, end = end, end + w
         else:
-            for label in labels[i:num_blocks]:
-                parent = digest(parent + label)
+            for j in range(i, num_blocks):
+                parent = digest(parent + stream[self.end(j - 1):self.end(j)])
                 keys.append(parent)
         return keys
 
     def adopt_path(self, nodes: Sequence) -> None:  # type: ignore[type-arg]
         """Take the keys of the leading blocks from a matched tree path (``nodes[i].key`` is the
-        key of ``labels[i]``) instead of hashing them."""
+        key of block ``i``) instead of hashing them."""
         mine = self._keys
         if len(mine) < len(nodes):
-            mine.extend([n.key for n in nodes[len(mine):]])
+            mine.extend(map(_KEY_OF, nodes[len(mine):]))
 
     def extend(self, tokens: Sequence[int]) -> list[bytes]:
         """Append tokens; return the keys of blocks that became full."""
-        before = len(self.labels)
+        before = self.num_blocks
         after = self.add_tokens(tokens)
         self.ensure_keys(after)
         return self._keys[before:after]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from kvtier.cache.storage_index import StorageIndex
 from kvtier.cache.tree import Node, RadixTree
 
 log = logging.getLogger(__name__)
+_DEVICE_BLOCK = operator.attrgetter("device_block")
 TIERS = ("device", "host", "storage")
 FETCH_CHUNK = 32      # blocks per fetch op: a request may start with the chunks that landed
 MAX_SEEDS = 1024      # namespace seeds kept (one per cache_salt, least recently used dropped)
@@ -177,12 +179,11 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         hasher = BlockHasher(self.block_size, seed, self.hash_name, lora_name, mm_items)
         return CacheRequest(rid, token_ids, hasher)
 
-    def _sync_labels(self, req: CacheRequest, num_tokens: int) -> list[bytes]:
+    def _sync_labels(self, req: CacheRequest, num_tokens: int) -> None:
         """Label (not hash) every full block of ``req.token_ids[:num_tokens]``."""
         h = req.hasher
-        if num_tokens // self.block_size > len(h.labels):
+        if num_tokens // self.block_size > h.num_blocks:
             h.add_tokens(req.token_ids[h.num_tokens:num_tokens])
-        return h.labels
 
     def _sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
         """Keys of every full block of ``req.token_ids[:num_tokens]`` (and any hashed before)."""
@@ -192,16 +193,8 @@ class CacheManager(PrefetchMixin, HandoffMixin):
 
     def _tree_prefix(self, req: CacheRequest, max_blocks: int) -> tuple[list[Node], int, int]:
         """(path, device hits, device + host hits) of ``req``'s first ``max_blocks`` blocks."""
-        labels = self._sync_labels(req, max_blocks * self.block_size)
-        path: list[Node] = []
-        append = path.append
-        children = self.tree.root.children
-        for label in labels[:max_blocks] if len(labels) > max_blocks else labels:
-            node = children.get(label)
-            if node is None:
-                break
-            append(node)
-            children = node.children
+        self._sync_labels(req, max_blocks * self.block_size)
+        path = self.tree.match(req.hasher, max_blocks)
         req.hasher.adopt_path(path)         # matched blocks need no hashing
         # device copies are prefix-closed: the device hits end where the first node
         # without one is (binary search); past them every node must be readable on host
@@ -322,7 +315,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
             return False
         req.admitted = True
         req.nodes = list(device_hits)
-        req.block_table = [n.device_block for n in device_hits] + blocks  # type: ignore[misc]
+        req.block_table = [*map(_DEVICE_BLOCK, device_hits), *blocks]
         for j, n in enumerate(host_hits):
             self._staged["load"].append((req, nd + j, n, blocks[j]))
         req.num_loading = len(host_hits)
@@ -470,43 +463,49 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         if i >= n_full:
             return
         self._sync_labels(req, n_full * bs)
-        keys = req.hasher.ensure_keys(n_full)
-        labels = req.hasher.labels
+        h = req.hasher
+        keys = h.ensure_keys(n_full)
         parent = req.nodes[-1] if req.nodes else tree.root
         self._tick += 1
         tick = self._tick
         copy_down = self.has_host
-        nodes, table = tree.nodes, req.block_table
-        new_copies = 0
-        for i in range(i, n_full):
-            label, block = labels[i], table[i]
-            node = parent.children.get(label)
+        table = req.block_table
+        while i < n_full:                   # blocks the tree has already (computed twice)
+            node = tree.child(parent, h.label(i))
             if node is None:
-                # new block: a node holding our device block, locked by us (inlined
-                # add_child + lock + set_device: this loop runs once per computed block)
-                key = keys[i]
-                assert key not in nodes, "duplicate block key"
-                node = Node(key, parent, label)
-                parent.children[label] = node
-                nodes[key] = node
-                node.hit_count = 1
-                node.lock_ref = 1
-                node.device_block = block
-                parent.num_device_children += 1
-                new_copies += 1
-            else:
-                tree.lock(node)
-                if node.device_block is None:
-                    tree.set_device(node, block)
-                elif node.device_block != block:     # computed twice: keep the tree's copy
-                    self.device_pool.free_one(block)
-                    table[i] = node.device_block
+                break
+            tree.lock(node)
+            if node.device_block is None:
+                tree.set_device(node, table[i])
+            elif node.device_block != table[i]:     # keep the tree's copy
+                self.device_pool.free_one(table[i])
+                table[i] = node.device_block
             node.last_access = tick
             req.nodes.append(node)
             if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count):
                 self._copy_down(node)
             parent = node
-        tree.num_device_copies += new_copies
+            i += 1
+        if i == n_full:
+            return
+        # the rest is new: one run of nodes holding our device blocks, locked by us (inlined
+        # set_device + lock: this runs once per computed block)
+        start = h.end(i - 1)
+        ends = [h.end(j) - start for j in range(i, n_full)]
+        new = tree.add_run(parent, keys[i:n_full], h.stream[start:start + ends[-1]], ends, h.uniform)
+        for node, block in zip(new, table[i:n_full]):
+            node.hit_count = 1
+            node.lock_ref = 1
+            node.device_block = block
+            node.last_access = tick
+        parent.num_device_children += 1
+        for node in new[:-1]:
+            node.num_device_children = 1
+        tree.num_device_copies += len(new)
+        req.nodes.extend(new)
+        if copy_down and self.policy.copy_on_land(1):
+            for node in new:
+                self._copy_down(node)
 
     def free(self, req: CacheRequest) -> None:
         """Finish, abort or preempt: unlock the request's nodes, return its own blocks.
@@ -520,7 +519,6 @@ class CacheManager(PrefetchMixin, HandoffMixin):
             return
         tree, unlocked = self.tree, 0
         for node in reversed(req.nodes):     # tail first: it is the one that may become a leaf
-            assert node.lock_ref > 0 and node.device_block is not None, node
             node.lock_ref -= 1
             if not node.lock_ref:
                 unlocked += 1
@@ -556,7 +554,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         """Device blocks no request holds that become evictable once their backup lands (a swap
         out, write_back): the scheduler waits for them instead of preempting more."""
         def unlocked_below(node: Node) -> bool:      # evictable leaf-first once its copy lands
-            return node.lock_ref == 0 and all(unlocked_below(c) for c in node.children.values()
+            return node.lock_ref == 0 and all(unlocked_below(c) for c in self.tree.children_of(node)
                                                if c.device_block is not None)
         return sum(1 for kind, items in (*self._pending.values(), ("backup", self._staged["backup"]))
                    if kind == "backup" for n, _d, _h in items if type(n) is not TailBlock and unlocked_below(n))
@@ -729,9 +727,10 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         dev_owner: dict[int, object] = {}
         host_owner: dict[int, object] = {}
         locks: dict[int, int] = {}
+        tree.check()
         for node in tree.nodes.values():
             assert tree.nodes[node.key] is node and node.parent is not None
-            assert node.parent.children.get(node.label) is node, "child link"
+            assert tree.child(node.parent, tree.label(node)) is node, "child link"
             assert node.parent.is_root or tree.alive(node.parent), "orphan node"
             assert node.device_block is not None or node.host_block is not None, f"empty {node}"
             if node.host_ready:
@@ -744,16 +743,17 @@ class CacheManager(PrefetchMixin, HandoffMixin):
             if node.host_block is not None:
                 assert node.host_block not in host_owner, f"host block {node.host_block} owned twice"
                 host_owner[node.host_block] = node
+            children = tree.children_of(node)
             assert node.num_device_children == sum(
-                c.device_block is not None for c in node.children.values()), f"device children {node}"
+                c.device_block is not None for c in children), f"device children {node}"
             assert node.num_host_children == sum(
-                c.host_block is not None for c in node.children.values()), f"host children {node}"
+                c.host_block is not None for c in children), f"host children {node}"
             assert node.lock_ref >= 0 and node.device_reads >= 0 and node.host_reads >= 0
             # every candidate is queued (else it would never be evicted)
             assert node.in_device_heap or not node.device_evictable(), f"{node} missing from the device heap"
             assert node.in_host_heap or not node.host_evictable(), f"{node} missing from the host heap"
         assert tree.root.num_device_children == sum(
-            c.device_block is not None for c in tree.root.children.values())
+            c.device_block is not None for c in tree.children_of(tree.root))
         live = [r for r in requests if not r.freed]
         for r in live:
             if not r.admitted:

@@ -30,7 +30,7 @@ class _Prefetch:
     until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
 
     __slots__ = ("anchor", "locked", "host_pinned", "keys", "start", "next_index", "waits_for",
-                 "num_blocks_pending", "num_chunks_pending")
+                 "num_blocks_pending", "num_chunks_pending", "uniform")
 
     def __init__(self, anchor: Node, locked: bool) -> None:
         self.anchor = anchor
@@ -42,6 +42,7 @@ class _Prefetch:
         self.waits_for: list[_Prefetch] = []
         self.num_blocks_pending = 0
         self.num_chunks_pending = 0
+        self.uniform = True     # its labels have no extras (BlockHasher.uniform)
 
 
 class PrefetchMixin:
@@ -91,8 +92,9 @@ class PrefetchMixin:
             return self._wait_for(req, anchor, others, covered) if covered else 0
         keys = m.storage_keys[:covered + len(blocks)]
         first = len(req._path)                  # storage hits follow the device and host hits
-        labels = req.hasher.labels[first:first + len(keys)]
+        labels = [req.hasher.label(j) for j in range(first, first + len(keys))]
         pf.keys = keys
+        pf.uniform = req.hasher.uniform
         pf.start = pf.next_index = covered      # chunk 0 hangs below keys[covered - 1] (or the anchor)
         pf.waits_for = others
         pf.num_blocks_pending = len(blocks)
@@ -208,9 +210,9 @@ class PrefetchMixin:
                 broken = True
                 self.host_pool.free_one(block)
                 continue
-            node = parent.children.get(label)
+            node = tree.child(parent, label)
             if node is None:
-                node = tree.add_child(parent, key, label)
+                (node,) = tree.add_run(parent, (key,), label, (len(label),), pf.uniform)
             if node.host_block is None:
                 node.last_access = self._tick
                 tree.set_host(node, block, ready=True)

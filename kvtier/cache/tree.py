@@ -1,9 +1,21 @@
-"""Radix tree of full blocks with per-tier residency and leaf-only eviction.
+"""Compressed radix tree of full blocks, with per-tier residency and leaf-only eviction.
 
-One node per full block. A node is found by walking ``children`` by *label* (the block's
-token bytes and tagged extras, see :class:`~kvtier.cache.keys.BlockHasher`), so matching a
-prompt hashes nothing; each node also carries its chained key, and a global ``key -> node`` dict
-finds any node by key in O(1) (storage names, fetches)::
+A *segment* is a run of blocks with no branch inside it; the tree branches only between
+segments, so a prompt's cached prefix is found with one dict lookup and one byte comparison per
+segment, not per block::
+
+    root ─┬─ [A B C] ─┬─ [D E]        3 segments hold A..E; C has two children (D, F)
+          │           └─ [F]
+          └─ [G]                      a segment has no child segment, or two or more
+
+A segment keeps its blocks' *labels* (token bytes and tagged extras, see
+:class:`~kvtier.cache.keys.BlockHasher`) end to end in ``data``, with each label's end offset in
+``ends``; its parent finds it by its first label. Inserting below the middle of a segment splits
+it there; when removing a leaf segment leaves its parent with one child, the two merge again.
+
+Residency is per block: one :class:`Node` per block, with a parent link (the block before it),
+its chained key (a global ``key -> node`` dict finds any node by key in O(1): storage names,
+fetches), its copies and pins::
 
     root ── A ── B ── C          device copies: A B     (prefix-closed: a device copy's parent
                   └── D                                  always has one too)
@@ -24,14 +36,17 @@ from __future__ import annotations
 
 import heapq
 from itertools import count
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from kvtier.cache.keys import BlockHasher
 
 ROOT_KEY = b""
 
 
 class Node:
     __slots__ = (
-        "key", "label", "parent", "depth", "children", "in_device_heap", "in_host_heap",
+        "key", "parent", "seg", "idx", "depth", "num_children", "in_device_heap", "in_host_heap",
         "device_block", "host_block", "host_ready", "putting",
         "lock_ref", "device_reads", "host_reads",
         "num_device_children", "num_host_children",
@@ -39,12 +54,13 @@ class Node:
         "from_storage",
     )
 
-    def __init__(self, key: bytes, parent: "Node | None", label: bytes = b"") -> None:
+    def __init__(self, key: bytes, parent: "Node | None", seg: "Segment", idx: int) -> None:
         self.key = key
-        self.label = label                     # the parent's children are keyed by label
         self.parent = parent
+        self.seg = seg                         # the segment holding this block ...
+        self.idx = idx                         # ... at this index
         self.depth = -1 if parent is None else parent.depth + 1  # block index along the path
-        self.children: dict[bytes, Node] = {}
+        self.num_children = 0
         self.in_device_heap = False
         self.in_host_heap = False
         self.device_block: int | None = None   # readable: set only once the bytes landed
@@ -73,12 +89,45 @@ class Node:
     def device_evictable(self) -> bool:
         return (self.device_block is not None and self.lock_ref == 0 and self.device_reads == 0
                 and self.num_device_children == 0
-                and (self.host_block is not None or not self.children))
+                and (self.host_block is not None or not self.num_children))
 
     def host_evictable(self) -> bool:
         return (self.host_block is not None and self.host_ready and self.host_reads == 0
                 and not self.putting and self.num_host_children == 0
-                and (self.device_block is not None or not self.children))
+                and (self.device_block is not None or not self.num_children))
+
+
+class Segment:
+    """A run of blocks without a branch: ``nodes``, their labels end to end (``data``; label
+    ``i`` ends at ``ends[i]``), and the child segments by first label. ``uniform``: every label
+    is a block of tokens without extras (see ``BlockHasher.uniform``), so a request without
+    extras needs no per-block boundary check against it.
+
+    Evicting the last block only drops its end offset: ``data`` may run past ``ends[-1]`` until
+    :meth:`trimmed` cuts it (one copy per run of evictions, not one per block)."""
+
+    __slots__ = ("parent", "nodes", "data", "ends", "children", "uniform")
+
+    def __init__(self, parent: "Segment | None", uniform: bool = True) -> None:
+        self.parent = parent
+        self.nodes: list[Node] = []
+        self.data = b""
+        self.ends: list[int] = []
+        self.children: dict[bytes, Segment] = {}
+        self.uniform = uniform
+
+    def label(self, i: int) -> bytes:
+        return self.data[self.ends[i - 1] if i else 0:self.ends[i]]
+
+    def trimmed(self) -> bytes:
+        """``data`` without the labels of evicted blocks."""
+        data = self.data
+        if self.ends and len(data) != self.ends[-1]:
+            data = self.data = data[:self.ends[-1]]
+        return data
+
+    def __repr__(self) -> str:
+        return f"Segment({len(self.nodes)} blocks, {len(self.children)} children)"
 
 
 class RadixTree:
@@ -86,7 +135,8 @@ class RadixTree:
     transfers belong to the manager."""
 
     def __init__(self, eviction_key: Callable[[Node], tuple]) -> None:
-        self.root = Node(ROOT_KEY, None)
+        self.root_seg = Segment(None)
+        self.root = Node(ROOT_KEY, None, self.root_seg, -1)
         self.nodes: dict[bytes, Node] = {}
         self._key = eviction_key
         self._device_heap: list[tuple[tuple, int, Node]] = []
@@ -106,24 +156,181 @@ class RadixTree:
     def alive(self, node: Node) -> bool:
         return self.nodes.get(node.key) is node
 
+    # ------------------------------------------------------------------ lookup
+    def match(self, h: "BlockHasher", max_blocks: int) -> list[Node]:
+        """Nodes of the longest cached run of ``h``'s first ``max_blocks`` blocks: per segment,
+        one dict lookup by the next block's label and one comparison of ``h.stream`` with the
+        segment's labels; only the segment where the request diverges is searched by block."""
+        path: list[Node] = []
+        stream, plain = h.stream, h.uniform
+        seg, blk = self.root_seg, 0
+        while blk < max_blocks:
+            pos = h.end(blk - 1)
+            child = seg.children.get(stream[pos:h.end(blk)])
+            if child is None:
+                break
+            n = len(child.nodes)
+            if n <= max_blocks - blk and plain and child.uniform and (
+                    stream[pos:pos + child.ends[-1]] == child.trimmed()):
+                k = n                        # the whole run (block ends agree: no extras)
+            else:
+                k = self._common_blocks(child, h, blk, min(n, max_blocks - blk))
+            path.extend(child.nodes[:k] if k < n else child.nodes)
+            if k < n:
+                break
+            blk += n
+            seg = child
+        return path
+
+    @staticmethod
+    def _common_blocks(seg: Segment, h: "BlockHasher", blk: int, limit: int) -> int:
+        """How many of ``seg``'s first ``limit`` blocks equal ``h``'s blocks from ``blk`` (the
+        first one does: it was found by its label)."""
+        stream, pos, ends, data = h.stream, h.end(blk - 1), seg.ends, seg.data
+        if h.uniform and seg.uniform:        # equal bytes up to a block end = equal blocks: bisect
+            lo, hi = 1, limit                # lo blocks match; is it more?
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                e = ends[mid - 1]
+                if stream[pos:pos + e] == data[:e]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+        k = 1
+        while k < limit and h.label(blk + k) == seg.label(k):
+            k += 1
+        return k
+
+    def child(self, parent: Node, label: bytes) -> Node | None:
+        """The child of ``parent`` whose block has this label, or None."""
+        seg, i = parent.seg, parent.idx + 1
+        if i < len(seg.nodes):
+            return seg.nodes[i] if seg.label(i) == label else None
+        c = seg.children.get(label)
+        return None if c is None else c.nodes[0]
+
+    def children_of(self, node: Node) -> list[Node]:
+        seg, i = node.seg, node.idx + 1
+        if i < len(seg.nodes):
+            return [seg.nodes[i]]
+        return [c.nodes[0] for c in seg.children.values()]
+
+    def label(self, node: Node) -> bytes:
+        return node.seg.label(node.idx)
+
     # ------------------------------------------------------------------ structure
-    def add_child(self, parent: Node, key: bytes, label: bytes) -> Node:
-        assert key not in self.nodes and label not in parent.children, "duplicate block"
-        node = Node(key, parent, label)
-        parent.children[label] = node
-        self.nodes[key] = node
-        return node
+    def add_run(self, parent: Node, keys: Sequence[bytes], data: bytes, ends: Sequence[int],
+                uniform: bool) -> list[Node]:
+        """New nodes for a chain of blocks below ``parent`` (which has no child with the first
+        label): their keys, their labels end to end and each label's end in ``data``. Appended
+        to ``parent``'s segment when ``parent`` ends a leaf segment; else a new child segment,
+        after splitting ``parent``'s segment behind it if ``parent`` is inside it."""
+        seg, i = parent.seg, parent.idx + 1
+        if i < len(seg.nodes):
+            self._split(seg, i)
+        if seg.children or seg is self.root_seg:
+            assert data[:ends[0]] not in seg.children, "duplicate block"
+            target = Segment(seg, uniform)
+            seg.children[data[:ends[0]]] = target
+        else:
+            target = seg
+            target.uniform = target.uniform and uniform
+        base, off = len(target.nodes), len(target.trimmed())
+        nodes, created, prev = self.nodes, [], parent
+        for j, key in enumerate(keys):
+            assert key not in nodes, "duplicate block key"
+            node = Node(key, prev, target, base + j)
+            nodes[key] = node
+            created.append(node)
+            prev = node
+        parent.num_children += 1
+        for node in created[:-1]:
+            node.num_children = 1
+        target.nodes.extend(created)
+        target.data += data
+        target.ends.extend([off + e for e in ends] if off else ends)
+        return created
+
+    def _split(self, seg: Segment, i: int) -> None:
+        """Cut ``seg`` before its block ``i``: blocks ``i..`` (and ``seg``'s children) become its
+        only child segment."""
+        tail = Segment(seg, seg.uniform)
+        cut = seg.ends[i - 1]
+        tail.nodes = seg.nodes[i:]
+        tail.data = seg.trimmed()[cut:]
+        tail.ends = [e - cut for e in seg.ends[i:]]
+        tail.children = seg.children
+        for c in tail.children.values():
+            c.parent = tail
+        for j, node in enumerate(tail.nodes):
+            node.seg, node.idx = tail, j
+        del seg.nodes[i:], seg.ends[i:]
+        seg.data = seg.data[:cut]
+        seg.children = {tail.data[:tail.ends[0]]: tail}
+
+    def _drop_leaf(self, node: Node) -> None:
+        """Unlink a childless node (the last block of a leaf segment)."""
+        seg = node.seg
+        assert not node.num_children and seg.nodes[-1] is node and not seg.children, node
+        del self.nodes[node.key]
+        node.parent.num_children -= 1   # type: ignore[union-attr]
+        if len(seg.nodes) > 1:
+            seg.nodes.pop()
+            seg.ends.pop()                  # data is cut later (trimmed)
+            return
+        up = seg.parent
+        assert up is not None
+        del up.children[seg.label(0)]
+        if len(up.children) == 1 and up is not self.root_seg:
+            self._merge(up)
+
+    def _merge(self, seg: Segment) -> None:
+        """Join ``seg`` with its only child segment."""
+        (child,) = seg.children.values()
+        base, off = len(seg.nodes), len(seg.trimmed())
+        for j, node in enumerate(child.nodes):
+            node.seg, node.idx = seg, base + j
+        seg.nodes.extend(child.nodes)
+        seg.ends.extend([off + e for e in child.ends])
+        seg.data += child.trimmed()
+        seg.children = child.children
+        for c in seg.children.values():
+            c.parent = seg
+        seg.uniform = seg.uniform and child.uniform
 
     def remove(self, node: Node) -> None:
         """Drop a node that holds no copy and has no children."""
-        assert not node.children and node.device_block is None and node.host_block is None, node
+        assert not node.num_children and node.device_block is None and node.host_block is None, node
         assert node.lock_ref == 0 and node.device_reads == 0 and node.host_reads == 0, node
         parent = node.parent
         assert parent is not None
-        del parent.children[node.label]
-        del self.nodes[node.key]
+        self._drop_leaf(node)
         self.epoch += 1
         self.maybe_candidate(parent)
+
+    def check(self) -> None:
+        """The segments' structure (tests, ``assert_invariants``)."""
+        seen = 0
+        stack = [(self.root_seg, self.root)]
+        while stack:
+            seg, above = stack.pop()
+            if seg is not self.root_seg:
+                assert seg.nodes and len(seg.children) != 1, f"{seg}: empty, or one child (unmerged)"
+                assert len(seg.ends) == len(seg.nodes) and seg.ends[-1] <= len(seg.data), seg
+                assert all(a < b for a, b in zip([0, *seg.ends], seg.ends)), f"{seg}: label ends"
+            prev = above
+            for j, node in enumerate(seg.nodes):
+                assert node.seg is seg and node.idx == j and node.parent is prev, f"{node} link"
+                assert self.nodes.get(node.key) is node, f"{node} not in the key index"
+                assert node.num_children == (1 if j + 1 < len(seg.nodes) else len(seg.children)), node
+                prev = node
+            seen += len(seg.nodes)
+            for label, c in seg.children.items():
+                assert c.parent is seg and c.label(0) == label, f"{c}: parent link or label"
+                stack.append((c, prev))
+        assert self.root.num_children == len(self.root_seg.children)
+        assert seen == len(self.nodes), "a node outside the segments"
 
     # ------------------------------------------------------------------ copies
     def set_device(self, node: Node, block: int) -> None:
@@ -160,10 +367,9 @@ class RadixTree:
         """Drop the device copy of a device leaf that has no host copy, and the node with it
         (``drop_device`` + ``remove`` in one step: the common eviction). Returns the block.
         The parent may have become a leaf: :meth:`next_device_victim` looks at it first."""
-        assert node.host_block is None and not node.children and node.host_reads == 0, node
+        assert node.host_block is None and not node.num_children and node.host_reads == 0, node
         block = self._clear_device(node)
-        del node.parent.children[node.label]   # type: ignore[union-attr]
-        del self.nodes[node.key]
+        self._drop_leaf(node)
         return block
 
     def set_host(self, node: Node, block: int, ready: bool) -> None:

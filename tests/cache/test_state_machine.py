@@ -168,7 +168,7 @@ class CacheMachine(RuleBasedStateMachine):
             if n.host_block is None:   # no host copy, not even one on its way: only if host is full
                 assert mgr.host_pool.num_free == 0, f"swap_out left {n} without a host copy"
         def unlocked_below(n):       # freed leaf-first: a locked device descendant (another
-            return n.lock_ref == 0 and all(unlocked_below(c) for c in n.children.values()   # request,
+            return n.lock_ref == 0 and all(unlocked_below(c) for c in tree.children_of(n)   # request,
                                            if c.device_block is not None)                   # a prefetch) keeps it
         out = [n for n in nodes if n.host_block is not None and not n.host_ready and unlocked_below(n)]
         assert mgr.num_device_blocks_freeing >= len(out), "swapped-out blocks not counted as freeing"
