@@ -22,9 +22,6 @@ from kvtier.engine import runner as runner_mod
 from kvtier.model import init_model
 
 _GPU = os.environ.get("PROBE_DEVICE", "cuda") == "cuda"
-if os.environ.get("PROBE_ALGO"):      # the pool objects' checksum: 1 xxh3-64 (holds the GIL), 2 CRC32C
-    import kvtier.storage.blob
-    kvtier.storage.blob.WRITE_ALGO = int(os.environ["PROBE_ALGO"])
 VOCAB, PREFIX = (32000, 4096) if _GPU else (300, 256)
 SP = kvtier.SamplingParams(max_tokens=1, ignore_eos=True)
 T: collections.Counter = collections.Counter()

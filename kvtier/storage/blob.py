@@ -7,11 +7,7 @@
     64                      88         96          104        112          128
     | shape (6 x u32)       | kv bytes | rt bytes  | checksum | (zero pad) | KV payload | routing payload
 
-All integers little-endian. ``checksum`` is of the payload (KV then routing), by the algorithm
-``algo`` names: CRC32C (2; written since 2026-11-24) or xxh3-64 (1; still read). CRC32C because
-its library (``crc32c``: the SSE4.2/ARMv8 instruction, ~16 GB/s a core) releases the GIL while it
-runs, and xxhash's binding does not: with a pool's I/O threads checksumming MB-sized blocks, the
-engine thread waited for the GIL for most of a put or a get. A reader
+All integers little-endian. ``checksum`` is xxh3-64 of the payload (KV then routing). A reader
 knows what it expects (namespace, key, dtype, shape, sizes) and accepts an object only if every
 field matches and the checksum holds: anything else (another model's or another namespace's
 object, a truncated or corrupted object, a format from another version) is reported as *bad*, and
@@ -24,7 +20,6 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-import crc32c
 import numpy as np
 import xxhash
 
@@ -35,23 +30,6 @@ _FMT = struct.Struct("<4sHHBBBBI16s32s6IQQQ")
 assert _FMT.size <= HEADER_NBYTES
 _CHECKSUM_OFFSET = _FMT.size - 8
 _ALGO_XXH3_64 = 1
-_ALGO_CRC32C = 2
-WRITE_ALGO = _ALGO_CRC32C    # what new objects carry (benchmarks set it to compare)
-
-
-def checksum(algo: int, parts) -> int | None:  # type: ignore[no-untyped-def]
-    """Checksum of the byte views ``parts`` (in order) by ``algo``; None for an unknown algo."""
-    if algo == _ALGO_CRC32C:
-        value = 0
-        for p in parts:
-            value = crc32c.crc32c(p, value)
-        return value
-    if algo == _ALGO_XXH3_64:
-        h = xxhash.xxh3_64()
-        for p in parts:
-            h.update(p)
-        return h.intdigest()
-    return None
 # dtype codes (stable on disk: append only)
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "float8_e4m3fn", "float8_e5m2")
 
@@ -94,14 +72,14 @@ class BlobLayout:
         """Size of a whole object."""
         return HEADER_NBYTES + self.kv_nbytes + self.routing_nbytes
 
-    def _header(self, key: bytes | str, value: int) -> bytes:
+    def _header(self, key: bytes | str, checksum: int) -> bytes:
         key = header_key(key)
         if len(key) > 32:
             raise ValueError(f"block key of {len(key)} bytes; at most 32")
         shape = tuple(self.shape) + (0,) * (6 - len(self.shape))
         return _FMT.pack(MAGIC, VERSION, HEADER_NBYTES, len(key), _DTYPES.index(self.dtype), len(self.shape),
-                         WRITE_ALGO, self.block_size, self.namespace, key.ljust(32, b"\0"), *shape,
-                         self.kv_nbytes, self.routing_nbytes, value)
+                         _ALGO_XXH3_64, self.block_size, self.namespace, key.ljust(32, b"\0"), *shape,
+                         self.kv_nbytes, self.routing_nbytes, checksum)
 
     def encode_into(self, buf: np.ndarray, key: bytes, kv: np.ndarray, routing: np.ndarray | None) -> int:
         """Write the object of block ``key`` into ``buf`` (uint8, >= nbytes); returns its size.
@@ -114,7 +92,8 @@ class BlobLayout:
         np.copyto(buf[h:h + k], kv.reshape(-1))
         if routing is not None:
             np.copyto(buf[h + k:h + k + self.routing_nbytes], routing.reshape(-1))
-        header = self._header(key, checksum(WRITE_ALGO, (memoryview(buf[h:self.nbytes]),)))  # type: ignore[arg-type]
+        checksum = xxhash.xxh3_64_intdigest(memoryview(buf[h:self.nbytes]))
+        header = self._header(key, checksum)
         buf[:len(header)] = np.frombuffer(header, np.uint8)
         buf[len(header):h] = 0
         return self.nbytes
@@ -122,8 +101,11 @@ class BlobLayout:
     def header_for(self, key: bytes, kv: np.ndarray, routing: np.ndarray | None) -> bytes:
         """The header of block ``key`` whose payload is ``kv`` then ``routing`` (scatter-gather
         writers send header, kv and routing as three parts: no staging copy)."""
-        return self._header(key, checksum(WRITE_ALGO, _payload(kv, routing))).ljust(  # type: ignore[arg-type]
-            HEADER_NBYTES, b"\0")
+        h = xxhash.xxh3_64()
+        h.update(memoryview(kv.reshape(-1)))
+        if routing is not None:
+            h.update(memoryview(routing.reshape(-1)))
+        return self._header(key, h.intdigest()).ljust(HEADER_NBYTES, b"\0")
 
     def check_parts(self, header: np.ndarray, size: int, key: bytes, kv: np.ndarray,
                     routing: np.ndarray | None) -> BlobStatus:
@@ -132,8 +114,11 @@ class BlobLayout:
         status = self._check_header(header, size, key)
         if status is not BlobStatus.OK:
             return status
-        f = _FMT.unpack_from(memoryview(header[:_FMT.size]))
-        if checksum(f[6], _payload(kv, routing)) != f[18]:
+        h = xxhash.xxh3_64()
+        h.update(memoryview(kv.reshape(-1)))
+        if routing is not None:
+            h.update(memoryview(routing.reshape(-1)))
+        if h.intdigest() != _FMT.unpack_from(memoryview(header[:_FMT.size]))[18]:
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
@@ -142,8 +127,8 @@ class BlobLayout:
         status = self._check_header(buf, size, key)
         if status is not BlobStatus.OK:
             return status
-        f = _FMT.unpack_from(memoryview(buf[:_FMT.size]))
-        if checksum(f[6], (memoryview(buf[HEADER_NBYTES:self.nbytes]),)) != f[18]:
+        checksum = _FMT.unpack_from(memoryview(buf[:_FMT.size]))[18]
+        if xxhash.xxh3_64_intdigest(memoryview(buf[HEADER_NBYTES:self.nbytes])) != checksum:
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
@@ -154,7 +139,7 @@ class BlobLayout:
         f = _FMT.unpack_from(memoryview(buf[:_FMT.size]))
         magic, version, hdr, klen, dtype, ndim, algo, tokens, ns, stored_key = f[:10]
         shape, kv_nbytes, rt_nbytes = f[10:10 + ndim], f[16], f[17]
-        if magic != MAGIC or version != VERSION or hdr != HEADER_NBYTES or algo not in (_ALGO_CRC32C, _ALGO_XXH3_64):
+        if magic != MAGIC or version != VERSION or hdr != HEADER_NBYTES or algo != _ALGO_XXH3_64:
             return BlobStatus.BAD_HEADER
         if size < hdr + kv_nbytes + rt_nbytes:
             return BlobStatus.TRUNCATED
@@ -175,11 +160,6 @@ class BlobLayout:
         np.copyto(kv.reshape(-1), buf[h:h + k])
         if routing is not None:
             np.copyto(routing.reshape(-1), buf[h + k:h + k + self.routing_nbytes])
-
-
-def _payload(kv: np.ndarray, routing: np.ndarray | None) -> tuple[memoryview, ...]:
-    views = (memoryview(kv.reshape(-1)),)
-    return views if routing is None else (*views, memoryview(routing.reshape(-1)))
 
 
 def header_key(key: bytes | str) -> bytes:

@@ -82,26 +82,3 @@ def test_bad_layouts_are_errors():
     with pytest.raises(ValueError, match="payload"):
         lay = layout()
         lay.encode_into(np.zeros(lay.nbytes, np.uint8), KEY, np.zeros(3, np.uint8), None)
-
-
-def test_new_objects_carry_crc32c_and_xxh3_objects_are_still_read(monkeypatch):
-    """Objects written before CRC32C (xxh3-64, algo 1) stay readable, in one piece or in parts;
-    new ones carry algo 2; the checksum is the standard CRC32C (its check value: iSCSI, RFC 3720)."""
-    from kvtier.storage import blob
-    assert blob.checksum(2, [b"12345", memoryview(b"6789")]) == 0xE3069283   # chained over parts
-    lay = layout()
-    buf, n, kv, rt = encoded(lay)
-    assert buf[11] == 2                                     # the header's algo byte
-    monkeypatch.setattr(blob, "WRITE_ALGO", 1)
-    old, n_old, kv_old, rt_old = encoded(lay, seed=1)
-    assert old[11] == 1
-    monkeypatch.undo()
-    for b, size, k, r in ((buf, n, kv, rt), (old, n_old, kv_old, rt_old)):
-        assert lay.check(b, size, KEY) is BlobStatus.OK
-        header = b[:HEADER_NBYTES].copy()
-        assert lay.check_parts(header, size, KEY, k, r) is BlobStatus.OK
-        k[3] ^= 0x10                                       # the payload read in parts is checked too
-        assert lay.check_parts(header, size, KEY, k, r) is BlobStatus.BAD_CHECKSUM
-    unknown = buf.copy()
-    unknown[11] = 9                                        # an algorithm this reader does not know
-    assert lay.check(unknown, n, KEY) is BlobStatus.BAD_HEADER
