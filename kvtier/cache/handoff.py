@@ -1,4 +1,4 @@
-"""Prefill/decode hand-off through the storage pool (DESIGN §7): the part of the CacheManager
+"""Prefill/decode hand-off through the storage pool (DESIGN §7): the CacheManager's collaborator
 that writes a prompt's blocks for another engine (P) and reads them back (D).
 
 ::
@@ -16,6 +16,10 @@ A partial block is not a tree node (the radix tree holds full blocks only): a :c
 owns its scratch host block (and, on P, the request's last device block) until its copies
 completed, then frees them. The full blocks an export waits for stay locked (their device copies
 cannot be evicted before their host copy and put landed).
+
+Its state is its own (the exports waiting for each node's put, the tail fetches to plan); what it
+uses of the manager: the tree (locks), the pools, ``_put``/``_copy_down`` of a node, the staged
+copies, ``_new_op``, the storage index and the request's keys (``_sync_keys``).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from kvtier.cache.keys import object_name
 from kvtier.cache.plan import TransferOp
 
 if TYPE_CHECKING:
-    from kvtier.cache.manager import CacheRequest
+    from kvtier.cache.manager import CacheManager, CacheRequest
     from kvtier.cache.tree import Node
 
 
@@ -64,22 +68,27 @@ class Export:
         return self.num_waiting == 0
 
 
-class HandoffMixin:
-    """Mixed into CacheManager (uses its tree, pools, staged ops and counters)."""
+class Handoff:
+    """The manager's PD hand-offs (module docstring)."""
+
+    def __init__(self, mgr: CacheManager) -> None:
+        self.m = mgr
+        self.exporting: dict[int, tuple[Node, list[Export]]] = {}   # node -> exports awaiting its put
+        self.tail_ops: list[TransferOp] = []                        # tail fetches not planned yet
 
     # ------------------------------------------------------------------ keys
-    def handoff_keys(self, req: CacheRequest, num_tokens: int) -> tuple[list[bytes], str | None]:
+    def keys(self, req: CacheRequest, num_tokens: int) -> tuple[list[bytes], str | None]:
         """Block keys of ``req``'s first ``num_tokens`` tokens: the full blocks', and the partial
         block's name (None when ``num_tokens`` is a multiple of the block size)."""
         if not 0 < num_tokens <= len(req.token_ids):
             raise ValueError(f"num_tokens must be in 1..{len(req.token_ids)}, got {num_tokens}")
-        n_full = num_tokens // self.block_size      # the request's own keys (matching reuses them)
-        full = self._sync_keys(req, n_full * self.block_size)[:n_full]
+        n_full = num_tokens // self.m.block_size      # the request's own keys (matching reuses them)
+        full = self.m._sync_keys(req, n_full * self.m.block_size)[:n_full]
         return list(full), req.hasher.partial_key(num_tokens, req.token_ids)
 
     def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
         """Storage object names of :meth:`handoff_keys`' blocks (a hand-off manifest's keys)."""
-        ns = self.storage.namespace if self.storage is not None else "default"   # type: ignore[union-attr]
+        ns = self.m.storage.namespace if self.m.storage is not None else "default"   # type: ignore[union-attr]
         return [object_name(k, ns) for k in full] + ([object_name(tail, ns)] if tail else [])
 
     # ------------------------------------------------------------------ P: export
@@ -90,39 +99,39 @@ class HandoffMixin:
         the export (freed once copied). Poll ``export.done``; a block that could not be written
         counts in ``export.failed`` (D recomputes it).
         """
-        if self.storage is None or not self.has_host:
+        if self.m.storage is None or not self.m.has_host:
             raise ValueError("a hand-off export needs a host tier and a storage pool")
         if not req.admitted or req.freed:
             raise ValueError(f"request {req.rid!r} is not running")
-        bs = self.block_size
+        bs = self.m.block_size
         n_full, n_tail = divmod(num_tokens, bs)
         if len(req.nodes) < n_full or len(req.block_table) < n_full + (1 if n_tail else 0):
             raise ValueError(f"request {req.rid!r} has not computed {num_tokens} tokens yet")
-        full, tail_name = self.handoff_keys(req, num_tokens)
+        full, tail_name = self.keys(req, num_tokens)
         exp = Export(req.rid, num_tokens, self.manifest_names(full, tail_name))
         for node in req.nodes[:n_full]:
-            if self.storage.contains(node.key):
+            if self.m.storage.contains(node.key):
                 exp.skipped += 1
                 continue
             exp.num_waiting += 1
-            self.tree.lock(node)                # its device copy stays until its put landed
-            self._exporting.setdefault(id(node), (node, []))[1].append(exp)
+            self.m.tree.lock(node)                # its device copy stays until its put landed
+            self.exporting.setdefault(id(node), (node, []))[1].append(exp)
             if node.host_ready:
-                self._put(node)                 # (or a put already in flight: we wait for it)
+                self.m._put(node)                 # (or a put already in flight: we wait for it)
             elif node.host_block is None:
-                self._copy_down(node)           # then put when it lands (_complete_backup)
+                self.m._copy_down(node)           # then put when it lands (_complete_backup)
         if n_tail:
             tail = TailBlock(tail_name, n_full, n_tail)              # type: ignore[arg-type]
             tail.export = exp
             exp.num_waiting += 1
-            got = self._take_host(1)
+            got = self.m._take_host(1)
             if got is None:                     # host tier full of pinned blocks: D recomputes it
                 self._export_ack(exp, ok=False)
             else:
                 tail.host_block = got[0]
                 tail.device_block = req.block_table.pop(n_full)   # ours now (freed once copied)
                 tail.state = "backing_up"
-                self._staged["backup"].append((tail, tail.device_block, tail.host_block))
+                self.m._staged["backup"].append((tail, tail.device_block, tail.host_block))
         return exp
 
     def _export_ack(self, exp: Export, ok: bool) -> None:
@@ -130,29 +139,29 @@ class HandoffMixin:
         if not ok:
             exp.failed += 1
 
-    def _export_node_done(self, node: Node, ok: bool) -> None:
+    def node_done(self, node: Node, ok: bool) -> None:
         """A full block an export waits for was stored (or failed to be)."""
-        entry = self._exporting.pop(id(node), None)
+        entry = self.exporting.pop(id(node), None)
         if entry is None:
             return
         for exp in entry[1]:
             self._export_ack(exp, ok)
-            self.tree.unlock(node)
-        self.tree.maybe_candidate(node)
+            self.m.tree.unlock(node)
+        self.m.tree.maybe_candidate(node)
 
-    def _tail_backed_up(self, tail: TailBlock, ok: bool) -> None:
-        self.device_pool.free_one(tail.device_block)     # type: ignore[arg-type]
+    def tail_backed_up(self, tail: TailBlock, ok: bool) -> None:
+        self.m.device_pool.free_one(tail.device_block)     # type: ignore[arg-type]
         tail.device_block = None
         if not ok:
-            self.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            self.m.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
             tail.host_block, tail.state = None, "failed"
             self._export_ack(tail.export, ok=False)      # type: ignore[arg-type]
             return
         tail.state = "putting"
-        self._staged["put"].append((tail, tail.host_block))
+        self.m._staged["put"].append((tail, tail.host_block))
 
-    def _tail_put(self, tail: TailBlock, ok: bool) -> None:
-        self.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
+    def tail_put(self, tail: TailBlock, ok: bool) -> None:
+        self.m.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
         tail.host_block, tail.state = None, ("done" if ok else "failed")
         self._export_ack(tail.export, ok)                # type: ignore[arg-type]
 
@@ -165,29 +174,28 @@ class HandoffMixin:
             raise ValueError(f"request {req.rid!r} is already admitted or expects a tail")
         if num_tokens >= len(req.token_ids):
             raise ValueError("a handed-off request must hold at least one token past the prompt")
-        name = self.handoff_keys(req, num_tokens)[1]
-        if name is not None and self.storage is not None and self.has_host:
-            req.tail = TailBlock(name, num_tokens // self.block_size, num_tokens % self.block_size)
+        name = self.keys(req, num_tokens)[1]
+        if name is not None and self.m.storage is not None and self.m.has_host:
+            req.tail = TailBlock(name, num_tokens // self.m.block_size, num_tokens % self.m.block_size)
         return name
 
-    def _fetch_tail(self, req: CacheRequest) -> int:
+    def fetch_tail(self, req: CacheRequest) -> int:
         tail = req.tail
         if tail is None or tail.state != "wanted":
             return 0
-        got = self._take_host(1)
+        got = self.m._take_host(1)
         if got is None:
             tail.state = "failed"
             return 0
         tail.host_block, tail.state = got[0], "fetching"
-        op_id, self._next_op = self._next_op, self._next_op + 1
-        self._pending[op_id] = ("tailfetch", [tail])
-        self._tail_ops.append(TransferOp(op_id, "fetch", (), (tail.host_block,), (tail.key,)))  # type: ignore[arg-type]
+        op_id = self.m._new_op("tailfetch", [tail])
+        self.tail_ops.append(TransferOp(op_id, "fetch", (), (tail.host_block,), (tail.key,)))  # type: ignore[arg-type]
         return 1
 
-    def _complete_tailfetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+    def complete_tailfetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         tail: TailBlock = items[0]
         if failed or tail.state == "dropped":
-            self.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            self.m.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
             tail.host_block = None
             if tail.state != "dropped":
                 tail.state = "failed"
@@ -204,35 +212,35 @@ class HandoffMixin:
         m = req.match
         return tail.num_tokens if m.num_device_blocks + m.num_host_blocks == tail.index else 0
 
-    def _load_tail(self, req: CacheRequest, blocks: list[int], first_own: int) -> None:
+    def load_tail(self, req: CacheRequest, blocks: list[int], first_own: int) -> None:
         """At admission: load the fetched partial block into ``req``'s own device block."""
         tail = req.tail
         if tail is None or tail.state != "ready":
             return
         if self.tail_hit(req) and first_own <= tail.index < first_own + len(blocks):
             tail.state = "loading"
-            self._staged["load"].append((req, tail.index, tail, blocks[tail.index - first_own]))
+            self.m._staged["load"].append((req, tail.index, tail, blocks[tail.index - first_own]))
             req.num_loading += 1
         else:                                    # its full blocks were not all hits: recomputed
-            self._drop_tail(req)
+            self.drop_tail(req)
 
-    def _drop_tail(self, req: CacheRequest) -> None:
+    def drop_tail(self, req: CacheRequest) -> None:
         tail = req.tail
         if tail is None:
             return
         if tail.state == "ready":
-            self.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            self.m.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
             tail.host_block = None
         if tail.state in ("fetching", "ready", "wanted"):
             tail.state = "dropped"                       # a fetch in flight frees its block when done
 
-    def _tail_loaded(self, req: CacheRequest, tail: TailBlock, block: int, ok: bool,
+    def tail_loaded(self, req: CacheRequest, tail: TailBlock, block: int, ok: bool,
                      rewinds: dict[object, int]) -> None:
-        self.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
+        self.m.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
         tail.host_block = None
         tail.state = "done" if ok else "failed"
         req.num_loading -= 1
         if req.freed:
-            self.device_pool.free_one(block)
+            self.m.device_pool.free_one(block)
         elif not ok or req.rid in rewinds:
-            rewinds.setdefault(req.rid, tail.index * self.block_size)
+            rewinds.setdefault(req.rid, tail.index * self.m.block_size)

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 from kvtier.cache.cost import FetchCostModel
-from kvtier.cache.handoff import Export, HandoffMixin, TailBlock
+from kvtier.cache.handoff import Export, Handoff, TailBlock
 from kvtier.cache.keys import BlockHasher, MMItem, ModelFingerprint, namespace_seed
 from kvtier.cache.plan import MatchResult, StepPlan, TransferOp
 from kvtier.cache.policy import WritePolicy, get_eviction_key
-from kvtier.cache.prefetch import PrefetchMixin, _Prefetch
+from kvtier.cache.prefetch import Prefetcher, _Prefetch
 from kvtier.cache.pool import BlockPool
 from kvtier.cache.storage_index import StorageIndex
 from kvtier.cache.tree import Node, RadixTree
@@ -115,7 +115,7 @@ _BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host",
 _STAT_KIND = {"tailfetch": "fetch"}
 
 
-class CacheManager(PrefetchMixin, HandoffMixin):
+class CacheManager:
     def __init__(
         self,
         block_size: int = 16,
@@ -148,12 +148,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         if fetch_chunk_blocks < 1:
             raise ValueError(f"fetch_chunk_blocks must be >= 1, got {fetch_chunk_blocks}")
         self.fetch_chunk = fetch_chunk_blocks
-        self._parked: list[list] = []      # fetch chunks landed below a host copy still in flight
         self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
-        self._anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
-        self._fetching: dict[bytes, _Prefetch] = {}       # block key -> the prefetch fetching it
-        self._exporting: dict[int, tuple[Node, list[Export]]] = {}   # hand-offs waiting for puts
-        self._tail_ops: list[TransferOp] = []             # fetches of hand-off partial blocks
         # namespace seed per cache_salt, most recent last: salts are chosen by clients, so it is
         # bounded (an evicted salt's seed is just computed again, to the same bytes)
         self._seeds: OrderedDict[str | None, bytes] = OrderedDict()
@@ -161,6 +156,11 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         self._next_op = 0
         self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": []}
         self._pending: dict[int, tuple[str, list]] = {}
+        self.prefetcher = Prefetcher(self)     # storage -> host fetches of storage hits
+        self.handoff = Handoff(self)           # PD: prompts to and from the pool
+        self._completers = {"load": self._complete_load, "backup": self._complete_backup,
+                            "put": self._complete_put, "fetch": self.prefetcher.complete,
+                            "tailfetch": self.handoff.complete_tailfetch}
 
     @property
     def has_host(self) -> bool:
@@ -261,6 +261,51 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         req.match = MatchResult(bs, nd, nh - nd, ns, storage_keys)
         return req.match
 
+    # ------------------------------------------------------------------ collaborators
+    def prefetch(self, req: CacheRequest) -> int:
+        """Plan storage->host fetches of ``req``'s storage hits (after ``match_prefix``): the
+        blocks that will land for it (they become host hits), a hand-off's partial last block
+        (``expect_tail``) included. See :class:`~kvtier.cache.prefetch.Prefetcher`."""
+        tail = self.handoff.fetch_tail(req) if req.tail is not None and not req.admitted else 0
+        return tail + self.prefetcher.prefetch(req)
+
+    def prefetch_pending(self, req: CacheRequest) -> int:
+        """Blocks of ``req``'s prefetch (and the prefetches it waits for) not landed yet."""
+        tail = 1 if req.tail is not None and req.tail.state == "fetching" else 0
+        return tail + self.prefetcher.pending(req)
+
+    def handoff_keys(self, req: CacheRequest, num_tokens: int) -> tuple[list[bytes], str | None]:
+        return self.handoff.keys(req, num_tokens)
+
+    def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
+        return self.handoff.manifest_names(full, tail)
+
+    def export(self, req: CacheRequest, num_tokens: int) -> Export:
+        return self.handoff.export(req, num_tokens)
+
+    def expect_tail(self, req: CacheRequest, num_tokens: int) -> str | None:
+        return self.handoff.expect_tail(req, num_tokens)
+
+    def tail_hit(self, req: CacheRequest) -> int:
+        return self.handoff.tail_hit(req)
+
+    handoff_keys.__doc__ = Handoff.keys.__doc__
+    manifest_names.__doc__ = Handoff.manifest_names.__doc__
+    export.__doc__ = Handoff.export.__doc__
+    expect_tail.__doc__ = Handoff.expect_tail.__doc__
+    tail_hit.__doc__ = Handoff.tail_hit.__doc__
+
+    def _new_op(self, kind: str, items: list) -> int:
+        """A new op id, its items pending until ``complete``."""
+        op_id, self._next_op = self._next_op, self._next_op + 1
+        self._pending[op_id] = (kind, items)
+        return op_id
+
+    def _touch(self) -> int:
+        """The next access tick (LRU order of the blocks used now)."""
+        self._tick += 1
+        return self._tick
+
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, req: CacheRequest, num_tokens: int) -> bool:
         """Could ``allocate(req, num_tokens)`` succeed now? (an estimate; allocate decides)."""
@@ -320,9 +365,8 @@ class CacheManager(PrefetchMixin, HandoffMixin):
             self._staged["load"].append((req, nd + j, n, blocks[j]))
         req.num_loading = len(host_hits)
         if req.tail is not None:
-            self._load_tail(req, blocks, nd)
-        self._tick += 1
-        tick = self._tick
+            self.handoff.load_tail(req, blocks, nd)
+        tick = self._touch()
         for n in path:
             n.last_access = tick
             n.hit_count += 1
@@ -466,8 +510,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         h = req.hasher
         keys = h.ensure_keys(n_full)
         parent = req.nodes[-1] if req.nodes else tree.root
-        self._tick += 1
-        tick = self._tick
+        tick = self._touch()
         copy_down = self.has_host
         table = req.block_table
         while i < n_full:                   # blocks the tree has already (computed twice)
@@ -514,7 +557,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
             raise ValueError(f"request {req.rid!r} freed twice")
         req.freed = True
         if req.tail is not None:
-            self._drop_tail(req)
+            self.handoff.drop_tail(req)
         if not req.admitted:
             return
         tree, unlocked = self.tree, 0
@@ -568,10 +611,10 @@ class CacheManager(PrefetchMixin, HandoffMixin):
             if not items:
                 continue
             if kind == "fetch":
-                fetches.extend(self._fetch_ops(items))
+                fetches.extend(self.prefetcher.fetch_ops(items))
                 self._staged[kind] = []
                 continue
-            op_id, self._next_op = self._next_op, self._next_op + 1
+            op_id = self._new_op(kind, items)
             if kind == "load":
                 src = tuple(n.host_block for _, _, n, _ in items)
                 dst = tuple(b for _, _, _, b in items)
@@ -584,16 +627,15 @@ class CacheManager(PrefetchMixin, HandoffMixin):
                 src, dst = tuple(h for _, h in items), ()
                 keys = tuple(n.key for n, _ in items)
             ops[kind] = TransferOp(op_id, kind, src, dst, keys)  # type: ignore[arg-type]
-            self._pending[op_id] = (kind, items)
             self._staged[kind] = []
-        if self._tail_ops:
-            fetches.extend(self._tail_ops)
-            self._tail_ops = []
+        if self.handoff.tail_ops:
+            fetches.extend(self.handoff.tail_ops)
+            self.handoff.tail_ops = []
         return StepPlan(ops.get("load"), ops.get("backup"), tuple(fetches), ops.get("put"))
 
     @property
     def num_pending_ops(self) -> int:
-        return len(self._pending) + len(self._parked)
+        return len(self._pending) + len(self.prefetcher.parked)
 
     def complete(self, op_id: int, failed: Collection[int] = ()) -> dict[object, int]:
         """Op ``op_id`` finished; items at indices in ``failed`` did not land.
@@ -623,11 +665,11 @@ class CacheManager(PrefetchMixin, HandoffMixin):
                         kind, op_id, len(failed), len(items))
         ok_blocks = len(items) - len(failed)
         self.stats.bytes_moved[_BYTES_KEY[kind]] += ok_blocks * self.block_nbytes
-        rewinds = getattr(self, f"_complete_{kind}")(items, failed)
+        rewinds = self._completers[kind](items, failed)
         # what any completion may unblock: fetched chunks waiting for a host copy or an earlier
         # chunk to land; backups waiting for host blocks that copies in flight held
-        if self._parked:
-            self._unpark_fetches()
+        if self.prefetcher.parked:
+            self.prefetcher.unpark()
         if self._backup_backlog:
             self._retry_backups()
         return rewinds
@@ -643,7 +685,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         tree, rewinds = self.tree, {}
         for idx, (req, i, node, block) in enumerate(items):
             if type(node) is TailBlock:
-                self._tail_loaded(req, node, block, idx not in failed, rewinds)
+                self.handoff.tail_loaded(req, node, block, idx not in failed, rewinds)
                 continue
             node.host_reads -= 1
             tree.maybe_candidate(node)
@@ -669,7 +711,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         tree = self.tree
         for idx, (node, _dev, host) in enumerate(items):
             if type(node) is TailBlock:
-                self._tail_backed_up(node, idx not in failed)
+                self.handoff.tail_backed_up(node, idx not in failed)
                 continue
             node.device_reads -= 1
             parent = node.parent
@@ -677,15 +719,13 @@ class CacheManager(PrefetchMixin, HandoffMixin):
                 if idx not in failed:
                     self.stats.failures["backup"] += 1
                 self.host_pool.free_one(tree.drop_host(node))
-                if id(node) in self._exporting:
-                    self._export_node_done(node, False)
+                if id(node) in self.handoff.exporting:
+                    self.handoff.node_done(node, False)
             else:
                 node.host_ready = True
-                for pf in self._anchored.pop(id(node), ()):   # its fetched blocks will hang below:
-                    pf.host_pinned = True                     # the landed host copy must stay
-                    node.host_reads += 1
+                self.prefetcher.anchor_landed(node)   # fetched blocks hang below: it stays
                 if self.storage is not None and (self.policy.copy_on_land(node.hit_count)
-                                                 or id(node) in self._exporting):
+                                                 or id(node) in self.handoff.exporting):
                     self._put(node)
             if node.evict_device_after_copy:
                 node.evict_device_after_copy = False
@@ -699,14 +739,14 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         tree = self.tree
         for idx, (node, _host) in enumerate(items):
             if type(node) is TailBlock:
-                self._tail_put(node, idx not in failed)
+                self.handoff.tail_put(node, idx not in failed)
                 continue
             node.putting = False
             node.host_reads -= 1
             if idx not in failed:
                 self.storage.add(node.key)  # type: ignore[union-attr]
-            if id(node) in self._exporting:
-                self._export_node_done(node, idx not in failed)
+            if id(node) in self.handoff.exporting:
+                self.handoff.node_done(node, idx not in failed)
             if node.evict_host_after_copy:
                 # write_back: evicted once stored; if the put failed the host copy goes anyway
                 # (the pool is only a cache; a dead pool must not freeze the host tier)
@@ -769,7 +809,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         dev_reads: dict[int, int] = {}
         host_reads: dict[int, int] = {}
         in_flight = [*self._pending.values(), *self._staged.items(),
-                     *(("fetch", items) for items, _failed in self._parked)]
+                     *(("fetch", items) for items, _failed in self.prefetcher.parked)]
         def tail_owns(t: TailBlock) -> None:
             assert t.host_block not in host_owner, f"host block {t.host_block} owned twice"
             host_owner[t.host_block] = t
@@ -819,7 +859,7 @@ class CacheManager(PrefetchMixin, HandoffMixin):
         for r in live:
             if r.tail is not None and r.tail.state == "ready":
                 tail_owns(r.tail)
-        for node, exports in self._exporting.values():   # hand-offs hold their blocks' device copies
+        for node, exports in self.handoff.exporting.values():   # hand-offs hold their blocks' device copies
             locks[id(node)] = locks.get(id(node), 0) + len(exports)
         for node in tree.nodes.values():
             assert node.lock_ref == locks.get(id(node), 0), f"lock_ref {node.lock_ref} != holders of {node}"

@@ -1,12 +1,16 @@
-"""Storage -> host prefetch: the part of the CacheManager that brings storage hits up.
+"""Storage -> host prefetch: the CacheManager's collaborator that brings storage hits up.
 
 ::
 
     prefetch(r)          decide (cost model) how many leading storage hits to fetch; reserve host
-                         blocks; stage them as fetch ops of ``fetch_chunk`` blocks (``_fetch_ops``)
-    complete(op)         a chunk landed -> ``_complete_fetch``: parked until it can land in order,
-                         then ``_land_fetch`` hangs its blocks below the block before the chunk
-    prefetch_pending(r)  blocks still on their way for r (its own and those it waits for)
+                         blocks; stage them as fetch ops of ``fetch_chunk`` blocks (``fetch_ops``)
+    complete(items)      a chunk landed: parked until it can land in order, then ``_land`` hangs
+                         its blocks below the block before the chunk
+    pending(r)           blocks still on their way for r (its own and those it waits for)
+
+Its state is its own (which prefetch fetches which key, chunks parked, prefetches waiting for an
+anchor's host copy); what it uses of the manager is narrow: the tree, the host pool (``_take_host``,
+``host_pool``), ``_backup`` of an anchor, the staged fetch list, ``_new_op`` and ``_touch``.
 
 A prefetch holds the node its blocks hang from (the *anchor*: a lock while the anchor's own host
 copy is in flight, then a host pin) until its last chunk completed. Blocks another prefetch is
@@ -22,7 +26,7 @@ from kvtier.cache.plan import TransferOp
 from kvtier.cache.tree import Node
 
 if TYPE_CHECKING:
-    from kvtier.cache.manager import CacheRequest
+    from kvtier.cache.manager import CacheManager, CacheRequest
 
 
 class _Prefetch:
@@ -45,50 +49,49 @@ class _Prefetch:
         self.uniform = True     # its labels have no extras (BlockHasher.uniform)
 
 
-class PrefetchMixin:
-    """Mixed into CacheManager (uses its tree, pools, staged ops and counters)."""
+class Prefetcher:
+    """The manager's storage->host prefetches (module docstring)."""
+
+    def __init__(self, mgr: CacheManager) -> None:
+        self.m = mgr
+        self.parked: list[list] = []                     # chunks landed before they can hang
+        self.anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
+        self.fetching: dict[bytes, _Prefetch] = {}       # block key -> the prefetch fetching it
 
     def prefetch(self, req: CacheRequest) -> int:
-        """Plan storage->host fetches of the request's storage hits (after ``match_prefix``).
-
-        Returns the number of blocks that will land for it; they become host hits once fetched.
-        Leading blocks another request's prefetch is already fetching are not fetched twice: this
-        one waits for them, and its own chunks hang below them (parked until they landed).
-        A hand-off request's partial last block (``expect_tail``) is fetched too (counted).
-        """
-        tail = self._fetch_tail(req) if req.tail is not None and not req.admitted else 0   # type: ignore[attr-defined]
-        return tail + self._prefetch_blocks(req)
-
-    def _prefetch_blocks(self, req: CacheRequest) -> int:
-        m = req.match
-        if m is None or not m.num_storage_blocks or not self.has_host or req.admitted or req.prefetch:
+        """Plan storage->host fetches of ``req``'s storage hits (after ``match_prefix``); the
+        number of blocks that will land for it. Leading blocks another request's prefetch is
+        already fetching are not fetched twice: this one waits for them, and its own chunks hang
+        below them (parked until they landed)."""
+        mgr, m = self.m, req.match
+        if m is None or not m.num_storage_blocks or not mgr.has_host or req.admitted or req.prefetch:
             return 0
         want = m.num_storage_blocks
-        if self.fetch_cost is not None:
-            want = self.fetch_cost.blocks_to_fetch(want)
+        if mgr.fetch_cost is not None:
+            want = mgr.fetch_cost.blocks_to_fetch(want)
             if not want:
                 return 0
         covered = 0                              # leading blocks someone else is fetching
-        while covered < want and m.storage_keys[covered] in self._fetching:
+        while covered < want and m.storage_keys[covered] in self.fetching:
             covered += 1
-        others = list({id(pf): pf for pf in (self._fetching[k] for k in m.storage_keys[:covered])}.values())
-        anchor = req._path[-1] if req._path else self.tree.root
+        others = list({id(pf): pf for pf in (self.fetching[k] for k in m.storage_keys[:covered])}.values())
+        anchor = req._path[-1] if req._path else mgr.tree.root
         if covered == want:                      # all of it is on its way already
             return self._wait_for(req, anchor, others, covered)
-        if covered == 0 and not anchor.is_root and anchor.host_block is None and not self._backup(anchor):
+        if covered == 0 and not anchor.is_root and anchor.host_block is None and not mgr._backup(anchor):
             return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
         # hold the anchor: its landed host copy with a host pin (so our own host evictions below
         # cannot take it), else its device copy with a lock (its host copy is still in flight)
         pf = _Prefetch(anchor, not anchor.host_ready)
-        self._hold(pf, +1)           # the node the fetched blocks will hang from stays
+        self.hold(pf, +1)           # the node the fetched blocks will hang from stays
         blocks: list[int] = []
         for _ in m.storage_keys[covered:want]:
-            got = self._take_host(1)
+            got = mgr._take_host(1)
             if got is None:
                 break
             blocks.append(got[0])
         if not blocks:
-            self._hold(pf, -1)
+            self.hold(pf, -1)
             return self._wait_for(req, anchor, others, covered) if covered else 0
         keys = m.storage_keys[:covered + len(blocks)]
         first = len(req._path)                  # storage hits follow the device and host hits
@@ -98,10 +101,10 @@ class PrefetchMixin:
         pf.start = pf.next_index = covered      # chunk 0 hangs below keys[covered - 1] (or the anchor)
         pf.waits_for = others
         pf.num_blocks_pending = len(blocks)
-        pf.num_chunks_pending = -(-len(blocks) // self.fetch_chunk)
+        pf.num_chunks_pending = -(-len(blocks) // mgr.fetch_chunk)
         for i in range(covered, len(keys)):
-            self._staged["fetch"].append((pf, i, keys[i], blocks[i - covered], labels[i]))
-            self._fetching[keys[i]] = pf
+            mgr._staged["fetch"].append((pf, i, keys[i], blocks[i - covered], labels[i]))
+            self.fetching[keys[i]] = pf
         req.prefetch = pf
         req.match = None   # the next match sees the fetched blocks as host hits
         return len(keys)
@@ -115,42 +118,49 @@ class PrefetchMixin:
         req.match = None
         return covered
 
-    def prefetch_pending(self, req: CacheRequest) -> int:
+    @staticmethod
+    def pending(req: CacheRequest) -> int:
         """Blocks of ``req``'s storage prefetch not landed (or failed) yet, its own and those
         of the prefetches it waits for."""
-        tail = 1 if req.tail is not None and req.tail.state == "fetching" else 0
         pf = req.prefetch
         if pf is None:
-            return tail
-        return tail + pf.num_blocks_pending + sum(o.num_blocks_pending for o in pf.waits_for)
+            return 0
+        return pf.num_blocks_pending + sum(o.num_blocks_pending for o in pf.waits_for)
 
-    def _hold(self, pf: _Prefetch, delta: int) -> None:
+    def hold(self, pf: _Prefetch, delta: int) -> None:
         node = pf.anchor
         if node.is_root:
             return
         if delta > 0:
             if pf.locked:
-                self.tree.lock(node)
-                self._anchored.setdefault(id(node), []).append(pf)
+                self.m.tree.lock(node)
+                self.anchored.setdefault(id(node), []).append(pf)
             else:
                 node.host_reads += 1
             return
         if pf.locked:
-            self.tree.unlock(node)
-            waiting = self._anchored.get(id(node))
+            self.m.tree.unlock(node)
+            waiting = self.anchored.get(id(node))
             if waiting is not None and pf in waiting:
                 waiting.remove(pf)
                 if not waiting:
-                    del self._anchored[id(node)]
+                    del self.anchored[id(node)]
         if pf.host_pinned:
             node.host_reads -= 1
-        self.tree.maybe_candidate(node)
+        self.m.tree.maybe_candidate(node)
 
-    def _fetch_ops(self, items: list) -> list[TransferOp]:
+    def anchor_landed(self, node: Node) -> None:
+        """``node``'s host copy landed: prefetches whose blocks hang below it keep it with a host
+        pin from now on (its device copy may go)."""
+        for pf in self.anchored.pop(id(node), ()):
+            pf.host_pinned = True
+            node.host_reads += 1
+
+    def fetch_ops(self, items: list) -> list[TransferOp]:
         """One op per chunk of ``fetch_chunk`` blocks of one prefetch (items are staged in order)."""
         ops, chunk = [], []
         for it in items:
-            if chunk and (it[0] is not chunk[0][0] or (it[1] - it[0].start) % self.fetch_chunk == 0):
+            if chunk and (it[0] is not chunk[0][0] or (it[1] - it[0].start) % self.m.fetch_chunk == 0):
                 ops.append(self._fetch_op(chunk))
                 chunk = []
             chunk.append(it)
@@ -159,18 +169,17 @@ class PrefetchMixin:
         return ops
 
     def _fetch_op(self, chunk: list) -> TransferOp:
-        op_id, self._next_op = self._next_op, self._next_op + 1
-        self._pending[op_id] = ("fetch", chunk)
+        op_id = self.m._new_op("fetch", chunk)
         return TransferOp(op_id, "fetch", (), tuple(it[3] for it in chunk), tuple(it[2] for it in chunk))
 
-    def _complete_fetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+    def complete(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         """A chunk of one prefetch landed: its blocks become host copies below the block before
         the chunk (the prefetch's anchor for the first chunk). Chunks land in order: one that
         completes before an earlier chunk of its prefetch, or while the anchor's own host copy is
         still in flight (its backup was planned with the prefetch), stays parked until then
-        (``complete`` lands what it can after every completion). If the block it hangs from is
+        (the manager calls :meth:`unpark` after every completion). If the block it hangs from is
         gone or failed, the chunk is dropped (a miss)."""
-        self._parked.append([items, failed])
+        self.parked.append([items, failed])
         return {}
 
     def _fetch_parent(self, items: list) -> tuple[bool, Node | None]:
@@ -178,51 +187,51 @@ class PrefetchMixin:
         pf, first = items[0][0], items[0][1]
         if first != pf.next_index:
             return False, None                    # an earlier chunk has not landed yet
-        parent = pf.anchor if first == 0 else self.tree.nodes.get(pf.keys[first - 1])
-        if parent is None and first > 0 and self._fetching.get(pf.keys[first - 1]) not in (None, pf):
+        parent = pf.anchor if first == 0 else self.m.tree.nodes.get(pf.keys[first - 1])
+        if parent is None and first > 0 and self.fetching.get(pf.keys[first - 1]) not in (None, pf):
             return False, None                    # another request's prefetch is fetching it
-        if (parent is not None and not parent.is_root and self.tree.alive(parent)
+        if (parent is not None and not parent.is_root and self.m.tree.alive(parent)
                 and parent.host_block is not None and not parent.host_ready and parent.device_reads):
             return False, parent                  # its host copy is still being written
         return True, parent
 
-    def _unpark_fetches(self) -> None:
+    def unpark(self) -> None:
         progress = True
-        while progress and self._parked:
+        while progress and self.parked:
             progress = False
-            for entry in list(self._parked):
+            for entry in list(self.parked):
                 ready, parent = self._fetch_parent(entry[0])
                 if ready:
-                    self._parked.remove(entry)
-                    self._land_fetch(entry[0], entry[1], parent)
+                    self.parked.remove(entry)
+                    self._land(entry[0], entry[1], parent)
                     progress = True
 
-    def _land_fetch(self, items: list, failed: frozenset[int], parent: Node | None) -> None:
-        tree = self.tree
+    def _land(self, items: list, failed: frozenset[int], parent: Node | None) -> None:
+        tree = self.m.tree
         pf = items[0][0]
-        self._tick += 1
+        tick = self.m._touch()
         broken = False
         for idx, (_pf, _i, key, block, label) in enumerate(items):
-            if self._fetching.get(key) is pf:
-                del self._fetching[key]
+            if self.fetching.get(key) is pf:
+                del self.fetching[key]
             if broken or idx in failed or parent is None or not (
                     parent.is_root or (tree.alive(parent) and parent.host_ready)):
                 broken = True
-                self.host_pool.free_one(block)
+                self.m.host_pool.free_one(block)
                 continue
             node = tree.child(parent, label)
             if node is None:
                 (node,) = tree.add_run(parent, (key,), label, (len(label),), pf.uniform)
             if node.host_block is None:
-                node.last_access = self._tick
+                node.last_access = tick
                 tree.set_host(node, block, ready=True)
                 node.from_storage = True     # its first host hit counts as a storage hit
             else:
-                self.host_pool.free_one(block)
+                self.m.host_pool.free_one(block)
             tree.maybe_candidate(node)
             parent = node
         pf.next_index = items[-1][1] + 1
         pf.num_blocks_pending -= len(items)
         pf.num_chunks_pending -= 1
         if not pf.num_chunks_pending:
-            self._hold(pf, -1)
+            self.hold(pf, -1)
