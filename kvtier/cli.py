@@ -321,7 +321,10 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-timeout", type=_timeout_pair, default=(0.1, 0.05), metavar="BASE,PER_1K",
                    help="prefetch_policy=timeout: seconds, plus seconds per 1K prompt tokens (default 0.1,0.05)")
     p.add_argument("--storage-workers", type=positive_int, default=None,
-                   help="storage fetch threads; put threads are half as many (default: one per core, 2 to 16)")
+                   help="storage fetch threads (default: one per core, 2 to 16)")
+    p.add_argument("--storage-put-workers", type=positive_int, default=None,
+                   help="storage put threads (default 1: each one slows the engine thread while it writes; "
+                        "kvtier serve --role prefill: half the fetch threads)")
     p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
                    help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="tensor parallel ranks (default 1)")
@@ -356,7 +359,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
 _LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
              "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
              "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs",
-             "max_model_len", "prefetch_timeout", "storage_workers", "attention_backend", "eviction",
+             "max_model_len", "prefetch_timeout", "storage_workers", "storage_put_workers", "attention_backend", "eviction",
              "capture_routing", "cuda_graphs", "overlap_schedule", "pd_on_miss", "export_timeout")
 
 

@@ -2,7 +2,16 @@
 prefix + 48 new tokens. Wraps the engine's phases with wall-clock timers and reports, per request
 (median of 5): total, schedule, forward launch (runner.execute), waiting for results (collect),
 pumping copies, storage lookups; with and without a ``file://`` pool, with the pool's puts idle or in
-flight, and with a short GIL switch interval (to see contention with the I/O threads)."""
+flight, and with a short GIL switch interval (to see contention with the I/O threads).
+
+Environment: ``PROBE_CONFIGS`` (nopool,host,pool: which to run), ``PROBE_SWITCH`` (switch intervals
+of the busy runs, default 0.005,0.0005), ``PROBE_PUT_WORKERS`` (the pool's put threads),
+``PROBE_PROFILE=1`` (one hit under torch.profiler), ``PROBE_CPROFILE=1`` (pool hits under cProfile).
+Put threads, as measured on 2026-11-24 (docs/BENCHMARKS.md)::
+
+    for pw in 8 1 2; do PROBE_PUT_WORKERS=$pw PROBE_CONFIGS=pool PROBE_SWITCH=0.0005 \
+        python scripts/gpu_ttft_probe.py; done
+"""
 from __future__ import annotations
 
 import collections
@@ -25,6 +34,12 @@ _GPU = os.environ.get("PROBE_DEVICE", "cuda") == "cuda"
 VOCAB, PREFIX = (32000, 4096) if _GPU else (300, 256)
 SP = kvtier.SamplingParams(max_tokens=1, ignore_eos=True)
 T: collections.Counter = collections.Counter()
+
+
+if os.environ.get("PROBE_PUT_WORKERS"):    # put threads of the pool's client (default: half the fetch threads)
+    import functools
+    import kvtier.engine.core as _core
+    _core.open_storage = functools.partial(_core.open_storage, put_workers=int(os.environ["PROBE_PUT_WORKERS"]))
 
 
 def timed(name, fn):  # type: ignore[no-untyped-def]

@@ -157,7 +157,7 @@ class EngineCore:
                  attention_backend: str | None = None, eviction: str = "lru",
                  capture_routing: bool = True, cuda_graphs: bool | None = None,
                  prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int | None = None,
-                 pd_on_miss: str = "recompute", export_timeout: float = 30.0,
+                 storage_put_workers: int | None = None, pd_on_miss: str = "recompute", export_timeout: float = 30.0,
                  overlap_schedule: bool | None = None) -> None:
         """Load ``model`` and set up the tiers (DESIGN §6 lists the keywords). Defaults that
         depend on others:
@@ -169,6 +169,12 @@ class EngineCore:
           computed block is copied down: multi-turn histories come back from the host tier, and
           the pool serves the next engine; ``write_through_selective`` left most of a multi-turn
           working set uncached, docs/BENCHMARKS.md), else ``"write_through_selective"``;
+        - ``storage_workers=None``: fetch threads, one per core, 2 to 16 (they wait on I/O);
+        - ``storage_put_workers=None``: one put thread. Each put thread takes the interpreter from
+          the engine thread at every syscall and checksum; on the H100 host a cold 4K prompt took
+          57-60 ms with 8 put threads writing the last request's blocks, 24-29 ms with one
+          (21 ms without a pool; docs/BENCHMARKS.md). A prefill server of PD, whose product is
+          its writes, takes more (``kvtier serve --role prefill``: half the fetch threads);
         - ``overlap_schedule=None``: on for CUDA (the CPU schedules step N+1 while the GPU runs
           step N), off on CPU (where a step runs to its end before the host goes on: nothing to
           overlap, and a finished request's extra step would cost a forward).
@@ -181,6 +187,8 @@ class EngineCore:
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("write_through_threshold", write_through_threshold, 1)
         check_int("seed", seed)
+        check_int("storage_workers", storage_workers, 1, optional=True)
+        check_int("storage_put_workers", storage_put_workers, 1, optional=True)
         if write_policy is None:
             write_policy = "write_through" if storage is not None or num_host_blocks else "write_through_selective"
         WritePolicy(write_policy, write_through_threshold)       # names a bad policy now, not after loading
@@ -239,9 +247,9 @@ class EngineCore:
         fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        str(self.dtype).removeprefix("torch."), block_size,
                                        weights=weights_digest(self.path, load_format), payload=routing_payload)
-        if storage_workers is None:          # fetch threads: one per core, 2..16 (they wait on I/O);
-            storage_workers = min(16, max(2, os.cpu_count() or 4))   # put threads: half as many
-        self.storage = open_storage(storage, workers=storage_workers)
+        if storage_workers is None:          # fetch threads: one per core, 2..16 (they wait on I/O)
+            storage_workers = default_storage_workers()
+        self.storage = open_storage(storage, workers=storage_workers, put_workers=storage_put_workers or 1)
         self.fetch_cost = None
         if self.storage is not None:      # always measured; decides only under storage_fetch="auto"
             self.fetch_cost = FetchCostModel(self.storage.backend.scheme, self.storage.workers, self.storage.batch,
@@ -907,6 +915,10 @@ class EngineCore:
 
     def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
         self.close()
+
+
+def default_storage_workers() -> int:
+    return min(16, max(2, os.cpu_count() or 4))
 
 
 def _token_ids(ids: list, vocab: int) -> list[int]:

@@ -30,6 +30,17 @@ def resolve_key(flag_value: str | None, env_name: str, flag_name: str) -> str | 
     return value
 
 
+def role_defaults(role: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The engine's keywords for a server of ``role``: a PD prefill server, whose writes to the
+    pool are its product, gets half its fetch threads as put threads unless told (an engine that
+    serves requests itself gets one: put threads slow its engine thread)."""
+    from kvtier.engine.core import default_storage_workers
+    out = dict(llm_kwargs)
+    if role == "prefill" and out.get("storage_put_workers") is None:
+        out["storage_put_workers"] = max(1, (out.get("storage_workers") or default_storage_workers()) // 2)
+    return out
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "colocated",
           api_key: str | None = None, served_model_name: str | None = None, max_queue: int = 1024,
           log_level: str = "info", max_body_bytes: int | None = None, require_cache_salt: bool = False,
@@ -43,7 +54,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
 
     api_key = resolve_key(api_key, API_KEY_ENV, "--api-key")
     check_role(role, bool(llm_kwargs.get("storage")))     # before loading the model
-    core = EngineCore(model, **llm_kwargs)
+    core = EngineCore(model, **role_defaults(role, llm_kwargs))
     engine = AsyncEngine(core, max_queue=max_queue)
     try:
         server = Server(engine, served_model_name or Path(model).name, role, api_key,

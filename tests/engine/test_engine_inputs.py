@@ -33,6 +33,8 @@ GREEDY = kvtier.SamplingParams(max_tokens=4, ignore_eos=True)
     ({"seed": 1.5}, "seed must be an int, got 1.5"),
     ({"write_policy": "sometimes"}, "unknown write policy 'sometimes'"),
     ({"storage": "memory://", "num_host_blocks": 0}, "num_host_blocks=0 turns it off"),
+    ({"storage_put_workers": 0}, "storage_put_workers must be an int >= 1 or None, got 0"),
+    ({"storage_workers": -2}, "storage_workers must be an int >= 1 or None, got -2"),
 ])
 def test_bad_constructor_values_are_named_before_the_model_loads(checkpoint, monkeypatch, kwargs, msg):
     def no_loading(*a, **k):
@@ -102,10 +104,12 @@ def test_seed_cache_stays_bounded_and_keys_survive_eviction():
 def test_a_storage_pool_alone_is_written_and_serves_the_next_engine(checkpoint, tmp_path):
     prompt = list(range(1, 41))
     runs = []
-    for _ in range(2):
+    for put_workers in (None, 3):
         with kvtier.LLM(checkpoint("llama-tiny"), block_size=16, num_device_blocks=64,
-                        storage=f"file://{tmp_path}/pool") as engine:
+                        storage=f"file://{tmp_path}/pool", storage_put_workers=put_workers) as engine:
             assert engine.cache.host_pool.num_blocks == 128 and engine.cache.policy.name == "write_through"
+            # one put thread unless asked: each one slows the engine thread while it writes
+            assert engine.storage.put_workers == (put_workers or 1)
             runs.append(engine.generate([prompt], GREEDY)[0])
     assert runs[0].cached_tokens_by_tier["storage"] == 0
     assert runs[1].cached_tokens_by_tier["storage"] >= 32

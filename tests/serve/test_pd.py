@@ -163,3 +163,16 @@ def test_a_dead_prefill_server_sends_requests_colocated_to_decode(pd, offline):
         assert got["text"] == want.text
         np.testing.assert_array_equal(experts(got), want.routed_experts)
     assert metric(router, "kvtier_router_requests_total", '{route="colocated"}') == before + 3
+
+
+def test_a_prefill_server_writes_with_more_put_threads_than_a_colocated_one(monkeypatch):
+    """P's product is its writes to the pool: half its fetch threads put (unless told); any other
+    role keeps the engine's default of one put thread, which slows its engine thread least."""
+    from kvtier.serve.server import role_defaults
+    monkeypatch.setattr("kvtier.engine.core.default_storage_workers", lambda: 16)
+    assert role_defaults("prefill", {"storage": "file:///p"})["storage_put_workers"] == 8
+    assert role_defaults("prefill", {"storage_workers": 4})["storage_put_workers"] == 2
+    assert role_defaults("prefill", {"storage_workers": 1})["storage_put_workers"] == 1
+    assert role_defaults("prefill", {"storage_put_workers": 3})["storage_put_workers"] == 3
+    for role in ("colocated", "decode"):
+        assert role_defaults(role, {"storage": "file:///p"}).get("storage_put_workers") is None
