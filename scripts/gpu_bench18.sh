@@ -31,6 +31,13 @@ for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $
   storage16_rc) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
       --device-blocks 410 --host-blocks 1640 --compare host,storage --storage "file:///dev/shm/kvt-pool-16rc" \
       --server-args "--preemption-mode recompute" --json "$OUT/multiturn16_rc.json" | tee "$OUT/multiturn16_rc.log" ;;
+  # put threads of the pool's client: the default (1) against 8 (the default before 2026-11-24)
+  multiturn_putw) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
+      --device-blocks 1640 --host-blocks 8192 --compare host,storage --storage "file:///dev/shm/kvt-pool-pw1" \
+      --json "$OUT/multiturn_put1.json" | tee "$OUT/multiturn_put1.log"
+    b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
+      --device-blocks 1640 --host-blocks 8192 --compare storage --storage "file:///dev/shm/kvt-pool-pw8" \
+      --server-args "--storage-put-workers 8" --json "$OUT/multiturn_put8.json" | tee "$OUT/multiturn_put8.log" ;;
   # the same recipe on the 8B shape, where a prefill costs what a cache hit saves
   multiturn8b) b multiturn ${M/qwen3-0.6b-shape/llama3-8b-shape} --clients 16 --rounds 6 --request-length 1024 \
       --output-length 64 --max-parallel 16 --device-blocks 1640 --host-blocks 8192 --compare recompute,device,host,storage \
