@@ -274,26 +274,26 @@ class CacheManager:
         tail = 1 if req.tail is not None and req.tail.state == "fetching" else 0
         return tail + self.prefetcher.pending(req)
 
+    # PD hand-off (DESIGN §7): see :class:`~kvtier.cache.handoff.Handoff` for each one
     def handoff_keys(self, req: CacheRequest, num_tokens: int) -> tuple[list[bytes], str | None]:
+        """Keys of ``req``'s first ``num_tokens`` tokens: the full blocks', the partial block's name."""
         return self.handoff.keys(req, num_tokens)
 
     def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
+        """Storage object names of :meth:`handoff_keys`' blocks."""
         return self.handoff.manifest_names(full, tail)
 
     def export(self, req: CacheRequest, num_tokens: int) -> Export:
+        """P: write every block of ``req``'s first ``num_tokens`` tokens to the pool."""
         return self.handoff.export(req, num_tokens)
 
     def expect_tail(self, req: CacheRequest, num_tokens: int) -> str | None:
+        """D: ``req``'s prompt ends in a partial block P wrote: :meth:`prefetch` fetches it."""
         return self.handoff.expect_tail(req, num_tokens)
 
     def tail_hit(self, req: CacheRequest) -> int:
+        """D: tokens of ``req``'s fetched partial block that count as cached."""
         return self.handoff.tail_hit(req)
-
-    handoff_keys.__doc__ = Handoff.keys.__doc__
-    manifest_names.__doc__ = Handoff.manifest_names.__doc__
-    export.__doc__ = Handoff.export.__doc__
-    expect_tail.__doc__ = Handoff.expect_tail.__doc__
-    tail_hit.__doc__ = Handoff.tail_hit.__doc__
 
     def _new_op(self, kind: str, items: list) -> int:
         """A new op id, its items pending until ``complete``."""
