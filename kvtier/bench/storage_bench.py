@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -142,6 +143,7 @@ def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: 
         keys = [os.urandom(32) for _ in range(objects)]     # fresh: never a no-op put of an old name
         client = StorageClient(open_backend(url), "bench", workers=workers, batch=batch, put_workers=workers)
         client.bind(layout, host.__getitem__)
+        client.start_threads()                              # as a serving engine's are: not timed
         host[objects:] = 0
         t0 = time.perf_counter()
         client.submit(TransferOp(op_base, "put", tuple(range(objects)), (), tuple(keys)))
@@ -168,6 +170,8 @@ def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: 
         # name can be a no-op (Mooncake keeps the first value), which would flatter the baseline
         chunks = [range(s, min(objects, s + batch)) for s in range(0, objects, batch)]
         with ThreadPoolExecutor(workers) as pool:
+            started = threading.Barrier(workers)            # its threads started, like kvtier's
+            list(pool.map(lambda _: started.wait(5), range(workers)))
             t0 = time.perf_counter()
             list(pool.map(lambda c: raw.put([names[i] for i in c], [values[i] for i in c]), chunks))
             t1 = time.perf_counter()
