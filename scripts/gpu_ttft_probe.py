@@ -140,7 +140,7 @@ def main() -> None:
     (out / "ttft_probe.json").write_text(json.dumps(res, indent=1, default=str))
 
 
-if __name__ == "__main__" and not os.environ.get("PROBE_PROFILE") and not os.environ.get("PROBE_CPROFILE"):
+if __name__ == "__main__" and not any(os.environ.get(v) for v in ("PROBE_PROFILE", "PROBE_CPROFILE", "PROBE_HOSTHIT")):
     main()
 
 
@@ -217,3 +217,51 @@ def cprofile_pool_hit() -> None:
 
 if __name__ == "__main__" and os.environ.get("PROBE_CPROFILE"):
     cprofile_pool_hit()
+
+
+def host_hit_phases() -> None:
+    """``PROBE_HOSTHIT=1``: a host hit (the 4K prefix evicted from the device tier, on the host
+    tier) against a device hit of the same prefix right after it, phases timed as above, medians
+    of 5; then one host hit under cProfile. Issue 17: what a host hit costs over a device hit."""
+    import cProfile
+    import io
+    import pstats
+    out = Path(os.environ.get("OUT", "/tmp"))
+    tmp = tempfile.mkdtemp()
+    path = init_model("qwen3-0.6b-shape", Path(tmp) / "m", config_only=True)
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
+    fresh = lambda: [rng.randrange(VOCAB) for _ in range(PREFIX + 48)]  # noqa: E731
+    # 600 device blocks: two fresh 4K prompts (2 x 262 blocks) push the prefix's 256 out
+    with kvtier.LLM(path, device="cuda", load_format="dummy", num_device_blocks=600, num_host_blocks=4096,
+                    max_model_len=8192, max_num_batched_tokens=8192) as llm:
+        instrument(llm)
+        for i in range(3):
+            one(llm, prefix + [1 + i] * 48)
+            one(llm, fresh())
+            one(llm, fresh())
+        hosts, devs = [], []
+        for i in range(5):
+            one(llm, fresh())
+            one(llm, fresh())
+            idle(llm)
+            hosts.append(one(llm, prefix + [10 + i] * 48))
+            idle(llm)
+            devs.append(one(llm, prefix + [20 + i] * 48))
+        res = {"host_hit": med(hosts), "device_hit": med(devs), "stats": llm.cache.stats.as_dict()}
+        one(llm, fresh())
+        one(llm, fresh())
+        idle(llm)
+        prof = cProfile.Profile()
+        prof.enable()
+        one(llm, prefix + [40] * 48)
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    text = json.dumps(res, indent=1) + "\n" + s.getvalue()
+    print(text)
+    (out / "host_hit_probe.txt").write_text(text)
+
+
+if __name__ == "__main__" and os.environ.get("PROBE_HOSTHIT"):
+    host_hit_phases()

@@ -22,6 +22,7 @@ blocking ``torch.tensor(..., device=cuda)`` would wait for the step in flight.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,11 +54,19 @@ class ModelRunner:
         self._last: StepResult | None = None     # the last launched step ...
         self._feed: StepResult | None = None     # ... as of this step's start: its tokens feed this one
         self._up, self._down = PinnedRing(device), PinnedRing(device)   # a step's inputs, its results
+        self.graph_steps_after_loads = 0         # graph replays that waited for host->device loads
+        self.graph_loads = os.environ.get("KVTIER_GRAPH_LOADS", "1") != "0"   # A/B switch (benchmarks)
 
     def start_step(self) -> None:
         """A new step begins (its forwards, several if a batch is retried request by request,
         read the tokens still in flight from the step launched before it)."""
         self._feed = self._last
+
+    def _wait_all_loads(self, layer_hook: Callable[[int], None] | None) -> None:
+        """Before a replayed graph: the compute stream waits for every layer of the step's loads."""
+        if layer_hook is not None:
+            layer_hook(len(self.kv_caches) - 1)
+            self.graph_steps_after_loads += 1
 
     def build_inputs(self, out: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
@@ -121,19 +130,21 @@ class ModelRunner:
         go first because the small input uploads share the host->device copy engine (FIFO) with
         the loads' DMA: queued after a GiB of KV, they would hold the whole forward back until the
         loads were done. A replayed CUDA graph has no per-layer hook: it waits for the last layer
-        (so for all of them) before the replay."""
+        (so for all of them) before the replay. Short steps with loads are replayed all the same:
+        the eager forward would overlap the loads layer by layer, but its ~250 launches from Python
+        cost more CPU than such a step's loads and compute take on the GPU (a host hit: 5-12 ms
+        over a device hit, eager; docs/BENCHMARKS.md)."""
         inputs = self.build_inputs(out)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         layer_hook = start_loads() if start_loads is not None else None
         graphs = self.decode_graphs
         if graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None:
-            if layer_hook is not None:
-                layer_hook(len(self.kv_caches) - 1)
+            self._wait_all_loads(layer_hook)
             hidden = graphs.run(input_ids, positions, meta)
             routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None
-        elif (layer_hook is None and self.step_graphs is not None
-              and self.step_graphs.bucket(len(input_ids)) is not None):
-            # any other short step; one with loads runs eagerly, its layers waiting one by one
+        elif (self.step_graphs is not None and self.step_graphs.bucket(len(input_ids)) is not None
+              and (layer_hook is None or self.graph_loads)):
+            self._wait_all_loads(layer_hook)      # any other short step
             hidden = self.step_graphs.run(input_ids, positions, meta)
             routing_out = (self.step_graphs.routing_out[:len(input_ids)]
                            if self.step_graphs.routing_out is not None else None)

@@ -71,6 +71,8 @@ def test_bf16_cache_hits_on_every_tier_equal_cold(preset, checkpoint):
         llm.generate(prompts, sp)
         warm = [llm.generate([p], sp)[0] for p in prompts]
         assert any(o.cached_tokens_by_tier["host"] > 0 for o in warm)
+        # the host hits' steps were replayed from step graphs, after waiting for their loads
+        assert llm.runner.graph_steps_after_loads > 0
     for c, w in zip(cold, warm):
         assert w.token_ids == c.token_ids
         if c.routed_experts is not None:
