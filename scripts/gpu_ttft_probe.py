@@ -77,6 +77,16 @@ def one(llm, prompt) -> dict:  # type: ignore[no-untyped-def]
     return d
 
 
+def workload():  # type: ignore[no-untyped-def]
+    """(output dir, temp dir, qwen3-0.6b-shape config dir, the 4K prefix, a fresh-prompt maker)."""
+    out = Path(os.environ.get("OUT", "/tmp"))
+    tmp = tempfile.mkdtemp()
+    path = init_model("qwen3-0.6b-shape", Path(tmp) / "m", config_only=True)
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
+    return out, tmp, path, prefix, lambda: [rng.randrange(VOCAB) for _ in range(PREFIX + 48)]
+
+
 def med(rows: list[dict]) -> dict:
     keys = sorted({k for r in rows for k in r})
     return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 3) for k in keys}
@@ -178,12 +188,7 @@ def cprofile_pool_hit() -> None:
     import cProfile
     import io
     import pstats
-    out = Path(os.environ.get("OUT", "/tmp"))
-    tmp = tempfile.mkdtemp()
-    path = init_model("qwen3-0.6b-shape", Path(tmp) / "m", config_only=True)
-    rng = random.Random(0)
-    prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
-    fresh = lambda: [rng.randrange(VOCAB) for _ in range(PREFIX + 48)]  # noqa: E731
+    out, tmp, path, prefix, fresh = workload()
     text = ""
     with kvtier.LLM(path, device="cuda", load_format="dummy", num_device_blocks=4096, max_model_len=8192,
                     max_num_batched_tokens=8192, storage=f"file://{tmp}/pool", num_host_blocks=4096) as llm:
@@ -226,12 +231,7 @@ def host_hit_phases() -> None:
     import cProfile
     import io
     import pstats
-    out = Path(os.environ.get("OUT", "/tmp"))
-    tmp = tempfile.mkdtemp()
-    path = init_model("qwen3-0.6b-shape", Path(tmp) / "m", config_only=True)
-    rng = random.Random(0)
-    prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
-    fresh = lambda: [rng.randrange(VOCAB) for _ in range(PREFIX + 48)]  # noqa: E731
+    out, tmp, path, prefix, fresh = workload()
     # 600 device blocks: two fresh 4K prompts (2 x 262 blocks) push the prefix's 256 out
     with kvtier.LLM(path, device="cuda", load_format="dummy", num_device_blocks=600, num_host_blocks=4096,
                     max_model_len=8192, max_num_batched_tokens=8192) as llm:
