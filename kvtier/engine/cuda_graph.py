@@ -30,8 +30,10 @@ prompt; a prefill chunk beside decode rows) launched ~250 kernels from Python, 1
 
 Its attention tiles and split-KV factor are those of a single Tp-token query over
 ``max_model_len`` (fixed at capture). MoE layers dispatch densely up to 256 tokens (no host sync).
-A step with host loads runs eagerly instead: its per-layer waits let the loads overlap the
-forward, which a replayed graph cannot.
+A step with host loads is replayed too, after the compute stream waited for all of its loads
+(``ModelRunner``): the per-layer waits of an eager forward would overlap loads and layers, but
+its launches from Python cost more CPU than a short step's loads take (``KVTIER_GRAPH_LOADS=0``
+keeps such steps eager).
 """
 from __future__ import annotations
 
