@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +29,7 @@ import numpy as np
 from kvtier.cache.plan import TransferOp
 from kvtier.storage import StorageClient, open_backend
 from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, namespace_digest
+from kvtier.storage.client import start_pool_threads
 
 
 # ---------------------------------------------------------------------- raw clients (the baseline)
@@ -170,8 +170,7 @@ def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: 
         # name can be a no-op (Mooncake keeps the first value), which would flatter the baseline
         chunks = [range(s, min(objects, s + batch)) for s in range(0, objects, batch)]
         with ThreadPoolExecutor(workers) as pool:
-            started = threading.Barrier(workers)            # its threads started, like kvtier's
-            list(pool.map(lambda _: started.wait(5), range(workers)))
+            start_pool_threads(pool, workers)               # its threads started, like kvtier's
             t0 = time.perf_counter()
             list(pool.map(lambda c: raw.put([names[i] for i in c], [values[i] for i in c]), chunks))
             t1 = time.perf_counter()

@@ -73,6 +73,15 @@ def _flat(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1))
 
 
+def start_pool_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start all ``n`` threads of ``pool`` now, each held at a barrier until all run. A pool
+    starts a thread per submitted task, on first use, in the submitting thread: the first op
+    would pay for them (``kvtier bench storage`` timed that: file get 0.50 of raw -> 0.66-0.74
+    once started before, docs/BENCHMARKS.md)."""
+    started = threading.Barrier(n)
+    list(pool.map(lambda _: started.wait(5), range(n)))
+
+
 class CircuitBreaker:
     """Closed: every call goes. Open (``threshold`` failed calls in a row): no call goes until
     ``cooldown`` has passed; then one call, the probe, goes: success closes it, failure opens it
@@ -229,14 +238,11 @@ class StorageClient:
         self._arrival_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup-arrival")
 
     def start_threads(self) -> None:
-        """Start every fetch and put thread now. A pool starts its threads one per submitted batch,
-        on first use, so the first op would pay for them (~0.1-1 ms each under gVisor, in the
-        thread that submits); held at a barrier, every thread of each pool starts here."""
+        """Start every fetch and put thread now (:func:`start_pool_threads`), not in the first op."""
         if self._pool is None or self._put_pool is None:
             raise RuntimeError("StorageClient.bind() was not called")
-        for pool, n in ((self._pool, self.workers), (self._put_pool, self.put_workers)):
-            started = threading.Barrier(n)
-            list(pool.map(lambda _: started.wait(5), range(n)))
+        start_pool_threads(self._pool, self.workers)
+        start_pool_threads(self._put_pool, self.put_workers)
 
     def name(self, key: bytes) -> str:
         return object_name(key, self.namespace)
