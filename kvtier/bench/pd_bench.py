@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import statistics
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.serve.launch import ServerProcess
+from kvtier.storage.client import default_storage_workers
 
 
 def _stats(server: ServerProcess) -> dict:
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                     "on one GPU each server takes its share: give it)")
     ap.add_argument("--num-host-blocks", type=int, default=1024, help="per server (default 1024)")
     ap.add_argument("--max-model-len", type=int, default=None, help="context (default: the model's)")
-    ap.add_argument("--storage-workers", type=int, default=min(16, max(2, os.cpu_count() or 4)),
+    ap.add_argument("--storage-workers", type=int, default=default_storage_workers(),
                     help="fetch threads of D, and of the raw baseline (default: one per core, 2..16)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")

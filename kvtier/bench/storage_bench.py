@@ -29,7 +29,7 @@ import numpy as np
 from kvtier.cache.plan import TransferOp
 from kvtier.storage import StorageClient, open_backend
 from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, namespace_digest
-from kvtier.storage.client import start_pool_threads
+from kvtier.storage.client import default_storage_workers, start_pool_threads
 
 
 # ---------------------------------------------------------------------- raw clients (the baseline)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objects", type=int, default=256, help="objects per round (default 256)")
     ap.add_argument("--object-mib", type=float, default=2.0,
                     help="object size in MiB (default 2: one 16-token block of Llama-3-8B KV)")
-    ap.add_argument("--workers", type=int, default=min(16, max(2, os.cpu_count() or 4)),
+    ap.add_argument("--workers", type=int, default=default_storage_workers(),
                     help="I/O threads, both sides (default: one per core, 2 to 16, as the engine)")
     ap.add_argument("--batch", type=int, default=16, help="objects per call, both sides (default 16)")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds; medians reported (default 3)")

@@ -87,7 +87,7 @@ class Handoff:
         return list(full), req.hasher.partial_key(num_tokens, req.token_ids)
 
     def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
-        """Storage object names of :meth:`handoff_keys`' blocks (a hand-off manifest's keys)."""
+        """Storage object names of :meth:`keys`' blocks (a hand-off manifest's keys)."""
         ns = self.m.storage.namespace if self.m.storage is not None else "default"   # type: ignore[union-attr]
         return [object_name(k, ns) for k in full] + ([object_name(tail, ns)] if tail else [])
 

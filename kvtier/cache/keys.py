@@ -221,11 +221,6 @@ class BlockHasher:
         return self.stream[self.end(i - 1):self.end(i)]
 
     @property
-    def labels(self) -> list[bytes]:
-        """Every full block's label (a new list; the hot paths slice ``stream`` instead)."""
-        return [self.label(i) for i in range(self.num_blocks)]
-
-    @property
     def keys(self) -> list[bytes]:
         """Keys of every full block so far (the same list object, growing)."""
         if len(self._keys) < self.num_blocks:
@@ -269,18 +264,20 @@ class BlockHasher:
             return keys
         assert num_blocks <= self.num_blocks, (num_blocks, self.num_blocks)
         parent = keys[-1] if keys else b""
-        digest, stream = self._digest, self.stream
-        if digest is _sha256 and self.uniform:
-            sha256, w, start = hashlib.sha256, self._width, self.end(i - 1)
-            end = len(self.seed) + w * (i + 1)
-            for _ in range(num_blocks - i):
+        digest, stream, start = self._digest, self.stream, self.end(i - 1)
+        ends = (range(self.end(i), self.end(num_blocks - 1) + 1, self._width) if self.uniform
+                else self._ends[i:num_blocks])
+        if digest is _sha256:            # hashlib's object directly: no wrapper call per block
+            sha256 = hashlib.sha256
+            for end in ends:
                 parent = sha256(parent + stream[start:end]).digest()
                 keys.append(parent)
-                start, end = end, end + w
+                start = end
         else:
-            for j in range(i, num_blocks):
-                parent = digest(parent + stream[self.end(j - 1):self.end(j)])
+            for end in ends:
+                parent = digest(parent + stream[start:end])
                 keys.append(parent)
+                start = end
         return keys
 
     def adopt_path(self, nodes: Sequence) -> None:  # type: ignore[type-arg]

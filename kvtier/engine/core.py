@@ -81,6 +81,7 @@ from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
 from kvtier.model.moe import SparseMoE
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
+from kvtier.storage.client import default_storage_workers
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
 
@@ -247,9 +248,8 @@ class EngineCore:
         fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        str(self.dtype).removeprefix("torch."), block_size,
                                        weights=weights_digest(self.path, load_format), payload=routing_payload)
-        if storage_workers is None:          # fetch threads: one per core, 2..16 (they wait on I/O)
-            storage_workers = default_storage_workers()
-        self.storage = open_storage(storage, workers=storage_workers, put_workers=storage_put_workers or 1)
+        self.storage = open_storage(storage, workers=storage_workers or default_storage_workers(),
+                                    put_workers=storage_put_workers or 1)
         self.fetch_cost = None
         if self.storage is not None:      # always measured; decides only under storage_fetch="auto"
             self.fetch_cost = FetchCostModel(self.storage.backend.scheme, self.storage.workers, self.storage.batch,
@@ -915,10 +915,6 @@ class EngineCore:
 
     def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
         self.close()
-
-
-def default_storage_workers() -> int:
-    return min(16, max(2, os.cpu_count() or 4))
 
 
 def _token_ids(ids: list, vocab: int) -> list[int]:

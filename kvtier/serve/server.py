@@ -34,7 +34,7 @@ def role_defaults(role: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The engine's keywords for a server of ``role``: a PD prefill server, whose writes to the
     pool are its product, gets half its fetch threads as put threads unless told (an engine that
     serves requests itself gets one: put threads slow its engine thread)."""
-    from kvtier.engine.core import default_storage_workers
+    from kvtier.storage.client import default_storage_workers
     out = dict(llm_kwargs)
     if role == "prefill" and out.get("storage_put_workers") is None:
         out["storage_put_workers"] = max(1, (out.get("storage_workers") or default_storage_workers()) // 2)

@@ -73,6 +73,11 @@ def _flat(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1))
 
 
+def default_storage_workers() -> int:
+    """Fetch threads when not told: one per core, 2 to 16 (they wait on I/O)."""
+    return min(16, max(2, os.cpu_count() or 4))
+
+
 def start_pool_threads(pool: ThreadPoolExecutor, n: int) -> None:
     """Start all ``n`` threads of ``pool`` now, each held at a barrier until all run. A pool
     starts a thread per submitted task, on first use, in the submitting thread: the first op

@@ -169,7 +169,7 @@ def test_a_prefill_server_writes_with_more_put_threads_than_a_colocated_one(monk
     """P's product is its writes to the pool: half its fetch threads put (unless told); any other
     role keeps the engine's default of one put thread, which slows its engine thread least."""
     from kvtier.serve.server import role_defaults
-    monkeypatch.setattr("kvtier.engine.core.default_storage_workers", lambda: 16)
+    monkeypatch.setattr("kvtier.storage.client.default_storage_workers", lambda: 16)
     assert role_defaults("prefill", {"storage": "file:///p"})["storage_put_workers"] == 8
     assert role_defaults("prefill", {"storage_workers": 4})["storage_put_workers"] == 2
     assert role_defaults("prefill", {"storage_workers": 1})["storage_put_workers"] == 1
