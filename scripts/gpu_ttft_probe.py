@@ -6,7 +6,8 @@ flight, and with a short GIL switch interval (to see contention with the I/O thr
 
 Environment: ``PROBE_CONFIGS`` (nopool,host,pool: which to run), ``PROBE_SWITCH`` (switch intervals
 of the busy runs, default 0.005,0.0005), ``PROBE_PUT_WORKERS`` (the pool's put threads),
-``PROBE_PROFILE=1`` (one hit under torch.profiler), ``PROBE_CPROFILE=1`` (pool hits under cProfile).
+``PROBE_PROFILE=1`` (one hit under torch.profiler), ``PROBE_CPROFILE=1`` (pool hits under cProfile),
+``PROBE_STAGING_BYTES`` (``kernels.TUNING["staging_bytes"]``; 0 turns the staged copies off).
 Put threads, as measured on 2026-11-24 (docs/BENCHMARKS.md)::
 
     for pw in 8 1 2; do PROBE_PUT_WORKERS=$pw PROBE_CONFIGS=pool PROBE_SWITCH=0.0005 \
@@ -34,6 +35,11 @@ _GPU = os.environ.get("PROBE_DEVICE", "cuda") == "cuda"
 VOCAB, PREFIX = (32000, 4096) if _GPU else (300, 256)
 SP = kvtier.SamplingParams(max_tokens=1, ignore_eos=True)
 T: collections.Counter = collections.Counter()
+
+
+if os.environ.get("PROBE_STAGING_BYTES"):  # 0: no staged copies (loads of replayed steps per layer again)
+    from kvtier.transfer import kernels as _kernels
+    _kernels.TUNING["staging_bytes"] = int(os.environ["PROBE_STAGING_BYTES"])
 
 
 if os.environ.get("PROBE_PUT_WORKERS"):    # put threads of the pool's client (default: half the fetch threads)

@@ -59,7 +59,8 @@ def _link_gbps(nbytes: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16) -> dict:
+def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16,
+              cuda_graphs: bool = True) -> dict:
     import kvtier
 
     cfg = kvtier.model.ModelConfig.from_hf_dir(path)
@@ -75,7 +76,7 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
     llm = kvtier.LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
                      num_device_blocks=need + 16, num_host_blocks=3 * need, write_policy="write_through",
                      max_num_batched_tokens=prefix_len + new_len + 64, max_model_len=prefix_len + new_len + 64,
-                     cuda_graphs=False)
+                     cuda_graphs=cuda_graphs)
     try:
         prefix = tokens(prefix_len)
         # warm-up: compile kernels for these shapes, on every path (device hit, host hit, cold)
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-requests", type=int, default=64, help="sequences in the decode run (default 64)")
     ap.add_argument("--decode-prompt", type=int, default=512, help="prompt tokens per decode sequence (default 512)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="tokens generated per sequence (default 256)")
+    ap.add_argument("--eager", action="store_true",
+                    help="no CUDA graphs (by default a step of <= 256 tokens is replayed from a step graph, "
+                         "its host loads behind layer gates, as the engine runs it)")
     ap.add_argument("--skip-decode", action="store_true", help="only the TTFT cases")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(name)
             if name in PRESETS:
                 path = init_model(name, Path(tmp) / name, config_only=True)
-            r = {"ttft": ttft_case(path, args.prefix, args.new, args.repeat)}
+            r = {"ttft": ttft_case(path, args.prefix, args.new, args.repeat, cuda_graphs=not args.eager)}
             t = r["ttft"]
             print(f"{name}: TTFT device {t['ttft_s']['device'] * 1e3:.1f} ms, host {t['ttft_s']['host'] * 1e3:.1f} ms, "
                   f"recompute {t['ttft_s']['recompute'] * 1e3:.1f} ms; link {t['link_GBps']:.1f} GB/s, "

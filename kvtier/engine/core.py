@@ -75,7 +75,7 @@ from kvtier.engine.detok import StopStrings
 from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
-from kvtier.engine.runner import ModelRunner, StepResult
+from kvtier.engine.runner import ModelRunner, StepResult, graph_loads_mode
 from kvtier.engine.sampling import SamplingParams, check_int
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
@@ -295,7 +295,8 @@ class EngineCore:
             if max_tokens >= StepGraphs.SIZES[0]:
                 step_graphs = StepGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
                                          max_tokens, num_device_blocks, self.device, capture=capture,
-                                         routing_shape=routing_shape, pool=graphs.pool())
+                                         routing_shape=routing_shape, pool=graphs.pool(),
+                                         gates=self.transfer.gates if graph_loads_mode() == "gated" else None)
                 step_graphs.capture_all()
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs,
                                   step_graphs)
@@ -623,9 +624,13 @@ class EngineCore:
         them failed (their outputs into ``results``)."""
         loads_before = self._loads_submitted
 
-        def start_loads():  # type: ignore[no-untyped-def]
+        def start_loads(mode: str):  # type: ignore[no-untyped-def]
             if not hook:                          # once per step, whatever forwards run in it
-                self._pump()                      # loads: queued (GPU) or done (CPU)
+                self.transfer.load_mode = mode
+                try:
+                    self._pump()                  # loads: queued (GPU) or done (CPU)
+                finally:
+                    self.transfer.load_mode = "whole"
                 hook.append(self.transfer.layer_hook())
             return hook[0]
         hook: list = []

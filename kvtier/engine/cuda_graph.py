@@ -30,10 +30,12 @@ prompt; a prefill chunk beside decode rows) launched ~250 kernels from Python, 1
 
 Its attention tiles and split-KV factor are those of a single Tp-token query over
 ``max_model_len`` (fixed at capture). MoE layers dispatch densely up to 256 tokens (no host sync).
-A step with host loads is replayed too, after the compute stream waited for all of its loads
-(``ModelRunner``): the per-layer waits of an eager forward would overlap loads and layers, but
-its launches from Python cost more CPU than a short step's loads take (``KVTIER_GRAPH_LOADS=0``
-keeps such steps eager).
+A step with host loads is replayed too: step graphs are captured with a wait on a *layer gate*
+before each layer's attention (kvtier.transfer.gates), which the load stream opens once that
+layer's copies ran, so one launch overlaps loads and layers as the eager forward's per-layer
+waits do, without its ~250 launches from Python. Without gates (a driver without stream memory
+operations, ``KVTIER_GRAPH_LOADS=whole``) the replay waits for all of the step's loads;
+``KVTIER_GRAPH_LOADS=0`` keeps such steps eager.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class _Graphs:
         self._pool = pool
         self.runs = 0           # steps run through this path (replayed, or eagerly on a CPU)
         self._arange = torch.arange(rows + 1, dtype=torch.int64, device=device)
+        self.gates = None         # StepGraphs: layer gates each layer waits on (transfer/gates.py)
 
     def capture_all(self) -> None:
         """Capture every bucket now (engine start), not at its first step: a capture takes tens
@@ -92,7 +95,9 @@ class _Graphs:
 
     def _forward(self, bp: int, meta: AttentionMetadata) -> torch.Tensor:
         routing = self.routing_out[:bp] if self.routing_out is not None else None
-        return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches, meta, routing_out=routing)
+        hook = self.gates.wait if self.gates is not None else None
+        return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches, meta, routing_out=routing,
+                          layer_hook=hook)
 
     def _rows(self, key) -> int:  # type: ignore[no-untyped-def]
         """Token rows of the graph of ``key``."""
@@ -135,10 +140,11 @@ class StepGraphs(_Graphs):
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
                  max_tokens: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None = None, pool=None) -> None:  # type: ignore[no-untyped-def]
+                 routing_shape: tuple[int, int] | None = None, pool=None, gates=None) -> None:  # type: ignore[no-untyped-def]
         sizes = [b for b in self.SIZES if b <= max_tokens]
         super().__init__(model, kv_caches, block_size, max_model_len, sizes[-1] if sizes else 1,
                          scratch_block, device, capture, routing_shape, pool)
+        self.gates = gates
         self.buckets = sizes
         self.keys = [(bp, bound) for bp in sizes for bound in (self.FEW, bp)]
         self.used: set[tuple[int, int]] = set()     # (bucket, bound) of the steps run (tests)
@@ -167,15 +173,17 @@ class StepGraphs(_Graphs):
         ``bound``, are empty. Returns how many sequences the step now has."""
         pad = bp - tokens
         bs = self.block_size
+        # fill_ with Python numbers only: they travel as kernel arguments (an item assignment
+        # may copy through the host and block until the stream ran, loads included)
         if pad:
-            self.input_ids[tokens:bp] = 0
+            self.input_ids[tokens:bp].zero_()
             self.positions[tokens:bp].copy_(self._arange[:pad])
             torch.remainder(self._arange[:pad], bs, out=self.slot_mapping[tokens:bp])
             self.slot_mapping[tokens:bp] += self.scratch_block * bs
-            self.seq_lens[seqs] = pad
-            self.block_tables[seqs, :-(-pad // bs)] = self.scratch_block
+            self.seq_lens[seqs:seqs + 1].fill_(pad)
+            self.block_tables[seqs, :-(-pad // bs)].fill_(self.scratch_block)
             seqs += 1
-        self.query_start_loc[seqs:bound + 1] = bp
+        self.query_start_loc[seqs:bound + 1].fill_(bp)
         return seqs
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -37,6 +37,24 @@ from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.staging import HostCopy, PinnedRing
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
+
+if TYPE_CHECKING:
+    from kvtier.transfer.engine import LoadWaits
+
+
+GRAPH_LOADS_MODES = ("gated", "whole", "0")
+
+
+def graph_loads_mode() -> str:
+    """How a short step with host loads runs (``KVTIER_GRAPH_LOADS``, an A/B switch for the
+    benchmarks): ``gated`` (default) replays its step graph, whose layers wait on layer gates
+    (kvtier.transfer.gates) so loads and layers overlap; ``whole`` replays it after all its loads
+    landed; ``0`` runs it eagerly, layer by layer."""
+    mode = os.environ.get("KVTIER_GRAPH_LOADS", "gated")
+    mode = "whole" if mode == "1" else mode
+    if mode not in GRAPH_LOADS_MODES:
+        raise ValueError(f"KVTIER_GRAPH_LOADS={mode!r}: expected one of {', '.join(GRAPH_LOADS_MODES)}")
+    return mode
 
 
 class ModelRunner:
@@ -55,7 +73,7 @@ class ModelRunner:
         self._feed: StepResult | None = None     # ... as of this step's start: its tokens feed this one
         self._up, self._down = PinnedRing(device), PinnedRing(device)   # a step's inputs, its results
         self.graph_steps_after_loads = 0         # graph replays that waited for host->device loads
-        self.graph_loads = os.environ.get("KVTIER_GRAPH_LOADS", "1") != "0"   # A/B switch (benchmarks)
+        self.graph_loads = graph_loads_mode() != "0"
 
     def start_step(self) -> None:
         """A new step begins (its forwards, several if a batch is retried request by request,
@@ -121,33 +139,49 @@ class ModelRunner:
         return StepInputs(input_ids, wide_d[n:2 * n], dev, sample_rows, tail[:ns])
 
     def execute(self, out: SchedulerOutput,
-                start_loads: Callable[[], Callable[[int], None] | None] | None = None) -> StepResult:
+                start_loads: Callable[[str], LoadWaits | None] | None = None) -> StepResult:
         """Queue the step's forward and sampling; returns at once (:class:`StepResult`).
 
-        ``start_loads()`` is called once the step's inputs are uploaded, before the first layer:
-        it queues the step's host->device loads and returns the hook ``layer_hook(l)`` that runs
-        before attention of layer ``l`` reads the KV cache (a wait for that layer's loads). Inputs
-        go first because the small input uploads share the host->device copy engine (FIFO) with
-        the loads' DMA: queued after a GiB of KV, they would hold the whole forward back until the
-        loads were done. A replayed CUDA graph has no per-layer hook: it waits for the last layer
-        (so for all of them) before the replay. Short steps with loads are replayed all the same:
-        the eager forward would overlap the loads layer by layer, but its ~250 launches from Python
-        cost more CPU than such a step's loads and compute take on the GPU (a host hit: 5-12 ms
-        over a device hit, eager; docs/BENCHMARKS.md)."""
+        ``start_loads(mode)`` is called once the step's inputs are uploaded, before the first
+        layer: it queues the step's host->device loads in ``mode`` (TransferEngine.load_mode) and
+        returns the hook ``layer_hook(l)`` that runs before attention of layer ``l`` reads the KV
+        cache (a wait for that layer's loads; :class:`~kvtier.transfer.engine.LoadWaits`), or
+        None if the step loads nothing.
+        Inputs go first because the small input uploads share the host->device copy engine (FIFO)
+        with the loads' DMA: queued after a GiB of KV, they would hold the whole forward back
+        until the loads were done.
+
+        - a step replayed from a step graph captured with layer gates loads ``gated``: the graph
+          waits for each layer's gate, so one launch overlaps loads and layers;
+        - a decode graph (or a step graph without gates) loads ``whole`` and waits for the last
+          layer (so for all of them) before the replay;
+        - an eager forward loads ``layers`` and waits per layer through the hook. Short steps are
+          not run eagerly because of their loads: the eager forward's ~250 launches from Python
+          cost more CPU than such a step's loads and compute take on the GPU
+          (docs/BENCHMARKS.md)."""
         inputs = self.build_inputs(out)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
-        layer_hook = start_loads() if start_loads is not None else None
-        graphs = self.decode_graphs
-        if graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None:
+        graphs, steps = self.decode_graphs, self.step_graphs
+        decode_graph = graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None
+        step_graph = not decode_graph and steps is not None and steps.bucket(len(input_ids)) is not None
+        if decode_graph or (step_graph and self.graph_loads):            # replayed, whatever it loads
+            mode = "gated" if step_graph and steps.gates is not None else "whole"   # type: ignore[union-attr]
+        else:
+            mode = "layers"
+        closes = steps.gates.closes if step_graph and steps.gates is not None else 0   # type: ignore[union-attr]
+        layer_hook = start_loads(mode) if start_loads is not None else None
+        if decode_graph:
             self._wait_all_loads(layer_hook)
-            hidden = graphs.run(input_ids, positions, meta)
-            routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None
-        elif (self.step_graphs is not None and self.step_graphs.bucket(len(input_ids)) is not None
-              and (layer_hook is None or self.graph_loads)):
-            self._wait_all_loads(layer_hook)      # any other short step
-            hidden = self.step_graphs.run(input_ids, positions, meta)
-            routing_out = (self.step_graphs.routing_out[:len(input_ids)]
-                           if self.step_graphs.routing_out is not None else None)
+            hidden = graphs.run(input_ids, positions, meta)   # type: ignore[union-attr]
+            routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None  # type: ignore[union-attr]
+        elif step_graph and (mode != "layers" or layer_hook is None):
+            if mode != "gated":
+                self._wait_all_loads(layer_hook)  # any other short step
+            elif layer_hook is not None:
+                layer_hook.before_graph()         # type: ignore[attr-defined]
+                self.graph_steps_after_loads += steps.gates.closes != closes   # type: ignore[union-attr]
+            hidden = steps.run(input_ids, positions, meta)      # type: ignore[union-attr]
+            routing_out = steps.routing_out[:len(input_ids)] if steps.routing_out is not None else None  # type: ignore[union-attr]
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
             hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook,

@@ -9,14 +9,24 @@
 
 ``mark`` is an event recorded on the compute stream when an op is submitted: a copy starts only
 after everything the compute stream had queued before it (the forward that wrote a backup's
-blocks; the last reader of a load's freshly allocated blocks). Loads run layer by layer; the
-forward's per-layer hook makes the compute stream wait for layer *l*'s event before attention of
-layer *l* (a GPU-side wait, the CPU never blocks), so loading and computing overlap.
+blocks; the last reader of a load's freshly allocated blocks). Loads run in one of three modes
+(:attr:`TransferEngine.load_mode`, set by the engine for the forward about to be queued):
+
+- ``layers`` (an eager forward): layer by layer, with an event per layer; the forward's
+  per-layer hook makes the compute stream wait for layer *l*'s event before attention of layer
+  *l* (a GPU-side wait, the CPU never blocks), so loading and computing overlap;
+- ``gated`` (a step replayed from a step graph captured with layer gates,
+  :mod:`kvtier.transfer.gates`): the step's loads are queued together when the forward takes
+  them (:meth:`layer_hook`), layer-major across its ops, each layer followed by the write that
+  opens its gate; the graph waits on the gates, so one launch overlaps loads and layers;
+- ``whole`` (a decode graph, or no gates): all layers at once in a few calls
+  (``kernels.host_to_device``, staged DMA); the forward waits for their ``done`` event.
 
 Invariants (tests/transfer/test_engine.py checks them):
 
 1. a copy is queued after a ``mark`` of the compute stream taken at submit time;
-2. attention of layer *l* is queued after a wait on every event *l* of the step's loads;
+2. attention of layer *l* is queued after a wait on every event *l* of the step's loads (or,
+   gated, on a gate opened after every copy of layer *l* of the step);
 3. :meth:`poll` reports an op only once its ``done`` event has completed (``query()``, never a
    block), backups in submission order; only then does the manager count its bytes as landed;
 4. every tensor a queued copy reads (block ids, staging) stays referenced until it is reported;
@@ -30,6 +40,7 @@ turns them into misses / recompute (DESIGN §5.6).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,6 +50,7 @@ import torch
 from kvtier.cache.plan import TransferOp
 from kvtier.transfer import copy as reference
 from kvtier.transfer import kernels
+from kvtier.transfer.gates import LayerGates
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +62,7 @@ class _InFlight:
     done: torch.cuda.Event | None = None
     layer_events: list | None = None         # loads: one event per layer, from the ring
     keep: tuple = field(default=())          # tensors the queued copy reads
+    queued: bool = True                      # gated loads: False until the forward takes them
 
 
 class TransferEngine:
@@ -66,11 +79,17 @@ class TransferEngine:
         self._inflight: deque[_InFlight] = deque()
         self._step_loads: list[list] = []        # layer events this step's forward must wait on
         self._free_sets: list[list] = []         # the ring of per-layer event sets
+        # how loads submitted now are queued (module docstring): "whole", "layers" or "gated"
+        self.load_mode = "whole"
+        self._gated: list[_InFlight] = []        # gated loads of this step, not yet queued
+        self.gates: LayerGates | None = None
+        self.gates = LayerGates.create(self.num_layers, kv_caches[0].device)
         if self.cuda:
             device = kv_caches[0].device
             # loads gate the forward layer by layer: their kernels get SMs first as the
             # forward's blocks retire (high priority); backups can wait (default priority)
             self.load_stream = torch.cuda.Stream(device, priority=-1)
+            self.scatter_stream = torch.cuda.Stream(device, priority=-1)   # gated loads' scatters
             self.offload_stream = torch.cuda.Stream(device)
 
     # ------------------------------------------------------------------ submit
@@ -91,7 +110,13 @@ class TransferEngine:
     def _pairs(self, op: TransferOp):  # type: ignore[no-untyped-def]
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
         if self.ops is kernels:
-            if op.kind == "load":
+            load = op.kind == "load"
+            if not load or self.load_mode == "whole":      # every layer at once: staged if it can be
+                host_blocks, device_blocks = (op.src_blocks, op.dst_blocks) if load else (op.dst_blocks, op.src_blocks)
+                staged = kernels.host_runs(self.host_kv, self.kv_caches, host_blocks, device_blocks)  # type: ignore[arg-type]
+                if staged is not None:
+                    return staged, None
+            if load:
                 return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda,
                                                 kernels.TUNING["min_dma_run_h2d"], self.kv_caches[0].device), None
             return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda,
@@ -101,20 +126,33 @@ class TransferEngine:
     def _load(self, op: TransferOp) -> _InFlight:
         if self.routing is not None:
             self.routing.host_to_device(op.src_blocks, op.dst_blocks)
+        mode = self.load_mode if self.load_mode != "gated" or self.gates is not None else "whole"
+        if mode not in ("whole", "layers", "gated"):
+            raise ValueError(f"unknown load mode {self.load_mode!r}")
+        if mode == "gated":                       # queued with the step's others (queue_gated)
+            if not self._gated:                   # compute stream, before the mark: the step's
+                self.gates.close()                # graph must not pass a gate until it opens
+            entry = _InFlight(op, [], None, None, self._pairs(op), queued=False)
+            self._gated.append(entry)
+            return entry
         if not self.cuda:
             self.ops.host_to_device(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)
             return _InFlight(op, [])
         src, dst = self._pairs(op)
-        events = self._free_sets.pop() if self._free_sets else [torch.cuda.Event() for _ in range(self.num_layers)]
         stream = self.load_stream
         stream.wait_event(self._mark())
+        events = None
         with torch.cuda.stream(stream):
-            for layer in range(self.num_layers):
-                self.ops.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer)
-                events[layer].record(stream)
+            if mode == "layers":
+                events = self._free_sets.pop() if self._free_sets else [torch.cuda.Event() for _ in range(self.num_layers)]
+                for layer in range(self.num_layers):
+                    self.ops.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer)
+                    events[layer].record(stream)
+            else:
+                self.ops.host_to_device(self.host_kv, self.kv_caches, src, dst)
             done = torch.cuda.Event()
             done.record(stream)
-        self._step_loads.append(events)
+        self._step_loads.append(events if events is not None else [done] * self.num_layers)
         return _InFlight(op, [], done, events, (src, dst))
 
     def _backup(self, op: TransferOp) -> _InFlight:
@@ -132,31 +170,83 @@ class TransferEngine:
             done.record(stream)
         return _InFlight(op, [], done, None, (src, dst))
 
+    def queue_gated(self) -> None:
+        """Queue this step's gated loads (module docstring; the protocol is gates.py's): the
+        gates were closed on the compute stream at the step's first gated load; after a mark
+        taken behind the close: every op's copy of layer 0, open gate 0, layer 1, open gate 1,
+        ... and open all gates last. Queued before the graph is launched: queued behind it, a
+        copy that needs a kernel not yet loaded (CUDA lazy loading synchronizes the context)
+        would wait for a graph that waits for the copy. A layer's DMA into staging goes on the load stream, its
+        scatter from staging to scattered device blocks on the scatter stream (which then opens
+        the layer's gate), so the copy engine moves layer l+1 while the SMs scatter layer l."""
+        if not self._gated:
+            return
+        entries, self._gated = self._gated, []
+        gates, stream = self.gates, self.load_stream if self.cuda else None
+        pipelined = stream is not None and self.ops is kernels
+        if stream is not None:
+            stream.wait_event(self._mark())
+        scattered = False
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            try:
+                for layer in range(self.num_layers):
+                    deferred: list | None = [] if pipelined else None
+                    for entry in entries:
+                        src, dst = entry.keep
+                        if deferred is None:
+                            self.ops.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer)
+                        else:
+                            kernels.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer,
+                                                   deferred=deferred)
+                    if deferred:
+                        self._scatter(deferred, stream)   # type: ignore[arg-type]
+                        gates.open(layer, self.scatter_stream)     # type: ignore[union-attr]
+                        scattered = True
+                    else:
+                        gates.open(layer, stream)     # type: ignore[union-attr]
+            except Exception as e:  # a failed copy costs a recompute, never a wrong answer
+                log.warning("gated loads %s failed: %s", [e.op.op_id for e in entries], e)
+                for entry in entries:
+                    entry.failed = list(range(entry.op.num_blocks))
+            finally:                              # no graph waits forever on a gate
+                done = None
+                if stream is not None:
+                    if scattered:                 # landed = scattered too
+                        stream.wait_stream(self.scatter_stream)
+                    gates.open_all(stream)        # type: ignore[union-attr]
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                else:
+                    gates.open_all(stream)        # type: ignore[union-attr]
+                for entry in entries:
+                    entry.done, entry.queued = done, True
+
+    def _scatter(self, deferred: list, stream: torch.cuda.Stream) -> None:
+        """The scatter stream waits for the DMA just queued on ``stream``, then scatters; the
+        staging buffers (allocated on ``stream``) stay unreused until the scatters ran."""
+        scatter = self.scatter_stream
+        scatter.wait_stream(stream)
+        with torch.cuda.stream(scatter):
+            for kv, ids, staging in deferred:
+                kernels.scatter_staged(kv, ids, staging)
+                staging.record_stream(scatter)
+
     def _mark(self) -> torch.cuda.Event:
         mark = torch.cuda.Event()
         mark.record(torch.cuda.current_stream(self.kv_caches[0].device))
         return mark
 
     # ------------------------------------------------------------------ the forward's side
-    def layer_hook(self):  # type: ignore[no-untyped-def]
-        """The hook the model calls before attention of each layer, or None if this step loads
-        nothing. Taking it hands the step's loads to the forward about to be queued."""
-        if not self._step_loads:
+    def layer_hook(self) -> "LoadWaits | None":
+        """What the forward about to be queued waits on for this step's loads (:class:`LoadWaits`),
+        or None if it loads nothing. Taking it hands the step's loads to that forward (and
+        queues the gated ones)."""
+        gated = bool(self._gated)
+        self.queue_gated()
+        if not self._step_loads and not gated:
             return None
         sets, self._step_loads = self._step_loads, []
-        stream = torch.cuda.current_stream(self.kv_caches[0].device)
-
-        def wait_layer(layer: int) -> None:
-            for events in sets:
-                stream.wait_event(events[layer])
-        return wait_layer
-
-    def wait_all_layers(self) -> None:
-        """For a forward with no per-layer hook (a replayed CUDA graph): the compute stream waits
-        for every layer of this step's loads (still a GPU-side wait)."""
-        hook = self.layer_hook()
-        if hook is not None:
-            hook(self.num_layers - 1)   # events of one op complete in layer order
+        return LoadWaits(self, sets, gated)
 
     # ------------------------------------------------------------------ completions
     def poll(self) -> list[tuple[int, list[int]]]:
@@ -164,6 +254,8 @@ class TransferEngine:
         out = []
         backup_blocked = False
         for entry in list(self._inflight):
+            if not entry.queued:                  # gated, until the forward takes them
+                continue
             is_backup = entry.op.kind == "backup"
             if is_backup and backup_blocked:
                 continue                          # backups are reported in submission order
@@ -179,6 +271,7 @@ class TransferEngine:
         """Block until every queued load landed, then poll. The engine calls this after queuing
         a forward that did not sample (a sampling step has synchronized with the loads already,
         since its forward waited on them)."""
+        self.queue_gated()
         for entry in self._inflight:
             if entry.op.kind == "load" and entry.done is not None:
                 entry.done.synchronize()
@@ -186,6 +279,7 @@ class TransferEngine:
 
     def drain(self) -> list[tuple[int, list[int]]]:
         """Block until every queued op landed (close, errors); returns their completions."""
+        self.queue_gated()
         for entry in self._inflight:
             if entry.done is not None:
                 entry.done.synchronize()
@@ -199,3 +293,31 @@ class TransferEngine:
         if entry.layer_events is not None:
             self._free_sets.append(entry.layer_events)
         entry.keep = ()
+
+
+class LoadWaits:
+    """A step's loads as its forward waits on them: called before attention of each layer (an
+    eager forward), a GPU-side wait on that layer's events and, for gated loads, its gate (a
+    batch retried request by request runs eagerly after its step took gated loads). A forward
+    with no per-layer hook waits on the last layer: events of one op complete in layer order,
+    gates open in layer order. A step graph captured with gates waits on them itself: before its
+    replay it calls :meth:`before_graph` (the events of loads queued in another mode, if any)."""
+
+    __slots__ = ("engine", "sets", "gated")
+
+    def __init__(self, engine: TransferEngine, sets: list[list], gated: bool) -> None:
+        self.engine, self.sets, self.gated = engine, sets, gated
+
+    def __call__(self, layer: int) -> None:
+        self._wait_events(layer)
+        if self.gated:
+            self.engine.gates.wait(layer)          # type: ignore[union-attr]
+
+    def before_graph(self) -> None:
+        self._wait_events(self.engine.num_layers - 1)
+
+    def _wait_events(self, layer: int) -> None:
+        if self.sets:
+            stream = torch.cuda.current_stream(self.engine.kv_caches[0].device)
+            for events in self.sets:
+                stream.wait_event(events[layer])

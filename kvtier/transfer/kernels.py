@@ -17,8 +17,15 @@ so for loads a *run* of at least ``TUNING["min_dma_run_h2d"]`` consecutive host 
 DMA instead: per layer one ``cudaMemcpy2DAsync`` (rows = blocks, the two pitches = the two
 layouts' block strides) straight into the device blocks when they are consecutive too, else into
 a staging buffer and one scatter kernel (HBM speed), as the seeds' ``swap_cache_layout`` does; the
-scattered rest is one kernel launch. (Backups stay on the kernel: SM-issued PCIe writes reach ~0.92 of the DMA rate,
-and a 2D DMA with pitched host rows was slower than the kernel in the same run.) Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
+scattered rest is one kernel launch.
+
+A copy of every layer at once — a backup, or the load of a step replayed from a CUDA graph (which
+waits for the whole load anyway) — takes the *staged* path when the layers are views of one
+buffer (:class:`HostRuns`): every layer of a host block is one contiguous span, so each run of
+consecutive host blocks (even one block, from ``min_dma_bytes_staged``) is one contiguous DMA
+to or from a device staging buffer in the host layout, and one kernel scatters it to, or gathers
+it from, the device blocks at HBM speed: a few calls whatever the number of layers, DMA speed for
+scattered blocks, and no SMs held across the PCIe transfer. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
 1 bytes), so no dtype, block size or head_dim drops tail bytes. Written by hand because no library
 op converts between these two paged layouts for a scattered list of blocks in one launch.
 
@@ -48,8 +55,12 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # max_programs: the grid (a persistent kernel leaves the other SMs to the forward it overlaps).
 # min_dma_run_*: consecutive blocks that go by DMA rather than by the kernel (0 = never): below
 # ~32 blocks the per-call cost of 2 x layers DMA calls outweighs their speed (H100 sweep).
+# Copies of every layer at once (backups; loads of a step replayed from a graph) go through a device
+# staging buffer of staging_bytes (0: never): a run of host blocks of min_dma_bytes_staged or more is
+# one DMA (every layer of a block is contiguous on the host: one block of an 8B model is 2 MiB).
 TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264,
-          "min_dma_run_h2d": 32, "min_dma_run_d2h": 0}
+          "min_dma_run_h2d": 32, "min_dma_run_d2h": 0, "min_dma_bytes_staged": 256 << 10,
+          "staging_bytes": 64 << 20, "staged_programs": 1056, "staged_warps": 4}
 
 
 def available() -> bool:
@@ -154,6 +165,51 @@ class BlockPairs:
         return BlockPairs(tuple(runs), *ids)
 
 
+@dataclass(frozen=True, slots=True)
+class HostRuns:
+    """The pairs of a copy of every layer by the staged path: each run of consecutive host blocks
+    (one span of host memory) is one DMA between the host and a device staging buffer, which one
+    kernel scatters to (loads) or gathers from (backups) the device blocks, for all layers and
+    runs at once; the rest (runs too short to pay for a DMA) goes by the zero-copy kernel."""
+
+    runs: tuple[tuple[int, int], ...]      # (first host block, number of blocks)
+    run_device_ids: torch.Tensor           # the runs' device blocks, in order (int32)
+    host_ids: torch.Tensor                 # the rest: host blocks (int32) ...
+    device_ids: torch.Tensor               # ... and their device blocks
+
+    @staticmethod
+    def split(host_blocks: Sequence[int], device_blocks: Sequence[int], min_run: int, cuda: bool) -> "HostRuns":
+        hst, dev = list(host_blocks), list(device_blocks)
+        if len(hst) != len(dev):
+            raise ValueError(f"{len(hst)} host blocks for {len(dev)} device blocks")
+        runs, run_dev, rest_h, rest_d = [], [], [], []
+        i = 0
+        while i < len(hst):
+            j = i + 1
+            while j < len(hst) and hst[j] == hst[j - 1] + 1:
+                j += 1
+            if j - i >= min_run:
+                runs.append((hst[i], j - i))
+                run_dev += dev[i:j]
+            else:
+                rest_h += hst[i:j]
+                rest_d += dev[i:j]
+            i = j
+        ids = [torch.tensor(x, dtype=torch.int32, pin_memory=cuda) for x in (run_dev, rest_h, rest_d)]
+        return HostRuns(tuple(runs), *ids)
+
+
+def host_runs(host: torch.Tensor, kv_caches: list[torch.Tensor], host_blocks: Sequence[int],
+              device_blocks: Sequence[int]) -> HostRuns | None:
+    """The staged split of a copy of every layer (:class:`HostRuns`), or None where the staged
+    path does not apply (layers in separate buffers, or ``TUNING["staging_bytes"]`` is 0)."""
+    if not TUNING["staging_bytes"] or _shared_base(kv_caches) is None:
+        return None
+    block_bytes = host[0].numel() * host.element_size()
+    min_run = max(1, -(-TUNING["min_dma_bytes_staged"] // block_bytes))
+    return HostRuns.split(host_blocks, device_blocks, min_run, kv_caches[0].is_cuda)
+
+
 def _pairs(src_blocks, dst_blocks, like: torch.Tensor, min_run: int) -> BlockPairs:  # type: ignore[no-untyped-def]
     if isinstance(src_blocks, BlockPairs):
         return src_blocks
@@ -220,7 +276,9 @@ def _shared_base(kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, int] | No
 def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
             num_layers: int, src_layer0: int, dst_layer0: int,
             src_strides: tuple[int, int, int], dst_strides: tuple[int, int, int],
-            chunk_words: int) -> None:
+            chunk_words: int, on_device: bool = False) -> None:
+    """``on_device``: both sides in device memory (a staging scatter or gather), which wants more
+    programs and warps in flight than a PCIe copy does (``TUNING["staged_*"]``)."""
     n = src_ids.numel()
     if n == 0 or num_layers == 0:
         return
@@ -228,9 +286,11 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids
     part = -(-min(chunk_words, max(block, TUNING["part"])) // block) * block
     parts = -(-chunk_words // part)
     work = n * num_layers * 2 * parts
-    _copy_chunks[(min(work, TUNING["max_programs"]),)](
+    programs, warps = ((TUNING["staged_programs"], TUNING["staged_warps"]) if on_device
+                       else (TUNING["max_programs"], TUNING["num_warps"]))
+    _copy_chunks[(min(work, programs),)](
         src, dst, src_ids, dst_ids, src_layer0, dst_layer0, *src_strides, *dst_strides,
-        work, num_layers * 2, parts, CHUNK=chunk_words, PART=part, BLOCK=block, num_warps=TUNING["num_warps"])
+        work, num_layers * 2, parts, CHUNK=chunk_words, PART=part, BLOCK=block, num_warps=warps)
 
 
 def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int]:
@@ -245,8 +305,12 @@ def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int]:
 def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
                    device_blocks, host_blocks) -> None:  # type: ignore[no-untyped-def]
     """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current
-    stream). ``device_blocks`` may be a :class:`BlockPairs` (then ``host_blocks`` is ignored)."""
+    stream). ``device_blocks`` may be a :class:`BlockPairs` or :class:`HostRuns` (then
+    ``host_blocks`` is ignored)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
+    if isinstance(device_blocks, HostRuns):
+        _staged(host, kv_caches, device_blocks, False, chunk_bytes, num_device_blocks)
+        return
     pairs = _pairs(device_blocks, host_blocks, kv_caches[0], TUNING["min_dma_run_d2h"])
     for run in pairs.runs:
         assert run.dst0 is not None, "backups go by DMA only between consecutive blocks"
@@ -276,10 +340,22 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
 
 
 def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
-                   host_blocks, device_blocks, layer: int | None = None) -> None:  # type: ignore[no-untyped-def]
+                   host_blocks, device_blocks, layer: int | None = None,
+                   deferred: list | None = None) -> None:  # type: ignore[no-untyped-def]
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all), queued on
-    the current stream. ``host_blocks`` may be a :class:`BlockPairs` (split once for all layers)."""
+    the current stream. ``host_blocks`` may be a :class:`BlockPairs` (split once for all layers),
+    or for all layers a :class:`HostRuns` (the staged path, a few calls whatever the layers).
+
+    ``deferred`` (a list; this module only): the scatters from staging of runs to scattered
+    device blocks are appended to it as ``(kv, dst_ids, staging)`` instead of queued, for the
+    caller to queue with :func:`scatter_staged` on another stream once the DMA is done (so the
+    next layer's DMA overlaps this layer's scatter)."""
     chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
+    if isinstance(host_blocks, HostRuns):
+        if layer is not None:
+            raise ValueError(f"a staged copy moves every layer; it cannot load layer {layer} alone")
+        _staged(host, kv_caches, host_blocks, True, chunk_bytes, num_device_blocks)
+        return
     if isinstance(host_blocks, BlockPairs):
         pairs = host_blocks
     else:
@@ -295,9 +371,74 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
             else:        # one DMA of K and V (adjacent on host) into staging, then a scatter
                 staging = torch.empty((n, *host.shape[2:]), dtype=kv.dtype, device=kv.device)
                 _copy_rows(staging, host[h0:h0 + n, l])
-                kv[:, run.dst_ids] = staging.transpose(0, 1)
+                if deferred is None:
+                    scatter_staged(kv, run.dst_ids, staging)
+                else:
+                    deferred.append((kv, run.dst_ids, staging))
         if pairs.src_ids.numel():
             word, w = _word(chunk_bytes, host, kv)
             chunk = chunk_bytes // w
             _launch(_flat(host, word), _flat(kv, word), pairs.src_ids, pairs.dst_ids, 1, l, 0,
                     (num_layers * 2 * chunk, 2 * chunk, chunk), (chunk, 0, num_device_blocks * chunk), chunk)
+
+
+def scatter_staged(kv: torch.Tensor, dst_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    """One layer's blocks from staging ([n, 2, ...], host layout) to device blocks ``dst_ids``."""
+    kv[:, dst_ids] = staging.transpose(0, 1)
+
+
+def _staged(host: torch.Tensor, kv_caches: list[torch.Tensor], pairs: HostRuns, load: bool,
+            chunk_bytes: int, num_device_blocks: int) -> None:
+    """Every layer of ``pairs`` between host and device (:class:`HostRuns`), queued on the current
+    stream. The staging buffer (host layout) holds at most ``TUNING["staging_bytes"]``: longer
+    copies go through it piece by piece; the stream orders a piece's DMA after the kernel that
+    last used the buffer."""
+    shared = _shared_base(kv_caches)
+    if shared is None:
+        raise ValueError("a staged copy needs the layers to be views of one buffer")
+    base, step = shared
+    word, w = _word(chunk_bytes, host, base)
+    while step % w:                        # the layer stride must be whole words too
+        word, w = next((t, n) for n, t in _WORDS if n < w)
+    chunk, num_layers = chunk_bytes // w, host.shape[1]
+    dev = base.view(-1).view(torch.uint8).view(word)    # layer l starts `step` bytes further each
+    dev_strides = (chunk, step // w, num_device_blocks * chunk)
+    host_strides = (num_layers * 2 * chunk, 2 * chunk, chunk)
+    total = sum(n for _, n in pairs.runs)
+    if total:
+        piece = max(1, min(total, TUNING["staging_bytes"] // (num_layers * 2 * chunk_bytes)))
+        staging = torch.empty((piece, *host.shape[1:]), dtype=host.dtype, device=base.device)
+        flat = _flat(staging, word)
+        rows = torch.arange(piece, dtype=torch.int32, device=base.device)
+        done = filled = 0                  # run blocks copied so far / rows of this piece
+        backs: list[tuple[int, int, int]] = []     # a backup's DMAs of this piece, after its gather
+        for h0, n in pairs.runs:
+            at = 0
+            while at < n:
+                m = min(n - at, piece - filled)
+                if load:
+                    staging[filled:filled + m].copy_(host[h0 + at:h0 + at + m], non_blocking=True)
+                else:
+                    backs.append((h0 + at, filled, m))
+                filled += m
+                at += m
+                if filled == piece or done + filled == total:
+                    ids = pairs.run_device_ids[done:done + filled]
+                    if load:
+                        _launch(flat, dev, rows[:filled], ids, num_layers, 0, 0, host_strides, dev_strides,
+                                chunk, on_device=True)
+                    else:
+                        _launch(dev, flat, ids, rows[:filled], num_layers, 0, 0, dev_strides, host_strides,
+                                chunk, on_device=True)
+                        for h, r, k in backs:
+                            host[h:h + k].copy_(staging[r:r + k], non_blocking=True)
+                        backs = []
+                    done += filled
+                    filled = 0
+    if pairs.host_ids.numel():
+        if load:
+            _launch(_flat(host, word), dev, pairs.host_ids, pairs.device_ids, num_layers, 0, 0,
+                    host_strides, dev_strides, chunk)
+        else:
+            _launch(dev, _flat(host, word), pairs.device_ids, pairs.host_ids, num_layers, 0, 0,
+                    dev_strides, host_strides, chunk)

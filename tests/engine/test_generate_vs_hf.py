@@ -216,6 +216,23 @@ def test_padded_static_step_path_matches(preset, checkpoint, reference):
         assert llm.cache_stats()["device"]["hit_tokens"] > 0
 
 
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-moe-tiny"])
+def test_host_hits_replayed_behind_layer_gates_match(preset, checkpoint, reference):
+    """Host hits in step graphs whose layers wait on layer gates (the CPU twin: copies land
+    synchronously when the forward takes them, and a wait on a gate still closed raises): the
+    same tokens as transformers, cold and from the host tier."""
+    prompts = prompts_for(21, lengths=(60, 60, 60))
+    want = reference(preset, prompts)
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64,
+                    write_policy="write_through", cuda_graphs=True) as llm:
+        assert llm.runner.step_graphs.gates is llm.transfer.gates is not None
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        warm = [llm.generate([p], GREEDY)[0] for p in prompts]
+        assert [o.token_ids for o in warm] == want
+        assert all(o.cached_tokens_by_tier["host"] > 0 for o in warm)
+        assert llm.transfer.gates.closes > 0 and llm.runner.graph_steps_after_loads > 0
+
+
 def test_a_failing_request_leaks_nothing_and_the_engine_recovers(checkpoint, reference, monkeypatch):
     preset = "llama-tiny"
     prompts = prompts_for(8)

@@ -203,3 +203,78 @@ def test_load_run_with_scattered_device_blocks_goes_through_staging(monkeypatch)
         torch.cuda.synchronize()
     for layer in range(layers):
         assert _same_bytes(got[layer], want[layer])
+    # deferred (gated loads): the DMA into staging now, the scatter when the caller queues it
+    late = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    for layer in range(layers):
+        deferred: list = []
+        fast.host_to_device(host, late, pairs, None, layer=layer, deferred=deferred)
+        assert len(deferred) == 1 and deferred[0][0] is late[layer]
+        if CUDA:
+            torch.cuda.synchronize()
+        assert (late[layer][:, dev[:5]].view(torch.uint8) == 0xA5).all()   # the run: not yet there
+        fast.scatter_staged(*deferred[0])
+    if CUDA:
+        torch.cuda.synchronize()
+    for layer in range(layers):
+        assert _same_bytes(late[layer], want[layer])
+
+
+@pytest.mark.parametrize("staging_blocks", [1, 3, 64], ids=lambda n: f"staging{n}")
+def test_staged_copies_match_reference(staging_blocks, monkeypatch):
+    """Every layer at once through the staging buffer (backups; loads of a replayed step): runs
+    of 3+ host blocks go by DMA piece by piece, to and from scattered and consecutive device
+    blocks; the scattered rest by one kernel for all layers. Both directions equal the reference
+    and touch no other block."""
+    layers, nd, nh, bs, heads, dim, dtype = 3, 24, 20, 2, 2, 4, torch.bfloat16
+    block_bytes = layers * 2 * bs * heads * dim * 2
+    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_bytes_staged=3 * block_bytes,
+                                             staging_bytes=staging_blocks * block_bytes))
+    gen = torch.Generator().manual_seed(13)
+    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    # host runs 2-6 (<-> scattered device blocks) and 10-13 (<-> consecutive 16-19), the rest scattered
+    hst = [2, 3, 4, 5, 6, 0, 10, 11, 12, 13, 18, 8]
+    dev = [9, 1, 7, 0, 3, 22, 16, 17, 18, 19, 5, 11]
+    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    pairs = fast.host_runs(host, got, hst, dev)
+    assert pairs.runs == ((2, 5), (10, 4)) and pairs.host_ids.tolist() == [0, 18, 8]
+    with pytest.raises(ValueError, match="cannot load layer 0 alone"):
+        fast.host_to_device(host, got, pairs, None, layer=0)
+    fast.host_to_device(host, got, pairs, None)
+    ref.host_to_device(host, want, hst, dev)
+    back = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    want_back = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    fast.device_to_host(got, back, fast.host_runs(back, got, hst, dev), None)
+    ref.device_to_host(want, want_back, dev, hst)
+    if CUDA:
+        torch.cuda.synchronize()
+    for layer in range(layers):
+        assert _same_bytes(got[layer], want[layer]), f"layer {layer}"
+    untouched = [b for b in range(nd) if b not in dev]
+    assert all((t[:, b].view(torch.uint8) == 0xA5).all() for t in got for b in untouched)
+    assert _same_bytes(back, want_back)
+    assert all((back[b].view(torch.uint8) == 0xA5).all() for b in range(nh) if b not in hst)
+
+
+def test_staged_path_sends_single_blocks_by_dma_and_needs_one_buffer(monkeypatch):
+    """Blocks of min_dma_bytes_staged or more go by DMA one by one even when scattered on the
+    host (every layer of a block is contiguous there); layers in separate buffers, or
+    staging_bytes=0, have no staged path."""
+    layers, nd, nh, bs, heads, dim, dtype = 2, 10, 10, 4, 1, 8, torch.float16
+    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_bytes_staged=1))
+    gen = torch.Generator().manual_seed(14)
+    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    hst, dev = [7, 2, 9, 4], [1, 8, 3, 6]
+    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    pairs = fast.host_runs(host, got, hst, dev)
+    assert len(pairs.runs) == 4 and pairs.host_ids.numel() == 0
+    fast.host_to_device(host, got, pairs, None)
+    ref.host_to_device(host, want, hst, dev)
+    if CUDA:
+        torch.cuda.synchronize()
+    for layer in range(layers):
+        assert _same_bytes(got[layer], want[layer]), f"layer {layer}"
+    assert fast.host_runs(host, _kv(layers, nd, bs, heads, dim, dtype, False, gen), hst, dev) is None
+    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, staging_bytes=0))
+    assert fast.host_runs(host, got, hst, dev) is None

@@ -34,8 +34,9 @@ def block_value(key: bytes, layer: int, kv: int) -> float:
 
 
 class Harness:
-    def __init__(self, policy: str, seed: int) -> None:
+    def __init__(self, policy: str, seed: int, mode: str = "layers") -> None:
         self.rng = random.Random(seed)
+        self.mode = mode                    # TransferEngine.load_mode of the forwards' loads
         self.mgr = CacheManager(block_size=BS, num_device_blocks=40, num_host_blocks=56,
                                 write_policy=policy, write_through_threshold=3,
                                 block_nbytes=L * 2 * BS * H * D * 4)
@@ -78,8 +79,12 @@ class Harness:
     def step(self) -> None:
         mgr, eng = self.mgr, self.engine
         self.schedule()
+        eng.load_mode = self.mode
         self.pump()                                   # loads queued (GPU) / landed (CPU)
-        hook = eng.layer_hook()
+        eng.load_mode = "whole"
+        hook = eng.layer_hook()                       # gated: queues them
+        if self.mode == "gated":
+            hook = eng.gates.wait                     # what a step graph waits on
         running = [r for r in self.reqs if r["creq"].admitted and r["scheduled"]]
         plans = []
         for r in running:
@@ -159,10 +164,29 @@ class Harness:
                         assert (self.host[node.host_block, layer, kvi] == v).all(), f"host copy of {node}"
 
 
+_GPU_ONLY = pytest.mark.skipif(not CUDA, reason="GPU only: the CPU twin copies with the torch reference ops in any mode")
+
+
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy):
+@pytest.mark.parametrize("mode", ["layers", "gated", pytest.param("gated-dma", marks=_GPU_ONLY),
+                                  pytest.param("whole", marks=_GPU_ONLY)])
+def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy, mode, monkeypatch):
+    """``layers``: the eager forward's per-layer event waits; ``gated``: the layer gates a step
+    graph waits on (CPU: a closed gate at its wait raises); ``gated-dma``: gated, with every run
+    of 2+ consecutive host blocks by DMA into staging and its scatter on the scatter stream;
+    ``whole``: every block goes by DMA through a 3-block staging buffer (backups, and loads
+    queued all layers at once), so pieces reuse the buffer many times per copy."""
+    from kvtier.transfer import kernels
+    if mode == "whole":
+        monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_bytes_staged=1,
+                                                    staging_bytes=3 * L * 2 * BS * H * D * 4))
+    elif mode == "gated-dma":
+        monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_run_h2d=2))
+        scatters = []
+        real_scatter = kernels.scatter_staged
+        monkeypatch.setattr(kernels, "scatter_staged", lambda *a: scatters.append(1) or real_scatter(*a))
     steps = 3000 if CUDA else 1000
-    h = Harness(policy, seed=len(policy))
+    h = Harness(policy, seed=len(policy), mode="gated" if mode == "gated-dma" else mode)
     for i in range(steps):
         h.step()
         if CUDA and i % 500 == 499:
@@ -172,6 +196,10 @@ def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy):
     assert stats.hit_tokens["host"] > 0 and stats.bytes_moved["device_to_host"] > 0
     if policy != "write_through":          # write_through leaves a swap nothing to copy
         assert stats.swapped_out_blocks > 0
+    if mode.startswith("gated"):
+        assert h.engine.gates.closes > 0
+    if mode == "gated-dma":
+        assert scatters                   # runs went by DMA + scatter stream
 
 
 def test_a_read_before_the_load_landed_is_caught():

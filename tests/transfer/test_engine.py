@@ -1,0 +1,119 @@
+"""TransferEngine's load modes on the CPU twin (copies run synchronously): the gated protocol
+(kvtier.transfer.gates) — loads deferred until the forward takes them, layer-major, each layer's
+gate opened after its copies, every gate open at the end whatever failed, nothing reported
+before it was queued."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.cache.plan import TransferOp
+from kvtier.transfer import copy as reference
+from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.gates import LayerGates
+
+L, BS, H, D = 3, 4, 2, 8
+
+
+def make():  # type: ignore[no-untyped-def]
+    kv = list(torch.zeros(L, 2, 8, BS, H, D).unbind(0))
+    host = torch.arange(8 * L * 2 * BS * H * D, dtype=torch.float32).reshape(8, L, 2, BS, H, D)
+    return TransferEngine(kv, host), kv, host
+
+
+def load(op_id: int, host_blocks, device_blocks) -> TransferOp:  # type: ignore[no-untyped-def]
+    return TransferOp(op_id, "load", tuple(host_blocks), tuple(device_blocks),
+                      tuple(bytes([op_id, i]) for i in range(len(host_blocks))))
+
+
+class Recorder:
+    """The reference ops, logging each load copy with the gate states it saw."""
+
+    def __init__(self, eng: TransferEngine, fail_at_layer: int | None = None) -> None:
+        self.eng, self.fail_at_layer, self.log = eng, fail_at_layer, []
+
+    def host_to_device(self, host, kv, src, dst, layer=None):  # type: ignore[no-untyped-def]
+        if layer == self.fail_at_layer:
+            raise RuntimeError("injected copy failure")
+        self.log.append((layer, tuple(dst), self.eng.gates.flags.tolist()))
+        reference.host_to_device(host, kv, src, dst, layer=layer)
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(reference, name)
+
+
+def test_gated_loads_wait_for_the_forward_then_go_layer_major_behind_closed_gates():
+    eng, kv, host = make()
+    eng.ops = rec = Recorder(eng)
+    eng.load_mode = "gated"
+    eng.submit(load(1, (2, 5), (0, 3)))
+    eng.submit(load(2, (6,), (7,)))
+    eng.load_mode = "whole"
+    assert rec.log == [] and eng.poll() == [] and eng.num_in_flight == 2   # not landed: not reported
+    with pytest.raises(RuntimeError, match="layer gate 0 is closed"):
+        eng.gates.wait(0)          # a graph replayed now would wait: its bytes are not there
+    hook = eng.layer_hook()                      # the forward takes them: queued
+    assert hook is not None and hook.gated and not hook.sets
+    # layer-major across the step's ops; a layer's copies run while its gate is still closed
+    assert [(layer, dst) for layer, dst, _ in rec.log] == [
+        (0, (0, 3)), (0, (7,)), (1, (0, 3)), (1, (7,)), (2, (0, 3)), (2, (7,))]
+    for layer, _, flags in rec.log:
+        assert flags[layer] == 0 and all(flags[:layer]), flags
+    for layer in range(L):
+        eng.gates.wait(layer)
+        for h, d in ((2, 0), (5, 3), (6, 7)):
+            assert torch.equal(kv[layer][:, d], host[h, layer])
+    assert sorted(eng.poll()) == [(1, []), (2, [])]
+    assert eng.gates.closes == 1
+
+
+def test_a_failed_gated_copy_fails_the_step_loads_and_opens_every_gate():
+    eng, kv, host = make()
+    eng.ops = Recorder(eng, fail_at_layer=1)
+    eng.load_mode = "gated"
+    eng.submit(load(1, (2, 5), (0, 3)))
+    eng.submit(load(2, (6,), (7,)))
+    eng.load_mode = "whole"
+    eng.layer_hook()
+    assert eng.gates.flags.tolist() == [1] * L         # no forward waits forever
+    assert sorted(eng.poll()) == [(1, [0, 1]), (2, [0])]   # the manager recomputes them
+
+
+def test_drain_and_wait_loads_queue_gated_loads_nobody_took():
+    for finish in ("drain", "wait_loads"):
+        eng, kv, host = make()
+        eng.load_mode = "gated"
+        eng.submit(load(4, (1,), (2,)))
+        eng.load_mode = "whole"
+        assert getattr(eng, finish)() == [(4, [])]
+        assert torch.equal(kv[2][:, 2], host[1, 2]) and eng.gates.flags.tolist() == [1] * L
+
+
+def test_an_eager_forward_of_a_gated_step_waits_on_each_gate():
+    """A batch retried request by request runs eagerly with the step's hook (taken by the
+    step's graph, which queued the gated copies): every layer waits on its gate."""
+    eng, kv, host = make()
+    eng.load_mode = "gated"
+    eng.submit(load(1, (2,), (5,)))
+    eng.load_mode = "whole"
+    hook = eng.layer_hook()
+    waited = []
+    eng.gates.wait = waited.append               # what the GPU would wait on
+    for layer in range(L):
+        hook(layer)
+        assert torch.equal(kv[layer][:, 5], host[2, layer])
+    assert waited == list(range(L)) and eng.poll() == [(1, [])]
+    assert eng.layer_hook() is None              # nothing left for the next forward
+
+
+def test_other_modes_leave_the_gates_alone_and_bad_modes_are_named():
+    eng, kv, host = make()
+    for mode in ("whole", "layers"):
+        eng.load_mode = mode
+        eng.submit(load(1, (3,), (4,)))
+        assert eng.poll() == [(1, [])] and eng.gates.closes == 0
+    eng.load_mode = "sideways"
+    eng.submit(load(2, (3,), (4,)))           # a failed submit: reported failed, never raised
+    assert eng.poll() == [(2, [0])]
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
+        LayerGates(0, torch.device("cpu"))
