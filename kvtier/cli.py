@@ -50,7 +50,8 @@ def _block_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _count(text: str) -> int:
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (the message names the bad value)."""
     try:
         value = int(text)
     except ValueError:
@@ -72,7 +73,7 @@ def positive_int(text: str) -> int:
 
 
 def _port(text: str) -> int:
-    value = _count(text)
+    value = non_negative_int(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1..65535, got {value}")
     return value
@@ -193,15 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--top-k", type=_count, default=0, help="sample from the k best tokens; 0 = off (default 0)")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k best tokens; 0 = off (default 0)")
     p.add_argument("--sampling-seed", type=int, default=None,
                    help="per-request sampling seed (sample i of --n draws with seed + i)")
     p.add_argument("--n", type=positive_int, default=1,
                    help="samples of the prompt (one prefill, n decodes sharing its KV; default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    p.add_argument("--logprobs", type=_count, default=None, metavar="K",
+    p.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
                    help="per generated token: its logprob and the K most likely (0..20; printed with --json)")
-    p.add_argument("--prompt-logprobs", type=_count, default=None, metavar="K",
+    p.add_argument("--prompt-logprobs", type=non_negative_int, default=None, metavar="K",
                    help="the same per prompt token (the whole prompt is computed; printed with --json)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="-2..2, subtracted once from the logit of every token generated so far (default 0)")
@@ -209,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="-2..2, subtracted per occurrence from the logit of tokens generated so far (default 0)")
     p.add_argument("--repetition-penalty", type=_positive_float, default=1.0,
                    help="> 1 discourages every token of the prompt and output (HF's; default 1)")
-    p.add_argument("--min-tokens", type=_count, default=0, help="no EOS or stop token before this many (default 0)")
+    p.add_argument("--min-tokens", type=non_negative_int, default=0, help="no EOS or stop token before this many (default 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the output before this text (repeat for several)")
     p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
@@ -299,7 +300,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-device-blocks", type=positive_int, default=None,
                    help="device tier size in blocks (default: sized from free memory)")
-    p.add_argument("--num-host-blocks", type=_count, default=None,
+    p.add_argument("--num-host-blocks", type=non_negative_int, default=None,
                    help="host tier size in blocks; 0 = none (default: none, or with --storage a host tier "
                         "sized from free memory: twice the device tier, at most a quarter of available RAM)")
     p.add_argument("--storage", default=None,

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving.run(args, "longdoc", workload(args), args.documents * args.questions)
+    serving.run(args, "longdoc", workload(args), args.documents * args.questions,
+                start=(min(args.documents, args.max_inflight), args.document_length + args.question_length))
     return 0
 
 

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving.run(args, "multiturn", workload(args), args.clients * args.rounds)
+    serving.run(args, "multiturn", workload(args), args.clients * args.rounds,
+                start=(min(args.clients, args.max_parallel), args.request_length))
     return 0
 
 

@@ -237,6 +237,7 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
 
 
 def add_common_flags(ap: Any) -> None:
+    from kvtier.cli import non_negative_int, positive_int
     ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start kvtier "
                                                 "servers, one per --compare configuration)")
     ap.add_argument("--model", default=None, help="what the started kvtier server serves: a checkpoint "
@@ -261,6 +262,12 @@ def add_common_flags(ap: Any) -> None:
     ap.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     ap.add_argument("--plot", default=None, metavar="PATH.png", help="plot TTFT per round and its CDF here")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    ap.add_argument("--warmup", type=non_negative_int, default=None, metavar="N",
+                    help="untimed requests sent to each server first, in two waves of N at once (default: "
+                         "the bench's requests in flight at its start; 0: none)")
+    ap.add_argument("--warmup-tokens", type=positive_int, default=None, metavar="N",
+                    help="prompt tokens of the first wave, twice that in the second (default: the bench's "
+                         "first prompts' length; at most half of --max-model-len)")
 
 
 def resolve_model(args: Any, tmp: Path) -> tuple[str | None, int]:
@@ -284,9 +291,11 @@ def resolve_model(args: Any, tmp: Path) -> tuple[str | None, int]:
 Workload = Callable[[Server, Any, Callable[[], None]], Awaitable[list[Record]]]
 
 
-def run(args: Any, name: str, workload: Workload, count: int) -> dict:
-    """Run ``workload`` once per configuration (or once against --url); print the table; write
-    --json and --plot. ``count``: its number of requests (the progress bar's total)."""
+def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, int]) -> dict:
+    """Run ``workload`` once per configuration (or once against --url), each after a warm-up
+    (:func:`_warmup`); print the table; write --json and --plot. ``count``: its number of
+    requests (the progress bar's total); ``start``: (requests in flight, prompt tokens) at its
+    start, the warm-up's default shape."""
     started = time.perf_counter()
     configs = ["url"] if args.url else [c.strip() for c in args.compare.split(",") if c.strip()]
     results: dict[str, dict] = {}
@@ -296,6 +305,7 @@ def run(args: Any, name: str, workload: Workload, count: int) -> dict:
         for config in configs:
             flags = [] if args.url else server_flags(config, args, tmp)
             with Server(args.url, model, flags, tmp) as server:
+                warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
                 before = server.metrics()
                 with progress(count, f"{name} [{config}]", args.progress) as tick:
                     t0 = time.perf_counter()
@@ -304,7 +314,8 @@ def run(args: Any, name: str, workload: Workload, count: int) -> dict:
                 after = server.metrics()
             res = summarize(records, wall)
             res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
-            res["errors"] = sorted({r.error for r in records if r.error})[:5]
+            res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
+            res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error)}
             results[config] = res
     out = {"bench": name, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     print(table(results))
@@ -314,6 +325,34 @@ def run(args: Any, name: str, workload: Workload, count: int) -> dict:
     if args.plot:
         plot(results, args.plot, name)
     return out
+
+
+def warmup_shape(args: Any, start: tuple[int, int]) -> tuple[int, int]:
+    """(requests per warm-up wave, their prompt tokens): --warmup / --warmup-tokens, else
+    ``start``, what the bench starts with (requests in flight, prompt tokens)."""
+    n, tokens = start
+    return (n if args.warmup is None else args.warmup,
+            tokens if args.warmup_tokens is None else args.warmup_tokens)
+
+
+def _warmup(args: Any, start: tuple[int, int]) -> Workload:
+    """Untimed requests before the timed run, in two waves of ``--warmup`` at once on random
+    prompts: the bench's first requests' shape (``--warmup-tokens`` each), then twice as long
+    (lengths a token apart, so kernels specialized on a length's divisibility are compiled too),
+    at most half ``--max-model-len``. A server's first requests pay one-time costs (Triton
+    compiles kernels on first use and caches them on disk for the next server) that would
+    otherwise land on the first configuration alone."""
+    async def go(server: Server, client: Any, tick: Callable[[], None]) -> list[Record]:
+        rng = random.Random(args.seed + 7919)
+        cap = max(1, args.max_model_len // 2) if args.max_model_len else None   # a 400 is no warm-up
+        n, tokens = warmup_shape(args, start)
+        recs = []
+        for wave in ([tokens] * n, [2 * tokens + i for i in range(n)]):
+            batch = [Record(-1, -1, min(k, cap) if cap else k, 4) for k in wave]
+            recs += await asyncio.gather(*(send(client, server, r, [rng.randrange(args.vocab) for _ in range(r.prompt_tokens)])
+                                           for r in batch))
+        return recs
+    return go
 
 
 async def _with_client(workload: Workload, server: Server, args: Any, tick: Callable[[], None]) -> list[Record]:

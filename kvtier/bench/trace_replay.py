@@ -89,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.time_scale < 0:
         raise SystemExit(f"--time-scale must be >= 0, got {args.time_scale}")
-    count = len(prompts(args, 1 << 20))
-    if not count:
+    reqs = prompts(args, 1 << 20)
+    if not reqs:
         raise SystemExit(f"{args.file}: every request is over --max-input-tokens {args.max_input_tokens}")
-    serving.run(args, "trace", workload(args), count)
+    first = [len(ids) for _, ids, _ in reqs[:min(8, args.max_parallel)]]
+    serving.run(args, "trace", workload(args), len(reqs), start=(len(first), round(sum(first) / len(first))))
     return 0
 
 
