@@ -3,12 +3,13 @@
 Llama-3-8B KV shape by default (32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks: 2 MiB
 per block over all layers). For each block count and id pattern (consecutive / random) it times
 
-    fast       kvtier's fast path as the engine runs it. Backups: staged (one DMA per run of host
-               blocks, one block upwards, from a device staging buffer one kernel gathered).
-               Loads, per layer (an eager forward overlaps them): runs of 32+ consecutive blocks
-               by 2D DMA, the scattered rest by the Triton zero-copy kernel
-    staged     (loads) every layer at once, as a step replayed from a CUDA graph loads them: one
-               DMA per run of host blocks into staging, one scatter kernel
+    fast       kvtier's fast path as the engine runs it. Backups: the Triton zero-copy kernel,
+               all layers in one launch. Loads, per layer (an eager forward, or a graph step
+               behind layer gates, overlaps them): runs of 32+ consecutive blocks by 2D DMA, the
+               scattered rest by the zero-copy kernel
+    staged     every layer at once: one DMA per run of host blocks to or from a device staging
+               buffer, one scatter (loads) or gather (backups) kernel; loads of a decode graph
+               step take this path
     kernel     the Triton zero-copy kernel alone, for every block
     reference  the torch reference ops (index + copy through the host)
     loop       a per-block, per-layer ``copy_`` loop (non_blocking, pinned)
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> dict:
             for direction in ("d2h", "h2d"):
                 if direction == "d2h":
                     variants = {
-                        "fast": lambda: fast.device_to_host(kv, host.tensor, staged or d2h_pairs, None),
+                        "fast": lambda: fast.device_to_host(kv, host.tensor, d2h_pairs, None),
+                        "staged": lambda: fast.device_to_host(kv, host.tensor, staged, None),
                         "kernel": lambda: fast.device_to_host(kv, host.tensor, d2h_kernel, None),
                         "reference": lambda: ref.device_to_host(kv, host.tensor, dev, hst),
                         "loop": lambda: _loop_d2h(kv, host.tensor, dev, hst),
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace) -> dict:
                         "registered": lambda: contiguous_dev[:nbytes].copy_(registered_host.tensor[:nbytes], non_blocking=True),
                     }
                 for name, fn in variants.items():
-                    if name == "loop" and n > args.max_loop_blocks or name == "reference" and n > args.max_ref_blocks:
+                    if (name == "loop" and n > args.max_loop_blocks or name == "reference" and n > args.max_ref_blocks
+                            or name == "staged" and staged is None):     # layers not views of one buffer
                         continue
                     row[f"{direction}_{name}_GBps"] = nbytes / _time(fn, args.repeat) / 1e9
                 c = row[f"{direction}_contiguous_GBps"]
@@ -133,8 +136,9 @@ def run(args: argparse.Namespace) -> dict:
         "rows": rows,
         "min_fast_vs_contiguous_from_64": {d: min(r[f"{d}_fast_vs_contiguous"] for r in goal_rows)
                                            for d in ("d2h", "h2d")} if goal_rows else None,
-        "min_staged_vs_contiguous_from_64": {"h2d": min(r["h2d_staged_vs_contiguous"] for r in goal_rows)}
-        if goal_rows else None,
+        "min_staged_vs_contiguous_from_64": {d: min((r[f"{d}_staged_vs_contiguous"] for r in goal_rows
+                                                     if f"{d}_staged_vs_contiguous" in r), default=None)
+                                             for d in ("d2h", "h2d")} if goal_rows else None,
         "min_fast_vs_loop": {d: min((r[f"{d}_fast_vs_loop"] for r in rows if f"{d}_fast_vs_loop" in r), default=None)
                              for d in ("d2h", "h2d")},
     }

@@ -111,9 +111,10 @@ class TransferEngine:
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
         if self.ops is kernels:
             load = op.kind == "load"
-            if not load or self.load_mode == "whole":      # every layer at once: staged if it can be
-                host_blocks, device_blocks = (op.src_blocks, op.dst_blocks) if load else (op.dst_blocks, op.src_blocks)
-                staged = kernels.host_runs(self.host_kv, self.kv_caches, host_blocks, device_blocks)  # type: ignore[arg-type]
+            # loads of every layer at once: staged if they can be. Backups go by the zero-copy
+            # kernel, faster than staged from 16 blocks up (docs/BENCHMARKS.md, bench transfer)
+            if load and self.load_mode == "whole":
+                staged = kernels.host_runs(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)  # type: ignore[arg-type]
                 if staged is not None:
                     return staged, None
             if load:

@@ -19,13 +19,18 @@ layouts' block strides) straight into the device blocks when they are consecutiv
 a staging buffer and one scatter kernel (HBM speed), as the seeds' ``swap_cache_layout`` does; the
 scattered rest is one kernel launch.
 
-A copy of every layer at once — a backup, or the load of a step replayed from a CUDA graph (which
-waits for the whole load anyway) — takes the *staged* path when the layers are views of one
+A copy of every layer at once can take the *staged* path when the layers are views of one
 buffer (:class:`HostRuns`): every layer of a host block is one contiguous span, so each run of
 consecutive host blocks (even one block, from ``min_dma_bytes_staged``) is one contiguous DMA
 to or from a device staging buffer in the host layout, and one kernel scatters it to, or gathers
 it from, the device blocks at HBM speed: a few calls whatever the number of layers, DMA speed for
-scattered blocks, and no SMs held across the PCIe transfer. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
+scattered blocks, and no SMs held across the PCIe transfer. The engine loads a decode graph's
+step this way (it waits for the whole load anyway); backups go by the zero-copy kernel, which
+the H100 runs faster than the staged gather from 16 blocks up (``kvtier bench transfer``).
+
+Loads of a step graph behind layer gates go per layer with ``deferred``: the DMA of a run into
+staging on the load stream, its scatter (:func:`scatter_staged`) queued by the caller on a
+second stream, so the copy engine moves the next layer while the SMs scatter this one. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
 1 bytes), so no dtype, block size or head_dim drops tail bytes. Written by hand because no library
 op converts between these two paged layouts for a scattered list of blocks in one launch.
 
@@ -55,7 +60,7 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # max_programs: the grid (a persistent kernel leaves the other SMs to the forward it overlaps).
 # min_dma_run_*: consecutive blocks that go by DMA rather than by the kernel (0 = never): below
 # ~32 blocks the per-call cost of 2 x layers DMA calls outweighs their speed (H100 sweep).
-# Copies of every layer at once (backups; loads of a step replayed from a graph) go through a device
+# Copies of every layer at once by the staged path (loads of a decode graph step) go through a device
 # staging buffer of staging_bytes (0: never): a run of host blocks of min_dma_bytes_staged or more is
 # one DMA (every layer of a block is contiguous on the host: one block of an 8B model is 2 MiB).
 TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264,

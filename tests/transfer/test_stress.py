@@ -174,8 +174,8 @@ def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy, mode,
     """``layers``: the eager forward's per-layer event waits; ``gated``: the layer gates a step
     graph waits on (CPU: a closed gate at its wait raises); ``gated-dma``: gated, with every run
     of 2+ consecutive host blocks by DMA into staging and its scatter on the scatter stream;
-    ``whole``: every block goes by DMA through a 3-block staging buffer (backups, and loads
-    queued all layers at once), so pieces reuse the buffer many times per copy."""
+    ``whole``: loads queued all layers at once go by DMA through a 3-block staging buffer, so
+    pieces reuse the buffer many times per copy."""
     from kvtier.transfer import kernels
     if mode == "whole":
         monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_bytes_staged=1,
