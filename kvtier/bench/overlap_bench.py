@@ -71,10 +71,11 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
         return [rng.randrange(vocab) for _ in range(n)]
 
     need = -(-(prefix_len + new_len + 1) // block_size)
-    # device tier: one request and a little more, so a filler prompt pushes the prefix out;
-    # host tier: room for the prefix and the fillers
+    # device tier: one request and a little more, so filler prompts (twice its blocks, even for
+    # a one-block prefix) push the prefix out; host tier: room for the prefix and the fillers
+    fillers = 1 + -(-2 * (need + 16) // need)
     llm = kvtier.LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
-                     num_device_blocks=need + 16, num_host_blocks=3 * need, write_policy="write_through",
+                     num_device_blocks=need + 16, num_host_blocks=(fillers + 2) * need, write_policy="write_through",
                      max_num_batched_tokens=prefix_len + new_len + 64, max_model_len=prefix_len + new_len + 64,
                      cuda_graphs=cuda_graphs)
     try:
@@ -86,19 +87,25 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
         _ttft(llm, prefix + tokens(new_len))
         res: dict[str, list[float]] = {"device": [], "host": [], "recompute": []}
         host_tokens: list[int] = []
+        def check(ok: bool, what: str, out) -> None:  # type: ignore[no-untyped-def]
+            if not ok:
+                raise RuntimeError(f"bench overlap (prefix {prefix_len}, new {new_len}): {what}; "
+                                   f"cached tokens by tier {out.cached_tokens_by_tier}")
+
         for _ in range(repeat):
             _ttft(llm, prefix + tokens(1))                       # prefix on device (and host)
             dt, out = _ttft(llm, prefix + tokens(new_len))
-            assert out.cached_tokens_by_tier["device"] >= prefix_len - block_size, out.cached_tokens_by_tier
+            check(out.cached_tokens_by_tier["device"] >= prefix_len - block_size, "the device hit missed", out)
             res["device"].append(dt)
-            _ttft(llm, tokens(prefix_len + new_len))             # filler: evicts the prefix from device
+            for _ in range(fillers):                              # evict the prefix from device
+                _ttft(llm, tokens(prefix_len + new_len))
             dt, out = _ttft(llm, prefix + tokens(new_len))
             # LRU keeps the prefix's head on device if the filler left room: most must come from host
-            assert out.cached_tokens_by_tier["host"] >= 0.9 * prefix_len, out.cached_tokens_by_tier
+            check(out.cached_tokens_by_tier["host"] >= 0.9 * prefix_len, "the host hit missed", out)
             host_tokens.append(out.cached_tokens_by_tier["host"])
             res["host"].append(dt)
             dt, out = _ttft(llm, tokens(prefix_len + new_len))
-            assert out.num_cached_tokens == 0
+            check(out.num_cached_tokens == 0, "the recompute case hit the cache", out)
             res["recompute"].append(dt)
         kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         prefix_bytes = min(host_tokens) * kv_bytes_per_token        # what the host hit loaded

@@ -168,7 +168,6 @@ class ModelRunner:
             mode = "gated" if step_graph and steps.gates is not None else "whole"   # type: ignore[union-attr]
         else:
             mode = "layers"
-        closes = steps.gates.closes if step_graph and steps.gates is not None else 0   # type: ignore[union-attr]
         layer_hook = start_loads(mode) if start_loads is not None else None
         if decode_graph:
             self._wait_all_loads(layer_hook)
@@ -179,7 +178,7 @@ class ModelRunner:
                 self._wait_all_loads(layer_hook)  # any other short step
             elif layer_hook is not None:
                 layer_hook.before_graph()         # type: ignore[attr-defined]
-                self.graph_steps_after_loads += steps.gates.closes != closes   # type: ignore[union-attr]
+                self.graph_steps_after_loads += 1
             hidden = steps.run(input_ids, positions, meta)      # type: ignore[union-attr]
             routing_out = steps.routing_out[:len(input_ids)] if steps.routing_out is not None else None  # type: ignore[union-attr]
         else:

@@ -107,13 +107,13 @@ class TransferEngine:
             entry = _InFlight(op, list(range(op.num_blocks)))
         self._inflight.append(entry)
 
-    def _pairs(self, op: TransferOp):  # type: ignore[no-untyped-def]
+    def _pairs(self, op: TransferOp, mode: str = "whole"):  # type: ignore[no-untyped-def]
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
         if self.ops is kernels:
             load = op.kind == "load"
             # loads of every layer at once: staged if they can be. Backups go by the zero-copy
             # kernel, faster than staged from 16 blocks up (docs/BENCHMARKS.md, bench transfer)
-            if load and self.load_mode == "whole":
+            if load and mode == "whole":
                 staged = kernels.host_runs(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)  # type: ignore[arg-type]
                 if staged is not None:
                     return staged, None
@@ -130,16 +130,20 @@ class TransferEngine:
         mode = self.load_mode if self.load_mode != "gated" or self.gates is not None else "whole"
         if mode not in ("whole", "layers", "gated"):
             raise ValueError(f"unknown load mode {self.load_mode!r}")
+        if (mode == "gated" and self.ops is kernels
+                and op.num_blocks * self.host_kv[0].nbytes < kernels.TUNING["min_gated_bytes"]):   # type: ignore[index]
+            mode = "whole"      # a small load: a few calls for every layer (staged) cost less CPU than
+            #                     per-layer launches, and waiting for all of it costs the GPU ~nothing
         if mode == "gated":                       # queued with the step's others (queue_gated)
             if not self._gated:                   # compute stream, before the mark: the step's
                 self.gates.close()                # graph must not pass a gate until it opens
-            entry = _InFlight(op, [], None, None, self._pairs(op), queued=False)
+            entry = _InFlight(op, [], None, None, self._pairs(op, mode), queued=False)
             self._gated.append(entry)
             return entry
         if not self.cuda:
             self.ops.host_to_device(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)
             return _InFlight(op, [])
-        src, dst = self._pairs(op)
+        src, dst = self._pairs(op, mode)
         stream = self.load_stream
         stream.wait_event(self._mark())
         events = None

@@ -63,9 +63,13 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # Copies of every layer at once by the staged path (loads of a decode graph step) go through a device
 # staging buffer of staging_bytes (0: never): a run of host blocks of min_dma_bytes_staged or more is
 # one DMA (every layer of a block is contiguous on the host: one block of an 8B model is 2 MiB).
+# min_gated_bytes: a load for a step graph behind layer gates smaller than this goes staged, all
+# layers at once, instead (TransferEngine): 2 x layers launches from Python cost more than
+# waiting for a small load (a one-block 8B host hit: +3.4 ms gated over a device hit, H100).
 TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264,
           "min_dma_run_h2d": 32, "min_dma_run_d2h": 0, "min_dma_bytes_staged": 256 << 10,
-          "staging_bytes": 64 << 20, "staged_programs": 1056, "staged_warps": 4}
+          "staging_bytes": 64 << 20, "staged_programs": 1056, "staged_warps": 4,
+          "min_gated_bytes": 64 << 20}
 
 
 def available() -> bool:

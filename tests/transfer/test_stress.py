@@ -177,11 +177,13 @@ def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy, mode,
     ``whole``: loads queued all layers at once go by DMA through a 3-block staging buffer, so
     pieces reuse the buffer many times per copy."""
     from kvtier.transfer import kernels
+    if mode.startswith("gated"):        # gate every load, however small (the GPU stages small ones)
+        monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_gated_bytes=0))
     if mode == "whole":
         monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_bytes_staged=1,
                                                     staging_bytes=3 * L * 2 * BS * H * D * 4))
     elif mode == "gated-dma":
-        monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_run_h2d=2))
+        monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_run_h2d=2, min_gated_bytes=0))
         scatters = []
         real_scatter = kernels.scatter_staged
         monkeypatch.setattr(kernels, "scatter_staged", lambda *a: scatters.append(1) or real_scatter(*a))
