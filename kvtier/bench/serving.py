@@ -305,7 +305,10 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
         for config in configs:
             flags = [] if args.url else server_flags(config, args, tmp)
             with Server(args.url, model, flags, tmp) as server:
+                token_ids = server.token_ids      # a warm-up that fails must not flip the probe
                 warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
+                if any(r.error for r in warm):
+                    server.token_ids = token_ids
                 before = server.metrics()
                 with progress(count, f"{name} [{config}]", args.progress) as tick:
                     t0 = time.perf_counter()

@@ -82,6 +82,7 @@ class TransferEngine:
         # how loads submitted now are queued (module docstring): "whole", "layers" or "gated"
         self.load_mode = "whole"
         self._gated: list[_InFlight] = []        # gated loads of this step, not yet queued
+        self._gated_done: torch.cuda.Event | None = None   # the last gated step's open_all
         self.gates: LayerGates | None = None
         self.gates = LayerGates.create(self.num_layers, kv_caches[0].device)
         if self.cuda:
@@ -135,9 +136,11 @@ class TransferEngine:
             mode = "whole"      # a small load: a few calls for every layer (staged) cost less CPU than
             #                     per-layer launches, and waiting for all of it costs the GPU ~nothing
         if mode == "gated":                       # queued with the step's others (queue_gated)
+            entry = _InFlight(op, [], None, None, self._pairs(op, mode), queued=False)   # may raise: before the close
             if not self._gated:                   # compute stream, before the mark: the step's
-                self.gates.close()                # graph must not pass a gate until it opens
-            entry = _InFlight(op, [], None, None, self._pairs(op, mode), queued=False)
+                if self._gated_done is not None:  # graph must not pass a gate until it opens, and
+                    torch.cuda.current_stream(self.kv_caches[0].device).wait_event(self._gated_done)
+                self.gates.close()                # no open of an earlier step may land after the close
             self._gated.append(entry)
             return entry
         if not self.cuda:
@@ -189,11 +192,11 @@ class TransferEngine:
         entries, self._gated = self._gated, []
         gates, stream = self.gates, self.load_stream if self.cuda else None
         pipelined = stream is not None and self.ops is kernels
-        if stream is not None:
-            stream.wait_event(self._mark())
         scattered = False
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             try:
+                if stream is not None:
+                    stream.wait_event(self._mark())
                 for layer in range(self.num_layers):
                     deferred: list | None = [] if pipelined else None
                     for entry in entries:
@@ -204,9 +207,9 @@ class TransferEngine:
                             kernels.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer,
                                                    deferred=deferred)
                     if deferred:
+                        scattered = True          # (before: a scatter that raised may have run in part)
                         self._scatter(deferred, stream)   # type: ignore[arg-type]
                         gates.open(layer, self.scatter_stream)     # type: ignore[union-attr]
-                        scattered = True
                     else:
                         gates.open(layer, stream)     # type: ignore[union-attr]
             except Exception as e:  # a failed copy costs a recompute, never a wrong answer
@@ -221,6 +224,7 @@ class TransferEngine:
                     gates.open_all(stream)        # type: ignore[union-attr]
                     done = torch.cuda.Event()
                     done.record(stream)
+                    self._gated_done = done       # the next close waits for it
                 else:
                     gates.open_all(stream)        # type: ignore[union-attr]
                 for entry in entries:

@@ -4,7 +4,8 @@ A captured graph cannot call Python between layers, so the eager forward's per-l
 waits (:meth:`TransferEngine.layer_hook`) are not available to it. Instead the step graphs are
 captured with one *stream memory wait* per layer before attention reads the KV cache — the GPU
 front end holds the compute stream until a 32-bit word in device memory is non-zero, no SM
-spins — and the load stream writes that word once the layer's copies are queued ahead of it::
+spins — and the copy side (the load stream, or the scatter stream when a layer's DMA is followed
+by a scatter) writes that word once the layer's copies are queued ahead of it::
 
     compute stream:  close (gates := 0) ─ mark ─ [graph: layer0 ▲wait g0 ─ layer1 ▲wait g1 ─ …]
     load stream:                          └wait─ H2D l0 ─ open g0 ─ H2D l1 ─ open g1 ─ … ─ open all
@@ -25,7 +26,9 @@ The waits and writes are ``cuStreamWaitValue32`` / ``cuStreamWriteValue32`` of t
 (captured into graphs as memory-op nodes), called through ctypes because torch does not expose
 them. On a CPU, or a driver without stream memory operations, the same object is a host array:
 ``wait`` raises if its gate is closed (the CPU twin runs loads synchronously, so a closed gate at
-a wait is a protocol error) and the engine falls back to waiting for whole loads.
+a wait is a protocol error); on a driver without them ``create`` returns None and the engine
+waits for whole loads. Loads under ``kernels.TUNING["min_gated_bytes"]`` are not gated on the
+GPU: they go staged, all layers at once, and the graph waits for them before its replay.
 """
 from __future__ import annotations
 

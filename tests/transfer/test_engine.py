@@ -106,6 +106,17 @@ def test_an_eager_forward_of_a_gated_step_waits_on_each_gate():
     assert eng.layer_hook() is None              # nothing left for the next forward
 
 
+def test_a_gated_load_that_cannot_be_split_leaves_the_gates_open():
+    """Splitting an op may raise (pinned memory, device memory): it fails alone, before any close."""
+    eng, kv, host = make()
+    eng._pairs = lambda op, mode="whole": (_ for _ in ()).throw(MemoryError("pinned memory"))
+    eng.load_mode = "gated"
+    eng.submit(load(1, (2,), (5,)))
+    eng.load_mode = "whole"
+    assert eng.gates.flags.tolist() == [1] * L and eng.gates.closes == 0
+    assert eng.layer_hook() is None and eng.poll() == [(1, [0])]
+
+
 def test_other_modes_leave_the_gates_alone_and_bad_modes_are_named():
     eng, kv, host = make()
     for mode in ("whole", "layers"):
