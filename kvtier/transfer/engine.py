@@ -19,6 +19,7 @@ blocks; the last reader of a load's freshly allocated blocks). Loads run in one 
   :mod:`kvtier.transfer.gates`): the step's loads are queued together when the forward takes
   them (:meth:`layer_hook`), layer-major across its ops, each layer followed by the write that
   opens its gate; the graph waits on the gates, so one launch overlaps loads and layers;
+  a load under ``kernels.TUNING["min_gated_bytes"]`` goes ``whole`` instead (fewer launches);
 - ``whole`` (a decode graph, or no gates): all layers at once in a few calls
   (``kernels.host_to_device``, staged DMA); the forward waits for their ``done`` event.
 
