@@ -183,7 +183,10 @@ class CacheManager:
         """Label (not hash) every full block of ``req.token_ids[:num_tokens]``."""
         h = req.hasher
         if num_tokens // self.block_size > h.num_blocks:
-            h.add_tokens(req.token_ids[h.num_tokens:num_tokens])
+            # every token there is so far, not just ``num_tokens``: ids only ever get appended, and
+            # the first call then packs the whole prompt without copying the list
+            ids = req.token_ids
+            h.add_tokens(ids[h.num_tokens:] if h.num_tokens else ids)
 
     def _sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
         """Keys of every full block of ``req.token_ids[:num_tokens]`` (and any hashed before)."""
@@ -194,8 +197,7 @@ class CacheManager:
     def _tree_prefix(self, req: CacheRequest, max_blocks: int) -> tuple[list[Node], int, int]:
         """(path, device hits, device + host hits) of ``req``'s first ``max_blocks`` blocks."""
         self._sync_labels(req, max_blocks * self.block_size)
-        path = self.tree.match(req.hasher, max_blocks)
-        req.hasher.adopt_path(path)         # matched blocks need no hashing
+        path = self.tree.match(req.hasher, max_blocks)   # adopts the hits' keys: never hashed
         # device copies are prefix-closed: the device hits end where the first node
         # without one is (binary search); past them every node must be readable on host
         lo, hi = 0, len(path)
@@ -359,7 +361,7 @@ class CacheManager:
                 tree.maybe_candidate(n)
             return False
         req.admitted = True
-        req.nodes = list(device_hits)
+        req.nodes = device_hits          # a fresh slice of the path: ours
         req.block_table = [*map(_DEVICE_BLOCK, device_hits), *blocks]
         for j, n in enumerate(host_hits):
             self._staged["load"].append((req, nd + j, n, blocks[j]))
@@ -414,8 +416,10 @@ class CacheManager:
                     deferred += 1                    # counts toward the target: no over-eviction
                     v = tree.pop_device_victim() if freed + deferred < num_blocks else None
                     continue
-                pool.free_one(tree.evict_device_leaf(v))   # the last copy: the node goes too
-                freed += 1
+                # the last copies: the nodes go too (write_back tries a backup of each first)
+                v, blocks = tree.evict_device_run(v, 1 if write_back else num_blocks - freed - deferred)
+                pool.free(blocks)
+                freed += len(blocks)
                 if freed + deferred < num_blocks:
                     v = tree.next_device_victim(v)
                 else:
@@ -531,20 +535,11 @@ class CacheManager:
             i += 1
         if i == n_full:
             return
-        # the rest is new: one run of nodes holding our device blocks, locked by us (inlined
-        # set_device + lock: this runs once per computed block)
+        # the rest is new: one run of nodes holding our device blocks, locked by us
         start = h.end(i - 1)
-        ends = [h.end(j) - start for j in range(i, n_full)]
-        new = tree.add_run(parent, keys[i:n_full], h.stream[start:start + ends[-1]], ends, h.uniform)
-        for node, block in zip(new, table[i:n_full]):
-            node.hit_count = 1
-            node.lock_ref = 1
-            node.device_block = block
-            node.last_access = tick
-        parent.num_device_children += 1
-        for node in new[:-1]:
-            node.num_device_children = 1
-        tree.num_device_copies += len(new)
+        ends = h.label_ends(i, n_full)
+        new = tree.add_run(parent, keys[i:n_full], h.stream[start:start + ends[-1]], ends, h.uniform,
+                           table[i:n_full], tick)
         req.nodes.extend(new)
         if copy_down and self.policy.copy_on_land(1):
             for node in new:

@@ -57,14 +57,15 @@ class BlockPool:
     def free(self, blocks: list[int] | tuple[int, ...]) -> None:
         """Return blocks; the whole call is refused (nothing freed) if any id is bad or free."""
         is_free, n = self._is_free, self.num_blocks
-        for b in blocks:
-            if not (isinstance(b, int) and 0 <= b < n):
-                raise DoubleFreeError(f"{self.tier} pool: block id {b!r} is not in 0..{n - 1}")
-            if is_free[b]:
+        for i, b in enumerate(blocks):
+            if not (isinstance(b, int) and 0 <= b < n) or is_free[b]:
+                for done in blocks[:i]:            # undo: nothing freed
+                    is_free[done] = 0
+                if not (isinstance(b, int) and 0 <= b < n):
+                    raise DoubleFreeError(f"{self.tier} pool: block id {b!r} is not in 0..{n - 1}")
+                if b in blocks[:i]:
+                    raise DoubleFreeError(f"{self.tier} pool: a block appears twice in one free: {sorted(blocks)}")
                 raise DoubleFreeError(f"{self.tier} pool: block {b} freed twice")
-        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
-            raise DoubleFreeError(f"{self.tier} pool: a block appears twice in one free: {sorted(blocks)}")
-        for b in blocks:
             is_free[b] = 1
         self._free.extend(reversed(blocks))
 

@@ -98,19 +98,21 @@ class Node:
 
 
 class Segment:
-    """A run of blocks without a branch: ``nodes``, their labels end to end (``data``; label
-    ``i`` ends at ``ends[i]``), and the child segments by first label. ``uniform``: every label
+    """A run of blocks without a branch: ``nodes``, their ``keys`` (``keys[i] is
+    nodes[i].key``: a match takes a run of keys with one slice), their labels end to end
+    (``data``; label ``i`` ends at ``ends[i]``), and the child segments by first label. ``uniform``: every label
     is a block of tokens without extras (see ``BlockHasher.uniform``), so a request without
     extras needs no per-block boundary check against it.
 
     Evicting the last block only drops its end offset: ``data`` may run past ``ends[-1]`` until
     :meth:`trimmed` cuts it (one copy per run of evictions, not one per block)."""
 
-    __slots__ = ("parent", "nodes", "data", "ends", "children", "uniform")
+    __slots__ = ("parent", "nodes", "keys", "data", "ends", "children", "uniform")
 
     def __init__(self, parent: "Segment | None", uniform: bool = True) -> None:
         self.parent = parent
         self.nodes: list[Node] = []
+        self.keys: list[bytes] = []
         self.data = b""
         self.ends: list[int] = []
         self.children: dict[bytes, Segment] = {}
@@ -160,8 +162,10 @@ class RadixTree:
     def match(self, h: "BlockHasher", max_blocks: int) -> list[Node]:
         """Nodes of the longest cached run of ``h``'s first ``max_blocks`` blocks: per segment,
         one dict lookup by the next block's label and one comparison of ``h.stream`` with the
-        segment's labels; only the segment where the request diverges is searched by block."""
+        segment's labels; only the segment where the request diverges is searched by block.
+        ``h`` adopts the matched blocks' keys (one slice per segment: a hit is never hashed)."""
         path: list[Node] = []
+        keys: list[bytes] = []
         stream, plain = h.stream, h.uniform
         seg, blk = self.root_seg, 0
         while blk < max_blocks:
@@ -175,11 +179,15 @@ class RadixTree:
                 k = n                        # the whole run (block ends agree: no extras)
             else:
                 k = self._common_blocks(child, h, blk, min(n, max_blocks - blk))
-            path.extend(child.nodes[:k] if k < n else child.nodes)
             if k < n:
+                path.extend(child.nodes[:k])
+                keys.extend(child.keys[:k])
                 break
+            path.extend(child.nodes)
+            keys.extend(child.keys)
             blk += n
             seg = child
+        h.adopt_keys(keys)
         return path
 
     @staticmethod
@@ -221,11 +229,15 @@ class RadixTree:
 
     # ------------------------------------------------------------------ structure
     def add_run(self, parent: Node, keys: Sequence[bytes], data: bytes, ends: Sequence[int],
-                uniform: bool) -> list[Node]:
+                uniform: bool, device_blocks: Sequence[int] = (), tick: int = 0) -> list[Node]:
         """New nodes for a chain of blocks below ``parent`` (which has no child with the first
         label): their keys, their labels end to end and each label's end in ``data``. Appended
         to ``parent``'s segment when ``parent`` ends a leaf segment; else a new child segment,
-        after splitting ``parent``'s segment behind it if ``parent`` is inside it."""
+        after splitting ``parent``'s segment behind it if ``parent`` is inside it.
+
+        With ``device_blocks`` (one per key) the nodes are device copies of blocks just computed,
+        each locked once by the request that computed them, hit once, accessed at ``tick``: the
+        commit of a prefill, set up in the same pass that creates the nodes."""
         seg, i = parent.seg, parent.idx + 1
         if i < len(seg.nodes):
             self._split(seg, i)
@@ -238,18 +250,34 @@ class RadixTree:
             target.uniform = target.uniform and uniform
         base, off = len(target.nodes), len(target.trimmed())
         nodes, created, prev = self.nodes, [], parent
-        for j, key in enumerate(keys):
-            assert key not in nodes, "duplicate block key"
-            node = Node(key, prev, target, base + j)
-            nodes[key] = node
-            created.append(node)
-            prev = node
+        append = created.append
+        if device_blocks:
+            assert len(device_blocks) == len(keys), (len(device_blocks), len(keys))
+            for idx, key, block in zip(range(base, base + len(keys)), keys, device_blocks):
+                assert key not in nodes, "duplicate block key"
+                node = nodes[key] = Node(key, prev, target, idx)
+                node.num_children = node.num_device_children = 1
+                node.device_block = block
+                node.lock_ref = node.hit_count = 1
+                node.last_access = tick
+                append(node)
+                prev = node
+            prev.num_device_children = 0
+            parent.num_device_children += 1
+            self.num_device_copies += len(created)
+        else:
+            for idx, key in zip(range(base, base + len(keys)), keys):
+                assert key not in nodes, "duplicate block key"
+                node = nodes[key] = Node(key, prev, target, idx)
+                node.num_children = 1
+                append(node)
+                prev = node
+        prev.num_children = 0
         parent.num_children += 1
-        for node in created[:-1]:
-            node.num_children = 1
         target.nodes.extend(created)
+        target.keys.extend(keys)
         target.data += data
-        target.ends.extend([off + e for e in ends] if off else ends)
+        target.ends.extend(map(off.__add__, ends) if off else ends)
         return created
 
     def _split(self, seg: Segment, i: int) -> None:
@@ -258,6 +286,7 @@ class RadixTree:
         tail = Segment(seg, seg.uniform)
         cut = seg.ends[i - 1]
         tail.nodes = seg.nodes[i:]
+        tail.keys = seg.keys[i:]
         tail.data = seg.trimmed()[cut:]
         tail.ends = [e - cut for e in seg.ends[i:]]
         tail.children = seg.children
@@ -265,7 +294,7 @@ class RadixTree:
             c.parent = tail
         for j, node in enumerate(tail.nodes):
             node.seg, node.idx = tail, j
-        del seg.nodes[i:], seg.ends[i:]
+        del seg.nodes[i:], seg.keys[i:], seg.ends[i:]
         seg.data = seg.data[:cut]
         seg.children = {tail.data[:tail.ends[0]]: tail}
 
@@ -277,6 +306,7 @@ class RadixTree:
         node.parent.num_children -= 1   # type: ignore[union-attr]
         if len(seg.nodes) > 1:
             seg.nodes.pop()
+            seg.keys.pop()
             seg.ends.pop()                  # data is cut later (trimmed)
             return
         up = seg.parent
@@ -292,6 +322,7 @@ class RadixTree:
         for j, node in enumerate(child.nodes):
             node.seg, node.idx = seg, base + j
         seg.nodes.extend(child.nodes)
+        seg.keys.extend(child.keys)
         seg.ends.extend([off + e for e in child.ends])
         seg.data += child.trimmed()
         seg.children = child.children
@@ -318,6 +349,7 @@ class RadixTree:
             if seg is not self.root_seg:
                 assert seg.nodes and len(seg.children) != 1, f"{seg}: empty, or one child (unmerged)"
                 assert len(seg.ends) == len(seg.nodes) and seg.ends[-1] <= len(seg.data), seg
+                assert seg.keys == [n.key for n in seg.nodes], f"{seg}: keys"
                 assert all(a < b for a, b in zip([0, *seg.ends], seg.ends)), f"{seg}: label ends"
             prev = above
             for j, node in enumerate(seg.nodes):
@@ -371,6 +403,46 @@ class RadixTree:
         block = self._clear_device(node)
         self._drop_leaf(node)
         return block
+
+    def evict_device_run(self, node: Node, limit: int) -> tuple[Node, list[int]]:
+        """:meth:`evict_device_leaf` of ``node`` and, up to ``limit`` blocks in all, of the
+        blocks above it in its segment that would be the next device victims anyway: no host
+        copy, unlocked, unread, and a key below every candidate in the heap (the order
+        :meth:`next_device_victim` takes them in). The segment's first block is left to
+        :meth:`next_device_victim` (it unlinks a segment). One cut of the segment's lists, not
+        one call per block: the eviction of a finished request's unique blocks.
+
+        Returns the topmost evicted node and the blocks, top first."""
+        seg = node.seg
+        nodes = seg.nodes
+        i = j = node.idx
+        heap = self._device_heap
+        bound = heap[0][0] if heap else None
+        key = self._key
+        while j > 1 and i - j + 1 < limit:
+            p = nodes[j - 1]
+            if (p.host_block is not None or p.lock_ref or p.device_reads or p.device_block is None
+                    or (bound is not None and not key(p) < bound)):
+                break
+            j -= 1
+        if j == i:
+            return node, [self.evict_device_leaf(node)]
+        assert node.host_block is None and not node.num_children and node.host_reads == 0, node
+        assert node.lock_ref == 0 and node.device_reads == 0 and nodes[-1] is node, node
+        run = nodes[j:]
+        index = self.nodes
+        blocks = []
+        for n in run:
+            del index[n.key]
+            blocks.append(n.device_block)
+            n.device_block = None
+        del nodes[j:], seg.keys[j:], seg.ends[j:]     # data is cut later (trimmed)
+        above = nodes[j - 1]
+        above.num_children = above.num_device_children = 0
+        self.num_device_copies -= len(run)
+        self.num_device_unlocked -= len(run)
+        self.epoch += 1
+        return run[0], blocks
 
     def set_host(self, node: Node, block: int, ready: bool) -> None:
         assert node.host_block is None and not node.is_root

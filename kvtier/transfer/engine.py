@@ -106,8 +106,27 @@ class TransferEngine:
                 raise ValueError(f"unknown op kind {op.kind!r}")
         except Exception as e:   # a failed copy costs a recompute, never a wrong answer
             log.warning("%s op %d failed: %s", op.kind, op.op_id, e)
-            entry = _InFlight(op, list(range(op.num_blocks)))
+            entry = _InFlight(op, list(range(op.num_blocks)), self._fence(op.kind))
         self._inflight.append(entry)
+
+    def _fence(self, kind: str) -> torch.cuda.Event | None:
+        """After a submit that raised part-way: an event behind every copy it may have queued,
+        which the compute stream waits for too. The failed op is reported only once that event
+        passed, so its blocks are not reused (nor its KV recomputed) while a copy of it still runs."""
+        if not self.cuda:
+            return None
+        device = self.kv_caches[0].device
+        try:
+            stream = self.load_stream if kind == "load" else self.offload_stream
+            if kind == "load":
+                stream.wait_stream(self.scatter_stream)
+            fence = torch.cuda.Event()
+            fence.record(stream)
+            torch.cuda.current_stream(device).wait_event(fence)
+            return fence
+        except Exception:  # noqa: BLE001 - CUDA itself failing: wait here for whatever was queued
+            torch.cuda.synchronize(device)
+            return None
 
     def _pairs(self, op: TransferOp, mode: str = "whole"):  # type: ignore[no-untyped-def]
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""

@@ -104,8 +104,44 @@ def test_segment_match_equals_key_match(prompts, num_blocks):
             {"mm_items": [MMItem(f"img{stem}", offset=BS, length=2)]}
         req = mgr.new_request(i, tokens, **kw)
         m = mgr.match_prefix(req)
-        assert m.num_device_blocks + m.num_host_blocks == key_match(mgr, mgr.new_request(-1, tokens, **kw))
+        ref = mgr.new_request(-1, tokens, **kw)
+        assert m.num_device_blocks + m.num_host_blocks == key_match(mgr, ref)
+        assert mgr._sync_keys(req) == ref.keys   # the keys a match adopts from the segments = hashed
         if mgr.allocate(req, len(tokens)):
             mgr.commit(req, len(tokens))
         mgr.free(req)
         mgr.assert_invariants()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_prompt, min_size=1, max_size=40), st.integers(8, 48), st.sampled_from(["lru", "lfu"]))
+def test_run_eviction_equals_block_by_block_eviction(prompts, num_blocks, policy):
+    """Evicting a run of a segment in one cut (``evict_device_run``) takes the same blocks in the
+    same order as evicting them one by one: after every request both trees hold the same keys
+    on the same device blocks, and the same blocks are free."""
+    mgrs = [CacheManager(block_size=BS, num_device_blocks=num_blocks, eviction=policy) for _ in range(2)]
+    one_by_one = mgrs[1].tree
+    run = one_by_one.evict_device_run
+    one_by_one.evict_device_run = lambda node, limit: run(node, 1)    # type: ignore[method-assign]
+    for i, (stem, cut, tail, kind) in enumerate(prompts):
+        tokens = [stem * 1000 + j for j in range(cut)] + [50_000 + tail * 97 + j for j in range(tail * BS + 1)]
+        kw = {} if kind == 0 else {"lora_name": "a"}
+        for mgr in mgrs:
+            serve(mgr, i, tokens, **kw)
+            mgr.assert_invariants()
+        a, b = ({k: n.device_block for k, n in m.tree.nodes.items()} for m in mgrs)
+        assert a == b
+        assert mgrs[0].device_pool._free == mgrs[1].device_pool._free
+        assert mgrs[0].stats.evictions == mgrs[1].stats.evictions
+
+
+def test_label_ends_agree_with_block_ends():
+    """``label_ends(i, n)``: where blocks i..n-1's labels end, from the start of block i's (block
+    0's label starts with the seed), with and without per-block extras."""
+    mgr = CacheManager(block_size=BS, num_device_blocks=8)
+    for kw in ({}, {"lora_name": "a"}, {"mm_items": [MMItem("img", offset=BS, length=2)]}):
+        h = mgr.new_request(0, list(range(7 * BS + 2)), **kw).hasher
+        h.add_tokens(list(range(7 * BS + 2)))
+        for i in range(7):
+            for n in range(i + 1, 8):
+                assert list(h.label_ends(i, n)) == [h.end(j) - h.end(i - 1) for j in range(i, n)], (kw, i, n)

@@ -128,3 +128,41 @@ def test_other_modes_leave_the_gates_alone_and_bad_modes_are_named():
     assert eng.poll() == [(2, [0])]
     with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
         LayerGates(0, torch.device("cpu"))
+
+
+def test_a_load_failing_part_way_is_reported_failed_and_the_rest_goes_on():
+    """CPU twin of the fence: a load whose copy raises after layer 0 landed is reported failed
+    (every block), never raised; the next load goes through."""
+    eng, kv, host = make()
+
+    def half_copy(host_kv, kv_caches, src, dst, layer=None):  # type: ignore[no-untyped-def]
+        reference.host_to_device(host_kv, kv_caches, src, dst, layer=0)
+        raise RuntimeError("injected copy failure after layer 0")
+
+    eng.ops = type("HalfOps", (), {"host_to_device": staticmethod(half_copy)})()
+    eng.submit(load(1, (2, 3), (5, 6)))
+    assert eng.poll() == [(1, [0, 1])]
+    eng.ops = reference
+    eng.submit(load(2, (2,), (5,)))
+    assert eng.poll() == [(2, [])] and torch.equal(kv[1][:, 5], host[2, 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: on CPU the copies run synchronously")
+def test_a_load_failing_part_way_is_reported_only_after_its_queued_copies_ran():
+    """Layer 0's copy is queued (behind a slow kernel on the load stream), layer 1's raises: the
+    op must not be reported before that queued copy ran (its block would be reused under it),
+    and what the compute stream writes next into the block lands after the copy, never under it."""
+    dev = torch.device("cuda")
+    kv = list(torch.zeros(L, 2, 8, BS, H, D, device=dev).unbind(0))
+    host = torch.arange(8 * L * 2 * BS * H * D, dtype=torch.float32).reshape(8, L, 2, BS, H, D).pin_memory()
+    eng = TransferEngine(kv, host, use_kernels=False)
+    eng.ops = Recorder(eng, fail_at_layer=1)
+    eng.load_mode = "layers"
+    with torch.cuda.stream(eng.load_stream):
+        torch.cuda._sleep(200_000_000)            # ~0.1 s: layer 0's copy waits behind it
+    eng.submit(load(1, (2,), (5,)))
+    assert eng.poll() == [], "a failed op reported while its queued copy has not run"
+    kv[0][:, 5].fill_(-1.0)                     # the compute stream's next write (a recompute)
+    torch.cuda.synchronize()
+    assert bool((kv[0][:, 5] == -1.0).all()), "the failed op's late copy overwrote a later write"
+    assert eng.poll() == [(1, [0])]
