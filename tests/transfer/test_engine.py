@@ -156,13 +156,23 @@ def test_a_load_failing_part_way_is_reported_only_after_its_queued_copies_ran():
     kv = list(torch.zeros(L, 2, 8, BS, H, D, device=dev).unbind(0))
     host = torch.arange(8 * L * 2 * BS * H * D, dtype=torch.float32).reshape(8, L, 2, BS, H, D).pin_memory()
     eng = TransferEngine(kv, host, use_kernels=False)
-    eng.ops = Recorder(eng, fail_at_layer=1)
+
+    # layer 0's K of the block, by one async copy into a contiguous slice (the reference ops, and
+    # a copy into a strided slice, block the CPU until the stream got there)
+    staged = host[2, 0, 0].clone().pin_memory()
+
+    def copy_layer_0_only(host_kv, kv_caches, src, dst, layer=None):  # type: ignore[no-untyped-def]
+        if layer:
+            raise RuntimeError("injected copy failure at layer 1")
+        kv_caches[0][0, dst[0]].copy_(staged, non_blocking=True)
+
+    eng.ops = type("FailingOps", (), {"host_to_device": staticmethod(copy_layer_0_only)})()
     eng.load_mode = "layers"
     with torch.cuda.stream(eng.load_stream):
         torch.cuda._sleep(200_000_000)            # ~0.1 s: layer 0's copy waits behind it
     eng.submit(load(1, (2,), (5,)))
     assert eng.poll() == [], "a failed op reported while its queued copy has not run"
-    kv[0][:, 5].fill_(-1.0)                     # the compute stream's next write (a recompute)
+    kv[0][0, 5].fill_(-1.0)                     # the compute stream's next write (a recompute)
     torch.cuda.synchronize()
-    assert bool((kv[0][:, 5] == -1.0).all()), "the failed op's late copy overwrote a later write"
+    assert bool((kv[0][0, 5] == -1.0).all()), "the failed op's late copy overwrote a later write"
     assert eng.poll() == [(1, [0])]
