@@ -78,6 +78,10 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """kvtier's cached prompt tokens per tier so far (empty for other servers)."""
+        return {k: v for k, v in self._scrape().items() if k != "pending"}
+
+    def _scrape(self) -> dict[str, float]:
+        """Cached tokens per tier and ``pending`` (copies not landed); empty if not kvtier."""
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
         try:
@@ -88,9 +92,23 @@ class Server:
                     for s in fam.samples:
                         if s.name.endswith("_total"):
                             out[s.labels["tier"]] = s.value
+                elif fam.name == "kvtier_copies_pending" and fam.samples:
+                    out["pending"] = fam.samples[0].value
             return out
         except Exception:  # noqa: BLE001 - not kvtier, or no metrics: per-tier counts are left out
             return {}
+
+    def settle(self, timeout: float = 60.0) -> float | None:
+        """Wait until a kvtier server has no copy in flight (the warm-up's backups and puts to
+        the pool must not run into the timed requests); seconds waited, None if not kvtier."""
+        t0 = time.perf_counter()
+        while True:
+            pending = self._scrape().get("pending")
+            if pending is None:
+                return None
+            if not pending or time.perf_counter() - t0 > timeout:
+                return time.perf_counter() - t0
+            time.sleep(0.05)
 
 
 async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> Record:
@@ -309,6 +327,7 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
                 warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
                 if any(r.error for r in warm):
                     server.token_ids = token_ids
+                settled = server.settle()
                 before = server.metrics()
                 with progress(count, f"{name} [{config}]", args.progress) as tick:
                     t0 = time.perf_counter()
@@ -318,7 +337,8 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
             res = summarize(records, wall)
             res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
             res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
-            res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error)}
+            res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error),
+                             "settle_s": settled}
             results[config] = res
     out = {"bench": name, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     print(table(results))

@@ -174,7 +174,8 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._take_inbox(block=not core.has_unfinished())
                 if not core.has_unfinished():
-                    continue
+                    core.pump_idle()       # no request: copies in flight still land, and stage
+                    continue               # the next (a landed backup's put to the pool)
                 try:
                     finished = core.step()
                 except Exception:  # noqa: BLE001 - maybe transient: dead only if it keeps failing

@@ -786,6 +786,15 @@ class EngineCore:
             done.append(output)
         return done
 
+    def pump_idle(self) -> int:
+        """With no request to step: submit staged copies and hand back those that landed (the
+        server's engine thread calls it while idle, so that the last requests' backups and their
+        puts to the pool finish instead of waiting for the next request). Returns the copies
+        still pending."""
+        if not self.closed and not self.has_unfinished():
+            self._pump()
+        return self.cache.num_pending_ops
+
     def _pump(self) -> None:
         """Submit the manager's staged copies and hand back those that landed, until quiet (on
         CPU every copy lands at once, and a landed copy may stage the next: backup -> put)."""

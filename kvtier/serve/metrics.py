@@ -4,8 +4,8 @@ Per-request figures (tokens, cached tokens by tier, TTFT, inter-token latency, P
 results) are counted as requests end, however they end: ``kvtier_requests_total{finish_reason}``
 has ``stop`` / ``length`` / ``abort`` (the client went away; its tokens so far are counted) /
 ``error`` / ``prefill`` (P's half of a hand-off). The cache's own counters (bytes moved,
-evictions, storage failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``) and the
-queue gauges are read from a snapshot the engine thread takes at scrape time.
+evictions, storage failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``), the
+copies not landed yet (``kvtier_copies_pending``) and the queue gauges are read from a snapshot the engine thread takes at scrape time.
 """
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ class _CacheCollector:
         fail = CounterMetricFamily("kvtier_storage_failures", "failed block copies per operation", labels=["op"])
         blocks = GaugeMetricFamily("kvtier_tier_blocks", "KV blocks of each tier: used (held by requests or "
                                    "cached) | free", labels=["tier", "state"])
+        pending = GaugeMetricFamily("kvtier_copies_pending", "copies between tiers planned and not landed "
+                                    "yet (loads, backups, fetches, puts)")
         if s is not None:
+            pending.add_metric([], s.get("pending_ops", 0))
             for tier, (used, total) in s["tier_blocks"].items():
                 blocks.add_metric([tier, "used"], used)
                 blocks.add_metric([tier, "free"], total - used)
@@ -43,6 +46,7 @@ class _CacheCollector:
         yield evict
         yield fail
         yield blocks
+        yield pending
 
 
 class ServerMetrics:
@@ -96,5 +100,6 @@ def snapshot(core) -> dict:  # type: ignore[no-untyped-def]
     s = core.cache.stats.as_dict()
     cache = core.cache
     return {"bytes_moved": s["bytes_moved"], "evictions": s["evictions"], "failures": s["failures"],
+            "pending_ops": cache.num_pending_ops,
             "tier_blocks": {"device": (cache.device_pool.num_used, cache.device_pool.num_blocks),
                             "host": (cache.host_pool.num_used, cache.host_pool.num_blocks)}}

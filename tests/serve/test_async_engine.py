@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -235,3 +236,38 @@ def test_sample_deltas_carry_their_tokens_logprobs_in_step(engine):
         assert streamed == c.logprobs and len(streamed) == len(c.token_ids) == 9
         # each entry: the sampled token (first) and the top 2
         assert all(next(iter(lp)) == t and 2 <= len(lp) <= 3 for lp, t in zip(streamed, c.token_ids))
+
+
+def test_an_idle_engine_lands_its_copies_and_starts_the_puts_they_stage(checkpoint):
+    """After the last request, nothing steps the engine: its backups and their puts to the pool
+    must still land (and be counted), not wait in flight for the next request."""
+    core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64, num_host_blocks=32,
+                      storage="memory://?capacity=16MiB", write_policy="write_through")
+    backend = core.storage.backend
+    real_put = backend.put_from_parts if backend.supports_parts else backend.put_from
+
+    def slow_put(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)                  # still in flight when the request's last step ends
+        return real_put(*args, **kwargs)
+
+    if backend.supports_parts:
+        backend.put_from_parts = slow_put
+    else:
+        backend.put_from = slow_put
+    engine = AsyncEngine(core, max_queue=4)
+    try:
+        async def main():
+            await collect(engine, engine.make_request(list(range(1, 42)), LONG))
+            pending_at_end = await engine.call(lambda c: c.cache.num_pending_ops)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if not await engine.call(lambda c: c.cache.num_pending_ops):
+                    break
+                await asyncio.sleep(0.05)
+            return pending_at_end, await engine.call(lambda c: (c.cache.num_pending_ops, c.cache.stats.as_dict()))
+        pending_at_end, (pending, stats) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert pending_at_end > 0, "the test needs puts in flight when the request ends"
+    assert pending == 0, f"{pending} copies still pending on an idle engine"
+    assert stats["bytes_moved"]["host_to_storage"] > 0
