@@ -36,7 +36,7 @@ def test_multiturn_rounds_after_the_first_hit_the_cache_unless_it_is_off(tmp_pat
         assert r["requests"] == 9 and len(r["ttft_by_round"]) == 3
         warm = r["warmup"]                                    # two waves of round 1, not counted,
         assert (warm["requests"], warm["failed"]) == (2 * 3, 0)     # then their copies landed
-        assert warm["settle_s"] is not None and 0 <= warm["settle_s"] < 60
+        assert warm["settle"]["settled"] and 0 <= warm["settle"]["s"] < 60
         # round k resends k earlier rounds of 24 + 4 tokens: the prompt grows as the recipe says
         assert r["prompt_by_round"] == [3 * 24, 3 * (2 * 24 + 4), 3 * (3 * 24 + 2 * 4)]
     assert res["recompute"]["cached_tokens"] == 0

@@ -98,16 +98,20 @@ class Server:
         except Exception:  # noqa: BLE001 - not kvtier, or no metrics: per-tier counts are left out
             return {}
 
-    def settle(self, timeout: float = 60.0) -> float | None:
+    def settle(self, timeout: float = 60.0) -> dict | None:
         """Wait until a kvtier server has no copy in flight (the warm-up's backups and puts to
-        the pool must not run into the timed requests); seconds waited, None if not kvtier."""
+        the pool must not run into the timed requests), at most ``timeout`` seconds: {"s":
+        seconds waited, "settled": whether it got there}; None if not kvtier (no gauge)."""
         t0 = time.perf_counter()
+        seen = False
         while True:
             pending = self._scrape().get("pending")
-            if pending is None:
+            if pending is None and not seen:
                 return None
-            if not pending or time.perf_counter() - t0 > timeout:
-                return time.perf_counter() - t0
+            seen = True
+            waited = time.perf_counter() - t0
+            if pending == 0 or waited > timeout:
+                return {"s": waited, "settled": pending == 0}
             time.sleep(0.05)
 
 
@@ -338,7 +342,7 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
             res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
             res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
             res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error),
-                             "settle_s": settled}
+                             "settle": settled}
             results[config] = res
     out = {"bench": name, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     print(table(results))

@@ -173,20 +173,24 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._take_inbox(block=not core.has_unfinished())
-                if not core.has_unfinished():
-                    core.pump_idle()       # no request: copies in flight still land, and stage
-                    continue               # the next (a landed backup's put to the pool)
+                # no request: copies in flight still land and stage the next (a landed
+                # backup's put to the pool); else a step. Either may fail transiently.
+                idle = not core.has_unfinished()
                 try:
-                    finished = core.step()
+                    if idle:
+                        core.pump_idle()
+                    finished = [] if idle else core.step()
                 except Exception:  # noqa: BLE001 - maybe transient: dead only if it keeps failing
                     failures += 1
                     if failures >= self.max_step_failures or core.closed:
                         raise
-                    log.exception("engine step failed with no request to blame (%d in a row)", failures)
+                    log.exception("engine %s failed with no request to blame (%d in a row)",
+                                  "idle pump" if idle else "step", failures)
                     self._stop.wait(self._idle_wait)
                     continue
                 failures = 0
-                self._emit(finished)
+                if not idle:
+                    self._emit(finished)
         except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
             log.exception("engine step failed; failing every request in flight")
             self._error = e

@@ -271,3 +271,27 @@ def test_an_idle_engine_lands_its_copies_and_starts_the_puts_they_stage(checkpoi
     assert pending_at_end > 0, "the test needs puts in flight when the request ends"
     assert pending == 0, f"{pending} copies still pending on an idle engine"
     assert stats["bytes_moved"]["host_to_storage"] > 0
+
+
+def test_a_failure_landing_copies_while_idle_is_counted_not_fatal(checkpoint, monkeypatch):
+    """An idle pump that raises once is logged and retried, like a failed step; the engine serves on."""
+    core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64)
+    real, calls = core.pump_idle, []
+
+    def flaky():  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: idle pump failed")
+        return real()
+    monkeypatch.setattr(core, "pump_idle", flaky)
+    engine = AsyncEngine(core, max_queue=4)
+    try:
+        async def main():
+            while len(calls) < 2:
+                await asyncio.sleep(0.02)
+            return await collect(engine, engine.make_request([1, 2, 3, 4, 5], LONG))
+        out = asyncio.run(main())
+        engine._check_alive()
+    finally:
+        engine.shutdown()
+    assert out.finish_reason == "length" and len(out.token_ids) == LONG.max_tokens
