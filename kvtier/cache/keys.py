@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-import operator
 import struct
 import sys
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ def _sha256(data: bytes) -> bytes:
 
 _xxh3_128 = xxhash.xxh3_128_digest
 
-_KEY_OF = operator.attrgetter("key")
 _DIGESTS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxh3_128": _xxh3_128}
 
 
@@ -299,11 +297,6 @@ class BlockHasher:
         mine = self._keys
         if len(mine) < len(keys):
             mine.extend(keys[len(mine):] if mine else keys)   # the same list object: it only grows
-
-    def adopt_path(self, nodes: Sequence) -> None:  # type: ignore[type-arg]
-        """:meth:`adopt_keys` of a path of nodes (``nodes[i].key`` is block ``i``'s key)."""
-        if len(self._keys) < len(nodes):
-            self.adopt_keys(list(map(_KEY_OF, nodes)))
 
     def extend(self, tokens: Sequence[int]) -> list[bytes]:
         """Append tokens; return the keys of blocks that became full."""

@@ -180,7 +180,7 @@ class CacheManager:
         return CacheRequest(rid, token_ids, hasher)
 
     def _sync_labels(self, req: CacheRequest, num_tokens: int) -> None:
-        """Label (not hash) every full block of ``req.token_ids[:num_tokens]``."""
+        """Label (not hash) every full block of ``req.token_ids[:num_tokens]`` (and any after it)."""
         h = req.hasher
         if num_tokens // self.block_size > h.num_blocks:
             # every token there is so far, not just ``num_tokens``: ids only ever get appended, and
