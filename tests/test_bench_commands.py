@@ -91,13 +91,19 @@ def test_bench_pd_sweeps_rates_with_repeats_end_to_end(tmp_path, capsys):
         assert point["identical_tokens"] == 6                      # fp32 on CPU: the hand-off changes nothing
         assert point["pd_over_colocated_ttft_p90_s"] > 0
     assert res["handoff"]["storage_hit_tokens"] > 0
+    ps = res["prefill_server"]      # P's own TTFT and its wait for the pool, from its /metrics
+    assert 0 < ps["ttft_mean_s"] < 60 and 0 < ps["export_mean_s"] < 60
+    assert ps["storage"]["put_blocks"] > 0
     text = capsys.readouterr().out
+    assert "P: own TTFT mean" in text
     assert "50/s PD/colocated" in text and "identical token streams 6 / 6" in text
 
 
 def test_bench_pd_names_bad_rates_and_setups(capsys):
-    for bad in (["--rate", "fast"], ["--rate", "-1"], ["--setups", "both"], ["--repeat", "0"]):
+    for bad in (["--rate", "fast"], ["--rate", "-1"], ["--setups", "both"], ["--repeat", "0"],
+                ["--prefill-put-workers", "0"]):
         with pytest.raises(SystemExit):
             pd_bench.main(bad)
     err = capsys.readouterr().err
     assert "'fast'" in err and "'-1'" in err and "'both'" in err and "--requests and --repeat must be >= 1" in err
+    assert "--prefill-put-workers must be >= 1, got 0" in err

@@ -35,6 +35,32 @@ def _stats(server: ServerProcess) -> dict:
     return httpx.get(server.url + "/kvtier/stats", timeout=30).json()
 
 
+def _histograms(server: ServerProcess, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each histogram ``names`` on the server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text):
+        if fam.name in names:
+            total = next((s.value for s in fam.samples if s.name.endswith("_sum")), 0.0)
+            count = next((s.value for s in fam.samples if s.name.endswith("_count")), 0.0)
+            out[fam.name] = (total, count)
+    return out
+
+
+def _means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean of each histogram over the observations between two scrapes."""
+    out = {}
+    for name, (total, count) in after.items():
+        t0, c0 = before.get(name, (0.0, 0.0))
+        if count > c0:
+            out[name] = (total - t0) / (count - c0)
+    return out
+
+
+_P_HISTOGRAMS = ("kvtier_time_to_first_token_seconds", "kvtier_pd_export_seconds")
+
+
 def workload(n: int, rate: float, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], vocab: int,
              seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
@@ -107,7 +133,7 @@ def _sweep(url: str, name: str, loads: dict[float, list[list[dict]]], timeout: f
 def run(model: str, storage: str | None, engine_args: list[str], requests: int, rates: list[float],
         prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int, workers: int,
         tmp: Path, timeout: float = 600.0, repeat: int = 1,
-        setups: tuple[str, ...] = ("colocated", "pd")) -> dict:
+        setups: tuple[str, ...] = ("colocated", "pd"), prefill_put_workers: int | None = None) -> dict:
     """Both setups (or ``setups``), each driven at every rate ``repeat`` times with ``requests``
     requests (a fresh workload per repeat: seed + repeat); servers' logs (and the default pool)
     go to ``tmp``, which the caller owns. ``points``: per rate, per setup, each metric's median
@@ -124,7 +150,7 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
     warm = workload(4, 0, prompt_tokens, (4, 4), cfg.vocab_size, seed + 1000)
     res: dict = {"model": model, "pool": pool_url.split("@")[-1], "requests": requests, "rates": rates,
                  "repeat": repeat, "prompt_tokens": list(prompt_tokens),
-                 "output_tokens": list(output_tokens)}
+                 "output_tokens": list(output_tokens), "prefill_put_workers": prefill_put_workers}
     servers: list[ServerProcess] = []
     done = [0]
     total = len(rates) * repeat * len(setups)
@@ -143,7 +169,8 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
             servers.remove(colo)
         if "pd" in setups:
             pd_args = ["--storage", pool_url, "--storage-workers", str(workers)]
-            p = ServerProcess(["serve", *common, "--role", "prefill", *pd_args], tmp / "prefill.log")
+            p_args = [] if prefill_put_workers is None else ["--storage-put-workers", str(prefill_put_workers)]
+            p = ServerProcess(["serve", *common, "--role", "prefill", *pd_args, *p_args], tmp / "prefill.log")
             d = ServerProcess(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"],
                               tmp / "decode.log")
             servers += [p, d]
@@ -151,9 +178,15 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
             router = ServerProcess(["router", "--prefill", p.url, "--decode", d.url], tmp / "router.log").wait_ready()
             servers.append(router)
             asyncio.run(_drive(router.url, name, warm, timeout))
-            s0 = _stats(d)["storage"]
+            s0, h0 = _stats(d)["storage"], _histograms(p, _P_HISTOGRAMS)
             runs["pd"] = _sweep(router.url, name, loads, timeout, bar)
-            s1 = _stats(d)["storage"]
+            s1, h1 = _stats(d)["storage"], _histograms(p, _P_HISTOGRAMS)
+            # where P's answer time goes (all rates together): its own TTFT, then the wait for
+            # the pool to store the prompt's blocks before it answers
+            means = _means(h0, h1)
+            res["prefill_server"] = {"ttft_mean_s": means.get("kvtier_time_to_first_token_seconds"),
+                                     "export_mean_s": means.get("kvtier_pd_export_seconds"),
+                                     "storage": _stats(p)["storage"]}
             busy_b = s1["busy_read_bytes"] - s0["busy_read_bytes"]
             busy_s = s1["busy_read_seconds"] - s0["busy_read_seconds"]
             res["handoff"] = {"bytes": busy_b, "gbps": busy_b / busy_s / 1e9 if busy_s else float("nan"),
@@ -235,12 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None, help="context (default: the model's)")
     ap.add_argument("--storage-workers", type=int, default=default_storage_workers(),
                     help="fetch threads of D, and of the raw baseline (default: one per core, 2..16)")
+    ap.add_argument("--prefill-put-workers", type=int, default=None,
+                    help="put threads of P (default: the server's, half of --storage-workers)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
     a = ap.parse_args(argv)
     if a.repeat < 1 or a.requests < 1:
         ap.error(f"--requests and --repeat must be >= 1, got {a.requests} and {a.repeat}")
+    if a.prefill_put_workers is not None and a.prefill_put_workers < 1:
+        ap.error(f"--prefill-put-workers must be >= 1, got {a.prefill_put_workers}")
     engine = ["--device", a.device, "--load-format", a.load_format, "--num-host-blocks", a.num_host_blocks]
     if a.num_device_blocks:
         engine += ["--num-device-blocks", a.num_device_blocks]
@@ -261,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                 from kvtier.model import init_model
                 model = str(init_model(a.preset, tmp / "model", seed=0, config_only=a.load_format == "dummy"))
             res = run(model, a.storage, [str(x) for x in engine], a.requests, a.rate, a.prompt_tokens,
-                      a.output_tokens, a.seed, a.storage_workers, tmp, repeat=a.repeat, setups=a.setups)
+                      a.output_tokens, a.seed, a.storage_workers, tmp, repeat=a.repeat, setups=a.setups,
+                      prefill_put_workers=a.prefill_put_workers)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, on_term)
@@ -283,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {point['rate']:5g}/s PD/colocated: TTFT p90 {point['pd_over_colocated_ttft_p90_s']:.2f}, "
                   f"ITL p90 {point['pd_over_colocated_itl_p90_s']:.2f}; identical token streams "
                   f"{point['identical_tokens']} / {a.requests * a.repeat}")
+    ps = res.get("prefill_server")
+    if ps and ps["ttft_mean_s"] is not None:
+        export = ps["export_mean_s"]
+        print(f"  P: own TTFT mean {ps['ttft_mean_s'] * 1e3:.1f} ms, then the pool's ack of the prompt's blocks "
+              + (f"{export * 1e3:.1f} ms" if export is not None else "-") + " (P answers after both)")
     h = res.get("handoff")
     if h:
         print(f"  hand-off: {h['bytes'] / 1e6:.1f} MB read by D at {h['gbps']:.3f} GB/s"

@@ -672,6 +672,8 @@ class Server:
         m = out.metrics or {}
         if "first_token" in m:
             self.metrics.ttft.observe(m["first_token"] - m["arrival"])
+        if out.handoff is not None and out.handoff.get("seconds") is not None:
+            self.metrics.export.observe(out.handoff["seconds"])
         return JSONResponse({"id": call.rid, "created": call.created, "chunks": chunks,
                              "prompt_token_ids": out.prompt_token_ids, "first_token": out.token_ids[0],
                              "cached_tokens": out.num_cached_tokens, "manifest": out.handoff})

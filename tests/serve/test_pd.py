@@ -89,6 +89,7 @@ def test_pd_outputs_and_routed_experts_equal_colocated(pd, offline):
         assert got["text"] == want.text and got["finish_reason"] == "length"
         np.testing.assert_array_equal(experts(got), want.routed_experts)
     assert metric(d, "kvtier_pd_handoffs_total", '{result="ok"}') - ok0 == 4       # every prompt token loaded
+    assert metric(p, "kvtier_pd_export_seconds_count", "") >= 4     # P's wait for the pool, per prompt
     assert metric(router, "kvtier_router_requests_total", '{route="pd"}') >= 4
     # chat through the openai client, streamed across the hand-off
     c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
