@@ -48,6 +48,19 @@ def test_multiturn_rounds_after_the_first_hit_the_cache_unless_it_is_off(tmp_pat
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_multiturn_through_pd_answers_every_round_as_colocated_does(tmp_path, capsys):
+    """--compare host,pd: the same conversations through one server and through P + D behind the
+    router (token identity across a hand-off: tests/serve/test_pd.py); later rounds find their
+    history in P's cache, and the warm-up's copies settle on both servers."""
+    res = run_bench(multiturn, ["--clients", "2", "--rounds", "3", "--request-length", "24", "--output-length", "4",
+                                "--compare", "host,pd"], tmp_path, capsys)["results"]
+    assert list(res) == ["host", "pd"]
+    assert res["pd"]["requests"] == 6 and res["pd"]["warmup"]["settle"]["settled"]
+    assert res["pd"]["prompt_by_round"] == res["host"]["prompt_by_round"]
+    assert res["pd"]["cached_by_round"][0] == 0 and res["pd"]["cached_by_round"][2] == 2 * 48
+    assert sum(res["pd"]["cached_tokens_by_tier"].values()) == res["pd"]["cached_tokens"]
+
+
 def test_longdoc_tile_asks_every_document_again_from_the_cache(tmp_path, capsys):
     res = run_bench(longdoc, ["--documents", "3", "--document-length", "64", "--questions", "2",
                               "--order", "tile", "--max-inflight", "1", "--compare", "device"], tmp_path, capsys)["results"]["device"]

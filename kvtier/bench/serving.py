@@ -25,12 +25,13 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
-# kvtier serve flags per --compare configuration (the device and host sizes come from the bench)
-CONFIGS = ("recompute", "device", "host", "storage")
+# kvtier serve flags per --compare configuration (the device and host sizes come from the bench);
+# pd: a prefill and a decode server (each the storage configuration) behind `kvtier router`
+CONFIGS = ("recompute", "device", "host", "storage", "pd")
 
 
 @dataclass
@@ -51,41 +52,77 @@ class Record:
 
 
 class Server:
-    """Where the requests go: ``url`` as given, or a kvtier server started with ``flags``."""
+    """Where the requests go: ``url`` as given, or a kvtier server started with ``flags``, or
+    with ``pd`` a prefill and a decode server started with ``flags`` (which name their pool)
+    behind a router (the requests go to the router; cached tokens are the prefill server's, and
+    the warm-up settles on both servers)."""
 
-    def __init__(self, url: str | None, model: str | None, flags: list[str], log_dir: Path) -> None:
-        self.url, self.model, self.flags, self.log_dir = url, model, flags, log_dir
-        self.proc = None
+    def __init__(self, url: str | None, model: str | None, flags: list[str], log_dir: Path,
+                 pd: bool = False) -> None:
+        self.url, self.model, self.flags, self.log_dir, self.pd = url, model, flags, log_dir, pd
+        self.procs: list = []
+        self.metric_urls: list[str] = []   # kvtier servers whose /metrics count (the first: cached tokens)
         self.token_ids = True           # does it take return_token_ids (kvtier, recent vLLM)?
 
     def __enter__(self) -> "Server":
-        if self.url is None:
-            from kvtier.serve.launch import ServerProcess
-            if self.model is None:
-                raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
-            log = self.log_dir / f"server-{len(list(self.log_dir.glob('server-*.log')))}.log"
-            self.proc = ServerProcess(["serve", self.model, *self.flags], log).wait_ready()
-            self.url = self.proc.url
-        import httpx
-        models = httpx.get(self.url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
-        self.name = models[0]["id"]
+        try:
+            if self.url is None:
+                self._start()
+            else:
+                self.metric_urls = [self.url]
+            import httpx
+            models = httpx.get(self.url.rstrip("/") + "/v1/models", timeout=30).json()["data"]  # type: ignore[union-attr]
+            self.name = models[0]["id"]
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
+    def _start(self) -> None:
+        from kvtier.serve.launch import ServerProcess
+        if self.model is None:
+            raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
+        n = len(list(self.log_dir.glob("server-*.log")))
+
+        def start(args: list[str], what: str) -> Any:
+            proc = ServerProcess(args, self.log_dir / f"server-{n}{what}.log")
+            self.procs.append(proc)
+            return proc
+        if not self.pd:
+            self.url = start(["serve", self.model, *self.flags], "").wait_ready().url
+            self.metric_urls = [self.url]
+            return
+        p = start(["serve", self.model, *self.flags, "--role", "prefill"], "-prefill")
+        d = start(["serve", self.model, *self.flags, "--role", "decode"], "-decode")
+        p.wait_ready(), d.wait_ready()
+        self.url = start(["router", "--prefill", p.url, "--decode", d.url], "-router").wait_ready().url
+        self.metric_urls = [p.url, d.url]
+
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-            self.url = None
+        for proc in reversed(self.procs):
+            proc.stop()
+        if self.procs:
+            self.procs, self.url = [], None
 
     def metrics(self) -> dict[str, float]:
         """kvtier's cached prompt tokens per tier so far (empty for other servers)."""
-        return {k: v for k, v in self._scrape().items() if k != "pending"}
+        return {k: v for k, v in self._scrape(self.metric_urls[:1]).items() if k != "pending"}
 
-    def _scrape(self) -> dict[str, float]:
-        """Cached tokens per tier and ``pending`` (copies not landed); empty if not kvtier."""
+    def _scrape(self, urls: list[str]) -> dict[str, float]:
+        """Cached tokens per tier and ``pending`` (copies not landed), summed over ``urls``;
+        empty if not kvtier."""
+        out: dict[str, float] = {}
+        for url in urls:
+            for k, v in self._scrape_one(url).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    @staticmethod
+    def _scrape_one(url: str) -> dict[str, float]:
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
         try:
-            text = httpx.get(self.url.rstrip("/") + "/metrics", timeout=10).text   # type: ignore[union-attr]
+            text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
             out = {}
             for fam in text_string_to_metric_families(text):
                 if fam.name == "kvtier_cached_tokens":
@@ -105,7 +142,7 @@ class Server:
         t0 = time.perf_counter()
         seen = False
         while True:
-            pending = self._scrape().get("pending")
+            pending = self._scrape(self.metric_urls).get("pending")
             if pending is None and not seen:
                 return None
             seen = True
@@ -253,8 +290,8 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
     if config == "device":
         return flags + ["--num-host-blocks", "0"]
     flags += ["--num-host-blocks", str(args.host_blocks)]
-    if config == "storage":
-        flags += ["--storage", args.storage or f"file://{tmp}/pool"]
+    if config in ("storage", "pd"):
+        flags += ["--storage", args.storage or f"file://{tmp}/pool-{config}"]   # (one pool each: no hit across)
     return flags
 
 
@@ -266,7 +303,8 @@ def add_common_flags(ap: Any) -> None:
                                                   "directory or a preset name (written to a temporary folder)")
     ap.add_argument("--compare", default="host", help="comma-separated configurations of the started server, "
                     "the first the baseline of the ratios: recompute, device (prefix cache on the GPU only), "
-                    "host (+ host tier), storage (+ file:// pool, or --storage URL) (default host)")
+                    "host (+ host tier), storage (+ file:// pool, or --storage URL), pd (a prefill and a decode server, "
+                    "each the storage configuration, behind kvtier router) (default host)")
     ap.add_argument("--device", default="cpu", help="the started server's device (default cpu)")
     ap.add_argument("--dtype", default=None, help="its dtype (default: the engine's)")
     ap.add_argument("--load-format", default=None, help="auto or dummy (default auto; presets: dummy)")
@@ -326,7 +364,7 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
         model, args.vocab = resolve_model(args, tmp)
         for config in configs:
             flags = [] if args.url else server_flags(config, args, tmp)
-            with Server(args.url, model, flags, tmp) as server:
+            with Server(args.url, model, flags, tmp, pd=config == "pd") as server:
                 token_ids = server.token_ids      # a warm-up that fails must not flip the probe
                 warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
                 if any(r.error for r in warm):
@@ -432,7 +470,3 @@ def plot(results: dict[str, dict], path: str, name: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def record_dicts(records: list[Record]) -> list[dict]:
-    return [asdict(r) for r in records]
