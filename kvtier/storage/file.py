@@ -131,7 +131,7 @@ class FileBackend(Backend):
                 raise StorageError(f"file storage {self.root}: cannot open {name}: {e}") from e
             want = 0
             for b in bufs:
-                want += b.nbytes
+                want += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
             try:
                 # one readv with a 1-byte sentinel after the parts: a larger object fills it
                 # (TOO_LARGE) without an fstat

@@ -82,3 +82,34 @@ def test_bad_layouts_are_errors():
     with pytest.raises(ValueError, match="payload"):
         lay = layout()
         lay.encode_into(np.zeros(lay.nbytes, np.uint8), KEY, np.zeros(3, np.uint8), None)
+
+
+def _parts(lay: BlobLayout, buf: np.ndarray):
+    """An encoded object as a reader of parts sees it: header, KV and routing views."""
+    kv = buf[HEADER_NBYTES:HEADER_NBYTES + lay.kv_nbytes]
+    rt = buf[HEADER_NBYTES + lay.kv_nbytes:lay.nbytes] if lay.routing_nbytes else None
+    return buf[:HEADER_NBYTES], kv, rt
+
+
+@pytest.mark.parametrize("routing", [24, 0])
+def test_check_parts_agrees_with_check_on_every_damaged_byte(routing):
+    """check_parts compares the whole expected header at once: whatever byte is damaged, it
+    reports what the field-by-field check reports."""
+    lay = layout(routing_nbytes=routing)
+    clean, n, _, _ = encoded(lay)
+    header, kv, rt = _parts(lay, clean)
+    assert lay.check_parts(header, n, KEY, kv, rt) is BlobStatus.OK
+    refused = 0
+    for offset in [*range(112), HEADER_NBYTES, n - 1]:        # every header field, payload ends
+        buf = clean.copy()
+        buf[offset] ^= 0x01
+        want = lay.check(buf, n, KEY)
+        refused += want is not BlobStatus.OK
+        head, kv2, rt2 = _parts(lay, buf)
+        assert lay.check_parts(head, n, KEY, kv2, rt2) is want, offset
+    assert refused == 112 + 2 - 4      # all but the unused 6th shape dim (a u32 no reader reads)
+    for size in (0, HEADER_NBYTES, n - 1, n + 1):
+        assert lay.check_parts(header, size, KEY, kv, rt) is lay.check(clean, size, KEY), size
+    assert lay.check_parts(header, n, bytes(32), kv, rt) is BlobStatus.WRONG_KEY
+    other = layout(namespace=namespace_digest("default", b"model-b"), routing_nbytes=routing)
+    assert other.check_parts(header, n, KEY, kv, rt) is BlobStatus.WRONG_NAMESPACE

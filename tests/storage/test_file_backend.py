@@ -34,6 +34,24 @@ def test_put_get_round_trip_and_exists(tmp_path):
     assert be.exists(names[:1]) == [False]
 
 
+def test_reads_fill_any_buffer_in_parts_and_size_objects_exactly(tmp_path):
+    """Destinations of any buffer type and shape, an object split over parts, a short read
+    (object smaller than the parts), and one byte too many (TOO_LARGE)."""
+    be = FileBackend(str(tmp_path))
+    data = np.arange(1000, dtype=np.float32)
+    assert be.put_from(["a"], [memoryview(data)]) == [True]
+    for dst in (bytearray(4000), np.zeros(1000, np.float32), memoryview(np.zeros((10, 100), np.float32))):
+        assert be.get_into(["a"], [dst]) == [4000]
+        assert bytes(memoryview(dst).cast("B")) == data.tobytes()
+    head, rest = bytearray(7), np.zeros((3, 1331), np.uint8)             # 7 + 3993 bytes
+    assert be.get_into_parts(["a"], [[memoryview(head), memoryview(rest)]]) == [4000]
+    assert bytes(head) + rest.tobytes() == data.tobytes()
+    big = bytearray(4100)
+    assert be.get_into_parts(["a"], [[memoryview(head), memoryview(big)]]) == [4000]   # a short object
+    assert bytes(head) + bytes(big[:3993]) == data.tobytes()
+    assert be.get_into(["a"], [bytearray(3999)]) == [TOO_LARGE]
+
+
 def test_a_second_open_sees_the_objects(tmp_path):
     FileBackend(str(tmp_path)).put_from(["a"], [blob(1)])
     again = FileBackend(str(tmp_path))
