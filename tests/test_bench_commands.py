@@ -101,9 +101,9 @@ def test_bench_pd_sweeps_rates_with_repeats_end_to_end(tmp_path, capsys):
 
 def test_bench_pd_names_bad_rates_and_setups(capsys):
     for bad in (["--rate", "fast"], ["--rate", "-1"], ["--setups", "both"], ["--repeat", "0"],
-                ["--prefill-put-workers", "0"]):
+                ["--prefill-put-workers", "0"], ["--prefill-put-workers", "2", "--setups", "colocated"]):
         with pytest.raises(SystemExit):
             pd_bench.main(bad)
     err = capsys.readouterr().err
     assert "'fast'" in err and "'-1'" in err and "'both'" in err and "--requests and --repeat must be >= 1" in err
-    assert "--prefill-put-workers must be >= 1, got 0" in err
+    assert "--prefill-put-workers must be >= 1, got 0" in err and "it needs the pd setup" in err

@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--requests and --repeat must be >= 1, got {a.requests} and {a.repeat}")
     if a.prefill_put_workers is not None and a.prefill_put_workers < 1:
         ap.error(f"--prefill-put-workers must be >= 1, got {a.prefill_put_workers}")
+    if a.prefill_put_workers is not None and "pd" not in a.setups:
+        ap.error("--prefill-put-workers sets P's put threads: it needs the pd setup (--setups pd or both)")
     engine = ["--device", a.device, "--load-format", a.load_format, "--num-host-blocks", a.num_host_blocks]
     if a.num_device_blocks:
         engine += ["--num-device-blocks", a.num_device_blocks]

@@ -93,7 +93,8 @@ class Server:
             self.metric_urls = [self.url]
             return
         p = start(["serve", self.model, *self.flags, "--role", "prefill"], "-prefill")
-        d = start(["serve", self.model, *self.flags, "--role", "decode"], "-decode")
+        # D loads what P handed off whatever its cost model says (as `kvtier bench pd`'s D does)
+        d = start(["serve", self.model, *self.flags, "--role", "decode", "--storage-fetch", "always"], "-decode")
         p.wait_ready(), d.wait_ready()
         self.url = start(["router", "--prefill", p.url, "--decode", d.url], "-router").wait_ready().url
         self.metric_urls = [p.url, d.url]
@@ -110,11 +111,17 @@ class Server:
 
     def _scrape(self, urls: list[str]) -> dict[str, float]:
         """Cached tokens per tier and ``pending`` (copies not landed), summed over ``urls``;
-        empty if not kvtier."""
+        empty if not kvtier. ``pending`` only if every server answered with it (a failed
+        scrape of one must not read as its copies having landed)."""
         out: dict[str, float] = {}
+        answered = 0
         for url in urls:
-            for k, v in self._scrape_one(url).items():
+            got = self._scrape_one(url)
+            answered += "pending" in got
+            for k, v in got.items():
                 out[k] = out.get(k, 0.0) + v
+        if answered < len(urls):
+            out.pop("pending", None)
         return out
 
     @staticmethod

@@ -65,7 +65,8 @@ class ServerMetrics:
         self.handoffs = Counter("kvtier_pd_handoffs", "PD hand-offs served (decode side): ok | recomputed | "
                                 "error", ["result"], registry=r)
         self.export = Histogram("kvtier_pd_export_seconds", "P of a PD hand-off: first token to the pool's "
-                                "ack of every block of the prompt (P answers once they are stored)",
+                                "ack of every block of the prompt, or to the export's timeout (P answers "
+                                "then)",
                                 buckets=_TTFT_BUCKETS, registry=r)
         self.requests = Counter("kvtier_requests", "finished requests by finish reason", ["finish_reason"],
                                 registry=r)

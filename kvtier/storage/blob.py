@@ -109,7 +109,9 @@ class BlobLayout:
         the host block's ``kv`` and ``routing`` views."""
         # fast path (a thread pool's worth of these share the GIL): every field but the checksum
         # is known, so one comparison with the expected header checks them all
-        if size != self.nbytes or header[:_CHECKSUM_OFFSET].tobytes() != self._header(key, 0)[:_CHECKSUM_OFFSET]:
+        key = header_key(key)
+        if (size != self.nbytes or len(key) > 32
+                or header[:_CHECKSUM_OFFSET].tobytes() != self._header(key, 0)[:_CHECKSUM_OFFSET]):
             status = self._check_header(header, size, key)     # which field is wrong
             if status is not BlobStatus.OK:
                 return status

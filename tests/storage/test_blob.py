@@ -111,5 +111,6 @@ def test_check_parts_agrees_with_check_on_every_damaged_byte(routing):
     for size in (0, HEADER_NBYTES, n - 1, n + 1):
         assert lay.check_parts(header, size, KEY, kv, rt) is lay.check(clean, size, KEY), size
     assert lay.check_parts(header, n, bytes(32), kv, rt) is BlobStatus.WRONG_KEY
+    assert lay.check_parts(header, n, KEY + b"x", kv, rt) is BlobStatus.WRONG_KEY   # no key is that long
     other = layout(namespace=namespace_digest("default", b"model-b"), routing_nbytes=routing)
     assert other.check_parts(header, n, KEY, kv, rt) is BlobStatus.WRONG_NAMESPACE
