@@ -107,14 +107,9 @@ class BlobLayout:
                     routing: np.ndarray | None) -> BlobStatus:
         """:meth:`check` of an object read in parts: header into ``header``, payload straight into
         the host block's ``kv`` and ``routing`` views."""
-        # fast path (a thread pool's worth of these share the GIL): every field but the checksum
-        # is known, so one comparison with the expected header checks them all
-        key = header_key(key)
-        if (size != self.nbytes or len(key) > 32
-                or header[:_CHECKSUM_OFFSET].tobytes() != self._header(key, 0)[:_CHECKSUM_OFFSET]):
-            status = self._check_header(header, size, key)     # which field is wrong
-            if status is not BlobStatus.OK:
-                return status
+        status = self._check_header(header, size, key)
+        if status is not BlobStatus.OK:
+            return status
         if _digest(kv, routing) != int.from_bytes(header[_CHECKSUM_OFFSET:_FMT.size].tobytes(), "little"):
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
@@ -131,6 +126,11 @@ class BlobLayout:
 
     def _check_header(self, buf: np.ndarray, size: int, key: bytes | str) -> BlobStatus:
         key = header_key(key)
+        # fast path (a thread pool's worth of these share the GIL): every field but the checksum
+        # is known, so one comparison with the expected header checks them all
+        if (size == self.nbytes and len(key) <= 32
+                and buf[:_CHECKSUM_OFFSET].tobytes() == self._header(key, 0)[:_CHECKSUM_OFFSET]):
+            return BlobStatus.OK
         if size < _FMT.size:
             return BlobStatus.TRUNCATED
         f = _FMT.unpack_from(memoryview(buf[:_FMT.size]))

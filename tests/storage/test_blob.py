@@ -91,25 +91,41 @@ def _parts(lay: BlobLayout, buf: np.ndarray):
     return buf[:HEADER_NBYTES], kv, rt
 
 
+def _status_of_damage(offset: int) -> BlobStatus:
+    """What a reader must report for an object with byte ``offset`` flipped (the header layout
+    in kvtier/storage/blob.py's docstring)."""
+    if 16 <= offset < 32:
+        return BlobStatus.WRONG_NAMESPACE
+    if 32 <= offset < 64 or offset == 8:     # the key, or its length
+        return BlobStatus.WRONG_KEY
+    if 84 <= offset < 88:               # the unused 6th shape dim of a 5-dim shape: never read
+        return BlobStatus.OK
+    if 88 <= offset < 104:              # KV / routing sizes: the flip (of a 0 bit here) claims more
+        return BlobStatus.TRUNCATED      # bytes than the object has
+    if offset < 104:
+        return BlobStatus.BAD_HEADER     # magic, version, sizes, dtype, ndim, algo, tokens, shape
+    return BlobStatus.BAD_CHECKSUM       # the checksum itself, or the payload
+
+
 @pytest.mark.parametrize("routing", [24, 0])
-def test_check_parts_agrees_with_check_on_every_damaged_byte(routing):
-    """check_parts compares the whole expected header at once: whatever byte is damaged, it
-    reports what the field-by-field check reports."""
+def test_check_and_check_parts_report_every_damaged_byte(routing):
+    """Both checks compare the whole expected header at once on their fast path: whatever byte
+    is damaged, they report what that byte's field says."""
     lay = layout(routing_nbytes=routing)
     clean, n, _, _ = encoded(lay)
     header, kv, rt = _parts(lay, clean)
     assert lay.check_parts(header, n, KEY, kv, rt) is BlobStatus.OK
-    refused = 0
     for offset in [*range(112), HEADER_NBYTES, n - 1]:        # every header field, payload ends
         buf = clean.copy()
         buf[offset] ^= 0x01
-        want = lay.check(buf, n, KEY)
-        refused += want is not BlobStatus.OK
+        want = _status_of_damage(offset)
+        assert lay.check(buf, n, KEY) is want, offset
         head, kv2, rt2 = _parts(lay, buf)
         assert lay.check_parts(head, n, KEY, kv2, rt2) is want, offset
-    assert refused == 112 + 2 - 4      # all but the unused 6th shape dim (a u32 no reader reads)
-    for size in (0, HEADER_NBYTES, n - 1, n + 1):
-        assert lay.check_parts(header, size, KEY, kv, rt) is lay.check(clean, size, KEY), size
+    for size, want in ((0, BlobStatus.TRUNCATED), (HEADER_NBYTES, BlobStatus.TRUNCATED),
+                       (n - 1, BlobStatus.TRUNCATED), (n + 1, BlobStatus.BAD_HEADER)):
+        assert lay.check(clean, size, KEY) is want, size
+        assert lay.check_parts(header, size, KEY, kv, rt) is want, size
     assert lay.check_parts(header, n, bytes(32), kv, rt) is BlobStatus.WRONG_KEY
     assert lay.check_parts(header, n, KEY + b"x", kv, rt) is BlobStatus.WRONG_KEY   # no key is that long
     other = layout(namespace=namespace_digest("default", b"model-b"), routing_nbytes=routing)
