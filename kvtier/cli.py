@@ -328,6 +328,10 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
                         "kvtier serve --role prefill: half the fetch threads)")
     p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
                    help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
+    p.add_argument("--early-loads", dest="early_loads", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request waiting for a storage fetch has its host hits and each fetched chunk, as it "
+                        "lands, copied on to the device meanwhile, so it starts with device hits "
+                        "(default on; --no-early-loads loads them when it starts)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="tensor parallel ranks (default 1)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default=None,
                    help="when the device tier is full: swap a request's KV to the host tier and load it back, "
@@ -359,7 +363,7 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
 
 _LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
              "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
-             "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs",
+             "early_loads", "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs",
              "max_model_len", "prefetch_timeout", "storage_workers", "storage_put_workers", "attention_backend", "eviction",
              "capture_routing", "cuda_graphs", "overlap_schedule", "pd_on_miss", "export_timeout")
 

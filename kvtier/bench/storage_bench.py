@@ -204,7 +204,7 @@ def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: 
 
 # ---------------------------------------------------------------------- part 2: TTFT
 def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_throttle: str, prompt_tokens: int,
-               repeat: int, num_host_blocks: int, workers: int) -> dict:
+               repeat: int, num_host_blocks: int, workers: int, early_loads: str = "on") -> dict:
     import torch
 
     import kvtier
@@ -237,9 +237,14 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
 
     salts = [f"run{r}" for r in range(repeat)]
     res: dict = {"prompt_tokens": prompt_tokens}
-    for name, fetch in (("storage", "auto"), ("slow_auto", "auto"), ("slow_always", "always")):
+    early = early_loads != "off"
+    rows = [("storage", "auto", early)]
+    if early_loads == "both":         # the same hits, loaded only once the whole prompt landed
+        rows.append(("storage_late_loads", "auto", False))
+    rows += [("slow_auto", "auto", early), ("slow_always", "always", early)]
+    for name, fetch, early in rows:
         url, rate = pool_url, None
-        if name != "storage":         # the same pool, slowed: "auto" = fetching the prompt takes 4x recompute
+        if name.startswith("slow"):         # the same pool, slowed: "auto" = fetching the prompt takes 4x recompute
             rate = slow_throttle
             if rate == "auto":
                 kv_bytes = prompt_tokens * res["kv_bytes_per_token"]
@@ -249,7 +254,7 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
             res["kv_bytes_per_token"] = writer.cache.block_nbytes // writer.block_size
             for salt in [*salts, "warm"]:        # one copy of the prompt per repeat (distinct keys)
                 writer.generate([prompt], one, cache_salt=f"{name}-{salt}")
-        with kvtier.LLM(model, storage=url, storage_fetch=fetch, **kw) as llm:
+        with kvtier.LLM(model, storage=url, storage_fetch=fetch, early_loads=early, **kw) as llm:
             # warm-up: compile every kernel shape the timed runs use (a full prefill, and a short
             # prefill over a long cached prefix), measure the prefill rate
             llm.generate([warm], one, cache_salt="warm")
@@ -269,7 +274,8 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
                                "admission_to_token_s": m["first_token"] - m["admitted"]})
                 outputs_equal &= o_hit.token_ids == o_cold.token_ids
             stats = llm.cache_stats()["storage"]
-        res[name] = {"url": pool_url, "throttle": rate, "storage_fetch": fetch, "ttft_s": statistics.median(hits),
+        res[name] = {"url": pool_url, "throttle": rate, "storage_fetch": fetch, "early_loads": early,
+                     "ttft_s": statistics.median(hits),
                      "recompute_ttft_s": statistics.median(cold),
                      "ratio": statistics.median(hits) / statistics.median(cold),
                      "cached_tokens_by_tier": tokens_by_tier[-1], "outputs_equal": outputs_equal,
@@ -299,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-throttle", default="auto",
                     help="rate of the deliberately slow pool for --ttft, e.g. 200MB (per second); auto: the "
                          "rate at which fetching the prompt takes 4x its recompute time (default auto)")
+    ap.add_argument("--early-loads", choices=("on", "off", "both"), default="on",
+                    help="--ttft: the reader engine's early_loads (storage hits go on to the device chunk by "
+                         "chunk as they land); both: also a row with them off, same pool and prompt (default on)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
     args = ap.parse_args(argv)
@@ -336,13 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens = args.prompt_tokens or (8192 if device.startswith("cuda") else 448)
         pool = f"file://{tmp.name}/ttft-pool"
         res = bench_ttft(model, device, load_format, pool, args.slow_throttle, prompt_tokens, args.repeat,
-                         -(-prompt_tokens // 16) + 64, args.workers)
+                         -(-prompt_tokens // 16) + 64, args.workers, args.early_loads)
         result["ttft"] = res
         if not args.json:
-            for name in ("storage", "slow_auto", "slow_always"):
-                r = res[name]
-                print(f"TTFT {name:<12} ({r['storage_fetch']:>6}): {r['ttft_s'] * 1e3:8.1f} ms vs recompute "
-                      f"{r['recompute_ttft_s'] * 1e3:8.1f} ms = {r['ratio']:.2f}  hits {r['cached_tokens_by_tier']}"
+            for name in ("storage", "storage_late_loads", "slow_auto", "slow_always"):
+                r = res.get(name)
+                if r is None:
+                    continue
+                wait = statistics.median(p["fetch_wait_s"] for p in r["phases"])
+                after = statistics.median(p["admission_to_token_s"] for p in r["phases"])
+                print(f"TTFT {name:<18} ({r['storage_fetch']:>6}): {r['ttft_s'] * 1e3:8.1f} ms vs recompute "
+                      f"{r['recompute_ttft_s'] * 1e3:8.1f} ms = {r['ratio']:.2f}  (fetch wait {wait * 1e3:.1f} ms, "
+                      f"then {after * 1e3:.1f} ms)  hits {r['cached_tokens_by_tier']}"
                       f"  outputs equal: {r['outputs_equal']}", flush=True)
     if args.json:
         print(json.dumps(result))

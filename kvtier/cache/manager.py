@@ -5,7 +5,10 @@ The scheduler's vocabulary (one request ``r``, a :class:`CacheRequest` from :met
     start_lookup(r)            at arrival: the pool's lookup of r's blocks, on a storage thread
     match_prefix(r)            longest cached prefix: device hits, then host hits, then storage hits
     prefetch(r)                storage hits -> host blocks, as many as the cost model says pay
-                               (chunks complete later; then match again)   -- cache/prefetch.py
+                               (chunks complete later; then match again)   -- cache/prefetch.py;
+                               with early loads, r's host hits and each chunk as it lands go on
+                               to the device too (``preload`` ops), so r is admitted with them
+                               as device hits
     prefetch_pending(r)        blocks of r's prefetch still in flight
     can_allocate(r, n) / allocate(r, n)
                                block table covers n tokens; the first call admits r: pins its
@@ -110,9 +113,9 @@ class CacheStats:
                 "query_tokens": self.query_tokens, "swapped_out_blocks": self.swapped_out_blocks}
 
 
-_BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host",
+_BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host", "preload": "host_to_device",
               "fetch": "storage_to_host", "put": "host_to_storage", "tailfetch": "storage_to_host"}
-_STAT_KIND = {"tailfetch": "fetch"}
+_STAT_KIND = {"tailfetch": "fetch", "preload": "load"}
 
 
 class CacheManager:
@@ -131,6 +134,7 @@ class CacheManager:
         enable_prefix_caching: bool = True,
         fetch_cost: FetchCostModel | None = None,
         fetch_chunk_blocks: int = FETCH_CHUNK,
+        early_loads: bool = True,
     ) -> None:
         self.block_size = check_block_size(block_size)
         self.device_pool = BlockPool(num_device_blocks, "device")
@@ -148,18 +152,20 @@ class CacheManager:
         if fetch_chunk_blocks < 1:
             raise ValueError(f"fetch_chunk_blocks must be >= 1, got {fetch_chunk_blocks}")
         self.fetch_chunk = fetch_chunk_blocks
+        self.early_loads = early_loads     # prefetched blocks go on to the device as they land
         self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
         # namespace seed per cache_salt, most recent last: salts are chosen by clients, so it is
         # bounded (an evicted salt's seed is just computed again, to the same bytes)
         self._seeds: OrderedDict[str | None, bytes] = OrderedDict()
         self._tick = 0
         self._next_op = 0
-        self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": []}
+        self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": [], "preload": []}
         self._pending: dict[int, tuple[str, list]] = {}
         self.prefetcher = Prefetcher(self)     # storage -> host fetches of storage hits
         self.handoff = Handoff(self)           # PD: prompts to and from the pool
         self._completers = {"load": self._complete_load, "backup": self._complete_backup,
                             "put": self._complete_put, "fetch": self.prefetcher.complete,
+                            "preload": self.prefetcher.complete_preload,
                             "tailfetch": self.handoff.complete_tailfetch}
 
     @property
@@ -373,13 +379,22 @@ class CacheManager:
             n.last_access = tick
             n.hit_count += 1
         bs = self.block_size
-        from_storage = 0
+        from_storage = preloaded = 0
         for n in host_hits:
             if n.from_storage:           # fetched for this request: a storage hit, counted once
                 n.from_storage = False
                 from_storage += 1
-        self.stats.hit_tokens["device"] += nd * bs
-        self.stats.hit_tokens["host"] += (len(host_hits) - from_storage) * bs
+        if req.prefetch is not None:
+            req.prefetch.preload = False     # admitted: chunks still landing stay on host
+            for n in device_hits:            # preloaded while it waited: host (or storage) hits
+                if n.preloaded:
+                    n.preloaded = False
+                    preloaded += 1
+                    if n.from_storage:
+                        n.from_storage = False
+                        from_storage += 1
+        self.stats.hit_tokens["device"] += (nd - preloaded) * bs
+        self.stats.hit_tokens["host"] += (len(host_hits) + preloaded - from_storage) * bs
         self.stats.hit_tokens["storage"] += from_storage * bs
         self.stats.query_tokens += len(req.token_ids)
         if self.has_host:
@@ -554,6 +569,8 @@ class CacheManager:
         if req.tail is not None:
             self.handoff.drop_tail(req)
         if not req.admitted:
+            if req.prefetch is not None:
+                req.prefetch.preload = False     # nobody waits for its chunks on the device now
             return
         tree, unlocked = self.tree, 0
         for node in reversed(req.nodes):     # tail first: it is the one that may become a leaf
@@ -614,6 +631,10 @@ class CacheManager:
                 src = tuple(n.host_block for _, _, n, _ in items)
                 dst = tuple(b for _, _, _, b in items)
                 keys = tuple(n.key for _, _, n, _ in items)
+            elif kind == "preload":
+                src = tuple(n.host_block for _, n, _ in items)
+                dst = tuple(b for _, _, b in items)
+                keys = tuple(n.key for _, n, _ in items)
             elif kind == "backup":
                 src = tuple(d for _, d, _ in items)
                 dst = tuple(h for _, _, h in items)
@@ -626,7 +647,7 @@ class CacheManager:
         if self.handoff.tail_ops:
             fetches.extend(self.handoff.tail_ops)
             self.handoff.tail_ops = []
-        return StepPlan(ops.get("load"), ops.get("backup"), tuple(fetches), ops.get("put"))
+        return StepPlan(ops.get("load"), ops.get("backup"), tuple(fetches), ops.get("put"), ops.get("preload"))
 
     @property
     def num_pending_ops(self) -> int:
@@ -832,6 +853,13 @@ class CacheManager:
                     if req.freed:
                         assert b not in dev_owner
                         dev_owner[b] = req
+            elif kind == "preload":
+                for _pf, n, b in items:
+                    host_reads[id(n)] = host_reads.get(id(n), 0) + 1
+                    assert n.host_ready, "preload from a host copy that has not landed"
+                    assert self.prefetcher.preloading.get(id(n)) is n, f"preload of {n} not tracked"
+                    assert b not in dev_owner, f"preload target {b} owned twice"
+                    dev_owner[b] = _pf
             elif kind == "backup":
                 for n, d, h in items:
                     dev_reads[id(n)] = dev_reads.get(id(n), 0) + 1
@@ -844,6 +872,8 @@ class CacheManager:
                 for _pf, _i, _k, b, _label in items:
                     assert b not in host_owner, f"fetch target {b} owned twice"
                     host_owner[b] = _pf
+        assert len(self.prefetcher.preloading) == sum(len(items) for kind, items in in_flight if kind == "preload"), \
+            "a preload tracked with no copy in flight"
         prefetches = {id(x[0]): x[0] for kind, items in in_flight if kind == "fetch" for x in items}
         for pf in prefetches.values():       # each holds its anchor until its last chunk is done
             assert pf.num_chunks_pending > 0 and pf.num_blocks_pending > 0

@@ -18,6 +18,8 @@ from typing import Iterator
 # kind -> (source tier, destination tier)
 OP_KINDS = {
     "load": ("host", "device"),     # host -> device, before the step's forward reads it
+    "preload": ("host", "device"),  # host -> device into tree nodes, ahead of a waiting request's
+                                    # admission (no forward waits on it: it lands as device copies)
     "backup": ("device", "host"),   # device -> host, after the forward that wrote it
     "fetch": ("storage", "host"),   # storage -> host (prefetch)
     "put": ("host", "storage"),     # host -> storage
@@ -51,9 +53,10 @@ class StepPlan:
     backups: TransferOp | None = None
     fetches: tuple[TransferOp, ...] = ()
     puts: TransferOp | None = None
+    preloads: TransferOp | None = None
 
     def __iter__(self) -> Iterator[TransferOp]:
-        return (op for op in (self.loads, self.backups, *self.fetches, self.puts) if op is not None)
+        return (op for op in (self.loads, self.backups, self.preloads, *self.fetches, self.puts) if op is not None)
 
     def __bool__(self) -> bool:
         return any(True for _ in self)

@@ -6,7 +6,11 @@
                          blocks; stage them as fetch ops of ``fetch_chunk`` blocks (``fetch_ops``)
     complete(items)      a chunk landed: parked until it can land in order, then ``_land`` hangs
                          its blocks below the block before the chunk
-    pending(r)           blocks still on their way for r (its own and those it waits for)
+    pending(r)           blocks still on their way for r (its own and those it waits for),
+                         preloads included
+    _preload(pf, nodes)  early loads: host -> device copies of r's host hits (at once) and of each
+                         chunk as it lands, into blocks the op holds; ``complete_preload`` makes
+                         them the nodes' device copies (prefix-closed), so r starts with device hits
 
 Its state is its own (which prefetch fetches which key, chunks parked, prefetches waiting for an
 anchor's host copy); what it uses of the manager is narrow: the tree, the host pool (``_take_host``,
@@ -34,7 +38,7 @@ class _Prefetch:
     until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
 
     __slots__ = ("anchor", "locked", "host_pinned", "keys", "start", "next_index", "waits_for",
-                 "num_blocks_pending", "num_chunks_pending", "uniform")
+                 "num_blocks_pending", "num_chunks_pending", "uniform", "preload", "num_preloading")
 
     def __init__(self, anchor: Node, locked: bool) -> None:
         self.anchor = anchor
@@ -47,6 +51,8 @@ class _Prefetch:
         self.num_blocks_pending = 0
         self.num_chunks_pending = 0
         self.uniform = True     # its labels have no extras (BlockHasher.uniform)
+        self.preload = False    # early loads: its blocks go on to the device as they land
+        self.num_preloading = 0   # its preloads in flight
 
 
 class Prefetcher:
@@ -57,6 +63,7 @@ class Prefetcher:
         self.parked: list[list] = []                     # chunks landed before they can hang
         self.anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
         self.fetching: dict[bytes, _Prefetch] = {}       # block key -> the prefetch fetching it
+        self.preloading: dict[int, Node] = {}            # id(node) -> node, its preload in flight
 
     def prefetch(self, req: CacheRequest) -> int:
         """Plan storage->host fetches of ``req``'s storage hits (after ``match_prefix``); the
@@ -107,6 +114,13 @@ class Prefetcher:
             self.fetching[keys[i]] = pf
         req.prefetch = pf
         req.match = None   # the next match sees the fetched blocks as host hits
+        if mgr.early_loads and -(-len(req.token_ids) // mgr.block_size) <= (
+                mgr.device_pool.num_free + mgr.tree.num_device_unlocked):
+            pf.preload = True        # the whole request fits on the device: bring it up as it lands
+            tick = mgr._touch()
+            for node in req._path:   # (LRU) the preloads' evictions take other blocks first
+                node.last_access = tick
+            self._preload(pf, req._path[m.num_device_blocks:])   # its host hits, now
         return len(keys)
 
     def _wait_for(self, req: CacheRequest, anchor: Node, others: list[_Prefetch], covered: int) -> int:
@@ -125,7 +139,8 @@ class Prefetcher:
         pf = req.prefetch
         if pf is None:
             return 0
-        return pf.num_blocks_pending + sum(o.num_blocks_pending for o in pf.waits_for)
+        return pf.num_blocks_pending + pf.num_preloading + sum(
+            o.num_blocks_pending + o.num_preloading for o in pf.waits_for)
 
     def hold(self, pf: _Prefetch, delta: int) -> None:
         node = pf.anchor
@@ -211,6 +226,7 @@ class Prefetcher:
         pf = items[0][0]
         tick = self.m._touch()
         broken = False
+        landed: list[Node] = []
         for idx, (_pf, _i, key, block, label) in enumerate(items):
             if self.fetching.get(key) is pf:
                 del self.fetching[key]
@@ -229,9 +245,65 @@ class Prefetcher:
             else:
                 self.m.host_pool.free_one(block)
             tree.maybe_candidate(node)
+            landed.append(node)
             parent = node
+        if pf.preload and landed:
+            self._preload(pf, landed)
         pf.next_index = items[-1][1] + 1
         pf.num_blocks_pending -= len(items)
         pf.num_chunks_pending -= 1
         if not pf.num_chunks_pending:
             self.hold(pf, -1)
+
+    # ------------------------------------------------------------------ early loads
+    def _preload(self, pf: _Prefetch, nodes: list[Node]) -> None:
+        """Plan host->device copies of ``nodes`` (a run along one path, in path order) into device
+        blocks the op holds until it lands; then they become the nodes' device copies
+        (:meth:`complete_preload`), so the waiting request is admitted with device hits instead of
+        loading everything after the last chunk landed. Device copies are prefix-closed: the run
+        stops at the first node whose parent has no device copy, landed or on its way. No room
+        on the device: nothing more of ``pf`` is preloaded (it loads at admission, as before)."""
+        tree, todo = self.m.tree, []
+        for node in nodes:
+            if node.device_block is not None or id(node) in self.preloading:
+                continue                         # on the device already, or on its way
+            parent = node.parent
+            if not node.host_ready or not (parent.is_root or parent.device_block is not None  # type: ignore[union-attr]
+                                           or id(parent) in self.preloading):
+                break
+            todo.append(node)
+            self.preloading[id(node)] = node
+            node.host_reads += 1                 # its host copy stays while the copy reads it
+        if not todo:
+            return
+        blocks = self.m._take_device(len(todo))
+        if blocks is None:
+            pf.preload = False
+            for node in todo:
+                del self.preloading[id(node)]
+                node.host_reads -= 1
+                tree.maybe_candidate(node)
+            return
+        pf.num_preloading += len(todo)
+        self.m._staged["preload"].extend(zip([pf] * len(todo), todo, blocks))
+
+    def complete_preload(self, items: list, failed: frozenset[int]) -> dict[object, int]:
+        """Preloads landed: each becomes its node's device copy (unlocked, most recently used),
+        unless it failed, the node got a device copy meanwhile (a load or a commit), or its
+        parent has none (its own preload failed, or it was evicted): then the block goes back."""
+        tree, pool = self.m.tree, self.m.device_pool
+        tick = self.m._touch()
+        for idx, (pf, node, block) in enumerate(items):
+            del self.preloading[id(node)]
+            node.host_reads -= 1
+            pf.num_preloading -= 1
+            parent = node.parent
+            if (idx in failed or node.device_block is not None or not tree.alive(node)
+                    or not (parent.is_root or parent.device_block is not None)):
+                pool.free_one(block)
+            else:
+                node.last_access = tick
+                tree.set_device(node, block)
+                node.preloaded = True
+            tree.maybe_candidate(node)
+        return {}

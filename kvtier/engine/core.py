@@ -151,7 +151,7 @@ class EngineCore:
                  block_size: int = 16, num_device_blocks: int | None = None, num_host_blocks: int | None = None,
                  storage: str | None = None, write_policy: str | None = None,
                  write_through_threshold: int = 2, enable_prefix_caching: bool = True,
-                 prefetch_policy: str = "best_effort", storage_fetch: str = "auto",
+                 prefetch_policy: str = "best_effort", storage_fetch: str = "auto", early_loads: bool = True,
                  tensor_parallel_size: int = 1, preemption_mode: str | None = None,
                  load_format: str = "auto", seed: int = 0, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
@@ -170,6 +170,10 @@ class EngineCore:
           computed block is copied down: multi-turn histories come back from the host tier, and
           the pool serves the next engine; ``write_through_selective`` left most of a multi-turn
           working set uncached, docs/BENCHMARKS.md), else ``"write_through_selective"``;
+        - ``early_loads=True``: a request waiting for a storage fetch has its host hits, then each
+          chunk as it lands, copied on to the device meanwhile (when the device tier can hold the
+          whole request), so it is admitted with device hits: the H2D of a storage hit overlaps
+          the fetch instead of following it (``False``: loaded at admission, layer-overlapped);
         - ``storage_workers=None``: fetch threads, one per core, 2 to 16 (they wait on I/O);
         - ``storage_put_workers=None``: one put thread. Each put thread takes the interpreter from
           the engine thread at every syscall and checksum; on the H100 host a cold 4K prompt took
@@ -260,7 +264,7 @@ class EngineCore:
             block_size=block_size, num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
             storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,
             eviction=eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
-            enable_prefix_caching=enable_prefix_caching, fetch_cost=self.fetch_cost)
+            enable_prefix_caching=enable_prefix_caching, fetch_cost=self.fetch_cost, early_loads=bool(early_loads))
         # one block more than the pool hands out: the scratch block padded CUDA-graph rows write to
         self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
         # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block

@@ -49,6 +49,7 @@ class Request:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     prefetch_from: int | None = None              # cached tokens (device + host) before a storage prefetch
+    prefetch_device: int = 0                      # ... of which on the device
     prefetch_deadline: float | None = None        # monotonic time its prefetch stops holding it back
     generator: torch.Generator | None = None
     handoff: dict | None = None                   # PD, D side: P's manifest, then the result (engine/core.py)

@@ -156,6 +156,7 @@ class Scheduler:
             cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache)
             if req.prefetch_from is None:
                 req.prefetch_from = cached               # what device + host held at arrival
+                req.prefetch_device = m.num_device_blocks * m.block_size
                 if m.num_storage_blocks or req.cache.tail is not None:   # (a PD hand-off's last block)
                     n_fetch = cache.prefetch(req.cache)
                     if n_fetch:
@@ -179,7 +180,9 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = cached
                 device = m.num_device_blocks * m.block_size
-                storage = max(0, cached - max(req.prefetch_from, device))   # host hits that came from storage
+                if "prefetch_start" in req.metrics:      # early loads made host and storage hits device hits
+                    device = min(device, req.prefetch_device)
+                storage = max(0, cached - max(req.prefetch_from, device))   # hits that came from storage
                 req.cached_tokens_by_tier = {"device": device, "host": cached - device - storage, "storage": storage}
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))

@@ -6,6 +6,7 @@
                        │                 ▲wait e0  ▲wait e1  ▲wait e2     │
     load stream:       └wait─ H2D l0 ─ rec e0 ─ H2D l1 ─ rec e1 ─ … ─ rec done
     offload stream:                                      (backups) └wait─ D2H all layers ─ rec done ─►
+    preload stream:    └wait─ H2D all layers ─ rec done ─►  (a waiting request's blocks; nobody waits)
 
 ``mark`` is an event recorded on the compute stream when an op is submitted: a copy starts only
 after everything the compute stream had queued before it (the forward that wrote a backup's
@@ -29,7 +30,8 @@ Invariants (tests/transfer/test_engine.py checks them):
 2. attention of layer *l* is queued after a wait on every event *l* of the step's loads (or,
    gated, on a gate opened after every copy of layer *l* of the step);
 3. :meth:`poll` reports an op only once its ``done`` event has completed (``query()``, never a
-   block), backups in submission order; only then does the manager count its bytes as landed;
+   block), backups (and preloads) in submission order; only then does the manager count its
+   bytes as landed;
 4. every tensor a queued copy reads (block ids, staging) stays referenced until it is reported;
 5. the per-layer event sets come from a ring and go back to it only when their op is reported, so
    an event is never re-recorded while a wait on it may still be queued behind.
@@ -93,6 +95,9 @@ class TransferEngine:
             self.load_stream = torch.cuda.Stream(device, priority=-1)
             self.scatter_stream = torch.cuda.Stream(device, priority=-1)   # gated loads' scatters
             self.offload_stream = torch.cuda.Stream(device)
+            # preloads (a waiting request's blocks, as they land from storage) run beside the
+            # steps' loads, not in front of them: no forward waits for a preload
+            self.preload_stream = torch.cuda.Stream(device)
 
     # ------------------------------------------------------------------ submit
     def submit(self, op: TransferOp) -> None:
@@ -100,6 +105,8 @@ class TransferEngine:
         try:
             if op.kind == "load":
                 entry = self._load(op)
+            elif op.kind == "preload":
+                entry = self._preload(op)
             elif op.kind == "backup":
                 entry = self._backup(op)
             else:
@@ -117,7 +124,7 @@ class TransferEngine:
             return None
         device = self.kv_caches[0].device
         try:
-            stream = self.load_stream if kind == "load" else self.offload_stream
+            stream = {"load": self.load_stream, "preload": self.preload_stream}.get(kind, self.offload_stream)
             if kind == "load":
                 stream.wait_stream(self.scatter_stream)
             fence = torch.cuda.Event()
@@ -131,7 +138,7 @@ class TransferEngine:
     def _pairs(self, op: TransferOp, mode: str = "whole"):  # type: ignore[no-untyped-def]
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
         if self.ops is kernels:
-            load = op.kind == "load"
+            load = op.kind != "backup"
             # loads of every layer at once: staged if they can be. Backups go by the zero-copy
             # kernel, faster than staged from 16 blocks up (docs/BENCHMARKS.md, bench transfer)
             if load and mode == "whole":
@@ -183,17 +190,28 @@ class TransferEngine:
         self._step_loads.append(events if events is not None else [done] * self.num_layers)
         return _InFlight(op, [], done, events, (src, dst))
 
+    def _preload(self, op: TransferOp) -> _InFlight:
+        """Host -> device into blocks no forward reads until the op is reported (they become tree
+        nodes' device copies then): every layer at once, on its own stream, waited on by nobody."""
+        if self.routing is not None:
+            self.routing.host_to_device(op.src_blocks, op.dst_blocks)
+        return self._all_layers(op, "host_to_device", self.host_kv, self.kv_caches, "preload_stream")
+
     def _backup(self, op: TransferOp) -> _InFlight:
         if self.routing is not None:
             self.routing.device_to_host(op.src_blocks, op.dst_blocks)
+        return self._all_layers(op, "device_to_host", self.kv_caches, self.host_kv, "offload_stream")
+
+    def _all_layers(self, op: TransferOp, copy: str, src_kv, dst_kv, stream_name: str) -> _InFlight:  # type: ignore[no-untyped-def]
+        """Every layer of ``op`` in a few calls on one stream, after the compute stream's mark."""
         if not self.cuda:
-            self.ops.device_to_host(self.kv_caches, self.host_kv, op.src_blocks, op.dst_blocks)
+            getattr(self.ops, copy)(src_kv, dst_kv, op.src_blocks, op.dst_blocks)
             return _InFlight(op, [])
         src, dst = self._pairs(op)
-        stream = self.offload_stream
+        stream = getattr(self, stream_name)
         stream.wait_event(self._mark())
         with torch.cuda.stream(stream):
-            self.ops.device_to_host(self.kv_caches, self.host_kv, src, dst)
+            getattr(self.ops, copy)(src_kv, dst_kv, src, dst)
             done = torch.cuda.Event()
             done.record(stream)
         return _InFlight(op, [], done, None, (src, dst))
@@ -281,15 +299,16 @@ class TransferEngine:
     def poll(self) -> list[tuple[int, list[int]]]:
         """Ops whose bytes have landed, as (op_id, failed item indices); never blocks."""
         out = []
-        backup_blocked = False
+        blocked: set[str] = set()
         for entry in list(self._inflight):
             if not entry.queued:                  # gated, until the forward takes them
                 continue
-            is_backup = entry.op.kind == "backup"
-            if is_backup and backup_blocked:
-                continue                          # backups are reported in submission order
+            kind = entry.op.kind
+            if kind in blocked:
+                continue                          # backups, preloads: reported in submission order
             if entry.done is not None and not entry.done.query():
-                backup_blocked |= is_backup
+                if kind in ("backup", "preload"):
+                    blocked.add(kind)
                 continue
             self._inflight.remove(entry)
             self._retire(entry)

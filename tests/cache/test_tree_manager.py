@@ -220,13 +220,85 @@ def test_fetched_blocks_become_host_hits():
     storage = SimulatedStorage()
     serve(CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
                        write_policy="write_through"), "a", blocks(0, 3))
-    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage)
+    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
+                       early_loads=False)
     req = mgr.new_request("b", blocks(0, 3))
     mgr.match_prefix(req)
     mgr.prefetch(req)
     run_plans(mgr)
     assert mgr.match_prefix(req).num_host_blocks == 3
     mgr.assert_invariants([req])
+
+
+def test_early_loads_bring_fetched_chunks_and_host_hits_to_the_device_before_admission():
+    """Each chunk goes on to the device as it lands (and the host hits at once): the request is
+    admitted with device hits and loads nothing; its hits still count by the tier they came from."""
+    storage = SimulatedStorage()
+    tokens = blocks(0, 5)
+    serve(CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
+                       write_policy="write_through"), "a", tokens)
+    mgr = CacheManager(block_size=BS, num_device_blocks=12, num_host_blocks=12, storage=SimulatedStorage(),
+                       write_policy="write_through", fetch_chunk_blocks=2)
+    serve(mgr, "h", tokens[:2 * BS] + [99])           # blocks 0-1 on this engine ...
+    run_plans(mgr)
+    mgr._evict_device(12)                             # ... then on its host tier only
+    mgr.storage = storage
+    req = mgr.new_request("b", tokens)
+    m = mgr.match_prefix(req)
+    assert (m.num_device_blocks, m.num_host_blocks, m.num_storage_blocks) == (0, 2, 3)
+    assert mgr.prefetch(req) == 3
+    plan = mgr.take_plan()
+    assert plan.preloads is not None and plan.preloads.num_blocks == 2   # the host hits, now
+    assert [op.num_blocks for op in plan.fetches] == [2, 1]
+    mgr.complete(plan.fetches[0].op_id)               # chunk 1 lands: its blocks follow
+    assert mgr.prefetch_pending(req) == 1 + 2 + 2     # chunk 2, preloads of the host hits and chunk 1
+    chunk1 = mgr.take_plan().preloads
+    assert chunk1 is not None and chunk1.keys == tuple(req.keys[2:4])
+    mgr.complete(plan.preloads.op_id)
+    mgr.complete(chunk1.op_id)
+    mgr.complete(plan.fetches[1].op_id)
+    last = mgr.take_plan().preloads
+    assert last is not None and last.keys == (req.keys[4],)
+    mgr.assert_invariants([req])
+    assert mgr.prefetch_pending(req) == 1
+    mgr.complete(last.op_id)
+    assert mgr.prefetch_pending(req) == 0
+    m = mgr.match_prefix(req)
+    assert (m.num_device_blocks, m.num_host_blocks) == (5, 0)
+    before = dict(mgr.stats.hit_tokens)
+    assert mgr.allocate(req, len(tokens))
+    assert mgr.take_plan().loads is None              # nothing left to load
+    gained = {t: mgr.stats.hit_tokens[t] - before[t] for t in before}
+    assert gained == {"device": 0, "host": 2 * BS, "storage": 3 * BS}
+    mgr.assert_invariants([req])
+
+
+def test_a_preload_below_a_failed_one_is_dropped():
+    """Device copies stay prefix-closed: a preload that lands below a node whose own preload
+    failed returns its block, and the request loads the rest at admission."""
+    storage = SimulatedStorage()
+    tokens = blocks(0, 4)
+    serve(CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
+                       write_policy="write_through"), "a", tokens)
+    mgr = CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
+                       fetch_chunk_blocks=2)
+    req = mgr.new_request("b", tokens)
+    mgr.match_prefix(req)
+    assert mgr.prefetch(req) == 4
+    fetches = mgr.take_plan().fetches
+    mgr.complete(fetches[0].op_id)
+    first = mgr.take_plan().preloads
+    mgr.complete(fetches[1].op_id)
+    second = mgr.take_plan().preloads
+    mgr.complete(second.op_id)                        # lands before its parent's: dropped
+    mgr.complete(first.op_id, [1])                    # block 1 failed: block 0 only
+    assert mgr.stats.failures["load"] == 1
+    mgr.assert_invariants([req])
+    m = mgr.match_prefix(req)
+    assert (m.num_device_blocks, m.num_host_blocks) == (1, 3)
+    assert mgr.allocate(req, len(tokens))
+    assert mgr.take_plan().loads.num_blocks == 3
+    assert mgr.device_pool.num_free == 8 - 5
 
 
 # ------------------------------------------------------------------ bad input
@@ -313,8 +385,13 @@ def test_a_prefetch_does_not_evict_its_own_anchor():
     assert planned > 0
     run_plans(mgr)
     after = mgr.match_prefix(d)
-    assert after.num_storage_blocks == 0 and after.num_host_blocks >= 1
+    assert after.num_storage_blocks == 0       # the fetched blocks hang below the anchor: hits
+    assert after.num_device_blocks + after.num_host_blocks == m.num_device_blocks + m.num_host_blocks + planned
     mgr.assert_invariants([d])
+
+
+def hits(m) -> int:
+    return m.num_device_blocks + m.num_host_blocks
 
 
 def _stored(n_blocks: int, chunk: int = 2):
@@ -339,8 +416,9 @@ def test_a_prefix_being_fetched_is_not_fetched_again():
     for op in items:                             # b's chunk first: it waits (parked) for a's
         mgr.complete(op.op_id)
         mgr.assert_invariants([a, b])
+    run_plans(mgr)                               # (their preloads to the device)
     assert mgr.prefetch_pending(a) == mgr.prefetch_pending(b) == 0
-    assert mgr.match_prefix(b).num_host_blocks == 8
+    assert hits(mgr.match_prefix(b)) == 8
     mgr.assert_invariants([a, b])
 
 
@@ -353,7 +431,8 @@ def test_a_request_whose_prefix_is_all_on_its_way_waits_for_it():
     plan = mgr.take_plan()
     assert sum(op.num_blocks for op in plan.fetches) == 6
     mgr.complete_plan(plan)
-    assert mgr.prefetch_pending(b) == 0 and mgr.match_prefix(b).num_host_blocks == 6
+    run_plans(mgr)
+    assert mgr.prefetch_pending(b) == 0 and hits(mgr.match_prefix(b)) == 6
     mgr.assert_invariants([a, b])
 
 
@@ -365,6 +444,7 @@ def test_when_the_shared_fetch_fails_the_follower_is_dropped_not_misplaced():
     plan = mgr.take_plan()
     for op in plan.fetches:                      # a's last chunk fails
         mgr.complete(op.op_id, [1] if op.keys[-1] == a.keys[5] else [])
-    assert mgr.match_prefix(b).num_host_blocks == 5     # up to the failed block; b's 2 were freed
+    run_plans(mgr)
+    assert hits(mgr.match_prefix(b)) == 5               # up to the failed block; b's 2 were freed
     assert mgr.host_pool.num_used == 5
     mgr.assert_invariants([a, b])

@@ -95,18 +95,52 @@ def test_host_hit_returns_identical_tokens(preset, checkpoint, reference):
         assert llm.cache_stats()["host"]["hit_tokens"] > 0
 
 
-def test_storage_hit_returns_identical_tokens(checkpoint, reference):
+def _copy_kinds(llm, monkeypatch) -> list[str]:
+    kinds: list[str] = []
+    submit = llm.transfer.submit
+    monkeypatch.setattr(llm.transfer, "submit", lambda op: (kinds.append(op.kind), submit(op))[1])
+    return kinds
+
+
+@pytest.mark.parametrize("early_loads", [True, False])
+def test_storage_hit_returns_identical_tokens(checkpoint, reference, monkeypatch, early_loads):
+    """Early loads: the fetched chunks go on to the device as they land (preloads) and the request
+    starts with device hits, loading nothing; without them it loads its hits when it starts."""
+    preset = "llama-tiny"
+    a, b, c = prompts_for(5, lengths=(60, 60, 60))
+    want = reference(preset, [a])
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, block_size=8, num_host_blocks=8,
+                    storage="memory://?capacity=16MiB", write_policy="write_through",
+                    early_loads=early_loads) as llm:
+        assert llm.generate([a], GREEDY)[0].token_ids == want[0]
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)          # a is now only in storage
+        kinds = _copy_kinds(llm, monkeypatch)
+        again = llm.generate([a], GREEDY)[0]
+        assert again.cached_tokens_by_tier["storage"] > 0
+        assert again.token_ids == want[0]
+        assert ("preload" in kinds, "load" in kinds) == (early_loads, not early_loads), kinds
+        llm.cache.assert_invariants()
+
+
+def test_failed_preloads_load_at_admission_instead(checkpoint, reference, monkeypatch):
     preset = "llama-tiny"
     a, b, c = prompts_for(5, lengths=(60, 60, 60))
     want = reference(preset, [a])
     with kvtier.LLM(checkpoint(preset), num_device_blocks=10, block_size=8, num_host_blocks=8,
                     storage="memory://?capacity=16MiB", write_policy="write_through") as llm:
-        assert llm.generate([a], GREEDY)[0].token_ids == want[0]
-        llm.generate([b], GREEDY)
-        llm.generate([c], GREEDY)          # a is now only in storage
+        for p in (a, b, c):
+            llm.generate([p], GREEDY)
+        def broken_preload(op):
+            raise RuntimeError("injected: host->device preload failed")
+        monkeypatch.setattr(llm.transfer, "_preload", broken_preload)
+        kinds = _copy_kinds(llm, monkeypatch)
         again = llm.generate([a], GREEDY)[0]
-        assert again.cached_tokens_by_tier["storage"] > 0
         assert again.token_ids == want[0]
+        assert again.cached_tokens_by_tier["storage"] > 0      # fetched, then loaded when it started
+        assert "preload" in kinds and "load" in kinds
+        assert llm.cache_stats()["failures"]["load"] > 0
+        llm.cache.assert_invariants()
 
 
 def test_failed_storage_fetch_degrades_to_recompute(checkpoint, reference):

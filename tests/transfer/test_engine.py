@@ -176,3 +176,62 @@ def test_a_load_failing_part_way_is_reported_only_after_its_queued_copies_ran():
     torch.cuda.synchronize()
     assert bool((kv[0][0, 5] == -1.0).all()), "the failed op's late copy overwrote a later write"
     assert eng.poll() == [(1, [0])]
+
+
+def preload(op_id: int, host_blocks, device_blocks) -> TransferOp:  # type: ignore[no-untyped-def]
+    return TransferOp(op_id, "preload", tuple(host_blocks), tuple(device_blocks),
+                      tuple(bytes([op_id, i]) for i in range(len(host_blocks))))
+
+
+def test_a_preload_copies_every_layer_and_no_forward_waits_for_it():
+    eng, kv, host = make()
+    eng.load_mode = "gated"                      # (a step's mode does not apply to preloads)
+    eng.submit(preload(1, (2, 6), (5, 0)))
+    assert eng.layer_hook() is None              # not one of the step's loads
+    assert eng.poll() == [(1, [])]
+    for layer in range(L):
+        assert torch.equal(kv[layer][:, 5], host[2, layer]) and torch.equal(kv[layer][:, 0], host[6, layer])
+
+
+def test_a_failed_preload_is_reported_failed_not_raised():
+    eng, kv, host = make()
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected copy failure")
+
+    eng.ops = type("Broken", (), {"host_to_device": staticmethod(broken)})()
+    eng.submit(preload(1, (2, 3), (5, 6)))
+    assert eng.poll() == [(1, [0, 1])]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: on CPU the copies run synchronously")
+def test_preloads_run_beside_step_loads_and_are_reported_in_order_once_landed():
+    """A preload stuck behind a slow kernel on its stream holds up neither a step's load nor the
+    forward; it is reported only once its bytes landed, and preloads in submission order."""
+    dev = torch.device("cuda")
+    kv = list(torch.zeros(L, 2, 8, BS, H, D, device=dev).unbind(0))
+    host = torch.arange(8 * L * 2 * BS * H * D, dtype=torch.float32).reshape(8, L, 2, BS, H, D).pin_memory()
+    eng = TransferEngine(kv, host, use_kernels=False)
+
+    def async_copy(host_kv, kv_caches, src, dst, layer=None):  # type: ignore[no-untyped-def]
+        for s, d in zip(src, dst):                # contiguous slices: never blocks the CPU
+            for layer_kv, h in zip(kv_caches, host_kv[s]):
+                for i in range(2):
+                    layer_kv[i, d].copy_(h[i], non_blocking=True)
+
+    eng.ops = type("AsyncOps", (), {"host_to_device": staticmethod(async_copy)})()
+    with torch.cuda.stream(eng.preload_stream):
+        torch.cuda._sleep(400_000_000)           # ~0.2 s
+    eng.submit(preload(1, (2,), (5,)))
+    eng.submit(preload(2, (3,), (6,)))
+    eng.submit(load(3, (4,), (7,)))              # a step's load, in whole mode
+    hook = eng.layer_hook()
+    assert hook is not None and len(hook.sets) == 1          # the forward waits on the load only
+    landed = eng.wait_loads()
+    assert landed == [(3, [])], landed                        # the preloads are still queued
+    assert torch.equal(kv[0][:, 7].cpu(), host[4, 0])
+    assert eng.poll() == []
+    eng.preload_stream.synchronize()
+    assert eng.poll() == [(1, []), (2, [])]
+    for layer in range(L):
+        assert torch.equal(kv[layer][:, 5].cpu(), host[2, layer]) and torch.equal(kv[layer][:, 6].cpu(), host[3, layer])

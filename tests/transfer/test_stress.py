@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from kvtier.cache import CacheManager
+from kvtier.cache import CacheManager, SimulatedStorage
 from kvtier.transfer.engine import TransferEngine
 
 CUDA = torch.cuda.is_available()
@@ -34,12 +34,16 @@ def block_value(key: bytes, layer: int, kv: int) -> float:
 
 
 class Harness:
-    def __init__(self, policy: str, seed: int, mode: str = "layers") -> None:
+    def __init__(self, policy: str, seed: int, mode: str = "layers", storage: bool = False) -> None:
         self.rng = random.Random(seed)
         self.mode = mode                    # TransferEngine.load_mode of the forwards' loads
+        # storage: a pool the harness itself serves (fetches write the blocks' values into host
+        # memory, landing a few steps later); its hits are prefetched, then preloaded to the device
         self.mgr = CacheManager(block_size=BS, num_device_blocks=40, num_host_blocks=56,
+                                storage=SimulatedStorage(None) if storage else None,
                                 write_policy=policy, write_through_threshold=3,
-                                block_nbytes=L * 2 * BS * H * D * 4)
+                                block_nbytes=L * 2 * BS * H * D * 4, fetch_chunk_blocks=3)
+        self.storage_ops: list = []         # fetches and puts in flight (the harness's pool)
         buf = torch.full((L, 2, 40, BS, H, D), GARBAGE, device=DEVICE)
         self.kv = list(buf.unbind(0))
         host = torch.full((56, L, 2, BS, H, D), GARBAGE)
@@ -61,6 +65,11 @@ class Harness:
         for r in self.reqs:
             creq = r["creq"]
             if not creq.admitted:
+                m = self.mgr.match_prefix(creq)
+                if m.num_storage_blocks and self.mgr.prefetch(creq):
+                    continue                                        # its storage hits are landing
+                if self.mgr.prefetch_pending(creq) and self.rng.random() < 0.8:
+                    continue                      # (else admitted early: preloads still in flight)
                 m = self.mgr.match_prefix(creq)
                 cached = (m.num_device_blocks + m.num_host_blocks) * BS
                 n = min(len(r["tokens"]), cached + self.rng.randint(1, 12))
@@ -136,19 +145,41 @@ class Harness:
         while True:
             plan = self.mgr.take_plan()
             for op in plan:
-                self.engine.submit(op)
-            landed = self.engine.poll()
+                if op.kind in ("fetch", "put"):
+                    self.storage_ops.append(op)
+                else:
+                    self.engine.submit(op)
+            landed = self.engine.poll() + self.serve_storage(all_of_them=False)
             self.complete(landed)
             if not plan and not landed:
                 return
+
+    def serve_storage(self, all_of_them: bool) -> list:
+        """The pool's side: a fetch writes its blocks' values into their host blocks, a put checks
+        what it reads; each lands now with probability 1/2 (in any order), or ``all_of_them``."""
+        landed = []
+        for op in list(self.storage_ops):
+            if not all_of_them and self.rng.random() < 0.5:
+                continue
+            self.storage_ops.remove(op)
+            if op.kind == "fetch":
+                for key, b in zip(op.keys, op.dst_blocks):
+                    for layer in range(L):
+                        for kvi in (0, 1):
+                            self.host[b, layer, kvi].fill_(block_value(key, layer, kvi))
+            else:
+                for key, b in zip(op.keys, op.src_blocks):
+                    assert (self.host[b, 0, 1] == block_value(key, 0, 1)).all(), "a put reads a wrong host block"
+            landed.append((op.op_id, []))
+        return landed
 
     def finish(self) -> None:
         for r in self.reqs:
             self.mgr.free(r["creq"])
         self.reqs.clear()
         self.pump()
-        while self.engine.num_in_flight:
-            self.complete(self.engine.drain())
+        while self.engine.num_in_flight or self.storage_ops:
+            self.complete(self.engine.drain() + self.serve_storage(all_of_them=True))
             self.pump()
         if CUDA:
             torch.cuda.synchronize()
@@ -224,3 +255,30 @@ def test_a_read_before_the_load_landed_is_caught():
     assert h.mgr.stats.hit_tokens["host"] > 0
     with pytest.raises(AssertionError, match="wrong content|copy of"):
         h.finish()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("mode", ["layers", "gated"])
+def test_every_block_holds_its_kv_with_storage_hits_preloaded_as_they_land(policy, mode, monkeypatch):
+    """A storage pool under the tiers: storage hits are fetched chunk by chunk and preloaded to
+    the device as each lands, while other requests' forwards, loads and backups run; a request is
+    sometimes admitted with preloads still in flight. Every block read holds its KV."""
+    from kvtier.transfer import kernels
+    if mode == "gated":
+        monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_gated_bytes=0))
+    h = Harness(policy, seed=7 + len(policy), mode=mode, storage=True)
+    preloaded = []
+    real = h.mgr._completers["preload"]
+
+    def complete_preload(items, failed):  # type: ignore[no-untyped-def]
+        out = real(items, failed)
+        preloaded.append(sum(1 for _pf, n, b in items if n.device_block == b))
+        return out
+
+    h.mgr._completers["preload"] = complete_preload
+    for i in range(2000 if CUDA else 600):
+        h.step()
+    h.finish()
+    stats = h.mgr.stats
+    assert stats.hit_tokens["storage"] > 0, stats
+    assert sum(preloaded) > 0, "no preload became a device copy"
