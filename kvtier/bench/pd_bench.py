@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fetch threads of D, and of the raw baseline (default: one per core, 2..16)")
     ap.add_argument("--prefill-put-workers", type=int, default=None,
                     help="put threads of P (default: the server's, half of --storage-workers)")
+    ap.add_argument("--early-loads", choices=("on", "off"), default="on",
+                    help="every server's early_loads: D's hand-off blocks go on to the device chunk by "
+                         "chunk as they land (default on)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
@@ -285,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         engine += ["--num-device-blocks", a.num_device_blocks]
     if a.max_model_len:
         engine += ["--max-model-len", a.max_model_len]
+    if a.early_loads == "off":
+        engine += ["--no-early-loads"]
     # One temporary directory for the model, the default pool and the servers' logs, removed on
     # every way out: normal end, an error, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt here;
     # the servers are stopped by run()'s own finally before the directory goes).
@@ -302,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run(model, a.storage, [str(x) for x in engine], a.requests, a.rate, a.prompt_tokens,
                       a.output_tokens, a.seed, a.storage_workers, tmp, repeat=a.repeat, setups=a.setups,
                       prefill_put_workers=a.prefill_put_workers)
+            res["early_loads"] = a.early_loads
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, on_term)

@@ -218,8 +218,9 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, vocab, prompt_tokens).tolist()
     warm = rng.integers(0, vocab, min(prompt_tokens, 2048)).tolist()
-    # the reader keeps the default write policy (write_through_selective): its recompute runs do
-    # not back up or put anything that would compete with the storage hits being timed
+    # the reader copies down only what was hit twice (write_through_selective, not the default
+    # write_through with a pool): its recompute runs do not back up or put anything, which would
+    # pin host blocks and take the pool's bandwidth from the storage hits being timed
     kw = dict(device=device, load_format=load_format, num_host_blocks=num_host_blocks,
               max_model_len=prompt_tokens + 64, max_num_seqs=8, max_num_batched_tokens=4096, storage_workers=workers)
     one = kvtier.SamplingParams(max_tokens=1, ignore_eos=True)
@@ -238,11 +239,12 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
     salts = [f"run{r}" for r in range(repeat)]
     res: dict = {"prompt_tokens": prompt_tokens}
     early = early_loads != "off"
-    rows = [("storage", "auto", early)]
-    if early_loads == "both":         # the same hits, loaded only once the whole prompt landed
-        rows.append(("storage_late_loads", "auto", False))
-    rows += [("slow_auto", "auto", early), ("slow_always", "always", early)]
-    for name, fetch, early in rows:
+    # (row, fetch policy, its variants: (name, early_loads)); "both": the storage row's hits
+    # alternate with the same hits loaded only once the whole prompt landed, in one engine
+    variants = [("storage", True), ("storage_late_loads", False)] if early_loads == "both" else [("storage", early)]
+    rows = [("storage", "auto", variants), ("slow_auto", "auto", [("slow_auto", early)]),
+            ("slow_always", "always", [("slow_always", early)])]
+    for name, fetch, variants in rows:
         url, rate = pool_url, None
         if name.startswith("slow"):         # the same pool, slowed: "auto" = fetching the prompt takes 4x recompute
             rate = slow_throttle
@@ -253,34 +255,44 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
         with kvtier.LLM(model, storage=pool_url, write_policy="write_through", **kw) as writer:
             res["kv_bytes_per_token"] = writer.cache.block_nbytes // writer.block_size
             for salt in [*salts, "warm"]:        # one copy of the prompt per repeat (distinct keys)
-                writer.generate([prompt], one, cache_salt=f"{name}-{salt}")
-        with kvtier.LLM(model, storage=url, storage_fetch=fetch, early_loads=early, **kw) as llm:
+                for vname, _ in variants:
+                    writer.generate([prompt], one, cache_salt=f"{vname}-{salt}")
+        with kvtier.LLM(model, storage=url, storage_fetch=fetch, early_loads=early,
+                        write_policy="write_through_selective", **kw) as llm:
             # warm-up: compile every kernel shape the timed runs use (a full prefill, and a short
             # prefill over a long cached prefix), measure the prefill rate
             llm.generate([warm], one, cache_salt="warm")
             llm.generate([prompt], one, cache_salt=f"warm-cold-{name}")
-            llm.generate([prompt], one, cache_salt=f"{name}-warm")
-            hits, cold, tokens_by_tier, outputs_equal, phases = [], [], [], True, []
+            for vname, vearly in variants:
+                llm.cache.early_loads = vearly
+                llm.generate([prompt], one, cache_salt=f"{vname}-warm")
+            cold: list[float] = []
+            runs: dict[str, dict] = {v: {"hits": [], "tiers": [], "phases": [], "equal": True} for v, _ in variants}
             for salt in salts:
                 t_cold, o_cold = ttft(llm, f"cold-{name}-{salt}")          # nothing cached: recompute
-                t_hit, o_hit = ttft(llm, f"{name}-{salt}")                 # its blocks are in storage only
                 cold.append(t_cold)
-                hits.append(t_hit)
-                tokens_by_tier.append(o_hit.cached_tokens_by_tier)
-                m = o_hit.metrics
-                phases.append({"storage_tokens": o_hit.cached_tokens_by_tier["storage"]})
-                phases[-1].update({"to_admission_s": m["admitted"] - m["arrival"],
-                               "fetch_wait_s": m["admitted"] - m.get("prefetch_start", m["admitted"]),
-                               "admission_to_token_s": m["first_token"] - m["admitted"]})
-                outputs_equal &= o_hit.token_ids == o_cold.token_ids
+                for vname, vearly in variants:
+                    llm.cache.early_loads = vearly
+                    t_hit, o_hit = ttft(llm, f"{vname}-{salt}")            # its blocks are in storage only
+                    run = runs[vname]
+                    run["hits"].append(t_hit)
+                    run["tiers"].append(o_hit.cached_tokens_by_tier)
+                    m = o_hit.metrics
+                    run["phases"].append({"storage_tokens": o_hit.cached_tokens_by_tier["storage"],
+                                          "to_admission_s": m["admitted"] - m["arrival"],
+                                          "fetch_wait_s": m["admitted"] - m.get("prefetch_start", m["admitted"]),
+                                          "admission_to_token_s": m["first_token"] - m["admitted"]})
+                    run["equal"] &= o_hit.token_ids == o_cold.token_ids
             stats = llm.cache_stats()["storage"]
-        res[name] = {"url": pool_url, "throttle": rate, "storage_fetch": fetch, "early_loads": early,
-                     "ttft_s": statistics.median(hits),
-                     "recompute_ttft_s": statistics.median(cold),
-                     "ratio": statistics.median(hits) / statistics.median(cold),
-                     "cached_tokens_by_tier": tokens_by_tier[-1], "outputs_equal": outputs_equal,
-                     "phases": phases, "ttft_all_s": hits, "recompute_all_s": cold,
-                     "fetch_cost": stats.get("fetch_cost"), "read_gbps": stats.get("read_gbps")}
+        for vname, vearly in variants:
+            run = runs[vname]
+            res[vname] = {"url": pool_url, "throttle": rate, "storage_fetch": fetch, "early_loads": vearly,
+                          "ttft_s": statistics.median(run["hits"]),
+                          "recompute_ttft_s": statistics.median(cold),
+                          "ratio": statistics.median(run["hits"]) / statistics.median(cold),
+                          "cached_tokens_by_tier": run["tiers"][-1], "outputs_equal": run["equal"],
+                          "phases": run["phases"], "ttft_all_s": run["hits"], "recompute_all_s": cold,
+                          "fetch_cost": stats.get("fetch_cost"), "read_gbps": stats.get("read_gbps")}
     return res
 
 

@@ -316,3 +316,4 @@ def test_a_long_lookup_is_split_across_threads_and_counts_leading_keys():
     backend.delete([c.name(keys[417])])
     assert c.lookup_prefix(keys) == 417
     assert c.lookup_prefix(keys[:417]) == 417
+

@@ -220,6 +220,15 @@ def test_preloads_run_beside_step_loads_and_are_reported_in_order_once_landed():
                     layer_kv[i, d].copy_(h[i], non_blocking=True)
 
     eng.ops = type("AsyncOps", (), {"host_to_device": staticmethod(async_copy)})()
+    # once without the wait first: a kernel's first launch (CUDA lazy loading) syncs the context
+    eng.submit(preload(1, (2,), (5,)))
+    eng.submit(load(3, (4,), (7,)))
+    eng.layer_hook()
+    eng.drain()
+    torch.equal(kv[0][:, 7].cpu(), host[4, 0])
+    for layer_kv in kv:
+        layer_kv.zero_()
+    torch.cuda.synchronize()
     with torch.cuda.stream(eng.preload_stream):
         torch.cuda._sleep(400_000_000)           # ~0.2 s
     eng.submit(preload(1, (2,), (5,)))
