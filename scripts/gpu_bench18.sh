@@ -46,6 +46,10 @@ for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $
   multiturn8b_dh) b multiturn ${M/qwen3-0.6b-shape/llama3-8b-shape} --clients 16 --rounds 6 --request-length 1024 \
       --output-length 64 --max-parallel 16 --device-blocks 1640 --host-blocks 8192 --compare device,host \
       --json "$OUT/multiturn8b_dh.json" --plot "$OUT/multiturn8b_dh.png" | tee "$OUT/multiturn8b_dh.log" ;;
+  # the 4x recipe through PD (P + D behind the router, each in the storage configuration) vs colocated
+  multiturn_pd) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
+      --device-blocks 1640 --host-blocks 8192 --compare storage,pd --storage "file:///dev/shm/kvt-pool-pd" \
+      --json "$OUT/multiturn_pd.json" --plot "$OUT/multiturn_pd.png" | tee "$OUT/multiturn_pd.log" ;;
   longdoc) b longdoc $M --documents 24 --document-length 4096 --questions 3 --max-inflight 4 --device-blocks 2048 \
       --host-blocks 8192 --compare device,host --json "$OUT/longdoc.json" --plot "$OUT/longdoc.png" | tee "$OUT/longdoc.log" ;;
   trace) b trace traces/mooncake_conversation_1k.jsonl $M --requests 300 --block-tokens 128 --time-scale 0.05 \
