@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed: the fast copy pat
 from kvtier.transfer import copy as ref  # noqa: E402
 from kvtier.transfer import kernels as fast  # noqa: E402
 from kvtier.transfer.copy import allocate_host_kv  # noqa: E402
+from copy_helpers import poison, random_, same_bytes  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -36,15 +37,6 @@ SHAPES = [
 ]
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    t.view(torch.uint8).fill_(0xA5)
-    return t
-
-
-def _random_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
-    t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
-    return t
 
 
 def _kv(layers, blocks, bs, heads, dim, dtype, shared: bool, gen):
@@ -55,7 +47,7 @@ def _kv(layers, blocks, bs, heads, dim, dtype, shared: bool, gen):
     else:
         kv = [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(layers)]
     for t in kv:
-        _random_(t, gen)
+        random_(t, gen)
     return kv
 
 
@@ -65,9 +57,6 @@ def _pairs(rng, n_src, n_dst, k, consecutive):
         return list(range(s, s + k)), list(range(d, d + k))
     return rng.sample(range(n_src), k), rng.sample(range(n_dst), k)
 
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s[0]}-bs{s[3]}-h{s[4]}-d{s[5]}-{s[6]}".replace("torch.", ""))
@@ -79,13 +68,13 @@ def test_backup_matches_reference_and_touches_nothing_else(shape, shared, consec
     kv = _kv(layers, nd, bs, heads, dim, dtype, shared, gen)
     k = min(nd, nh) - 1
     dev, host_ids = _pairs(rng, nd, nh, k, consecutive)
-    want = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
-    got = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    want = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    got = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
     ref.device_to_host(kv, want, dev, host_ids)
     fast.device_to_host(kv, got, dev, host_ids)
     if CUDA:
         torch.cuda.synchronize()
-    assert _same_bytes(got, want)
+    assert same_bytes(got, want)
     untouched = [b for b in range(nh) if b not in host_ids]
     assert all((got[b].view(torch.uint8) == 0xA5).all() for b in untouched)
 
@@ -95,9 +84,9 @@ def test_backup_matches_reference_and_touches_nothing_else(shape, shared, consec
 def test_load_per_layer_matches_reference(shape, consecutive):
     layers, nd, nh, bs, heads, dim, dtype = shape
     rng, gen = random.Random(hash(shape) & 0xFFF), torch.Generator().manual_seed(2)
-    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
-    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
-    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    host = random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    want = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    got = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     k = min(nd, nh) - 1
     host_ids, dev = _pairs(rng, nh, nd, k, consecutive)
     for layer in range(layers):                   # per layer, as loads run
@@ -106,7 +95,7 @@ def test_load_per_layer_matches_reference(shape, consecutive):
         if CUDA:
             torch.cuda.synchronize()
         for l in range(layers):                   # later layers still untouched
-            assert _same_bytes(got[l], want[l]), f"layer {l} after loading layer {layer}"
+            assert same_bytes(got[l], want[l]), f"layer {l} after loading layer {layer}"
     untouched = [b for b in range(nd) if b not in dev]
     assert all((t[:, b].view(torch.uint8) == 0xA5).all() for t in got for b in untouched)
 
@@ -114,7 +103,7 @@ def test_load_per_layer_matches_reference(shape, consecutive):
 def test_empty_copies_are_no_ops():
     gen = torch.Generator().manual_seed(3)
     kv = _kv(2, 4, 4, 1, 8, torch.float32, True, gen)
-    host = _poison(allocate_host_kv(4, 2, 4, 1, 8, torch.float32, pin=CUDA))
+    host = poison(allocate_host_kv(4, 2, 4, 1, 8, torch.float32, pin=CUDA))
     fast.device_to_host(kv, host, [], [])
     fast.host_to_device(host, kv, [], [], layer=0)
     assert (host.view(torch.uint8) == 0xA5).all()
@@ -136,18 +125,18 @@ def test_persistent_grid_with_few_programs_copies_everything(tuning, monkeypatch
     rng, gen = random.Random(7), torch.Generator().manual_seed(7)
     kv = _kv(layers, nd, bs, heads, dim, dtype, True, gen)
     dev, host_ids = _pairs(rng, nd, nh, 8, False)
-    want = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
-    got = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    want = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    got = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
     ref.device_to_host(kv, want, dev, host_ids)
     fast.device_to_host(kv, got, dev, host_ids)
-    back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    back = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     for layer in range(layers):
         fast.host_to_device(got, back, host_ids, dev, layer=layer)
     if CUDA:
         torch.cuda.synchronize()
-    assert _same_bytes(got, want)
+    assert same_bytes(got, want)
     for layer in range(layers):
-        assert _same_bytes(back[layer][:, dev], kv[layer][:, dev])
+        assert same_bytes(back[layer][:, dev], kv[layer][:, dev])
 
 
 @pytest.mark.parametrize("min_run", [0, 2, 3])
@@ -163,21 +152,21 @@ def test_runs_by_dma_and_scattered_rest_by_kernel_together(min_run, monkeypatch)
     assert sum(r.n for r in pairs.runs) + pairs.src_ids.numel() == len(dev)
     if min_run:
         assert pairs.runs and all(r.n >= min_run for r in pairs.runs)
-    want = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
-    got = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    want = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    got = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
     ref.device_to_host(kv, want, dev, hst)
     fast.device_to_host(kv, got, pairs, None)
-    back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
-    want_back = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    back = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    want_back = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     back_pairs = fast.BlockPairs.split(hst, dev, CUDA, min_run, scatter_device=torch.device(DEVICE))
     for layer in range(layers):
         fast.host_to_device(got, back, back_pairs, None, layer=layer)
         ref.host_to_device(want, want_back, hst, dev, layer=layer)
     if CUDA:
         torch.cuda.synchronize()
-    assert _same_bytes(got, want)
+    assert same_bytes(got, want)
     for layer in range(layers):
-        assert _same_bytes(back[layer], want_back[layer])
+        assert same_bytes(back[layer], want_back[layer])
 
 
 def test_mismatched_pair_counts_are_refused():
@@ -190,21 +179,21 @@ def test_load_run_with_scattered_device_blocks_goes_through_staging(monkeypatch)
     monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_run_h2d=4))
     layers, nd, nh, bs, heads, dim, dtype = 2, 12, 10, 2, 1, 6, torch.float16
     gen = torch.Generator().manual_seed(11)
-    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    host = random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
     hst, dev = [2, 3, 4, 5, 6, 8], [9, 1, 7, 0, 3, 5]
     pairs = fast.BlockPairs.split(hst, dev, CUDA, 4, scatter_device=torch.device(DEVICE))
     assert len(pairs.runs) == 1 and pairs.runs[0].dst0 is None and pairs.src_ids.numel() == 1
-    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
-    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    got = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    want = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     for layer in range(layers):
         fast.host_to_device(host, got, pairs, None, layer=layer)
         ref.host_to_device(host, want, hst, dev, layer=layer)
     if CUDA:
         torch.cuda.synchronize()
     for layer in range(layers):
-        assert _same_bytes(got[layer], want[layer])
+        assert same_bytes(got[layer], want[layer])
     # deferred (gated loads): the DMA into staging now, the scatter when the caller queues it
-    late = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    late = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     for layer in range(layers):
         deferred: list = []
         fast.host_to_device(host, late, pairs, None, layer=layer, deferred=deferred)
@@ -216,7 +205,7 @@ def test_load_run_with_scattered_device_blocks_goes_through_staging(monkeypatch)
     if CUDA:
         torch.cuda.synchronize()
     for layer in range(layers):
-        assert _same_bytes(late[layer], want[layer])
+        assert same_bytes(late[layer], want[layer])
 
 
 @pytest.mark.parametrize("staging_blocks", [1, 3, 64], ids=lambda n: f"staging{n}")
@@ -230,29 +219,29 @@ def test_staged_copies_match_reference(staging_blocks, monkeypatch):
     monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_bytes_staged=3 * block_bytes,
                                              staging_bytes=staging_blocks * block_bytes))
     gen = torch.Generator().manual_seed(13)
-    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    host = random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
     # host runs 2-6 (<-> scattered device blocks) and 10-13 (<-> consecutive 16-19), the rest scattered
     hst = [2, 3, 4, 5, 6, 0, 10, 11, 12, 13, 18, 8]
     dev = [9, 1, 7, 0, 3, 22, 16, 17, 18, 19, 5, 11]
-    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
-    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    got = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    want = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     pairs = fast.host_runs(host, got, hst, dev)
     assert pairs.runs == ((2, 5), (10, 4)) and pairs.host_ids.tolist() == [0, 18, 8]
     with pytest.raises(ValueError, match="cannot load layer 0 alone"):
         fast.host_to_device(host, got, pairs, None, layer=0)
     fast.host_to_device(host, got, pairs, None)
     ref.host_to_device(host, want, hst, dev)
-    back = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
-    want_back = _poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    back = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
+    want_back = poison(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA))
     fast.device_to_host(got, back, fast.host_runs(back, got, hst, dev), None)
     ref.device_to_host(want, want_back, dev, hst)
     if CUDA:
         torch.cuda.synchronize()
     for layer in range(layers):
-        assert _same_bytes(got[layer], want[layer]), f"layer {layer}"
+        assert same_bytes(got[layer], want[layer]), f"layer {layer}"
     untouched = [b for b in range(nd) if b not in dev]
     assert all((t[:, b].view(torch.uint8) == 0xA5).all() for t in got for b in untouched)
-    assert _same_bytes(back, want_back)
+    assert same_bytes(back, want_back)
     assert all((back[b].view(torch.uint8) == 0xA5).all() for b in range(nh) if b not in hst)
 
 
@@ -263,10 +252,10 @@ def test_staged_path_sends_single_blocks_by_dma_and_needs_one_buffer(monkeypatch
     layers, nd, nh, bs, heads, dim, dtype = 2, 10, 10, 4, 1, 8, torch.float16
     monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_bytes_staged=1))
     gen = torch.Generator().manual_seed(14)
-    host = _random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
+    host = random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
     hst, dev = [7, 2, 9, 4], [1, 8, 3, 6]
-    got = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
-    want = [_poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    got = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
+    want = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     pairs = fast.host_runs(host, got, hst, dev)
     assert len(pairs.runs) == 4 and pairs.host_ids.numel() == 0
     fast.host_to_device(host, got, pairs, None)
@@ -274,7 +263,7 @@ def test_staged_path_sends_single_blocks_by_dma_and_needs_one_buffer(monkeypatch
     if CUDA:
         torch.cuda.synchronize()
     for layer in range(layers):
-        assert _same_bytes(got[layer], want[layer]), f"layer {layer}"
+        assert same_bytes(got[layer], want[layer]), f"layer {layer}"
     assert fast.host_runs(host, _kv(layers, nd, bs, heads, dim, dtype, False, gen), hst, dev) is None
     monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, staging_bytes=0))
     assert fast.host_runs(host, got, hst, dev) is None
