@@ -12,7 +12,9 @@ asyncio callers (the HTTP server).
 Requests that arrive while a step runs join the next one (continuous batching across clients).
 Each delta holds new tokens of one sample (``Delta.index``; n > 1 samples: engine/group.py), with
 their logprobs when asked; a sample's last delta has its ``finish_reason``, the request's last
-delta its ``output`` (every sample).
+delta its ``output`` (every sample). P of a PD hand-off (``export``) gets its first token as soon
+as it is sampled, with the manifest's names (``Delta.export``), and its output once the pool
+acked the prompt's blocks (``output.handoff``).
 A step that fails fails its own requests (their final output has ``finish_reason="error"``,
 ``error_kind="internal"``) and the loop goes on; the engine is dead only when it is closed or
 ``max_step_failures`` steps in a row raise with no request to blame (``EngineDead`` then).
@@ -57,6 +59,7 @@ class Delta:
     index: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    export: dict | None = None      # P of a hand-off, on its first token's delta: the blocks on their way
 
 
 class _Sink:
@@ -264,11 +267,16 @@ class AsyncEngine:
             out = done.get(rid)
             if out is not None:
                 rows = [(c.index, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs]
-            elif sink.req.export:                # P of a hand-off: its one token comes with the output
-                continue
             else:
                 rows = self.core.progress(sink.req)
+            export = None
+            if sink.req.export and out is None:  # P of a hand-off: its token once its export started
+                export = self.core.export_names(rid)
+                if export is None:
+                    continue
             deltas = [d for d in (sink.delta(*row) for row in rows) if d is not None]
+            if export is not None and deltas:
+                deltas[0].export = export
             if out is not None:
                 if not deltas:    # (the last sample's finish is always unsent; never lose the output)
                     deltas.append(Delta([], index=out.outputs[0].index))

@@ -770,6 +770,16 @@ class EngineCore:
         exp = self.cache.export(req.cache, req.num_prompt_tokens)
         self._exports[req.request_id] = (output, exp, time.monotonic() + self.export_timeout)
 
+    def export_names(self, request_id: str) -> dict | None:
+        """P: the manifest's names of ``request_id``'s export in flight (``namespace``, ``keys``,
+        ``num_tokens``, and the prompt tokens P found cached), or None if it is not exporting."""
+        entry = self._exports.get(request_id)
+        if entry is None:
+            return None
+        output, exp, _ = entry
+        return {"namespace": self.storage.namespace, "keys": list(exp.keys),   # type: ignore[union-attr]
+                "num_tokens": exp.num_tokens, "cached_tokens": output.num_cached_tokens}
+
     def _finished_exports(self) -> list[RequestOutput]:
         done = []
         now = time.monotonic()

@@ -639,9 +639,13 @@ class Server:
                              "usage": self._usage(call)})
 
     async def prefill(self, kind: str, body: Any, request: Request) -> Response:
-        """P of a PD hand-off: the prefill, its blocks written to the pool, the first token's chunks.
-        A request a hand-off cannot carry (several prompts or samples, logprobs) is a 501: the
-        router then runs it colocated on a D."""
+        """P of a PD hand-off: the prefill, its blocks written to the pool. The answer is two JSON
+        lines (``application/x-ndjson``): the first as soon as the first token is sampled (its
+        chunks, the prompt's token ids and the manifest's names), the second once the pool acked
+        the prompt's blocks (``{"manifest": ...}`` with ``complete``; or ``{"error": ...}``), so
+        the router can stream the first token while the blocks are still being written. An error
+        before the first token is an ordinary error answer. A request a hand-off cannot carry
+        (several prompts or samples, logprobs) is a 501: the router then runs it colocated on a D."""
         if self.role != "prefill":
             raise APIError(404, f"/kvtier/prefill is served by --role prefill (this server is {self.role})")
         if body.kvtier_handoff is not None:
@@ -652,31 +656,68 @@ class Server:
         gen, choice = call.gens[0], call.gens[0].choices[0]
         chunks = self._first_chunks(call)
 
-        async def run() -> Any:
+        async def events() -> AsyncIterator[Any]:
+            """The first token's delta, then the output (the request's whole time in the engine)."""
             with self._engine_errors(gen):
                 async for delta in self.engine.generate(gen.req):
                     if delta.output is not None:
                         gen.output = delta.output
                         gen.finish_reason = "error" if delta.output.finish_reason == "error" else "prefill"
-                        return delta.output
-            return None
-        out = await until_disconnect(request, run())
-        if out is None or out.finish_reason == "error" or not out.token_ids:
+                        yield delta
+                        return
+                    if delta.token_ids:
+                        gen.num_generated += len(delta.token_ids)
+                        yield delta
+
+        it = events()
+        try:
+            first = await until_disconnect(request, _next(it))
+        except BaseException:
+            await it.aclose()
+            raise
+        out = None if first is _END else first.output
+        if first is _END or (out is not None and (out.finish_reason == "error" or not out.token_ids)):
+            await it.aclose()
             raise self._failure(out) if out is not None else APIError(500, "the prefill produced no output")
-        piece = self._push(call, choice, out.token_ids[:1], None)
+        token = first.token_ids[0] if first.token_ids else out.token_ids[0]
+        names = first.export or {}
+        piece = self._push(call, choice, [token], None)
         if piece.text or body.return_token_ids:
             c = self._chunk(call, choice, {"content": piece.text}, piece.text)
             if body.return_token_ids:
-                c["choices"][0]["token_ids"] = out.token_ids[:1]
+                c["choices"][0]["token_ids"] = [token]
             chunks.append(c)
-        m = out.metrics or {}
-        if "first_token" in m:
-            self.metrics.ttft.observe(m["first_token"] - m["arrival"])
-        if out.handoff is not None and out.handoff.get("seconds") is not None:
-            self.metrics.export.observe(out.handoff["seconds"])
-        return JSONResponse({"id": call.rid, "created": call.created, "chunks": chunks,
-                             "prompt_token_ids": out.prompt_token_ids, "first_token": out.token_ids[0],
-                             "cached_tokens": out.num_cached_tokens, "manifest": out.handoff})
+        head = {"id": call.rid, "created": call.created, "chunks": chunks,
+                "prompt_token_ids": list(gen.req.prompt_token_ids), "first_token": token,
+                "cached_tokens": names.pop("cached_tokens", out.num_cached_tokens if out is not None else 0),
+                "manifest": names or _names(out.handoff)}
+
+        async def lines() -> AsyncIterator[str]:
+            try:
+                yield json.dumps(head, separators=(",", ":")) + "\n"
+                last = out
+                if last is None:
+                    e = await _next(it)
+                    last = None if e is _END else e.output
+                if last is None or last.finish_reason == "error" or last.handoff is None:
+                    err = self._failure(last) if last is not None else APIError(500, "the export produced no output")
+                    yield json.dumps(error_body(err.status, err.message)) + "\n"
+                    return
+                m = last.metrics or {}
+                if "first_token" in m:
+                    self.metrics.ttft.observe(m["first_token"] - m["arrival"])
+                if last.handoff.get("seconds") is not None:
+                    self.metrics.export.observe(last.handoff["seconds"])
+                yield json.dumps({"manifest": last.handoff}, separators=(",", ":")) + "\n"
+            finally:
+                await it.aclose()
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _names(handoff: dict | None) -> dict:
+    """The manifest's names (what D checks) of a finished export's hand-off."""
+    h = handoff or {}
+    return {k: h[k] for k in ("namespace", "keys", "num_tokens") if k in h}
 
 
 def _reason(out: Any, choice: _Choice) -> str:

@@ -2,8 +2,9 @@
 
 ::
 
-    client ─► router ─► P /kvtier/prefill/...   prefill; the prompt's blocks written to the pool;
-                │                               answers the first token's chunks + manifest
+    client ─► router ─► P /kvtier/prefill/...   prefill; answers the first token's chunks and the
+                │                               manifest's names at once, then (same answer, a
+                │                               second line) the pool's ack of the prompt's blocks
                 └─────► D /v1/...  + kvtier_handoff   D loads the blocks from the pool and decodes;
                                                       its stream continues after P's chunks
 
@@ -13,10 +14,13 @@ request is marked down at once). A P that is down, answers an error, or could no
 block -> the request runs colocated on a D. A D that fails before answering -> the next D (the
 hand-off is in the pool, any D can read it). Every call has a timeout.
 
-A stream starts with P's first token as soon as P answers when every healthy D recomputes what
-it misses (``pd_on_miss`` in its /health is ``recompute``): such a D cannot fail the hand-off for
-the pool's sake, so its answer only continues the stream (an error of D's then ends the stream
-as an error event). Otherwise P's chunks wait for D's headers, so that D's 502 can be the answer.
+A stream starts with P's first token as soon as P has sampled it, before P's blocks are in the
+pool, when every healthy D recomputes what it misses (``pd_on_miss`` in its /health is
+``recompute``): such a D cannot fail the hand-off for the pool's sake, so D is called once P's
+ack came (or P broke off: a block P did not write costs D a recompute, never the request, whose
+first token the client has), and D's answer only continues the stream (an error of D's then ends
+the stream as an error event). Otherwise P's chunks wait for P's ack and D's headers, so that a
+failed export can still run the request colocated and D's 502 can be the answer.
 """
 from __future__ import annotations
 
@@ -179,33 +183,44 @@ class Router:
 
     async def _route(self, kind: str, body: dict) -> Response:
         stream = body.get("stream") is True
-        handoff, reason = await self._prefill(kind, body)
-        if isinstance(handoff, Response):
-            return handoff                                  # the client's error (4xx), from P
-        if handoff is None:
-            self.fallbacks.labels(reason).inc()
-            self.routes.labels("colocated").inc()
-            return await self._decode(kind, body, stream, None)
-        self.routes.labels("pd").inc()
-        body = dict(body, kvtier_handoff=handoff["handoff"])
+        pre, reason = await self._prefill(kind, body)
+        if isinstance(pre, Response):
+            return pre                                      # the client's error (4xx), from P
+        if pre is None:
+            return await self._colocated(kind, body, stream, reason)
         if stream and self._decode_recomputes():
-            return StreamingResponse(self._relay_early(kind, body, handoff["chunks"]), media_type="text/event-stream",
+            self.routes.labels("pd").inc()
+            return StreamingResponse(self._relay_early(kind, body, pre), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._decode(kind, body, stream, handoff["chunks"])
+        if not await pre.acked("colocated on D"):
+            return await self._colocated(kind, body, stream, "prefill_write_failed")
+        self.routes.labels("pd").inc()
+        return await self._decode(kind, dict(body, kvtier_handoff=pre.handoff()), stream, pre.chunks)
+
+    async def _colocated(self, kind: str, body: dict, stream: bool, reason: str) -> Response:
+        self.fallbacks.labels(reason).inc()
+        self.routes.labels("colocated").inc()
+        return await self._decode(kind, body, stream, None)
 
     def _decode_recomputes(self) -> bool:
         """Does every healthy D recompute what it misses (``pd_on_miss=recompute``, in its
         /health)? Then a hand-off cannot fail on D for the pool's sake, and a stream may start
-        with P's first token before D answers."""
+        with P's first token before P's blocks are in the pool and before D answers."""
         up = [b for b in self.decode if b.healthy]
         return bool(up) and all(b.info.get("pd_on_miss") == "recompute" for b in up)
 
-    async def _relay_early(self, kind: str, body: dict, first_chunks: list) -> AsyncIterator[bytes]:
-        """P's first-token chunks at once, then D's stream; D's error, if it has one, as the
-        stream's last event."""
-        for c in first_chunks:
-            yield f"data: {json.dumps(c, separators=(',', ':'))}\n\n".encode()
-        r = await self._open_decode(kind, body)
+    async def _relay_early(self, kind: str, body: dict, pre: "_Prefill") -> AsyncIterator[bytes]:
+        """P's first-token chunks at once; then, once P's blocks are in the pool, D's stream (a
+        block P could not write, or P breaking off, costs D a recompute, never the request);
+        D's error, if it has one, as the stream's last event."""
+        try:
+            for c in pre.chunks:
+                yield f"data: {json.dumps(c, separators=(',', ':'))}\n\n".encode()
+        except BaseException:              # the client left: P's answer is closed too
+            await pre.close()
+            raise
+        await pre.acked("D recomputes what is missing")
+        r = await self._open_decode(kind, dict(body, kvtier_handoff=pre.handoff()))
         if isinstance(r, APIError):
             yield (sse_error(r) + "data: [DONE]\n\n").encode()
             return
@@ -223,8 +238,8 @@ class Router:
             yield b
 
     async def _prefill(self, kind: str, body: dict) -> tuple[Any, str]:
-        """P's half: (hand-off, "") or (None, why the request runs colocated) or (the client's
-        error from P, "")."""
+        """P's half: (its answer's first part, "") or (None, why the request runs colocated) or
+        (the client's error from P, "")."""
         tried: set[str] = set()
         reason = "no_prefill_server"
         while True:
@@ -233,8 +248,12 @@ class Router:
                 return None, reason
             tried.add(p.url)
             t0 = time.monotonic()
+            req = self.client.build_request("POST", p.url + _PREFILL[kind], json=dict(body, stream=False))  # type: ignore[union-attr]
             try:
-                r = await self.client.post(p.url + _PREFILL[kind], json=dict(body, stream=False))   # type: ignore[union-attr]
+                r = await self.client.send(req, stream=True)                     # type: ignore[union-attr]
+                if r.status_code != 200:
+                    await r.aread()
+                    await r.aclose()
             except httpx.HTTPError as e:
                 log.warning("prefill server %s failed (%s); trying the next one", p.url, e)
                 p.healthy = False
@@ -248,18 +267,15 @@ class Router:
                 log.warning("prefill server %s answered %d: %s", p.url, r.status_code, r.text[:200])
                 reason = "prefill_error"
                 continue
-            self.prefill_seconds.observe(time.monotonic() - t0)
-            res = r.json()
-            m = res.get("manifest") or {}
-            if not m.get("complete"):
-                log.warning("prefill server %s could not write every block (%s failed): colocated on D",
-                            p.url, m.get("failed_blocks"))
-                return None, "prefill_write_failed"
-            return {"chunks": res["chunks"], "handoff": {
-                "namespace": m["namespace"], "keys": m["keys"], "num_tokens": m["num_tokens"],
-                "first_token": res["first_token"], "prompt_token_ids": res["prompt_token_ids"],
-                "prefill_cached_tokens": res.get("cached_tokens", 0), "response_id": res["id"],
-                "created": res["created"]}}, ""
+            pre = _Prefill(p.url, r, t0, self.prefill_seconds)
+            try:
+                await pre.start()
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, StopAsyncIteration) as e:
+                await pre.close()
+                log.warning("prefill server %s broke off before its first token (%r); trying the next one", p.url, e)
+                reason = "prefill_error"
+                continue
+            return pre, ""
 
     async def _open_decode(self, kind: str, body: dict) -> httpx.Response | APIError:
         """D's response, headers read and body streaming (a D that fails to connect or is busy:
@@ -302,6 +318,63 @@ class Router:
                             media_type=r.headers.get("content-type", "application/json"))
         return StreamingResponse(_relay(first_chunks, r), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Prefill:
+    """P's answer, two JSON lines (``serve/api.py``): the first token's chunks and the manifest's
+    names as soon as P sampled it (:meth:`start`), then the pool's ack of the prompt's blocks
+    (:meth:`ack`). The response stays open in between; :meth:`close` on every path."""
+
+    def __init__(self, url: str, response: httpx.Response, t0: float, seconds: Histogram) -> None:
+        self.url, self.response, self.t0, self.seconds = url, response, t0, seconds
+        self._lines = response.aiter_lines()
+        self.head: dict = {}
+        self.chunks: list = []
+
+    async def start(self) -> None:
+        head = json.loads(await anext(self._lines))
+        names = head["manifest"]
+        self.head = {"namespace": names["namespace"], "keys": names["keys"], "num_tokens": names["num_tokens"],
+                     "first_token": head["first_token"], "prompt_token_ids": head["prompt_token_ids"],
+                     "prefill_cached_tokens": head.get("cached_tokens", 0), "response_id": head["id"],
+                     "created": head["created"]}
+        self.chunks = head["chunks"]
+
+    async def ack(self) -> dict | None:
+        """P's final manifest (``complete``, ``failed_blocks``), or None if P answered an error or
+        broke off."""
+        try:
+            line = await anext(self._lines)
+            last = json.loads(line)
+        except (httpx.HTTPError, ValueError, StopAsyncIteration) as e:
+            log.warning("prefill server %s broke off after its first token (%r)", self.url, e)
+            return None
+        if "error" in last:
+            log.warning("prefill server %s failed after its first token: %s", self.url, last["error"])
+            return None
+        self.seconds.observe(time.monotonic() - self.t0)
+        return last.get("manifest")
+
+    async def acked(self, then: str) -> bool:
+        """Whether P's ack says every block reached the pool (P's answer is closed after it); a
+        failure is logged with ``then``, what the router does about it."""
+        try:
+            manifest = await self.ack()
+        finally:
+            await self.close()
+        if manifest is not None and manifest.get("complete"):
+            return True
+        log.warning("prefill server %s could not write every block (%s): %s", self.url,
+                    "its answer broke off" if manifest is None else f"{manifest.get('failed_blocks')} failed", then)
+        return False
+
+    def handoff(self) -> dict:
+        """The ``kvtier_handoff`` D gets (the names are P's first line's: a block P did not write
+        is a miss that D recomputes, or refuses under ``--pd-on-miss error``)."""
+        return dict(self.head)
+
+    async def close(self) -> None:
+        await self.response.aclose()
 
 
 async def _relay(first_chunks: list | None, r: httpx.Response) -> AsyncIterator[bytes]:

@@ -93,3 +93,46 @@ def test_a_manifest_from_another_model_is_refused(model, checkpoint, tmp_path):
             d.add_request(prompt, kvtier.SamplingParams(), handoff=h)
         with pytest.raises(ValueError, match="num_tokens"):
             d.add_request(prompt[:-1], kvtier.SamplingParams(), handoff=h)
+
+
+def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path):
+    """The serving loop gives P's first token (with the manifest's names) as soon as it is
+    sampled, while the prompt's blocks are still on their way to the pool; the output, with
+    ``complete``, comes only after the pool acked them."""
+    import asyncio
+    import threading
+
+    from kvtier.engine.async_engine import AsyncEngine
+
+    prompt = np.random.default_rng(3).integers(0, 250, 37).tolist()
+    core = EngineCore(model, storage=f"file://{tmp_path}", **KW)
+    backend = core.storage.backend
+    gate, held = threading.Event(), threading.Event()
+    for name in ("put_from", "put_from_parts"):          # the pool holds every write until the gate opens
+        real = getattr(backend, name)
+
+        def slow(names, bufs, _real=real):  # type: ignore[no-untyped-def]
+            held.set()
+            assert gate.wait(30), "the test never opened the gate"
+            return _real(names, bufs)
+        setattr(backend, name, slow)
+    engine = AsyncEngine(core)
+
+    async def go():  # type: ignore[no-untyped-def]
+        req = engine.make_request(prompt, kvtier.SamplingParams(max_tokens=1), export=True)
+        it = engine.generate(req)
+        first = await asyncio.wait_for(it.__anext__(), 30)
+        assert held.is_set() and not gate.is_set()       # the pool has not acked a block yet
+        assert first.output is None and len(first.token_ids) == 1
+        names = first.export
+        assert names["num_tokens"] == 37 and len(names["keys"]) == 5 and names["cached_tokens"] == 0
+        gate.set()
+        last = await asyncio.wait_for(it.__anext__(), 30)
+        assert last.token_ids == [] and last.output.token_ids == first.token_ids
+        h = last.output.handoff
+        assert h["complete"] and h["keys"] == names["keys"] and h["namespace"] == names["namespace"]
+    try:
+        asyncio.run(go())
+    finally:
+        gate.set()
+        engine.shutdown()

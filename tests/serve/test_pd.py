@@ -107,9 +107,12 @@ def test_pd_outputs_and_routed_experts_equal_colocated(pd, offline):
 def test_pd_miss_is_recomputed_or_502_under_error(pd, offline):
     pool, p, d, d_err, router = pd
     prompt = PROMPTS[5] + " (a fresh one)"
-    res = httpx.post(p.url + "/kvtier/prefill/completions", timeout=60,
-                     json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0}).json()
-    m = res["manifest"]
+    r = httpx.post(p.url + "/kvtier/prefill/completions", timeout=60,
+                   json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson"), r.text
+    res, ack = (json.loads(line) for line in r.text.splitlines())
+    m = res["manifest"]            # P's first line: the names, before the pool's ack ...
+    assert ack["manifest"]["complete"] and {k: ack["manifest"][k] for k in m} == m   # ... the same names
     handoff = {"namespace": m["namespace"], "keys": m["keys"], "num_tokens": m["num_tokens"],
                "first_token": res["first_token"], "prompt_token_ids": res["prompt_token_ids"]}
     pool.clear() if hasattr(pool, "clear") else pool.flushall()        # the pool lost them

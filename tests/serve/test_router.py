@@ -167,38 +167,133 @@ def test_bad_ports_and_empty_keys_stop_the_command_with_a_message(args, env, mes
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-HANDOFF = {"chunks": [{"choices": [{"index": 0, "text": "P"}]}], "first_token": 5, "prompt_token_ids": [1, 2],
-           "manifest": {"complete": True, "namespace": "ns", "keys": ["k"], "num_tokens": 2},
-           "cached_tokens": 0, "id": "cmpl-1", "created": 1}
+HEAD = {"chunks": [{"choices": [{"index": 0, "text": "P"}]}], "first_token": 5, "prompt_token_ids": [1, 2],
+        "manifest": {"namespace": "ns", "keys": ["k"], "num_tokens": 2}, "cached_tokens": 0, "id": "cmpl-1",
+        "created": 1}
+ACK = {"manifest": {"complete": True, "namespace": "ns", "keys": ["k"], "num_tokens": 2, "failed_blocks": 0}}
 
 
-@pytest.mark.parametrize("d_mode", ["recompute", "error"])
-def test_a_stream_starts_with_ps_token_before_d_answers_only_when_d_recomputes(routed, d_mode):
-    c, router, backends = routed
-    backends.prefill = lambda req: httpx.Response(200, json=HANDOFF)
-
-    class Stream(httpx.AsyncByteStream):
+def p_answer(ack: dict | None = ACK, ack_after: float = 0.0, head: dict | None = HEAD):
+    """P's two JSON lines (serve/api.py): the first token's at once, the pool's ack ``ack_after``
+    seconds later (``ack`` None: P breaks off after its first line; ``head`` None: before it)."""
+    class Lines(httpx.AsyncByteStream):
         async def __aiter__(self):
-            yield b'data: {"choices":[{"index":0,"text":"D"}]}\n\ndata: [DONE]\n\n'
+            if head is None:
+                raise httpx.ReadError("connection reset")
+            yield (json.dumps(head) + "\n").encode()
+            await asyncio.sleep(ack_after)
+            if ack is None:
+                raise httpx.ReadError("connection reset")
+            yield (json.dumps(ack) + "\n").encode()
+    return lambda req: httpx.Response(200, stream=Lines(), headers={"content-type": "application/x-ndjson"})
 
-    async def slow_d(req):                      # D answers after 1.5 s
-        await asyncio.sleep(1.5)
-        return httpx.Response(200, stream=Stream(), headers={"content-type": "text/event-stream"})
-    backends.decode = slow_d
-    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": d_mode}   # (its /health)
+
+class DStream(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield b'data: {"choices":[{"index":0,"text":"D"}]}\n\ndata: [DONE]\n\n'
+
+
+def d_recording(seen: list, delay: float = 0.0):
+    """D answering a stream after ``delay`` s, keeping each request body it got."""
+    async def d(req):
+        seen.append(json.loads(req.content))
+        await asyncio.sleep(delay)
+        return httpx.Response(200, stream=DStream(), headers={"content-type": "text/event-stream"})
+    return d
+
+
+def stream_events(c: TestClient) -> tuple[dict, float, list]:
+    """(first event, seconds until it came, the other events) of a streamed completion."""
     t0 = time.monotonic()
     with c.stream("POST", "/v1/completions", json=BODY | {"stream": True}) as r:
         events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
         first = json.loads(next(events))
         waited = time.monotonic() - t0
         rest = list(events)
+    return first, waited, rest
+
+
+@pytest.mark.parametrize("d_mode", ["recompute", "error"])
+def test_a_stream_starts_with_ps_token_before_d_answers_only_when_d_recomputes(routed, d_mode):
+    c, router, backends = routed
+    backends.prefill = p_answer()
+    seen: list = []
+    backends.decode = d_recording(seen, delay=1.5)        # D answers after 1.5 s
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": d_mode}   # (its /health)
+    first, waited, rest = stream_events(c)
     assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
     assert (waited < 1.0) if d_mode == "recompute" else (waited >= 1.5), waited
+    assert seen[0]["kvtier_handoff"]["keys"] == ["k"] and seen[0]["kvtier_handoff"]["first_token"] == 5
+
+
+def test_the_first_token_does_not_wait_for_the_pools_ack_and_d_waits_for_it(routed):
+    """P writes its blocks for 1.5 s after its first token: the client has the token at once, D
+    is called only once P's ack came (so that D finds the blocks in the pool)."""
+    c, router, backends = routed
+    backends.prefill = p_answer(ack_after=1.5)
+    seen: list = []
+    called_at: list = []
+    d = d_recording(seen)
+
+    async def timed_d(req):
+        called_at.append(time.monotonic())
+        return await d(req)
+    backends.decode = timed_d
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
+    t0 = time.monotonic()
+    first, waited, rest = stream_events(c)
+    assert first["choices"][0]["text"] == "P" and waited < 1.0, waited
+    assert called_at[0] - t0 >= 1.5 and rest[-1] == "[DONE]"
+    assert fallbacks(c) == 0
+
+
+@pytest.mark.parametrize("ack", [None, {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)},
+                                 {"error": {"message": "the export produced no output", "code": 500}}],
+                         ids=["p-breaks-off", "incomplete", "p-error"])
+def test_after_an_early_token_a_failed_export_costs_d_a_recompute_not_the_request(routed, ack):
+    """The client has P's token already: the request goes on as a hand-off whatever P's export
+    did (D, which recomputes what it misses, finds less in the pool), never colocated from scratch
+    (which would send the first token twice)."""
+    c, router, backends = routed
+    backends.prefill = p_answer(ack=ack)
+    seen: list = []
+    backends.decode = d_recording(seen)
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
+    first, _, rest = stream_events(c)
+    assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
+    assert len(seen) == 1 and seen[0]["kvtier_handoff"]["keys"] == ["k"]
+    assert fallbacks(c) == 0
+
+
+@pytest.mark.parametrize("ack", [None, {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)}],
+                         ids=["p-breaks-off", "incomplete"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream-d-errors"])
+def test_before_any_answer_a_failed_export_runs_the_request_colocated(routed, ack, stream):
+    """Nothing went to the client yet (a whole answer, or a stream whose D may refuse): a P that
+    could not write every block sends the request colocated to D, without a hand-off."""
+    c, router, backends = routed
+    backends.prefill = p_answer(ack=ack)
+    seen: list = []
+    backends.decode = d_recording(seen) if stream else (
+        lambda req: seen.append(json.loads(req.content)) or httpx.Response(200, json={"choices": [{"text": "from D"}]}))
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "error"}
+    r = c.post("/v1/completions", json=BODY | {"stream": stream})
+    assert r.status_code == 200 and ("from D" in r.text if not stream else '"D"' in r.text)
+    assert len(seen) == 1 and "kvtier_handoff" not in seen[0]
+    assert fallbacks(c) == 1
+
+
+def test_a_p_that_breaks_off_before_its_first_token_runs_the_request_colocated(routed):
+    c, router, backends = routed
+    backends.prefill = p_answer(head=None)
+    r = c.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "from D"
+    assert fallbacks(c) == 1
 
 
 def test_a_d_error_after_ps_early_token_ends_the_stream_with_an_openai_error(routed):
     c, router, backends = routed
-    backends.prefill = lambda req: httpx.Response(200, json=HANDOFF)
+    backends.prefill = p_answer()
     backends.decode = lambda req: httpx.Response(500, json={"error": {"message": "boom"}})
     router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
     r = c.post("/v1/completions", json=BODY | {"stream": True})
