@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     if ps and ps["ttft_mean_s"] is not None:
         export = ps["export_mean_s"]
         print(f"  P: own TTFT mean {ps['ttft_mean_s'] * 1e3:.1f} ms, then the pool's ack of the prompt's blocks "
-              + (f"{export * 1e3:.1f} ms" if export is not None else "-") + " (P answers after both)")
+              + (f"{export * 1e3:.1f} ms" if export is not None else "-")
+              + " (a streamed first token leaves after the first, D starts after both)")
     h = res.get("handoff")
     if h:
         print(f"  hand-off: {h['bytes'] / 1e6:.1f} MB read by D at {h['gbps']:.3f} GB/s"
