@@ -271,6 +271,8 @@ class AsyncEngine:
                 rows = self.core.progress(sink.req)
             export = None
             if sink.req.export and out is None:  # P of a hand-off: its token once its export started
+                if sink.sent[0]:
+                    continue                     # sent: the output comes once the pool acked
                 export = self.core.export_names(rid)
                 if export is None:
                     continue

@@ -233,7 +233,7 @@ class Server:
                                                            "engine": "stopped"}, status_code=503)
         pool = self.pool_health()
         body = {"status": "ok", "role": self.role, "engine": "ok", "pool": pool,
-                "pd_on_miss": self.engine.core.pd_on_miss}
+                "pd_on_miss": self.engine.core.pd_on_miss, "export_timeout": self.engine.core.export_timeout}
         if pool is None or pool.get("ok", True):
             return JSONResponse(body)
         reason = f"the storage pool is unreachable: {pool.get('reason') or 'no reason given'}"
@@ -695,12 +695,16 @@ class Server:
         async def lines() -> AsyncIterator[str]:
             try:
                 yield json.dumps(head, separators=(",", ":")) + "\n"
-                last = out
+                last, err = out, None
                 if last is None:
-                    e = await _next(it)
-                    last = None if e is _END else e.output
-                if last is None or last.finish_reason == "error" or last.handoff is None:
+                    try:
+                        e = await _next(it)
+                        last = None if e is _END else e.output
+                    except APIError as failed:         # e.g. the engine stopped: said in the answer
+                        err = failed
+                if err is None and (last is None or last.finish_reason == "error" or last.handoff is None):
                     err = self._failure(last) if last is not None else APIError(500, "the export produced no output")
+                if err is not None:
                     yield json.dumps(error_body(err.status, err.message)) + "\n"
                     return
                 m = last.metrics or {}

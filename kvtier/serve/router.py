@@ -42,6 +42,8 @@ from kvtier.serve.errors import (APIError, add_error_handlers, error_response, i
 log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _PREFILL = {"completion": "/kvtier/prefill/completions", "chat": "/kvtier/prefill/chat"}
+DEFAULT_EXPORT_TIMEOUT_S = 30.0     # P's --export-timeout default, for a P whose /health lacks it
+ACK_MARGIN_S = 10.0
 
 
 class Backend:
@@ -78,6 +80,10 @@ class Router:
                               ["route"], registry=r)
         self.fallbacks = Counter("kvtier_router_fallbacks", "requests served colocated on D instead of PD, by reason",
                                  ["reason"], registry=r)
+        self.incomplete = Counter("kvtier_router_incomplete_exports",
+                                  "hand-offs whose P did not write every block (or broke off, or did not ack in "
+                                  "time) after its first token went out: D recomputed what was missing",
+                                  registry=r)
         self.prefill_seconds = Histogram("kvtier_router_prefill_seconds", "P's answer time (prefill + pool writes)",
                                          registry=r)
         for route in ("pd", "colocated"):
@@ -219,7 +225,8 @@ class Router:
         except BaseException:              # the client left: P's answer is closed too
             await pre.close()
             raise
-        await pre.acked("D recomputes what is missing")
+        if not await pre.acked("D recomputes what is missing"):
+            self.incomplete.inc()
         r = await self._open_decode(kind, dict(body, kvtier_handoff=pre.handoff()))
         if isinstance(r, APIError):
             yield (sse_error(r) + "data: [DONE]\n\n").encode()
@@ -267,7 +274,10 @@ class Router:
                 log.warning("prefill server %s answered %d: %s", p.url, r.status_code, r.text[:200])
                 reason = "prefill_error"
                 continue
-            pre = _Prefill(p.url, r, t0, self.prefill_seconds)
+            # P acks (or gives up) within its export_timeout (in its /health): a P silent past that
+            # and a margin is hung; the request goes on as if P had broken off
+            ack_timeout = float(p.info.get("export_timeout") or DEFAULT_EXPORT_TIMEOUT_S) + ACK_MARGIN_S
+            pre = _Prefill(p.url, r, t0, self.prefill_seconds, ack_timeout)
             try:
                 await pre.start()
             except (httpx.HTTPError, ValueError, KeyError, TypeError, StopAsyncIteration) as e:
@@ -325,8 +335,9 @@ class _Prefill:
     names as soon as P sampled it (:meth:`start`), then the pool's ack of the prompt's blocks
     (:meth:`ack`). The response stays open in between; :meth:`close` on every path."""
 
-    def __init__(self, url: str, response: httpx.Response, t0: float, seconds: Histogram) -> None:
+    def __init__(self, url: str, response: httpx.Response, t0: float, seconds: Histogram, ack_timeout: float) -> None:
         self.url, self.response, self.t0, self.seconds = url, response, t0, seconds
+        self.ack_timeout = ack_timeout
         self._lines = response.aiter_lines()
         self.head: dict = {}
         self.chunks: list = []
@@ -341,19 +352,22 @@ class _Prefill:
         self.chunks = head["chunks"]
 
     async def ack(self) -> dict | None:
-        """P's final manifest (``complete``, ``failed_blocks``), or None if P answered an error or
-        broke off."""
+        """P's final manifest (``complete``, ``failed_blocks``), or None if P answered an error,
+        something else than a manifest, broke off, or did not answer within ``ack_timeout``."""
         try:
-            line = await anext(self._lines)
-            last = json.loads(line)
+            last = json.loads(await asyncio.wait_for(anext(self._lines), self.ack_timeout))
+        except asyncio.TimeoutError:
+            log.warning("prefill server %s did not ack its blocks within %.0f s", self.url, self.ack_timeout)
+            return None
         except (httpx.HTTPError, ValueError, StopAsyncIteration) as e:
             log.warning("prefill server %s broke off after its first token (%r)", self.url, e)
             return None
-        if "error" in last:
-            log.warning("prefill server %s failed after its first token: %s", self.url, last["error"])
+        manifest = last.get("manifest") if isinstance(last, dict) else None
+        if not isinstance(manifest, dict):
+            log.warning("prefill server %s answered no manifest after its first token: %.200s", self.url, last)
             return None
         self.seconds.observe(time.monotonic() - self.t0)
-        return last.get("manifest")
+        return manifest
 
     async def acked(self, then: str) -> bool:
         """Whether P's ack says every block reached the pool (P's answer is closed after it); a

@@ -106,6 +106,10 @@ def chunk_pointers(host: torch.Tensor, kv_caches: list[torch.Tensor], host_ids: 
     chunk = kv0[0, 0].numel() * es
     h = host_ids.to("cpu", torch.int64)
     d = device_ids.to("cpu", torch.int64)
+    for ids, limit, what in ((h, host.shape[0], "host"), (d, kv0.shape[1], "device")):
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < limit):   # a raw copy has no bounds
+            bad = next(int(x) for x in ids.tolist() if not 0 <= x < limit)
+            raise ValueError(f"{what} block {bad} is out of range 0..{limit - 1}")
     lay = torch.tensor(list(layers), dtype=torch.int64)
     kvi = torch.arange(2, dtype=torch.int64)
     host_addr = (host.data_ptr() + h[None, None, :] * (host.stride(0) * es)
@@ -139,7 +143,7 @@ def copy_chunks(host: torch.Tensor, kv_caches: list[torch.Tensor], host_ids: tor
     first = ctypes.c_size_t(0)
     args = [dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), count, ctypes.byref(attrs),
             ctypes.addressof(first), 1]
-    failed = ctypes.c_size_t(0)
+    failed = ctypes.c_size_t(2 ** 64 - 1)     # SIZE_MAX: no copy to blame
     if fail_idx:
         args.append(ctypes.addressof(failed))
     current = torch.cuda.current_stream(kv_caches[0].device)
@@ -151,5 +155,6 @@ def copy_chunks(host: torch.Tensor, kv_caches: list[torch.Tensor], host_ids: tor
         err = fn(*args, side.cuda_stream)
         current.wait_stream(side)
     if err:
-        at = f" at copy {failed.value} of {count}" if fail_idx else f" ({count} copies)"
+        at = (f" at copy {failed.value} of {count}" if fail_idx and failed.value < count
+              else f" ({count} copies)")
         raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {err}{at}")

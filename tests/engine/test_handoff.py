@@ -136,3 +136,49 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
     finally:
         gate.set()
         engine.shutdown()
+
+
+def test_an_engine_that_stops_after_ps_first_line_is_an_error_line_not_a_cut_answer(model, tmp_path):
+    """P's answer has started (first token out, blocks held by the pool) when its engine stops:
+    the second line says so in OpenAI's error shape (the router then treats the export as
+    failed), rather than the connection dropping mid-answer."""
+    import json
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from kvtier.engine.async_engine import AsyncEngine
+    from kvtier.serve.api import Server
+
+    core = EngineCore(model, storage=f"file://{tmp_path}", **KW)
+    backend = core.storage.backend
+    gate = threading.Event()
+    for name in ("put_from", "put_from_parts"):
+        real = getattr(backend, name)
+
+        def slow(names, bufs, _real=real):  # type: ignore[no-untyped-def]
+            gate.wait(30)
+            return _real(names, bufs)
+        setattr(backend, name, slow)
+    engine = AsyncEngine(core)
+    server = Server(engine, "m", role="prefill")
+    prompt = np.random.default_rng(4).integers(0, 250, 37).tolist()
+    stopper = threading.Thread(target=engine.shutdown, kwargs={"timeout": 10})
+    try:
+        with TestClient(server.app) as c, c.stream("POST", "/kvtier/prefill/completions",
+                                                   json={"model": "m", "prompt": prompt, "max_tokens": 4}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+            lines = r.iter_lines()
+            head = json.loads(next(lines))
+            assert len(head["manifest"]["keys"]) == 5 and isinstance(head["first_token"], int)
+            stopper.start()                        # the engine stops while the pool holds the blocks
+            stopper.join(0.5)
+            gate.set()
+            err = json.loads(next(lines))["error"]
+            assert err["code"] == 503 and "shutting down" in err["message"] and set(err) >= {"message", "type"}
+            assert list(lines) == []
+    finally:
+        gate.set()
+        if not stopper.is_alive() and stopper.ident is None:
+            engine.shutdown()
+        stopper.join(30)

@@ -246,7 +246,8 @@ class Pool:
 
 def health_of(role: str, pool: Pool) -> tuple[int, dict]:
     engine = SimpleNamespace(core=SimpleNamespace(storage=pool, tokenizer=None, max_model_len=CTX,
-                                                  pd_on_miss="recompute"), _check_alive=lambda: None)
+                                                  pd_on_miss="recompute", export_timeout=7.0),
+                             _check_alive=lambda: None)
     server = Server(engine, "moe", role=role)          # type: ignore[arg-type]
     with TestClient(server.app) as c:
         r = c.get("/health")
@@ -259,6 +260,7 @@ def test_health_reports_the_pool(role):
     status, body = health_of(role, Pool(ok=True))
     assert status == 200 and body["status"] == "ok" and body["pool"]["ok"] is True
     assert body["pd_on_miss"] == "recompute"           # the router relays P's token early on it
+    assert body["export_timeout"] == 7.0               # ... and gives P's ack this long (+ a margin)
     status, body = health_of(role, Pool(ok=False))
     if role == "colocated":                  # it still serves, recomputing what the pool would give
         assert status == 200 and body["status"] == "degraded"

@@ -193,13 +193,27 @@ class DStream(httpx.AsyncByteStream):
         yield b'data: {"choices":[{"index":0,"text":"D"}]}\n\ndata: [DONE]\n\n'
 
 
-def d_recording(seen: list, delay: float = 0.0):
-    """D answering a stream after ``delay`` s, keeping each request body it got."""
+def d_recording(seen: list, delay: float = 0.0, stream: bool = True):
+    """D answering after ``delay`` s (a stream, or a whole answer "from D"), keeping each request
+    body it got."""
     async def d(req):
         seen.append(json.loads(req.content))
         await asyncio.sleep(delay)
+        if not stream:
+            return httpx.Response(200, json={"choices": [{"text": "from D"}]})
         return httpx.Response(200, stream=DStream(), headers={"content-type": "text/event-stream"})
     return d
+
+
+def through(routed, ack, stream: bool, d_mode: str) -> tuple[httpx.Response, list]:  # type: ignore[no-untyped-def]
+    """A completion through P answering ``ack`` after its first line and a D of ``d_mode``: the
+    answer and the request bodies D got."""
+    c, router, backends = routed
+    backends.prefill = p_answer(ack=ack)
+    seen: list = []
+    backends.decode = d_recording(seen, stream=stream)
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": d_mode}
+    return c.post("/v1/completions", json=BODY | {"stream": stream}), seen
 
 
 def stream_events(c: TestClient) -> tuple[dict, float, list]:
@@ -244,7 +258,7 @@ def test_the_first_token_does_not_wait_for_the_pools_ack_and_d_waits_for_it(rout
     first, waited, rest = stream_events(c)
     assert first["choices"][0]["text"] == "P" and waited < 1.0, waited
     assert called_at[0] - t0 >= 1.5 and rest[-1] == "[DONE]"
-    assert fallbacks(c) == 0
+    assert fallbacks(c) == 0 and incomplete(c) == 0
 
 
 @pytest.mark.parametrize("ack", [None, {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)},
@@ -262,7 +276,7 @@ def test_after_an_early_token_a_failed_export_costs_d_a_recompute_not_the_reques
     first, _, rest = stream_events(c)
     assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
     assert len(seen) == 1 and seen[0]["kvtier_handoff"]["keys"] == ["k"]
-    assert fallbacks(c) == 0
+    assert fallbacks(c) == 0 and incomplete(c) == 1
 
 
 @pytest.mark.parametrize("ack", [None, {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)}],
@@ -271,13 +285,8 @@ def test_after_an_early_token_a_failed_export_costs_d_a_recompute_not_the_reques
 def test_before_any_answer_a_failed_export_runs_the_request_colocated(routed, ack, stream):
     """Nothing went to the client yet (a whole answer, or a stream whose D may refuse): a P that
     could not write every block sends the request colocated to D, without a hand-off."""
-    c, router, backends = routed
-    backends.prefill = p_answer(ack=ack)
-    seen: list = []
-    backends.decode = d_recording(seen) if stream else (
-        lambda req: seen.append(json.loads(req.content)) or httpx.Response(200, json={"choices": [{"text": "from D"}]}))
-    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "error"}
-    r = c.post("/v1/completions", json=BODY | {"stream": stream})
+    c, _, _ = routed
+    r, seen = through(routed, ack, stream, "error")
     assert r.status_code == 200 and ("from D" in r.text if not stream else '"D"' in r.text)
     assert len(seen) == 1 and "kvtier_handoff" not in seen[0]
     assert fallbacks(c) == 1
@@ -301,3 +310,44 @@ def test_a_d_error_after_ps_early_token_ends_the_stream_with_an_openai_error(rou
     assert json.loads(events[0])["choices"][0]["text"] == "P" and events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["code"] == 502 and "answered 500" in err["message"] and "boom" in err["message"]
+
+
+def incomplete(c: TestClient) -> float:
+    m = re.search(r"^kvtier_router_incomplete_exports_total (\S+)$", c.get("/metrics").text, re.M)
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("ack", [[1, 2], "done", {"manifest": "x"}, {"status": "ok"}],
+                         ids=["list", "string", "manifest-not-an-object", "no-manifest"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_second_line_that_is_no_manifest_counts_as_a_failed_export(routed, ack, stream):
+    """JSON that is not P's ack: not streamed, the request runs colocated; streamed after P's
+    token, D takes the hand-off (and recomputes), the stream ends properly, the metric counts it."""
+    c, _, _ = routed
+    r, seen = through(routed, ack, stream, "recompute")
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events == ['{"choices":[{"index":0,"text":"P"}]}', '{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
+        assert "kvtier_handoff" in seen[0] and incomplete(c) == 1 and fallbacks(c) == 0
+    else:
+        assert r.json()["choices"][0]["text"] == "from D" and "kvtier_handoff" not in seen[0]
+        assert fallbacks(c) == 1
+
+
+def test_a_p_silent_after_its_first_token_is_given_up_after_its_export_timeout(routed, monkeypatch):
+    """P acks within its --export-timeout (its /health says which); one silent past that and
+    the margin is hung: the stream goes on through D instead of waiting for the router's timeout."""
+    import kvtier.serve.router as router_mod
+    monkeypatch.setattr(router_mod, "ACK_MARGIN_S", 0.5)
+    c, router, backends = routed
+    backends.prefill = p_answer(ack_after=30)
+    seen: list = []
+    backends.decode = d_recording(seen)
+    router.prefill[0].info = {"status": "ok", "export_timeout": 0.5}
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
+    t0 = time.monotonic()
+    first, waited, rest = stream_events(c)
+    assert first["choices"][0]["text"] == "P" and rest[-1] == "[DONE]"
+    assert 1.0 <= time.monotonic() - t0 < 10, "D came neither after the deadline nor before the 30 s ack"
+    assert "kvtier_handoff" in seen[0] and incomplete(c) == 1

@@ -131,6 +131,10 @@ def test_bad_copies_are_refused_with_the_values():
     wrong = allocate_host_kv(4, 2, 2, 1, 8, torch.float16, pin=CUDA)
     with pytest.raises(ValueError, match=r"layouts disagree: device layer \(2, 4, 2, 1, 4\)"):
         batch.copy_chunks(wrong, kv, _ids([0]), _ids([0]), load=True)
+    with pytest.raises(ValueError, match="host block 4 is out of range 0..3"):
+        batch.copy_chunks(host, kv, _ids([0, 4]), _ids([0, 1]), load=True)
+    with pytest.raises(ValueError, match="device block -1 is out of range 0..3"):
+        batch.copy_chunks(host, kv, _ids([0]), _ids([-1]), load=False)
     batch.copy_chunks(host, kv, _ids([]), _ids([]), load=True)        # nothing to copy: no call
 
 
