@@ -159,6 +159,7 @@ class CacheManager:
         self._seeds: OrderedDict[str | None, bytes] = OrderedDict()
         self._tick = 0
         self._next_op = 0
+        self.loads_landed_twice = 0     # loads whose block went back: the tree had a copy by then
         self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": [], "preload": []}
         self._pending: dict[int, tuple[str, list]] = {}
         self.prefetcher = Prefetcher(self)     # storage -> host fetches of storage hits
@@ -384,11 +385,15 @@ class CacheManager:
             if n.from_storage:           # fetched for this request: a storage hit, counted once
                 n.from_storage = False
                 from_storage += 1
-        if req.prefetch is not None:
-            req.prefetch.preload = False     # admitted: chunks still landing stay on host
-            for n in device_hits:            # preloaded while it waited: host (or storage) hits
-                if n.preloaded:
-                    n.preloaded = False
+        pf = req.prefetch
+        if pf is not None:
+            pf.preload = False               # admitted: chunks still landing stay on host
+            for n in device_hits:            # preloaded for it while it waited: host (or storage) hits
+                if n.preloaded is not None:  # (another prefetch's: a device hit, the flag spent)
+                    mine = n.preloaded is pf
+                    n.preloaded = None
+                    if not mine:
+                        continue
                     preloaded += 1
                     if n.from_storage:
                         n.from_storage = False
@@ -718,7 +723,8 @@ class CacheManager:
             if node.device_block is None:
                 tree.set_device(node, block)
             elif node.device_block != block:     # loaded twice: keep the tree's copy
-                self.device_pool.free_one(block)
+                self.device_pool.free_one(block)     # (a step queued already may still read it:
+                self.loads_landed_twice += 1         # the engine orders new copies into it after)
                 req.block_table[i] = node.device_block
             req.nodes.append(node)
         return rewinds

@@ -304,6 +304,6 @@ class Prefetcher:
             else:
                 node.last_access = tick
                 tree.set_device(node, block)
-                node.preloaded = True
+                node.preloaded = pf              # a host hit of pf's request if it is admitted on it
             tree.maybe_candidate(node)
         return {}

@@ -77,7 +77,7 @@ class Node:
         self.evict_device_after_copy = False   # write_back: free the device copy once copied
         self.evict_host_after_copy = False     # write_back: free the host copy once stored
         self.from_storage = False              # host copy fetched from storage, not yet hit
-        self.preloaded = False                 # device copy preloaded from host, not yet hit
+        self.preloaded = None                  # the prefetch whose wait preloaded the device copy (not hit yet)
 
     def __repr__(self) -> str:
         return (f"Node(depth={self.depth}, key={self.key[:4].hex()}, dev={self.device_block}, "
@@ -383,7 +383,7 @@ class RadixTree:
         assert block is not None and node.lock_ref == 0 and node.device_reads == 0, node
         node.device_block = None
         node.evict_device_after_copy = False
-        node.preloaded = False
+        node.preloaded = None
         self.epoch += 1
         self.num_device_copies -= 1
         self.num_device_unlocked -= 1

@@ -273,6 +273,44 @@ def test_early_loads_bring_fetched_chunks_and_host_hits_to_the_device_before_adm
     mgr.assert_invariants([req])
 
 
+def test_a_preload_counts_as_a_host_hit_only_for_the_request_it_was_made_for():
+    """A preload that lands after its request was admitted (its deadline passed; it loaded the
+    blocks itself) leaves the device copies behind: for any later request they are device hits,
+    whether or not that request waits for a fetch of its own."""
+    for d_has_prefetch in (False, True):
+        storage = SimulatedStorage()
+        w = CacheManager(block_size=BS, num_device_blocks=32, num_host_blocks=32, storage=storage,
+                         write_policy="write_through")
+        serve(w, "w", blocks(0, 4))                 # 4 blocks in the pool
+        mgr = CacheManager(block_size=BS, num_device_blocks=32, num_host_blocks=32, storage=storage)
+        a = mgr.new_request("a", blocks(0, 2))
+        mgr.match_prefix(a)
+        assert mgr.prefetch(a) == 2
+        mgr.complete_plan(mgr.take_plan())          # the fetch lands; its preload is planned ...
+        pre = mgr.take_plan().preloads              # ... and in flight when a's deadline passes
+        m = mgr.match_prefix(a)
+        assert (m.num_device_blocks, m.num_host_blocks) == (0, 2)
+        assert mgr.allocate(a, len(a.token_ids))    # admitted: loads its 2 host hits itself
+        mgr.complete(pre.op_id)                     # the preload lands after admission
+        run_plans(mgr)
+        mgr.commit(a, len(a.token_ids))
+        run_plans(mgr)
+        mgr.free(a)
+        run_plans(mgr)
+        tokens = blocks(0, 4) if d_has_prefetch else blocks(0, 2, extra=0) + [7] * 9
+        d = mgr.new_request("d", tokens)
+        assert mgr.match_prefix(d).num_device_blocks == 2
+        if d_has_prefetch:
+            assert mgr.prefetch(d) == 2
+            run_plans(mgr)
+        before = dict(mgr.stats.hit_tokens)
+        mgr.match_prefix(d)
+        assert mgr.allocate(d, len(d.token_ids))
+        gained = {t: mgr.stats.hit_tokens[t] - before[t] for t in before}
+        assert gained == {"device": 2 * BS, "host": 0, "storage": 2 * BS if d_has_prefetch else 0}, gained
+        mgr.assert_invariants([d])
+
+
 def test_a_preload_below_a_failed_one_is_dropped():
     """Device copies stay prefix-closed: a preload that lands below a node whose own preload
     failed returns its block, and the request loads the rest at admission."""

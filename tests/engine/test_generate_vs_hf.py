@@ -143,6 +143,44 @@ def test_failed_preloads_load_at_admission_instead(checkpoint, reference, monkey
         llm.cache.assert_invariants()
 
 
+def test_a_preload_never_takes_a_block_the_steps_forward_still_reads(checkpoint, reference):
+    """A and B load the same host hits in one step: B's copies are 'loaded twice' and its own
+    device blocks go back to the pool while the step is being queued, though the step's block
+    tables, built already, still name them. C's fetch lands in that same pump: its preloads take
+    device blocks then, and must not be given (or write) those before the forward read them."""
+    from concurrent.futures import wait as wait_futures
+
+    preset = "llama-tiny"
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 256, (40,), generator=g).tolist()
+    c = torch.randint(0, 256, (44,), generator=g).tolist()
+    a, b = shared + [1, 2, 3, 4], shared + [5, 6, 7, 8]
+    want = reference(preset, [a, b, c])
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8, num_host_blocks=64,
+                    storage="memory://?capacity=16MiB", write_policy="write_through", storage_fetch="always",
+                    early_loads=True) as llm:
+        llm.generate([c], GREEDY)
+        llm._drain()
+        llm.cache._evict_device(64)
+        llm._drain()
+        llm.cache._evict_host(64)                  # c: in the pool only
+        llm._drain()
+        llm.generate([shared + [9]], GREEDY)
+        llm._drain()
+        llm.cache._evict_device(64)                # the shared prefix: on the host only
+        llm._drain()
+        poll = llm.storage.poll
+
+        def landed_poll():                         # c's fetch has landed whenever the engine polls
+            wait_futures([f for e in llm.storage._inflight for f in e.futures])
+            return poll()
+        llm.storage.poll = landed_poll
+        got = llm.generate([c, a, b], GREEDY)
+        assert [o.token_ids for o in got] == [want[2], want[0], want[1]]
+        assert got[2].cached_tokens_by_tier["host"] > 0 and got[0].cached_tokens_by_tier["storage"] > 0
+        llm.cache.assert_invariants()
+
+
 def test_failed_storage_fetch_degrades_to_recompute(checkpoint, reference):
     preset = "llama-tiny"
     a, b, c = prompts_for(5, lengths=(60, 60, 60))

@@ -122,12 +122,16 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
         req = engine.make_request(prompt, kvtier.SamplingParams(max_tokens=1), export=True)
         it = engine.generate(req)
         first = await asyncio.wait_for(it.__anext__(), 30)
-        assert held.is_set() and not gate.is_set()       # the pool has not acked a block yet
+        assert not gate.is_set()                         # the pool cannot have acked a block
         assert first.output is None and len(first.token_ids) == 1
         names = first.export
         assert names["num_tokens"] == 37 and len(names["keys"]) == 5 and names["cached_tokens"] == 0
+        assert await asyncio.to_thread(held.wait, 30)    # the writes reached the pool, which holds them
+        rest = asyncio.ensure_future(it.__anext__())
+        done, _ = await asyncio.wait({rest}, timeout=0.5)
+        assert not done, "the output came before the pool acked the blocks"
         gate.set()
-        last = await asyncio.wait_for(it.__anext__(), 30)
+        last = await asyncio.wait_for(rest, 30)
         assert last.token_ids == [] and last.output.token_ids == first.token_ids
         h = last.output.handoff
         assert h["complete"] and h["keys"] == names["keys"] and h["namespace"] == names["namespace"]
