@@ -9,27 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 
 import torch
 
+from kvtier.bench.transfer_bench import _time
 from kvtier.transfer import batch
 from kvtier.transfer import kernels as fast
 from kvtier.transfer.host_pool import HostKV
-
-
-def timed(fn, reps=9):  # type: ignore[no-untyped-def]
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -57,8 +43,8 @@ def main() -> None:
         d_ids, h_ids = rng.sample(range(nd), n), rng.sample(range(nh), n)
         nbytes = n * block_bytes
         row = {"blocks": n,
-               "contig_h2d": nbytes / timed(lambda: cd[:nbytes].copy_(ch[:nbytes], non_blocking=True)) / 1e9,
-               "contig_d2h": nbytes / timed(lambda: ch[:nbytes].copy_(cd[:nbytes], non_blocking=True)) / 1e9}
+               "contig_h2d": nbytes / _time(lambda: cd[:nbytes].copy_(ch[:nbytes], non_blocking=True), 9) / 1e9,
+               "contig_d2h": nbytes / _time(lambda: ch[:nbytes].copy_(cd[:nbytes], non_blocking=True), 9) / 1e9}
         for share in (float(x) for x in args.shares.split(",")):
             k = int(round(n * share))
             bh = torch.tensor(h_ids[:k], dtype=torch.int32)
@@ -66,19 +52,15 @@ def main() -> None:
             h2d_rest = fast.BlockPairs.split(h_ids[k:], d_ids[k:], True, 0)
             d2h_rest = fast.BlockPairs.split(d_ids[k:], h_ids[k:], True, 0)
 
-            def h2d_layers():
+            def h2d(per_layer: bool):  # type: ignore[no-untyped-def]
                 side.wait_stream(cur)
-                for l in range(L):             # per layer, as gated loads queue them
+                if not per_layer:                  # all layers by one batch beside the kernels
                     with torch.cuda.stream(side):
-                        batch.copy_chunks(host.tensor, kv, bh, bd, load=True, layers=(l,))
-                    fast.host_to_device(host.tensor, kv, h2d_rest, None, layer=l)
-                cur.wait_stream(side)
-
-            def h2d_all():
-                side.wait_stream(cur)
-                with torch.cuda.stream(side):
-                    batch.copy_chunks(host.tensor, kv, bh, bd, load=True)
-                for l in range(L):
+                        batch.copy_chunks(host.tensor, kv, bh, bd, load=True)
+                for l in range(L):                 # per layer, as gated loads queue them
+                    if per_layer:
+                        with torch.cuda.stream(side):
+                            batch.copy_chunks(host.tensor, kv, bh, bd, load=True, layers=(l,))
                     fast.host_to_device(host.tensor, kv, h2d_rest, None, layer=l)
                 cur.wait_stream(side)
 
@@ -88,8 +70,8 @@ def main() -> None:
                     batch.copy_chunks(host.tensor, kv, bh, bd, load=False)
                 fast.device_to_host(kv, host.tensor, d2h_rest, None)
                 cur.wait_stream(side)
-            for name, fn in (("h2d_layers", h2d_layers), ("h2d_all", h2d_all), ("d2h", d2h)):
-                gbps = nbytes / timed(fn) / 1e9
+            for name, fn in (("h2d_layers", lambda: h2d(True)), ("h2d_all", lambda: h2d(False)), ("d2h", d2h)):
+                gbps = nbytes / _time(fn, 9) / 1e9
                 row[f"{name}@{share}"] = round(gbps, 1)
                 row[f"{name}@{share}_ratio"] = round(gbps / row["contig_" + name[:3]], 3)
         print(json.dumps(row), flush=True)

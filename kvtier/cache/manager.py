@@ -159,7 +159,10 @@ class CacheManager:
         self._seeds: OrderedDict[str | None, bytes] = OrderedDict()
         self._tick = 0
         self._next_op = 0
-        self.loads_landed_twice = 0     # loads whose block went back: the tree had a copy by then
+        # device blocks of loads that landed twice (the tree had a copy by then): a step queued
+        # already may still read them, so they go back to the pool only at the scheduler's next
+        # allocate or free, never to a preload staged while that step's loads are queued
+        self._landed_twice: list[int] = []
         self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": [], "preload": []}
         self._pending: dict[int, tuple[str, list]] = {}
         self.prefetcher = Prefetcher(self)     # storage -> host fetches of storage hits
@@ -324,7 +327,7 @@ class CacheManager:
         else:
             need = max(need, len(req._path)) - req._num_device_hits
             need += sum(1 for n in req._path[:req._num_device_hits] if n.lock_ref == 0)
-        return need <= self.device_pool.num_free + self.tree.num_device_unlocked
+        return need <= self.device_pool.num_free + len(self._landed_twice) + self.tree.num_device_unlocked
 
     def allocate(self, req: CacheRequest, num_tokens: int) -> bool:
         """Grow ``req.block_table`` to cover ``num_tokens`` positions, evicting if needed.
@@ -335,6 +338,8 @@ class CacheManager:
         """
         if req.freed:
             raise ValueError(f"request {req.rid!r} was freed")
+        if self._landed_twice:
+            self._return_landed_twice()
         need_total = -(-num_tokens // self.block_size)
         tree = self.tree
         if req.admitted:
@@ -407,6 +412,10 @@ class CacheManager:
                 if n.host_block is None and self.policy.copy_on_land(n.hit_count):
                     self._copy_down(n)
         return True
+
+    def _return_landed_twice(self) -> None:
+        self.device_pool.free(self._landed_twice)
+        self._landed_twice = []
 
     def _take_device(self, n: int) -> list[int] | None:
         pool = self.device_pool
@@ -571,6 +580,8 @@ class CacheManager:
         if req.freed:
             raise ValueError(f"request {req.rid!r} freed twice")
         req.freed = True
+        if self._landed_twice:
+            self._return_landed_twice()
         if req.tail is not None:
             self.handoff.drop_tail(req)
         if not req.admitted:
@@ -723,8 +734,7 @@ class CacheManager:
             if node.device_block is None:
                 tree.set_device(node, block)
             elif node.device_block != block:     # loaded twice: keep the tree's copy
-                self.device_pool.free_one(block)     # (a step queued already may still read it:
-                self.loads_landed_twice += 1         # the engine orders new copies into it after)
+                self._landed_twice.append(block)
                 req.block_table[i] = node.device_block
             req.nodes.append(node)
         return rewinds
@@ -898,6 +908,9 @@ class CacheManager:
             assert node.device_reads == dev_reads.get(id(node), 0), f"device pins of {node}"
             if node.host_block is not None and not node.host_ready:
                 assert dev_reads.get(id(node)), f"host copy of {node} not landed and no copy in flight"
+        for b in self._landed_twice:
+            assert b not in dev_owner, f"device block {b} landed twice and owned"
+            dev_owner[b] = "landed twice"
         for b in range(self.device_pool.num_blocks):
             assert self.device_pool.is_free(b) != (b in dev_owner), f"device block {b} leaked or double-owned"
         for b in range(self.host_pool.num_blocks):

@@ -319,7 +319,6 @@ class EngineCore:
         self._inflight: _Launched | None = None   # overlap: the step on the GPU, results not taken
         self._rewinds: dict[object, int] = {}     # failed loads: request id -> tokens still valid
         self._loads_submitted = 0
-        self._held_preloads: list = []        # preloads staged while a step is built (see _launch)
         self._closed = False
 
     # ------------------------------------------------------------------ set-up helpers
@@ -633,15 +632,7 @@ class EngineCore:
             if not hook:                          # once per step, whatever forwards run in it
                 self.transfer.load_mode = mode
                 try:
-                    # loads: queued (GPU) or done (CPU). Preloads staged meanwhile (a fetched
-                    # chunk landed) are held: if a load of this step landed twice, its block is
-                    # back in the pool, while this step's block tables, built, still name it,
-                    # and a preload may have been given it; they then go after the forward.
-                    # Otherwise they go now, beside it
-                    twice = self.cache.loads_landed_twice
-                    self._pump(hold_preloads=True)
-                    if self.cache.loads_landed_twice == twice:
-                        self._submit_held_preloads()
+                    self._pump()                  # loads: queued (GPU) or done (CPU)
                 finally:
                     self.transfer.load_mode = "whole"
                 hook.append(self.transfer.layer_hook())
@@ -650,10 +641,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.runner.start_step()
         try:
-            try:
-                result = self._forward(out, start_loads, results)
-            finally:
-                self._submit_held_preloads()      # queued after the forward: ordered behind it
+            result = self._forward(out, start_loads, results)
             if not out.scheduled:
                 return None
             ends = self.scheduler.advance(out)
@@ -821,20 +809,14 @@ class EngineCore:
             self._pump()
         return self.cache.num_pending_ops
 
-    def _pump(self, hold_preloads: bool = False) -> None:
+    def _pump(self) -> None:
         """Submit the manager's staged copies and hand back those that landed, until quiet (on
-        CPU every copy lands at once, and a landed copy may stage the next: backup -> put).
-        ``hold_preloads``: keep preload ops for :meth:`_submit_held_preloads` (a step is being
-        queued; its forward must read its blocks before a preload can write any of them)."""
-        if not hold_preloads:
-            self._submit_held_preloads()
+        CPU every copy lands at once, and a landed copy may stage the next: backup -> put)."""
         while True:
             plan = self.cache.take_plan()
             for op in plan:
                 if op.kind in ("fetch", "put"):
                     self.storage.submit(op)        # type: ignore[union-attr]
-                elif hold_preloads and op.kind == "preload":
-                    self._held_preloads.append(op)
                 else:
                     self._loads_submitted += op.kind == "load"
                     self.transfer.submit(op)
@@ -844,11 +826,6 @@ class EngineCore:
             self._complete(landed)
             if not plan and not landed:
                 return
-
-    def _submit_held_preloads(self) -> None:
-        held, self._held_preloads = self._held_preloads, []
-        for op in held:
-            self.transfer.submit(op)
 
     def _complete(self, landed: list[tuple[int, list[int]]]) -> None:
         """Hand landed copies to the manager; a failed load's rewind (recompute its request from
