@@ -622,13 +622,17 @@ class CacheManager:
 
     @property
     def num_device_blocks_freeing(self) -> int:
-        """Device blocks no request holds that become evictable once their backup lands (a swap
-        out, write_back): the scheduler waits for them instead of preempting more."""
+        """Device blocks no request holds that become free or evictable once copies in flight
+        land: backups of unlocked nodes (a swap out, write_back), and early loads (a preload's
+        block becomes its node's unlocked device copy, or goes back to the pool). The scheduler
+        waits for them instead of preempting a running request."""
         def unlocked_below(node: Node) -> bool:      # evictable leaf-first once its copy lands
             return node.lock_ref == 0 and all(unlocked_below(c) for c in self.tree.children_of(node)
                                                if c.device_block is not None)
-        return sum(1 for kind, items in (*self._pending.values(), ("backup", self._staged["backup"]))
-                   if kind == "backup" for n, _d, _h in items if type(n) is not TailBlock and unlocked_below(n))
+        ops = (*self._pending.values(), ("backup", self._staged["backup"]), ("preload", self._staged["preload"]))
+        return sum(len(items) if kind == "preload" else
+                   sum(1 for n, _d, _h in items if type(n) is not TailBlock and unlocked_below(n))
+                   for kind, items in ops if kind in ("backup", "preload"))
 
     # ================================================================== plans
     def take_plan(self) -> StepPlan:

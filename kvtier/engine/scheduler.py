@@ -123,7 +123,7 @@ class Scheduler:
                 i += 1                               # nothing to compute until its token lands
                 continue
             while not cache.allocate(req.cache, req.num_computed_tokens + n):
-                if cache.num_device_blocks_freeing:  # copies out are landing: wait, don't preempt more
+                if cache.num_device_blocks_freeing:  # copies landing will free blocks: wait, don't preempt
                     out.stalled = True
                     break
                 if defer_preempt:

@@ -17,8 +17,8 @@ Copies run asynchronously, as in the engine (kvtier/engine/llm.py ``step``, DESI
   one offload stream), and several steps may pass with everything in flight (``submit_only``);
 * preemption by swap (``swap_out``) and the request coming back later (``come_back``);
 * the scheduler's wait: when an allocation fails while ``num_device_blocks_freeing`` > 0 it frees
-  nothing more and waits; once the in-flight backups have landed, at least that many more device
-  blocks must be free or evictable (``_wait_for_backups``).
+  nothing more and waits; once the in-flight backups and early loads (preloads) have landed, at
+  least that many more device blocks must be free or evictable (``_wait_for_backups``).
 """
 from __future__ import annotations
 
@@ -340,11 +340,11 @@ class CacheMachine(RuleBasedStateMachine):
         before = self._reclaimable()
         self.inflight.extend(mgr.take_plan())
         fails = iter(fail)
-        for op in [op for op in self.inflight if op.kind == "backup"]:
+        for op in [op for op in self.inflight if op.kind in ("backup", "preload")]:
             self._run(op, fails)
         after = self._reclaimable()
         assert after >= before + promised, \
-            f"{promised} device blocks promised by in-flight backups, {after - before} came"
+            f"{promised} device blocks promised by in-flight backups and preloads, {after - before} came"
 
     # ------------------------------------------------------------ checks
     @invariant()

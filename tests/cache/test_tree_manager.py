@@ -311,6 +311,33 @@ def test_a_preload_counts_as_a_host_hit_only_for_the_request_it_was_made_for():
         mgr.assert_invariants([d])
 
 
+def test_device_blocks_held_by_preloads_count_as_freeing():
+    """Early loads in flight hold device blocks that become evictable when they land: a running
+    request that finds no room meanwhile must be told to wait for them (the scheduler then
+    stalls a step), not to preempt someone."""
+    storage = SimulatedStorage()
+    serve(CacheManager(block_size=BS, num_device_blocks=8, num_host_blocks=8, storage=storage,
+                       write_policy="write_through"), "w", blocks(100, 2))
+    mgr = CacheManager(block_size=BS, num_device_blocks=5, num_host_blocks=8, storage=storage)
+    r = mgr.new_request("r", blocks(0, 1, extra=2))
+    mgr.match_prefix(r)
+    assert mgr.allocate(r, len(r.token_ids))          # running: 2 blocks, one of them partial
+    b = mgr.new_request("b", blocks(100, 2))
+    mgr.match_prefix(b)
+    assert mgr.prefetch(b) == 2
+    mgr.complete_plan(mgr.take_plan())                # the fetch lands: its 2 preloads staged
+    assert mgr.device_pool.num_free == 1
+    assert mgr.num_device_blocks_freeing == 2         # staged preloads ...
+    pre = mgr.take_plan().preloads
+    assert pre is not None and pre.num_blocks == 2
+    assert not mgr.allocate(r, 4 * BS)                # r grows by 2 blocks: no room ...
+    assert mgr.num_device_blocks_freeing == 2         # ... but the preloads in flight will make some
+    mgr.complete(pre.op_id)
+    assert mgr.num_device_blocks_freeing == 0
+    assert mgr.allocate(r, 4 * BS)                    # an evicted preload made room
+    mgr.assert_invariants([r, b])
+
+
 def test_a_preload_below_a_failed_one_is_dropped():
     """Device copies stay prefix-closed: a preload that lands below a node whose own preload
     failed returns its block, and the request loads the rest at admission."""
