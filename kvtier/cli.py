@@ -243,7 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=positive_int, default=1024,
                    help="requests waiting for admission before new ones get 503 (default 1024)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                   help="uvicorn log level (default info)")
+                   help="log level of uvicorn and kvtier (default info)")
+    p.add_argument("--log-stats-interval", type=_non_negative_float, default=10.0, metavar="SECONDS",
+                   help="while it has work, the engine logs one INFO line every SECONDS: tokens/s, requests "
+                        "running and waiting, blocks used per tier, copies and exports pending (0: never; "
+                        "default 10)")
     _add_llm_flags(p)
 
     p = sub.add_parser("router", help="OpenAI-compatible front of prefill and decode servers (PD)",
@@ -269,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=_positive_float, default=2.0,
                    help="seconds between health checks of every server (default 2)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                   help="uvicorn log level (default info)")
+                   help="log level of uvicorn and kvtier (default info)")
 
     p = sub.add_parser("demo", help="multi-turn workload through all three tiers (start here)",
                        description="Write a small random MoE checkpoint, run a multi-turn chat workload "
@@ -453,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             serve(args.model, host=args.host, port=args.port, role=args.role, api_key=args.api_key,
                   served_model_name=args.served_model_name, max_queue=args.max_queue, log_level=args.log_level,
                   max_body_bytes=args.max_body_bytes, require_cache_salt=args.require_cache_salt,
-                  **{k: getattr(args, k) for k in _LLM_KEYS})
+                  log_stats_interval=args.log_stats_interval, **{k: getattr(args, k) for k in _LLM_KEYS})
             return 0
         if args.command == "router":
             from kvtier.serve.server import route

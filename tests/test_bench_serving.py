@@ -52,9 +52,17 @@ def test_multiturn_through_pd_answers_every_round_as_colocated_does(tmp_path, ca
     """--compare host,pd: the same conversations through one server and through P + D behind the
     router (token identity across a hand-off: tests/serve/test_pd.py); later rounds find their
     history in P's cache, and the warm-up's copies settle on both servers."""
+    logs = tmp_path / "logs"
     res = run_bench(multiturn, ["--clients", "2", "--rounds", "3", "--request-length", "24", "--output-length", "4",
-                                "--compare", "host,pd"], tmp_path, capsys)["results"]
+                                "--compare", "host,pd", "--log-dir", str(logs),
+                                "--server-args", "--log-stats-interval 0.1"], tmp_path, capsys)["results"]
     assert list(res) == ["host", "pd"]
+    # --log-dir keeps every server's log at info, each engine's stats lines in it
+    assert sorted(f.name for f in logs.iterdir()) == ["host.log", "pd-decode.log", "pd-prefill.log", "pd-router.log"]
+    for name in ("host", "pd-prefill", "pd-decode"):
+        text = (logs / f"{name}.log").read_text()
+        assert "kvtier: serving" in text and "kvtier.engine: engine (" in text, text[-2000:]
+    assert "POST /v1/completions" in (logs / "pd-router.log").read_text()
     assert res["pd"]["requests"] == 6 and res["pd"]["warmup"]["settle"]["settled"]
     assert res["pd"]["prompt_by_round"] == res["host"]["prompt_by_round"]
     assert res["pd"]["cached_by_round"][0] == 0 and res["pd"]["cached_by_round"][2] == 2 * 48

@@ -58,8 +58,9 @@ class Server:
     the warm-up settles on both servers)."""
 
     def __init__(self, url: str | None, model: str | None, flags: list[str], log_dir: Path,
-                 pd: bool = False) -> None:
+                 pd: bool = False, name: str = "server", log_level: str = "warning") -> None:
         self.url, self.model, self.flags, self.log_dir, self.pd = url, model, flags, log_dir, pd
+        self.name, self.log_level = name, log_level
         self.procs: list = []
         self.metric_urls: list[str] = []   # kvtier servers whose /metrics count (the first: cached tokens)
         self.token_ids = True           # does it take return_token_ids (kvtier, recent vLLM)?
@@ -82,10 +83,8 @@ class Server:
         from kvtier.serve.launch import ServerProcess
         if self.model is None:
             raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
-        n = len(list(self.log_dir.glob("server-*.log")))
-
         def start(args: list[str], what: str) -> Any:
-            proc = ServerProcess(args, self.log_dir / f"server-{n}{what}.log")
+            proc = ServerProcess(args, self.log_dir / f"{self.name}{what}.log", log_level=self.log_level)
             self.procs.append(proc)
             return proc
         if not self.pd:
@@ -327,6 +326,11 @@ def add_common_flags(ap: Any) -> None:
                                                             "model's vocab, 32000 with --url)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH", help="write every result here")
+    ap.add_argument("--log-dir", default=None, metavar="DIR",
+                    help="keep the started servers' logs here, at info level: CONFIG.log (PD: "
+                         "pd-prefill.log, pd-decode.log, pd-router.log), with each engine's stats line every "
+                         "10 s (--server-args '--log-stats-interval S' to change); default: a temporary "
+                         "directory, removed, warnings only")
     ap.add_argument("--plot", default=None, metavar="PATH.png", help="plot TTFT per round and its CDF here")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     ap.add_argument("--warmup", type=non_negative_int, default=None, metavar="N",
@@ -369,9 +373,14 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
     with tempfile.TemporaryDirectory(prefix=f"kvtier-bench-{name}-") as tmp_name:
         tmp = Path(tmp_name)
         model, args.vocab = resolve_model(args, tmp)
+        log_dir = tmp
+        if args.log_dir:                       # kept: each server's log at info (its stats lines)
+            log_dir = Path(args.log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
         for config in configs:
             flags = [] if args.url else server_flags(config, args, tmp)
-            with Server(args.url, model, flags, tmp, pd=config == "pd") as server:
+            with Server(args.url, model, flags, log_dir, pd=config == "pd", name=config,
+                        log_level="info" if args.log_dir else "warning") as server:
                 token_ids = server.token_ids      # a warm-up that fails must not flip the probe
                 warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
                 if any(r.error for r in warm):

@@ -36,6 +36,7 @@ from kvtier.engine.core import EngineCore, RequestOutput
 from kvtier.engine.group import check_n
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.stats_log import StatsLog
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,13 @@ class _Sink:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, max_queue: int = 1024, idle_wait: float = 0.05,
-                 max_step_failures: int = 3) -> None:
+                 max_step_failures: int = 3, stats_interval: float = 0.0) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
         self.max_step_failures = max_step_failures
+        self._stats = StatsLog(stats_interval)      # a line every stats_interval s of work (0: none)
         self.core = core
         self.max_queue = max_queue
         self._idle_wait = idle_wait
@@ -194,6 +196,8 @@ class AsyncEngine:
                 failures = 0
                 if not idle:
                     self._emit(finished)
+                if self._stats.interval:
+                    self._log_stats()
         except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
             log.exception("engine step failed; failing every request in flight")
             self._error = e
@@ -214,6 +218,13 @@ class AsyncEngine:
                 cmd[1].push(err)
             elif cmd[0] == "call":
                 self._resolve(cmd[2], exc=err)
+
+    def _log_stats(self) -> None:
+        try:
+            self._stats.maybe_log(self.core)
+        except Exception:  # noqa: BLE001 - a log line must never stop the engine: no more of them
+            log.exception("stats line failed; --log-stats-interval is off from now on")
+            self._stats.interval = 0
 
     def _take_inbox(self, block: bool) -> None:
         try:

@@ -36,10 +36,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: Sequence[object], log: Path, env: dict | None = None) -> None:
+    def __init__(self, args: Sequence[object], log: Path, env: dict | None = None,
+                 log_level: str = "warning") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = kvtier_command(*args, "--port", self.port, "--log-level", "warning")
+        self.args = kvtier_command(*args, "--port", self.port, "--log-level", log_level)
         self.log = Path(log)
         with open(self.log, "ab") as f:
             self.popen = procs.spawn(self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,

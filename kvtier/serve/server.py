@@ -30,6 +30,18 @@ def resolve_key(flag_value: str | None, env_name: str, flag_name: str) -> str | 
     return value
 
 
+def setup_logging(level: str) -> None:
+    """kvtier's own log lines (the engine's stats line, warnings of the router and the pools) to
+    stderr at ``level``, as uvicorn's are; once per process, and not over a handler the embedding
+    application installed."""
+    logger = logging.getLogger("kvtier")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def role_defaults(role: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The engine's keywords for a server of ``role``: a PD prefill server, whose writes to the
     pool are its product, gets half its fetch threads as put threads unless told (an engine that
@@ -44,7 +56,7 @@ def role_defaults(role: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "colocated",
           api_key: str | None = None, served_model_name: str | None = None, max_queue: int = 1024,
           log_level: str = "info", max_body_bytes: int | None = None, require_cache_salt: bool = False,
-          **llm_kwargs: Any) -> None:
+          log_stats_interval: float = 10.0, **llm_kwargs: Any) -> None:
     import uvicorn
 
     from kvtier.engine.async_engine import AsyncEngine
@@ -54,8 +66,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
 
     api_key = resolve_key(api_key, API_KEY_ENV, "--api-key")
     check_role(role, bool(llm_kwargs.get("storage")))     # before loading the model
+    setup_logging(log_level)
     core = EngineCore(model, **role_defaults(role, llm_kwargs))
-    engine = AsyncEngine(core, max_queue=max_queue)
+    engine = AsyncEngine(core, max_queue=max_queue, stats_interval=log_stats_interval)
     try:
         server = Server(engine, served_model_name or Path(model).name, role, api_key,
                         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
@@ -78,6 +91,7 @@ def route(prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: 
     from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
     from kvtier.serve.router import Router
 
+    setup_logging(log_level)
     router = Router(prefill, decode, api_key=resolve_key(api_key, API_KEY_ENV, "--api-key"),
                     backend_api_key=resolve_key(backend_api_key, BACKEND_API_KEY_ENV, "--backend-api-key"),
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, **kwargs)

@@ -1,0 +1,94 @@
+"""The engine's periodic stats line (``kvtier serve --log-stats-interval``)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import pytest
+
+import kvtier
+from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.core import EngineCore
+from kvtier.engine.stats_log import StatsLog
+
+PARAMS = kvtier.SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+def numbers(line):
+    """The line's fields as numbers, by the word before or after them."""
+    get = lambda pat: float(re.search(pat, line).group(1).replace(",", ""))   # noqa: E731
+    return {"dt": get(r"engine \(([\d.]+) s\)"), "prompt": get(r"([\d,]+) prompt"),
+            "generated": get(r"([\d,]+) generated"), "running": get(r"running (\d+)"),
+            "waiting": get(r"waiting (\d+)"), "device_used": get(r"device ([\d,]+)/"),
+            "device": get(r"device [\d,]+/([\d,]+) blocks")}
+
+
+def test_the_line_counts_prompt_and_generated_tokens_and_what_the_engine_holds(checkpoint):
+    core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64)
+    try:
+        stats = StatsLog(1.0)
+        t0 = stats._last
+        assert stats.maybe_log(core, t0 + 11) is None          # nothing done, nothing held: no line
+        a = core.add_request([1, 2, 3] * 7, PARAMS)             # 21 prompt tokens
+        core.add_request([4, 5] * 6, PARAMS)                    # 12
+        core.step()                                             # both prefilled: 1 token sampled each
+        line = stats.maybe_log(core, t0 + 12)                   # 1 s after the last (empty) check
+        got = numbers(line)
+        assert got["dt"] == 1.0
+        assert got["prompt"] == 21 + 12 and got["generated"] == 2
+        assert (got["running"], got["waiting"]) == (2, 0)
+        assert got["device"] == 64 and got["device_used"] == 3 + 2
+        assert stats.maybe_log(core, t0 + 12.5) is None         # before the next interval
+        while core.has_unfinished():
+            core.step()
+        core.add_request([1, 2, 3] * 7, PARAMS)                 # the same prompt: a device hit ...
+        core.step()
+        got = numbers(stats.maybe_log(core, t0 + 13))
+        assert got["prompt"] == 5                               # ... computes only its last block's 5 tokens
+        assert got["generated"] == 2 * 4 + 1
+        del a
+    finally:
+        core.close()
+
+
+def test_a_negative_interval_is_refused():
+    with pytest.raises(ValueError, match="-1"):
+        StatsLog(-1)
+
+
+def test_the_async_engine_logs_the_line_while_it_works(checkpoint, caplog):
+    eng = AsyncEngine(EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64),
+                      stats_interval=0.01)
+    caplog.set_level(logging.INFO, logger="kvtier.engine")
+    try:
+        async def run():
+            out = None
+            async for d in eng.generate(eng.make_request([1, 2, 3] * 7, kvtier.SamplingParams(
+                    max_tokens=40, ignore_eos=True))):
+                await asyncio.sleep(0.002)
+                out = d.output or out
+            return out
+        assert len(asyncio.run(run()).token_ids) == 40
+    finally:
+        eng.shutdown()
+    lines = [numbers(r.getMessage()) for r in caplog.records if r.name == "kvtier.engine"]
+    assert lines and all(line["running"] in (0, 1) for line in lines) and lines[0]["running"] == 1
+    assert lines[0]["prompt"] > 0 and any(line["generated"] > 0 for line in lines)
+
+
+def test_a_failing_line_turns_itself_off_and_the_engine_serves_on(checkpoint, caplog):
+    eng = AsyncEngine(EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64),
+                      stats_interval=0.001)
+
+    def boom(core, now=None):
+        raise RuntimeError("stats broke")
+    eng._stats.maybe_log = boom
+    try:
+        async def run():
+            return [d async for d in eng.generate(eng.make_request([1, 2, 3], PARAMS))][-1].output
+        assert len(asyncio.run(run()).token_ids) == 5
+        assert eng._stats.interval == 0
+    finally:
+        eng.shutdown()
+    assert any("stats line failed" in r.getMessage() for r in caplog.records)
