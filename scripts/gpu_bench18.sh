@@ -49,6 +49,7 @@ for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $
   # the 4x recipe through PD (P + D behind the router, each in the storage configuration) vs colocated
   multiturn_pd) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
       --device-blocks 1640 --host-blocks 8192 --compare storage,pd --storage "file:///dev/shm/kvt-pool-pd" \
+      --log-dir "$OUT/logs_pd" --server-args "--log-stats-interval 1" \
       --json "$OUT/multiturn_pd.json" --plot "$OUT/multiturn_pd.png" | tee "$OUT/multiturn_pd.log" ;;
   longdoc) b longdoc $M --documents 24 --document-length 4096 --questions 3 --max-inflight 4 --device-blocks 2048 \
       --host-blocks 8192 --compare device,host --json "$OUT/longdoc.json" --plot "$OUT/longdoc.png" | tee "$OUT/longdoc.log" ;;
