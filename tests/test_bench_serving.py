@@ -5,6 +5,7 @@ workload shares prefixes (and never with the cache off), the JSON and the plot w
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -62,7 +63,12 @@ def test_multiturn_through_pd_answers_every_round_as_colocated_does(tmp_path, ca
     for name in ("host", "pd-prefill", "pd-decode"):
         text = (logs / f"{name}.log").read_text()
         assert "kvtier: serving" in text and "kvtier.engine: engine (" in text, text[-2000:]
+        pool = r"pool read [\d.]+ GB/s, written [\d.]+ \| " if name != "host" else ""   # P and D have a pool
+        assert re.search(r"exports \d+ \| " + pool + r"slowest step [\d,]+ ms", text), text[-2000:]
     assert "POST /v1/completions" in (logs / "pd-router.log").read_text()
+    # and the JSON has each server's /kvtier/stats at the end
+    assert set(res["host"]["server_stats"]) == {"server"} and set(res["pd"]["server_stats"]) == {"prefill", "decode"}
+    assert res["pd"]["server_stats"]["decode"]["storage"]["hit_tokens"] > 0   # D read P's prompts from the pool
     assert res["pd"]["requests"] == 6 and res["pd"]["warmup"]["settle"]["settled"]
     assert res["pd"]["prompt_by_round"] == res["host"]["prompt_by_round"]
     assert res["pd"]["cached_by_round"][0] == 0 and res["pd"]["cached_by_round"][2] == 2 * 48

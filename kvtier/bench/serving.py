@@ -141,6 +141,22 @@ class Server:
         except Exception:  # noqa: BLE001 - not kvtier, or no metrics: per-tier counts are left out
             return {}
 
+    def cache_stats(self) -> dict[str, dict]:
+        """Each started kvtier server's ``/kvtier/stats`` (tiers, storage client, cost model), by
+        role: ``server``, or ``prefill`` and ``decode``; empty for --url. A server that does not
+        answer is left out."""
+        import httpx
+        if self.url is None or not self.procs:
+            return {}
+        roles = ["prefill", "decode"] if self.pd else ["server"]
+        out = {}
+        for role, url in zip(roles, self.metric_urls):
+            try:
+                out[role] = httpx.get(url.rstrip("/") + "/kvtier/stats", timeout=10).json()
+            except (httpx.HTTPError, ValueError):
+                pass
+        return out
+
     def settle(self, timeout: float = 60.0) -> dict | None:
         """Wait until a kvtier server has no copy in flight (the warm-up's backups and puts to
         the pool must not run into the timed requests), at most ``timeout`` seconds: {"s":
@@ -392,7 +408,9 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
                     records = asyncio.run(_with_client(workload, server, args, tick))
                     wall = time.perf_counter() - t0
                 after = server.metrics()
+                stats = server.cache_stats()
             res = summarize(records, wall)
+            res["server_stats"] = stats            # each kvtier server's /kvtier/stats at the end
             res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
             res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
             res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error),

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -181,6 +182,7 @@ class AsyncEngine:
                 # no request: copies in flight still land and stage the next (a landed
                 # backup's put to the pool); else a step. Either may fail transiently.
                 idle = not core.has_unfinished()
+                started = time.perf_counter()
                 try:
                     if idle:
                         core.pump_idle()
@@ -197,6 +199,8 @@ class AsyncEngine:
                 if not idle:
                     self._emit(finished)
                 if self._stats.interval:
+                    if not idle:
+                        self._stats.note_step(time.perf_counter() - started)
                     self._log_stats()
         except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
             log.exception("engine step failed; failing every request in flight")

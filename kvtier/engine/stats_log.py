@@ -6,7 +6,8 @@ do: an operator reading a server's log sees a stall (requests waiting, no tokens
 or exports pending) without scraping ``/metrics``::
 
     engine (10.0 s): 4,096 prompt + 512 generated tok/s | running 8, waiting 3 (2 fetching) |
-    device 1,520/1,640 blocks, host 6,001/8,192 | copies pending 12, exports 5 | preempted 0 | failed 0
+    device 1,520/1,640 blocks, host 6,001/8,192 | copies pending 12, exports 5 |
+    pool read 3.20 GB/s, written 1.10 | slowest step 41 ms | preempted 0 | failed 0
 
 It runs on the engine thread between steps and reads counters only (no synchronization).
 """
@@ -26,7 +27,13 @@ class StatsLog:
         self.interval = interval
         self.logger = logger
         self._last = time.monotonic()
-        self._counts = (0, 0)      # (prompt tokens computed, tokens sampled) at the last line
+        self._counts = (0, 0, 0, 0)    # prompt tokens computed, sampled; pool bytes read, written
+        self._slowest = 0.0            # the longest engine step since the last line (s)
+
+    def note_step(self, seconds: float) -> None:
+        """The engine loop ran one step (or pump) in ``seconds``: the line reports the slowest."""
+        if seconds > self._slowest:
+            self._slowest = seconds
 
     def maybe_log(self, core: Any, now: float | None = None) -> str | None:
         """Log (and return) the line if ``interval`` passed and there is anything to say."""
@@ -35,20 +42,25 @@ class StatsLog:
         now = time.monotonic() if now is None else now
         if now - self._last < self.interval:
             return None
-        counts = (core.num_prompt_tokens_computed, core.num_sampled_tokens)
-        last = self._counts
-        dt, self._last, self._counts = now - self._last, now, counts
+        pool = core.storage.counters if core.storage is not None else {}
+        counts = (core.num_prompt_tokens_computed, core.num_sampled_tokens,
+                  pool.get("bytes_read", 0), pool.get("bytes_written", 0))
+        last, slowest = self._counts, self._slowest
+        dt, self._last, self._counts, self._slowest = now - self._last, now, counts, 0.0
         sched, cache = core.scheduler, core.cache
         busy = sched.has_unfinished() or cache.num_pending_ops or core.num_exports or counts != last
         if not busy:
             return None
-        prompt, sampled = counts[0] - last[0], counts[1] - last[1]
+        prompt, sampled, read, written = (c - b for c, b in zip(counts, last))
         fetching = sum(1 for r in sched.waiting if r.prefetch_deadline is not None)
         dev, host = cache.device_pool, cache.host_pool
         line = (f"engine ({dt:.1f} s): {prompt / dt:,.0f} prompt + {sampled / dt:,.0f} generated tok/s | "
                 f"running {len(sched.running)}, waiting {len(sched.waiting)} ({fetching} fetching) | "
                 f"device {dev.num_used:,}/{dev.num_blocks:,} blocks, host {host.num_used:,}/{host.num_blocks:,} | "
                 f"copies pending {cache.num_pending_ops}, exports {core.num_exports} | "
+                + (f"pool read {read / dt / 1e9:.2f} GB/s, written {written / dt / 1e9:.2f} | "
+                   if core.storage is not None else "")
+                + f"slowest step {slowest * 1e3:,.0f} ms | "
                 f"preempted {sched.num_preemptions} | failed {core.num_failed_requests}")
         self.logger.info(line)
         return line

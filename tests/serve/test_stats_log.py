@@ -33,7 +33,9 @@ def test_the_line_counts_prompt_and_generated_tokens_and_what_the_engine_holds(c
         a = core.add_request([1, 2, 3] * 7, PARAMS)             # 21 prompt tokens
         core.add_request([4, 5] * 6, PARAMS)                    # 12
         core.step()                                             # both prefilled: 1 token sampled each
+        stats.note_step(0.25), stats.note_step(0.5), stats.note_step(0.125)
         line = stats.maybe_log(core, t0 + 12)                   # 1 s after the last (empty) check
+        assert "slowest step 500 ms" in line and "pool" not in line   # (no pool configured)
         got = numbers(line)
         assert got["dt"] == 1.0
         assert got["prompt"] == 21 + 12 and got["generated"] == 2
@@ -44,7 +46,9 @@ def test_the_line_counts_prompt_and_generated_tokens_and_what_the_engine_holds(c
             core.step()
         core.add_request([1, 2, 3] * 7, PARAMS)                 # the same prompt: a device hit ...
         core.step()
-        got = numbers(stats.maybe_log(core, t0 + 13))
+        line = stats.maybe_log(core, t0 + 13)
+        assert "slowest step 0 ms" in line                      # the slowest since the last line
+        got = numbers(line)
         assert got["prompt"] == 5                               # ... computes only its last block's 5 tokens
         assert got["generated"] == 2 * 4 + 1
         del a
