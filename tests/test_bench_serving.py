@@ -54,16 +54,20 @@ def test_multiturn_through_pd_answers_every_round_as_colocated_does(tmp_path, ca
     router (token identity across a hand-off: tests/serve/test_pd.py); later rounds find their
     history in P's cache, and the warm-up's copies settle on both servers."""
     logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "host.log").write_text("an earlier run\n")     # a kept directory used again
     res = run_bench(multiturn, ["--clients", "2", "--rounds", "3", "--request-length", "24", "--output-length", "4",
                                 "--compare", "host,pd", "--log-dir", str(logs),
                                 "--server-args", "--log-stats-interval 0.1"], tmp_path, capsys)["results"]
     assert list(res) == ["host", "pd"]
     # --log-dir keeps every server's log at info, each engine's stats lines in it
-    assert sorted(f.name for f in logs.iterdir()) == ["host.log", "pd-decode.log", "pd-prefill.log", "pd-router.log"]
-    for name in ("host", "pd-prefill", "pd-decode"):
+    assert sorted(f.name for f in logs.iterdir()) == ["host-2.log", "host.log", "pd-decode.log", "pd-prefill.log",
+                                                      "pd-router.log"]
+    assert (logs / "host.log").read_text() == "an earlier run\n"
+    for name in ("host-2", "pd-prefill", "pd-decode"):
         text = (logs / f"{name}.log").read_text()
         assert "kvtier: serving" in text and "kvtier.engine: engine (" in text, text[-2000:]
-        pool = r"pool read [\d.]+ GB/s, written [\d.]+ \| " if name != "host" else ""   # P and D have a pool
+        pool = r"pool read [\d.]+ GB/s, written [\d.]+ \| " if name != "host-2" else ""   # P and D have a pool
         assert re.search(r"exports \d+ \| " + pool + r"slowest step [\d,]+ ms", text), text[-2000:]
     assert "POST /v1/completions" in (logs / "pd-router.log").read_text()
     # and the JSON has each server's /kvtier/stats at the end

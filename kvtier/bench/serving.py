@@ -60,7 +60,7 @@ class Server:
     def __init__(self, url: str | None, model: str | None, flags: list[str], log_dir: Path,
                  pd: bool = False, name: str = "server", log_level: str = "warning") -> None:
         self.url, self.model, self.flags, self.log_dir, self.pd = url, model, flags, log_dir, pd
-        self.name, self.log_level = name, log_level
+        self.config, self.log_level = name, log_level
         self.procs: list = []
         self.metric_urls: list[str] = []   # kvtier servers whose /metrics count (the first: cached tokens)
         self.token_ids = True           # does it take return_token_ids (kvtier, recent vLLM)?
@@ -84,7 +84,11 @@ class Server:
         if self.model is None:
             raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
         def start(args: list[str], what: str) -> Any:
-            proc = ServerProcess(args, self.log_dir / f"{self.name}{what}.log", log_level=self.log_level)
+            log, k = self.log_dir / f"{self.config}{what}.log", 1
+            while log.exists():                  # a kept --log-dir used again: a file per server
+                k += 1
+                log = self.log_dir / f"{self.config}{what}-{k}.log"
+            proc = ServerProcess(args, log, log_level=self.log_level)
             self.procs.append(proc)
             return proc
         if not self.pd:
@@ -152,7 +156,9 @@ class Server:
         out = {}
         for role, url in zip(roles, self.metric_urls):
             try:
-                out[role] = httpx.get(url.rstrip("/") + "/kvtier/stats", timeout=10).json()
+                r = httpx.get(url.rstrip("/") + "/kvtier/stats", timeout=10)
+                r.raise_for_status()
+                out[role] = r.json()
             except (httpx.HTTPError, ValueError):
                 pass
         return out
@@ -344,7 +350,8 @@ def add_common_flags(ap: Any) -> None:
     ap.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     ap.add_argument("--log-dir", default=None, metavar="DIR",
                     help="keep the started servers' logs here, at info level: CONFIG.log (PD: "
-                         "pd-prefill.log, pd-decode.log, pd-router.log), with each engine's stats line every "
+                         "pd-prefill.log, pd-decode.log, pd-router.log; a name already there gets -2, -3, ...), "
+                         "with each engine's stats line every "
                          "10 s (--server-args '--log-stats-interval S' to change); default: a temporary "
                          "directory, removed, warnings only")
     ap.add_argument("--plot", default=None, metavar="PATH.png", help="plot TTFT per round and its CDF here")

@@ -321,13 +321,24 @@ class CacheManager:
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, req: CacheRequest, num_tokens: int) -> bool:
         """Could ``allocate(req, num_tokens)`` succeed now? (an estimate; allocate decides)."""
+        return self._blocks_needed(req, num_tokens) <= self._device_blocks_reclaimable()
+
+    def wait_would_fit(self, req: CacheRequest, num_tokens: int) -> bool:
+        """Would the device blocks that copies in flight free (:attr:`num_device_blocks_freeing`)
+        let ``allocate(req, num_tokens)`` succeed once they land? (an upper bound). The scheduler
+        waits for them only then; otherwise waiting cannot help, and it preempts at once."""
+        freeing = self.num_device_blocks_freeing
+        return freeing > 0 and self._blocks_needed(req, num_tokens) <= self._device_blocks_reclaimable() + freeing
+
+    def _blocks_needed(self, req: CacheRequest, num_tokens: int) -> int:
         need = -(-num_tokens // self.block_size)
         if req.admitted:
-            need -= len(req.block_table)
-        else:
-            need = max(need, len(req._path)) - req._num_device_hits
-            need += sum(1 for n in req._path[:req._num_device_hits] if n.lock_ref == 0)
-        return need <= self.device_pool.num_free + len(self._landed_twice) + self.tree.num_device_unlocked
+            return need - len(req.block_table)
+        need = max(need, len(req._path)) - req._num_device_hits
+        return need + sum(1 for n in req._path[:req._num_device_hits] if n.lock_ref == 0)
+
+    def _device_blocks_reclaimable(self) -> int:
+        return self.device_pool.num_free + len(self._landed_twice) + self.tree.num_device_unlocked
 
     def allocate(self, req: CacheRequest, num_tokens: int) -> bool:
         """Grow ``req.block_table`` to cover ``num_tokens`` positions, evicting if needed.

@@ -92,6 +92,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.draining: list[Request] = []     # finished, blocks held until their steps in flight land
         self.num_preemptions = 0
+        self.num_generated_tokens = 0      # tokens appended to outputs (stats)
 
     def add(self, req: Request) -> None:
         req.cache = self._cache_request(req)
@@ -123,7 +124,8 @@ class Scheduler:
                 i += 1                               # nothing to compute until its token lands
                 continue
             while not cache.allocate(req.cache, req.num_computed_tokens + n):
-                if cache.num_device_blocks_freeing:  # copies landing will free blocks: wait, don't preempt
+                if cache.wait_would_fit(req.cache, req.num_computed_tokens + n):   # copies landing free
+                    # enough blocks (backups, early loads): wait for them rather than preempt
                     out.stalled = True
                     break
                 if defer_preempt:
@@ -278,6 +280,7 @@ class Scheduler:
                 req.metrics["first_token"] = time.monotonic()
             req.all_token_ids.append(token)
             req.output_token_ids.append(token)
+            self.num_generated_tokens += 1
             if req.logprobs is not None:
                 req.logprobs.append(req.step_logprobs)    # type: ignore[arg-type]
                 req.step_logprobs = None

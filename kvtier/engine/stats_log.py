@@ -27,7 +27,7 @@ class StatsLog:
         self.interval = interval
         self.logger = logger
         self._last = time.monotonic()
-        self._counts = (0, 0, 0, 0)    # prompt tokens computed, sampled; pool bytes read, written
+        self._counts = (0, 0, 0, 0)    # prompt tokens computed, generated; pool bytes read, written
         self._slowest = 0.0            # the longest engine step since the last line (s)
 
     def note_step(self, seconds: float) -> None:
@@ -43,7 +43,7 @@ class StatsLog:
         if now - self._last < self.interval:
             return None
         pool = core.storage.counters if core.storage is not None else {}
-        counts = (core.num_prompt_tokens_computed, core.num_sampled_tokens,
+        counts = (core.num_prompt_tokens_computed, core.scheduler.num_generated_tokens,
                   pool.get("bytes_read", 0), pool.get("bytes_written", 0))
         last, slowest = self._counts, self._slowest
         dt, self._last, self._counts, self._slowest = now - self._last, now, counts, 0.0

@@ -32,14 +32,15 @@ def resolve_key(flag_value: str | None, env_name: str, flag_name: str) -> str | 
 
 def setup_logging(level: str) -> None:
     """kvtier's own log lines (the engine's stats line, warnings of the router and the pools) to
-    stderr at ``level``, as uvicorn's are; once per process, and not over a handler the embedding
-    application installed."""
+    stderr at ``level``, as uvicorn's are. Only where nobody configured logging: an application
+    that set up handlers (on ``kvtier`` or the root logger) keeps its own, and its levels."""
     logger = logging.getLogger("kvtier")
+    if logger.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
     logger.setLevel(level.upper())
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
 
 
 def role_defaults(role: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:

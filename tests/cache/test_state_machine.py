@@ -16,8 +16,9 @@ Copies run asynchronously, as in the engine (kvtier/engine/llm.py ``step``, DESI
 * backups, puts and fetches complete across steps in any order (backups in submission order:
   one offload stream), and several steps may pass with everything in flight (``submit_only``);
 * preemption by swap (``swap_out``) and the request coming back later (``come_back``);
-* the scheduler's wait: when an allocation fails while ``num_device_blocks_freeing`` > 0 it frees
-  nothing more and waits; once the in-flight backups and early loads (preloads) have landed, at
+* the scheduler's wait: when an allocation fails and the blocks copies in flight will free would
+  let it succeed (``wait_would_fit``: ``num_device_blocks_freeing`` > 0) it frees nothing more and
+  waits; once the in-flight backups and early loads (preloads) have landed, at
   least that many more device blocks must be free or evictable (``_wait_for_backups``).
 """
 from __future__ import annotations
@@ -96,7 +97,7 @@ class CacheMachine(RuleBasedStateMachine):
             m = r.creq.match   # allocate re-matches if a copy went away since
             cached = (m.num_device_blocks + m.num_host_blocks) * BS
             r.computed, r.scheduled = cached, n - cached
-        elif self.mgr.num_device_blocks_freeing and data.draw(st.booleans()):
+        elif self.mgr.wait_would_fit(r.creq, n) and data.draw(st.booleans()):
             self._wait_for_backups(data.draw(st.lists(st.booleans(), max_size=4)))
 
     @precondition(lambda self: any(r.scheduled == 0 for r in self._running()))
@@ -110,7 +111,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.mgr.allocate(r.creq, n):
             r.scheduled = n - r.computed
             return
-        if not self.mgr.num_device_blocks_freeing or not data.draw(st.booleans()):
+        if not self.mgr.wait_would_fit(r.creq, n) or not data.draw(st.booleans()):
             return
         # The scheduler's choice: device blocks are on their way out, so wait rather than preempt.
         self._wait_for_backups(data.draw(st.lists(st.booleans(), max_size=4)))

@@ -332,6 +332,9 @@ def test_device_blocks_held_by_preloads_count_as_freeing():
     assert pre is not None and pre.num_blocks == 2
     assert not mgr.allocate(r, 4 * BS)                # r grows by 2 blocks: no room ...
     assert mgr.num_device_blocks_freeing == 2         # ... but the preloads in flight will make some
+    assert mgr.wait_would_fit(r, 4 * BS)              # enough: the scheduler waits for them
+    assert not mgr.wait_would_fit(r, 7 * BS)          # 5 more blocks: 1 free + 2 coming is not enough,
+    #                                                   waiting cannot help: it preempts at once
     mgr.complete(pre.op_id)
     assert mgr.num_device_blocks_freeing == 0
     assert mgr.allocate(r, 4 * BS)                    # an evicted preload made room

@@ -96,3 +96,43 @@ def test_a_failing_line_turns_itself_off_and_the_engine_serves_on(checkpoint, ca
     finally:
         eng.shutdown()
     assert any("stats line failed" in r.getMessage() for r in caplog.records)
+
+
+def test_generated_counts_tokens_returned_not_tokens_sampled_ahead(checkpoint):
+    """Under overlap scheduling a request that stops on a stop token has one more step queued
+    before the host sees that token: its sample is dropped, and must not count as generated."""
+    core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64, overlap_schedule=True)
+    try:
+        core.add_request([1, 2, 3] * 7, kvtier.SamplingParams(max_tokens=8, ignore_eos=True))
+        outs = []
+        while core.has_unfinished():
+            outs += core.step()
+        assert core.scheduler.num_generated_tokens == 8
+        stop = outs[-1].token_ids[2]                  # the same prompt stops on its 3rd token
+        core.add_request([1, 2, 3] * 7, kvtier.SamplingParams(max_tokens=8, ignore_eos=True,
+                                                               stop_token_ids=[stop]))
+        outs = []
+        while core.has_unfinished():
+            outs += core.step()
+        got = len(outs[-1].token_ids)
+        assert got <= 3 and core.scheduler.num_generated_tokens == 8 + got
+    finally:
+        core.close()
+
+
+def test_setup_logging_leaves_an_applications_logging_alone(monkeypatch):
+    """serve()/route() give kvtier's lines a stderr handler only where nobody set logging up: an
+    application's root handler would otherwise print every line twice."""
+    from kvtier.serve.server import setup_logging
+    kv, root = logging.getLogger("kvtier"), logging.getLogger()
+    monkeypatch.setattr(kv, "handlers", [])
+    monkeypatch.setattr(kv, "level", logging.NOTSET)
+    app = logging.StreamHandler()
+    monkeypatch.setattr(root, "handlers", [app])          # the application's basicConfig
+    setup_logging("info")
+    assert kv.handlers == [] and kv.level == logging.NOTSET
+    monkeypatch.setattr(root, "handlers", [])             # nobody configured logging: kvtier does
+    setup_logging("warning")
+    assert len(kv.handlers) == 1 and kv.level == logging.WARNING
+    setup_logging("info")                                 # once
+    assert len(kv.handlers) == 1
