@@ -315,7 +315,6 @@ class EngineCore:
         self._sample_of: dict[str, tuple[SampleGroup, int]] = {}
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
-        self.num_prompt_tokens_computed = 0   # prompt tokens forwarded (hits excluded), for stats
         self.overlap_schedule = self.device.type == "cuda" if overlap_schedule is None else bool(overlap_schedule)
         self._inflight: _Launched | None = None   # overlap: the step on the GPU, results not taken
         self._rewinds: dict[object, int] = {}     # failed loads: request id -> tokens still valid
@@ -646,8 +645,6 @@ class EngineCore:
             if not out.scheduled:
                 return None
             ends = self.scheduler.advance(out)
-            for s, end in zip(out.scheduled, ends):
-                self.num_prompt_tokens_computed += max(0, min(end, s.request.num_prompt_tokens) - end + s.num_tokens)
         except Exception as e:  # noqa: BLE001 - blamed on this step's requests, reported in their outputs
             self._blame(out, results, e)
             return None

@@ -92,7 +92,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.draining: list[Request] = []     # finished, blocks held until their steps in flight land
         self.num_preemptions = 0
-        self.num_generated_tokens = 0      # tokens appended to outputs (stats)
+        self.num_prompt_tokens_computed = 0   # prompt tokens forwarded, hits excluded (stats)
+        self.num_generated_tokens = 0         # tokens appended to outputs (stats)
 
     def add(self, req: Request) -> None:
         req.cache = self._cache_request(req)
@@ -238,8 +239,10 @@ class Scheduler:
         ends = []
         for s in out.scheduled:
             req = s.request
+            start = req.num_computed_tokens
             req.num_computed_tokens += s.num_tokens
             req.num_pending += s.samples
+            self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - start)
             ends.append(req.num_computed_tokens)
         return ends
 

@@ -43,7 +43,7 @@ class StatsLog:
         if now - self._last < self.interval:
             return None
         pool = core.storage.counters if core.storage is not None else {}
-        counts = (core.num_prompt_tokens_computed, core.scheduler.num_generated_tokens,
+        counts = (core.scheduler.num_prompt_tokens_computed, core.scheduler.num_generated_tokens,
                   pool.get("bytes_read", 0), pool.get("bytes_written", 0))
         last, slowest = self._counts, self._slowest
         dt, self._last, self._counts, self._slowest = now - self._last, now, counts, 0.0
