@@ -242,3 +242,57 @@ def test_gpu_prefill_over_cached_prefix(dtype, atol, block_size):
     q, kv, meta = make_case([1024, 1000, 77], [3072, 1000, 2100], 16, 8, 128, block_size, dtype,
                             seed=9)
     check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0)
+
+
+# ------------------------------------------------------------------ one kernel per configuration
+def test_step_varying_arguments_are_not_specialized():
+    """A new batch size, block-table width or upload offset must not compile a new kernel in the
+    middle of serving (kvtier/triton_jit.py); the copy kernel's layer, block count and id offsets
+    likewise. The rest (strides of the KV cache, the q/out pointers) stays specialized."""
+    from kvtier.model.triton_attention import _unified_attention_kernel
+    from kvtier.transfer.kernels import _copy_chunks
+
+    def flags(kernel):
+        """name -> (value not specialized, alignment not specialized), as the decorator was given them."""
+        kw = getattr(kernel, "kwargs", None) or vars(kernel)       # interpreted (CPU) or compiled (GPU)
+        vary = set(kw["do_not_specialize"] or ())
+        unaligned = set(kw.get("do_not_specialize_on_alignment") or ()) | vary
+        names = getattr(kernel, "arg_names", None) or [p.name for p in kernel.params]
+        return {n: (n in vary, n in unaligned) for n in names}
+    attn = flags(_unified_attention_kernel)
+    assert all(attn[n][0] for n in ("num_seqs", "tiles_per_split", "stride_bt"))
+    assert all(attn[n][1] for n in ("seq_lens_ptr", "bt_ptr"))
+    assert not any(attn[n][0] or attn[n][1] for n in ("q_ptr", "kv_ptr", "out_ptr", "stride_kb", "stride_qt"))
+    copy = flags(_copy_chunks)
+    assert all(copy[n][0] for n in ("src_layer0", "dst_layer0", "num_work", "num_lk", "num_parts"))
+    assert all(copy[n][1] for n in ("src_ids", "dst_ids"))
+    assert not any(copy[n][0] or copy[n][1] for n in ("src", "dst", "src_block_stride", "dst_block_stride"))
+
+
+def packed(meta):
+    """``meta`` with query_start_loc, seq_lens and block_tables carved from one int32 buffer, as
+    the engine uploads them (engine/runner.py): where each starts moves with the batch size."""
+    b = meta.num_seqs
+    flat = torch.cat([meta.query_start_loc, meta.seq_lens, meta.block_tables.reshape(-1)])
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping, query_start_loc=flat[:b + 1], seq_lens=flat[b + 1:2 * b + 1],
+        block_tables=flat[2 * b + 1:].view(b, -1), query_lens_cpu=meta.query_lens_cpu,
+        seq_lens_cpu=meta.seq_lens_cpu, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        slot_mapping_cpu=meta.slot_mapping_cpu)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="GPU only: counts the kernels Triton compiled for CUDA")
+def test_batches_of_any_size_and_table_width_share_one_compiled_kernel():
+    from kvtier.model.triton_attention import _unified_attention_kernel as kernel
+
+    def compiled():
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+    # prefill steps (one launch configuration), 1..6 sequences, tables 1, 2, 16, 17 blocks wide
+    cases = [([9], [9]), ([20, 5], [20, 30]), ([40, 33, 17], [250, 33, 17]), ([32] * 4, [32, 64, 96, 272]),
+             ([24] * 5, [24, 48, 256, 100, 7]), ([17] * 6, [17, 18, 19, 20, 21, 260])]
+    seen = None
+    for i, (q_lens, s_lens) in enumerate(cases):
+        q, kv, meta = make_case(q_lens, s_lens, 8, 2, 64, 16, torch.bfloat16, seed=i)
+        check(q, kv, packed(meta), atol=2e-2, rtol=2e-2, num_splits=1)
+        seen = compiled() if seen is None else seen
+    assert compiled() == seen, f"{compiled() - seen} more kernels compiled for step-varying shapes"

@@ -42,6 +42,8 @@ from kvtier.model.attention import AttentionMetadata, register_backend
 try:
     import triton
     import triton.language as tl
+
+    from kvtier.triton_jit import jit
 except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
     _IMPORT_ERROR: ImportError | None = exc
 else:
@@ -121,8 +123,10 @@ if _IMPORT_ERROR is None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return acc, l_i, m_new
 
-    # Step-varying ints are not specialized: a new batch size must not compile a new kernel.
-    @triton.jit(do_not_specialize=["num_seqs", "tiles_per_split"])
+    # Nothing that changes from step to step is specialized (kvtier/triton_jit.py): a new batch
+    # size, block-table width or batch-size parity (where seq_lens and the block tables start in
+    # the step's upload buffer) must not compile a new kernel in the middle of serving.
+    @jit(vary=["num_seqs", "tiles_per_split", "stride_bt"], unaligned=["seq_lens_ptr", "bt_ptr"])
     def _unified_attention_kernel(
         q_ptr, kv_ptr, out_ptr, part_o_ptr, part_ml_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr,

@@ -83,7 +83,10 @@ def available() -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    from kvtier.triton_jit import jit
+
+    # one kernel whatever the copy: how many blocks, which layer, where the ids start (triton_jit.py)
+    @jit(vary=["src_layer0", "dst_layer0", "num_work", "num_lk", "num_parts"], unaligned=["src_ids", "dst_ids"])
     def _copy_chunks(src, dst, src_ids, dst_ids, src_layer0, dst_layer0,
                      src_block_stride, src_layer_stride, src_kv_stride,
                      dst_block_stride, dst_layer_stride, dst_kv_stride,
