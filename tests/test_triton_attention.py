@@ -287,9 +287,10 @@ def test_batches_of_any_size_and_table_width_share_one_compiled_kernel():
 
     def compiled():
         return sum(len(cache[0]) for cache in kernel.device_caches.values())
-    # prefill steps (one launch configuration), 1..6 sequences, tables 1, 2, 16, 17 blocks wide
-    cases = [([9], [9]), ([20, 5], [20, 30]), ([40, 33, 17], [250, 33, 17]), ([32] * 4, [32, 64, 96, 272]),
-             ([24] * 5, [24, 48, 256, 100, 7]), ([17] * 6, [17, 18, 19, 20, 21, 260])]
+    # prefill steps (one launch configuration: every query > 16 tokens), 1..6 sequences, tables
+    # 2, 16, 17 blocks wide
+    cases = [([18], [18]), ([20, 17], [20, 30]), ([40, 33, 17], [250, 33, 17]), ([32] * 4, [32, 64, 96, 272]),
+             ([24] * 5, [24, 48, 256, 100, 31]), ([17] * 6, [17, 18, 19, 20, 21, 260])]
     seen = None
     for i, (q_lens, s_lens) in enumerate(cases):
         q, kv, meta = make_case(q_lens, s_lens, 8, 2, 64, 16, torch.bfloat16, seed=i)

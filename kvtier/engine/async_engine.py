@@ -33,7 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+import torch
+
 from kvtier.engine.core import EngineCore, RequestOutput
+from kvtier.engine.fatal import DeviceLost, device_lost
 from kvtier.engine.group import check_n
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
@@ -93,7 +96,11 @@ class _Sink:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, max_queue: int = 1024, idle_wait: float = 0.05,
-                 max_step_failures: int = 3, stats_interval: float = 0.0) -> None:
+                 max_step_failures: int = 3, stats_interval: float = 0.0,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """``on_dead(error)`` is called on the engine thread once the loop stopped on an error,
+        before the requests in flight are failed (``kvtier serve`` exits on it: a dead engine
+        never serves again)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_step_failures < 1:
@@ -107,6 +114,7 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}         # engine thread only
         self._num_queued = 0                       # added, not yet admitted (approximate, for 503)
         self._error: BaseException | None = None
+        self.on_dead = on_dead
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
         self._thread.start()
@@ -177,6 +185,8 @@ class AsyncEngine:
         core = self.core
         failures = 0                   # steps in a row that raised (no request to blame)
         try:
+            if core.device.type == "cuda":
+                torch.cuda.set_device(core.device)   # a new thread's current device is cuda:0
             while not self._stop.is_set():
                 self._take_inbox(block=not core.has_unfinished())
                 # no request: copies in flight still land and stage the next (a landed
@@ -187,9 +197,9 @@ class AsyncEngine:
                     if idle:
                         core.pump_idle()
                     finished = [] if idle else core.step()
-                except Exception:  # noqa: BLE001 - maybe transient: dead only if it keeps failing
+                except Exception as e:  # noqa: BLE001 - maybe transient: dead only if it keeps failing
                     failures += 1
-                    if failures >= self.max_step_failures or core.closed:
+                    if failures >= self.max_step_failures or core.closed or device_lost(e):
                         raise
                     log.exception("engine %s failed with no request to blame (%d in a row)",
                                   "idle pump" if idle else "step", failures)
@@ -203,8 +213,18 @@ class AsyncEngine:
                         self._stats.note_step(time.perf_counter() - started)
                     self._log_stats()
         except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
-            log.exception("engine step failed; failing every request in flight")
+            if device_lost(e):
+                log.critical("the GPU can run nothing more (%s); failing every request in flight, "
+                             "the engine stops", e, exc_info=e)
+                e = e if isinstance(e, DeviceLost) else DeviceLost(str(e))
+            else:
+                log.exception("engine step failed; failing every request in flight")
             self._error = e
+        if self._error is not None and self.on_dead is not None:
+            try:
+                self.on_dead(self._error)
+            except Exception:  # noqa: BLE001 - the engine is gone either way
+                log.exception("on_dead callback failed")
         err = EngineDead(f"the engine stopped: {self._error!r}" if self._error else "the engine is shutting down")
         for rid, sink in list(self._sinks.items()):
             sink.push(err)
@@ -222,6 +242,11 @@ class AsyncEngine:
                 cmd[1].push(err)
             elif cmd[0] == "call":
                 self._resolve(cmd[2], exc=err)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine, if an error did (None while it runs or after a shutdown)."""
+        return self._error
 
     def _log_stats(self) -> None:
         try:

@@ -72,12 +72,15 @@ from kvtier.cache.cost import FetchCostModel
 from kvtier.cache.policy import WritePolicy
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
 from kvtier.engine.detok import StopStrings
+from kvtier.engine.fatal import raise_if_device_lost
 from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner, StepResult, graph_loads_mode
 from kvtier.engine.sampling import SamplingParams, check_int
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.startup import Startup
+from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
 from kvtier.model.moe import SparseMoE
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
@@ -159,7 +162,7 @@ class EngineCore:
                  capture_routing: bool = True, cuda_graphs: bool | None = None,
                  prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int | None = None,
                  storage_put_workers: int | None = None, pd_on_miss: str = "recompute", export_timeout: float = 30.0,
-                 overlap_schedule: bool | None = None) -> None:
+                 overlap_schedule: bool | None = None, startup: Startup | None = None) -> None:
         """Load ``model`` and set up the tiers (DESIGN §6 lists the keywords). Defaults that
         depend on others:
 
@@ -183,6 +186,10 @@ class EngineCore:
         - ``overlap_schedule=None``: on for CUDA (the CPU schedules step N+1 while the GPU runs
           step N), off on CPU (where a step runs to its end before the host goes on: nothing to
           overlap, and a finished request's extra step would cost a forward).
+
+        ``startup``: where the phases of the start are reported (engine/startup.py; a server's
+        ``/health`` reads it while the engine starts). On CUDA every kernel variant a step can
+        launch is compiled, and every CUDA graph captured, before this returns (engine/warmup.py).
 
         Bad sizes and types raise ValueError naming the value before the model is loaded."""
         check_int("max_model_len", max_model_len, 1, optional=True)
@@ -219,6 +226,14 @@ class EngineCore:
         check_block_size(block_size)
         self.path = Path(model)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # the GPU is this thread's current device from here on (AsyncEngine's thread sets it
+            # too): every stream, event and capture the engine makes is on it, also where a
+            # library call takes "the current device" (an engine on cuda:1 would otherwise
+            # record its events on cuda:0, docs/ARCHITECTURE.md)
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
         self.config = cfg = ModelConfig.from_hf_dir(self.path)
         self.dtype = self._resolve_dtype(dtype, cfg)
         if attention_backend is None:
@@ -233,8 +248,11 @@ class EngineCore:
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
         if preemption_mode == "swap" and not num_host_blocks and storage is None:
             raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
-        self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=load_format)
-        self.tokenizer = _load_tokenizer(self.path)
+        self.startup = startup = startup if startup is not None else Startup()
+        with startup("loading weights"):
+            self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=load_format)
+        with startup("loading tokenizer"):
+            self.tokenizer = _load_tokenizer(self.path)
         self.seed = seed
         self._generator = torch.Generator(self.device).manual_seed(seed)
 
@@ -265,11 +283,13 @@ class EngineCore:
             storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,
             eviction=eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
             enable_prefix_caching=enable_prefix_caching, fetch_cost=self.fetch_cost, early_loads=bool(early_loads))
-        # one block more than the pool hands out: the scratch block padded CUDA-graph rows write to
-        self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
-        # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
-        self._host = (HostKV((num_host_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                             self.dtype, self.device) if num_host_blocks else None)
+        with startup("allocating KV tiers"):
+            # one block more than the pool hands out: the scratch block padded CUDA-graph rows
+            # (and the start's kernel warm-up) write to
+            self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
+            # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
+            self._host = (HostKV((num_host_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+                                 self.dtype, self.device) if num_host_blocks else None)
         self.host_kv = self._host.tensor if self._host is not None else None
         self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
                                        num_device_blocks, num_host_blocks, self.device)
@@ -284,24 +304,30 @@ class EngineCore:
             log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly",
                         attention_backend)
             cuda_graphs = False
+        if self.device.type == "cuda":
+            with startup("compiling kernels"):
+                startup.kernels_compiled = compile_kernels(
+                    self.model, self.kv_caches, self.host_kv, num_device_blocks, block_size,
+                    self.max_model_len, attention_backend)
         graphs = step_graphs = None
         if cuda_graphs:
             capture = self.device.type == "cuda"
             routing_shape = (cfg.num_moe_layers, cfg.top_k) if self.routing else None
-            graphs = DecodeGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
-                                  min(max_num_seqs, 256), num_device_blocks, self.device,
-                                  capture=capture, routing_shape=routing_shape)
-            graphs.capture_all()
-            # other steps of up to 256 tokens (MoE layers dispatch densely up to there: no sync)
-            max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
-            if os.environ.get("KVTIER_STEP_GRAPHS", "1") == "0":   # A/B switch (benchmarks)
-                max_tokens = 0
-            if max_tokens >= StepGraphs.SIZES[0]:
-                step_graphs = StepGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
-                                         max_tokens, num_device_blocks, self.device, capture=capture,
-                                         routing_shape=routing_shape, pool=graphs.pool(),
-                                         gates=self.transfer.gates if graph_loads_mode() == "gated" else None)
-                step_graphs.capture_all()
+            with startup("capturing CUDA graphs"):
+                graphs = DecodeGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
+                                      min(max_num_seqs, 256), num_device_blocks, self.device,
+                                      capture=capture, routing_shape=routing_shape)
+                graphs.capture_all()
+                # other steps of up to 256 tokens (MoE layers dispatch densely up to there: no sync)
+                max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
+                if os.environ.get("KVTIER_STEP_GRAPHS", "1") == "0":   # A/B switch (benchmarks)
+                    max_tokens = 0
+                if max_tokens >= StepGraphs.SIZES[0]:
+                    step_graphs = StepGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
+                                             max_tokens, num_device_blocks, self.device, capture=capture,
+                                             routing_shape=routing_shape, pool=graphs.pool(),
+                                             gates=self.transfer.gates if graph_loads_mode() == "gated" else None)
+                    step_graphs.capture_all()
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs,
                                   step_graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
@@ -320,6 +346,7 @@ class EngineCore:
         self._rewinds: dict[object, int] = {}     # failed loads: request id -> tokens still valid
         self._loads_submitted = 0
         self._closed = False
+        startup.done()
 
     # ------------------------------------------------------------------ set-up helpers
     def _bind_storage(self, fingerprint: ModelFingerprint) -> None:
@@ -662,6 +689,7 @@ class EngineCore:
         try:
             return self.runner.execute(out, start_loads)
         except Exception as e:  # noqa: BLE001
+            raise_if_device_lost(e)               # nothing more runs on this GPU: no retry
             if len(out.scheduled) == 1:
                 raise
             log.warning("a forward of %d requests failed (%r): running them one by one", len(out.scheduled), e)
@@ -672,6 +700,7 @@ class EngineCore:
                 sampled.update(self.runner.execute(SchedulerOutput([s], []), start_loads).collect())
                 survivors.append(s)
             except Exception as e:  # noqa: BLE001 - this request alone fails
+                raise_if_device_lost(e)
                 log.exception("request %s failed in the forward", s.request.request_id)
                 results.append(self._fail(s.request, e))
         out.scheduled = survivors
@@ -720,7 +749,9 @@ class EngineCore:
         self._pump()                              # backups of what the forward wrote, puts
 
     def _blame(self, out: SchedulerOutput, results: list[RequestOutput], exc: BaseException) -> None:
-        """Fail the requests of ``out`` without an output yet (the step raised ``exc``)."""
+        """Fail the requests of ``out`` without an output yet (the step raised ``exc``); an
+        error after which the GPU can run nothing more stops the engine instead (engine/fatal.py)."""
+        raise_if_device_lost(exc)
         answered = {o.request_id for o in results} | set(self._exports)
         blamed = [s.request for s in out.scheduled
                   if s.request.request_id not in answered and not s.request.is_finished]
@@ -905,6 +936,7 @@ class EngineCore:
             "miss_tokens": max(0, s.query_tokens - hits),
             "failures": dict(s.failures),
             "failed_requests": self.num_failed_requests,
+            "startup": self.startup.as_dict(),
         }
 
     def _storage_stats(self) -> dict:

@@ -72,6 +72,7 @@ class _Graphs:
         self.keys: list = []              # one graph each (captured by capture_all)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = pool
+        self._capture_stream: torch.cuda.Stream | None = None
         self.runs = 0           # steps run through this path (replayed, or eagerly on a CPU)
         self._arange = torch.arange(rows + 1, dtype=torch.int64, device=device)
         self.gates = None         # StepGraphs: layer gates each layer waits on (transfer/gates.py)
@@ -118,7 +119,11 @@ class _Graphs:
             self._forward(self._rows(bp), self._capture_meta(bp))   # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # captured on a stream of this engine's GPU: torch.cuda.graph's default capture stream
+            # belongs to whichever device was current when it was first made
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 out = self._forward(self._rows(bp), self._capture_meta(bp))
             if self._pool is None:
                 self._pool = graph.pool()

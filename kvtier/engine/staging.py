@@ -38,8 +38,13 @@ class PinnedRing:
         return i, buf
 
     def _record(self, i: int) -> torch.cuda.Event:
+        # on this device's current stream, where the copy just went: ``event.record()`` with no
+        # stream records on the *calling thread's* current device, which for an engine on
+        # cuda:1 driven from a thread whose current device is cuda:0 is an idle stream of the
+        # wrong GPU: the event completes at once, the slot is rewritten while its copy is still
+        # queued, and a step reads another step's ids (device-side index asserts, wrong tokens)
         event = self._events[i] = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def upload(self, arr: np.ndarray) -> torch.Tensor:

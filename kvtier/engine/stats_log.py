@@ -9,6 +9,9 @@ or exports pending) without scraping ``/metrics``::
     device 1,520/1,640 blocks, host 6,001/8,192 | copies pending 12, exports 5 |
     pool read 3.20 GB/s, written 1.10 | slowest step 41 ms | preempted 0 | failed 0
 
+(``| kernels compiled since ready N`` is added if Triton compiled a kernel after the start:
+each such compile stalled a step, engine/warmup.py.)
+
 It runs on the engine thread between steps and reads counters only (no synchronization).
 """
 from __future__ import annotations
@@ -62,5 +65,9 @@ class StatsLog:
                    if core.storage is not None else "")
                 + f"slowest step {slowest * 1e3:,.0f} ms | "
                 f"preempted {sched.num_preemptions} | failed {core.num_failed_requests}")
+        startup = getattr(core, "startup", None)
+        compiled = startup.kernels_compiled_since_ready if startup is not None else 0
+        if compiled:          # each one stalled a step: a shape the start's warm-up did not foresee
+            line += f" | kernels compiled since ready {compiled}"
         self.logger.info(line)
         return line

@@ -205,7 +205,7 @@ if _IMPORT_ERROR is None:
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
 
-    @triton.jit
+    @jit()
     def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads,
                              stride_ot, stride_oh, stride_od,
                              HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -381,3 +381,28 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
 
 
 register_backend("triton", lambda: triton_attention)
+
+
+def compile_variants(kv_cache: torch.Tensor, num_heads: int, block: int, max_model_len: int) -> int:
+    """Launch the attention kernel once in every variant a step can need: both tile kinds (a
+    decode-sized query, a prefill-sized one) times every split count up to what
+    ``max_model_len`` allows (NUM_SPLITS is a compile-time constant: each one is its own
+    kernel, with its merge kernel). The queries read block ``block`` only (the engine's scratch
+    block) and write nothing to the KV cache. Returns the launches made."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    device, dtype = kv_cache.device, kv_cache.dtype
+    group = num_heads // num_kv_heads
+    launches = 0
+    for q_len in (1, DECODE_MAX_QUERY_LEN + 1):
+        block_n = _launch_config(dtype, head_dim, group, q_len)[1]
+        max_tiles = min(MAX_SPLITS, triton.cdiv(max_model_len, block_n))
+        splits = 1
+        while splits <= max_tiles:
+            seq_len = min(max_model_len, max(q_len, splits * block_n))
+            width = -(-seq_len // block_size)
+            meta = AttentionMetadata.build([q_len], [seq_len], [[block] * width], block_size, device)
+            query = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
+            triton_attention(query, kv_cache, meta, 1.0, num_splits=splits)
+            launches += 1
+            splits *= 2
+    return launches

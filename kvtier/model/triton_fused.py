@@ -12,6 +12,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from kvtier.triton_jit import jit
 except ImportError:          # pragma: no cover - the torch path runs instead (fused.use_triton)
     triton = None
 
@@ -25,7 +27,7 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
-    @triton.jit
+    @jit()
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, N, eps,
                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -45,7 +47,7 @@ if triton is not None:
         out = w.to(tl.float32) * y.to(tl.float32)
         tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @jit()
     def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kv_ptr, slot_ptr, qout_ptr,
                               sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, v_offset, eps,
                               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
@@ -90,7 +92,7 @@ if triton is not None:
             vals = tl.load(v_ptr + t * sv_t + h * sv_h + d)
             tl.store(kv_ptr + v_offset + (slot * HK + h) * D + d, vals)
 
-    @triton.jit
+    @jit()
     def _silu_and_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

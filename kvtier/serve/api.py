@@ -226,14 +226,20 @@ class Server:
         """200 ok; 200 "degraded" (colocated without its pool: it recomputes); 503 engine stopped,
         or prefill/decode without its pool (no hand-off works). ``engine`` says whether requests
         can still run here: the router keeps sending a decode server colocated requests then."""
+        error = self.engine.error
+        if error is not None:            # it never serves again: `kvtier serve` exits (non-zero)
+            return JSONResponse(error_body(503, f"the engine stopped: {error}") | {"status": "dead", "role": self.role,
+                                                                                  "engine": "dead"}, status_code=503)
         try:
             self.engine._check_alive()
         except EngineDead as e:
             return JSONResponse(error_body(503, str(e)) | {"status": "unavailable", "role": self.role,
                                                            "engine": "stopped"}, status_code=503)
         pool = self.pool_health()
+        core = self.engine.core
         body = {"status": "ok", "role": self.role, "engine": "ok", "pool": pool,
-                "pd_on_miss": self.engine.core.pd_on_miss, "export_timeout": self.engine.core.export_timeout}
+                "pd_on_miss": core.pd_on_miss, "export_timeout": core.export_timeout,
+                "startup_s": core.startup.total_s}
         if pool is None or pool.get("ok", True):
             return JSONResponse(body)
         reason = f"the storage pool is unreachable: {pool.get('reason') or 'no reason given'}"

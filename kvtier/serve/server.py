@@ -57,31 +57,85 @@ def role_defaults(role: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "colocated",
           api_key: str | None = None, served_model_name: str | None = None, max_queue: int = 1024,
           log_level: str = "info", max_body_bytes: int | None = None, require_cache_salt: bool = False,
-          log_stats_interval: float = 10.0, **llm_kwargs: Any) -> None:
+          log_stats_interval: float = 10.0, **llm_kwargs: Any) -> int:
+    """Serve until stopped; returns the process's exit status: 0 after a clean stop, 1 if the
+    engine failed to start or died (serve/lifecycle.py: the port answers ``/health`` with 503
+    ``starting`` while the engine starts, ``dead`` before such an exit)."""
+    import threading
+
     import uvicorn
 
-    from kvtier.engine.async_engine import AsyncEngine
-    from kvtier.engine.core import EngineCore
-    from kvtier.serve.api import Server, check_role
-    from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
+    from kvtier.engine.startup import Startup
+    from kvtier.serve.api import check_role
+    from kvtier.serve.lifecycle import DEAD_GRACE_S, StartingApp
 
     api_key = resolve_key(api_key, API_KEY_ENV, "--api-key")
     check_role(role, bool(llm_kwargs.get("storage")))     # before loading the model
     setup_logging(log_level)
-    core = EngineCore(model, **role_defaults(role, llm_kwargs))
-    engine = AsyncEngine(core, max_queue=max_queue, stats_interval=log_stats_interval)
-    try:
-        server = Server(engine, served_model_name or Path(model).name, role, api_key,
-                        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                        require_cache_salt=require_cache_salt)
-        logging.getLogger("kvtier").info("serving %s as %r (role %s) on http://%s:%d", model,
-                                         server.model_name, role, host, port)
+    log = logging.getLogger("kvtier")
+    startup = Startup()
+    front = StartingApp(startup, role)
+    userver = uvicorn.Server(uvicorn.Config(front, host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=5))
+    built: dict[str, Any] = {}
+    died: list[BaseException] = []
+
+    def exit_soon(error: BaseException) -> None:
+        died.append(error)
+        log.critical("the engine stopped (%s): /health says dead, the server exits in %.0f s",
+                     error, DEAD_GRACE_S)
+        threading.Timer(DEAD_GRACE_S, lambda: setattr(userver, "should_exit", True)).start()
+
+    def build() -> None:
         try:
-            uvicorn.run(server.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-        finally:
-            server.close()
+            _build_server(model, role, api_key, served_model_name, max_queue, max_body_bytes,
+                          require_cache_salt, log_stats_interval, startup, exit_soon, llm_kwargs, built)
+            front.app = built["server"].app
+            log.info("serving %s as %r (role %s) on http://%s:%d, ready after %.1f s", model,
+                     built["server"].model_name, role, host, port, startup.total_s)
+        except BaseException as e:  # noqa: BLE001 - the server says so, then exits non-zero
+            if startup.phase == "starting":      # bad arguments, before any phase: the caller raises it
+                built["error"] = e
+                return
+            log.critical("the server failed to start: %s", e, exc_info=e)
+            front.failed = f"{type(e).__name__}: {e}"
+            exit_soon(e)
+
+    thread = threading.Thread(target=build, name="kvtier-startup", daemon=True)
+    thread.start()
+    # the engine checks its arguments before its first phase: a bad one is the command's error
+    # (exit status 2, nothing bound), not a server that starts and dies
+    while startup.phase == "starting" and thread.is_alive():
+        thread.join(0.01)
+    if "error" in built:
+        raise built["error"]
+    try:
+        userver.run()
     finally:
-        engine.shutdown()
+        if "server" in built:
+            built["server"].close()
+        if "engine" in built:
+            try:
+                built["engine"].shutdown()
+            except Exception as e:  # noqa: BLE001 - a dead GPU may fail its own cleanup
+                log.warning("engine shutdown failed: %s", e)
+    return 1 if died else 0
+
+
+def _build_server(model: str, role: str, api_key: str | None, served_model_name: str | None, max_queue: int,
+                  max_body_bytes: int | None, require_cache_salt: bool, log_stats_interval: float,
+                  startup: Any, on_dead: Any, llm_kwargs: dict[str, Any], built: dict[str, Any]) -> None:
+    """The engine, its loop and the HTTP app (into ``built`` as they come, for the cleanup)."""
+    from kvtier.engine.async_engine import AsyncEngine
+    from kvtier.engine.core import EngineCore
+    from kvtier.serve.api import Server
+    from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
+
+    core = EngineCore(model, startup=startup, **role_defaults(role, llm_kwargs))
+    built["engine"] = AsyncEngine(core, max_queue=max_queue, stats_interval=log_stats_interval, on_dead=on_dead)
+    built["server"] = Server(built["engine"], served_model_name or Path(model).name, role, api_key,
+                             max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                             require_cache_salt=require_cache_salt)
 
 
 def route(prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000,

@@ -82,6 +82,7 @@ class TransferEngine:
         self._inflight: deque[_InFlight] = deque()
         self._step_loads: list[list] = []        # layer events this step's forward must wait on
         self._free_sets: list[list] = []         # the ring of per-layer event sets
+        self._built: tuple = ()                  # the block pairs of the op being submitted
         # how loads submitted now are queued (module docstring): "whole", "layers" or "gated"
         self.load_mode = "whole"
         self._gated: list[_InFlight] = []        # gated loads of this step, not yet queued
@@ -98,10 +99,12 @@ class TransferEngine:
             # preloads (a waiting request's blocks, as they land from storage) run beside the
             # steps' loads, not in front of them: no forward waits for a preload
             self.preload_stream = torch.cuda.Stream(device)
+            self._own_streams = (self.load_stream, self.scatter_stream, self.offload_stream, self.preload_stream)
 
     # ------------------------------------------------------------------ submit
     def submit(self, op: TransferOp) -> None:
         """Queue ``op`` (never blocks on a GPU copy); its completion comes from :meth:`poll`."""
+        self._built = ()          # its block pairs once split: kept if it fails part-way (below)
         try:
             if op.kind == "load":
                 entry = self._load(op)
@@ -113,7 +116,10 @@ class TransferEngine:
                 raise ValueError(f"unknown op kind {op.kind!r}")
         except Exception as e:   # a failed copy costs a recompute, never a wrong answer
             log.warning("%s op %d failed: %s", op.kind, op.op_id, e)
-            entry = _InFlight(op, list(range(op.num_blocks)), self._fence(op.kind))
+            # the pairs' pinned ids stay alive until the fence passed: a copy queued before the
+            # failure reads them through their mapped address, which the host allocator does
+            # not know of (freed now, the next split could take and rewrite them)
+            entry = _InFlight(op, list(range(op.num_blocks)), self._fence(op.kind), keep=self._built)
         self._inflight.append(entry)
 
     def _fence(self, kind: str) -> torch.cuda.Event | None:
@@ -137,6 +143,10 @@ class TransferEngine:
 
     def _pairs(self, op: TransferOp, mode: str = "whole"):  # type: ignore[no-untyped-def]
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
+        self._built = pairs = self._split(op, mode)
+        return pairs
+
+    def _split(self, op: TransferOp, mode: str):  # type: ignore[no-untyped-def]
         if self.ops is kernels:
             load = op.kind != "backup"
             # loads of every layer at once: staged if they can be. Backups go by the zero-copy
@@ -231,10 +241,19 @@ class TransferEngine:
         gates, stream = self.gates, self.load_stream if self.cuda else None
         pipelined = stream is not None and self.ops is kernels
         scattered = False
+        # the mark on the compute stream, taken *before* the load stream becomes current: taken
+        # inside, it recorded on the load stream itself and the loads waited for nothing. With
+        # the compute stream still running the step before, the scatter then read its device
+        # block ids before their upload (queued on the compute stream) had run — an index put
+        # of stale bytes: "index out of bounds" device asserts, or KV written into the wrong
+        # blocks when the stale bytes were in range — the close of the gates could land after
+        # their opens (a graph waiting forever), and a load could land before the compute
+        # stream's earlier writes to its blocks (tests/transfer/test_stream_order.py)
+        mark = self._mark() if stream is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             try:
                 if stream is not None:
-                    stream.wait_event(self._mark())
+                    stream.wait_event(mark)
                 for layer in range(self.num_layers):
                     deferred: list | None = [] if pipelined else None
                     for entry in entries:
@@ -279,8 +298,13 @@ class TransferEngine:
                 staging.record_stream(scatter)
 
     def _mark(self) -> torch.cuda.Event:
+        """An event behind everything queued so far on the compute stream (the current one)."""
+        current = torch.cuda.current_stream(self.kv_caches[0].device)
+        if current in self._own_streams:
+            raise AssertionError(f"a mark taken on the transfer engine's own stream {current}: "
+                                 "it would order the copies after nothing")
         mark = torch.cuda.Event()
-        mark.record(torch.cuda.current_stream(self.kv_caches[0].device))
+        mark.record(current)
         return mark
 
     # ------------------------------------------------------------------ the forward's side

@@ -272,7 +272,7 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     width = src[0].numel() * src.element_size()
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device).cuda_stream
     err = _cudart().cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * dst.element_size(), src.data_ptr(),  # type: ignore[union-attr]
                                       src.stride(0) * src.element_size(), width, src.shape[0], 4, stream)
     if err:
@@ -470,3 +470,28 @@ def _staged(host: torch.Tensor, kv_caches: list[torch.Tensor], pairs: HostRuns, 
         else:
             _launch(dev, _flat(host, word), pairs.device_ids, pairs.host_ids, num_layers, 0, 0,
                     dev_strides, host_strides, chunk)
+
+
+def compile_variants(host: torch.Tensor, kv_caches: list[torch.Tensor], device_block: int, host_block: int) -> int:
+    """Run every copy path once between ``device_block`` and ``host_block`` (blocks that hold
+    nothing anyone reads: the engine's scratch block and a free host block), so each kernel
+    variant they launch is compiled now, not under the first request that needs it: a backup
+    by the zero-copy kernel, a load of one layer by it, a staged load and backup of every layer
+    (a run through the staging buffer, and the zero-copy rest), the scatter of a staged run.
+    Returns the paths run."""
+    cuda = kv_caches[0].is_cuda
+    device = kv_caches[0].device
+    one_d, one_h = [device_block], [host_block]
+    paths = 0
+    device_to_host(kv_caches, host, one_d, one_h)
+    host_to_device(host, kv_caches, BlockPairs.split(one_h, one_d, cuda, 0), None, layer=0)
+    paths += 2
+    if host_runs(host, kv_caches, one_h, one_d) is not None:
+        for min_run in (1, 2):           # the block as a run (staging), then as the rest
+            staged = HostRuns.split(one_h, one_d, min_run, cuda)
+            host_to_device(host, kv_caches, staged, None)
+            device_to_host(kv_caches, host, staged, None)
+            paths += 2
+    staging = torch.empty((1, *host.shape[2:]), dtype=host.dtype, device=device)
+    scatter_staged(kv_caches[0], torch.tensor(one_d, dtype=torch.long, device=device), staging)
+    return paths + 1

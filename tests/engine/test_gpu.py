@@ -160,3 +160,31 @@ def test_bf16_pd_handoff_on_cuda_equals_colocated(n_prompt, checkpoint, tmp_path
     assert out.token_ids == want.token_ids
     np.testing.assert_array_equal(out.routed_experts, want.routed_experts)
     assert out.cached_tokens_by_tier["storage"] == n_prompt and out.handoff["result"] == "ok"
+
+
+@pytest.mark.parametrize("preset, dtype", [("qwen3-tiny", "bfloat16"), ("qwen3-moe-tiny", "float32")])
+def test_nothing_is_compiled_after_the_engine_started(preset, dtype, checkpoint, tmp_path, monkeypatch):
+    """Every Triton kernel variant a step can launch is compiled at start (engine/warmup.py):
+    batches of every size, prompts of every length, chunked prefill, device, host and storage
+    hits, n > 1, sampling and logprobs afterwards compile nothing more (a compile mid-serving
+    is a step of seconds). Run on an empty Triton cache, so a variant the start missed cannot
+    hide in the disk cache."""
+    from kvtier.triton_jit import num_compiled
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    path = checkpoint(preset)
+    with kvtier.LLM(path, device="cuda", dtype=dtype, num_device_blocks=96, num_host_blocks=256, block_size=16,
+                    max_model_len=512, max_num_batched_tokens=256, storage=f"file://{tmp_path}/pool") as llm:
+        assert llm.startup.kernels_compiled > 0 and llm.startup.total_s is not None
+        at_start = num_compiled()
+        g = torch.Generator().manual_seed(11)
+        for batch in (1, 2, 3, 5, 8, 13, 21):
+            prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist()
+                       for n in torch.randint(1, 480, (batch,), generator=g)]
+            llm.generate(prompts, kvtier.SamplingParams(max_tokens=int(torch.randint(1, 24, (1,), generator=g)),
+                                                        ignore_eos=True))
+            llm.generate(prompts[:2], kvtier.SamplingParams(max_tokens=5, ignore_eos=True))   # device hits
+        llm.generate([prompts[0]], kvtier.SamplingParams(max_tokens=6, n=3, temperature=0.8, top_k=20, top_p=0.9,
+                                                         logprobs=3, prompt_logprobs=2, seed=1,
+                                                         repetition_penalty=1.1))
+        assert num_compiled() == at_start, "a Triton kernel was compiled after the start"
+        assert llm.startup.kernels_compiled_since_ready == 0
