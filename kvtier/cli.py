@@ -37,6 +37,8 @@ BENCHES = {
                                         "(tile/interleave/random); TTFT per round"),
     "trace": ("kvtier.bench.trace_replay", "any OpenAI server or kvtier's: replay a Mooncake-format trace at "
                                            "its timestamps"),
+    "pd-soak": ("kvtier.bench.pd_soak", "CPU or GPU: PD on its own devices vs colocated, run after run on "
+                                        "fresh servers: every greedy answer identical, 0 deaths, 0 5xx"),
     "soak": ("kvtier.bench.soak", "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "
                                   "server with every tier; checks 5xx, leaks, answers, /health latency"),
 }
@@ -454,11 +456,11 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             from kvtier.serve.server import serve
-            serve(args.model, host=args.host, port=args.port, role=args.role, api_key=args.api_key,
-                  served_model_name=args.served_model_name, max_queue=args.max_queue, log_level=args.log_level,
-                  max_body_bytes=args.max_body_bytes, require_cache_salt=args.require_cache_salt,
-                  log_stats_interval=args.log_stats_interval, **{k: getattr(args, k) for k in _LLM_KEYS})
-            return 0
+            return serve(args.model, host=args.host, port=args.port, role=args.role, api_key=args.api_key,
+                         served_model_name=args.served_model_name, max_queue=args.max_queue,
+                         log_level=args.log_level, max_body_bytes=args.max_body_bytes,
+                         require_cache_salt=args.require_cache_salt, log_stats_interval=args.log_stats_interval,
+                         **{k: getattr(args, k) for k in _LLM_KEYS})
         if args.command == "router":
             from kvtier.serve.server import route
             route(args.prefill, args.decode, host=args.host, port=args.port, log_level=args.log_level,

@@ -7,7 +7,9 @@ answer) plus a new ``--request-length`` question, so a history grows to ``rounds
 output)`` tokens and its earlier rounds are a prefix cache hit, if the cache kept them. A
 client's next round is sent once its last answer arrived; requests start at Poisson times of
 ``--request-rate`` per second, at most ``--max-parallel`` at once; with ``--round-barrier`` every
-client finishes round r before any starts round r+1. Per round: mean TTFT and cached tokens.
+client finishes round r before any starts round r+1. Per round: mean TTFT and cached tokens. A
+client's questions come from its own generator (``--seed`` and the client), so its prompts are
+the same in every configuration that gives the same answers, whatever order requests finish in.
 
 The working set is ``clients x history`` tokens: against a device tier of ``--device-blocks``, a
 working set 4x the device tier is the regime where the host and storage tiers pay off::
@@ -28,13 +30,14 @@ from kvtier.cli import positive_int
 
 def workload(args: argparse.Namespace) -> serving.Workload:
     async def run(server: serving.Server, client: Any, tick: Callable[[], None]) -> list[serving.Record]:
-        rng = random.Random(args.seed)
+        rngs = [random.Random(args.seed * 1_000_003 + c) for c in range(args.clients)]
         vocab = args.vocab
         arrivals = serving.Arrivals(args.request_rate, args.max_parallel, args.seed)
         histories = [[] for _ in range(args.clients)]
         records: list[serving.Record] = []
 
         async def one_round(c: int, r: int) -> None:
+            rng = rngs[c]
             question = [rng.randrange(vocab) for _ in range(args.request_length)]
             prompt = histories[c] + question
             rec = serving.Record(c, r, len(prompt), args.output_length)
@@ -60,17 +63,25 @@ def workload(args: argparse.Namespace) -> serving.Workload:
     return run
 
 
+def add_workload_flags(ap: argparse.ArgumentParser) -> None:
+    """The workload's flags (``kvtier bench pd-soak`` takes them too, with its own defaults)."""
+    ap.add_argument("--clients", type=positive_int, default=8, help="conversations (default %(default)s)")
+    ap.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default %(default)s)")
+    ap.add_argument("--request-length", type=positive_int, default=256,
+                    help="tokens of each new question (default %(default)s)")
+    ap.add_argument("--output-length", type=positive_int, default=32,
+                    help="tokens of each answer (default %(default)s)")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second (default inf: no pacing)")
+    ap.add_argument("--max-parallel", type=positive_int, default=16,
+                    help="requests in flight at most (default %(default)s)")
+    ap.add_argument("--round-barrier", action="store_true", help="all clients finish a round before the next")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier bench multiturn", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=positive_int, default=8, help="conversations (default 8)")
-    ap.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default 4)")
-    ap.add_argument("--request-length", type=positive_int, default=256, help="tokens of each new question (default 256)")
-    ap.add_argument("--output-length", type=positive_int, default=32, help="tokens of each answer (default 32)")
-    ap.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="Poisson arrivals per second (default inf: no pacing)")
-    ap.add_argument("--max-parallel", type=positive_int, default=16, help="requests in flight at most (default 16)")
-    ap.add_argument("--round-barrier", action="store_true", help="all clients finish a round before the next")
+    add_workload_flags(ap)
     serving.add_common_flags(ap)
     return ap
 

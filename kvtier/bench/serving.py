@@ -14,6 +14,15 @@ to, streaming requests with their timings, statistics, and one driver for ``--co
 Prompts are token ids (``"prompt": [ids]`` on ``/v1/completions``, which kvtier, vLLM and SGLang
 take), so no tokenizer is needed and prompts share exactly the prefixes the workload says. Greedy,
 ``ignore_eos``: every request generates its ``max_tokens``.
+
+Checks, per configuration: every answer's token ids against the first configuration's answer to
+the same request ((group, round) names one; a workload's prompts depend on nothing but its seed
+and earlier answers, so equal answers make equal prompts): ``identical``, ``mismatches`` and the
+first few, ``unknown`` (a failed request, or a server that returns no token ids: never counted as
+identical); ``http_5xx`` apart from the other failures; ``deaths``, each started process that
+exited by the end of the workload, with its log's tail. ``--expect-identical`` makes any of these
+an exit with the first one named. The PD configuration's prefill and decode servers run on
+``--prefill-device`` and ``--decode-device`` (each default ``--device``).
 """
 from __future__ import annotations
 
@@ -37,8 +46,8 @@ CONFIGS = ("recompute", "device", "host", "storage", "pd")
 @dataclass
 class Record:
     """One request as the client saw it."""
-    group: int                     # the client (multiturn) or the document (longdoc); trace: 0
-    round: int
+    group: int                     # the client (multiturn), the document (longdoc), the request (trace)
+    round: int                     # (group, round) names one request of a workload
     prompt_tokens: int
     max_tokens: int
     start: float = 0.0
@@ -48,20 +57,31 @@ class Record:
     output_tokens: int = 0
     output_ids: list[int] | None = None
     cached_tokens: int | None = None
+    status: int | None = None      # the HTTP status (an error inside the stream: its code); None: no answer
     error: str | None = None
+
+
+def devices(args: Any) -> dict[str, str]:
+    """The started servers' ``--device`` by role: a colocated configuration's ``server`` runs on
+    --device; PD's ``prefill`` and ``decode`` on --prefill-device and --decode-device (default --device)."""
+    return {"server": args.device, "prefill": args.prefill_device or args.device,
+            "decode": args.decode_device or args.device}
 
 
 class Server:
     """Where the requests go: ``url`` as given, or a kvtier server started with ``flags``, or
     with ``pd`` a prefill and a decode server started with ``flags`` (which name their pool)
     behind a router (the requests go to the router; cached tokens are the prefill server's, and
-    the warm-up settles on both servers)."""
+    the warm-up settles on both servers). Each server gets ``--device devices[role]`` (role
+    ``server``, ``prefill`` or ``decode``; none: the server's default) and runs with ``env``
+    (None: this process's)."""
 
     def __init__(self, url: str | None, model: str | None, flags: list[str], log_dir: Path,
-                 pd: bool = False, name: str = "server", log_level: str = "warning") -> None:
+                 pd: bool = False, name: str = "server", log_level: str = "warning",
+                 devices: dict[str, str] | None = None, env: dict[str, str] | None = None) -> None:
         self.url, self.model, self.flags, self.log_dir, self.pd = url, model, flags, log_dir, pd
-        self.config, self.log_level = name, log_level
-        self.procs: list = []
+        self.config, self.log_level, self.devices, self.env = name, log_level, devices or {}, env
+        self.procs: dict[str, Any] = {}    # role (server, prefill, decode, router) -> ServerProcess
         self.metric_urls: list[str] = []   # kvtier servers whose /metrics count (the first: cached tokens)
         self.token_ids = True           # does it take return_token_ids (kvtier, recent vLLM)?
 
@@ -79,34 +99,48 @@ class Server:
             raise
         return self
 
-    def _start(self) -> None:
-        from kvtier.serve.launch import ServerProcess
+    def command(self, role: str) -> list[str]:
+        """The ``kvtier`` arguments of the ``server``, ``prefill`` or ``decode`` server."""
         if self.model is None:
             raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
-        def start(args: list[str], what: str) -> Any:
+        device = ["--device", self.devices[role]] if role in self.devices else []
+        # D loads what P handed off whatever its cost model says (as `kvtier bench pd`'s D does)
+        extra = {"server": [], "prefill": ["--role", "prefill"],
+                 "decode": ["--role", "decode", "--storage-fetch", "always"]}[role]
+        return ["serve", self.model, *device, *self.flags, *extra]
+
+    def _start(self) -> None:
+        from kvtier.serve.launch import ServerProcess
+        def start(args: list[str], role: str) -> Any:
+            what = "" if role == "server" else f"-{role}"
             log, k = self.log_dir / f"{self.config}{what}.log", 1
             while log.exists():                  # a kept --log-dir used again: a file per server
                 k += 1
                 log = self.log_dir / f"{self.config}{what}-{k}.log"
-            proc = ServerProcess(args, log, log_level=self.log_level)
-            self.procs.append(proc)
+            proc = ServerProcess(args, log, env=self.env, log_level=self.log_level)
+            self.procs[role] = proc
             return proc
         if not self.pd:
-            self.url = start(["serve", self.model, *self.flags], "").wait_ready().url
+            self.url = start(self.command("server"), "server").wait_ready().url
             self.metric_urls = [self.url]
             return
-        p = start(["serve", self.model, *self.flags, "--role", "prefill"], "-prefill")
-        # D loads what P handed off whatever its cost model says (as `kvtier bench pd`'s D does)
-        d = start(["serve", self.model, *self.flags, "--role", "decode", "--storage-fetch", "always"], "-decode")
+        p = start(self.command("prefill"), "prefill")
+        d = start(self.command("decode"), "decode")
         p.wait_ready(), d.wait_ready()
-        self.url = start(["router", "--prefill", p.url, "--decode", d.url], "-router").wait_ready().url
+        self.url = start(["router", "--prefill", p.url, "--decode", d.url], "router").wait_ready().url
         self.metric_urls = [p.url, d.url]
 
     def __exit__(self, *exc: object) -> None:
-        for proc in reversed(self.procs):
+        for proc in reversed(self.procs.values()):
             proc.stop()
         if self.procs:
-            self.procs, self.url = [], None
+            self.procs, self.url = {}, None
+
+    def deaths(self) -> list[dict]:
+        """Each started process that has exited (an engine death, or the router's): its role,
+        exit code, log and the log's last lines."""
+        return [{"role": role, "returncode": proc.popen.returncode, "log": str(proc.log), "tail": proc.tail()}
+                for role, proc in self.procs.items() if proc.popen.poll() is not None]
 
     def metrics(self) -> dict[str, float]:
         """kvtier's cached prompt tokens per tier so far (empty for other servers)."""
@@ -194,6 +228,7 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
                 await r.aread()
                 server.token_ids = False
                 return await send(client, server, rec, prompt)
+            rec.status = r.status_code
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return rec
@@ -201,6 +236,11 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                err = chunk.get("error")
+                if isinstance(err, dict):                # an error after the status line went out
+                    rec.status = err["code"] if isinstance(err.get("code"), int) else 500
+                    rec.error = f"HTTP {rec.status} in the stream: {str(err.get('message'))[:200]!r}"
+                    break
                 if chunk.get("usage"):
                     rec.cached_tokens = ((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
                 for choice in chunk.get("choices") or ():
@@ -258,6 +298,10 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
+def http_5xx(records: list[Record]) -> int:
+    return sum(1 for r in records if r.status is not None and r.status >= 500)
+
+
 def summarize(records: list[Record], wall: float) -> dict:
     ok = [r for r in records if r.error is None and r.ttft is not None]
     ttft = [r.ttft for r in ok]
@@ -270,7 +314,7 @@ def summarize(records: list[Record], wall: float) -> dict:
 
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
-        "requests": len(records), "failed": len(records) - len(ok), "seconds": wall,
+        "requests": len(records), "failed": len(records) - len(ok), "http_5xx": http_5xx(records), "seconds": wall,
         "ttft_mean": mean(ttft), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "ttft_p99": pct(ttft, 99),
         "itl_mean": mean(itl), "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90), "itl_p99": pct(itl, 99),
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall if wall else None,
@@ -298,10 +342,11 @@ def progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[], Non
 
 
 def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
-    """kvtier serve flags of a --compare configuration (and the bench's engine flags)."""
+    """kvtier serve flags of a --compare configuration (and the bench's engine flags), but the
+    device: :class:`Server` gives each server its own (:func:`devices`)."""
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
-    flags = ["--device", args.device, "--block-size", str(args.block_size),
+    flags = ["--block-size", str(args.block_size),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.dtype:
         flags += ["--dtype", args.dtype]
@@ -323,17 +368,29 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
     return flags
 
 
-def add_common_flags(ap: Any) -> None:
+def add_common_flags(ap: Any, compare: bool = True) -> None:
+    """The flags of every serving bench; ``compare=False`` leaves out those of the --compare
+    driver (--url, --compare, --plot, --expect-identical) for a bench that picks its own."""
     from kvtier.cli import non_negative_int, positive_int
-    ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start kvtier "
-                                                "servers, one per --compare configuration)")
+    if compare:
+        ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start "
+                                                    "kvtier servers, one per --compare configuration)")
+        ap.add_argument("--compare", default="host", help="comma-separated configurations of the started server, "
+                        "the first the baseline of the ratios and of the answers: recompute, device (prefix cache "
+                        "on the GPU only), host (+ host tier), storage (+ file:// pool, or --storage URL), pd (a "
+                        "prefill and a decode server, each the storage configuration, behind kvtier router) "
+                        "(default host)")
+        ap.add_argument("--expect-identical", action="store_true",
+                        help="exit non-zero, naming the first, if any configuration's answer (token ids) differs "
+                             "from the first configuration's, has no token ids, or any request failed or server died")
+        ap.add_argument("--plot", default=None, metavar="PATH.png", help="plot TTFT per round and its CDF here")
     ap.add_argument("--model", default=None, help="what the started kvtier server serves: a checkpoint "
                                                   "directory or a preset name (written to a temporary folder)")
-    ap.add_argument("--compare", default="host", help="comma-separated configurations of the started server, "
-                    "the first the baseline of the ratios: recompute, device (prefix cache on the GPU only), "
-                    "host (+ host tier), storage (+ file:// pool, or --storage URL), pd (a prefill and a decode server, "
-                    "each the storage configuration, behind kvtier router) (default host)")
     ap.add_argument("--device", default="cpu", help="the started server's device (default cpu)")
+    ap.add_argument("--prefill-device", default=None, metavar="DEV",
+                    help="the pd configuration's prefill server's device, e.g. cuda:0 (default --device)")
+    ap.add_argument("--decode-device", default=None, metavar="DEV",
+                    help="the pd configuration's decode server's device, e.g. cuda:1 (default --device)")
     ap.add_argument("--dtype", default=None, help="its dtype (default: the engine's)")
     ap.add_argument("--load-format", default=None, help="auto or dummy (default auto; presets: dummy)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -354,7 +411,6 @@ def add_common_flags(ap: Any) -> None:
                          "with each engine's stats line every "
                          "10 s (--server-args '--log-stats-interval S' to change); default: a temporary "
                          "directory, removed, warnings only")
-    ap.add_argument("--plot", default=None, metavar="PATH.png", help="plot TTFT per round and its CDF here")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     ap.add_argument("--warmup", type=non_negative_int, default=None, metavar="N",
                     help="untimed requests sent to each server first, in two waves of N at once (default: "
@@ -387,12 +443,16 @@ Workload = Callable[[Server, Any, Callable[[], None]], Awaitable[list[Record]]]
 
 def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, int]) -> dict:
     """Run ``workload`` once per configuration (or once against --url), each after a warm-up
-    (:func:`_warmup`); print the table; write --json and --plot. ``count``: its number of
-    requests (the progress bar's total); ``start``: (requests in flight, prompt tokens) at its
-    start, the warm-up's default shape."""
+    (:func:`_warmup`); compare every configuration's answers with the first's; print the table;
+    write --json and --plot; with --expect-identical exit naming the first problem. ``count``:
+    its number of requests (the progress bar's total); ``start``: (requests in flight, prompt
+    tokens) at its start, the warm-up's default shape."""
     started = time.perf_counter()
     configs = ["url"] if args.url else [c.strip() for c in args.compare.split(",") if c.strip()]
+    if args.expect_identical and len(configs) < 2:
+        raise SystemExit("--expect-identical compares configurations: give two or more in --compare")
     results: dict[str, dict] = {}
+    records: dict[str, list[Record]] = {}
     with tempfile.TemporaryDirectory(prefix=f"kvtier-bench-{name}-") as tmp_name:
         tmp = Path(tmp_name)
         model, args.vocab = resolve_model(args, tmp)
@@ -403,26 +463,13 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
         for config in configs:
             flags = [] if args.url else server_flags(config, args, tmp)
             with Server(args.url, model, flags, log_dir, pd=config == "pd", name=config,
-                        log_level="info" if args.log_dir else "warning") as server:
-                token_ids = server.token_ids      # a warm-up that fails must not flip the probe
-                warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
-                if any(r.error for r in warm):
-                    server.token_ids = token_ids
-                settled = server.settle()
-                before = server.metrics()
-                with progress(count, f"{name} [{config}]", args.progress) as tick:
-                    t0 = time.perf_counter()
-                    records = asyncio.run(_with_client(workload, server, args, tick))
-                    wall = time.perf_counter() - t0
-                after = server.metrics()
-                stats = server.cache_stats()
-            res = summarize(records, wall)
-            res["server_stats"] = stats            # each kvtier server's /kvtier/stats at the end
-            res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
-            res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
-            res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error),
-                             "settle": settled}
+                        log_level="info" if args.log_dir else "warning", devices=devices(args)) as server:
+                res, records[config] = measure(args, server, f"{name} [{config}]", workload, count, start)
+                died = server.deaths()
+            res["deaths"], res["died"] = len(died), died
             results[config] = res
+    for config in configs[1:]:
+        results[config].update(compare_outputs(records[configs[0]], records[config]))
     out = {"bench": name, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     print(table(results))
     print(f"({time.perf_counter() - started:.0f} s)")
@@ -430,7 +477,80 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     if args.plot:
         plot(results, args.plot, name)
+    if args.expect_identical and (problem := first_problem(results)):
+        raise SystemExit(f"--expect-identical: {problem}")
     return out
+
+
+def measure(args: Any, server: Server, label: str, workload: Workload, count: int,
+            start: tuple[int, int]) -> tuple[dict, list[Record]]:
+    """``workload`` once on a started ``server`` after a warm-up (:func:`_warmup`, its copies
+    settled): its summary (:func:`summarize`, the tiers' hits, the servers' stats, the errors,
+    the warm-up's) and its records. ``label``: the progress bar's."""
+    token_ids = server.token_ids      # a warm-up that fails must not flip the probe
+    warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
+    if any(r.error for r in warm):
+        server.token_ids = token_ids
+    settled = server.settle()
+    before = server.metrics()
+    with progress(count, label, args.progress) as tick:
+        t0 = time.perf_counter()
+        records = asyncio.run(_with_client(workload, server, args, tick))
+        wall = time.perf_counter() - t0
+    after = server.metrics()
+    res = summarize(records, wall)
+    res["server_stats"] = server.cache_stats()     # each kvtier server's /kvtier/stats at the end
+    res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
+    res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
+    res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error), "http_5xx": http_5xx(warm),
+                     "settle": settled}
+    return res, records
+
+
+def compare_outputs(base: list[Record], other: list[Record], keep: int = 5) -> dict:
+    """``other``'s answers against ``base``'s, request by request ((group, round) names one):
+    ``mismatches`` (token ids differ; the first ``keep`` with the first differing position),
+    ``unknown`` (either failed, or has no token ids, or the request is missing on either side),
+    ``identical`` (every answer compared, none differs) and ``compared``."""
+    want = {(r.group, r.round): r for r in base}
+    seen, compared, unknown, mismatches = set(), 0, 0, []
+    for r in sorted(other, key=lambda r: (r.group, r.round)):
+        key = (r.group, r.round)
+        seen.add(key)
+        b = want.get(key)
+        if b is None or b.error or r.error or b.output_ids is None or r.output_ids is None:
+            unknown += 1
+            continue
+        compared += 1
+        if r.output_ids != b.output_ids:
+            pos = next((i for i, (x, y) in enumerate(zip(b.output_ids, r.output_ids)) if x != y),
+                       min(len(b.output_ids), len(r.output_ids)))
+            mismatches.append({"group": r.group, "round": r.round, "position": pos,
+                               "expected": b.output_ids[pos:pos + 4], "got": r.output_ids[pos:pos + 4]})
+    unknown += len(set(want) - seen)
+    return {"identical": not mismatches and not unknown, "compared": compared, "mismatches": len(mismatches),
+            "unknown": unknown, "first_mismatches": mismatches[:keep]}
+
+
+def first_problem(results: dict[str, dict]) -> str | None:
+    """What makes --expect-identical fail, the first configuration's first: a server that died,
+    an answer that differs from the first configuration's, a failed request, an unknown answer."""
+    base = next(iter(results))
+    for config, r in results.items():
+        if r.get("deaths"):
+            d = r["died"][0]
+            return f"{config}: the {d['role']} server exited with {d['returncode']} ({d['log']}):\n{d['tail']}"
+        if r.get("mismatches"):
+            m = r["first_mismatches"][0]
+            return (f"{config}: {r['mismatches']} of {r['compared']} answers differ from {base}'s; the first: "
+                    f"group {m['group']} round {m['round']} at token {m['position']} "
+                    f"({m['got']} instead of {m['expected']})")
+        if r["failed"]:
+            return (f"{config}: {r['failed']} of {r['requests']} requests failed ({r['http_5xx']} 5xx), e.g. "
+                    f"{(r['errors'] or ['?'])[0]}")
+        if r.get("unknown"):
+            return f"{config}: {r['unknown']} answers could not be compared with {base}'s (no token ids, or failed)"
+    return None
 
 
 def warmup_shape(args: Any, start: tuple[int, int]) -> tuple[int, int]:
@@ -469,7 +589,8 @@ async def _with_client(workload: Workload, server: Server, args: Any, tick: Call
 
 
 def table(results: dict[str, dict]) -> str:
-    """One row per configuration; TTFT and throughput also as ratios to the first row."""
+    """One row per configuration; TTFT and throughput also as ratios to the first row; ``same``:
+    its answers against the first row's (yes, N diff, N ? for unknown)."""
     base = next(iter(results.values()))
 
     def ms(x: float | None) -> str:
@@ -478,15 +599,22 @@ def table(results: dict[str, dict]) -> str:
     def ratio(x: float | None, b: float | None) -> str:
         return "-" if x is None or not b else f"{x / b:.2f}"
 
-    rows = [f"{'config':<10} {'reqs':>5} {'fail':>4} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'p99':>7} "
-            f"{'ITL mean':>8} {'p90':>6} {'tok/s':>8} {'cached %':>8} {'TTFT x':>7} {'tok/s x':>7}"]
+    def same(r: dict) -> str:       # the answers against the first configuration's
+        if "identical" not in r:
+            return "base"
+        return "yes" if r["identical"] else f"{r['mismatches']} diff" if r["mismatches"] else f"{r['unknown']} ?"
+
+    rows = [f"{'config':<10} {'reqs':>5} {'fail':>4} {'5xx':>4} {'dead':>4} {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
+            f"{'p99':>7} {'ITL mean':>8} {'p90':>6} {'tok/s':>8} {'cached %':>8} {'TTFT x':>7} {'tok/s x':>7} "
+            f"{'same':>7}"]
     for config, r in results.items():
         cached = "-" if r["cached_tokens"] is None or not r["prompt_tokens"] else \
             f"{100 * r['cached_tokens'] / r['prompt_tokens']:.0f}"
-        rows.append(f"{config:<10} {r['requests']:>5} {r['failed']:>4} {ms(r['ttft_mean']):>9} {ms(r['ttft_p50']):>7} "
+        rows.append(f"{config:<10} {r['requests']:>5} {r['failed']:>4} {r['http_5xx']:>4} {r.get('deaths', 0):>4} "
+                    f"{ms(r['ttft_mean']):>9} {ms(r['ttft_p50']):>7} "
                     f"{ms(r['ttft_p90']):>7} {ms(r['ttft_p99']):>7} {ms(r['itl_mean']):>8} {ms(r['itl_p90']):>6} "
                     f"{r['output_tokens_per_s'] or 0:>8.0f} {cached:>8} {ratio(r['ttft_mean'], base['ttft_mean']):>7} "
-                    f"{ratio(r['output_tokens_per_s'], base['output_tokens_per_s']):>7}")
+                    f"{ratio(r['output_tokens_per_s'], base['output_tokens_per_s']):>7} {same(r):>7}")
         if r["cached_tokens_by_tier"]:
             rows.append(" " * 11 + "cached by tier: " + ", ".join(f"{t} {int(n)}" for t, n in
                                                                   sorted(r["cached_tokens_by_tier"].items())))

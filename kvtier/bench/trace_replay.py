@@ -6,7 +6,8 @@ prefixes) plus an input and output length. Its tokens are made from the hash ids
 share exactly the prefixes the trace says. ``--block-tokens`` shrinks every block (and the input
 length with it) to fit a small model: 512 is the trace as published. Timestamps (ms) are honoured,
 scaled by ``--time-scale`` (0.5 = twice as fast; 0 = all at once); ``--requests`` replays the
-first N, ``--max-output-tokens`` caps the answers. A round is a tenth of the replay, in order::
+first N, ``--max-output-tokens`` caps the answers. A record's group is the request's index in the
+replay; a round is a tenth of the replay, in order::
 
     kvtier bench trace traces/mooncake_conversation_1k.jsonl --model qwen3-0.6b-shape --device cuda \\
         --block-tokens 64 --requests 300 --compare device,host
@@ -59,7 +60,7 @@ def workload(args: argparse.Namespace) -> serving.Workload:
         async def replay(i: int, at: float, prompt: list[int], out: int) -> None:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             async with slots:
-                rec = serving.Record(0, i // per_round, len(prompt), out)
+                rec = serving.Record(i, i // per_round, len(prompt), out)
                 await serving.send(client, server, rec, prompt)
             records.append(rec)
             tick()
