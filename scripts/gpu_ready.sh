@@ -10,12 +10,14 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-ready}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+. scripts/gpu_webdeps.sh
 W=$(mktemp -d)
 PORT=18431
 
-wait_ready() {   # prints seconds from $1 (epoch s) to /health 200
-  local t0=$1
+wait_ready() {   # prints seconds from $1 (epoch s) to /health 200 of the server $2
+  local t0=$1 pid=$2
   for _ in $(seq 1 1200); do
+    kill -0 "$pid" 2>/dev/null || { echo "exited"; return 1; }
     if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then
       python -c "import time; print(f'{time.time() - $t0:.1f}')"; return 0
     fi
@@ -33,7 +35,7 @@ startup() {
     python -m kvtier.cli serve "$W/8b" --device cuda --load-format dummy --num-device-blocks 1640 \
       --num-host-blocks 8192 --max-model-len 16384 --port $PORT --log-level info > "$OUT/startup-$cache.log" 2>&1 &
     pid=$!
-    echo "startup 8b ($cache Triton cache): $(wait_ready "$t0") s to ready"
+    echo "startup 8b ($cache Triton cache): $(wait_ready "$t0" $pid) s to ready"
     grep "startup: " "$OUT/startup-$cache.log" | sed 's/^.*startup: /    /'
     kill $pid; wait $pid 2>/dev/null
   done
@@ -48,7 +50,7 @@ first() {
     --num-host-blocks 8192 --max-model-len 16384 --port $PORT --log-level info --log-stats-interval 1 \
     > "$OUT/first-server.log" 2>&1 &
   pid=$!
-  echo "0.6b server ready after $(wait_ready "$t0") s"
+  echo "0.6b server ready after $(wait_ready "$t0" $pid) s"
   B="python -m kvtier.cli bench multiturn --url http://127.0.0.1:$PORT --clients 16 --rounds 7 --request-length 512 --output-length 32 --warmup 0 --no-progress"
   $B --seed 1 --json "$OUT/first.json" > "$OUT/first-bench.txt" 2>&1
   mark=$(wc -l < "$OUT/first-server.log")

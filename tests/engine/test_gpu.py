@@ -174,7 +174,7 @@ def test_nothing_is_compiled_after_the_engine_started(preset, dtype, checkpoint,
     path = checkpoint(preset)
     with kvtier.LLM(path, device="cuda", dtype=dtype, num_device_blocks=96, num_host_blocks=256, block_size=16,
                     max_model_len=512, max_num_batched_tokens=256, storage=f"file://{tmp_path}/pool") as llm:
-        assert llm.startup.kernels_compiled > 0 and llm.startup.total_s is not None
+        assert llm.startup.total_s is not None and "compiling kernels" in llm.startup.phases_s
         at_start = num_compiled()
         g = torch.Generator().manual_seed(11)
         for batch in (1, 2, 3, 5, 8, 13, 21):
