@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from kvtier import index_checks
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
 from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.request import Request
@@ -133,8 +134,17 @@ class ModelRunner:
         input_ids = wide_d[:n]
         tail = wide_d[3 * n:]
         ns, npend = len(sample_rows), len(pending_at)
+        if index_checks.ENABLED:                 # KVTIER_CHECK_INDICES=1: as the GPU reads them
+            kv = self.kv_caches[0]
+            index_checks.check("input_ids", input_ids, self.model.config.vocab_size)
+            index_checks.check("slot_mapping", dev.slot_mapping, kv.shape[1] * kv.shape[2])
+            index_checks.check("block_tables", dev.block_tables, kv.shape[1])
+            index_checks.check("sample_rows", tail[:ns], n)
         if npend:
             at, rows = tail[ns:ns + npend], tail[ns + npend:]
+            if index_checks.ENABLED:
+                index_checks.check("pending token places", at, n)
+                index_checks.check("pending token rows", rows, self._feed.tokens.numel())   # type: ignore[union-attr]
             input_ids.index_copy_(0, at, self._feed.tokens.index_select(0, rows))   # type: ignore[union-attr]
         return StepInputs(input_ids, wide_d[n:2 * n], dev, sample_rows, tail[:ns])
 

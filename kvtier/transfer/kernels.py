@@ -46,6 +46,7 @@ from typing import Sequence
 
 import torch
 
+from kvtier import index_checks
 from kvtier.transfer import batch
 
 log = logging.getLogger(__name__)
@@ -305,6 +306,9 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids
     n = src_ids.numel()
     if n == 0 or num_layers == 0:
         return
+    if index_checks.ENABLED:        # each side's blocks: its tensor's size over its block stride
+        index_checks.check("copy src_ids", src_ids, src.numel() // src_strides[0])
+        index_checks.check("copy dst_ids", dst_ids, dst.numel() // dst_strides[0])
     block = min(TUNING["block"], triton.next_power_of_2(chunk_words))
     part = -(-min(chunk_words, max(block, TUNING["part"])) // block) * block
     parts = -(-chunk_words // part)
@@ -412,6 +416,7 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
 
 def scatter_staged(kv: torch.Tensor, dst_ids: torch.Tensor, staging: torch.Tensor) -> None:
     """One layer's blocks from staging ([n, 2, ...], host layout) to device blocks ``dst_ids``."""
+    index_checks.check("scatter dst_ids", dst_ids, kv.shape[1])
     kv[:, dst_ids] = staging.transpose(0, 1)
 
 
