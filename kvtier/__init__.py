@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "kvtier.engine.llm",
     "SamplingParams": "kvtier.engine.sampling",
+    "EngineConfig": "kvtier.engine.config",
     "RequestOutput": "kvtier.engine.llm",
     "CompletionOutput": "kvtier.engine.llm",
 }

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtier.cache.manager import check_block_size, parse_capacity
+from kvtier.flags import (block_size as _block_size, capacity as _capacity, non_negative_float as _non_negative_float,
+                          non_negative_int, port as _port, positive_float as _positive_float, positive_int,
+                          tier_blocks as _tier_blocks)
 from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
 
 
@@ -43,80 +45,6 @@ BENCHES = {
                                   "server with every tier; checks 5xx, leaks, answers, /health latency"),
 }
 _GPU_BENCHES = {name: module for name, (module, _) in BENCHES.items() if module is not None}
-
-
-def _block_size(text: str) -> int:
-    try:
-        return check_block_size(int(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (the message names the bad value)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (the message names the bad value)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = non_negative_int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {value}")
-    return value
-
-
-def _tier_blocks(text: str) -> int | float:
-    value = _capacity(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("the device tier needs at least one block (or inf)")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a positive number, got 0")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite non-negative number, got {text!r}")
-    return value
-
-
-def _timeout_pair(text: str) -> tuple[float, float]:
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"expected BASE,PER_1K seconds, e.g. 0.1,0.05; got {text!r}")
-    return (_non_negative_float(parts[0]), _non_negative_float(parts[1]))
-
-
-def _capacity(text: str) -> int | float:
-    try:
-        return parse_capacity(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_cache_flags(p: argparse.ArgumentParser) -> None:
@@ -299,79 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_llm_flags(p: argparse.ArgumentParser) -> None:
-    """Every kvtier.LLM keyword (DESIGN §6) as a flag."""
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="compute dtype; auto = checkpoint's on cuda, float32 on cpu (default auto)")
-    p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-device-blocks", type=positive_int, default=None,
-                   help="device tier size in blocks (default: sized from free memory)")
-    p.add_argument("--num-host-blocks", type=non_negative_int, default=None,
-                   help="host tier size in blocks; 0 = none (default: none, or with --storage a host tier "
-                        "sized from free memory: twice the device tier, at most a quarter of available RAM)")
-    p.add_argument("--storage", default=None,
-                   help="storage pool URL (its I/O goes through the host tier): file:///dir[?capacity=100GiB], "
-                        "memory://?capacity=1GiB, redis://[:password@]host:port/db, rediss://..., "
-                        "redis+cluster://host:port,host:port, mooncake://host:port?protocol=tcp[&segment=4GiB]; "
-                        "any URL takes &throttle=RATE to simulate a slow pool (default none)")
-    p.add_argument("--write-policy", choices=WRITE_POLICIES, default=None,
-                   help="when blocks are copied down a tier (default: write_through with --storage, so every "
-                        "computed block reaches the pool, and with a host tier; else write_through_selective)")
-    p.add_argument("--write-through-threshold", type=positive_int, default=2,
-                   help="hits before write_through_selective copies down (default 2)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="disable prefix caching")
-    p.add_argument("--prefetch-policy", choices=("best_effort", "wait_complete", "timeout"), default="best_effort",
-                   help="when a request with storage hits starts: best_effort = after the time the fetch was "
-                        "expected to take, with what landed; wait_complete = when all landed; timeout = after "
-                        "--prefetch-timeout (default best_effort)")
-    p.add_argument("--prefetch-timeout", type=_timeout_pair, default=(0.1, 0.05), metavar="BASE,PER_1K",
-                   help="prefetch_policy=timeout: seconds, plus seconds per 1K prompt tokens (default 0.1,0.05)")
-    p.add_argument("--storage-workers", type=positive_int, default=None,
-                   help="storage fetch threads (default: one per core, 2 to 16)")
-    p.add_argument("--storage-put-workers", type=positive_int, default=None,
-                   help="storage put threads (default 1: each one slows the engine thread while it writes; "
-                        "kvtier serve --role prefill: half the fetch threads)")
-    p.add_argument("--storage-fetch", choices=("auto", "always"), default="auto",
-                   help="fetch from storage only when cheaper than recompute (auto) or always (default auto)")
-    p.add_argument("--early-loads", dest="early_loads", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request waiting for a storage fetch has its host hits and each fetched chunk, as it "
-                        "lands, copied on to the device meanwhile, so it starts with device hits "
-                        "(default on; --no-early-loads loads them when it starts)")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="tensor parallel ranks (default 1)")
-    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default=None,
-                   help="when the device tier is full: swap a request's KV to the host tier and load it back, "
-                        "or recompute it (default: swap when there is a host tier, else recompute)")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                   help="auto: the checkpoint's safetensors; dummy: random weights in device memory from "
-                        "config.json alone (benchmarks) (default auto)")
-    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step (default 2048)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="running requests at most (default 256)")
-    p.add_argument("--max-model-len", type=positive_int, default=None, help="context length (default: the model's)")
-    p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
-                   help="attention kernels (default: triton on cuda, torch on cpu)")
-    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")
-    p.add_argument("--no-routing-capture", dest="capture_routing", action="store_false",
-                   help="MoE: do not capture routed experts (R3)")
-    p.add_argument("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps and other steps of up to 256 tokens from CUDA graphs "
-                        "captured at start (default: on for cuda)")
-    p.add_argument("--overlap-schedule", dest="overlap_schedule", action=argparse.BooleanOptionalAction,
-                   default=None, help="schedule step N+1 on the CPU while the GPU runs step N "
-                                      "(default: on for cuda; --no-overlap-schedule turns it off)")
-    p.add_argument("--pd-on-miss", choices=("recompute", "error"), default="recompute",
-                   help="PD decode side: blocks missing, corrupt or late in the pool are recomputed, or the "
-                        "request fails with 502 (default recompute)")
-    p.add_argument("--export-timeout", type=_positive_float, default=30.0,
-                   help="PD prefill side: seconds to wait for the pool to ack a prompt's blocks (default 30)")
+    """Every engine option (kvtier/engine/config.py, DESIGN §6) as a flag."""
+    from kvtier.engine.config import EngineConfig
+    EngineConfig.add_flags(p)
 
 
-_LLM_KEYS = ("device", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "storage", "write_policy",
-             "write_through_threshold", "enable_prefix_caching", "prefetch_policy", "storage_fetch",
-             "early_loads", "tensor_parallel_size", "preemption_mode", "load_format", "seed", "max_num_batched_tokens", "max_num_seqs",
-             "max_model_len", "prefetch_timeout", "storage_workers", "storage_put_workers", "attention_backend", "eviction",
-             "capture_routing", "cuda_graphs", "overlap_schedule", "pd_on_miss", "export_timeout")
+def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvtier.engine.config import EngineConfig
+    return EngineConfig.from_args(args)
 
 
 def _generate(args) -> int:  # type: ignore[no-untyped-def]
@@ -394,7 +257,7 @@ def _generate(args) -> int:  # type: ignore[no-untyped-def]
                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
                                stop=tuple(args.stop))
-    with kvtier.LLM(args.model, **{k: getattr(args, k) for k in _LLM_KEYS}) as llm:
+    with kvtier.LLM(args.model, _engine_config(args)) as llm:
         for _ in range(args.repeat):
             o = llm.generate([prompt], sp)[0]
             res = {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
@@ -460,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                          served_model_name=args.served_model_name, max_queue=args.max_queue,
                          log_level=args.log_level, max_body_bytes=args.max_body_bytes,
                          require_cache_salt=args.require_cache_salt, log_stats_interval=args.log_stats_interval,
-                         **{k: getattr(args, k) for k in _LLM_KEYS})
+                         config=_engine_config(args))
         if args.command == "router":
             from kvtier.serve.server import route
             route(args.prefill, args.decode, host=args.host, port=args.port, log_level=args.log_level,

@@ -19,7 +19,7 @@ import random
 from typing import Any, Callable
 
 from kvtier.bench import serving
-from kvtier.cli import positive_int
+from kvtier.flags import positive_int
 
 
 def order(documents: int, questions: int, how: str, seed: int) -> list[tuple[int, int]]:

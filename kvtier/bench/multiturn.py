@@ -25,7 +25,7 @@ import random
 from typing import Any, Callable
 
 from kvtier.bench import serving
-from kvtier.cli import positive_int
+from kvtier.flags import positive_int
 
 
 def workload(args: argparse.Namespace) -> serving.Workload:

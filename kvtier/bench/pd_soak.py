@@ -47,7 +47,7 @@ from typing import Any
 
 import kvtier
 from kvtier.bench import multiturn, serving, trace_replay
-from kvtier.cli import non_negative_int, positive_int
+from kvtier.flags import non_negative_int, positive_int
 
 CONFIGS = ("storage", "pd")           # the baseline first
 TRACE = Path(kvtier.__file__).resolve().parent.parent / "traces" / "mooncake_conversation_1k.jsonl"

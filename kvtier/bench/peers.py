@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from kvtier.cache import CacheManager, CacheRequest
-from kvtier.cli import positive_int
+from kvtier.flags import positive_int
 
 INSTALL_HINT = "pip install 'kvtier[peers]'"
 # peer -> (package it needs, variants: the keyword its adapter takes for the key digest)

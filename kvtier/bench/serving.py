@@ -342,36 +342,32 @@ def progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[], Non
 
 
 def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
-    """kvtier serve flags of a --compare configuration (and the bench's engine flags), but the
-    device: :class:`Server` gives each server its own (:func:`devices`)."""
+    """kvtier serve flags of a --compare configuration: the bench's engine options as an
+    :class:`~kvtier.engine.config.EngineConfig` (checked now, before any server starts: a bad
+    value is named here), then ``--server-args``; but the device: :class:`Server` gives each
+    server its own (:func:`devices`)."""
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
-    flags = ["--block-size", str(args.block_size),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.dtype:
-        flags += ["--dtype", args.dtype]
-    if args.load_format:
-        flags += ["--load-format", args.load_format]
-    if args.max_model_len:
-        flags += ["--max-model-len", str(args.max_model_len)]
-    if args.device_blocks:
-        flags += ["--num-device-blocks", str(args.device_blocks)]
-    import shlex
-    flags += shlex.split(args.server_args or "")
+    from kvtier.engine.config import EngineConfig
+    options: dict[str, Any] = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
+                               "dtype": args.dtype or "auto", "load_format": args.load_format or "auto",
+                               "max_model_len": args.max_model_len, "num_device_blocks": args.device_blocks}
     if config == "recompute":
-        return flags + ["--no-prefix-caching", "--num-host-blocks", "0"]
-    if config == "device":
-        return flags + ["--num-host-blocks", "0"]
-    flags += ["--num-host-blocks", str(args.host_blocks)]
-    if config in ("storage", "pd"):
-        flags += ["--storage", args.storage or f"file://{tmp}/pool-{config}"]   # (one pool each: no hit across)
-    return flags
+        options |= {"enable_prefix_caching": False, "num_host_blocks": 0}
+    elif config == "device":
+        options["num_host_blocks"] = 0
+    else:
+        options["num_host_blocks"] = args.host_blocks
+        if config in ("storage", "pd"):       # (one pool each: no hit across)
+            options["storage"] = args.storage or f"file://{tmp}/pool-{config}"
+    import shlex
+    return EngineConfig(**options).to_flags() + shlex.split(args.server_args or "")
 
 
 def add_common_flags(ap: Any, compare: bool = True) -> None:
     """The flags of every serving bench; ``compare=False`` leaves out those of the --compare
     driver (--url, --compare, --plot, --expect-identical) for a bench that picks its own."""
-    from kvtier.cli import non_negative_int, positive_int
+    from kvtier.flags import non_negative_int, positive_int
     if compare:
         ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start "
                                                     "kvtier servers, one per --compare configuration)")
@@ -391,16 +387,25 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
                     help="the pd configuration's prefill server's device, e.g. cuda:0 (default --device)")
     ap.add_argument("--decode-device", default=None, metavar="DEV",
                     help="the pd configuration's decode server's device, e.g. cuda:1 (default --device)")
-    ap.add_argument("--dtype", default=None, help="its dtype (default: the engine's)")
-    ap.add_argument("--load-format", default=None, help="auto or dummy (default auto; presets: dummy)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--device-blocks", type=int, default=None, help="device tier blocks (default: from free memory)")
-    ap.add_argument("--host-blocks", type=int, default=4096, help="host tier blocks for host/storage (default 4096)")
+    # the engine's options under the names `kvtier serve` gives them (kvtier/engine/config.py);
+    # --device-blocks / --host-blocks: the names these benches had
+    from kvtier.flags import block_size
+    ap.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                    help="the started servers' dtype (default: the engine's)")
+    ap.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                    help="auto or dummy (default auto; presets: dummy)")
+    ap.add_argument("--block-size", type=block_size, default=16, help="tokens per KV block (default 16)")
+    ap.add_argument("--num-device-blocks", "--device-blocks", dest="device_blocks", type=positive_int, default=None,
+                    help="device tier blocks (default: from free memory)")
+    ap.add_argument("--num-host-blocks", "--host-blocks", dest="host_blocks", type=non_negative_int, default=4096,
+                    help="host tier blocks of the host, storage and pd configurations (default 4096)")
     ap.add_argument("--storage", default=None, help="pool URL of the storage config (default: a temporary file://)")
-    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-model-len", type=positive_int, default=None,
+                    help="the started servers' context (default: the model's)")
     ap.add_argument("--server-args", default=None, metavar="'FLAGS'",
                     help="more `kvtier serve` flags for every started server, e.g. '--preemption-mode recompute'")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                    help="the started servers' token budget per step (default 2048)")
     ap.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the served "
                                                             "model's vocab, 32000 with --url)")
     ap.add_argument("--seed", type=int, default=0)

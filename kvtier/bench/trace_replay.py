@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 
 from kvtier.bench import serving
-from kvtier.cli import positive_int
+from kvtier.flags import positive_int
 from kvtier.bench.traces import TraceError, read_trace, tokens_of_hashes
 
 

@@ -60,24 +60,24 @@ import sys
 from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 import time
 
-from kvtier.cache import CacheManager, ModelFingerprint, check_block_size
+from kvtier.cache import CacheManager, ModelFingerprint
 from kvtier.cache.cost import FetchCostModel
-from kvtier.cache.policy import WritePolicy
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.detok import StopStrings
 from kvtier.engine.fatal import raise_if_device_lost
 from kvtier.engine.group import SampleGroup, check_n
 from kvtier.engine.request import Request, Status
 from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner, StepResult, graph_loads_mode
-from kvtier.engine.sampling import SamplingParams, check_int
+from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.startup import Startup
 from kvtier.engine.warmup import compile_kernels
@@ -150,20 +150,11 @@ class HandoffError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "auto",
-                 block_size: int = 16, num_device_blocks: int | None = None, num_host_blocks: int | None = None,
-                 storage: str | None = None, write_policy: str | None = None,
-                 write_through_threshold: int = 2, enable_prefix_caching: bool = True,
-                 prefetch_policy: str = "best_effort", storage_fetch: str = "auto", early_loads: bool = True,
-                 tensor_parallel_size: int = 1, preemption_mode: str | None = None,
-                 load_format: str = "auto", seed: int = 0, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int | None = None,
-                 attention_backend: str | None = None, eviction: str = "lru",
-                 capture_routing: bool = True, cuda_graphs: bool | None = None,
-                 prefetch_timeout: tuple[float, float] = (0.1, 0.05), storage_workers: int | None = None,
-                 storage_put_workers: int | None = None, pd_on_miss: str = "recompute", export_timeout: float = 30.0,
-                 overlap_schedule: bool | None = None, startup: Startup | None = None) -> None:
-        """Load ``model`` and set up the tiers (DESIGN §6 lists the keywords). Defaults that
+    def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None, *,
+                 startup: Startup | None = None, **options: Any) -> None:
+        """Load ``model`` and set up the tiers. The options (DESIGN §6 lists them) are
+        ``config`` (engine/config.py: every option, its default, flag and check), with
+        ``options`` as keywords over it (``EngineCore(path, device="cuda")``). Defaults that
         depend on others:
 
         - ``num_device_blocks=None``: sized from free memory;
@@ -192,38 +183,18 @@ class EngineCore:
         launch is compiled, and every CUDA graph captured, before this returns (engine/warmup.py).
 
         Bad sizes and types raise ValueError naming the value before the model is loaded."""
-        check_int("max_model_len", max_model_len, 1, optional=True)
-        check_int("num_device_blocks", num_device_blocks, 1, optional=True)
-        check_int("num_host_blocks", num_host_blocks, 0, optional=True)
-        check_int("max_num_seqs", max_num_seqs, 1)
-        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        check_int("write_through_threshold", write_through_threshold, 1)
-        check_int("seed", seed)
-        check_int("storage_workers", storage_workers, 1, optional=True)
-        check_int("storage_put_workers", storage_put_workers, 1, optional=True)
+        c = self.engine_config = replace(config, **options) if config is not None else EngineConfig(**options)
+        device, dtype, block_size = c.device, c.dtype, c.block_size
+        num_device_blocks, num_host_blocks, storage = c.num_device_blocks, c.num_host_blocks, c.storage
+        write_policy, write_through_threshold = c.write_policy, c.write_through_threshold
+        preemption_mode, attention_backend, cuda_graphs = c.preemption_mode, c.attention_backend, c.cuda_graphs
+        max_num_seqs, max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
         if write_policy is None:
             write_policy = "write_through" if storage is not None or num_host_blocks else "write_through_selective"
-        WritePolicy(write_policy, write_through_threshold)       # names a bad policy now, not after loading
-        if storage is not None and num_host_blocks == 0:
-            raise ValueError("a storage tier needs a host tier: num_host_blocks=0 turns it off; "
-                             "leave num_host_blocks unset (sized from free memory) or set it > 0")
-        if pd_on_miss not in ("recompute", "error"):
-            raise ValueError(f"unknown pd_on_miss {pd_on_miss!r}; choose recompute or error")
-        if not export_timeout > 0:
-            raise ValueError(f"export_timeout must be > 0 seconds, got {export_timeout!r}")
-        self.pd_on_miss = pd_on_miss
-        self.export_timeout = float(export_timeout)
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
-        if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
-            raise ValueError(f"unknown prefetch_policy {prefetch_policy!r}; choose best_effort, wait_complete or timeout")
-        if storage_fetch not in ("auto", "always"):
-            raise ValueError(f"unknown storage_fetch {storage_fetch!r}; choose auto or always")
-        if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.pd_on_miss = c.pd_on_miss
+        self.export_timeout = float(c.export_timeout)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' asked for, but torch sees no CUDA device")
-        check_block_size(block_size)
         self.path = Path(model)
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -238,23 +209,19 @@ class EngineCore:
         self.dtype = self._resolve_dtype(dtype, cfg)
         if attention_backend is None:
             attention_backend = "triton" if self.device.type == "cuda" else "torch"
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         bytes_per_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * self.dtype.itemsize
         if num_host_blocks is not None and num_host_blocks * bytes_per_block > _available_ram():
             raise ValueError(f"num_host_blocks={num_host_blocks} needs {num_host_blocks * bytes_per_block / 2**30:.1f} "
                              f"GiB of host memory ({bytes_per_block} bytes per block), more than the "
                              f"{_available_ram() / 2**30:.1f} GiB available")
-        if preemption_mode not in (None, "swap", "recompute"):
-            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
-        if preemption_mode == "swap" and not num_host_blocks and storage is None:
-            raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
         self.startup = startup = startup if startup is not None else Startup()
         with startup("loading weights"):
-            self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=load_format)
+            self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=c.load_format)
         with startup("loading tokenizer"):
             self.tokenizer = _load_tokenizer(self.path)
-        self.seed = seed
-        self._generator = torch.Generator(self.device).manual_seed(seed)
+        self.seed = c.seed
+        self._generator = torch.Generator(self.device).manual_seed(c.seed)
 
         if num_device_blocks is None:
             num_device_blocks = self._size_device_blocks(bytes_per_block, block_size, max_num_seqs)
@@ -265,24 +232,24 @@ class EngineCore:
             preemption_mode = "swap" if num_host_blocks else "recompute"
         self.preemption_mode = preemption_mode
         routing_payload = ""
-        if cfg.is_moe and capture_routing:    # stored blocks carry routing: not the same objects
+        if cfg.is_moe and c.capture_routing:    # stored blocks carry routing: not the same objects
             routing_payload = f"routing:{cfg.num_moe_layers}x{cfg.top_k}:{cfg.num_experts}"
         fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        str(self.dtype).removeprefix("torch."), block_size,
-                                       weights=weights_digest(self.path, load_format), payload=routing_payload)
-        self.storage = open_storage(storage, workers=storage_workers or default_storage_workers(),
-                                    put_workers=storage_put_workers or 1)
+                                       weights=weights_digest(self.path, c.load_format), payload=routing_payload)
+        self.storage = open_storage(storage, workers=c.storage_workers or default_storage_workers(),
+                                    put_workers=c.storage_put_workers or 1)
         self.fetch_cost = None
         if self.storage is not None:      # always measured; decides only under storage_fetch="auto"
             self.fetch_cost = FetchCostModel(self.storage.backend.scheme, self.storage.workers, self.storage.batch,
-                                             0, block_size, always=storage_fetch == "always")
+                                             0, block_size, always=c.storage_fetch == "always")
             self.storage.on_fetch_io = self.fetch_cost.observe_fetch
             self.storage.on_fetch_busy = self.fetch_cost.observe_busy
         self.cache = CacheManager(
             block_size=block_size, num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
             storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,
-            eviction=eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
-            enable_prefix_caching=enable_prefix_caching, fetch_cost=self.fetch_cost, early_loads=bool(early_loads))
+            eviction=c.eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
+            enable_prefix_caching=c.enable_prefix_caching, fetch_cost=self.fetch_cost, early_loads=bool(c.early_loads))
         with startup("allocating KV tiers"):
             # one block more than the pool hands out: the scratch block padded CUDA-graph rows
             # (and the start's kernel warm-up) write to
@@ -293,7 +260,7 @@ class EngineCore:
         self.host_kv = self._host.tensor if self._host is not None else None
         self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
                                        num_device_blocks, num_host_blocks, self.device)
-                        if cfg.is_moe and capture_routing else None)
+                        if cfg.is_moe and c.capture_routing else None)
         self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing)
         if self.storage is not None:
             self._bind_storage(fingerprint)
@@ -331,7 +298,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs,
                                   step_graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
-                                   cfg.eos_token_ids, preemption_mode, prefetch_policy, tuple(prefetch_timeout))
+                                   cfg.eos_token_ids, preemption_mode, c.prefetch_policy, tuple(c.prefetch_timeout))
         self.block_size = block_size
         self._ids = count()
         self._exports: dict[str, tuple[RequestOutput, object, float]] = {}   # P: outputs waiting for acks
@@ -341,7 +308,7 @@ class EngineCore:
         self._sample_of: dict[str, tuple[SampleGroup, int]] = {}
         self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
-        self.overlap_schedule = self.device.type == "cuda" if overlap_schedule is None else bool(overlap_schedule)
+        self.overlap_schedule = self.device.type == "cuda" if c.overlap_schedule is None else bool(c.overlap_schedule)
         self._inflight: _Launched | None = None   # overlap: the step on the GPU, results not taken
         self._rewinds: dict[object, int] = {}     # failed loads: request id -> tokens still valid
         self._loads_submitted = 0

@@ -19,8 +19,9 @@ __all__ = ["CompletionOutput", "LLM", "RequestOutput"]
 
 
 class LLM(EngineCore):
-    """``kvtier.LLM(model, **keywords)``: the keywords and their defaults are EngineCore's (with a
-    storage pool and nothing else set, a host tier sized from free memory and write_through)."""
+    """``kvtier.LLM(model, config=None, **options)``: the options and their defaults are
+    :class:`kvtier.EngineConfig`'s (with a storage pool and nothing else set, a host tier sized
+    from free memory and write_through); keywords go over ``config``."""
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from kvtier.engine.config import EngineConfig
 
 API_KEY_ENV = "KVTIER_API_KEY"
 BACKEND_API_KEY_ENV = "KVTIER_BACKEND_API_KEY"
@@ -43,21 +46,20 @@ def setup_logging(level: str) -> None:
     logger.setLevel(level.upper())
 
 
-def role_defaults(role: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The engine's keywords for a server of ``role``: a PD prefill server, whose writes to the
+def role_defaults(role: str, config: EngineConfig) -> EngineConfig:
+    """The engine's options for a server of ``role``: a PD prefill server, whose writes to the
     pool are its product, gets half its fetch threads as put threads unless told (an engine that
     serves requests itself gets one: put threads slow its engine thread)."""
     from kvtier.storage.client import default_storage_workers
-    out = dict(llm_kwargs)
-    if role == "prefill" and out.get("storage_put_workers") is None:
-        out["storage_put_workers"] = max(1, (out.get("storage_workers") or default_storage_workers()) // 2)
-    return out
+    if role == "prefill" and config.storage_put_workers is None:
+        return replace(config, storage_put_workers=max(1, (config.storage_workers or default_storage_workers()) // 2))
+    return config
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "colocated",
           api_key: str | None = None, served_model_name: str | None = None, max_queue: int = 1024,
           log_level: str = "info", max_body_bytes: int | None = None, require_cache_salt: bool = False,
-          log_stats_interval: float = 10.0, **llm_kwargs: Any) -> int:
+          log_stats_interval: float = 10.0, config: EngineConfig | None = None, **options: Any) -> int:
     """Serve until stopped; returns the process's exit status: 0 after a clean stop, 1 if the
     engine failed to start or died (serve/lifecycle.py: the port answers ``/health`` with 503
     ``starting`` while the engine starts, ``dead`` before such an exit)."""
@@ -70,7 +72,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
     from kvtier.serve.lifecycle import DEAD_GRACE_S, StartingApp
 
     api_key = resolve_key(api_key, API_KEY_ENV, "--api-key")
-    check_role(role, bool(llm_kwargs.get("storage")))     # before loading the model
+    config = replace(config, **options) if config is not None else EngineConfig(**options)
+    check_role(role, config.storage is not None)     # before loading the model
     setup_logging(log_level)
     log = logging.getLogger("kvtier")
     startup = Startup()
@@ -89,7 +92,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
     def build() -> None:
         try:
             _build_server(model, role, api_key, served_model_name, max_queue, max_body_bytes,
-                          require_cache_salt, log_stats_interval, startup, exit_soon, llm_kwargs, built)
+                          require_cache_salt, log_stats_interval, startup, exit_soon, config, built)
             front.app = built["server"].app
             log.info("serving %s as %r (role %s) on http://%s:%d, ready after %.1f s", model,
                      built["server"].model_name, role, host, port, startup.total_s)
@@ -124,14 +127,14 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
 
 def _build_server(model: str, role: str, api_key: str | None, served_model_name: str | None, max_queue: int,
                   max_body_bytes: int | None, require_cache_salt: bool, log_stats_interval: float,
-                  startup: Any, on_dead: Any, llm_kwargs: dict[str, Any], built: dict[str, Any]) -> None:
+                  startup: Any, on_dead: Any, config: EngineConfig, built: dict[str, Any]) -> None:
     """The engine, its loop and the HTTP app (into ``built`` as they come, for the cleanup)."""
     from kvtier.engine.async_engine import AsyncEngine
     from kvtier.engine.core import EngineCore
     from kvtier.serve.api import Server
     from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
 
-    core = EngineCore(model, startup=startup, **role_defaults(role, llm_kwargs))
+    core = EngineCore(model, role_defaults(role, config), startup=startup)
     built["engine"] = AsyncEngine(core, max_queue=max_queue, stats_interval=log_stats_interval, on_dead=on_dead)
     built["server"] = Server(built["engine"], served_model_name or Path(model).name, role, api_key,
                              max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,

@@ -172,11 +172,15 @@ def test_a_dead_prefill_server_sends_requests_colocated_to_decode(pd, offline):
 def test_a_prefill_server_writes_with_more_put_threads_than_a_colocated_one(monkeypatch):
     """P's product is its writes to the pool: half its fetch threads put (unless told); any other
     role keeps the engine's default of one put thread, which slows its engine thread least."""
+    from kvtier.engine.config import EngineConfig
     from kvtier.serve.server import role_defaults
     monkeypatch.setattr("kvtier.storage.client.default_storage_workers", lambda: 16)
-    assert role_defaults("prefill", {"storage": "file:///p"})["storage_put_workers"] == 8
-    assert role_defaults("prefill", {"storage_workers": 4})["storage_put_workers"] == 2
-    assert role_defaults("prefill", {"storage_workers": 1})["storage_put_workers"] == 1
-    assert role_defaults("prefill", {"storage_put_workers": 3})["storage_put_workers"] == 3
+
+    def puts(role: str, **options) -> int | None:
+        return role_defaults(role, EngineConfig(**options)).storage_put_workers
+    assert puts("prefill", storage="file:///p") == 8
+    assert puts("prefill", storage_workers=4) == 2
+    assert puts("prefill", storage_workers=1) == 1
+    assert puts("prefill", storage_put_workers=3) == 3
     for role in ("colocated", "decode"):
-        assert role_defaults(role, {"storage": "file:///p"}).get("storage_put_workers") is None
+        assert puts(role, storage="file:///p") is None

@@ -1,0 +1,81 @@
+"""argparse types shared by every command and bench: each parses one flag's text and names the
+bad value in its error (``kvtier serve --port 0`` -> "a port is 1..65535, got 0")."""
+from __future__ import annotations
+
+import argparse
+
+from kvtier.cache.manager import check_block_size, parse_capacity
+
+
+def block_size(text: str) -> int:
+    try:
+        return check_block_size(int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (the message names the bad value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (the message names the bad value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = non_negative_int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {value}")
+    return value
+
+
+def tier_blocks(text: str) -> int | float:
+    value = capacity(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("the device tier needs at least one block (or inf)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a positive number, got 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite non-negative number, got {text!r}")
+    return value
+
+
+def timeout_pair(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected BASE,PER_1K seconds, e.g. 0.1,0.05; got {text!r}")
+    return (non_negative_float(parts[0]), non_negative_float(parts[1]))
+
+
+def capacity(text: str) -> int | float:
+    try:
+        return parse_capacity(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
