@@ -4,7 +4,7 @@ compiles.
 Triton specializes every integer argument on its value (== 1, divisible by 16) and every pointer
 on its 16-byte alignment, and compiles a new kernel the first time a new combination comes: on
 an H100 that is a 1-2.5 s engine step, in the middle of serving. Measured (``bash
-scripts/gpu_bench18.sh multiturn_pd``, H100): with a cold Triton cache the P, D and colocated
+scripts/gpu_serving_benches.sh multiturn_pd``, H100): with a cold Triton cache the P, D and colocated
 servers each had 1.7-2.6 s steps at random rounds (PD TTFT mean 884 ms, p99 4.6 s); the same run
 again on a warm cache had none (281 ms, p99 0.53 s). The arguments that change from step to step
 (batch size, block-table width, which layer, how many blocks; where a step's inputs start in its

@@ -11,8 +11,6 @@ per block over all layers). For each block count and id pattern (consecutive / r
                buffer, one scatter (loads) or gather (backups) kernel; loads of a decode graph
                step take this path
     kernel     the Triton zero-copy kernel alone, for every block
-    batch      every chunk by one batched DMA (``cuMemcpyBatchAsync``, CUDA driver >= 12.8) for
-               all layers; ``batch_layers``: one per layer (how gated loads would queue it)
     reference  the torch reference ops (index + copy through the host)
     loop       a per-block, per-layer ``copy_`` loop (non_blocking, pinned)
     contiguous one ``copy_`` of the same number of bytes between contiguous buffers (the link limit),
@@ -34,7 +32,6 @@ import sys
 
 import torch
 
-from kvtier.transfer import batch
 from kvtier.transfer import copy as ref
 from kvtier.transfer import kernels as fast
 from kvtier.transfer.host_pool import HostKV
@@ -97,7 +94,6 @@ def run(args: argparse.Namespace) -> dict:
             h2d_pairs = fast.BlockPairs.split(hst, dev, True, fast.TUNING["min_dma_run_h2d"], device)
             d2h_kernel, h2d_kernel = fast.BlockPairs.split(dev, hst, True, 0), fast.BlockPairs.split(hst, dev, True, 0)
             staged = fast.host_runs(host.tensor, kv, hst, dev)      # the same pairs serve both directions
-            b_hst, b_dev = (torch.tensor(x, dtype=torch.int32) for x in (hst, dev))
             row = {"blocks": n, "pattern": pattern, "bytes": nbytes}
             for direction in ("d2h", "h2d"):
                 if direction == "d2h":
@@ -105,7 +101,6 @@ def run(args: argparse.Namespace) -> dict:
                         "fast": lambda: fast.device_to_host(kv, host.tensor, d2h_pairs, None),
                         "staged": lambda: fast.device_to_host(kv, host.tensor, staged, None),
                         "kernel": lambda: fast.device_to_host(kv, host.tensor, d2h_kernel, None),
-                        "batch": lambda: batch.copy_chunks(host.tensor, kv, b_hst, b_dev, load=False),
                         "reference": lambda: ref.device_to_host(kv, host.tensor, dev, hst),
                         "loop": lambda: _loop_d2h(kv, host.tensor, dev, hst),
                         "contiguous": lambda: contiguous_host[:nbytes].copy_(contiguous_dev[:nbytes], non_blocking=True),
@@ -116,9 +111,6 @@ def run(args: argparse.Namespace) -> dict:
                         "fast": lambda: [fast.host_to_device(host.tensor, kv, h2d_pairs, None, layer=l) for l in range(L)],
                         "staged": lambda: fast.host_to_device(host.tensor, kv, staged, None),
                         "kernel": lambda: [fast.host_to_device(host.tensor, kv, h2d_kernel, None, layer=l) for l in range(L)],
-                        "batch": lambda: batch.copy_chunks(host.tensor, kv, b_hst, b_dev, load=True),
-                        "batch_layers": lambda: [batch.copy_chunks(host.tensor, kv, b_hst, b_dev, load=True, layers=(l,))
-                                                 for l in range(L)],
                         "reference": lambda: [ref.host_to_device(host.tensor, kv, hst, dev, layer=l) for l in range(L)],
                         "loop": lambda: _loop_h2d(host.tensor, kv, hst, dev),
                         "contiguous": lambda: contiguous_dev[:nbytes].copy_(contiguous_host[:nbytes], non_blocking=True),
@@ -126,13 +118,12 @@ def run(args: argparse.Namespace) -> dict:
                     }
                 for name, fn in variants.items():
                     if (name == "loop" and n > args.max_loop_blocks or name == "reference" and n > args.max_ref_blocks
-                            or name == "staged" and staged is None     # layers not views of one buffer
-                            or name.startswith("batch") and not batch.available()):
+                            or name == "staged" and staged is None):    # layers not views of one buffer
                         continue
                     row[f"{direction}_{name}_GBps"] = nbytes / _time(fn, args.repeat) / 1e9
                 c = row[f"{direction}_contiguous_GBps"]
                 row[f"{direction}_fast_vs_contiguous"] = row[f"{direction}_fast_GBps"] / c
-                for name in ("staged", "batch", "batch_layers", "kernel"):
+                for name in ("staged", "kernel"):
                     if f"{direction}_{name}_GBps" in row:
                         row[f"{direction}_{name}_vs_contiguous"] = row[f"{direction}_{name}_GBps"] / c
                 if f"{direction}_loop_GBps" in row:
@@ -149,9 +140,6 @@ def run(args: argparse.Namespace) -> dict:
         "min_staged_vs_contiguous_from_64": {d: min((r[f"{d}_staged_vs_contiguous"] for r in goal_rows
                                                      if f"{d}_staged_vs_contiguous" in r), default=None)
                                              for d in ("d2h", "h2d")} if goal_rows else None,
-        "min_batch_vs_contiguous_from_64": {d: min((r[f"{d}_batch_vs_contiguous"] for r in goal_rows
-                                                    if f"{d}_batch_vs_contiguous" in r), default=None)
-                                            for d in ("d2h", "h2d")} if goal_rows else None,
         "min_fast_vs_loop": {d: min((r[f"{d}_fast_vs_loop"] for r in rows if f"{d}_fast_vs_loop" in r), default=None)
                              for d in ("d2h", "h2d")},
     }
@@ -164,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
 def _line(r: dict) -> str:
     parts = [f"{r['blocks']:5d} {r['pattern']:11s}"]
     for d in ("d2h", "h2d"):
-        vals = " ".join(f"{name}={r[f'{d}_{name}_GBps']:6.1f}" for name in ("fast", "staged", "kernel", "batch", "batch_layers", "reference", "loop",
+        vals = " ".join(f"{name}={r[f'{d}_{name}_GBps']:6.1f}" for name in ("fast", "staged", "kernel", "reference", "loop",
                                                                        "contiguous", "registered")
                         if f"{d}_{name}_GBps" in r)
         parts.append(f"{d}: {vals} GB/s  fast/contig={r[f'{d}_fast_vs_contiguous']:.2f}")

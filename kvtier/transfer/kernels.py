@@ -47,7 +47,6 @@ from typing import Sequence
 import torch
 
 from kvtier import index_checks
-from kvtier.transfer import batch
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +68,13 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # min_gated_bytes: a load for a step graph behind layer gates smaller than this goes staged, all
 # layers at once, instead (TransferEngine): 2 x layers launches from Python cost more than
 # waiting for a small load (a one-block 8B host hit: +3.4 ms gated over a device hit, H100).
-# batch_h2d / batch_d2h: the scattered rest of a load / backup goes by one batched DMA
-# (:mod:`kvtier.transfer.batch`, ``cuMemcpyBatchAsync``) instead of the kernel, where the driver has
-# it. Off: on the H100 the copy engines move 32 KiB chunks at 0.34-0.55 of the link, the kernel at
-# 0.81-0.94 (docs/BENCHMARKS.md, 2026-11-25).
+# (The scattered rest by one batched DMA, cuMemcpyBatchAsync, was measured and dropped: the H100's
+# copy engines move 32 KiB chunks at 0.34-0.55 of the link, the kernel at 0.81-0.94;
+# docs/BENCHMARKS.md, 2026-11-25.)
 TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264,
           "min_dma_run_h2d": 32, "min_dma_run_d2h": 0, "min_dma_bytes_staged": 256 << 10,
           "staging_bytes": 64 << 20, "staged_programs": 1056, "staged_warps": 4,
-          "min_gated_bytes": 64 << 20, "batch_h2d": False, "batch_d2h": False}
+          "min_gated_bytes": 64 << 20}
 
 
 def available() -> bool:
@@ -229,11 +227,6 @@ def host_runs(host: torch.Tensor, kv_caches: list[torch.Tensor], host_blocks: Se
     return HostRuns.split(host_blocks, device_blocks, min_run, kv_caches[0].is_cuda)
 
 
-def _batched(direction: str, like: torch.Tensor) -> bool:
-    """Whether the scattered rest of a copy goes by batched DMA (its CPU twin off the GPU)."""
-    return bool(TUNING[f"batch_{direction}"]) and (not like.is_cuda or batch.available())
-
-
 def _pairs(src_blocks, dst_blocks, like: torch.Tensor, min_run: int) -> BlockPairs:  # type: ignore[no-untyped-def]
     if isinstance(src_blocks, BlockPairs):
         return src_blocks
@@ -348,9 +341,6 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
     src_ids, dst_ids = pairs.src_ids, pairs.dst_ids
     if not src_ids.numel():
         return
-    if _batched("d2h", kv_caches[0]):
-        batch.copy_chunks(host, kv_caches, dst_ids, src_ids, load=False)
-        return
     shared = _shared_base(kv_caches)
     if shared is not None:
         base, step = shared
@@ -405,9 +395,7 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
                     scatter_staged(kv, run.dst_ids, staging)
                 else:
                     deferred.append((kv, run.dst_ids, staging))
-        if pairs.src_ids.numel() and _batched("h2d", kv):
-            batch.copy_chunks(host, kv_caches, pairs.src_ids, pairs.dst_ids, load=True, layers=(l,))
-        elif pairs.src_ids.numel():
+        if pairs.src_ids.numel():
             word, w = _word(chunk_bytes, host, kv)
             chunk = chunk_bytes // w
             _launch(_flat(host, word), _flat(kv, word), pairs.src_ids, pairs.dst_ids, 1, l, 0,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's goal runs on the lent H100: multiturn at a working set 4x the device tier (recompute,
+# The serving benches on one GPU: multiturn at a working set 4x the device tier (recompute,
 # device, +host, +storage), storage at 16x (host vs +storage), longdoc, a trace replay. JSON + PNG
 # plots under $OUT. Each server: qwen3-0.6b-shape, dummy bf16 weights (~6-7 min in all).
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 on the lent GPU: overlap tests, decode profile, throughput roofline, R3 overhead, logprobs.
+# Decode on one GPU: overlap tests, decode profile, throughput roofline, R3 overhead, logprobs.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kvtier-gpu}; mkdir -p "$OUT"
