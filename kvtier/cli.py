@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtier.flags import (block_size as _block_size, capacity as _capacity, non_negative_float as _non_negative_float,
-                          non_negative_int, port as _port, positive_float as _positive_float, positive_int,
-                          tier_blocks as _tier_blocks)
 from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
-
+from kvtier.flags import block_size as _block_size
+from kvtier.flags import capacity as _capacity
+from kvtier.flags import non_negative_float as _non_negative_float
+from kvtier.flags import non_negative_int, positive_int
+from kvtier.flags import port as _port
+from kvtier.flags import positive_float as _positive_float
+from kvtier.flags import tier_blocks as _tier_blocks
 
 # kvtier.model.presets.PRESETS, named here so that `kvtier --help` does not import torch
 # (tests/test_cli.py keeps the two equal).

@@ -2,12 +2,12 @@
 
 Writes a small random MoE checkpoint (on CUDA: a larger MoE shape, ``qwen3-moe-small``, from its
 config alone with random weights made on the GPU, and a longer shared system prompt — a tiny
-model's forward is bound by kernel launches, not by the tokens a cache hit saves), then serves a multi-turn chat workload (several clients,
-each turn resends the whole history plus a new question) with a deliberately small device tier,
-a host tier and a storage pool (by default ``file://`` in a temporary directory — the embedded
-pool that persists), so that hits come from all three tiers. For every
-turn it times the first token (TTFT) with the cache and by recompute (a second engine with prefix
-caching off, same weights), and counts the turns whose first token is the same both ways.
+model's forward is bound by kernel launches, not by the tokens a cache hit saves), then serves a
+multi-turn chat workload (several clients, each turn resends the whole history plus a new question)
+with a deliberately small device tier, a host tier and a storage pool (by default ``file://`` in a
+temporary directory — the embedded pool that persists), so that hits come from all three tiers. For
+every turn it times the first token (TTFT) with the cache and by recompute (a second engine with
+prefix caching off, same weights), and counts the turns whose first token is the same both ways.
 
 It runs in the dtype users run (``dtype="auto"``: the checkpoint's on CUDA, bf16 for the CUDA
 model; float32 on CPU). In float32 every output is identical to recompute (the tests check it).

@@ -26,9 +26,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvtier.bench.traces import TraceRequest, read_trace
 from kvtier.cache import CacheManager, SimulatedStorage
 from kvtier.cache.cost import FetchCostModel
-from kvtier.bench.traces import TraceRequest, read_trace
 
 TIERS = ("device", "host", "storage")
 

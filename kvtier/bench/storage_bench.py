@@ -208,7 +208,6 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
     import torch
 
     import kvtier
-
     from kvtier.model import ModelConfig
     cfg = ModelConfig.from_hf_dir(Path(model))
     vocab = cfg.vocab_size

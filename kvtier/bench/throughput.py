@@ -38,7 +38,8 @@ def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False,
         # prompt, a few tokens each
         llm.generate([p for p, _ in reqs], kvtier.SamplingParams(max_tokens=8, ignore_eos=True))
         if profile:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
             with torch_profile(activities=acts) as prof:
                 llm.generate([p for p, _ in reqs[:128]], kvtier.SamplingParams(max_tokens=24, ignore_eos=True))

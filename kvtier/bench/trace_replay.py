@@ -21,8 +21,8 @@ import time
 from typing import Any, Callable
 
 from kvtier.bench import serving
-from kvtier.flags import positive_int
 from kvtier.bench.traces import TraceError, read_trace, tokens_of_hashes
+from kvtier.flags import positive_int
 
 
 def prompts(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:

@@ -108,10 +108,10 @@ def run(args: argparse.Namespace) -> dict:
                     }
                 else:
                     variants = {
-                        "fast": lambda: [fast.host_to_device(host.tensor, kv, h2d_pairs, None, layer=l) for l in range(L)],
+                        "fast": lambda: [fast.host_to_device(host.tensor, kv, h2d_pairs, None, layer=i) for i in range(L)],
                         "staged": lambda: fast.host_to_device(host.tensor, kv, staged, None),
-                        "kernel": lambda: [fast.host_to_device(host.tensor, kv, h2d_kernel, None, layer=l) for l in range(L)],
-                        "reference": lambda: [ref.host_to_device(host.tensor, kv, hst, dev, layer=l) for l in range(L)],
+                        "kernel": lambda: [fast.host_to_device(host.tensor, kv, h2d_kernel, None, layer=i) for i in range(L)],
+                        "reference": lambda: [ref.host_to_device(host.tensor, kv, hst, dev, layer=i) for i in range(L)],
                         "loop": lambda: _loop_h2d(host.tensor, kv, hst, dev),
                         "contiguous": lambda: contiguous_dev[:nbytes].copy_(contiguous_host[:nbytes], non_blocking=True),
                         "registered": lambda: contiguous_dev[:nbytes].copy_(registered_host.tensor[:nbytes], non_blocking=True),

@@ -45,8 +45,8 @@ from kvtier.cache.handoff import Export, Handoff, TailBlock
 from kvtier.cache.keys import BlockHasher, MMItem, ModelFingerprint, namespace_seed
 from kvtier.cache.plan import MatchResult, StepPlan, TransferOp
 from kvtier.cache.policy import WritePolicy, get_eviction_key
-from kvtier.cache.prefetch import Prefetcher, _Prefetch
 from kvtier.cache.pool import BlockPool
+from kvtier.cache.prefetch import Prefetcher, _Prefetch
 from kvtier.cache.storage_index import StorageIndex
 from kvtier.cache.tree import Node, RadixTree
 

@@ -2,10 +2,11 @@
 
 A :class:`StepPlan` merges the transfers of all the step's requests: at most one
 :class:`TransferOp` per direction, except fetches: one op per chunk of a prefetch (so that a
-request can be admitted with the chunks that landed while later ones are still in flight). Items of an op are parallel tuples (item ``i`` moves
-``src_blocks[i]`` to ``dst_blocks[i]``, block key ``keys[i]``). No destination appears twice in
-a plan and no block is written by one op while another reads it: every destination is a
-freshly allocated block, every source is pinned until its op completes.
+request can be admitted with the chunks that landed while later ones are still in flight). Items of
+an op are parallel tuples (item ``i`` moves ``src_blocks[i]`` to ``dst_blocks[i]``, block key
+``keys[i]``). No destination appears twice in a plan and no block is written by one op while
+another reads it: every destination is a freshly allocated block, every source is pinned until its
+op completes.
 
 The executor reports back with :meth:`CacheManager.complete` (``op_id`` plus the indices of the
 items that failed); only then do the bytes count as landed.

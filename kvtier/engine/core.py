@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
@@ -65,12 +66,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-import time
-
 from kvtier.cache import CacheManager, ModelFingerprint
 from kvtier.cache.cost import FetchCostModel
-from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
 from kvtier.engine.config import EngineConfig
+from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
 from kvtier.engine.detok import StopStrings
 from kvtier.engine.fatal import raise_if_device_lost
 from kvtier.engine.group import SampleGroup, check_n

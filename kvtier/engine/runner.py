@@ -31,8 +31,8 @@ import torch
 
 from kvtier import index_checks
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
-from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.request import Request
+from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.sampling import Penalties, draw, to_device, topk
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.staging import HostCopy, PinnedRing

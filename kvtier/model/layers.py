@@ -9,8 +9,8 @@ import math
 from typing import Callable
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.config import ModelConfig

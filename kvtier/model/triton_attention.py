@@ -217,12 +217,12 @@ if _IMPORT_ERROR is None:
         s_valid = offs_s < NUM_SPLITS
         part = (token * num_heads + head) * NUM_SPLITS + offs_s
         m = tl.load(part_ml_ptr + part * 2, mask=s_valid, other=float("-inf"))
-        l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
+        sums = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
         m_max = tl.max(m, axis=0)
         w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
         o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_valid[:, None], other=0.0)
-        denom = tl.sum(l * w, axis=0)
+        denom = tl.sum(sums * w, axis=0)
         res = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
         tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
                  res.to(out_ptr.dtype.element_ty))

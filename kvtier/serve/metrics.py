@@ -1,11 +1,12 @@
 """Prometheus metrics of one server (DESIGN §6 names), in a registry of its own.
 
-Per-request figures (tokens, cached tokens by tier, TTFT, inter-token latency, PD hand-off
-results) are counted as requests end, however they end: ``kvtier_requests_total{finish_reason}``
-has ``stop`` / ``length`` / ``abort`` (the client went away; its tokens so far are counted) /
-``error`` / ``prefill`` (P's half of a hand-off). The cache's own counters (bytes moved,
-evictions, storage failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``), the
-copies not landed yet (``kvtier_copies_pending``) and the queue gauges are read from a snapshot the engine thread takes at scrape time.
+Per-request figures (tokens, cached tokens by tier, TTFT, inter-token latency, PD hand-off results)
+are counted as requests end, however they end: ``kvtier_requests_total{finish_reason}`` has
+``stop`` / ``length`` / ``abort`` (the client went away; its tokens so far are counted) / ``error``
+/ ``prefill`` (P's half of a hand-off). The cache's own counters (bytes moved, evictions, storage
+failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``), the copies not landed yet
+(``kvtier_copies_pending``) and the queue gauges are read from a snapshot the engine thread takes
+at scrape time.
 """
 from __future__ import annotations
 

@@ -36,8 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kvtier.serve import asgi
-from kvtier.serve.errors import (APIError, add_error_handlers, error_response, invalid_json_message, sse_error,
-                                 until_disconnect)
+from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error, until_disconnect
 
 log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}

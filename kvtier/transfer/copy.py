@@ -37,5 +37,5 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
     src = _index(host_blocks, host.device)
     dst = _index(device_blocks, kv_caches[0].device)
     layers = range(len(kv_caches)) if layer is None else (layer,)
-    for l in layers:
-        kv_caches[l][:, dst] = host[src, l].transpose(0, 1).to(kv_caches[l].device)
+    for i in layers:
+        kv_caches[i][:, dst] = host[src, i].transpose(0, 1).to(kv_caches[i].device)

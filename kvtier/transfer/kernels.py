@@ -29,10 +29,11 @@ step this way (it waits for the whole load anyway); backups go by the zero-copy 
 the H100 runs faster than the staged gather from 16 blocks up (``kvtier bench transfer``).
 
 Loads of a step graph behind layer gates go per layer with ``deferred``: the DMA of a run into
-staging on the load stream, its scatter (:func:`scatter_staged`) queued by the caller on a
-second stream, so the copy engine moves the next layer while the SMs scatter this one. Bytes are moved as the widest integer word that divides a chunk (8, 4, 2 or
-1 bytes), so no dtype, block size or head_dim drops tail bytes. Written by hand because no library
-op converts between these two paged layouts for a scattered list of blocks in one launch.
+staging on the load stream, its scatter (:func:`scatter_staged`) queued by the caller on a second
+stream, so the copy engine moves the next layer while the SMs scatter this one. Bytes are moved as
+the widest integer word that divides a chunk (8, 4, 2 or 1 bytes), so no dtype, block size or
+head_dim drops tail bytes. Written by hand because no library op converts between these two paged
+layouts for a scattered list of blocks in one launch.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernel on CPU tensors: that is how CI
 tests it against the reference.
@@ -381,16 +382,16 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
     else:
         pairs = BlockPairs.split(host_blocks, device_blocks, kv_caches[0].is_cuda, TUNING["min_dma_run_h2d"],
                                  scatter_device=kv_caches[0].device)
-    for l in (range(len(kv_caches)) if layer is None else (layer,)):
-        kv = kv_caches[l]
+    for index in (range(len(kv_caches)) if layer is None else (layer,)):
+        kv = kv_caches[index]
         for run in pairs.runs:
             h0, d0, n = run.src0, run.dst0, run.n
             if d0 is not None:
                 for kvi in (0, 1):
-                    _copy_rows(kv[kvi, d0:d0 + n], host[h0:h0 + n, l, kvi])
+                    _copy_rows(kv[kvi, d0:d0 + n], host[h0:h0 + n, index, kvi])
             else:        # one DMA of K and V (adjacent on host) into staging, then a scatter
                 staging = torch.empty((n, *host.shape[2:]), dtype=kv.dtype, device=kv.device)
-                _copy_rows(staging, host[h0:h0 + n, l])
+                _copy_rows(staging, host[h0:h0 + n, index])
                 if deferred is None:
                     scatter_staged(kv, run.dst_ids, staging)
                 else:
@@ -398,7 +399,7 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
         if pairs.src_ids.numel():
             word, w = _word(chunk_bytes, host, kv)
             chunk = chunk_bytes // w
-            _launch(_flat(host, word), _flat(kv, word), pairs.src_ids, pairs.dst_ids, 1, l, 0,
+            _launch(_flat(host, word), _flat(kv, word), pairs.src_ids, pairs.dst_ids, 1, index, 0,
                     (num_layers * 2 * chunk, 2 * chunk, chunk), (chunk, 0, num_device_blocks * chunk), chunk)
 
 
