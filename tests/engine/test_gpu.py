@@ -8,7 +8,7 @@ import torch
 
 import kvtier
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent H100)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one H100 80GB runs it: PYTHONPATH=$PWD pytest tests/engine)")
 FAMILIES = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
             "qwen3-moe-tiny"]
 SP = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)

@@ -16,7 +16,7 @@ import kvtier
 from kvtier.engine.core import EngineCore
 
 BS = 8
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent H100)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one H100 80GB runs it: PYTHONPATH=$PWD pytest tests/engine)")
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:
