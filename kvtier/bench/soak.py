@@ -302,7 +302,7 @@ def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, 
 def _quiesce_and_check(engine: Any, timeout: float = 60.0) -> dict:
     """Wait until no request is in the engine, land every copy, then DESIGN §5 on the whole cache."""
     def state(core: Any) -> tuple[int, int]:
-        return len(core.scheduler.running) + len(core.scheduler.waiting), len(engine._sinks)
+        return len(core.scheduler.running) + len(core.scheduler.waiting), engine.num_streams
 
     deadline = time.monotonic() + timeout
     while True:
@@ -312,9 +312,9 @@ def _quiesce_and_check(engine: Any, timeout: float = 60.0) -> dict:
         time.sleep(0.1)
 
     def check(core: Any) -> dict:
-        core._drain()
+        core.drain()
         out = {"requests_left": len(core.scheduler.running) + len(core.scheduler.waiting),
-               "sinks_left": len(engine._sinks), "copies_in_flight": core.transfer.num_in_flight,
+               "sinks_left": engine.num_streams, "copies_in_flight": core.transfer.num_in_flight,
                "storage_in_flight": core.storage.num_in_flight if core.storage is not None else 0,
                "device_blocks_used": core.cache.device_pool.num_used,
                "host_blocks_used": core.cache.host_pool.num_used}
@@ -405,7 +405,7 @@ def run(args: argparse.Namespace) -> dict:
             proc.join(30)
             if "error" in res:
                 raise RuntimeError(f"the soak client failed: {res['error']}")
-            engine_error = repr(engine._error) if engine._error is not None else None
+            engine_error = repr(engine.error) if engine.error is not None else None
             if engine_error is None:
                 leaks = _quiesce_and_check(engine)
                 stats = _call(engine, lambda c: c.cache_stats())

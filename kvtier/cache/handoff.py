@@ -18,8 +18,8 @@ completed, then frees them. The full blocks an export waits for stay locked (the
 cannot be evicted before their host copy and put landed).
 
 Its state is its own (the exports waiting for each node's put, the tail fetches to plan); what it
-uses of the manager: the tree (locks), the pools, ``_put``/``_copy_down`` of a node, the staged
-copies, ``_new_op``, the storage index and the request's keys (``_sync_keys``).
+uses of the manager: the tree (locks), the pools, ``_put``/``copy_down`` of a node, the staged
+copies, ``new_op``, the storage index and the request's keys (``sync_keys``).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class Handoff:
         if not 0 < num_tokens <= len(req.token_ids):
             raise ValueError(f"num_tokens must be in 1..{len(req.token_ids)}, got {num_tokens}")
         n_full = num_tokens // self.m.block_size      # the request's own keys (matching reuses them)
-        full = self.m._sync_keys(req, n_full * self.m.block_size)[:n_full]
+        full = self.m.sync_keys(req, n_full * self.m.block_size)[:n_full]
         return list(full), req.hasher.partial_key(num_tokens, req.token_ids)
 
     def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
@@ -117,21 +117,21 @@ class Handoff:
             self.m.tree.lock(node)                # its device copy stays until its put landed
             self.exporting.setdefault(id(node), (node, []))[1].append(exp)
             if node.host_ready:
-                self.m._put(node)                 # (or a put already in flight: we wait for it)
+                self.m.put_to_storage(node)                 # (or a put already in flight: we wait for it)
             elif node.host_block is None:
-                self.m._copy_down(node)           # then put when it lands (_complete_backup)
+                self.m.copy_down(node)           # then put when it lands (_complete_backup)
         if n_tail:
             tail = TailBlock(tail_name, n_full, n_tail)              # type: ignore[arg-type]
             tail.export = exp
             exp.num_waiting += 1
-            got = self.m._take_host(1)
+            got = self.m.take_host(1)
             if got is None:                     # host tier full of pinned blocks: D recomputes it
                 self._export_ack(exp, ok=False)
             else:
                 tail.host_block = got[0]
                 tail.device_block = req.block_table.pop(n_full)   # ours now (freed once copied)
                 tail.state = "backing_up"
-                self.m._staged["backup"].append((tail, tail.device_block, tail.host_block))
+                self.m.stage("backup", (tail, tail.device_block, tail.host_block))
         return exp
 
     def _export_ack(self, exp: Export, ok: bool) -> None:
@@ -158,7 +158,7 @@ class Handoff:
             self._export_ack(tail.export, ok=False)      # type: ignore[arg-type]
             return
         tail.state = "putting"
-        self.m._staged["put"].append((tail, tail.host_block))
+        self.m.stage("put", (tail, tail.host_block))
 
     def tail_put(self, tail: TailBlock, ok: bool) -> None:
         self.m.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
@@ -183,12 +183,12 @@ class Handoff:
         tail = req.tail
         if tail is None or tail.state != "wanted":
             return 0
-        got = self.m._take_host(1)
+        got = self.m.take_host(1)
         if got is None:
             tail.state = "failed"
             return 0
         tail.host_block, tail.state = got[0], "fetching"
-        op_id = self.m._new_op("tailfetch", [tail])
+        op_id = self.m.new_op("tailfetch", [tail])
         self.tail_ops.append(TransferOp(op_id, "fetch", (), (tail.host_block,), (tail.key,)))  # type: ignore[arg-type]
         return 1
 
@@ -219,7 +219,7 @@ class Handoff:
             return
         if self.tail_hit(req) and first_own <= tail.index < first_own + len(blocks):
             tail.state = "loading"
-            self.m._staged["load"].append((req, tail.index, tail, blocks[tail.index - first_own]))
+            self.m.stage("load", (req, tail.index, tail, blocks[tail.index - first_own]))
             req.num_loading += 1
         else:                                    # its full blocks were not all hits: recomputed
             self.drop_tail(req)

@@ -46,7 +46,7 @@ from kvtier.cache.keys import BlockHasher, MMItem, ModelFingerprint, namespace_s
 from kvtier.cache.plan import MatchResult, StepPlan, TransferOp
 from kvtier.cache.policy import WritePolicy, get_eviction_key
 from kvtier.cache.pool import BlockPool
-from kvtier.cache.prefetch import Prefetcher, _Prefetch
+from kvtier.cache.prefetch import Prefetch, Prefetcher
 from kvtier.cache.storage_index import StorageIndex
 from kvtier.cache.tree import Node, RadixTree
 
@@ -86,7 +86,7 @@ class CacheRequest:
         self._num_host_hits = 0
         self._epoch = -1
         self.match: MatchResult | None = None
-        self.prefetch: _Prefetch | None = None     # its storage prefetch (one per admission)
+        self.prefetch: Prefetch | None = None     # its storage prefetch (one per admission)
         self._storage_probe: tuple | None = None   # last storage lookup: (first, end, hits or its future, when)
         self.tail: TailBlock | None = None         # PD: the prompt's partial block, from the pool
         self.no_hits = False                       # match nothing (it must compute every token)
@@ -94,6 +94,11 @@ class CacheRequest:
     @property
     def keys(self) -> list[bytes]:
         return self.hasher.keys
+
+    @property
+    def matched(self) -> list[Node]:
+        """The nodes its last match found: device hits, then host hits (read only)."""
+        return self._path
 
 
 @dataclass(slots=True)
@@ -198,7 +203,7 @@ class CacheManager:
             ids = req.token_ids
             h.add_tokens(ids[h.num_tokens:] if h.num_tokens else ids)
 
-    def _sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
+    def sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
         """Keys of every full block of ``req.token_ids[:num_tokens]`` (and any hashed before)."""
         end = len(req.token_ids) if num_tokens is None else num_tokens
         self._sync_labels(req, end)
@@ -307,13 +312,23 @@ class CacheManager:
         """D: tokens of ``req``'s fetched partial block that count as cached."""
         return self.handoff.tail_hit(req)
 
-    def _new_op(self, kind: str, items: list) -> int:
+    # ---------------------------------------------------------- the collaborators' interface
+    # What the prefetcher (prefetch.py) and the hand-off (handoff.py) use of the manager: they
+    # stage copies into this step's plan, take blocks of a tier, tick the LRU clock, key a
+    # request's blocks and copy a node down a tier or out to the pool. Nothing else of it.
+
+    def stage(self, kind: str, *items: tuple) -> None:
+        """Items of this step's ``kind`` op (load, backup, fetch, put, preload), as ``take_plan``
+        reads them: one op per kind per step."""
+        self._staged[kind].extend(items)
+
+    def new_op(self, kind: str, items: list) -> int:
         """A new op id, its items pending until ``complete``."""
         op_id, self._next_op = self._next_op, self._next_op + 1
         self._pending[op_id] = (kind, items)
         return op_id
 
-    def _touch(self) -> int:
+    def touch(self) -> int:
         """The next access tick (LRU order of the blocks used now)."""
         self._tick += 1
         return self._tick
@@ -357,7 +372,7 @@ class CacheManager:
             n_new = need_total - len(req.block_table)
             if n_new <= 0:
                 return True
-            blocks = self._take_device(n_new)
+            blocks = self.take_device(n_new)
             if blocks is None:
                 return False
             req.block_table.extend(blocks)
@@ -375,7 +390,7 @@ class CacheManager:
         tree.num_device_unlocked -= newly_locked
         for n in host_hits:
             n.host_reads += 1
-        blocks = self._take_device(max(need_total, len(path)) - nd)
+        blocks = self.take_device(max(need_total, len(path)) - nd)
         if blocks is None:
             for n in device_hits:
                 tree.unlock(n)
@@ -391,7 +406,7 @@ class CacheManager:
         req.num_loading = len(host_hits)
         if req.tail is not None:
             self.handoff.load_tail(req, blocks, nd)
-        tick = self._touch()
+        tick = self.touch()
         for n in path:
             n.last_access = tick
             n.hit_count += 1
@@ -421,14 +436,14 @@ class CacheManager:
         if self.has_host:
             for n in device_hits:
                 if n.host_block is None and self.policy.copy_on_land(n.hit_count):
-                    self._copy_down(n)
+                    self.copy_down(n)
         return True
 
     def _return_landed_twice(self) -> None:
         self.device_pool.free(self._landed_twice)
         self._landed_twice = []
 
-    def _take_device(self, n: int) -> list[int] | None:
+    def take_device(self, n: int) -> list[int] | None:
         pool = self.device_pool
         if n > pool.num_free:
             self._evict_device(n - pool.num_free)
@@ -436,7 +451,7 @@ class CacheManager:
                 return None
         return pool.allocate(n)
 
-    def _take_host(self, n: int) -> list[int] | None:
+    def take_host(self, n: int) -> list[int] | None:
         pool = self.host_pool
         if n > pool.num_free:
             self._evict_host(n - pool.num_free)
@@ -451,7 +466,7 @@ class CacheManager:
         v = tree.pop_device_victim() if num_blocks > 0 else None
         while v is not None:
             if v.host_block is None:
-                if write_back and self._backup(v):   # write_back: freed once the copy landed
+                if write_back and self.backup(v):   # write_back: freed once the copy landed
                     v.evict_device_after_copy = True
                     deferred += 1                    # counts toward the target: no over-eviction
                     v = tree.pop_device_victim() if freed + deferred < num_blocks else None
@@ -480,7 +495,7 @@ class CacheManager:
             if (v.device_block is None and self.policy.copy_on_evict and self.storage is not None
                     and not self.storage.contains(v.key)):
                 deferred += 1
-                self._put(v)                    # write_back: freed once stored
+                self.put_to_storage(v)                    # write_back: freed once stored
                 v.evict_host_after_copy = True
                 continue
             self.host_pool.free_one(tree.drop_host(v))
@@ -490,7 +505,7 @@ class CacheManager:
                 tree.remove(v)
 
     # ------------------------------------------------------------------ copies down
-    def _backup(self, node: Node) -> bool:
+    def backup(self, node: Node) -> bool:
         """Plan device->host copies of ``node`` and of its ancestors that lack a host copy
         (ancestors first, so the host tier stays a matchable prefix)."""
         chain = []
@@ -503,7 +518,7 @@ class CacheManager:
             top.host_reads += 1     # our own host evictions must not take the copy we hang from
         try:
             for n in reversed(chain):
-                got = self._take_host(1)
+                got = self.take_host(1)
                 if got is None:
                     return False
                 self.tree.set_host(n, got[0], ready=False)
@@ -515,11 +530,11 @@ class CacheManager:
                 top.host_reads -= 1
                 self.tree.maybe_candidate(top)
 
-    def _copy_down(self, node: Node) -> None:
+    def copy_down(self, node: Node) -> None:
         """Copy-on-land backup of ``node``. If the host tier is full of blocks that copies in
         flight hold (puts to a slow pool), it is backed up when a copy completes, instead of never
-        (write-through must not lose blocks to a burst); ancestors come along (``_backup``)."""
-        if not self._backup(node) and len(self._backup_backlog) < 65536:
+        (write-through must not lose blocks to a burst); ancestors come along (``backup``)."""
+        if not self.backup(node) and len(self._backup_backlog) < 65536:
             self._backup_backlog[id(node)] = node
 
     def _retry_backups(self) -> None:
@@ -528,11 +543,11 @@ class CacheManager:
         for i, node in enumerate(pending):
             if node.host_block is not None or node.device_block is None or not self.tree.alive(node):
                 continue                           # copied meanwhile, or its device copy is gone
-            if not self._backup(node):             # still full: keep it and the rest, in order
+            if not self.backup(node):             # still full: keep it and the rest, in order
                 self._backup_backlog = {id(n): n for n in pending[i:]}
                 return
 
-    def _put(self, node: Node) -> None:
+    def put_to_storage(self, node: Node) -> None:
         if self.storage is None or node.putting or self.storage.contains(node.key):
             return
         node.putting = True
@@ -554,7 +569,7 @@ class CacheManager:
         h = req.hasher
         keys = h.ensure_keys(n_full)
         parent = req.nodes[-1] if req.nodes else tree.root
-        tick = self._touch()
+        tick = self.touch()
         copy_down = self.has_host
         table = req.block_table
         while i < n_full:                   # blocks the tree has already (computed twice)
@@ -570,7 +585,7 @@ class CacheManager:
             node.last_access = tick
             req.nodes.append(node)
             if copy_down and node.host_block is None and self.policy.copy_on_land(node.hit_count):
-                self._copy_down(node)
+                self.copy_down(node)
             parent = node
             i += 1
         if i == n_full:
@@ -583,7 +598,7 @@ class CacheManager:
         req.nodes.extend(new)
         if copy_down and self.policy.copy_on_land(1):
             for node in new:
-                self._copy_down(node)
+                self.copy_down(node)
 
     def free(self, req: CacheRequest) -> None:
         """Finish, abort or preempt: unlock the request's nodes, return its own blocks.
@@ -624,7 +639,7 @@ class CacheManager:
         if self.has_host and req.admitted and not req.freed:
             before = len(self._staged["backup"])
             for node in req.nodes:            # every one: an ancestor's earlier copy may have failed
-                if node.host_block is None and not self._backup(node):
+                if node.host_block is None and not self.backup(node):
                     break                      # host tier full: the rest is recomputed
             planned = len(self._staged["backup"]) - before
             self.stats.swapped_out_blocks += planned
@@ -657,7 +672,7 @@ class CacheManager:
                 fetches.extend(self.prefetcher.fetch_ops(items))
                 self._staged[kind] = []
                 continue
-            op_id = self._new_op(kind, items)
+            op_id = self.new_op(kind, items)
             if kind == "load":
                 src = tuple(n.host_block for _, _, n, _ in items)
                 dst = tuple(b for _, _, _, b in items)
@@ -773,7 +788,7 @@ class CacheManager:
                 self.prefetcher.anchor_landed(node)   # fetched blocks hang below: it stays
                 if self.storage is not None and (self.policy.copy_on_land(node.hit_count)
                                                  or id(node) in self.handoff.exporting):
-                    self._put(node)
+                    self.put_to_storage(node)
             if node.evict_device_after_copy:
                 node.evict_device_after_copy = False
                 if node.host_ready and node.device_evictable():

@@ -13,8 +13,8 @@
                          them the nodes' device copies (prefix-closed), so r starts with device hits
 
 Its state is its own (which prefetch fetches which key, chunks parked, prefetches waiting for an
-anchor's host copy); what it uses of the manager is narrow: the tree, the host pool (``_take_host``,
-``host_pool``), ``_backup`` of an anchor, the staged fetch list, ``_new_op`` and ``_touch``.
+anchor's host copy); what it uses of the manager is narrow: the tree, the host pool (``take_host``,
+``host_pool``), ``backup`` of an anchor, ``stage`` of fetches and preloads, ``new_op`` and ``touch``.
 
 A prefetch holds the node its blocks hang from (the *anchor*: a lock while the anchor's own host
 copy is in flight, then a host pin) until its last chunk completed. Blocks another prefetch is
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvtier.cache.manager import CacheManager, CacheRequest
 
 
-class _Prefetch:
+class Prefetch:
     """One request's storage->host fetch, in chunks: it holds the node its blocks hang from
     until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
 
@@ -47,7 +47,7 @@ class _Prefetch:
         self.keys: tuple[bytes, ...] = ()
         self.start = 0          # keys[:start] are fetched by other prefetches (waits_for)
         self.next_index = 0     # chunks land in order: the first item index of the next one
-        self.waits_for: list[_Prefetch] = []
+        self.waits_for: list[Prefetch] = []
         self.num_blocks_pending = 0
         self.num_chunks_pending = 0
         self.uniform = True     # its labels have no extras (BlockHasher.uniform)
@@ -61,8 +61,8 @@ class Prefetcher:
     def __init__(self, mgr: CacheManager) -> None:
         self.m = mgr
         self.parked: list[list] = []                     # chunks landed before they can hang
-        self.anchored: dict[int, list[_Prefetch]] = {}   # prefetches below a host copy in flight
-        self.fetching: dict[bytes, _Prefetch] = {}       # block key -> the prefetch fetching it
+        self.anchored: dict[int, list[Prefetch]] = {}   # prefetches below a host copy in flight
+        self.fetching: dict[bytes, Prefetch] = {}       # block key -> the prefetch fetching it
         self.preloading: dict[int, Node] = {}            # id(node) -> node, its preload in flight
 
     def prefetch(self, req: CacheRequest) -> int:
@@ -82,18 +82,18 @@ class Prefetcher:
         while covered < want and m.storage_keys[covered] in self.fetching:
             covered += 1
         others = list({id(pf): pf for pf in (self.fetching[k] for k in m.storage_keys[:covered])}.values())
-        anchor = req._path[-1] if req._path else mgr.tree.root
+        anchor = req.matched[-1] if req.matched else mgr.tree.root
         if covered == want:                      # all of it is on its way already
             return self._wait_for(req, anchor, others, covered)
-        if covered == 0 and not anchor.is_root and anchor.host_block is None and not mgr._backup(anchor):
+        if covered == 0 and not anchor.is_root and anchor.host_block is None and not mgr.backup(anchor):
             return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
         # hold the anchor: its landed host copy with a host pin (so our own host evictions below
         # cannot take it), else its device copy with a lock (its host copy is still in flight)
-        pf = _Prefetch(anchor, not anchor.host_ready)
+        pf = Prefetch(anchor, not anchor.host_ready)
         self.hold(pf, +1)           # the node the fetched blocks will hang from stays
         blocks: list[int] = []
         for _ in m.storage_keys[covered:want]:
-            got = mgr._take_host(1)
+            got = mgr.take_host(1)
             if got is None:
                 break
             blocks.append(got[0])
@@ -101,7 +101,7 @@ class Prefetcher:
             self.hold(pf, -1)
             return self._wait_for(req, anchor, others, covered) if covered else 0
         keys = m.storage_keys[:covered + len(blocks)]
-        first = len(req._path)                  # storage hits follow the device and host hits
+        first = len(req.matched)                  # storage hits follow the device and host hits
         labels = [req.hasher.label(j) for j in range(first, first + len(keys))]
         pf.keys = keys
         pf.uniform = req.hasher.uniform
@@ -110,22 +110,22 @@ class Prefetcher:
         pf.num_blocks_pending = len(blocks)
         pf.num_chunks_pending = -(-len(blocks) // mgr.fetch_chunk)
         for i in range(covered, len(keys)):
-            mgr._staged["fetch"].append((pf, i, keys[i], blocks[i - covered], labels[i]))
+            mgr.stage("fetch", (pf, i, keys[i], blocks[i - covered], labels[i]))
             self.fetching[keys[i]] = pf
         req.prefetch = pf
         req.match = None   # the next match sees the fetched blocks as host hits
         if mgr.early_loads and -(-len(req.token_ids) // mgr.block_size) <= (
                 mgr.device_pool.num_free + mgr.tree.num_device_unlocked):
             pf.preload = True        # the whole request fits on the device: bring it up as it lands
-            tick = mgr._touch()
-            for node in req._path:   # (LRU) the preloads' evictions take other blocks first
+            tick = mgr.touch()
+            for node in req.matched:   # (LRU) the preloads' evictions take other blocks first
                 node.last_access = tick
-            self._preload(pf, req._path[m.num_device_blocks:])   # its host hits, now
+            self._preload(pf, req.matched[m.num_device_blocks:])   # its host hits, now
         return len(keys)
 
-    def _wait_for(self, req: CacheRequest, anchor: Node, others: list[_Prefetch], covered: int) -> int:
+    def _wait_for(self, req: CacheRequest, anchor: Node, others: list[Prefetch], covered: int) -> int:
         """``req`` fetches nothing itself: it waits for the ``covered`` blocks others fetch."""
-        pf = _Prefetch(anchor, False)
+        pf = Prefetch(anchor, False)
         pf.host_pinned = False                   # holds nothing: it has no chunk of its own
         pf.waits_for = others
         req.prefetch = pf
@@ -142,7 +142,7 @@ class Prefetcher:
         return pf.num_blocks_pending + pf.num_preloading + sum(
             o.num_blocks_pending + o.num_preloading for o in pf.waits_for)
 
-    def hold(self, pf: _Prefetch, delta: int) -> None:
+    def hold(self, pf: Prefetch, delta: int) -> None:
         node = pf.anchor
         if node.is_root:
             return
@@ -184,7 +184,7 @@ class Prefetcher:
         return ops
 
     def _fetch_op(self, chunk: list) -> TransferOp:
-        op_id = self.m._new_op("fetch", chunk)
+        op_id = self.m.new_op("fetch", chunk)
         return TransferOp(op_id, "fetch", (), tuple(it[3] for it in chunk), tuple(it[2] for it in chunk))
 
     def complete(self, items: list, failed: frozenset[int]) -> dict[object, int]:
@@ -224,7 +224,7 @@ class Prefetcher:
     def _land(self, items: list, failed: frozenset[int], parent: Node | None) -> None:
         tree = self.m.tree
         pf = items[0][0]
-        tick = self.m._touch()
+        tick = self.m.touch()
         broken = False
         landed: list[Node] = []
         for idx, (_pf, _i, key, block, label) in enumerate(items):
@@ -256,7 +256,7 @@ class Prefetcher:
             self.hold(pf, -1)
 
     # ------------------------------------------------------------------ early loads
-    def _preload(self, pf: _Prefetch, nodes: list[Node]) -> None:
+    def _preload(self, pf: Prefetch, nodes: list[Node]) -> None:
         """Plan host->device copies of ``nodes`` (a run along one path, in path order) into device
         blocks the op holds until it lands; then they become the nodes' device copies
         (:meth:`complete_preload`), so the waiting request is admitted with device hits instead of
@@ -276,7 +276,7 @@ class Prefetcher:
             node.host_reads += 1                 # its host copy stays while the copy reads it
         if not todo:
             return
-        blocks = self.m._take_device(len(todo))
+        blocks = self.m.take_device(len(todo))
         if blocks is None:
             pf.preload = False
             for node in todo:
@@ -285,14 +285,14 @@ class Prefetcher:
                 tree.maybe_candidate(node)
             return
         pf.num_preloading += len(todo)
-        self.m._staged["preload"].extend(zip([pf] * len(todo), todo, blocks))
+        self.m.stage("preload", *zip([pf] * len(todo), todo, blocks))
 
     def complete_preload(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         """Preloads landed: each becomes its node's device copy (unlocked, most recently used),
         unless it failed, the node got a device copy meanwhile (a load or a commit), or its
         parent has none (its own preload failed, or it was evicted): then the block goes back."""
         tree, pool = self.m.tree, self.m.device_pool
-        tick = self.m._touch()
+        tick = self.m.touch()
         for idx, (pf, node, block) in enumerate(items):
             del self.preloading[id(node)]
             node.host_reads -= 1

@@ -131,7 +131,7 @@ class AsyncEngine:
     def make_request(self, prompt: Any, params: SamplingParams, cache_salt: str | None = None,
                      request_id: str | None = None, **handoff: Any) -> Request:
         """Validate (ValueError names the problem) without touching engine state."""
-        self._check_alive()
+        self.check_alive()
         req = self.core.make_request(prompt, params, cache_salt, request_id, **handoff)
         check_n(req)
         return req
@@ -139,7 +139,7 @@ class AsyncEngine:
     async def generate(self, req: Request) -> AsyncIterator[Delta]:
         """Stream ``req`` (from :meth:`make_request`): deltas of new tokens, the last one with the
         finished output. Leaving the iteration early aborts the request."""
-        self._check_alive()
+        self.check_alive()
         if self.num_waiting + self._num_queued >= self.max_queue:
             raise QueueFull(f"{self.num_waiting + self._num_queued} requests are waiting "
                             f"(max_queue={self.max_queue}); retry later")
@@ -162,7 +162,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run ``fn(core)`` on the engine thread between steps (stats, cache inspection)."""
-        self._check_alive()
+        self.check_alive()
         fut = asyncio.get_running_loop().create_future()
         self._inbox.put(("call", fn, fut))
         return await fut
@@ -174,7 +174,8 @@ class AsyncEngine:
         self._thread.join(timeout)
         self.core.close()
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """EngineDead if the engine stopped or is shutting down."""
         if self._error is not None:
             raise EngineDead(f"the engine stopped: {self._error!r}")
         if self._stop.is_set():
@@ -242,6 +243,11 @@ class AsyncEngine:
                 cmd[1].push(err)
             elif cmd[0] == "call":
                 self._resolve(cmd[2], exc=err)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose callers still wait for deltas (a leak check: 0 once all ended)."""
+        return len(self._sinks)
 
     @property
     def error(self) -> BaseException | None:

@@ -725,7 +725,7 @@ class EngineCore:
             raise exc
         log.error("engine step failed; failing its %d requests", len(blamed), exc_info=exc)
         results += [self._fail(req, exc) for req in blamed]
-        self._drain()
+        self.drain()
 
     def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
         """Fail ``req`` for an internal error: return its blocks (wherever the step left it) and
@@ -831,7 +831,7 @@ class EngineCore:
             self._rewinds.update(self.cache.complete(op_id, failed))
         self._ops_done += len(landed)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Finish the step in flight; wait for every copy in flight and hand it to the manager
         (close, errors)."""
         if self._inflight is not None:
@@ -920,7 +920,7 @@ class EngineCore:
         """Wait for copies in flight, then release device and (pinned) host memory."""
         if self._closed:
             return
-        self._drain()
+        self.drain()
         if self.routing is not None:
             self.routing.flush(wait=True)
         self._closed = True

@@ -54,7 +54,7 @@ class LLM(EngineCore):
             for r in reqs:
                 if r.request_id not in done:
                     self.abort(r.request_id)
-            self._drain()
+            self.drain()
             raise
         return [done[r.request_id] for r in reqs]
 

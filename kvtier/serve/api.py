@@ -231,7 +231,7 @@ class Server:
             return JSONResponse(error_body(503, f"the engine stopped: {error}") | {"status": "dead", "role": self.role,
                                                                                   "engine": "dead"}, status_code=503)
         try:
-            self.engine._check_alive()
+            self.engine.check_alive()
         except EngineDead as e:
             return JSONResponse(error_body(503, str(e)) | {"status": "unavailable", "role": self.role,
                                                            "engine": "stopped"}, status_code=503)

@@ -251,7 +251,7 @@ class CacheMachine(RuleBasedStateMachine):
             for i in range(expected.get(rid, r.computed) // BS):
                 assert self.device[table[i]] == keys[i], f"request {rid} reads wrong KV in block {i}"
             end = r.computed + r.scheduled
-            mgr._sync_keys(r.creq, end)
+            mgr.sync_keys(r.creq, end)
             for i in range(r.computed // BS, -(-end // BS)):
                 assert ("device", table[i]) not in reading, "forward writes a block an in-flight copy uses"
                 assert i >= len(r.creq.nodes), "forward writes a tree-owned block"

@@ -26,7 +26,7 @@ def serve(mgr: CacheManager, rid, tokens, **kw):
 def key_match(mgr: CacheManager, req) -> int:
     """Reference: leading blocks whose chained key the tree holds (no segment involved)."""
     max_blocks = (len(req.token_ids) - 1) // BS
-    keys = mgr._sync_keys(req)
+    keys = mgr.sync_keys(req)
     n = 0
     while n < max_blocks and keys[n] in mgr.tree.nodes:
         n += 1
@@ -106,7 +106,7 @@ def test_segment_match_equals_key_match(prompts, num_blocks):
         m = mgr.match_prefix(req)
         ref = mgr.new_request(-1, tokens, **kw)
         assert m.num_device_blocks + m.num_host_blocks == key_match(mgr, ref)
-        assert mgr._sync_keys(req) == ref.keys   # the keys a match adopts from the segments = hashed
+        assert mgr.sync_keys(req) == ref.keys   # the keys a match adopts from the segments = hashed
         if mgr.allocate(req, len(tokens)):
             mgr.commit(req, len(tokens))
         mgr.free(req)

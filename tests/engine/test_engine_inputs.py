@@ -91,7 +91,7 @@ def test_seed_cache_stays_bounded_and_keys_survive_eviction():
     tokens = list(range(8))
 
     def keys(salt):
-        return mgr._sync_keys(mgr.new_request(salt, tokens, cache_salt=salt))
+        return mgr.sync_keys(mgr.new_request(salt, tokens, cache_salt=salt))
     first = keys("salt-0")
     for i in range(10_000):
         keys(f"salt-{i}")

@@ -436,7 +436,7 @@ class _Pool:
 def _fake_server(role: str) -> Server:
     """A server of ``role`` over an engine that must not be reached (the refusals come first)."""
     engine = SimpleNamespace(core=SimpleNamespace(storage=_Pool(), tokenizer=None, max_model_len=CTX),
-                             _check_alive=lambda: None)
+                             check_alive=lambda: None)
     return Server(engine, "moe", role=role)          # type: ignore[arg-type]
 
 

@@ -248,7 +248,7 @@ def health_of(role: str, pool: Pool) -> tuple[int, dict]:
     engine = SimpleNamespace(core=SimpleNamespace(storage=pool, tokenizer=None, max_model_len=CTX,
                                                   pd_on_miss="recompute", export_timeout=7.0,
                                                   startup=SimpleNamespace(total_s=1.5)),
-                             _check_alive=lambda: None, error=None)
+                             check_alive=lambda: None, error=None)
     server = Server(engine, "moe", role=role)          # type: ignore[arg-type]
     with TestClient(server.app) as c:
         r = c.get("/health")

@@ -99,7 +99,7 @@ class Harness:
         for r in running:
             creq = r["creq"]
             end = r["computed"] + r["scheduled"]
-            keys = mgr._sync_keys(creq, end)
+            keys = mgr.sync_keys(creq, end)
             table = creq.block_table
             reads = [(table[i], keys[i]) for i in range(r["computed"] // BS)]
             writes = [(table[i], keys[i] if (i + 1) * BS <= end else None)
