@@ -36,9 +36,14 @@ import math
 
 import pytest
 import torch
-from transformers import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
-                          RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from kvtier.engine.request import Request, Status
 from kvtier.engine.sampling import Penalties, SamplingParams, draw
@@ -306,7 +311,7 @@ def test_repetition_penalty_equals_transformers_over_prompt_and_output(penalty):
     torch.testing.assert_close(got, hf_repetition(x[0], PROMPT + OUTPUT, penalty))
     changed = {i for i in range(PV) if got[i] != x[0, i]}
     assert changed == set(PROMPT + OUTPUT) - {5}            # every seen token but the zero logit
-    assert got[7] == 25.0 / penalty and got[8] == -25.0 * penalty       # both signs, the right way
+    torch.testing.assert_close(got[[7, 8]], torch.tensor([25.0 / penalty, -25.0 * penalty]))   # both signs
 
 
 @pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.7), (0.4, 1.2), (-0.5, 0.3)])
@@ -397,7 +402,9 @@ def test_penalties_follow_a_growing_output_step_by_step():
         if step >= 2:
             b.output_token_ids.append(stream_b[step - 2])
     a.status = Status.FINISHED
-    c = make([15], [16, 16], **kw)                 # takes a's slot
+    # takes a's slot; its output is longer than a's counted one (a slot that kept a's counter
+    # would skip c's first tokens)
+    c = make([15], [16, 16, 17, 16, 18, 19, 16, 20], **kw)
     x = penalty_logits(rows=2, seed=99)
     got = penalized(x, [c, b], penalties=pen)
     assert pen.slot_of[c] == 0
