@@ -160,15 +160,15 @@ def test_a_preload_never_takes_a_block_the_steps_forward_still_reads(checkpoint,
                     storage="memory://?capacity=16MiB", write_policy="write_through", storage_fetch="always",
                     early_loads=True) as llm:
         llm.generate([c], GREEDY)
-        llm._drain()
+        llm.drain()
         llm.cache._evict_device(64)
-        llm._drain()
+        llm.drain()
         llm.cache._evict_host(64)                  # c: in the pool only
-        llm._drain()
+        llm.drain()
         llm.generate([shared + [9]], GREEDY)
-        llm._drain()
+        llm.drain()
         llm.cache._evict_device(64)                # the shared prefix: on the host only
-        llm._drain()
+        llm.drain()
         poll = llm.storage.poll
 
         def landed_poll():                         # c's fetch has landed whenever the engine polls

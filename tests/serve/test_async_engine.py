@@ -131,7 +131,7 @@ def test_a_failing_request_fails_alone_and_the_engine_serves_on(checkpoint, monk
             reqs = [engine.make_request(p, LONG) for p in prompts]
             victim = engine.make_request([7] * 9, LONG, request_id="victim")
             outs = await asyncio.gather(*(collect(engine, r) for r in [*reqs, victim]))
-            engine._check_alive()
+            engine.check_alive()
             after = await collect(engine, engine.make_request(prompts[0], LONG))
             state = await engine.call(lambda c: (c.cache.assert_invariants(), held_by_requests(c),
                                                  c.cache_stats()["failed_requests"]))
@@ -171,7 +171,7 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_finishes(engine
         return await task
     out = asyncio.run(main())
     assert out.finish_reason == "length" and len(out.token_ids) == LONG.max_tokens
-    engine._check_alive()
+    engine.check_alive()
 
 
 def test_steps_failing_with_no_request_to_blame_kill_the_engine_only_when_repeated(engine, monkeypatch):
@@ -187,7 +187,7 @@ def test_steps_failing_with_no_request_to_blame_kill_the_engine_only_when_repeat
     async def main():
         return await collect(engine, engine.make_request([1, 2, 3], LONG))
     assert asyncio.run(main()).finish_reason == "length"       # one failure short of dead
-    engine._check_alive()
+    engine.check_alive()
 
 
 def test_n_samples_stream_per_index_deltas_that_add_up_to_each_samples_output(engine):
@@ -291,7 +291,7 @@ def test_a_failure_landing_copies_while_idle_is_counted_not_fatal(checkpoint, mo
                 await asyncio.sleep(0.02)
             return await collect(engine, engine.make_request([1, 2, 3, 4, 5], LONG))
         out = asyncio.run(main())
-        engine._check_alive()
+        engine.check_alive()
     finally:
         engine.shutdown()
     assert out.finish_reason == "length" and len(out.token_ids) == LONG.max_tokens
