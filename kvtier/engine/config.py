@@ -105,7 +105,7 @@ class EngineConfig:
             if value is None and f.default is None:
                 continue
             if meta["choices"] is not None and value not in meta["choices"]:
-                raise ValueError(f"unknown {f.name.replace('_', ' ')} {value!r}; choose "
+                raise ValueError(f"unknown {f.name} {value!r}; choose "
                                  f"{', '.join(map(str, meta['choices']))}")
             if meta["type"] is None and meta["choices"] is None and isinstance(f.default, bool | None) \
                     and not isinstance(value, bool):

@@ -31,7 +31,7 @@ GREEDY = kvtier.SamplingParams(max_tokens=4, ignore_eos=True)
     ({"num_host_blocks": 10 ** 12}, r"num_host_blocks=1000000000000 needs [\d.]+ GiB .* more than the [\d.]+ GiB available"),
     ({"write_through_threshold": 0}, "write_through_threshold must be an int >= 1, got 0"),
     ({"seed": 1.5}, "seed must be an int, got 1.5"),
-    ({"write_policy": "sometimes"}, "unknown write policy 'sometimes'"),
+    ({"write_policy": "sometimes"}, "unknown write_policy 'sometimes'"),
     ({"storage": "memory://", "num_host_blocks": 0}, "num_host_blocks=0 turns it off"),
     ({"storage_put_workers": 0}, "storage_put_workers must be an int >= 1 or None, got 0"),
     ({"storage_workers": -2}, "storage_workers must be an int >= 1 or None, got -2"),

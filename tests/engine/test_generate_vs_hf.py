@@ -242,7 +242,7 @@ def test_bad_input_names_the_problem(checkpoint, tmp_path):
             llm.generate([[1, -1]], GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
         kvtier.SamplingParams(max_tokens=0)
-    with pytest.raises(ValueError, match="unknown write policy 'sometimes'"):
+    with pytest.raises(ValueError, match="unknown write_policy 'sometimes'"):
         kvtier.LLM(path, num_device_blocks=8, write_policy="sometimes")
     with pytest.raises(ValueError, match="block_size must be a positive power of two, got 12"):
         kvtier.LLM(path, num_device_blocks=8, block_size=12)
