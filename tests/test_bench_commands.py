@@ -75,6 +75,7 @@ def test_bench_pd_removes_its_temp_dir_on_sigterm_and_restores_the_handler(priva
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.slow
 def test_bench_pd_sweeps_rates_with_repeats_end_to_end(tmp_path, capsys):
     """Two rates x two runs of 3 requests through a colocated server and P + D behind the router
     (CPU, fp32): per rate each metric's median and spread, ratios, and identical token streams."""

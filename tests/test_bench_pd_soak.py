@@ -151,6 +151,7 @@ def test_a_server_that_dies_starting_fails_the_soak_and_each_config_gets_an_empt
     assert res["total"]["deaths"] == 2 and res["total"]["requests"] == 0 and len(res["problems"]) == 1
 
 
+@pytest.mark.slow
 def test_a_killed_decode_server_is_a_death_and_its_requests_5xx(tmp_path):
     args = soak_args("--max-model-len", "128", "--warmup", "0", "--clients", "1", "--rounds", "1",
                      "--request-length", "8", "--output-length", "2", "--no-progress")
@@ -166,6 +167,7 @@ def test_a_killed_decode_server_is_a_death_and_its_requests_5xx(tmp_path):
     assert res["failed"] == res["http_5xx"] == 1 and records[0].status in (502, 503)
 
 
+@pytest.mark.slow
 def test_pd_soak_runs_end_to_end_with_every_answer_identical(tmp_path, capsys):
     out = tmp_path / "soak.json"
     assert kvtier_main(["bench", "pd-soak", "--model", "qwen3-tiny", "--max-model-len", "128", "--runs", "1",

@@ -49,6 +49,7 @@ def test_multiturn_rounds_after_the_first_hit_the_cache_unless_it_is_off(tmp_pat
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_multiturn_through_pd_answers_every_round_as_colocated_does(tmp_path, capsys):
     """--compare host,pd: the same conversations through one server and through P + D behind the
     router (token identity across a hand-off: tests/serve/test_pd.py); later rounds find their

@@ -79,6 +79,7 @@ def engine_process(model, url: str, ps, tmp_path: Path) -> dict:
     return json.loads(dst.read_text())
 
 
+@pytest.mark.slow
 def test_a_second_engine_process_gets_storage_hits_and_identical_outputs(pool, checkpoint, cold, tmp_path):
     url, _ = pool
     ps = prompts(1)
@@ -93,6 +94,7 @@ def test_a_second_engine_process_gets_storage_hits_and_identical_outputs(pool, c
 
 
 @pytest.mark.parametrize("pool", SERVERS, indirect=True)
+@pytest.mark.slow
 def test_a_pool_killed_mid_run_costs_recompute_then_recovers(pool, checkpoint, cold, tmp_path):
     url, server = pool
     ps = prompts(2, n=6)
@@ -126,6 +128,7 @@ def test_a_pool_killed_mid_run_costs_recompute_then_recovers(pool, checkpoint, c
     assert all(o["by_tier"]["storage"] == 56 for o in second["outputs"])
 
 
+@pytest.mark.slow
 def test_corrupt_and_truncated_objects_are_misses(checkpoint, cold, tmp_path):
     url = f"file://{tmp_path}/pool"
     ps = prompts(3)
@@ -148,6 +151,7 @@ def test_corrupt_and_truncated_objects_are_misses(checkpoint, cold, tmp_path):
     assert all(o["by_tier"]["storage"] == 56 for o in third["outputs"])
 
 
+@pytest.mark.slow
 def test_a_pool_that_fills_up_evicts_and_misses(checkpoint, cold, tmp_path):
     with kvtier.LLM(checkpoint(PRESET), **ENGINE_KW) as llm:
         blob = llm.cache.block_nbytes
