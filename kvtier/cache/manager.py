@@ -824,130 +824,22 @@ class CacheManager:
 
     # ================================================================== checks
     def assert_invariants(self, requests: Sequence[CacheRequest] = ()) -> None:
-        """DESIGN §5 (1, 2, 3, 4, 6) on the whole state. ``requests``: every live request."""
-        tree = self.tree
-        dev_owner: dict[int, object] = {}
-        host_owner: dict[int, object] = {}
-        locks: dict[int, int] = {}
-        tree.check()
-        for node in tree.nodes.values():
-            assert tree.nodes[node.key] is node and node.parent is not None
-            assert tree.child(node.parent, tree.label(node)) is node, "child link"
-            assert node.parent.is_root or tree.alive(node.parent), "orphan node"
-            assert node.device_block is not None or node.host_block is not None, f"empty {node}"
-            if node.host_ready:
-                assert node.parent.is_root or node.parent.host_ready, f"host copies not prefix-closed at {node}"
-            if node.device_block is not None:
-                assert node.parent.is_root or node.parent.device_block is not None, \
-                    f"device copies not prefix-closed at {node}"
-                assert node.device_block not in dev_owner, f"device block {node.device_block} owned twice"
-                dev_owner[node.device_block] = node
-            if node.host_block is not None:
-                assert node.host_block not in host_owner, f"host block {node.host_block} owned twice"
-                host_owner[node.host_block] = node
-            children = tree.children_of(node)
-            assert node.num_device_children == sum(
-                c.device_block is not None for c in children), f"device children {node}"
-            assert node.num_host_children == sum(
-                c.host_block is not None for c in children), f"host children {node}"
-            assert node.lock_ref >= 0 and node.device_reads >= 0 and node.host_reads >= 0
-            # every candidate is queued (else it would never be evicted)
-            assert node.in_device_heap or not node.device_evictable(), f"{node} missing from the device heap"
-            assert node.in_host_heap or not node.host_evictable(), f"{node} missing from the host heap"
-        assert tree.root.num_device_children == sum(
-            c.device_block is not None for c in tree.children_of(tree.root))
-        live = [r for r in requests if not r.freed]
-        for r in live:
-            if not r.admitted:
-                continue
-            for i, n in enumerate(r.nodes):
-                assert tree.alive(n), f"request {r.rid!r} holds a dead node"
-                assert r.block_table[i] == n.device_block, f"request {r.rid!r} table/node mismatch at {i}"
-                locks[id(n)] = locks.get(id(n), 0) + 1
-            for b in r.block_table[len(r.nodes):]:
-                assert b not in dev_owner, f"device block {b} owned by a node and request {r.rid!r}"
-                dev_owner[b] = r
-        # in-flight reads and writes
-        dev_reads: dict[int, int] = {}
-        host_reads: dict[int, int] = {}
-        in_flight = [*self._pending.values(), *self._staged.items(),
-                     *(("fetch", items) for items, _failed in self.prefetcher.parked)]
-        def tail_owns(t: TailBlock) -> None:
-            assert t.host_block not in host_owner, f"host block {t.host_block} owned twice"
-            host_owner[t.host_block] = t
-        for kind, items in in_flight:
-            if kind == "tailfetch":
-                tail_owns(items[0])
-                continue
-            if kind in ("load", "backup", "put") and items and any(type(it[0 if kind != "load" else 2])
-                                                                   is TailBlock for it in items):
-                tails = [it for it in items if type(it[0 if kind != "load" else 2]) is TailBlock]
-                items = [it for it in items if type(it[0 if kind != "load" else 2]) is not TailBlock]
-                for it in tails:
-                    t = it[0 if kind != "load" else 2]
-                    tail_owns(t)
-                    if kind == "backup":
-                        assert t.device_block not in dev_owner
-                        dev_owner[t.device_block] = t
-                    if kind == "load" and it[0].freed:
-                        assert it[3] not in dev_owner
-                        dev_owner[it[3]] = it[0]
-            if kind == "load":
-                for req, _i, n, b in items:
-                    host_reads[id(n)] = host_reads.get(id(n), 0) + 1
-                    assert n.host_ready, "load from a host copy that has not landed"
-                    if req.freed:
-                        assert b not in dev_owner
-                        dev_owner[b] = req
-            elif kind == "preload":
-                for _pf, n, b in items:
-                    host_reads[id(n)] = host_reads.get(id(n), 0) + 1
-                    assert n.host_ready, "preload from a host copy that has not landed"
-                    assert self.prefetcher.preloading.get(id(n)) is n, f"preload of {n} not tracked"
-                    assert b not in dev_owner, f"preload target {b} owned twice"
-                    dev_owner[b] = _pf
-            elif kind == "backup":
-                for n, d, h in items:
-                    dev_reads[id(n)] = dev_reads.get(id(n), 0) + 1
-                    assert n.device_block == d and n.host_block == h and not n.host_ready
-            elif kind == "put":
-                for n, h in items:
-                    host_reads[id(n)] = host_reads.get(id(n), 0) + 1
-                    assert n.putting and n.host_block == h and n.host_ready
-            else:
-                for _pf, _i, _k, b, _label in items:
-                    assert b not in host_owner, f"fetch target {b} owned twice"
-                    host_owner[b] = _pf
-        assert len(self.prefetcher.preloading) == sum(len(items) for kind, items in in_flight if kind == "preload"), \
-            "a preload tracked with no copy in flight"
-        prefetches = {id(x[0]): x[0] for kind, items in in_flight if kind == "fetch" for x in items}
-        for pf in prefetches.values():       # each holds its anchor until its last chunk is done
-            assert pf.num_chunks_pending > 0 and pf.num_blocks_pending > 0
-            if pf.locked:
-                locks[id(pf.anchor)] = locks.get(id(pf.anchor), 0) + 1
-            if pf.host_pinned:
-                host_reads[id(pf.anchor)] = host_reads.get(id(pf.anchor), 0) + 1
-        for r in live:
-            if r.tail is not None and r.tail.state == "ready":
-                tail_owns(r.tail)
-        for node, exports in self.handoff.exporting.values():   # hand-offs hold their blocks' device copies
-            locks[id(node)] = locks.get(id(node), 0) + len(exports)
-        for node in tree.nodes.values():
-            assert node.lock_ref == locks.get(id(node), 0), f"lock_ref {node.lock_ref} != holders of {node}"
-            assert node.host_reads == host_reads.get(id(node), 0), f"host pins of {node}"
-            assert node.device_reads == dev_reads.get(id(node), 0), f"device pins of {node}"
-            if node.host_block is not None and not node.host_ready:
-                assert dev_reads.get(id(node)), f"host copy of {node} not landed and no copy in flight"
-        for b in self._landed_twice:
-            assert b not in dev_owner, f"device block {b} landed twice and owned"
-            dev_owner[b] = "landed twice"
-        for b in range(self.device_pool.num_blocks):
-            assert self.device_pool.is_free(b) != (b in dev_owner), f"device block {b} leaked or double-owned"
-        for b in range(self.host_pool.num_blocks):
-            assert self.host_pool.is_free(b) != (b in host_owner), f"host block {b} leaked or double-owned"
-        unlocked = sum(1 for n in tree.nodes.values() if n.device_block is not None and n.lock_ref == 0)
-        assert tree.num_device_unlocked == unlocked, (tree.num_device_unlocked, unlocked)
+        """DESIGN §5 (1, 2, 3, 4, 6) on the whole state (cache/invariants.py). ``requests``:
+        every live request."""
+        from kvtier.cache.invariants import check
+        check(self, requests)
 
+    # ---------------------------------------------------------- read-only views (the checker's)
+    def copies_in_flight(self) -> list[tuple[str, list]]:
+        """Every copy planned and not completed, as ``(kind, items)``: the ops in flight, this
+        step's staged items, and the fetched chunks parked until their turn."""
+        return [*self._pending.values(), *self._staged.items(),
+                *(("fetch", items) for items, _failed in self.prefetcher.parked)]
+
+    @property
+    def landed_twice(self) -> tuple[int, ...]:
+        """Device blocks of loads that landed twice, held out of the pool until the next allocate."""
+        return tuple(self._landed_twice)
 
 def parse_capacity(value: str | int | float) -> int | float:
     """``0`` (none), a block count, or ``inf`` (unbounded)."""

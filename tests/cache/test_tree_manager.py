@@ -516,3 +516,20 @@ def test_when_the_shared_fetch_fails_the_follower_is_dropped_not_misplaced():
     assert hits(mgr.match_prefix(b)) == 5               # up to the failed block; b's 2 were freed
     assert mgr.host_pool.num_used == 5
     mgr.assert_invariants([a, b])
+
+
+# ------------------------------------------------------------------ the invariant checker
+def test_the_invariant_checker_catches_a_leaked_block_and_a_lock_with_no_holder():
+    """cache/invariants.py must fail on a broken state, or every test that calls it proves nothing."""
+    mgr = CacheManager(block_size=BS, num_device_blocks=8)
+    serve(mgr, "a", blocks(0, 2))
+    mgr.assert_invariants()
+    leaked = mgr.device_pool.allocate(1)                 # taken from the pool, owned by nobody
+    with pytest.raises(AssertionError, match=f"device block {leaked[0]} leaked"):
+        mgr.assert_invariants()
+    mgr.device_pool.free(leaked)
+    mgr.assert_invariants()
+    node = next(iter(mgr.tree.nodes.values()))
+    node.lock_ref += 1                                   # a lock nobody holds
+    with pytest.raises(AssertionError, match="lock_ref 1 != holders"):
+        mgr.assert_invariants()
