@@ -28,6 +28,7 @@ def run_bench(module, argv, tmp_path, capsys) -> dict:  # type: ignore[no-untype
     return result
 
 
+@pytest.mark.slow
 def test_multiturn_rounds_after_the_first_hit_the_cache_unless_it_is_off(tmp_path, capsys):
     plot = tmp_path / "ttft.png"
     res = run_bench(multiturn, ["--clients", "3", "--rounds", "3", "--request-length", "24", "--output-length", "4",

@@ -4,9 +4,12 @@ stop, no leaked block or pin (the cache's invariants at quiescence), every greed
 the offline API, no cross-salt hit."""
 from __future__ import annotations
 
+import pytest
+
 from kvtier.bench import soak
 
 
+@pytest.mark.slow
 def test_short_soak_meets_every_goal(checkpoint):
     args = soak.build_parser().parse_args(["--requests", "240", "--concurrency", "8", "--no-progress",
                                            "--huge-bytes", str(20 << 20),
