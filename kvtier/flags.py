@@ -1,8 +1,11 @@
-"""argparse types shared by every command and bench: each parses one flag's text and names the
-bad value in its error (``kvtier serve --port 0`` -> "a port is 1..65535, got 0")."""
+"""Checks of values shared by every command, bench and options object: argparse types that parse
+one flag's text, and :func:`check_int` for values given in Python; each names the bad value in
+its error (``kvtier serve --port 0`` -> "a port is 1..65535, got 0")."""
 from __future__ import annotations
 
 import argparse
+
+import numpy as np
 
 from kvtier.cache.manager import check_block_size, parse_capacity
 
@@ -14,26 +17,24 @@ def block_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (the message names the bad value)."""
+def _int_at_least(text: str, lo: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (the message names the bad value)."""
+    return _int_at_least(text, 0, "a non-negative integer")
 
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (the message names the bad value)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def port(text: str) -> int:
@@ -79,3 +80,18 @@ def capacity(text: str) -> int | float:
         return parse_capacity(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None,
+              optional: bool = False) -> None:
+    """ValueError naming ``value`` unless it is an int in ``lo..hi`` (either bound may be None),
+    or None when ``optional``. One check for SamplingParams and EngineConfig."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+            (lo is not None and value < lo) or (hi is not None and value > hi):
+        if lo is not None and hi is not None:
+            want = f"an int in {lo}..{hi}"
+        else:
+            want = "an int" + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
+        raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")

@@ -114,12 +114,7 @@ class EngineConfig:
                          ("max_num_batched_tokens", 1), ("write_through_threshold", 1), ("seed", None),
                          ("storage_workers", 1), ("storage_put_workers", 1), ("max_model_len", 1),
                          ("tensor_parallel_size", 1)):
-            value, optional = getattr(self, name), getattr(EngineConfig, name, 0) is None
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
-                want = f"an int{f' >= {lo}' if lo is not None else ''}{' or None' if optional else ''}"
-                raise ValueError(f"{name} must be {want}, got {value!r}")
+            types.check_int(name, getattr(self, name), lo, optional=getattr(EngineConfig, name, 0) is None)
         from kvtier.cache.manager import check_block_size
         from kvtier.cache.policy import WritePolicy
         check_block_size(self.block_size)

@@ -38,7 +38,8 @@ def device_lost(exc: BaseException) -> bool:
 
 
 def raise_if_device_lost(exc: BaseException) -> None:
-    if device_lost(exc) and not isinstance(exc, DeviceLost):
-        raise DeviceLost(f"the GPU can run nothing more: {exc}") from exc
+    """Raise :class:`DeviceLost` (``exc`` itself if it is one) if ``exc`` says the GPU is gone."""
     if isinstance(exc, DeviceLost):
         raise exc
+    if device_lost(exc):
+        raise DeviceLost(f"the GPU can run nothing more: {exc}") from exc

@@ -28,8 +28,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
 import torch
+
+from kvtier.flags import check_int
 
 if TYPE_CHECKING:
     from kvtier.engine.request import Request
@@ -38,21 +39,6 @@ if TYPE_CHECKING:
 MAX_N = 128
 MAX_LOGPROBS = 20           # as vLLM and OpenAI's chat top_logprobs
 LOGPROBS_MODES = ("raw", "processed")
-
-
-def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None,
-              optional: bool = False) -> None:
-    """ValueError naming ``value`` unless it is an int in ``lo..hi`` (either bound may be None),
-    or None when ``optional``. One check for SamplingParams and the engine's constructor."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-            (lo is not None and value < lo) or (hi is not None and value > hi):
-        if lo is not None and hi is not None:
-            want = f"an int in {lo}..{hi}"
-        else:
-            want = "an int" + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
-        raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True)
