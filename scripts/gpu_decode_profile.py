@@ -1,10 +1,10 @@
-"""GPU: steady decode, timed and profiled (issue 16's measurement). For each (batch, context):
+"""GPU: steady decode, timed and profiled against the HBM roofline. For each (batch, context):
 ``--steps`` timed engine steps, then ``--prof-steps`` under torch.profiler. Prints and writes to
 ``$OUT/decode_profile.json``: ms per step, GPU busy (sum of kernel time / wall), kernels per step,
 the top kernels, and the step's HBM roofline (weights + KV of every sequence, read once, over the
 bandwidth of a device copy measured in the same run) with its ratio.
 
-    python scripts/gpu_decode_profile.py [--preset qwen3-0.6b-shape] [--overlap both|on|off]
+    python scripts/gpu_decode_profile.py [--preset qwen3-0.6b-shape] [--overlap both|on|off] [--fused both|on|off]
 """
 from __future__ import annotations
 

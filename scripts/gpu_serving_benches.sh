@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
 # The serving benches on one GPU: multiturn at a working set 4x the device tier (recompute,
-# device, +host, +storage), storage at 16x (host vs +storage), longdoc, a trace replay. JSON + PNG
-# plots under $OUT. Each server: qwen3-0.6b-shape, dummy bf16 weights (~6-7 min in all).
+# device, +host, +storage), storage at 16x (host vs +storage), longdoc, a trace replay; the other
+# steps below are named variants of the same recipes. JSON + PNG plots under $OUT. Each server:
+# qwen3-0.6b-shape (or llama3-8b-shape: multiturn8b*), dummy bf16 weights.
+# Usage: OUT=dir bash scripts/gpu_serving_benches.sh [step ...]   (default: multiturn storage16 longdoc trace)
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kvtier-gpu}; mkdir -p "$OUT"
-if [ -d .gpuwheels ]; then     # the device image has no web stack: carried wheels (no numpy: the image's)
-  python -m pip install -q --no-deps --no-index --find-links .gpuwheels --target /tmp/webdeps fastapi uvicorn \
-    prometheus-client httpx httpcore h11 anyio idna certifi starlette pydantic pydantic-core annotated-types \
-    typing-inspection typing-extensions click annotated-doc rich markdown-it-py mdurl pygments matplotlib \
-    contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil packaging opentelemetry-api importlib-metadata zipp 2>&1 | grep -v WARNING | tail -3
-  export PYTHONPATH=$PWD:/tmp/webdeps
-fi
+export PYTHONUNBUFFERED=1
+. scripts/gpu_webdeps.sh
 M="--model qwen3-0.6b-shape --device cuda --max-model-len 16384 --max-num-batched-tokens 8192 --no-progress"
 b() { python -m kvtier.cli bench "$@" 2>&1 | grep -v "Loading weights\|Writing model\|hashing"; }
 for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $step in
@@ -31,7 +27,7 @@ for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $
   storage16_rc) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
       --device-blocks 410 --host-blocks 1640 --compare host,storage --storage "file:///dev/shm/kvt-pool-16rc" \
       --server-args "--preemption-mode recompute" --json "$OUT/multiturn16_rc.json" | tee "$OUT/multiturn16_rc.log" ;;
-  # put threads of the pool's client: the default (1) against 8 (the default before 2026-11-24)
+  # put threads of the pool's client: the default (1) against 8
   multiturn_putw) b multiturn $M --clients 16 --rounds 6 --request-length 1024 --output-length 64 --max-parallel 16 \
       --device-blocks 1640 --host-blocks 8192 --compare host,storage --storage "file:///dev/shm/kvt-pool-pw1" \
       --json "$OUT/multiturn_put1.json" | tee "$OUT/multiturn_put1.log"
@@ -42,7 +38,7 @@ for s in "${@:-multiturn storage16 longdoc trace}"; do for step in $s; do case $
   multiturn8b) b multiturn ${M/qwen3-0.6b-shape/llama3-8b-shape} --clients 16 --rounds 6 --request-length 1024 \
       --output-length 64 --max-parallel 16 --device-blocks 1640 --host-blocks 8192 --compare recompute,device,host,storage \
       --storage "file:///dev/shm/kvt-pool-8b" --json "$OUT/multiturn8b.json" --plot "$OUT/multiturn8b.png" | tee "$OUT/multiturn8b.log" ;;
-  # the 8B recipe, device only vs + host (the two throughput / TTFT ratios)
+  # the 8B recipe, device only vs + host (the two ratios: TTFT and throughput against device only)
   multiturn8b_dh) b multiturn ${M/qwen3-0.6b-shape/llama3-8b-shape} --clients 16 --rounds 6 --request-length 1024 \
       --output-length 64 --max-parallel 16 --device-blocks 1640 --host-blocks 8192 --compare device,host \
       --json "$OUT/multiturn8b_dh.json" --plot "$OUT/multiturn8b_dh.png" | tee "$OUT/multiturn8b_dh.log" ;;
