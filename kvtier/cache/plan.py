@@ -33,7 +33,7 @@ class TransferOp:
     kind: str
     src_blocks: tuple[int, ...]   # device or host block ids; () for fetch
     dst_blocks: tuple[int, ...]   # device or host block ids; () for put
-    keys: tuple[bytes, ...]       # block keys of the items (storage object names derive from them)
+    keys: tuple[bytes | str, ...]  # block keys of the items (storage object names derive from them)
 
     @property
     def num_blocks(self) -> int:

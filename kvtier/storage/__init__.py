@@ -63,7 +63,7 @@ def open_backend(url: str) -> Backend:
     return backend
 
 
-def open_storage(url: str | None, namespace: str = "default", **client_options) -> StorageClient | None:  # type: ignore[no-untyped-def]
+def open_storage(url: str | None, namespace: str = "default", **client_options) -> StorageClient | None:
     if url is None:
         return None
     return StorageClient(open_backend(url), namespace, **client_options)

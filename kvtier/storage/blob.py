@@ -81,7 +81,7 @@ class BlobLayout:
                          _ALGO_XXH3_64, self.block_size, self.namespace, key.ljust(32, b"\0"), *shape,
                          self.kv_nbytes, self.routing_nbytes, checksum)
 
-    def encode_into(self, buf: np.ndarray, key: bytes, kv: np.ndarray, routing: np.ndarray | None) -> int:
+    def encode_into(self, buf: np.ndarray, key: bytes | str, kv: np.ndarray, routing: np.ndarray | None) -> int:
         """Write the object of block ``key`` into ``buf`` (uint8, >= nbytes); returns its size.
 
         ``kv``/``routing`` are uint8 views of the host block's bytes (one copy each into ``buf``)."""
@@ -92,18 +92,18 @@ class BlobLayout:
         np.copyto(buf[h:h + k], kv.reshape(-1))
         if routing is not None:
             np.copyto(buf[h + k:h + k + self.routing_nbytes], routing.reshape(-1))
-        checksum = xxhash.xxh3_64_intdigest(memoryview(buf[h:self.nbytes]))
+        checksum = xxhash.xxh3_64_intdigest(buf[h:self.nbytes].data)
         header = self._header(key, checksum)
         buf[:len(header)] = np.frombuffer(header, np.uint8)
         buf[len(header):h] = 0
         return self.nbytes
 
-    def header_for(self, key: bytes, kv: np.ndarray, routing: np.ndarray | None) -> bytes:
+    def header_for(self, key: bytes | str, kv: np.ndarray, routing: np.ndarray | None) -> bytes:
         """The header of block ``key`` whose payload is ``kv`` then ``routing`` (scatter-gather
         writers send header, kv and routing as three parts: no staging copy)."""
         return self._header(key, _digest(kv, routing)).ljust(HEADER_NBYTES, b"\0")
 
-    def check_parts(self, header: np.ndarray, size: int, key: bytes, kv: np.ndarray,
+    def check_parts(self, header: np.ndarray, size: int, key: bytes | str, kv: np.ndarray,
                     routing: np.ndarray | None) -> BlobStatus:
         """:meth:`check` of an object read in parts: header into ``header``, payload straight into
         the host block's ``kv`` and ``routing`` views."""
@@ -114,13 +114,13 @@ class BlobLayout:
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
-    def check(self, buf: np.ndarray, size: int, key: bytes) -> BlobStatus:
+    def check(self, buf: np.ndarray, size: int, key: bytes | str) -> BlobStatus:
         """Is ``buf[:size]`` the object of block ``key`` in this layout?"""
         status = self._check_header(buf, size, key)
         if status is not BlobStatus.OK:
             return status
-        checksum = _FMT.unpack_from(memoryview(buf[:_FMT.size]))[18]
-        if xxhash.xxh3_64_intdigest(memoryview(buf[HEADER_NBYTES:self.nbytes])) != checksum:
+        checksum = _FMT.unpack_from(buf[:_FMT.size].data)[18]
+        if xxhash.xxh3_64_intdigest(buf[HEADER_NBYTES:self.nbytes].data) != checksum:
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
@@ -133,7 +133,7 @@ class BlobLayout:
             return BlobStatus.OK
         if size < _FMT.size:
             return BlobStatus.TRUNCATED
-        f = _FMT.unpack_from(memoryview(buf[:_FMT.size]))
+        f = _FMT.unpack_from(buf[:_FMT.size].data)
         magic, version, hdr, klen, dtype, ndim, algo, tokens, ns, stored_key = f[:10]
         shape, kv_nbytes, rt_nbytes = f[10:10 + ndim], f[16], f[17]
         if magic != MAGIC or version != VERSION or hdr != HEADER_NBYTES or algo != _ALGO_XXH3_64:
@@ -162,9 +162,9 @@ class BlobLayout:
 def _digest(kv: np.ndarray, routing: np.ndarray | None) -> int:
     """xxh3-64 of the payload: the KV bytes, then the routing bytes."""
     if routing is None:
-        return xxhash.xxh3_64_intdigest(kv.reshape(-1))
-    h = xxhash.xxh3_64(kv.reshape(-1))
-    h.update(routing.reshape(-1))
+        return xxhash.xxh3_64_intdigest(kv.reshape(-1).data)
+    h = xxhash.xxh3_64(kv.reshape(-1).data)
+    h.update(routing.reshape(-1).data)
     return h.intdigest()
 
 

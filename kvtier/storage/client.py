@@ -71,7 +71,7 @@ _DAMAGED = (BlobStatus.BAD_CHECKSUM, BlobStatus.TRUNCATED, BlobStatus.WRONG_KEY)
 def _flat(a: np.ndarray) -> memoryview:
     """A host block's bytes as a flat writable view (host blocks are contiguous)."""
     assert a.flags.c_contiguous
-    return memoryview(a.reshape(-1))
+    return a.reshape(-1).data
 
 
 def default_storage_workers() -> int:
@@ -202,9 +202,9 @@ class StorageClient:
             raise ValueError(f"put_workers must be >= 1, got {put_workers}")
         self._slots: SimpleQueue[np.ndarray] = SimpleQueue()
         self._inflight: deque[_Op] = deque()
-        self._known: OrderedDict[bytes, None] = OrderedDict()   # keys stored (a hint for skipping puts)
+        self._known: OrderedDict[bytes | str, None] = OrderedDict()   # keys stored (a hint for skipping puts)
         self._lock = threading.Lock()
-        self.counters = {k: 0 for k in (
+        self.counters: dict[str, float] = {k: 0 for k in (
             "lookups", "lookup_hits", "hits", "misses", "corrupt", "foreign", "replaced_corrupt",
             "skipped_breaker_open",
             "put_blocks", "put_refused",
@@ -233,7 +233,7 @@ class StorageClient:
         """Where host block ``h``'s bytes are: ``kv(h)`` (and ``routing(h)``), uint8 views."""
         self.layout, self._kv, self._routing = layout, kv, routing
         arena = np.empty((self.workers + self.put_workers, self.batch, layout.nbytes), np.uint8)
-        self.backend.register_buffer(memoryview(arena.reshape(-1)))
+        self.backend.register_buffer(arena.reshape(-1).data)
         self._arena = arena
         for w in range(len(arena)):
             self._slots.put(arena[w])
@@ -250,7 +250,7 @@ class StorageClient:
         start_pool_threads(self._pool, self.workers)
         start_pool_threads(self._put_pool, self.put_workers)
 
-    def name(self, key: bytes) -> str:
+    def name(self, key: bytes | str) -> str:
         return object_name(key, self.namespace)
 
     # ------------------------------------------------------------------ what the manager asks
@@ -312,7 +312,7 @@ class StorageClient:
     def add(self, key: bytes) -> None:
         """The manager's ack of a put: already recorded when the put returned (``_put_batch``)."""
 
-    def _remember(self, key: bytes) -> None:
+    def _remember(self, key: bytes | str) -> None:
         known = self._known
         known[key] = None
         known.move_to_end(key)
@@ -329,10 +329,11 @@ class StorageClient:
         blocks = op.dst_blocks if op.kind == "fetch" else op.src_blocks
         run = self._fetch_batch if op.kind == "fetch" else self._put_batch
         pool = self._pool if op.kind == "fetch" else self._put_pool
+        assert pool is not None                 # bind() starts both
         futures, starts = [], []
         if not self.breaker.blocked():
             for s in range(0, op.num_blocks, self.batch):
-                futures.append(pool.submit(self._gated, run, op.keys[s:s + self.batch],  # type: ignore[union-attr]
+                futures.append(pool.submit(self._gated, run, op.keys[s:s + self.batch],
                                            blocks[s:s + self.batch]))
                 starts.append(s)
         entry = _Op(op, futures, starts)
@@ -375,7 +376,7 @@ class StorageClient:
         return len(self._inflight)
 
     # ------------------------------------------------------------------ workers
-    def _call(self, what: str, fn, *args):  # type: ignore[no-untyped-def]
+    def _call(self, what: str, fn, *args):
         """fn(*args) with bounded retries (none once the breaker is open); raises after the last
         failure (counted)."""
         for attempt in range(self.retries + 1):
@@ -402,7 +403,7 @@ class StorageClient:
         self.breaker.failure()
         log.warning("storage %s failed on %s: %s", what, self.where, redact_url(e))
 
-    def _gated(self, run, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    def _gated(self, run, keys: Sequence[bytes | str], host_blocks: Sequence[int]) -> list[int]:
         """Run one batch unless the breaker opened since the op was queued (then fail it at once,
         no I/O); the batch that gets the probe token gives it back whatever happens."""
         token = self.breaker.allow()
@@ -415,7 +416,7 @@ class StorageClient:
         finally:
             self.breaker.release(token)
 
-    def _fetch_batch(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:
+    def _fetch_batch(self, keys: Sequence[bytes | str], host_blocks: Sequence[int]) -> list[int]:
         layout, n = self.layout, len(keys)
         assert layout is not None and self._kv is not None
         slot = self._slots.get()
@@ -428,8 +429,8 @@ class StorageClient:
             try:
                 if parts:     # header into staging, payload straight into the host block
                     sizes = self._call("get", self.backend.get_into_parts, names, [
-                        [memoryview(slot[j, :HEADER_NBYTES]), _flat(kvs[j]), *([_flat(rts[j])] if rts[j] is not None else [])]
-                        for j in range(n)])
+                        [slot[j, :HEADER_NBYTES].data, _flat(kv), *([_flat(rt)] if rt is not None else [])]
+                        for j, (kv, rt) in enumerate(zip(kvs, rts))])
                 else:
                     sizes = self._call("get", self.backend.get_into, names, [memoryview(slot[j]) for j in range(n)])
             except Exception:
@@ -506,7 +507,7 @@ class StorageClient:
         if nbytes and not tainted and self.on_fetch_busy is not None:
             self.on_fetch_busy(nbytes, period)
 
-    def _put_batch(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> list[int]:
+    def _put_batch(self, keys: Sequence[bytes | str], host_blocks: Sequence[int]) -> list[int]:
         layout, n = self.layout, len(keys)
         assert layout is not None and self._kv is not None
         slot = self._slots.get()
@@ -514,6 +515,8 @@ class StorageClient:
             names = [self.name(k) for k in keys]
             kvs = [self._kv(hb) for hb in host_blocks]
             rts = [self._routing(hb) for hb in host_blocks] if self._routing else [None] * n
+            objects: list[list[memoryview]] | list[memoryview]
+            put: Callable[..., list[bool]]
             if self.backend.supports_parts:   # header, then the host block's bytes as they are
                 objects = [[memoryview(layout.header_for(k, kv, rt)), _flat(kv), *([_flat(rt)] if rt is not None else [])]
                            for k, kv, rt in zip(keys, kvs, rts)]
@@ -608,7 +611,7 @@ class StorageClient:
         """Time reads of 1 and ``num_objects`` objects of this layout's size (written, read back,
         deleted under ``…:calibrate:<pid>`` names), so the cost model starts from this pool's
         real latency and bandwidth instead of a guess. False (nothing learned) if the pool fails."""
-        assert self.layout is not None, "bind() first"
+        assert self.layout is not None and self._pool is not None, "bind() first"
         n = max(1, min(num_objects, self.batch))
         slot = self._slots.get()
         names = [f"{self.name(b'')}calibrate:{os.getpid()}:{i}" for i in range(n)]
@@ -631,7 +634,7 @@ class StorageClient:
             try:                                  # every worker at once: the aggregate rate
                 views = [bufs] + [[memoryview(o[j]) for j in range(n)] for o in others]
 
-                def read(v):  # type: ignore[no-untyped-def]
+                def read(v):
                     self._read_started()
                     got = []
                     try:

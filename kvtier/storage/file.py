@@ -246,7 +246,7 @@ class FileBackend(Backend):
                 pass
 
     # ------------------------------------------------------------------ size bound
-    def _files(self):  # type: ignore[no-untyped-def]
+    def _files(self):
         for d1 in os.scandir(self.root):
             if not d1.is_dir(follow_symlinks=False) or len(d1.name) != 2:
                 continue

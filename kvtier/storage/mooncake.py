@@ -717,7 +717,7 @@ def _throughput_check(url: str, sizes: Sequence[int] = (1 << 20, 2 << 20), batch
     try:
         for size in sizes:
             arena = np.empty((batch, size), dtype=np.uint8)
-            backend.register_buffer(memoryview(arena.reshape(-1)))
+            backend.register_buffer(arena.reshape(-1).data)
             arena[:] = np.random.default_rng(size).integers(0, 256, arena.shape, dtype=np.uint8)
             values = [arena[j].tobytes() for j in range(batch)]
             loose = [bytearray(v) for v in values]                    # not registered

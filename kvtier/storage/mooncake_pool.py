@@ -75,9 +75,9 @@ def find_master_binary() -> str:
                 if not os.access(path, os.X_OK):
                     os.chmod(path, os.stat(path).st_mode | 0o111)
                 return path
-    path = shutil.which("mooncake_master")
-    if path:
-        return path
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
     raise PoolError(f"mooncake_master not found: {INSTALL_HINT}")
 
 
@@ -323,10 +323,10 @@ is SIGKILLed (``PR_SET_PDEATHSIG``; the node also watches its parent PID); other
         raise ValueError(f"lease TTL must be positive, got {lease_ttl_ms!r}")
     binary = find_master_binary()
     own = workdir is None
-    wd = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-")) if own else Path(workdir)  # type: ignore[arg-type]
+    wd = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     attempts = 3 if port is None or metrics_port is None else 1   # free-port races: try again
-    err: Exception | None = None
+    err: BaseException | None = None
     for _ in range(attempts):
         h = PoolHandle(host, port or free_port(host), metrics_port or free_port(host), nbytes,
                        lease_ttl_ms, wd, own, binary)
@@ -456,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         except (PoolError, ImportError, ValueError) as e:
             print(f"kvtier pool mooncake: {e}", file=sys.stderr)
             return 1
+        assert handle.master is not None and handle.node is not None    # started by start_pool
         print(f"Mooncake pool ready: {size} bytes, master pid {handle.master.pid}, node pid "
               f"{handle.node.pid}, metrics http://{handle.host}:{handle.metrics_port}/metrics, "
               f"logs in {handle.workdir}", flush=True)

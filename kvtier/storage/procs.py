@@ -27,7 +27,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def spawn(cmd: list[str], **popen_kw) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+def spawn(cmd: list[str], **popen_kw) -> subprocess.Popen:
     """Popen(cmd, **popen_kw), tracked until :func:`forget`; dies with its launcher."""
     pdeath = sys.platform == "linux" and threading.current_thread() is threading.main_thread()
     p = subprocess.Popen(cmd, preexec_fn=_die_with_parent if pdeath else None, **popen_kw)

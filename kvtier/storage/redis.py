@@ -76,13 +76,13 @@ try:  # the optional dependency: pip install redis hiredis (kvtier[redis])
     try:
         from redis.exceptions import RedisClusterException as _ClusterException
     except ImportError:  # pragma: no cover
-        _ClusterException = _RedisError
+        _ClusterException = _RedisError  # type: ignore[misc, assignment]  # an older redis-py's stand-in
     _ERRORS: tuple = (_RedisError, _ClusterException, OSError)
     _p = inspect.signature(_redis.ConnectionPool.get_connection).parameters.get("command_name")
     _GETCONN_NEEDS_NAME = _p is not None and _p.default is inspect.Parameter.empty
     _IMPORT_ERROR: Exception | None = None
 except ImportError as _e:  # pragma: no cover - reported when a redis URL is opened
-    _redis = None
+    _redis = None  # type: ignore[assignment]  # optional: checked where a redis URL is opened
     _IMPORT_ERROR = _e
 
 __all__ = ["RedisBackend", "parse_redis_url"]
@@ -225,11 +225,11 @@ def _zero_copy(cls):
     6000 bytes and memoryviews go to ``sendall`` as they are (the hiredis packer, redis-py's
     default when hiredis is installed, makes bytes() of every memoryview and then one more copy).
     Replies are still parsed by hiredis."""
-    packer_cls = getattr(_redis.connection, "PythonRespSerializer", None)
+    packer_cls: Any = getattr(_redis.connection, "PythonRespSerializer", None)
     if packer_cls is None or not hasattr(cls, "_construct_command_packer"):  # pragma: no cover
         return cls
 
-    class ZeroCopy(cls):  # type: ignore[misc, valid-type]
+    class ZeroCopy(cls):  # type: ignore[misc, valid-type]  # a base class chosen at run time
         def _construct_command_packer(self, packer):
             if packer is not None:
                 return packer

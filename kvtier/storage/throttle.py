@@ -13,8 +13,8 @@ class ThrottledBackend(Backend):
     def __init__(self, inner: Backend, bytes_per_second: int) -> None:
         self.inner = inner
         self.rate = float(bytes_per_second)
-        self.scheme = inner.scheme  # type: ignore[misc]
-        self.supports_parts = inner.supports_parts  # type: ignore[misc]
+        self.scheme = inner.scheme  # type: ignore[misc]  # per instance: the inner backend's
+        self.supports_parts = inner.supports_parts  # type: ignore[misc]  # per instance: the inner backend's
         self._lock = threading.Lock()
         self._free_at = time.monotonic()       # one shared link: transfers queue behind each other
 
