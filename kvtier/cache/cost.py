@@ -155,7 +155,9 @@ class FetchCostModel:
             best_k, best_gain = 0, 0.0
             k = num_blocks
             while k >= 1:
-                gain = self.recompute_seconds(k) - self.fetch_seconds(k)  # type: ignore[operator]
+                recompute = self.recompute_seconds(k)
+                assert recompute is not None        # a prefill rate is known (above)
+                gain = recompute - self.fetch_seconds(k)
                 if gain > best_gain:
                     best_k, best_gain = k, gain
                 k //= 2

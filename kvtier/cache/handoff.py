@@ -88,7 +88,8 @@ class Handoff:
 
     def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
         """Storage object names of :meth:`keys`' blocks (a hand-off manifest's keys)."""
-        ns = self.m.storage.namespace if self.m.storage is not None else "default"   # type: ignore[union-attr]
+        storage = self.m.storage                # a pool client (StorageClient) where hand-offs run
+        ns = storage.namespace if storage is not None else "default"  # type: ignore[attr-defined]  # not in StorageIndex
         return [object_name(k, ns) for k in full] + ([object_name(tail, ns)] if tail else [])
 
     # ------------------------------------------------------------------ P: export
@@ -121,7 +122,8 @@ class Handoff:
             elif node.host_block is None:
                 self.m.copy_down(node)           # then put when it lands (_complete_backup)
         if n_tail:
-            tail = TailBlock(tail_name, n_full, n_tail)              # type: ignore[arg-type]
+            assert tail_name is not None                # a partial block has a name
+            tail = TailBlock(tail_name, n_full, n_tail)
             tail.export = exp
             exp.num_waiting += 1
             got = self.m.take_host(1)
@@ -150,20 +152,22 @@ class Handoff:
         self.m.tree.maybe_candidate(node)
 
     def tail_backed_up(self, tail: TailBlock, ok: bool) -> None:
-        self.m.device_pool.free_one(tail.device_block)     # type: ignore[arg-type]
+        assert tail.device_block is not None and tail.host_block is not None and tail.export is not None, tail
+        self.m.device_pool.free_one(tail.device_block)
         tail.device_block = None
         if not ok:
-            self.m.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            self.m.host_pool.free_one(tail.host_block)
             tail.host_block, tail.state = None, "failed"
-            self._export_ack(tail.export, ok=False)      # type: ignore[arg-type]
+            self._export_ack(tail.export, ok=False)
             return
         tail.state = "putting"
         self.m.stage("put", (tail, tail.host_block))
 
     def tail_put(self, tail: TailBlock, ok: bool) -> None:
-        self.m.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
+        assert tail.host_block is not None and tail.export is not None, tail
+        self.m.host_pool.free_one(tail.host_block)
         tail.host_block, tail.state = None, ("done" if ok else "failed")
-        self._export_ack(tail.export, ok)                # type: ignore[arg-type]
+        self._export_ack(tail.export, ok)
 
     # ------------------------------------------------------------------ D: import
     def expect_tail(self, req: CacheRequest, num_tokens: int) -> str | None:
@@ -187,15 +191,17 @@ class Handoff:
         if got is None:
             tail.state = "failed"
             return 0
-        tail.host_block, tail.state = got[0], "fetching"
+        block = tail.host_block = got[0]
+        tail.state = "fetching"
         op_id = self.m.new_op("tailfetch", [tail])
-        self.tail_ops.append(TransferOp(op_id, "fetch", (), (tail.host_block,), (tail.key,)))  # type: ignore[arg-type]
+        self.tail_ops.append(TransferOp(op_id, "fetch", (), (block,), (tail.key,)))
         return 1
 
     def complete_tailfetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         tail: TailBlock = items[0]
         if failed or tail.state == "dropped":
-            self.m.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            assert tail.host_block is not None, tail
+            self.m.host_pool.free_one(tail.host_block)
             tail.host_block = None
             if tail.state != "dropped":
                 tail.state = "failed"
@@ -229,14 +235,16 @@ class Handoff:
         if tail is None:
             return
         if tail.state == "ready":
-            self.m.host_pool.free_one(tail.host_block)     # type: ignore[arg-type]
+            assert tail.host_block is not None, tail
+            self.m.host_pool.free_one(tail.host_block)
             tail.host_block = None
         if tail.state in ("fetching", "ready", "wanted"):
             tail.state = "dropped"                       # a fetch in flight frees its block when done
 
     def tail_loaded(self, req: CacheRequest, tail: TailBlock, block: int, ok: bool,
                      rewinds: dict[object, int]) -> None:
-        self.m.host_pool.free_one(tail.host_block)         # type: ignore[arg-type]
+        assert tail.host_block is not None, tail
+        self.m.host_pool.free_one(tail.host_block)
         tail.host_block = None
         tail.state = "done" if ok else "failed"
         req.num_loading -= 1

@@ -67,6 +67,7 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
     host_reads: dict[int, int] = {}
     in_flight = m.copies_in_flight()
     def tail_owns(t: TailBlock) -> None:
+        assert t.host_block is not None, f"tail {t.key} in flight without a host block"
         assert t.host_block not in host_owner, f"host block {t.host_block} owned twice"
         host_owner[t.host_block] = t
     for kind, items in in_flight:

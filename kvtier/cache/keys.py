@@ -97,7 +97,7 @@ def _first_bad(tokens: Sequence[int]) -> object:
 def _is_token(t: object) -> bool:
     if isinstance(t, (bool, np.bool_)) or not hasattr(t, "__index__"):
         return False
-    return 0 <= t.__index__() < _INT32_LIMIT  # type: ignore[attr-defined]
+    return 0 <= t.__index__() < _INT32_LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +314,8 @@ class BlockHasher:
         if num_tokens is None:
             num_tokens, pending = self._num_tokens, self._pending
         else:
-            pending = list(tokens[num_tokens - num_tokens % self.block_size:num_tokens])  # type: ignore[index]
+            assert tokens is not None, "num_tokens comes with tokens"
+            pending = list(tokens[num_tokens - num_tokens % self.block_size:num_tokens])
         n = len(pending)
         if not n:
             return None

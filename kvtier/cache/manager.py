@@ -256,7 +256,8 @@ class CacheManager:
             if first <= nh <= first + hits:   # the block after the hits is absent (or the end)
                 return first + hits - nh
         keys = req.hasher.ensure_keys(max_blocks)
-        ns = self.storage.lookup_prefix(keys[nh:max_blocks])   # type: ignore[union-attr]
+        assert self.storage is not None         # asked only with a storage tier
+        ns = self.storage.lookup_prefix(keys[nh:max_blocks])
         req._storage_probe = (nh, max_blocks, ns, time.monotonic())
         return ns
 
@@ -478,7 +479,8 @@ class CacheManager:
                 if freed + deferred < num_blocks:
                     v = tree.next_device_victim(v)
                 else:
-                    tree.maybe_candidate(v.parent)  # type: ignore[arg-type]
+                    assert v.parent is not None         # an evicted node is never the root
+                    tree.maybe_candidate(v.parent)
                     v = None
             else:
                 pool.free_one(tree.drop_device(v))
@@ -512,7 +514,8 @@ class CacheManager:
         n = node
         while not n.is_root and n.host_block is None:
             chain.append(n)
-            n = n.parent  # type: ignore[assignment]
+            assert n.parent is not None         # not the root
+            n = n.parent
         top = n                     # root, or the nearest ancestor with a host copy
         if not top.is_root:
             top.host_reads += 1     # our own host evictions must not take the copy we hang from
@@ -688,7 +691,7 @@ class CacheManager:
             else:
                 src, dst = tuple(h for _, h in items), ()
                 keys = tuple(n.key for n, _ in items)
-            ops[kind] = TransferOp(op_id, kind, src, dst, keys)  # type: ignore[arg-type]
+            ops[kind] = TransferOp(op_id, kind, src, dst, keys)
             self._staged[kind] = []
         if self.handoff.tail_ops:
             fetches.extend(self.handoff.tail_ops)
@@ -744,7 +747,8 @@ class CacheManager:
         return rewinds
 
     def _complete_load(self, items: list, failed: frozenset[int]) -> dict[object, int]:
-        tree, rewinds = self.tree, {}
+        tree = self.tree
+        rewinds: dict[object, int] = {}
         for idx, (req, i, node, block) in enumerate(items):
             if type(node) is TailBlock:
                 self.handoff.tail_loaded(req, node, block, idx not in failed, rewinds)
@@ -806,7 +810,8 @@ class CacheManager:
             node.putting = False
             node.host_reads -= 1
             if idx not in failed:
-                self.storage.add(node.key)  # type: ignore[union-attr]
+                assert self.storage is not None     # puts run only with a storage tier
+                self.storage.add(node.key)
             if id(node) in self.handoff.exporting:
                 self.handoff.node_done(node, idx not in failed)
             if node.evict_host_after_copy:

@@ -49,11 +49,11 @@ class WritePolicy:
 EvictionKey = Callable[[object], tuple]
 
 
-def _lru(node) -> tuple:  # type: ignore[no-untyped-def]
+def _lru(node) -> tuple:
     return (node.last_access, -node.depth)
 
 
-def _lfu(node) -> tuple:  # type: ignore[no-untyped-def]
+def _lfu(node) -> tuple:
     return (node.hit_count, node.last_access, -node.depth)
 
 

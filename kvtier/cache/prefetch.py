@@ -173,7 +173,8 @@ class Prefetcher:
 
     def fetch_ops(self, items: list) -> list[TransferOp]:
         """One op per chunk of ``fetch_chunk`` blocks of one prefetch (items are staged in order)."""
-        ops, chunk = [], []
+        ops: list[TransferOp] = []
+        chunk: list = []
         for it in items:
             if chunk and (it[0] is not chunk[0][0] or (it[1] - it[0].start) % self.m.fetch_chunk == 0):
                 ops.append(self._fetch_op(chunk))
@@ -268,7 +269,8 @@ class Prefetcher:
             if node.device_block is not None or id(node) in self.preloading:
                 continue                         # on the device already, or on its way
             parent = node.parent
-            if not node.host_ready or not (parent.is_root or parent.device_block is not None  # type: ignore[union-attr]
+            assert parent is not None
+            if not node.host_ready or not (parent.is_root or parent.device_block is not None
                                            or id(parent) in self.preloading):
                 break
             todo.append(node)

@@ -59,7 +59,7 @@ class Node:
         self.parent = parent
         self.seg = seg                         # the segment holding this block ...
         self.idx = idx                         # ... at this index
-        self.depth = -1 if parent is None else parent.depth + 1  # block index along the path
+        self.depth: int = -1 if parent is None else parent.depth + 1  # block index along the path
         self.num_children = 0
         self.in_device_heap = False
         self.in_host_heap = False
@@ -250,7 +250,8 @@ class RadixTree:
             target = seg
             target.uniform = target.uniform and uniform
         base, off = len(target.nodes), len(target.trimmed())
-        nodes, created, prev = self.nodes, [], parent
+        nodes, prev = self.nodes, parent
+        created: list[Node] = []
         append = created.append
         if device_blocks:
             assert len(device_blocks) == len(keys), (len(device_blocks), len(keys))
@@ -304,7 +305,9 @@ class RadixTree:
         seg = node.seg
         assert not node.num_children and seg.nodes[-1] is node and not seg.children, node
         del self.nodes[node.key]
-        node.parent.num_children -= 1   # type: ignore[union-attr]
+        parent = node.parent
+        assert parent is not None
+        parent.num_children -= 1
         if len(seg.nodes) > 1:
             seg.nodes.pop()
             seg.keys.pop()
@@ -370,7 +373,8 @@ class RadixTree:
         assert node.device_block is None and not node.is_root
         node.device_block = block
         self.num_device_copies += 1
-        node.parent.num_device_children += 1  # type: ignore[union-attr]
+        assert node.parent is not None
+        node.parent.num_device_children += 1
         if node.lock_ref == 0:
             self.num_device_unlocked += 1
             self.maybe_candidate(node)
@@ -387,14 +391,16 @@ class RadixTree:
         self.epoch += 1
         self.num_device_copies -= 1
         self.num_device_unlocked -= 1
-        node.parent.num_device_children -= 1  # type: ignore[union-attr]
+        assert node.parent is not None
+        node.parent.num_device_children -= 1
         return block
 
     def drop_device(self, node: Node) -> int:
         block = self._clear_device(node)
         parent = node.parent
-        if parent.num_device_children == 0:  # type: ignore[union-attr]
-            self.maybe_candidate(parent)      # type: ignore[arg-type]
+        assert parent is not None
+        if parent.num_device_children == 0:
+            self.maybe_candidate(parent)
         return block
 
     def evict_device_leaf(self, node: Node) -> int:
@@ -433,9 +439,10 @@ class RadixTree:
         assert node.lock_ref == 0 and node.device_reads == 0 and nodes[-1] is node, node
         run = nodes[j:]
         index = self.nodes
-        blocks = []
+        blocks: list[int] = []
         for n in run:
             del index[n.key]
+            assert n.device_block is not None
             blocks.append(n.device_block)
             n.device_block = None
         del nodes[j:], seg.keys[j:], seg.ends[j:]     # data is cut later (trimmed)
@@ -451,7 +458,8 @@ class RadixTree:
         node.host_block = block
         node.host_ready = ready
         self.num_host_copies += 1
-        node.parent.num_host_children += 1  # type: ignore[union-attr]
+        assert node.parent is not None
+        node.parent.num_host_children += 1
         self.maybe_candidate(node)
 
     def drop_host(self, node: Node) -> int:
@@ -462,8 +470,10 @@ class RadixTree:
         self.epoch += 1
         node.evict_host_after_copy = False
         self.num_host_copies -= 1
-        node.parent.num_host_children -= 1  # type: ignore[union-attr]
-        self.maybe_candidate(node.parent)    # type: ignore[arg-type]
+        parent = node.parent
+        assert parent is not None
+        parent.num_host_children -= 1
+        self.maybe_candidate(parent)
         self.maybe_candidate(node)
         return block
 
