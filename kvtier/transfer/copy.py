@@ -18,12 +18,12 @@ def allocate_host_kv(num_blocks: int, num_layers: int, block_size: int, num_kv_h
     return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
 
-def _index(blocks, device) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _index(blocks, device) -> torch.Tensor:
     return torch.as_tensor(list(blocks), dtype=torch.long, device=device)
 
 
 def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
-                   device_blocks, host_blocks) -> None:  # type: ignore[no-untyped-def]
+                   device_blocks, host_blocks) -> None:
     """host[host_blocks[i]] = all layers of device block device_blocks[i]."""
     src = _index(device_blocks, kv_caches[0].device)
     dst = _index(host_blocks, host.device)
@@ -32,7 +32,7 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
 
 
 def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
-                   host_blocks, device_blocks, layer: int | None = None) -> None:  # type: ignore[no-untyped-def]
+                   host_blocks, device_blocks, layer: int | None = None) -> None:
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all)."""
     src = _index(host_blocks, host.device)
     dst = _index(device_blocks, kv_caches[0].device)

@@ -69,7 +69,7 @@ class _InFlight:
 
 
 class TransferEngine:
-    def __init__(self, kv_caches: list[torch.Tensor], host_kv: torch.Tensor | None, routing=None,  # type: ignore[no-untyped-def]
+    def __init__(self, kv_caches: list[torch.Tensor], host_kv: torch.Tensor | None, routing=None,
                  use_kernels: bool | None = None) -> None:
         self.kv_caches = kv_caches
         self.host_kv = host_kv
@@ -141,18 +141,19 @@ class TransferEngine:
             torch.cuda.synchronize(device)
             return None
 
-    def _pairs(self, op: TransferOp, mode: str = "whole"):  # type: ignore[no-untyped-def]
+    def _pairs(self, op: TransferOp, mode: str = "whole"):
         """Split once per op: DMA runs and the kernel's pinned block ids (alive until landed)."""
         self._built = pairs = self._split(op, mode)
         return pairs
 
-    def _split(self, op: TransferOp, mode: str):  # type: ignore[no-untyped-def]
+    def _split(self, op: TransferOp, mode: str):
         if self.ops is kernels:
             load = op.kind != "backup"
             # loads of every layer at once: staged if they can be. Backups go by the zero-copy
             # kernel, faster than staged from 16 blocks up (docs/BENCHMARKS.md, bench transfer)
             if load and mode == "whole":
-                staged = kernels.host_runs(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)  # type: ignore[arg-type]
+                assert self.host_kv is not None         # loads come from the host tier
+                staged = kernels.host_runs(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)
                 if staged is not None:
                     return staged, None
             if load:
@@ -163,13 +164,14 @@ class TransferEngine:
         return op.src_blocks, op.dst_blocks
 
     def _load(self, op: TransferOp) -> _InFlight:
+        assert self.host_kv is not None                 # loads come from the host tier
         if self.routing is not None:
             self.routing.host_to_device(op.src_blocks, op.dst_blocks)
         mode = self.load_mode if self.load_mode != "gated" or self.gates is not None else "whole"
         if mode not in ("whole", "layers", "gated"):
             raise ValueError(f"unknown load mode {self.load_mode!r}")
         if (mode == "gated" and self.ops is kernels
-                and op.num_blocks * self.host_kv[0].nbytes < kernels.TUNING["min_gated_bytes"]):   # type: ignore[index]
+                and op.num_blocks * self.host_kv[0].nbytes < kernels.TUNING["min_gated_bytes"]):
             mode = "whole"      # a small load: a few calls for every layer (staged) cost less CPU than
             #                     per-layer launches, and waiting for all of it costs the GPU ~nothing
         if mode == "gated":                       # queued with the step's others (queue_gated)
@@ -177,6 +179,7 @@ class TransferEngine:
             if not self._gated:                   # compute stream, before the mark: the step's
                 if self._gated_done is not None:  # graph must not pass a gate until it opens, and
                     torch.cuda.current_stream(self.kv_caches[0].device).wait_event(self._gated_done)
+                assert self.gates is not None     # (gated mode is chosen only with gates)
                 self.gates.close()                # no open of an earlier step may land after the close
             self._gated.append(entry)
             return entry
@@ -212,7 +215,7 @@ class TransferEngine:
             self.routing.device_to_host(op.src_blocks, op.dst_blocks)
         return self._all_layers(op, "device_to_host", self.kv_caches, self.host_kv, "offload_stream")
 
-    def _all_layers(self, op: TransferOp, copy: str, src_kv, dst_kv, stream_name: str) -> _InFlight:  # type: ignore[no-untyped-def]
+    def _all_layers(self, op: TransferOp, copy: str, src_kv, dst_kv, stream_name: str) -> _InFlight:
         """Every layer of ``op`` in a few calls on one stream, after the compute stream's mark."""
         if not self.cuda:
             getattr(self.ops, copy)(src_kv, dst_kv, op.src_blocks, op.dst_blocks)
@@ -239,6 +242,7 @@ class TransferEngine:
             return
         entries, self._gated = self._gated, []
         gates, stream = self.gates, self.load_stream if self.cuda else None
+        assert gates is not None and self.host_kv is not None    # gated loads were queued
         pipelined = stream is not None and self.ops is kernels
         scattered = False
         # the mark on the compute stream, taken *before* the load stream becomes current: taken
@@ -253,6 +257,7 @@ class TransferEngine:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             try:
                 if stream is not None:
+                    assert mark is not None
                     stream.wait_event(mark)
                 for layer in range(self.num_layers):
                     deferred: list | None = [] if pipelined else None
@@ -264,11 +269,12 @@ class TransferEngine:
                             kernels.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer,
                                                    deferred=deferred)
                     if deferred:
+                        assert stream is not None         # deferred scatters are pipelined on the load stream
                         scattered = True          # (before: a scatter that raised may have run in part)
-                        self._scatter(deferred, stream)   # type: ignore[arg-type]
-                        gates.open(layer, self.scatter_stream)     # type: ignore[union-attr]
+                        self._scatter(deferred, stream)
+                        gates.open(layer, self.scatter_stream)
                     else:
-                        gates.open(layer, stream)     # type: ignore[union-attr]
+                        gates.open(layer, stream)
             except Exception as e:  # a failed copy costs a recompute, never a wrong answer
                 log.warning("gated loads %s failed: %s", [e.op.op_id for e in entries], e)
                 for entry in entries:
@@ -278,12 +284,12 @@ class TransferEngine:
                 if stream is not None:
                     if scattered:                 # landed = scattered too
                         stream.wait_stream(self.scatter_stream)
-                    gates.open_all(stream)        # type: ignore[union-attr]
+                    gates.open_all(stream)
                     done = torch.cuda.Event()
                     done.record(stream)
                     self._gated_done = done       # the next close waits for it
                 else:
-                    gates.open_all(stream)        # type: ignore[union-attr]
+                    gates.open_all(stream)
                 for entry in entries:
                     entry.done, entry.queued = done, True
 
@@ -383,7 +389,9 @@ class LoadWaits:
     def __call__(self, layer: int) -> None:
         self._wait_events(layer)
         if self.gated:
-            self.engine.gates.wait(layer)          # type: ignore[union-attr]
+            gates = self.engine.gates
+            assert gates is not None
+            gates.wait(layer)
 
     def before_graph(self) -> None:
         self._wait_events(self.engine.num_layers - 1)

@@ -41,14 +41,15 @@ log = logging.getLogger(__name__)
 
 _WAIT_GEQ = 0x0          # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_DEFAULT = 0x0     # CU_STREAM_WRITE_VALUE_DEFAULT
-_DRIVER: ctypes.CDLL | None | bool = False
+_DRIVER: ctypes.CDLL | None = None
+_DRIVER_LOOKED_UP = False
 
 
 def _driver() -> ctypes.CDLL | None:
     """libcuda's stream memory ops (the _v2 entry points, CUDA >= 11.7), or None."""
-    global _DRIVER
-    if _DRIVER is False:
-        _DRIVER = None
+    global _DRIVER, _DRIVER_LOOKED_UP
+    if not _DRIVER_LOOKED_UP:
+        _DRIVER_LOOKED_UP = True
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
@@ -85,9 +86,10 @@ class LayerGates:
 
     def _probe(self) -> bool:
         """A write and a wait on a scratch word: stream memory ops may be disabled by the driver."""
+        assert self._lib is not None
         stream = torch.cuda.current_stream(self.flags.device).cuda_stream
-        err = self._lib.cuStreamWriteValue32_v2(stream, self._base, 1, _WRITE_DEFAULT)   # type: ignore[union-attr]
-        err = err or self._lib.cuStreamWaitValue32_v2(stream, self._base, 1, _WAIT_GEQ)  # type: ignore[union-attr]
+        err = self._lib.cuStreamWriteValue32_v2(stream, self._base, 1, _WRITE_DEFAULT)
+        err = err or self._lib.cuStreamWaitValue32_v2(stream, self._base, 1, _WAIT_GEQ)
         torch.cuda.synchronize(self.flags.device)
         if err:
             log.info("CUDA stream memory operations unavailable (error %d): graph steps wait for whole loads", err)
@@ -107,8 +109,9 @@ class LayerGates:
         if not self.cuda:
             self.flags[layer] = 1
             return
+        assert self._lib is not None, "no driver: LayerGates.create() gives none"
         s = (stream or torch.cuda.current_stream(self.flags.device)).cuda_stream
-        self._check(self._lib.cuStreamWriteValue32_v2(s, self._base + 4 * layer, 1, _WRITE_DEFAULT),  # type: ignore[union-attr]
+        self._check(self._lib.cuStreamWriteValue32_v2(s, self._base + 4 * layer, 1, _WRITE_DEFAULT),
                     "cuStreamWriteValue32")
 
     def open_all(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -124,6 +127,7 @@ class LayerGates:
             if not int(self.flags[layer]):
                 raise RuntimeError(f"layer gate {layer} is closed at its wait: its loads were never queued")
             return
+        assert self._lib is not None, "no driver: LayerGates.create() gives none"
         s = torch.cuda.current_stream(self.flags.device).cuda_stream
-        self._check(self._lib.cuStreamWaitValue32_v2(s, self._base + 4 * layer, 1, _WAIT_GEQ),  # type: ignore[union-attr]
+        self._check(self._lib.cuStreamWaitValue32_v2(s, self._base + 4 * layer, 1, _WAIT_GEQ),
                     "cuStreamWaitValue32")

@@ -37,8 +37,8 @@ def gpu_numa_node(device: torch.device) -> int | None:
         if Path("/sys/devices/system/node").is_dir() else []
     if len(nodes) < 2:
         return None
-    props = torch.cuda.get_device_properties(device)
-    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    p = torch.cuda.get_device_properties(device)
+    bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # type: ignore[attr-defined]  # not in torch stubs
     try:
         node = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
     except (OSError, ValueError):

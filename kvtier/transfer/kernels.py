@@ -173,8 +173,8 @@ class BlockPairs:
                 if all(dst[k] == dst[i] + k - i for k in range(i, j)):
                     runs.append(Run(src[i], j - i, dst[i]))
                 else:
-                    ids = torch.tensor(dst[i:j], dtype=torch.long, pin_memory=cuda)
-                    runs.append(Run(src[i], j - i, None, ids.to(scatter_device, non_blocking=True)))
+                    dst_ids = torch.tensor(dst[i:j], dtype=torch.long, pin_memory=cuda)
+                    runs.append(Run(src[i], j - i, None, dst_ids.to(scatter_device, non_blocking=True)))
             else:
                 rest_src += src[i:j]
                 rest_dst += dst[i:j]
@@ -228,20 +228,21 @@ def host_runs(host: torch.Tensor, kv_caches: list[torch.Tensor], host_blocks: Se
     return HostRuns.split(host_blocks, device_blocks, min_run, kv_caches[0].is_cuda)
 
 
-def _pairs(src_blocks, dst_blocks, like: torch.Tensor, min_run: int) -> BlockPairs:  # type: ignore[no-untyped-def]
+def _pairs(src_blocks, dst_blocks, like: torch.Tensor, min_run: int) -> BlockPairs:
     if isinstance(src_blocks, BlockPairs):
         return src_blocks
     return BlockPairs.split(src_blocks, dst_blocks, like.is_cuda, min_run)
 
 
-_CUDART: ctypes.CDLL | None | bool = False
+_CUDART: ctypes.CDLL | None = None
+_CUDART_LOOKED_UP = False
 
 
 def _cudart() -> ctypes.CDLL | None:
     """The CUDA runtime torch loaded (for cudaMemcpy2DAsync, which torch does not expose)."""
-    global _CUDART
-    if _CUDART is False:
-        _CUDART = None
+    global _CUDART, _CUDART_LOOKED_UP
+    if not _CUDART_LOOKED_UP:
+        _CUDART_LOOKED_UP = True
         try:
             with open("/proc/self/maps") as maps:
                 paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
@@ -268,8 +269,10 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     width = src[0].numel() * src.element_size()
     stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device).cuda_stream
-    err = _cudart().cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * dst.element_size(), src.data_ptr(),  # type: ignore[union-attr]
-                                      src.stride(0) * src.element_size(), width, src.shape[0], 4, stream)
+    cudart = _cudart()
+    assert cudart is not None             # runs go by this copy only where it was found
+    err = cudart.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * dst.element_size(), src.data_ptr(),
+                                   src.stride(0) * src.element_size(), width, src.shape[0], 4, stream)
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
 
@@ -324,7 +327,7 @@ def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int]:
 
 
 def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
-                   device_blocks, host_blocks) -> None:  # type: ignore[no-untyped-def]
+                   device_blocks, host_blocks) -> None:
     """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current
     stream). ``device_blocks`` may be a :class:`BlockPairs` or :class:`HostRuns` (then
     ``host_blocks`` is ignored)."""
@@ -362,7 +365,7 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
 
 def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
                    host_blocks, device_blocks, layer: int | None = None,
-                   deferred: list | None = None) -> None:  # type: ignore[no-untyped-def]
+                   deferred: list | None = None) -> None:
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all), queued on
     the current stream. ``host_blocks`` may be a :class:`BlockPairs` (split once for all layers),
     or for all layers a :class:`HostRuns` (the staged path, a few calls whatever the layers).
@@ -390,6 +393,7 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
                 for kvi in (0, 1):
                     _copy_rows(kv[kvi, d0:d0 + n], host[h0:h0 + n, index, kvi])
             else:        # one DMA of K and V (adjacent on host) into staging, then a scatter
+                assert run.dst_ids is not None
                 staging = torch.empty((n, *host.shape[2:]), dtype=kv.dtype, device=kv.device)
                 _copy_rows(staging, host[h0:h0 + n, index])
                 if deferred is None:
