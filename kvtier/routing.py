@@ -34,6 +34,13 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return routers
 
 
+def _weight(router: torch.nn.Module) -> torch.Tensor:
+    """The router's weight [num_experts, hidden]."""
+    weight = router.weight
+    assert isinstance(weight, torch.Tensor), type(weight)
+    return weight
+
+
 def _renormalizes(router: torch.nn.Module) -> bool:
     if type(router).__name__.startswith("Mixtral"):
         return True
@@ -50,26 +57,27 @@ def replay(model: torch.nn.Module, routed_experts: np.ndarray | torch.Tensor) ->
     if forced.dim() != 4 or forced.shape[2] != len(routers) or forced.shape[3] != routers[0].top_k:
         raise ValueError(f"routed_experts has shape {tuple(forced.shape)}, expected [batch?, seq, "
                          f"{len(routers)} moe layers, top_k {routers[0].top_k}]")
-    num_experts = routers[0].weight.shape[0]
+    num_experts = _weight(routers[0]).shape[0]
     if forced.numel() and (forced.min() < 0 or forced.max() >= num_experts):
         raise ValueError(f"routed_experts holds ids outside 0..{num_experts - 1}")
     originals = []
     for layer, router in enumerate(routers):
         originals.append(router.forward)
-        router.forward = _forced_forward(router, forced[:, :, layer], _renormalizes(router))  # type: ignore[method-assign]
+        router.forward = _forced_forward(router, forced[:, :, layer], _renormalizes(router))
     try:
         yield
     finally:
         for router, fwd in zip(routers, originals):
-            router.forward = fwd  # type: ignore[method-assign]
+            router.forward = fwd
 
 
-def _forced_forward(router: torch.nn.Module, forced: torch.Tensor, renormalize: bool):  # type: ignore[no-untyped-def]
+def _forced_forward(router: torch.nn.Module, forced: torch.Tensor, renormalize: bool):
     batch, seq_given, top_k = forced.shape
 
-    def forward(hidden_states: torch.Tensor):  # type: ignore[no-untyped-def]
-        hidden = hidden_states.reshape(-1, router.weight.shape[1])
-        logits = F.linear(hidden, router.weight)
+    def forward(hidden_states: torch.Tensor):
+        weight = _weight(router)
+        hidden = hidden_states.reshape(-1, weight.shape[1])
+        logits = F.linear(hidden, weight)
         probs = F.softmax(logits, dtype=torch.float, dim=-1)
         live = torch.topk(probs, top_k, dim=-1).indices
         tokens = hidden.shape[0]

@@ -29,6 +29,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = SelfAttention(cfg, layer_idx)
+        self.mlp: SparseMoE | MLP
         if layer_idx in cfg.moe_layer_ids:
             self.mlp = SparseMoE(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
         else:
@@ -97,8 +98,8 @@ class CausalLM(nn.Module):
         moe = [m for m in self.modules() if isinstance(m, SparseMoE)]
         for m in dense:
             m.fuse()
-        for m in moe:
-            m.fuse()            # stacks the (already fused) experts for dense dispatch
+        for block in moe:
+            block.fuse()        # stacks the (already fused) experts for dense dispatch
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

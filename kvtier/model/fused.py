@@ -49,8 +49,9 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     """q [T, Hq, D], k and v [T, Hk, D]; cos, sin [T, 1, D] (rotate-half layout). Optional per-head
     RMSNorm of q and k (Qwen3), RoPE of both, k and v written at their slots. Returns rotated q."""
     if q_norm is not None:
+        assert k_norm is not None                        # (q and k norms come together)
         q = add_rms_norm_ref(q, None, q_norm, eps)[0]
-        k = add_rms_norm_ref(k, None, k_norm, eps)[0]    # type: ignore[arg-type]
+        k = add_rms_norm_ref(k, None, k_norm, eps)[0]
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     write_kv(kv_cache, k, v, slot_mapping)

@@ -16,7 +16,8 @@ from kvtier.model.attention import AttentionMetadata
 from kvtier.model.config import ModelConfig
 from kvtier.model.fused import add_rms_norm, rope_write_kv, silu_and_mul
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``weight * rms_norm(x)`` in fp32 as transformers computes it; with ``residual``, of
         ``h = x + residual`` and returns (normed, h) — one fused kernel on CUDA (model/fused.py)."""
         out, h = add_rms_norm(x, residual, self.weight, self.eps)
@@ -109,6 +110,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor      # a buffer
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
@@ -164,6 +167,8 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -191,7 +196,8 @@ class SelfAttention(nn.Module):
         cos, sin = rotary if isinstance(rotary, tuple) else rotary.cos_sin(positions, q.dtype)
         if layer_hook is not None:
             layer_hook(self.layer_idx)   # e.g. wait until this layer's KV has arrived from the host tier
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None)
         q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)   # (q/k norm,) RoPE, KV write
         out = attn_fn(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

@@ -12,6 +12,8 @@ taken from the live router probabilities and normalized as the family does.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -28,6 +30,8 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
                                      for _ in range(cfg.num_experts))
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None   # set by fuse()
+        self.shared_expert: MLP | None
+        self.shared_expert_gate: nn.Linear | None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -61,25 +65,29 @@ class SparseMoE(nn.Module):
         else:
             out = self._experts(x, ids, weights.to(x.dtype))
         if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None      # (the two come together)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def fuse(self) -> None:
         """After the experts' own fuse(): stack their weights ([E, 2I, H] gate/up, [E, H, I] down)
         and make each expert's Linear a view of its slice, so no weight is stored twice."""
-        experts = list(self.experts)
-        if any(e.gate_up_proj is None or e.down_proj.bias is not None for e in experts):
+        experts = cast("list[MLP]", list(self.experts))
+        projs = [e.gate_up_proj for e in experts]
+        if any(p is None for p in projs) or any(e.down_proj.bias is not None for e in experts):
             return
-        gate_up = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
+        fused = [p for p in projs if p is not None]
+        gate_up = torch.stack([p.weight.detach() for p in fused])
         down = torch.stack([e.down_proj.weight.detach() for e in experts])
-        for i, e in enumerate(experts):
-            e.gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
+        for i, (e, p) in enumerate(zip(experts, fused)):
+            p.weight = nn.Parameter(gate_up[i], requires_grad=False)
             e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
         self._stacked = (gate_up, down)
         self._act = experts[0].act
 
     def _experts_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self._stacked                                    # type: ignore[misc]
+        assert self._stacked is not None                                 # (forward checks it)
+        gate_up, down = self._stacked
         h = torch.matmul(x.unsqueeze(0), gate_up.transpose(1, 2))       # [E, T, 2I]
         gate, up = h.chunk(2, dim=-1)
         y = torch.matmul(self._act(gate) * up, down.transpose(1, 2))    # [E, T, H]
