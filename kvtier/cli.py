@@ -235,12 +235,12 @@ def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     EngineConfig.add_flags(p)
 
 
-def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _engine_config(args: argparse.Namespace):
     from kvtier.engine.config import EngineConfig
     return EngineConfig.from_args(args)
 
 
-def _generate(args) -> int:  # type: ignore[no-untyped-def]
+def _generate(args) -> int:
     import json
 
     import kvtier

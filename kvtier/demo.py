@@ -23,14 +23,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import kvtier
 from kvtier.model import init_model
 
+if TYPE_CHECKING:
+    from kvtier.engine.llm import RequestOutput
+
 TIERS = ("device", "host", "storage")
 
 
-def _ttft(llm: kvtier.LLM, prompt: list[int]) -> tuple[float, object]:
+def _ttft(llm: kvtier.LLM, prompt: list[int]) -> tuple[float, RequestOutput]:
     t0 = time.perf_counter()
     out = llm.generate([prompt], kvtier.SamplingParams(max_tokens=1, ignore_eos=True))[0]
     return time.perf_counter() - t0, out

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 import torch
 
@@ -71,7 +71,8 @@ class _Sink:
     __slots__ = ("loop", "queue", "req", "sent", "ended")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: Request) -> None:
-        self.loop, self.queue, self.req = loop, asyncio.Queue(), req
+        self.loop, self.req = loop, req
+        self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         self.sent = [0] * req.params.n           # tokens sent, per sample
         self.ended: set[int] = set()             # samples whose finish_reason was sent
 
@@ -87,7 +88,7 @@ class _Sink:
         return Delta(list(token_ids[start:end]), index=index, finish_reason=finish_reason,
                      logprobs=None if logprobs is None else list(logprobs[start:end]))
 
-    def push(self, item: object) -> None:
+    def push(self, item: Delta | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:          # the caller's loop is closed: nobody is listening
@@ -136,7 +137,7 @@ class AsyncEngine:
         check_n(req)
         return req
 
-    async def generate(self, req: Request) -> AsyncIterator[Delta]:
+    async def generate(self, req: Request) -> AsyncGenerator[Delta, None]:
         """Stream ``req`` (from :meth:`make_request`): deltas of new tokens, the last one with the
         finished output. Leaving the iteration early aborts the request."""
         self.check_alive()
@@ -311,6 +312,7 @@ class AsyncEngine:
         done = {o.request_id: o for o in finished}
         for rid, sink in list(self._sinks.items()):
             out = done.get(rid)
+            rows: list[tuple[int, list[int], list | None, str | None]]
             if out is not None:
                 rows = [(c.index, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs]
             else:

@@ -47,9 +47,9 @@ from kvtier.model.attention import AttentionMetadata
 class _Graphs:
     """Captured forwards keyed by padded size, over static buffers of ``rows`` sequences/tokens."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  rows: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None, pool=None) -> None:  # type: ignore[no-untyped-def]
+                 routing_shape: tuple[int, int] | None, pool=None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -90,7 +90,7 @@ class _Graphs:
                 return b
         return None
 
-    def pool(self):  # type: ignore[no-untyped-def]
+    def pool(self):
         """The memory pool the graphs share (graphs replay one at a time, in stream order)."""
         return self._pool
 
@@ -100,7 +100,7 @@ class _Graphs:
         return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches, meta, routing_out=routing,
                           layer_hook=hook)
 
-    def _rows(self, key) -> int:  # type: ignore[no-untyped-def]
+    def _rows(self, key) -> int:
         """Token rows of the graph of ``key``."""
         return key
 
@@ -111,7 +111,7 @@ class _Graphs:
         """Every row of bucket ``bp`` a padding row (before a capture)."""
         raise NotImplementedError
 
-    def _graph(self, bp):  # type: ignore[no-untyped-def]
+    def _graph(self, bp):
         """The graph of key ``bp`` (a padded size, or a (size, bound) pair), captured once."""
         if bp not in self._graphs:
             self._reset(bp)
@@ -143,9 +143,9 @@ class StepGraphs(_Graphs):
     SIZES = (16, 32, 64, 128, 256)
     FEW = 4
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  max_tokens: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None = None, pool=None, gates=None) -> None:  # type: ignore[no-untyped-def]
+                 routing_shape: tuple[int, int] | None = None, pool=None, gates=None) -> None:
         sizes = [b for b in self.SIZES if b <= max_tokens]
         super().__init__(model, kv_caches, block_size, max_model_len, sizes[-1] if sizes else 1,
                          scratch_block, device, capture, routing_shape, pool)
@@ -154,10 +154,10 @@ class StepGraphs(_Graphs):
         self.keys = [(bp, bound) for bp in sizes for bound in (self.FEW, bp)]
         self.used: set[tuple[int, int]] = set()     # (bucket, bound) of the steps run (tests)
 
-    def _rows(self, key) -> int:  # type: ignore[no-untyped-def]
+    def _rows(self, key) -> int:
         return key[0]
 
-    def _capture_meta(self, key) -> AttentionMetadata:  # type: ignore[no-untyped-def, override]
+    def _capture_meta(self, key) -> AttentionMetadata:
         # the kernels' bounds (lengths come from the device): FEW sequences as one bp-token query
         # over max_model_len (split-KV as for a device hit), or bp sequences (no split)
         bp, bound = key
@@ -168,7 +168,7 @@ class StepGraphs(_Graphs):
             query_lens_cpu=q_lens, seq_lens_cpu=[self.max_model_len] * len(q_lens), max_query_len=bp,
             max_seq_len=self.max_model_len, graph_num_seqs=bound)
 
-    def _reset(self, key) -> None:  # type: ignore[no-untyped-def, override]
+    def _reset(self, key) -> None:
         bp, bound = key
         self._pad(0, 0, bp, bound)
 
@@ -200,7 +200,7 @@ class StepGraphs(_Graphs):
         width = meta.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"block table of {width} blocks exceeds max_model_len {self.max_model_len}")
-        graph, out = self._graph((bp, bound)) if self.capture else (None, None)   # type: ignore[arg-type]
+        graph, out = self._graph((bp, bound)) if self.capture else (None, None)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -219,15 +219,16 @@ class StepGraphs(_Graphs):
                 query_lens_cpu=q_lens, seq_lens_cpu=s_lens, max_query_len=max(q_lens), max_seq_len=max(s_lens))
             return self._forward(bp, eager)[:n]
         graph.replay()
+        assert out is not None
         return out[:n]
 
 
 class DecodeGraphs(_Graphs):
     """Decode steps (one token per sequence) by padded batch size (module docstring)."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,  # type: ignore[no-untyped-def]
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  max_batch: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None = None, pool=None) -> None:  # type: ignore[no-untyped-def]
+                 routing_shape: tuple[int, int] | None = None, pool=None) -> None:
         buckets = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
         if buckets[-1] < max_batch:
             buckets.append(max_batch)
@@ -279,4 +280,5 @@ class DecodeGraphs(_Graphs):
         if graph is None:
             return self._forward(bp, self._meta(bp, list(meta.seq_lens_cpu) + [1] * (bp - batch)))[:batch]
         graph.replay()
+        assert out is not None
         return out[:batch]

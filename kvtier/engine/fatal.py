@@ -26,14 +26,15 @@ _MARKERS = ("device-side assert", "illegal memory access", "an illegal instructi
 def device_lost(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says the GPU context is unusable."""
     seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, DeviceLost):
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        if isinstance(cur, DeviceLost):
             return True
-        if isinstance(exc, (RuntimeError, getattr(torch, "AcceleratorError", RuntimeError))):
-            text = str(exc)
+        if isinstance(cur, (RuntimeError, getattr(torch, "AcceleratorError", RuntimeError))):
+            text = str(cur)
             if "out of memory" not in text and any(m in text for m in _MARKERS):
                 return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1   # type: ignore[assignment]
+        cur, seen = cur.__cause__ or cur.__context__, seen + 1
     return False
 
 

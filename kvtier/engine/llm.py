@@ -30,7 +30,7 @@ class LLM(EngineCore):
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[assignment]  # one prompt (text or token ids): a batch of one
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

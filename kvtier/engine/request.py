@@ -74,6 +74,12 @@ class Request:
             self.prompt_logprobs = []
 
     @property
+    def cache_req(self) -> CacheRequest:
+        """``cache``, which is set while a scheduler holds the request (waiting, running or draining)."""
+        assert self.cache is not None, f"request {self.request_id!r} is not in a scheduler"
+        return self.cache
+
+    @property
     def needs_prompt_logits(self) -> bool:
         """Are prompt logprobs still to come? (then no prefix hits: hit blocks have no logits)"""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens

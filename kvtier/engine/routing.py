@@ -89,11 +89,11 @@ class RoutingCapture:
         return self.device_store[blocks, pos % self.block_size].copy()
 
     # ---- tier moves (called by the transfer executor with the KV copies)
-    def device_to_host(self, device_blocks, host_blocks) -> None:  # type: ignore[no-untyped-def]
+    def device_to_host(self, device_blocks, host_blocks) -> None:
         self.flush()
         self.host_store[list(host_blocks)] = self.device_store[list(device_blocks)]
 
-    def host_to_device(self, host_blocks, device_blocks) -> None:  # type: ignore[no-untyped-def]
+    def host_to_device(self, host_blocks, device_blocks) -> None:
         self.flush()
         self.device_store[list(device_blocks)] = self.host_store[list(host_blocks)]
 

@@ -110,7 +110,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(s.num_tokens)
             seq_lens.append(end)
-            tables.append(req.cache.block_table[: -(-end // self.block_size)])
+            tables.append(req.cache_req.block_table[: -(-end // self.block_size)])
             if s.samples:
                 sample_rows.append(len(ids) - 1)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, "cpu")
@@ -141,11 +141,13 @@ class ModelRunner:
             index_checks.check("block_tables", dev.block_tables, kv.shape[1])
             index_checks.check("sample_rows", tail[:ns], n)
         if npend:
+            last = self._feed                    # the step in flight (build_inputs checked it)
+            assert last is not None and last.tokens is not None
             at, rows = tail[ns:ns + npend], tail[ns + npend:]
             if index_checks.ENABLED:
                 index_checks.check("pending token places", at, n)
-                index_checks.check("pending token rows", rows, self._feed.tokens.numel())   # type: ignore[union-attr]
-            input_ids.index_copy_(0, at, self._feed.tokens.index_select(0, rows))   # type: ignore[union-attr]
+                index_checks.check("pending token rows", rows, last.tokens.numel())
+            input_ids.index_copy_(0, at, last.tokens.index_select(0, rows))
         return StepInputs(input_ids, wide_d[n:2 * n], dev, sample_rows, tail[:ns])
 
     def execute(self, out: SchedulerOutput,
@@ -175,27 +177,30 @@ class ModelRunner:
         decode_graph = graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None
         step_graph = not decode_graph and steps is not None and steps.bucket(len(input_ids)) is not None
         if decode_graph or (step_graph and self.graph_loads):            # replayed, whatever it loads
-            mode = "gated" if step_graph and steps.gates is not None else "whole"   # type: ignore[union-attr]
+            mode = "gated" if step_graph and steps is not None and steps.gates is not None else "whole"
         else:
             mode = "layers"
         layer_hook = start_loads(mode) if start_loads is not None else None
         if decode_graph:
+            assert graphs is not None
             self._wait_all_loads(layer_hook)
-            hidden = graphs.run(input_ids, positions, meta)   # type: ignore[union-attr]
-            routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None  # type: ignore[union-attr]
+            hidden = graphs.run(input_ids, positions, meta)
+            routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None
         elif step_graph and (mode != "layers" or layer_hook is None):
+            assert steps is not None
             if mode != "gated":
                 self._wait_all_loads(layer_hook)  # any other short step
             elif layer_hook is not None:
-                layer_hook.before_graph()         # type: ignore[attr-defined]
+                layer_hook.before_graph()
                 self.graph_steps_after_loads += 1
-            hidden = steps.run(input_ids, positions, meta)      # type: ignore[union-attr]
-            routing_out = steps.routing_out[:len(input_ids)] if steps.routing_out is not None else None  # type: ignore[union-attr]
+            hidden = steps.run(input_ids, positions, meta)
+            routing_out = steps.routing_out[:len(input_ids)] if steps.routing_out is not None else None
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
             hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook,
                                 routing_out=routing_out)
-        if self.routing is not None:
+        if self.routing is not None:             # (the buffers and the host slots come with routing)
+            assert routing_out is not None and meta.slot_mapping_cpu is not None
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         samplers = [s.request for s in out.scheduled if s.samples]
         prompt_rows = self._prompt_logprob_rows(out)
@@ -203,16 +208,18 @@ class ModelRunner:
         if not samplers and not prompt_rows:
             self._last = None
             return result
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)) if samplers else None
         params = [r.params for r in samplers]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_rows = [i for i in want if params[i].logprobs_mode == "raw"]
         proc_rows = [i for i in want if params[i].logprobs_mode == "processed"]
-        raw = torch.log_softmax(_rows(logits, raw_rows), dim=-1) if raw_rows else None   # before penalties
-        penalized = [i for i, p in enumerate(params) if p.has_penalties]
-        if penalized:
-            self.penalties.apply(logits, penalized, [samplers[i] for i in penalized])
+        raw = None
         if samplers:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+            if raw_rows:                          # before penalties
+                raw = torch.log_softmax(_rows(logits, raw_rows), dim=-1)
+            penalized = [i for i, p in enumerate(params) if p.has_penalties]
+            if penalized:
+                self.penalties.apply(logits, penalized, [samplers[i] for i in penalized])
             tokens, processed = draw(logits, params, [r.generator for r in samplers], proc_rows)
         else:
             tokens, processed = torch.zeros(0, dtype=torch.long, device=self.device), None
@@ -225,9 +232,11 @@ class ModelRunner:
             elif not raw_rows:
                 lp = processed
             else:                    # both modes in one step: back to the order of ``want``
+                assert raw is not None and processed is not None
                 by_row = {row: n for n, row in enumerate(raw_rows + proc_rows)}
                 lp = torch.cat([raw, processed])[to_device([by_row[i] for i in want], self.device)]
-            result.logprobs = (want, pack.add(lp, _rows(tokens, want), max(params[i].logprobs for i in want)))
+            assert lp is not None
+            result.logprobs = (want, pack.add(lp, _rows(tokens, want), max(_asked(params[i].logprobs) for i in want)))
         if prompt_rows:
             result.prompt = (prompt_rows, self._prompt_logprobs(hidden, prompt_rows, pack))
         result.tokens = tokens
@@ -256,7 +265,7 @@ class ModelRunner:
         logits are computed, a slice of rows at a time (a [rows, vocab] float32 block each)."""
         rows = [r for span in spans for r in span.rows]
         targets = to_device([t for span in spans for t in span.targets], self.device)
-        k = max(span.req.params.prompt_logprobs for span in spans)   # type: ignore[type-var]
+        k = max(_asked(span.req.params.prompt_logprobs) for span in spans)
         pieces = []
         for a in range(0, len(rows), _PROMPT_SLICE):
             at = to_device(rows[a:a + _PROMPT_SLICE], self.device)
@@ -321,16 +330,16 @@ class StepResult:
         if self.logprobs is not None:
             want, where = self.logprobs
             entries = _Pack.entries(host, where, [token_ids[i] for i in want],
-                                    [samplers[i].params.logprobs for i in want])   # type: ignore[misc]
+                                    [_asked(samplers[i].params.logprobs) for i in want])
             for i, entry in zip(want, entries):
                 samplers[i].step_logprobs = entry
         if self.prompt is not None:
             spans, where = self.prompt
             targets = [t for span in spans for t in span.targets]
-            ks = [span.req.params.prompt_logprobs for span in spans for _ in span.targets]
-            entries_it = iter(_Pack.entries(host, where, targets, ks))   # type: ignore[arg-type]
+            ks = [_asked(span.req.params.prompt_logprobs) for span in spans for _ in span.targets]
+            entries_it = iter(_Pack.entries(host, where, targets, ks))
             for span in spans:
-                scored = [next(entries_it) for _ in span.targets]
+                scored: list[dict[int, float] | None] = [next(entries_it) for _ in span.targets]
                 if span.start == 0:          # the first prompt token has no logprob
                     span.req.step_prompt_logprobs = (0, [None, *scored])
                 else:
@@ -349,6 +358,12 @@ class StepResult:
         r = cls([])
         r._sampled = sampled
         return r
+
+
+def _asked(k: int | None) -> int:
+    """A top-k of logprobs a request asked for (set: the rows that use it are chosen by it)."""
+    assert k is not None
+    return k
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -237,7 +237,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Seq
     return tokens, processed
 
 
-def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list or array on ``device`` without waiting for the GPU: through pinned memory,
     non-blocking (``torch.tensor(..., device="cuda")`` synchronizes the stream, which with overlap
     scheduling would wait for the step in flight)."""
@@ -317,12 +317,13 @@ class Penalties:
                                    accumulate=True)
         ridx = torch.tensor(rows, device=self.device)
         x = logits[ridx]
-        mask_rows, mask_ids = [], []           # min_tokens: what would end the request, masked
+        mask_rows: list[int] = []              # min_tokens: what would end the request, masked
+        mask_ids: list[int] = []
         for n, req in enumerate(reqs):
             p = req.params
             if len(req.output_token_ids) < p.min_tokens:
-                ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                ends = [t for t in ends if t < self.vocab_size]
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                ends = [t for t in stops if t < self.vocab_size]
                 mask_rows += [n] * len(ends)
                 mask_ids += ends
         if mask_rows:

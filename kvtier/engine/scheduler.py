@@ -124,8 +124,8 @@ class Scheduler:
             if n <= 0 or (req.num_pending and self._ends_in_flight(req)):
                 i += 1                               # nothing to compute until its token lands
                 continue
-            while not cache.allocate(req.cache, req.num_computed_tokens + n):
-                if cache.wait_would_fit(req.cache, req.num_computed_tokens + n):   # copies landing free
+            while not cache.allocate(req.cache_req, req.num_computed_tokens + n):
+                if cache.wait_would_fit(req.cache_req, req.num_computed_tokens + n):   # copies landing free
                     # enough blocks (backups, early loads): wait for them rather than preempt
                     out.stalled = True
                     break
@@ -155,26 +155,28 @@ class Scheduler:
                 idx += 1                             # its storage hits are landing: step aside
                 seats -= 1
                 continue
-            m = cache.match_prefix(req.cache)
-            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache)
+            m = cache.match_prefix(req.cache_req)
+            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache_req)
             if req.prefetch_from is None:
                 req.prefetch_from = cached               # what device + host held at arrival
                 req.prefetch_device = m.num_device_blocks * m.block_size
-                if m.num_storage_blocks or req.cache.tail is not None:   # (a PD hand-off's last block)
-                    n_fetch = cache.prefetch(req.cache)
+                if m.num_storage_blocks or req.cache_req.tail is not None:   # (a PD hand-off's last block)
+                    n_fetch = cache.prefetch(req.cache_req)
                     if n_fetch:
                         req.metrics["prefetch_start"] = time.monotonic()
                         req.prefetch_deadline = req.metrics["prefetch_start"] + self._prefetch_budget(req, n_fetch)
                         idx += 1
                         seats -= 1
                         continue
-            if not cache.allocate(req.cache, min(req.num_tokens, cached + budget)):
+            if not cache.allocate(req.cache_req, min(req.num_tokens, cached + budget)):
                 break
-            m = req.cache.match                      # allocate re-matches if the tree changed
-            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache)
+            match = req.cache_req.match              # allocate re-matches if the tree changed
+            assert match is not None
+            m = match
+            cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache_req)
             n = min(req.num_tokens - cached, budget)
-            if not cache.allocate(req.cache, cached + n):   # fewer hits than first seen: grow
-                n = len(req.cache.block_table) * m.block_size - cached
+            if not cache.allocate(req.cache_req, cached + n):   # fewer hits than first seen: grow
+                n = len(req.cache_req.block_table) * m.block_size - cached
             del self.waiting[idx]
             req.metrics.setdefault("admitted", time.monotonic())
             req.status = Status.RUNNING
@@ -206,7 +208,9 @@ class Scheduler:
 
     def _prefetch_settled(self, req: Request) -> bool:
         """May a request whose prefetch started be admitted now?"""
-        return not self.cache.prefetch_pending(req.cache) or time.monotonic() >= req.prefetch_deadline  # type: ignore[operator]
+        deadline = req.prefetch_deadline
+        assert deadline is not None                 # (its prefetch started)
+        return not self.cache.prefetch_pending(req.cache_req) or time.monotonic() >= deadline
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens_ahead)
@@ -220,9 +224,9 @@ class Scheduler:
         """Free everything; the request starts over from its cached prefix: under swap, every
         block it committed is copied to host first, so it comes back by a load."""
         if self.preemption_mode == "swap":
-            self.cache.swap_out(req.cache)
+            self.cache.swap_out(req.cache_req)
         else:
-            self.cache.free(req.cache)
+            self.cache.free(req.cache_req)
         req.cache = self._cache_request(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -268,7 +272,7 @@ class Scheduler:
                     tiers["storage"] = valid - tiers["device"] - tiers["host"]
                 req.step_logprobs = req.step_prompt_logprobs = None
                 continue
-            self.cache.commit(req.cache, end)
+            self.cache.commit(req.cache_req, end)
             if req.step_prompt_logprobs is not None:
                 _take_prompt_logprobs(req)
             if not s.samples:
@@ -285,7 +289,8 @@ class Scheduler:
             req.output_token_ids.append(token)
             self.num_generated_tokens += 1
             if req.logprobs is not None:
-                req.logprobs.append(req.step_logprobs)    # type: ignore[arg-type]
+                assert req.step_logprobs is not None     # the step computed them (params.logprobs)
+                req.logprobs.append(req.step_logprobs)
                 req.step_logprobs = None
             reason = self._stop_reason(req, token)
             if reason is not None:
@@ -308,7 +313,7 @@ class Scheduler:
     def _free_drained(self) -> None:
         for req in [r for r in self.draining if not r.num_pending]:
             self.draining.remove(req)
-            self.cache.free(req.cache)
+            self.cache.free(req.cache_req)
 
     def release(self, req: Request) -> None:
         """Return a finished request's blocks; if a step in flight still computes for it (its
@@ -317,7 +322,7 @@ class Scheduler:
         if req.num_pending:
             self.draining.append(req)
         else:
-            self.cache.free(req.cache)
+            self.cache.free(req.cache_req)
 
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.running, self.waiting):
@@ -350,8 +355,10 @@ class Scheduler:
 def _take_prompt_logprobs(req: Request) -> None:
     """Append the prompt logprobs the step computed past those the request has (a request
     recomputed after a preemption scores again what it scored before)."""
-    first, entries = req.step_prompt_logprobs          # type: ignore[misc]
+    step, kept = req.step_prompt_logprobs, req.prompt_logprobs
+    assert step is not None and kept is not None       # (a request that asked for them, scored by the step)
+    first, entries = step
     req.step_prompt_logprobs = None
-    have = len(req.prompt_logprobs)                    # type: ignore[arg-type]
+    have = len(kept)
     if first <= have:
-        req.prompt_logprobs.extend(entries[have - first:])   # type: ignore[union-attr]
+        kept.extend(entries[have - first:])
