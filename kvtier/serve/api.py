@@ -48,7 +48,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncGenerator, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -366,7 +366,7 @@ class Server:
         stream = choice.stream
         text, n = stream.push(toks)
         toks = toks[:n]
-        lps = lps[:n] if call.logprobs else None
+        lps = lps[:n] if call.logprobs and lps is not None else None
         choice.token_ids += toks
         if lps is not None:
             choice.logprobs += lps
@@ -381,7 +381,7 @@ class Server:
         return choice.stream.finish()
 
     async def _deltas(self, call: _Call, gen: _Gen, replay: bool = False,
-                      emit_replayed: bool = False) -> AsyncIterator[_Piece | None]:
+                      emit_replayed: bool = False) -> AsyncGenerator[_Piece | None, None]:
         """Pieces of ``gen``'s choices as they come, after one ``None`` once the engine produced its
         first delta (so that callers can answer errors before it with a status code); a piece with
         ``end`` closes its choice (``finish_reason`` set). Sets ``gen.output`` and
@@ -473,7 +473,7 @@ class Server:
                 self.metrics.ttft.observe(m["first_token"] - m["arrival"])
 
     async def _events(self, call: _Call, replay: bool = False,
-                      emit_replayed: bool = False) -> AsyncIterator[_Piece | None]:
+                      emit_replayed: bool = False) -> AsyncGenerator[_Piece | None, None]:
         """The pieces of every request of ``call`` as they come (``_deltas``), after one ``None``
         once each has had its first delta (or ended). Closing it aborts every request."""
         if len(call.gens) == 1:
@@ -561,7 +561,7 @@ class Server:
             return [self._chunk(call, c, {"role": "assistant", "content": ""}) for c in call.choices]
         return [self._chunk(call, c, text=c.echo) for c in call.choices if c.echo]
 
-    async def _sse(self, call: _Call, first: Any, rest: AsyncIterator[Any], replay: bool) -> AsyncIterator[str]:
+    async def _sse(self, call: _Call, first: Any, rest: AsyncGenerator[Any, None], replay: bool) -> AsyncIterator[str]:
         body = call.body
         try:
             if not replay:
@@ -662,7 +662,7 @@ class Server:
         gen, choice = call.gens[0], call.gens[0].choices[0]
         chunks = self._first_chunks(call)
 
-        async def events() -> AsyncIterator[Any]:
+        async def events() -> AsyncGenerator[Any, None]:
             """The first token's delta, then the output (the request's whole time in the engine)."""
             with self._engine_errors(gen):
                 async for delta in self.engine.generate(gen.req):
@@ -685,7 +685,11 @@ class Server:
         if first is _END or (out is not None and (out.finish_reason == "error" or not out.token_ids)):
             await it.aclose()
             raise self._failure(out) if out is not None else APIError(500, "the prefill produced no output")
-        token = first.token_ids[0] if first.token_ids else out.token_ids[0]
+        if first.token_ids:
+            token = first.token_ids[0]
+        else:                             # events() yields tokens, or the output
+            assert out is not None
+            token = out.token_ids[0]
         names = first.export or {}
         piece = self._push(call, choice, [token], None)
         if piece.text or body.return_token_ids:
@@ -693,10 +697,13 @@ class Server:
             if body.return_token_ids:
                 c["choices"][0]["token_ids"] = [token]
             chunks.append(c)
+        cached = names.pop("cached_tokens", out.num_cached_tokens if out is not None else 0)
+        if not names:                     # no export's names on the first delta: the output's
+            assert out is not None
+            names = _names(out.handoff)
         head = {"id": call.rid, "created": call.created, "chunks": chunks,
                 "prompt_token_ids": list(gen.req.prompt_token_ids), "first_token": token,
-                "cached_tokens": names.pop("cached_tokens", out.num_cached_tokens if out is not None else 0),
-                "manifest": names or _names(out.handoff)}
+                "cached_tokens": cached, "manifest": names}
 
         async def lines() -> AsyncIterator[str]:
             try:
@@ -713,6 +720,7 @@ class Server:
                 if err is not None:
                     yield json.dumps(error_body(err.status, err.message)) + "\n"
                     return
+                assert last is not None                # (else err is set above)
                 m = last.metrics or {}
                 if "first_token" in m:
                     self.metrics.ttft.observe(m["first_token"] - m["arrival"])

@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Any, Awaitable, Callable
 
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.serve.errors import error_response
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # An oversized body is read and thrown away (never buffered, never parsed) up to this many bytes
@@ -91,7 +86,7 @@ class BodyLimit:
         received = 0
         started = False
 
-        async def counted_receive() -> dict[str, Any]:
+        async def counted_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -102,7 +97,7 @@ class BodyLimit:
                     raise BodyTooLarge(self.max_bytes)
             return message
 
-        async def tracked_send(message: dict[str, Any]) -> None:
+        async def tracked_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)

@@ -51,9 +51,11 @@ def invalid_json_message(error: str, doc: Any = None, position: Any = None) -> s
     where = ""
     if isinstance(position, int) and isinstance(doc, (str, bytes)):
         before = doc[:position]
-        newline = "\n" if isinstance(doc, str) else b"\n"
-        line = before.count(newline) + 1
-        where = f" at line {line}, column {position - (before.rfind(newline) + 1) + 1}"
+        if isinstance(before, str):
+            newlines, last = before.count("\n"), before.rfind("\n")
+        else:
+            newlines, last = before.count(b"\n"), before.rfind(b"\n")
+        where = f" at line {newlines + 1}, column {position - (last + 1) + 1}"
     return f"the request body is not valid JSON: {error}{where}"
 
 

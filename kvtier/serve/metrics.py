@@ -23,7 +23,7 @@ class _CacheCollector:
     def __init__(self) -> None:
         self.stats: dict | None = None
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):
         s = self.stats
         moved = CounterMetricFamily("kvtier_bytes_moved", "KV bytes moved between tiers", labels=["direction"])
         evict = CounterMetricFamily("kvtier_evictions", "KV blocks evicted per tier", labels=["tier"])
@@ -79,7 +79,7 @@ class ServerMetrics:
         r.register(self._cache)
 
     def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int,
-                 output=None) -> None:  # type: ignore[no-untyped-def]
+                 output=None) -> None:
         """One request ended; ``output``: the engine's final output, None if it had none (aborted,
         or cut by a stop string)."""
         self.requests.labels(finish_reason).inc()
@@ -99,7 +99,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def snapshot(core) -> dict:  # type: ignore[no-untyped-def]
+def snapshot(core) -> dict:
     """What /metrics needs from the engine (runs on the engine thread): the cache's counters, and
     (used, total) blocks per tier."""
     s = core.cache.stats.as_dict()

@@ -118,6 +118,8 @@ class PromptTokenizer:
             raise APIError(400, f"messages[{first}].content holds special-token text, and this chat template "
                                 "changes contents, so it cannot be kept as plain text: remove it",
                            f"messages.{first}.content")
+        specials = self._specials
+        assert specials is not None               # (a content holds special-token text)
         ids: list[int] = []
         run: list[str] = []                       # text since the last template special token
 
@@ -130,7 +132,7 @@ class PromptTokenizer:
                 run.append(piece)
                 continue
             at = 0
-            for m in self._specials.finditer(piece):   # type: ignore[union-attr]
+            for m in specials.finditer(piece):
                 run.append(piece[at:m.start()])
                 flush()
                 ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))

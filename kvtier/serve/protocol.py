@@ -20,7 +20,7 @@ Booleans are JSON ``true``/``false`` only (``"yes"`` or ``1`` for ``stream`` is 
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -50,6 +50,15 @@ class _Body(BaseModel):
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required() or k in cls.NULL_KEPT}
+
+
+_T = TypeVar("_T")
+
+
+def _given(value: _T | None) -> _T:
+    """A field whose null means its default: never None once validated (``_Body`` drops the nulls)."""
+    assert value is not None
+    return value
 
 
 class StreamOptions(_Body):
@@ -119,7 +128,7 @@ class _Sampling(_Body):
     @model_validator(mode="after")
     def _min_tokens(self) -> "_Sampling":
         cap = self.max_tokens_asked
-        if cap is not None and self.min_tokens > cap:
+        if cap is not None and _given(self.min_tokens) > cap:
             raise FieldError("min_tokens", f"min_tokens={self.min_tokens} is more than max_tokens={cap}")
         return self
 
@@ -152,15 +161,17 @@ class _Sampling(_Body):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's params (ValueError names the bad field first: ``sampling_param`` finds it)."""
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(self.top_k, 0), seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, return_routed_experts=self.return_routed_experts,
-                              skip_special_tokens=self.skip_special_tokens, n=self.n,
+        return SamplingParams(max_tokens=max_tokens, temperature=_given(self.temperature), top_p=_given(self.top_p),
+                              top_k=max(_given(self.top_k), 0), seed=self.seed,
+                              stop_token_ids=tuple(_given(self.stop_token_ids)),
+                              ignore_eos=_given(self.ignore_eos), return_routed_experts=_given(self.return_routed_experts),
+                              skip_special_tokens=_given(self.skip_special_tokens), n=_given(self.n),
                               logprobs=self.engine_logprobs, prompt_logprobs=self.engine_prompt_logprobs,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty,
-                              min_tokens=self.min_tokens,
-                              stop=tuple(self.stop_strings), logprobs_mode=self.logprobs_mode)
+                              presence_penalty=_given(self.presence_penalty),
+                              frequency_penalty=_given(self.frequency_penalty),
+                              repetition_penalty=_given(self.repetition_penalty),
+                              min_tokens=_given(self.min_tokens),
+                              stop=tuple(self.stop_strings), logprobs_mode=_given(self.logprobs_mode))
 
 
 def sampling_param(message: str) -> str | None:
@@ -207,7 +218,7 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts of the request (one engine request each)."""
         p = self.prompt
-        return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]   # type: ignore[arg-type]
+        return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
     @property
     def engine_logprobs(self) -> int | None:

@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import AbstractSet, Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -90,8 +90,14 @@ class Router:
         self.api = self._build()
         self.app = asgi.wrap(self.api, api_key, ("/v1/",), max_body_bytes)
 
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        """The client to P and D (made when the app starts)."""
+        assert self.client is not None, "the router's app has not started"
+        return self.client
+
     # ------------------------------------------------------------------ backends
-    def _pick(self, role: str, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
+    def _pick(self, role: str, exclude: AbstractSet[str] = frozenset()) -> Backend | None:
         pool = self.prefill if role == "prefill" else self.decode
         cands = [b for b in pool if b.healthy and b.url not in exclude]
         if not cands:
@@ -102,7 +108,7 @@ class Router:
 
     async def _check(self, b: Backend) -> None:
         try:
-            r = await self.client.get(b.url + "/health", timeout=httpx.Timeout(2.0))   # type: ignore[union-attr]
+            r = await self._http.get(b.url + "/health", timeout=httpx.Timeout(2.0))
             b.info = r.json()
             # a D without its pool cannot take hand-offs, but its engine still serves colocated
             b.healthy = r.status_code == 200 or (b.role == "decode" and b.info.get("engine") == "ok")
@@ -154,7 +160,7 @@ class Router:
             if d is None:
                 return error_response(503, "no decode server is up")
             try:
-                r = await router.client.get(d.url + "/v1/models")           # type: ignore[union-attr]
+                r = await router._http.get(d.url + "/v1/models")
             except httpx.HTTPError as e:
                 d.healthy = False
                 return error_response(502, f"decode server {d.url} failed: {_describe(e)}")
@@ -254,9 +260,9 @@ class Router:
                 return None, reason
             tried.add(p.url)
             t0 = time.monotonic()
-            req = self.client.build_request("POST", p.url + _PREFILL[kind], json=dict(body, stream=False))  # type: ignore[union-attr]
+            req = self._http.build_request("POST", p.url + _PREFILL[kind], json=dict(body, stream=False))
             try:
-                r = await self.client.send(req, stream=True)                     # type: ignore[union-attr]
+                r = await self._http.send(req, stream=True)
                 if r.status_code != 200:
                     await r.aread()
                     await r.aclose()
@@ -296,9 +302,9 @@ class Router:
             if d is None:
                 return APIError(503, last_error)
             tried.add(d.url)
-            req = self.client.build_request("POST", d.url + _PATHS[kind], json=body)   # type: ignore[union-attr]
+            req = self._http.build_request("POST", d.url + _PATHS[kind], json=body)
             try:
-                r = await self.client.send(req, stream=True)                         # type: ignore[union-attr]
+                r = await self._http.send(req, stream=True)
             except httpx.TimeoutException as e:
                 # not retried on the next D: the request may still be running on this one
                 return APIError(504, f"decode server {d.url} did not answer in time: {_describe(e)}")
