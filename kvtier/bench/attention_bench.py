@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,19 +117,17 @@ def make_sdpa(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     ql, sl = case.query_lens[0], case.seq_lens[0]
     qb = q.view(b, ql, case.num_heads, case.head_dim).transpose(1, 2)     # [B, H, q, D]
     group = case.num_heads // case.num_kv_heads
+    causal = ql > 1 and ql == sl
     mask = None
-    if ql > 1:
-        if ql == sl:
-            mask = "causal"
-        else:
-            from torch.nn.attention.bias import causal_lower_right
-            mask = causal_lower_right(ql, sl)
+    if ql > 1 and not causal:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(ql, sl)
 
     def call(kk, vv, gqa):
-        kwargs = {"scale": scale}
+        kwargs: dict[str, Any] = {"scale": scale}
         if gqa:
             kwargs["enable_gqa"] = True
-        if mask == "causal":
+        if causal:
             return F.scaled_dot_product_attention(qb, kk, vv, is_causal=True, **kwargs)
         return F.scaled_dot_product_attention(qb, kk, vv, attn_mask=mask, **kwargs)
 

@@ -85,7 +85,7 @@ def time_keys(trace: list[list[int]], block_size: int, hash_name: str, hit_block
     return time.perf_counter() - t0
 
 
-def best_of(fn, repeat: int):  # type: ignore[no-untyped-def]
+def best_of(fn, repeat: int):
     runs = []
     for _ in range(repeat):
         gc.collect()
@@ -123,7 +123,7 @@ def format_row(r: dict) -> str:
             f"hit {r['hit_share']:.3f}  best of {r['best_of']}")
 
 
-def main(args) -> int:  # type: ignore[no-untyped-def]
+def main(args) -> int:
     rows = run(args.requests, args.prompts, args.prompt_tokens, args.block_size, args.repeat)
     for r in rows:
         print(json.dumps(r) if args.json else format_row(r))

@@ -33,7 +33,7 @@ def workload(args: argparse.Namespace) -> serving.Workload:
         rngs = [random.Random(args.seed * 1_000_003 + c) for c in range(args.clients)]
         vocab = args.vocab
         arrivals = serving.Arrivals(args.request_rate, args.max_parallel, args.seed)
-        histories = [[] for _ in range(args.clients)]
+        histories: list[list[int]] = [[] for _ in range(args.clients)]
         records: list[serving.Record] = []
 
         async def one_round(c: int, r: int) -> None:

@@ -28,11 +28,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def _ttft(llm, prompt: list[int]):  # type: ignore[no-untyped-def]
+def _ttft(llm, prompt: list[int]):
     import kvtier
 
     torch.cuda.synchronize()
@@ -87,7 +88,7 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
         _ttft(llm, prefix + tokens(new_len))
         res: dict[str, list[float]] = {"device": [], "host": [], "recompute": []}
         host_tokens: list[int] = []
-        def check(ok: bool, what: str, out) -> None:  # type: ignore[no-untyped-def]
+        def check(ok: bool, what: str, out) -> None:
             if not ok:
                 raise RuntimeError(f"bench overlap (prefix {prefix_len}, new {new_len}): {what}; "
                                    f"cached tokens by tier {out.cached_tokens_by_tier}")
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("kvtier bench overlap needs a CUDA GPU (torch sees none)")
     from kvtier.model import PRESETS, init_model
 
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = Path(name)

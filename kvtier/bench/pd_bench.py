@@ -82,7 +82,9 @@ async def _drive(url: str, model: str, reqs: list[dict], timeout: float) -> list
             body = {"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0,
                     "ignore_eos": True, "stream": True, "return_token_ids": True}
             t0 = time.perf_counter()
-            times, counts, tokens = [], [], []
+            times: list[float] = []
+            counts: list[int] = []
+            tokens: list[int] = []
             async with client.stream("POST", url + "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     raise RuntimeError(f"{url}: {resp.status_code} {(await resp.aread())[:300]!r}")
@@ -117,7 +119,7 @@ def _spread(runs: list[dict]) -> dict:
                 "max": max(r[k] for r in runs)} for k in runs[0]}
 
 
-def _sweep(url: str, name: str, loads: dict[float, list[list[dict]]], timeout: float, bar) -> dict:  # type: ignore[no-untyped-def]
+def _sweep(url: str, name: str, loads: dict[float, list[list[dict]]], timeout: float, bar) -> dict:
     """{rate: [per repeat: (summary, results)]} of every workload, one after the other."""
     out: dict = {}
     for rate, repeats in loads.items():

@@ -43,7 +43,7 @@ class VllmPeer:
         self._request, self._params = Request, SamplingParams(max_tokens=1)
         self.name = f"vllm[{hash_name}]"
 
-    def admit(self, rid, tokens):  # type: ignore[no-untyped-def]
+    def admit(self, rid, tokens):
         req = self._request(str(rid), tokens, self._params, None)
         t0 = time.perf_counter_ns()
         req._block_hasher = self._hasher
@@ -58,10 +58,10 @@ class VllmPeer:
         req.num_computed_tokens = len(tokens)
         return Admitted(req, num_hit, {"hash": t1 - t0, "match": t2 - t1, "alloc+insert": t3 - t2})
 
-    def publish(self, req) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    def publish(self, req) -> dict[str, int]:
         return {}                                                   # done inside allocate_slots
 
-    def finish(self, req) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    def finish(self, req) -> dict[str, int]:
         t0 = time.perf_counter_ns()
         self.mgr.free(req)
         return {"free": time.perf_counter_ns() - t0}
@@ -79,16 +79,20 @@ def _let_sglang_import_on_cpu() -> None:
     import torch
     import transformers.utils.import_utils as hf_imports
 
-    origin = importlib.util.find_spec("sglang").origin
+    sglang = importlib.util.find_spec("sglang")
+    assert sglang is not None and sglang.origin is not None, "sglang is not installed"
     spec = importlib.util.spec_from_file_location("_sglang_platform_stubs",
-                                                  os.path.join(os.path.dirname(origin), "_platform_stubs.py"))
+                                                  os.path.join(os.path.dirname(sglang.origin), "_platform_stubs.py"))
+    assert spec is not None and spec.loader is not None
     stubs = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = stubs
     spec.loader.exec_module(stubs)
     if importlib.util.find_spec("triton") is None:
-        stubs._patch_non_blocking = lambda: None                # leave torch.Tensor.to alone
+        # leave torch.Tensor.to alone
+        stubs._patch_non_blocking = lambda: None  # type: ignore[attr-defined]  # a module loaded from a file
         saved = sys.platform, platform.machine, torch.backends.mps.is_available
-        sys.platform, platform.machine, torch.backends.mps.is_available = "darwin", lambda: "arm64", lambda: True
+        sys.platform, platform.machine, torch.backends.mps.is_available = (
+            "darwin", lambda: "arm64", lambda: True)  # type: ignore[assignment]  # replaced for the import only
         try:
             stubs.install_platform_stubs()
         finally:
@@ -98,7 +102,7 @@ def _let_sglang_import_on_cpu() -> None:
         hf_imports.is_torchvision_available(), hf_imports.is_torchvision_v2_available()
 
         class _EmptyTorchvision:
-            def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
+            def find_spec(self, fullname, path=None, target=None):
                 if fullname.split(".")[0] != "torchvision":
                     return None
                 module = sys.modules.setdefault(fullname, stubs._MockModule(fullname))
@@ -126,7 +130,7 @@ class SglangPeer:
                                                  dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
         self.tree = RadixCache.create_simulated(mock_allocator=self.alloc, page_size=block_size)
 
-    def admit(self, rid, tokens):  # type: ignore[no-untyped-def]
+    def admit(self, rid, tokens):
         ids = self._array("q", tokens)                              # the request's input ids
         tree, alloc, page = self.tree, self.alloc, self.page
         t0 = time.perf_counter_ns()
@@ -149,7 +153,7 @@ class SglangPeer:
         handle = {"ids": ids, "slots": slots, "owned_from": num_hit, "lock": lock}
         return Admitted(handle, num_hit, {"match": t1 - t0, "alloc": t2 - t1})
 
-    def publish(self, h) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    def publish(self, h) -> dict[str, int]:
         """After the prefill, as RadixCache's scheduler does: insert the full pages, free the
         request's copies of pages the tree already had, take the tree's, move the lock down."""
         tree, slots, owned = self.tree, h["slots"], h["owned_from"]
@@ -165,7 +169,7 @@ class SglangPeer:
         h["lock"] = tree.lock(node)
         return {"insert": time.perf_counter_ns() - t0}
 
-    def finish(self, h) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    def finish(self, h) -> dict[str, int]:
         t0 = time.perf_counter_ns()
         self.alloc.free_segment(h["slots"][h["owned_from"]:], start_pos=h["owned_from"])   # the partial page
         self.tree.unlock(h["lock"])

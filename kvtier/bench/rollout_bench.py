@@ -30,7 +30,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(llm, prompts, params, device: str):  # type: ignore[no-untyped-def]
+def _timed(llm, prompts, params, device: str):
     _sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -41,13 +41,13 @@ def _timed(llm, prompts, params, device: str):  # type: ignore[no-untyped-def]
 class PeakBlocks:
     """The most device blocks in use after any step while installed (wraps ``llm.step``)."""
 
-    def __init__(self, llm) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, llm) -> None:
         self.llm, self.peak, self._step = llm, 0, llm.step
 
     def __enter__(self) -> "PeakBlocks":
         pool = self.llm.cache.device_pool
 
-        def step():  # type: ignore[no-untyped-def]
+        def step():
             out = self._step()
             self.peak = max(self.peak, pool.num_used - self.base)
             return out
@@ -55,7 +55,7 @@ class PeakBlocks:
         self.llm.step = step
         return self
 
-    def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+    def __exit__(self, *exc) -> None:
         del self.llm.step
 
 
@@ -69,7 +69,7 @@ def bench_samples(path: Path, args: argparse.Namespace, vocab: int) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens)
     n, g, s = args.n, args.output_tokens, args.seed
 
-    def params(**over):  # type: ignore[no-untyped-def]
+    def params(**over):
         base = dict(max_tokens=g, ignore_eos=True, temperature=0.8, top_p=0.95)
         return kvtier.SamplingParams(**(base | over))
     res: dict = {"n": n, "prompt_tokens": len(prompt), "output_tokens": g}
@@ -106,6 +106,7 @@ def bench_logprobs(path: Path, args: argparse.Namespace, vocab: int) -> dict:
             for _ in range(args.repeat):
                 dt, outs = _timed(llm, prompts, p, args.device)
                 best = dt if best is None else min(best, dt)
+            assert best is not None                 # (repeat >= 1)
             toks = sum(len(o.token_ids) for o in outs)
             if lp is not None:
                 assert all(o.outputs[0].logprobs is not None and len(o.outputs[0].logprobs) == len(o.token_ids)

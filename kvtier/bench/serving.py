@@ -92,7 +92,8 @@ class Server:
             else:
                 self.metric_urls = [self.url]
             import httpx
-            models = httpx.get(self.url.rstrip("/") + "/v1/models", timeout=30).json()["data"]  # type: ignore[union-attr]
+            assert self.url is not None             # (started above)
+            models = httpx.get(self.url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
             self.name = models[0]["id"]
         except BaseException:
             self.__exit__()
@@ -220,10 +221,11 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     if server.token_ids:
         body["return_token_ids"] = True
+    assert server.url is not None                   # (a server entered)
     rec.start = last = time.perf_counter()
     ids: list[int] = []
     try:
-        async with client.stream("POST", server.url.rstrip("/") + "/v1/completions", json=body) as r:   # type: ignore[union-attr]
+        async with client.stream("POST", server.url.rstrip("/") + "/v1/completions", json=body) as r:
             if r.status_code == 400 and server.token_ids:        # a server without return_token_ids
                 await r.aread()
                 server.token_ids = False
@@ -304,7 +306,7 @@ def http_5xx(records: list[Record]) -> int:
 
 def summarize(records: list[Record], wall: float) -> dict:
     ok = [r for r in records if r.error is None and r.ttft is not None]
-    ttft = [r.ttft for r in ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]     # (every one of ok)
     itl = [g for r in ok for g in r.itl]
     rounds = sorted({r.round for r in records})
     by_round = {k: [r for r in ok if r.round == k] for k in rounds}
@@ -321,7 +323,7 @@ def summarize(records: list[Record], wall: float) -> dict:
         "requests_per_s": len(ok) / wall if wall else None,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "cached_tokens": sum(cached) if cached else None,
-        "ttft_by_round": [mean([r.ttft for r in by_round[k]]) for k in rounds],   # type: ignore[misc]
+        "ttft_by_round": [mean([r.ttft for r in by_round[k] if r.ttft is not None]) for k in rounds],
         "cached_by_round": [sum(r.cached_tokens or 0 for r in by_round[k]) for k in rounds],
         "prompt_by_round": [sum(r.prompt_tokens for r in by_round[k]) for k in rounds],
         "ttfts": ttft,

@@ -84,7 +84,7 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) 
 
 
 def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager,
-            storage: SimulatedStorage | None, bar) -> dict:  # type: ignore[no-untyped-def]
+            storage: SimulatedStorage | None, bar) -> dict:
     hits = dict.fromkeys(TIERS, 0)
     prompt_tokens = skipped = 0
     running: deque = deque()
@@ -161,7 +161,7 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:  # type: ignore[no-untyped-def]
+def main(args) -> int:
     trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
     cfg = SimConfig(
         block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,

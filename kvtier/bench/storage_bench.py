@@ -22,6 +22,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -38,19 +39,19 @@ class _RawFile:
         self.root = Path(urlparse(url).path) / "raw-baseline"
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def put(self, names, values) -> None:  # type: ignore[no-untyped-def]
+    def put(self, names, values) -> None:
         for n, v in zip(names, values):
             tmp = self.root / f".{n}.tmp"
             with open(tmp, "wb") as f:
                 f.write(v)
             os.replace(tmp, self.root / n)
 
-    def get(self, names, bufs) -> None:  # type: ignore[no-untyped-def]
+    def get(self, names, bufs) -> None:
         for n, b in zip(names, bufs):
             with open(self.root / n, "rb", buffering=0) as f:
                 f.readinto(b)
 
-    def delete(self, names) -> None:  # type: ignore[no-untyped-def]
+    def delete(self, names) -> None:
         for n in names:
             (self.root / n).unlink(missing_ok=True)
 
@@ -65,24 +66,24 @@ class _RawRedis:
         if p.scheme == "redis+cluster":
             from redis.cluster import ClusterNode, RedisCluster
             nodes = [ClusterNode(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1])) for h in p.netloc.split("@")[-1].split(",")]
-            self.r = RedisCluster(startup_nodes=nodes, password=p.password)
+            self.r: redis.Redis | RedisCluster = RedisCluster(startup_nodes=nodes, password=p.password)
         else:
             self.r = redis.Redis.from_url(url.split("?")[0])
 
-    def put(self, names, values) -> None:  # type: ignore[no-untyped-def]
+    def put(self, names, values) -> None:
         pipe = self.r.pipeline(transaction=False)
         for n, v in zip(names, values):
             pipe.set(n, v)
         pipe.execute()
 
-    def get(self, names, bufs) -> None:  # type: ignore[no-untyped-def]
+    def get(self, names, bufs) -> None:
         pipe = self.r.pipeline(transaction=False)
         for n in names:
             pipe.get(n)
         for b, v in zip(bufs, pipe.execute()):
             b[:len(v)] = v
 
-    def delete(self, names) -> None:  # type: ignore[no-untyped-def]
+    def delete(self, names) -> None:
         pipe = self.r.pipeline(transaction=False)
         for n in names:
             pipe.delete(n)
@@ -103,14 +104,14 @@ class _RawMooncake:
         if self.store.setup(b.local_hostname, b.metadata, 0, 256 << 20, b.protocol, b.rdma_devices, b.master) != 0:
             raise RuntimeError(f"raw Mooncake client setup failed for {url}")
 
-    def put(self, names, values) -> None:  # type: ignore[no-untyped-def]
+    def put(self, names, values) -> None:
         self.store.put_batch(list(names), [bytes(v) for v in values])
 
-    def get(self, names, bufs) -> None:  # type: ignore[no-untyped-def]
+    def get(self, names, bufs) -> None:
         for b, v in zip(bufs, self.store.get_batch(list(names))):
             b[:len(v)] = v
 
-    def delete(self, names) -> None:  # type: ignore[no-untyped-def]
+    def delete(self, names) -> None:
         for n in names:
             self.store.remove(n)             # (a lease may keep it a while: the pool evicts it)
 
@@ -119,7 +120,7 @@ class _RawMooncake:
         self.backend.close()
 
 
-def _raw_client(url: str):  # type: ignore[no-untyped-def]
+def _raw_client(url: str):
     scheme = urlparse(url).scheme
     if scheme == "file":
         return _RawFile(url)
@@ -162,7 +163,7 @@ def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: 
     # as many distinct source buffers as kvtier reads host blocks from (no cache-hot advantage)
     source = rng.integers(0, 256, (objects, object_bytes), dtype=np.uint8)
     values = [memoryview(source[i]) for i in range(objects)]
-    bufs = [memoryview(np.ones(object_bytes, np.uint8)) for _ in range(objects)]
+    bufs = [np.ones(object_bytes, np.uint8).data for _ in range(objects)]
 
     def raw_round(r: int) -> tuple[float, float]:
         raw = _raw_client(url)
@@ -190,7 +191,7 @@ def bench_bytes(url: str, objects: int, object_bytes: int, workers: int, batch: 
     if not np.array_equal(host[objects:], host[:objects]):
         raise AssertionError(f"{url}: bytes read back differ from bytes written")
     nbytes = objects * object_bytes
-    res = {"url": url.split("@")[-1], "objects": objects,
+    res: dict[str, Any] = {"url": url.split("@")[-1], "objects": objects,
            "object_bytes": object_bytes,
            "kvtier_put_gbps": nbytes / statistics.median(t[0] for t in ours) / 1e9,
            "kvtier_get_gbps": nbytes / statistics.median(t[1] for t in ours) / 1e9}
@@ -228,7 +229,7 @@ def bench_ttft(model: str, device: str, load_format: str, pool_url: str, slow_th
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def ttft(llm, salt):  # type: ignore[no-untyped-def]
+    def ttft(llm, salt):
         sync()
         t0 = time.perf_counter()
         o = llm.generate([prompt], one, cache_salt=salt)[0]
@@ -360,15 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         result["ttft"] = res
         if not args.json:
             for name in ("storage", "storage_late_loads", "slow_auto", "slow_always"):
-                r = res.get(name)
-                if r is None:
+                run = res.get(name)
+                if run is None:
                     continue
-                wait = statistics.median(p["fetch_wait_s"] for p in r["phases"])
-                after = statistics.median(p["admission_to_token_s"] for p in r["phases"])
-                print(f"TTFT {name:<18} ({r['storage_fetch']:>6}): {r['ttft_s'] * 1e3:8.1f} ms vs recompute "
-                      f"{r['recompute_ttft_s'] * 1e3:8.1f} ms = {r['ratio']:.2f}  (fetch wait {wait * 1e3:.1f} ms, "
-                      f"then {after * 1e3:.1f} ms)  hits {r['cached_tokens_by_tier']}"
-                      f"  outputs equal: {r['outputs_equal']}", flush=True)
+                wait = statistics.median(p["fetch_wait_s"] for p in run["phases"])
+                after = statistics.median(p["admission_to_token_s"] for p in run["phases"])
+                print(f"TTFT {name:<18} ({run['storage_fetch']:>6}): {run['ttft_s'] * 1e3:8.1f} ms vs recompute "
+                      f"{run['recompute_ttft_s'] * 1e3:8.1f} ms = {run['ratio']:.2f}  (fetch wait {wait * 1e3:.1f} ms, "
+                      f"then {after * 1e3:.1f} ms)  hits {run['cached_tokens_by_tier']}"
+                      f"  outputs equal: {run['outputs_equal']}", flush=True)
     if args.json:
         print(json.dumps(result))
     if args.out:

@@ -48,6 +48,7 @@ class TraceRequest:
     def input_ids(self) -> list[int]:
         if self._input_ids is not None:
             return self._input_ids
+        assert self.hash_ids is not None          # (one of the two is given)
         n_blocks = -(-self.input_length // self.block_tokens)
         return tokens_of_hashes(self.hash_ids[:n_blocks], self.block_tokens, self.vocab)[:self.input_length]
 

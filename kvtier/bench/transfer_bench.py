@@ -29,6 +29,7 @@ import json
 import random
 import statistics
 import sys
+from typing import Callable
 
 import torch
 
@@ -52,14 +53,22 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _loop_d2h(kv, host, dev, hst):  # type: ignore[no-untyped-def]
+def _per_layer(copy: Callable[[int], None], num_layers: int) -> Callable[[], None]:
+    """One timed call of ``copy(layer)`` for every layer."""
+    def run() -> None:
+        for layer in range(num_layers):
+            copy(layer)
+    return run
+
+
+def _loop_d2h(kv, host, dev, hst):
     for d, h in zip(dev, hst):
         for layer, t in enumerate(kv):
             host[h, layer, 0].copy_(t[0, d], non_blocking=True)
             host[h, layer, 1].copy_(t[1, d], non_blocking=True)
 
 
-def _loop_h2d(host, kv, hst, dev):  # type: ignore[no-untyped-def]
+def _loop_h2d(host, kv, hst, dev):
     for h, d in zip(hst, dev):
         for layer, t in enumerate(kv):
             t[0, d].copy_(host[h, layer, 0], non_blocking=True)
@@ -108,10 +117,10 @@ def run(args: argparse.Namespace) -> dict:
                     }
                 else:
                     variants = {
-                        "fast": lambda: [fast.host_to_device(host.tensor, kv, h2d_pairs, None, layer=i) for i in range(L)],
+                        "fast": _per_layer(lambda i: fast.host_to_device(host.tensor, kv, h2d_pairs, None, layer=i), L),
                         "staged": lambda: fast.host_to_device(host.tensor, kv, staged, None),
-                        "kernel": lambda: [fast.host_to_device(host.tensor, kv, h2d_kernel, None, layer=i) for i in range(L)],
-                        "reference": lambda: [ref.host_to_device(host.tensor, kv, hst, dev, layer=i) for i in range(L)],
+                        "kernel": _per_layer(lambda i: fast.host_to_device(host.tensor, kv, h2d_kernel, None, layer=i), L),
+                        "reference": _per_layer(lambda i: ref.host_to_device(host.tensor, kv, hst, dev, layer=i), L),
                         "loop": lambda: _loop_h2d(host.tensor, kv, hst, dev),
                         "contiguous": lambda: contiguous_dev[:nbytes].copy_(contiguous_host[:nbytes], non_blocking=True),
                         "registered": lambda: contiguous_dev[:nbytes].copy_(registered_host.tensor[:nbytes], non_blocking=True),
