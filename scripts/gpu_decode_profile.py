@@ -4,7 +4,7 @@
 the top kernels, and the step's HBM roofline (weights + KV of every sequence, read once, over the
 bandwidth of a device copy measured in the same run) with its ratio.
 
-    python scripts/gpu_decode_profile.py [--preset qwen3-0.6b-shape] [--overlap both|on|off] [--fused both|on|off]
+    python scripts/gpu_decode_profile.py [--preset qwen3-0.6b-shape] [--overlap both|on|off]
 """
 from __future__ import annotations
 
@@ -81,8 +81,6 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--points", default="64x1100,256x630", help="BATCHxCONTEXT,...")
     ap.add_argument("--overlap", choices=("both", "on", "off"), default="both")
-    ap.add_argument("--fused", choices=("both", "on", "off"), default="on",
-                    help="fused Triton ops (KVTIER_FUSED), both: off then on")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prof-steps", type=int, default=20)
     args = ap.parse_args()
@@ -97,12 +95,10 @@ def main() -> int:
     rows = []
     for point in args.points.split(","):
         batch, context = (int(x) for x in point.split("x"))
-        for overlap, fused in [(o, f) for o in modes for f in {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[args.fused]]:
-            os.environ["KVTIER_FUSED"] = fused
+        for overlap in modes:
             r = measure(path, batch, context, overlap, args.steps, args.prof_steps, bw)
-            r["fused"] = fused == "1"
             rows.append(r)
-            print(f"batch {batch} ctx ~{r['context']} overlap {'on' if overlap else 'off'} fused {'on' if r['fused'] else 'off'}: "
+            print(f"batch {batch} ctx ~{r['context']} overlap {'on' if overlap else 'off'}: "
                   f"{r['ms_per_step']:.2f} ms/step, "
                   f"GPU busy {r['gpu_busy_ms_per_step']:.2f} ms ({r['gpu_busy_fraction']:.0%}), "
                   f"{r['kernels_per_step']:.0f} kernels/step, roofline {r['roofline_ms']:.2f} ms "

@@ -23,7 +23,7 @@ for step in "${@:-tests throughput routing attention}"; do for s in $step; do
     throughput) python -m kvtier.bench.throughput --compare-overlap --hf-requests 0 --json "$OUT/throughput.json" 2>&1 \
              | f | tee "$OUT/throughput.log" ;;
     hf) python -m kvtier.bench.throughput --json "$OUT/throughput_hf.json" 2>&1 | f | tee "$OUT/throughput_hf.log" ;;
-    decode) python scripts/gpu_decode_profile.py --overlap both --fused both 2>&1 | f | tee "$OUT/decode_profile.log" ;;
+    decode) python scripts/gpu_decode_profile.py --overlap both 2>&1 | f | tee "$OUT/decode_profile.log" ;;
     routing) python -m kvtier.bench.routing_bench --json "$OUT/routing.json" 2>&1 | f | tee "$OUT/routing.log" ;;
     attention) python -m kvtier.bench.attention_bench --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" ;;
     rollout) python -m kvtier.bench.rollout_bench --json "$OUT/rollout_8b.json" 2>&1 | f | tee "$OUT/rollout_8b.log"

@@ -35,9 +35,10 @@ from typing import Any, AsyncGenerator, Callable
 
 import torch
 
-from kvtier.engine.core import EngineCore, RequestOutput
+from kvtier.engine.core import EngineCore
 from kvtier.engine.fatal import DeviceLost, device_lost
 from kvtier.engine.group import check_n
+from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.stats_log import StatsLog

@@ -9,10 +9,35 @@ all take their options from here, so an option is added, documented and checked 
     flags   ─► EngineConfig.from_args(argparse namespace)  ◄── add_flags(parser)
     config  ─► to_flags() ─► `kvtier serve MODEL ...` argv of a started server
 
-Defaults that depend on the model or the machine (the device tier's size, the host tier's with
-a pool, the write policy, the preemption mode, CUDA graphs and overlap scheduling on CUDA) stay
-``None`` here and are resolved by the engine (``EngineCore.__init__`` says how). This module
-imports no torch, so ``kvtier --help`` stays fast.
+Defaults that depend on the model or the machine stay ``None`` here and are resolved by the
+engine (``EngineCore.__init__``, engine/sizing.py):
+
+- ``num_device_blocks=None``: sized from free memory (90% of free GPU memory after weights,
+  less 1 GiB; 20% of available RAM on CPU), capped at ``max_num_seqs`` full-length sequences;
+- ``num_host_blocks=None``: no host tier (0), unless ``storage`` is set: then a host tier of
+  twice the device tier, at most a quarter of the available RAM, since storage I/O goes
+  through it;
+- ``write_policy=None``: ``"write_through"`` with a host tier or a storage pool (every computed
+  block is copied down: multi-turn histories come back from the host tier, and the pool serves
+  the next engine; ``write_through_selective`` left most of a multi-turn working set uncached,
+  docs/BENCHMARKS.md), else ``"write_through_selective"``;
+- ``early_loads=True``: a request waiting for a storage fetch has its host hits, then each chunk
+  as it lands, copied on to the device meanwhile (when the device tier can hold the whole
+  request), so it is admitted with device hits: the H2D of a storage hit overlaps the fetch
+  instead of following it (``False``: loaded at admission, layer-overlapped);
+- ``storage_workers=None``: fetch threads, one per core, 2 to 16 (they wait on I/O);
+- ``storage_put_workers=None``: one put thread. Each put thread takes the interpreter from the
+  engine thread at every syscall and checksum; on an H100 host a cold 4K prompt took 57-60 ms
+  with 8 put threads writing the last request's blocks, 24-29 ms with one (21 ms without a
+  pool). A prefill server of PD, whose product is its writes, takes more (``kvtier serve
+  --role prefill``: half the fetch threads);
+- ``preemption_mode=None``: swap with a host tier, else recompute;
+- ``cuda_graphs=None``: on for CUDA (with the triton attention backend);
+- ``overlap_schedule=None``: on for CUDA (the CPU schedules step N+1 while the GPU runs step N),
+  off on CPU (where a step runs to its end before the host goes on: nothing to overlap, and a
+  finished request's extra step would cost a forward).
+
+This module imports no torch, so ``kvtier --help`` stays fast.
 """
 from __future__ import annotations
 

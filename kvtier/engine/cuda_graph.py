@@ -34,8 +34,7 @@ A step with host loads is replayed too: step graphs are captured with a wait on 
 before each layer's attention (kvtier.transfer.gates), which the load stream opens once that
 layer's copies ran, so one launch overlaps loads and layers as the eager forward's per-layer
 waits do, without its ~250 launches from Python. Without gates (a driver without stream memory
-operations, ``KVTIER_GRAPH_LOADS=whole``) the replay waits for all of the step's loads;
-``KVTIER_GRAPH_LOADS=0`` keeps such steps eager.
+operations) the replay waits for all of the step's loads.
 """
 from __future__ import annotations
 

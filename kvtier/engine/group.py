@@ -24,12 +24,13 @@ fails the request, its other samples aborted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from kvtier.engine.outputs import CompletionOutput, RequestOutput
 from kvtier.engine.request import Request
 
-if TYPE_CHECKING:                       # core imports this module
-    from kvtier.engine.core import CompletionOutput, RequestOutput
+if TYPE_CHECKING:
+    from kvtier.engine.scheduler import Scheduler
 
 
 def check_n(req: Request) -> None:
@@ -48,7 +49,7 @@ class SampleGroup:
     done: dict[int, CompletionOutput] = field(default_factory=dict)
     head_output: RequestOutput | None = None        # sample 0's own output
     forked: bool = False
-    ended: bool = False             # its output is out, or it was aborted (EngineCore._end_group)
+    ended: bool = False             # its output is out, or it was aborted (SampleGroups.end)
 
     def __post_init__(self) -> None:
         self.samples = [self.head] + [None] * (self.head.params.n - 1)
@@ -79,6 +80,7 @@ class SampleGroup:
         if len(self.done) < self.n:
             return None
         out = self.head_output
+        assert out is not None                  # sample 0 is among the finished
         out.outputs = [self.done[i] for i in range(self.n)]    # token_ids etc. are outputs[0]'s already
         return out
 
@@ -107,3 +109,107 @@ class SampleGroup:
             elif r is not None:
                 rows.append((i, r.output_token_ids, r.logprobs, None))
         return rows
+
+
+class SampleGroups:
+    """Every n > 1 request in the engine: the groups by the user's request id, and every
+    sample's (sample 0's too) request id -> (its group, its index). ``make_sample(group, i)``
+    makes sample i's Request (the engine's: validation, id, generator); the groups queue them on
+    ``scheduler``."""
+
+    def __init__(self, scheduler: Scheduler, make_sample: Callable[[SampleGroup, int], Request]) -> None:
+        self.scheduler = scheduler
+        self.make_sample = make_sample
+        self.groups: dict[str, SampleGroup] = {}
+        self.sample_of: dict[str, tuple[SampleGroup, int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def owns(self, request_id: str) -> bool:
+        """A group holds ``request_id`` (until its last sample finished, even after sample 0 did)."""
+        return request_id in self.groups
+
+    def add(self, head: Request, fork_now: bool) -> None:
+        """``head`` (queued already) asks for n > 1 samples. ``fork_now``: queue the others with
+        it (no prefix caching: nothing to share, n independent requests)."""
+        group = self.groups[head.request_id] = SampleGroup(head)
+        self.sample_of[head.request_id] = (group, 0)
+        if fork_now:
+            self.fork(group, front=False)
+
+    def fork(self, group: SampleGroup, front: bool = True) -> None:
+        """Queue samples 1..n-1 of ``group``: sample 0 has sampled its first token, so the
+        prompt's full blocks are in the tree. At the front of the queue: admitted next, while
+        those blocks are on device (nothing else allocates before them)."""
+        for i in range(1, group.n):
+            req = self.make_sample(group, i)
+            group.samples[i] = req
+            self.sample_of[req.request_id] = (group, i)
+            self.scheduler.add(req)
+        group.forked = True
+        if front:
+            self.scheduler.waiting.rotate(group.n - 1)    # the ones just added, in index order
+
+    def fork_ready(self, scheduled: list[Request]) -> None:
+        """After a step: fork every group whose sample 0 (among ``scheduled``) has its first token."""
+        for req in scheduled:
+            entry = self.sample_of.get(req.request_id)
+            if entry is not None and not entry[0].forked and req.output_token_ids:
+                self.fork(entry[0])
+
+    def end(self, group: SampleGroup) -> None:
+        """``group``'s request is answered or aborted: its id (and its samples') are free again."""
+        group.ended = True
+        self.groups.pop(group.request_id, None)
+        for r in group.samples:
+            if r is not None:
+                self.sample_of.pop(r.request_id, None)
+
+    def abort(self, request_id: str) -> bool | None:
+        """Abort every sample of the request ``request_id`` belongs to (an internal sample id
+        aborts its whole request); None if it is no sample of a group, else whether any ran."""
+        entry = self.sample_of.get(request_id)
+        if entry is None:
+            return None
+        group = entry[0]
+        self.end(group)
+        aborted = [self.scheduler.abort(r.request_id) for r in group.unfinished()]
+        return any(r is not None for r in aborted)
+
+    def progress(self, req: Request) -> list[tuple[int, list[int], list | None, str | None]]:
+        """(index, token_ids, logprobs, finish_reason or None) of every sample of ``req`` started
+        so far; token_ids and logprobs are live lists, not copies."""
+        entry = self.sample_of.get(req.request_id)
+        if entry is None or entry[0].head is not req:
+            return [(0, req.output_token_ids, req.logprobs, None)]
+        return entry[0].progress()
+
+    def fold(self, results: list[RequestOutput],
+             error_output: Callable[[Request, str, str | None], RequestOutput]) -> list[RequestOutput]:
+        """A step's outputs with samples folded into their requests': a sample that finished
+        waits in its group, the last one gives the request's output; one that failed fails the
+        request: its other samples are aborted (their blocks returned), and
+        ``error_output(head, error, error_kind)`` makes the request's error output."""
+        if not self.sample_of:
+            return results
+        entries = [(o, self.sample_of.get(o.request_id)) for o in results]   # before groups end
+        outs = []
+        for o, entry in entries:
+            if entry is None:
+                outs.append(o)
+                continue
+            group, i = entry
+            if group.ended:               # another sample of it failed in this step: answered
+                continue
+            if o.error is not None:
+                self.end(group)
+                for r in group.unfinished():
+                    self.scheduler.abort(r.request_id)
+                outs.append(group.fail(error_output(group.head, f"sample {i} of {group.n}: {o.error}", o.error_kind)))
+                continue
+            done = group.finish(i, o)
+            if done is not None:
+                self.end(group)
+                outs.append(done)
+        return outs

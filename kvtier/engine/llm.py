@@ -12,7 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.engine.core import CompletionOutput, EngineCore, RequestOutput
+from kvtier.engine.core import EngineCore
+from kvtier.engine.outputs import CompletionOutput, RequestOutput
 from kvtier.engine.sampling import SamplingParams
 
 __all__ = ["CompletionOutput", "LLM", "RequestOutput"]

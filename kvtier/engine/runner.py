@@ -22,7 +22,6 @@ blocking ``torch.tensor(..., device=cuda)`` would wait for the step in flight.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -43,21 +42,6 @@ if TYPE_CHECKING:
     from kvtier.transfer.engine import LoadWaits
 
 
-GRAPH_LOADS_MODES = ("gated", "whole", "0")
-
-
-def graph_loads_mode() -> str:
-    """How a short step with host loads runs (``KVTIER_GRAPH_LOADS``, an A/B switch for the
-    benchmarks): ``gated`` (default) replays its step graph, whose layers wait on layer gates
-    (kvtier.transfer.gates) so loads and layers overlap; ``whole`` replays it after all its loads
-    landed; ``0`` runs it eagerly, layer by layer."""
-    mode = os.environ.get("KVTIER_GRAPH_LOADS", "gated")
-    mode = "whole" if mode == "1" else mode
-    if mode not in GRAPH_LOADS_MODES:
-        raise ValueError(f"KVTIER_GRAPH_LOADS={mode!r}: expected one of {', '.join(GRAPH_LOADS_MODES)}")
-    return mode
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, routing: RoutingCapture | None = None,
@@ -74,7 +58,6 @@ class ModelRunner:
         self._feed: StepResult | None = None     # ... as of this step's start: its tokens feed this one
         self._up, self._down = PinnedRing(device), PinnedRing(device)   # a step's inputs, its results
         self.graph_steps_after_loads = 0         # graph replays that waited for host->device loads
-        self.graph_loads = graph_loads_mode() != "0"
 
     def start_step(self) -> None:
         """A new step begins (its forwards, several if a batch is retried request by request,
@@ -176,7 +159,7 @@ class ModelRunner:
         graphs, steps = self.decode_graphs, self.step_graphs
         decode_graph = graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None
         step_graph = not decode_graph and steps is not None and steps.bucket(len(input_ids)) is not None
-        if decode_graph or (step_graph and self.graph_loads):            # replayed, whatever it loads
+        if decode_graph or step_graph:            # replayed, whatever it loads
             mode = "gated" if step_graph and steps is not None and steps.gates is not None else "whole"
         else:
             mode = "layers"

@@ -13,11 +13,9 @@ take ~30 of a layer's kernels down to 3::
 Each follows the arithmetic of transformers' layers (which dtype, which rounding, in which order):
 sums and products are computed in fp32 and rounded to the model dtype where torch rounds them,
 so fp32 results equal the unfused path to float rounding of the reductions and bf16 results to
-the last bit but for those. ``KVTIER_FUSED=0`` turns the kernels off (the torch path runs).
+the last bit but for those.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +24,8 @@ from kvtier.model.attention import write_kv
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """The Triton kernels run for CUDA tensors when triton imports and KVTIER_FUSED is not 0."""
-    if not x.is_cuda or os.environ.get("KVTIER_FUSED", "1") == "0":
+    """The Triton kernels run for CUDA tensors when triton imports."""
+    if not x.is_cuda:
         return False
     from kvtier.model import triton_fused
     return triton_fused.available()

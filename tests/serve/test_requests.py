@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.core import EngineCore
+from kvtier.engine.outputs import request_output
 from kvtier.model.tokenizer import EOS_TOKEN_ID, IM_END_TOKEN_ID
 from kvtier.serve.api import Server
 
@@ -129,7 +130,7 @@ def fail_a_step(engine, monkeypatch, after: int) -> None:
             return real()
         monkeypatch.setattr(core, "step", real)
         reqs = list(core.scheduler.running) + list(core.scheduler.waiting)
-        outs = [core._output(r, error="injected step failure") for r in reqs]
+        outs = [request_output(r, None, None, error="injected step failure") for r in reqs]
         for r in reqs:
             core.abort(r.request_id)
         return outs
@@ -271,31 +272,36 @@ def test_health_reports_the_pool(role):
 
 
 class SlowTokenizer:
-    """The model's tokenizer, taking ``delay`` seconds per encode (a prompt of megabytes)."""
+    """The model's tokenizer, holding every encode until ``release`` is set (a prompt of
+    megabytes, as long as the test needs)."""
 
-    def __init__(self, tok, delay: float) -> None:
-        self.tok, self.delay, self.encoding = tok, delay, threading.Event()
+    def __init__(self, tok) -> None:
+        self.tok, self.encoding, self.release = tok, threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.tok, name)
 
     def encode(self, *a, **kw):
         self.encoding.set()
-        time.sleep(self.delay)
+        self.release.wait(60)
         return self.tok.encode(*a, **kw)
 
 
-def test_health_answers_at_once_while_a_prompt_is_tokenized(server, client, monkeypatch):
-    slow = SlowTokenizer(server.prompts.tokenizer, delay=3.0)
+def test_health_answers_while_a_prompt_is_tokenized(server, client, monkeypatch):
+    slow = SlowTokenizer(server.prompts.tokenizer)
     monkeypatch.setattr(server.prompts, "tokenizer", slow)
     done = threading.Event()
     t = threading.Thread(target=lambda: (post(client, "/v1/completions", {"model": "moe", "prompt": "x" * 200,
                                                                           "max_tokens": 2}), done.set()))
     t.start()
-    assert slow.encoding.wait(10)
-    assert client.get("/health").status_code == 200
-    assert not done.is_set()          # /health answered while the prompt was still being tokenized
-    t.join()
+    try:
+        assert slow.encoding.wait(10)
+        assert client.get("/health").status_code == 200
+        assert not done.is_set()          # /health answered while the prompt was still being tokenized
+    finally:
+        slow.release.set()
+        t.join()
+    assert done.is_set()
 
 
 def test_metrics_show_the_blocks_of_each_tier(client, engine):

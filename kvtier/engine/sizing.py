@@ -1,0 +1,80 @@
+"""How big the engine's tiers are when the options leave it open: the dtype ``auto`` picks, the
+device tier from free GPU memory (or RAM on CPU), the host tier a storage pool gets."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvtier.model import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return cfg.torch_dtype if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
+    return -(-max_model_len // block_size)
+
+
+def size_device_blocks(device: torch.device, bytes_per_block: int, block_size: int, max_num_seqs: int,
+                       max_model_len: int) -> int:
+    """Blocks that fit in free memory (90% of free GPU memory after weights, less 1 GiB for
+    activations; 20% of available RAM on CPU), capped at what max_num_seqs full-length
+    sequences could use."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.9) - (1 << 30)
+    else:
+        budget = int(available_ram() * 0.2)
+    need = blocks_per_sequence(max_model_len, block_size)
+    n = min(budget // bytes_per_block, max_num_seqs * need)
+    if n < need:
+        raise ValueError(f"only {n} KV blocks fit in free memory, but one {max_model_len}-token "
+                         f"sequence needs {need}; lower max_model_len or free memory")
+    return int(n)
+
+
+def size_host_blocks(bytes_per_block: int, block_size: int, num_device_blocks: int, max_model_len: int) -> int:
+    """The host tier a storage pool gets when num_host_blocks is not given: twice the device
+    tier (room for its backups and for fetches) and at least two full-length sequences,
+    capped at a quarter of the available RAM."""
+    need = blocks_per_sequence(max_model_len, block_size)
+    budget = int(available_ram() * 0.25) // bytes_per_block
+    n = min(max(2 * num_device_blocks, 2 * need), budget)
+    if n < 1:
+        raise ValueError(f"no room for a host tier in free memory ({available_ram()} bytes, "
+                         f"{bytes_per_block} per block); set num_host_blocks")
+    log.info("host tier: %d blocks (%.2f GiB; num_host_blocks not set, a storage pool is)",
+             n, n * bytes_per_block / 2**30)
+    return int(n)
+
+
+def check_host_blocks(num_host_blocks: int, bytes_per_block: int) -> None:
+    """ValueError if ``num_host_blocks`` would not fit in the memory available now."""
+    need, have = num_host_blocks * bytes_per_block, available_ram()
+    if need > have:
+        raise ValueError(f"num_host_blocks={num_host_blocks} needs {need / 2**30:.1f} GiB of host memory "
+                         f"({bytes_per_block} bytes per block), more than the {have / 2**30:.1f} GiB available")
+
+
+def available_ram() -> int:
+    """Bytes of memory available to allocate now (MemAvailable: free + reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
