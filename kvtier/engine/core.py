@@ -211,7 +211,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs,
                                   step_graphs)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
-                                   cfg.eos_token_ids, preemption_mode, c.prefetch_policy, tuple(c.prefetch_timeout))
+                                   cfg.eos_token_ids, preemption_mode, c.prefetch_policy, c.prefetch_timeout)
         self.block_size = block_size
         # P: outputs waiting for the pool's acks (engine/pd.py)
         self._exports = Exports(self.cache, self.storage.namespace if self.storage is not None else "",
@@ -229,7 +229,7 @@ class EngineCore:
         startup.done()
 
     # ------------------------------------------------------------------ API
-    def add_request(self, prompt, params: SamplingParams | None = None, cache_salt: str | None = None,  # type: ignore[no-untyped-def]
+    def add_request(self, prompt, params: SamplingParams | None = None, cache_salt: str | None = None,
                     request_id: str | None = None, *, handoff: dict | None = None, export: bool = False) -> Request:
         """Validate and queue a request; it joins the next step. ``export``: P of a PD hand-off;
         ``handoff``: D of one (``{"first_token", "num_tokens", "keys", "namespace"}``)."""
@@ -248,7 +248,7 @@ class EngineCore:
         check_n(req)
         self.scheduler.add(req)
         if req.handoff is not None:
-            self.cache.expect_tail(req.cache, req.num_prompt_tokens)
+            self.cache.expect_tail(req.cache_req, req.num_prompt_tokens)
         if req.params.n > 1:             # no prefix caching: no prompt to share, n requests from the start
             self._groups.add(req, fork_now=not self.cache.enable_prefix_caching)
 
@@ -280,7 +280,7 @@ class EngineCore:
                 r.request_id == request_id for r in (*sched.waiting, *sched.running)):
             raise ValueError(f"request_id {request_id!r} is already in use by a request in the engine")
 
-    def make_request(self, prompt, params: SamplingParams, cache_salt: str | None,  # type: ignore[no-untyped-def]
+    def make_request(self, prompt, params: SamplingParams, cache_salt: str | None,
                      request_id: str | None = None, *, handoff: dict | None = None,
                      export: bool = False) -> Request:
         """A validated :class:`Request` (engine/intake.py; no engine state touched but the id
@@ -349,7 +349,7 @@ class EngineCore:
         them failed (their outputs into ``results``)."""
         loads_before = self._loads_submitted
 
-        def start_loads(mode: str):  # type: ignore[no-untyped-def]
+        def start_loads(mode: str):
             if not hook:                          # once per step, whatever forwards run in it
                 self.transfer.load_mode = mode
                 try:
@@ -375,7 +375,7 @@ class EngineCore:
         sync = loads or result.collected or any(s.request.params.has_penalties for s in out.scheduled)
         return _Launched(out, ends, result, sync, loads, t0)
 
-    def _forward(self, out: SchedulerOutput, start_loads, results: list[RequestOutput]) -> StepResult:  # type: ignore[no-untyped-def]
+    def _forward(self, out: SchedulerOutput, start_loads, results: list[RequestOutput]) -> StepResult:
         """The step's forward and sampling, queued. If a batch of several raises, its requests
         run one by one, each to its results (the KV they write is their own, rewritten alike):
         those that fail alone are failed (outputs into ``results``) and dropped from ``out``, the
@@ -412,7 +412,7 @@ class EngineCore:
                 self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - step.t0)
             if step.loads:
                 self._complete(self.transfer.wait_loads())     # the forward waited on them
-            rewinds = {s.request.request_id: self._rewinds.pop(s.request.request_id)
+            rewinds: dict[object, int] = {s.request.request_id: self._rewinds.pop(s.request.request_id)
                        for s in out.scheduled if s.request.request_id in self._rewinds}
             finished = self.scheduler.update(out, step.ends, sampled, rewinds)
         except Exception as e:  # noqa: BLE001
@@ -555,7 +555,7 @@ class EngineCore:
 
     def _storage_stats(self) -> dict:
         s = self.cache.stats
-        out = {"hit_tokens": s.hit_tokens["storage"], "bytes_in": s.bytes_moved["host_to_storage"],
+        out: dict[str, Any] = {"hit_tokens": s.hit_tokens["storage"], "bytes_in": s.bytes_moved["host_to_storage"],
                "bytes_out": s.bytes_moved["storage_to_host"]}
         if self.storage is not None:
             out.update(self.storage.stats())
@@ -592,11 +592,11 @@ class EngineCore:
     def __enter__(self) -> "EngineCore":
         return self
 
-    def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _load_tokenizer(path: Path):  # type: ignore[no-untyped-def]
+def _load_tokenizer(path: Path) -> Any:
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         return None
     from transformers import AutoTokenizer

@@ -101,7 +101,7 @@ class SampleGroup:
 
     def progress(self) -> list[tuple[int, list[int], list | None, str | None]]:
         """(index, token_ids, logprobs, finish_reason or None) of every sample started so far."""
-        rows = []
+        rows: list[tuple[int, list[int], list | None, str | None]] = []
         for i, r in enumerate(self.samples):
             c = self.done.get(i)
             if c is not None:

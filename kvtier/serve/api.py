@@ -238,7 +238,7 @@ class Server:
         pool = self.pool_health()
         core = self.engine.core
         body = {"status": "ok", "role": self.role, "engine": "ok", "pool": pool,
-                "pd_on_miss": core.pd_on_miss, "export_timeout": core.export_timeout,
+                "pd_on_miss": core.pd_on_miss, "export_timeout": core.engine_config.export_timeout,
                 "startup_s": core.startup.total_s}
         if pool is None or pool.get("ok", True):
             return JSONResponse(body)

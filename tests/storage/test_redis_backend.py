@@ -309,7 +309,12 @@ def test_noeviction_refuses_items_without_raising(make_valkey):
 TIMEOUT = 0.5
 
 
-def _raises_quickly(fn, limit: float = 2 * TIMEOUT + 0.3) -> StorageError:
+# a call to a dead or hung server gives up after its timeout instead of hanging; 10 s tells one
+# from the other on a loaded machine (how fast it gives up is the storage bench's to measure)
+GIVES_UP_S = 10.0
+
+
+def _raises_quickly(fn, limit: float = GIVES_UP_S) -> StorageError:
     t0 = time.monotonic()
     with pytest.raises(StorageError) as info:
         fn()
@@ -408,7 +413,7 @@ def test_cluster_failover_fails_then_works(make_valkey):
             assert_exact(be, names, data)  # the replica took over with every object
             break
         except StorageError:
-            assert time.monotonic() - t0 < 2 * TIMEOUT + 0.3
+            assert time.monotonic() - t0 < GIVES_UP_S
             failures += 1
             assert time.monotonic() < deadline, "no failover within 20 s"
             time.sleep(0.2)
