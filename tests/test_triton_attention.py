@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not installed: triton attention backend untested")
 
-from kvtier.model.attention import AttentionMetadata, get_backend, reference_attention, write_kv  # noqa: E402
+from kvtier.model.attention import AttentionMetadata, reference_attention, write_kv  # noqa: E402
+from kvtier.model.backends import get_backend  # noqa: E402
 from kvtier.model.triton_attention import choose_splits, triton_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         triton = None
         print("kvtier bench attention: triton is not installed (pip install triton): timing the torch "
               "reference and SDPA only", file=sys.stderr)
-    from kvtier.model.attention import get_backend
+    from kvtier.model.backends import get_backend
     attn = get_backend("triton") if triton is not None else None
     triton_version = triton.__version__ if triton is not None else "not installed"
     torch.manual_seed(0)

@@ -17,8 +17,16 @@ import importlib.util
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
-from kvtier.bench.peers import Admitted
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request a peer's cache admitted."""
+    handle: Any                 # what the peer needs to publish and finish this request
+    num_cached_tokens: int      # prompt tokens served from the cache
+    phases_ns: dict[str, int]   # time of each step of the admission
 
 
 class VllmPeer:

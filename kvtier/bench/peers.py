@@ -29,9 +29,10 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from kvtier.bench import peer_caches
+from kvtier.bench.peer_caches import Admitted
 from kvtier.cache import CacheManager, CacheRequest
 from kvtier.flags import positive_int
 
@@ -42,13 +43,6 @@ PEERS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "vllm": ("vllm", ("sha256",)),
     "sglang": ("sglang", ("none",)),      # the radix tree compares tokens: no digest
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    handle: Any                 # what the peer needs to publish and finish this request
-    num_cached_tokens: int      # prompt tokens served from the cache
-    phases_ns: dict[str, int]   # time of each step of the admission
 
 
 class Peer(Protocol):
@@ -156,7 +150,6 @@ def peer_factory(name: str, variant: str) -> Callable[[int, int], Peer]:
     """``factory(num_blocks, block_size)``; imports the peer's package (ImportError if missing)."""
     if name == "kvtier":
         return lambda n, bs: KvtierPeer(n, bs, variant)
-    from kvtier.bench import peer_caches
     if name == "vllm":
         return lambda n, bs: peer_caches.VllmPeer(n, bs, variant)
     if name == "sglang":

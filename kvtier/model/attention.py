@@ -14,12 +14,11 @@ an earlier chunk / decode step)::
 
 Queries attend causally: the query at absolute position p sees KV positions 0..p.
 Every fast backend (Triton) has the same signature as :func:`reference_attention` and is
-tested against it on random shapes.
+tested against it on random shapes; :mod:`kvtier.model.backends` picks one by name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -122,20 +121,3 @@ def reference_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
         out[start:start + q_len] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
         start += q_len
     return out
-
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
-_BACKENDS: dict[str, Callable[[], AttentionFn]] = {"torch": lambda: reference_attention}
-
-
-def register_backend(name: str, loader: Callable[[], AttentionFn]) -> None:
-    _BACKENDS[name] = loader
-
-
-def get_backend(name: str) -> AttentionFn:
-    """``torch`` (reference, any device) or ``triton`` (CUDA)."""
-    if name == "triton" and "triton" not in _BACKENDS:
-        from kvtier.model import triton_attention  # noqa: F401  (registers itself)
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()

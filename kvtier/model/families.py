@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvtier.model.attention import AttentionMetadata, get_backend
+from kvtier.model.attention import AttentionMetadata
+from kvtier.model.backends import get_backend
 from kvtier.model.config import ModelConfig
 from kvtier.model.layers import MLP, RMSNorm, RotaryEmbedding, SelfAttention
 from kvtier.model.moe import SparseMoE

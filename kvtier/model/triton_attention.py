@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from kvtier.model.attention import AttentionMetadata, register_backend
+from kvtier.model.attention import AttentionMetadata
 
 try:
     import triton
@@ -379,8 +379,6 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
         )
     return out
 
-
-register_backend("triton", lambda: triton_attention)
 
 
 def compile_variants(kv_cache: torch.Tensor, num_heads: int, block: int, max_model_len: int) -> int:

@@ -97,13 +97,9 @@ import numpy as np
 
 from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
 from kvtier.storage.memory import parse_size
+from kvtier.storage.mooncake_pool import import_store, start_pool
 
 log = logging.getLogger(__name__)
-
-INSTALL_HINT = ("the mooncake:// storage backend needs the Mooncake Store client: "
-                "pip install 'kvtier[mooncake]' (wheel mooncake-transfer-engine-non-cuda>=0.3.13.post1; "
-                "on a CUDA machine mooncake-transfer-engine works too) and, on Debian/Ubuntu, "
-                "apt-get install -y libibverbs1 libnuma1 libcurl4")
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_LOCAL_BUFFER = 64 << 20
@@ -136,15 +132,6 @@ _CODE_NAMES = {-1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_
 
 def code_name(code: int) -> str:
     return f"{code} {_CODE_NAMES.get(code, 'error')}"
-
-
-def _import_store() -> Any:
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")    # its INFO lines are per connection
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
-    return MooncakeDistributedStore
 
 
 def _is_loopback(host: str) -> bool:
@@ -265,7 +252,7 @@ class MooncakeBackend(Backend):
             raise ValueError(f"mooncake timeout must be a positive number of seconds, got {timeout!r}")
         if not metadata:
             raise ValueError("mooncake metadata must not be empty (default P2PHANDSHAKE)")
-        self._Store = _import_store()                     # ImportError with the install hint
+        self._Store = import_store()                     # ImportError with the install hint
         self.host, self.port = str(host), int(port)
         self.master = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         self.protocol = protocol
@@ -777,7 +764,6 @@ if __name__ == "__main__":  # pragma: no cover - manual measurement
         for row in _throughput_check(sys.argv[1]):
             print(json.dumps(row))
     else:
-        from kvtier.storage.mooncake_pool import start_pool
         with start_pool(size="1GiB") as pool:
             print(f"# local pool {pool.url}")
             for row in _throughput_check(pool.url):

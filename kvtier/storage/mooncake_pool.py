@@ -1,4 +1,5 @@
-"""A local Mooncake Store pool: ``kvtier pool mooncake --port P --size 4GiB``.
+"""A local Mooncake Store pool: ``kvtier pool mooncake --port P --size 4GiB``; and loading the Mooncake
+Store client (:func:`import_store`), which the mooncake:// backend and the pool node share.
 
 Runs two processes and supervises them:
 
@@ -35,7 +36,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvtier.storage import procs
 from kvtier.storage.memory import parse_size
@@ -44,6 +45,23 @@ DEFAULT_PORT = 50051
 DEFAULT_LEASE_TTL_MS = 2000
 READY_TIMEOUT = 30.0
 STOP_GRACE = 5.0
+
+
+INSTALL_HINT = ("the mooncake:// storage backend needs the Mooncake Store client: "
+                "pip install 'kvtier[mooncake]' (wheel mooncake-transfer-engine-non-cuda>=0.3.13.post1; "
+                "on a CUDA machine mooncake-transfer-engine works too) and, on Debian/Ubuntu, "
+                "apt-get install -y libibverbs1 libnuma1 libcurl4")
+
+
+
+def import_store() -> Any:
+    """The Mooncake Store client class (ImportError with the install hint without it)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")    # its INFO lines are per connection
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
+    return MooncakeDistributedStore
 
 
 class PoolError(RuntimeError):
@@ -62,7 +80,6 @@ def find_master_binary() -> str:
         if not (os.path.isfile(env) and os.access(env, os.X_OK)):
             raise PoolError(f"KVTIER_MOONCAKE_MASTER={env} is not an executable file")
         return env
-    from kvtier.storage.mooncake import INSTALL_HINT
     try:
         import importlib.util
         spec = importlib.util.find_spec("mooncake")
@@ -373,8 +390,7 @@ def node_main(argv: Sequence[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    from kvtier.storage.mooncake import _import_store
-    store = _import_store()()
+    store = import_store()()
     t0 = time.monotonic()
     rc = store.setup(args.host, "P2PHANDSHAKE", size, 0, args.protocol, args.rdma_devices,
                      args.master)

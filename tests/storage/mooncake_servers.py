@@ -20,8 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from kvtier.storage.mooncake_pool import (DEFAULT_LEASE_TTL_MS, PoolError, PoolHandle, find_master_binary,
-                                          start_pool)
+from kvtier.storage.mooncake_pool import DEFAULT_LEASE_TTL_MS, PoolError, PoolHandle, find_master_binary, start_pool
 
 POOL_SIZE = "256MiB"
 _unavailable: list[str] = []
@@ -32,8 +31,8 @@ def mooncake_unavailable() -> str | None:
     if not _unavailable:
         reason = ""
         try:
-            from kvtier.storage.mooncake import _import_store
-            _import_store()
+            from kvtier.storage.mooncake_pool import import_store
+            import_store()
             find_master_binary()
         except (ImportError, PoolError, OSError) as e:
             reason = f"Mooncake Store unavailable: {e}"

@@ -412,6 +412,7 @@ def test_a_hung_pool_node_costs_a_timeout_not_a_hang(make_mooncake_pool):
 
 def test_pool_command_prints_the_url_and_stops_both_processes_on_sigterm(tmp_path):
     from mooncake_servers import mooncake_unavailable
+
     from kvtier.storage.mooncake_pool import free_port
     if mooncake_unavailable():
         pytest.skip(mooncake_unavailable())
