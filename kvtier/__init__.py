@@ -3,6 +3,7 @@
 ``kvtier.cache`` is pure Python; the engine parts (``LLM``, ``SamplingParams``) and the torch
 submodules (``kvtier.routing``) import torch lazily, on first use: ``import kvtier`` stays cheap.
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """The ``kvtier`` command. Each subcommand imports what it needs when it runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,47 +16,85 @@ from kvtier.flags import tier_blocks as _tier_blocks
 
 # kvtier.model.presets.PRESETS, named here so that `kvtier --help` does not import torch
 # (tests/test_cli.py keeps the two equal).
-PRESET_NAMES = ("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
-                "qwen3-moe-tiny", "qwen3-moe-demo", "qwen3-0.6b-shape", "qwen3-moe-small", "llama3-8b-shape")
+PRESET_NAMES = (
+    "llama-tiny",
+    "mistral-tiny",
+    "qwen2-tiny",
+    "qwen3-tiny",
+    "mixtral-tiny",
+    "qwen2-moe-tiny",
+    "qwen3-moe-tiny",
+    "qwen3-moe-demo",
+    "qwen3-0.6b-shape",
+    "qwen3-moe-small",
+    "llama3-8b-shape",
+)
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags (None: `cache`, whose
 # flags are the `bench` subparser's own), and its line in `kvtier bench --help`.
 BENCHES = {
     "cache": (None, "CPU: cost of the cache manager per request (match, allocate, commit, free); flags below"),
-    "peers": ("kvtier.bench.peers", "CPU: the same per request, kvtier vs vLLM's and SGLang's prefix caches "
-                                    "(pip install 'kvtier[peers]')"),
+    "peers": (
+        "kvtier.bench.peers",
+        "CPU: the same per request, kvtier vs vLLM's and SGLang's prefix caches (pip install 'kvtier[peers]')",
+    ),
     "throughput": ("kvtier.bench.throughput", "GPU: engine tokens/s vs HF transformers generate"),
     "routing": ("kvtier.bench.routing_bench", "GPU: tokens/s with R3 routing capture on vs off"),
-    "attention": ("kvtier.bench.attention_bench", "GPU: paged attention, Triton vs torch reference vs SDPA "
-                                                  "(--smoke: tiny shapes on CPU)"),
+    "attention": (
+        "kvtier.bench.attention_bench",
+        "GPU: paged attention, Triton vs torch reference vs SDPA (--smoke: tiny shapes on CPU)",
+    ),
     "transfer": ("kvtier.bench.transfer_bench", "GPU: host<->device copy GB/s vs a contiguous pinned copy"),
-    "overlap": ("kvtier.bench.overlap_bench", "GPU: host-hit TTFT vs device hit and recompute; decode with "
-                                              "backups"),
-    "storage": ("kvtier.bench.storage_bench", "CPU or GPU: pool put/get GB/s vs its raw client; --ttft: TTFT "
-                                              "served from storage vs recompute"),
-    "pd": ("kvtier.bench.pd_bench", "CPU or GPU: prefill/decode disaggregation through a pool vs one "
-                                    "colocated server (TTFT, ITL, hand-off GB/s)"),
-    "rollout": ("kvtier.bench.rollout_bench", "GPU: n=8 samples on one prompt vs 8 requests (time, blocks held); "
-                                              "decode with logprobs on vs off"),
-    "multiturn": ("kvtier.bench.multiturn", "any OpenAI server (--url) or kvtier's: multi-turn chat, histories "
-                                            "resent each round; TTFT/ITL/throughput per --compare config"),
-    "longdoc": ("kvtier.bench.longdoc", "any OpenAI server or kvtier's: long documents asked several times "
-                                        "(tile/interleave/random); TTFT per round"),
-    "trace": ("kvtier.bench.trace_replay", "any OpenAI server or kvtier's: replay a Mooncake-format trace at "
-                                           "its timestamps"),
-    "pd-soak": ("kvtier.bench.pd_soak", "CPU or GPU: PD on its own devices vs colocated, run after run on "
-                                        "fresh servers: every greedy answer identical, 0 deaths, 0 5xx"),
-    "soak": ("kvtier.bench.soak", "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "
-                                  "server with every tier; checks 5xx, leaks, answers, /health latency"),
+    "overlap": ("kvtier.bench.overlap_bench", "GPU: host-hit TTFT vs device hit and recompute; decode with backups"),
+    "storage": (
+        "kvtier.bench.storage_bench",
+        "CPU or GPU: pool put/get GB/s vs its raw client; --ttft: TTFT served from storage vs recompute",
+    ),
+    "pd": (
+        "kvtier.bench.pd_bench",
+        "CPU or GPU: prefill/decode disaggregation through a pool vs one colocated server (TTFT, ITL, hand-off GB/s)",
+    ),
+    "rollout": (
+        "kvtier.bench.rollout_bench",
+        "GPU: n=8 samples on one prompt vs 8 requests (time, blocks held); decode with logprobs on vs off",
+    ),
+    "multiturn": (
+        "kvtier.bench.multiturn",
+        "any OpenAI server (--url) or kvtier's: multi-turn chat, histories "
+        "resent each round; TTFT/ITL/throughput per --compare config",
+    ),
+    "longdoc": (
+        "kvtier.bench.longdoc",
+        "any OpenAI server or kvtier's: long documents asked several times (tile/interleave/random); TTFT per round",
+    ),
+    "trace": ("kvtier.bench.trace_replay", "any OpenAI server or kvtier's: replay a Mooncake-format trace at its timestamps"),
+    "pd-soak": (
+        "kvtier.bench.pd_soak",
+        "CPU or GPU: PD on its own devices vs colocated, run after run on "
+        "fresh servers: every greedy answer identical, 0 deaths, 0 5xx",
+    ),
+    "soak": (
+        "kvtier.bench.soak",
+        "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "
+        "server with every tier; checks 5xx, leaks, answers, /health latency",
+    ),
 }
 _GPU_BENCHES = {name: module for name, (module, _) in BENCHES.items() if module is not None}
 
 
 def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (power of two; default 16)")
-    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through_selective",
-                   help="when blocks are copied down a tier (default write_through_selective)")
-    p.add_argument("--write-through-threshold", type=positive_int, default=2,
-                   help="hits before write_through_selective copies a block down (default 2)")
+    p.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_through_selective",
+        help="when blocks are copied down a tier (default write_through_selective)",
+    )
+    p.add_argument(
+        "--write-through-threshold",
+        type=positive_int,
+        default=2,
+        help="hits before write_through_selective copies a block down (default 2)",
+    )
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="block key digest (default sha256)")
 
@@ -65,38 +104,66 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"kvtier {__import__('kvtier').__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("sim", help="replay a request trace through the cache manager (no model)",
-                       description="Replay a JSONL trace through the real CacheManager and print hits, "
-                                   "evictions and bytes moved per tier.")
-    p.add_argument("trace", help="JSONL trace: {timestamp, input_ids, output_length} or the Mooncake "
-                                 "format {timestamp, input_length, output_length, hash_ids}")
+    p = sub.add_parser(
+        "sim",
+        help="replay a request trace through the cache manager (no model)",
+        description="Replay a JSONL trace through the real CacheManager and print hits, evictions and bytes moved per tier.",
+    )
+    p.add_argument(
+        "trace",
+        help="JSONL trace: {timestamp, input_ids, output_length} or the Mooncake "
+        "format {timestamp, input_length, output_length, hash_ids}",
+    )
     _add_cache_flags(p)
-    p.add_argument("--device-blocks", type=_tier_blocks, default=8192,
-                   help="device tier size in blocks; inf = unbounded (default 8192)")
-    p.add_argument("--host-blocks", type=_capacity, default=32768,
-                   help="host tier size in blocks; 0 = no host tier, inf = unbounded (default 32768)")
-    p.add_argument("--storage-blocks", type=_capacity, default=0,
-                   help="storage tier size in blocks; 0 = none, inf = unbounded (default 0)")
-    p.add_argument("--trace-block-tokens", type=positive_int, default=512,
-                   help="tokens per hash id in Mooncake-format traces (default 512)")
-    p.add_argument("--kv-bytes-per-token", type=positive_int, default=131072,
-                   help="KV bytes per token, all layers, for bytes moved (default 131072)")
+    p.add_argument(
+        "--device-blocks", type=_tier_blocks, default=8192, help="device tier size in blocks; inf = unbounded (default 8192)"
+    )
+    p.add_argument(
+        "--host-blocks",
+        type=_capacity,
+        default=32768,
+        help="host tier size in blocks; 0 = no host tier, inf = unbounded (default 32768)",
+    )
+    p.add_argument(
+        "--storage-blocks", type=_capacity, default=0, help="storage tier size in blocks; 0 = none, inf = unbounded (default 0)"
+    )
+    p.add_argument(
+        "--trace-block-tokens", type=positive_int, default=512, help="tokens per hash id in Mooncake-format traces (default 512)"
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=positive_int,
+        default=131072,
+        help="KV bytes per token, all layers, for bytes moved (default 131072)",
+    )
     p.add_argument("--max-running", type=positive_int, default=16, help="requests holding blocks at once (default 16)")
-    p.add_argument("--storage-gbps", type=_positive_float, default=2.0,
-                   help="storage read bandwidth per call, GB/s, for the fetch-vs-recompute decision (default 2.0)")
-    p.add_argument("--storage-latency-ms", type=_non_negative_float, default=0.5,
-                   help="storage latency per call, ms (default 0.5)")
-    p.add_argument("--prefill-tokens-per-s", type=_non_negative_float, default=0.0,
-                   help="recompute rate; storage hits are fetched only when that is faster than "
-                        "recomputing them at this rate; 0 = fetch every hit (default 0)")
+    p.add_argument(
+        "--storage-gbps",
+        type=_positive_float,
+        default=2.0,
+        help="storage read bandwidth per call, GB/s, for the fetch-vs-recompute decision (default 2.0)",
+    )
+    p.add_argument(
+        "--storage-latency-ms", type=_non_negative_float, default=0.5, help="storage latency per call, ms (default 0.5)"
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=_non_negative_float,
+        default=0.0,
+        help="recompute rate; storage hits are fetched only when that is faster than "
+        "recomputing them at this rate; 0 = fetch every hit (default 0)",
+    )
     p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 
-    p = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES),
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Run a benchmark (`kvtier bench NAME --help` lists its flags):\n"
-                                   + "\n".join(f"  {name:<11} {line}" for name, (_, line) in BENCHES.items()))
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: " + ", ".join(BENCHES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a benchmark (`kvtier bench NAME --help` lists its flags):\n"
+        + "\n".join(f"  {name:<11} {line}" for name, (_, line) in BENCHES.items()),
+    )
     p.add_argument("name", choices=tuple(BENCHES), help="which benchmark")
     p.add_argument("--requests", type=positive_int, default=2000, help="requests in the trace (default 2000)")
     p.add_argument("--prompts", type=positive_int, default=200, help="shared prefixes (default 200)")
@@ -104,21 +171,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the best is reported (default 5)")
     p.add_argument("--block-size", type=_block_size, default=16, help="tokens per block (default 16)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("init-model", help="write a small random HF-format checkpoint",
-                       description="Write a random Hugging Face checkpoint (config.json, safetensors, "
-                                   "tokenizer) that transformers and kvtier both load; with --config-only, "
-                                   "no weights (load it with --load-format dummy).")
+    p = sub.add_parser(
+        "init-model",
+        help="write a small random HF-format checkpoint",
+        description="Write a random Hugging Face checkpoint (config.json, safetensors, "
+        "tokenizer) that transformers and kvtier both load; with --config-only, "
+        "no weights (load it with --load-format dummy).",
+    )
     p.add_argument("preset", metavar="PRESET", help="one of: " + ", ".join(PRESET_NAMES))
     p.add_argument("dir", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights dtype (default: the preset's)")
-    p.add_argument("--config-only", action="store_true",
-                   help="write config.json, generation config and tokenizer but no weights, without building "
-                        "the model (instant for any shape, e.g. llama3-8b-shape); load with --load-format dummy")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: the preset's)"
+    )
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config.json, generation config and tokenizer but no weights, without building "
+        "the model (instant for any shape, e.g. llama3-8b-shape); load with --load-format dummy",
+    )
 
-    p = sub.add_parser("generate", help="generate from a prompt with the offline engine",
-                       description="Run kvtier.LLM(MODEL, ...).generate on one prompt and print the result.")
+    p = sub.add_parser(
+        "generate",
+        help="generate from a prompt with the offline engine",
+        description="Run kvtier.LLM(MODEL, ...).generate on one prompt and print the result.",
+    )
     p.add_argument("model", help="Hugging Face model directory")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in the model directory)")
@@ -128,103 +205,192 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k best tokens; 0 = off (default 0)")
-    p.add_argument("--sampling-seed", type=int, default=None,
-                   help="per-request sampling seed (sample i of --n draws with seed + i)")
-    p.add_argument("--n", type=positive_int, default=1,
-                   help="samples of the prompt (one prefill, n decodes sharing its KV; default 1)")
+    p.add_argument(
+        "--sampling-seed", type=int, default=None, help="per-request sampling seed (sample i of --n draws with seed + i)"
+    )
+    p.add_argument(
+        "--n", type=positive_int, default=1, help="samples of the prompt (one prefill, n decodes sharing its KV; default 1)"
+    )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    p.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
-                   help="per generated token: its logprob and the K most likely (0..20; printed with --json)")
-    p.add_argument("--prompt-logprobs", type=non_negative_int, default=None, metavar="K",
-                   help="the same per prompt token (the whole prompt is computed; printed with --json)")
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="-2..2, subtracted once from the logit of every token generated so far (default 0)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="-2..2, subtracted per occurrence from the logit of tokens generated so far (default 0)")
-    p.add_argument("--repetition-penalty", type=_positive_float, default=1.0,
-                   help="> 1 discourages every token of the prompt and output (HF's; default 1)")
+    p.add_argument(
+        "--logprobs",
+        type=non_negative_int,
+        default=None,
+        metavar="K",
+        help="per generated token: its logprob and the K most likely (0..20; printed with --json)",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=non_negative_int,
+        default=None,
+        metavar="K",
+        help="the same per prompt token (the whole prompt is computed; printed with --json)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="-2..2, subtracted once from the logit of every token generated so far (default 0)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="-2..2, subtracted per occurrence from the logit of tokens generated so far (default 0)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=_positive_float,
+        default=1.0,
+        help="> 1 discourages every token of the prompt and output (HF's; default 1)",
+    )
     p.add_argument("--min-tokens", type=non_negative_int, default=0, help="no EOS or stop token before this many (default 0)")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the output before this text (repeat for several)")
-    p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
-                   help="leave special tokens (EOS...) out of the text (default: on)")
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="end the output before this text (repeat for several)"
+    )
+    p.add_argument(
+        "--skip-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="leave special tokens (EOS...) out of the text (default: on)",
+    )
     p.add_argument("--return-routed-experts", action="store_true", help="print the routed experts' shape (MoE)")
     p.add_argument("--repeat", type=positive_int, default=1, help="run the prompt N times (shows prefix hits)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (colocated, or the prefill/decode side of PD)",
-                       description="Serve MODEL over an OpenAI-compatible API: POST /v1/completions, "
-                                   "/v1/chat/completions (SSE streaming), GET /v1/models, /health, /metrics. "
-                                   "--role prefill|decode with a shared --storage pool runs one side of "
-                                   "prefill/decode disaggregation (put `kvtier router` in front).")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (colocated, or the prefill/decode side of PD)",
+        description="Serve MODEL over an OpenAI-compatible API: POST /v1/completions, "
+        "/v1/chat/completions (SSE streaming), GET /v1/models, /health, /metrics. "
+        "--role prefill|decode with a shared --storage pool runs one side of "
+        "prefill/decode disaggregation (put `kvtier router` in front).",
+    )
     p.add_argument("model", help="Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000)")
-    p.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
-                   help="colocated: whole requests; prefill: runs prefills for the router and writes their "
-                        "KV to --storage; decode: continues them from the pool (default colocated)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /kvtier/* (default: $KVTIER_API_KEY, "
-                        "else none; the variable keeps the key out of `ps`)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=None,
-                   help="largest request body; larger ones get 413 before any parsing (default 16 MiB)")
-    p.add_argument("--require-cache-salt", action="store_true",
-                   help="refuse requests without cache_salt (400): cached_tokens would tell a client whether "
-                        "another tenant sent the same prefix (docs/SERVING.md)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model directory's name)")
-    p.add_argument("--max-queue", type=positive_int, default=1024,
-                   help="requests waiting for admission before new ones get 503 (default 1024)")
-    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                   help="log level of uvicorn and kvtier (default info)")
-    p.add_argument("--log-stats-interval", type=_non_negative_float, default=10.0, metavar="SECONDS",
-                   help="while it has work, the engine logs one INFO line every SECONDS: tokens/s, requests "
-                        "running and waiting, blocks used per tier, copies and exports pending (0: never; "
-                        "default 10)")
+    p.add_argument(
+        "--role",
+        choices=("colocated", "prefill", "decode"),
+        default="colocated",
+        help="colocated: whole requests; prefill: runs prefills for the router and writes their "
+        "KV to --storage; decode: continues them from the pool (default colocated)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and /kvtier/* (default: $KVTIER_API_KEY, "
+        "else none; the variable keeps the key out of `ps`)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=None,
+        help="largest request body; larger ones get 413 before any parsing (default 16 MiB)",
+    )
+    p.add_argument(
+        "--require-cache-salt",
+        action="store_true",
+        help="refuse requests without cache_salt (400): cached_tokens would tell a client whether "
+        "another tenant sent the same prefix (docs/SERVING.md)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model directory's name)")
+    p.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=1024,
+        help="requests waiting for admission before new ones get 503 (default 1024)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="log level of uvicorn and kvtier (default info)",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=_non_negative_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="while it has work, the engine logs one INFO line every SECONDS: tokens/s, requests "
+        "running and waiting, blocks used per tier, copies and exports pending (0: never; "
+        "default 10)",
+    )
     _add_llm_flags(p)
 
-    p = sub.add_parser("router", help="OpenAI-compatible front of prefill and decode servers (PD)",
-                       description="Route each request to a prefill server (which writes the prompt's KV to "
-                                   "the shared pool) and then to a decode server (which reads it from there); "
-                                   "round robin among healthy servers; a failed prefill side runs the request "
-                                   "colocated on a decode server.")
-    p.add_argument("--prefill", action="append", default=[], metavar="URL",
-                   help="a prefill server, e.g. http://127.0.0.1:8100 (repeat for several)")
-    p.add_argument("--decode", action="append", default=[], metavar="URL", required=True,
-                   help="a decode server (repeat for several)")
+    p = sub.add_parser(
+        "router",
+        help="OpenAI-compatible front of prefill and decode servers (PD)",
+        description="Route each request to a prefill server (which writes the prompt's KV to "
+        "the shared pool) and then to a decode server (which reads it from there); "
+        "round robin among healthy servers; a failed prefill side runs the request "
+        "colocated on a decode server.",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill server, e.g. http://127.0.0.1:8100 (repeat for several)",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL", required=True, help="a decode server (repeat for several)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' from clients on /v1/* (default: $KVTIER_API_KEY, "
-                        "else none)")
-    p.add_argument("--backend-api-key", default=None,
-                   help="key the router sends to P and D (default: $KVTIER_BACKEND_API_KEY, else none)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=None,
-                   help="largest request body; larger ones get 413 before any parsing (default 16 MiB)")
-    p.add_argument("--timeout", type=_positive_float, default=600.0,
-                   help="seconds a request to P or D may take (default 600)")
-    p.add_argument("--health-interval", type=_positive_float, default=2.0,
-                   help="seconds between health checks of every server (default 2)")
-    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                   help="log level of uvicorn and kvtier (default info)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' from clients on /v1/* (default: $KVTIER_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--backend-api-key", default=None, help="key the router sends to P and D (default: $KVTIER_BACKEND_API_KEY, else none)"
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=None,
+        help="largest request body; larger ones get 413 before any parsing (default 16 MiB)",
+    )
+    p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds a request to P or D may take (default 600)")
+    p.add_argument(
+        "--health-interval", type=_positive_float, default=2.0, help="seconds between health checks of every server (default 2)"
+    )
+    p.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="log level of uvicorn and kvtier (default info)",
+    )
 
-    p = sub.add_parser("demo", help="multi-turn workload through all three tiers (start here)",
-                       description="Write a small random MoE checkpoint, run a multi-turn chat workload "
-                                   "through device, host and storage tiers, print hits per tier and TTFT "
-                                   "against recompute.")
+    p = sub.add_parser(
+        "demo",
+        help="multi-turn workload through all three tiers (start here)",
+        description="Write a small random MoE checkpoint, run a multi-turn chat workload "
+        "through device, host and storage tiers, print hits per tier and TTFT "
+        "against recompute.",
+    )
     p.add_argument("--model", default=None, help="use this model directory instead of a fresh random one")
     p.add_argument("--clients", type=positive_int, default=4, help="concurrent conversations (default 4)")
     p.add_argument("--turns", type=positive_int, default=4, help="turns per conversation (default 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="compute dtype; auto = the checkpoint's on cuda (bfloat16), float32 on cpu (default auto)")
-    p.add_argument("--storage", default=None,
-                   help="storage pool URL (default: file:// in a temporary directory, removed at the end)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="compute dtype; auto = the checkpoint's on cuda (bfloat16), float32 on cpu (default auto)",
+    )
+    p.add_argument(
+        "--storage", default=None, help="storage pool URL (default: file:// in a temporary directory, removed at the end)"
+    )
 
-    p = sub.add_parser("pool", help="start a local storage pool: `kvtier pool mooncake --port P --size 4GiB`",
-                       description="`kvtier pool mooncake --port P --size 4GiB` starts a Mooncake master and one "
-                                   "pool node contributing SIZE of memory on 127.0.0.1 and prints the URL to pass "
-                                   "as --storage; `kvtier pool mooncake --help` lists its flags.")
+    p = sub.add_parser(
+        "pool",
+        help="start a local storage pool: `kvtier pool mooncake --port P --size 4GiB`",
+        description="`kvtier pool mooncake --port P --size 4GiB` starts a Mooncake master and one "
+        "pool node contributing SIZE of memory on 127.0.0.1 and prints the URL to pass "
+        "as --storage; `kvtier pool mooncake --help` lists its flags.",
+    )
     p.add_argument("kind", choices=("mooncake",), help="which pool")
     return ap
 
@@ -232,11 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_llm_flags(p: argparse.ArgumentParser) -> None:
     """Every engine option (kvtier/engine/config.py, DESIGN §6) as a flag."""
     from kvtier.engine.config import EngineConfig
+
     EngineConfig.add_flags(p)
 
 
 def _engine_config(args: argparse.Namespace):
     from kvtier.engine.config import EngineConfig
+
     return EngineConfig.from_args(args)
 
 
@@ -252,29 +420,46 @@ def _generate(args) -> int:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     else:
         prompt = args.prompt
-    sp = kvtier.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                               top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
-                               return_routed_experts=args.return_routed_experts,
-                               skip_special_tokens=args.skip_special_tokens, n=args.n,
-                               logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
-                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                               repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
-                               stop=tuple(args.stop))
+    sp = kvtier.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+        return_routed_experts=args.return_routed_experts,
+        skip_special_tokens=args.skip_special_tokens,
+        n=args.n,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
+        stop=tuple(args.stop),
+    )
     with kvtier.LLM(args.model, _engine_config(args)) as llm:
         for _ in range(args.repeat):
             o = llm.generate([prompt], sp)[0]
-            res = {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
-                   "num_cached_tokens": o.num_cached_tokens, "cached_tokens_by_tier": o.cached_tokens_by_tier}
+            res = {
+                "token_ids": o.token_ids,
+                "text": o.text,
+                "finish_reason": o.finish_reason,
+                "num_cached_tokens": o.num_cached_tokens,
+                "cached_tokens_by_tier": o.cached_tokens_by_tier,
+            }
             if o.routed_experts is not None:
                 res["routed_experts_shape"] = list(o.routed_experts.shape)
                 res["routed_experts_dtype"] = str(o.routed_experts.dtype)
-            if sp.logprobs is not None:              # [{token id: logprob}] per generated token
+            if sp.logprobs is not None:  # [{token id: logprob}] per generated token
                 res["logprobs"] = o.outputs[0].logprobs
-            if sp.prompt_logprobs is not None:       # per prompt token; the first: null
+            if sp.prompt_logprobs is not None:  # per prompt token; the first: null
                 res["prompt_logprobs"] = o.prompt_logprobs
-            if args.n > 1:       # the fields above are sample 0's
-                res["samples"] = [{"index": c.index, "token_ids": c.token_ids, "text": c.text,
-                                   "finish_reason": c.finish_reason} for c in o.outputs]
+            if args.n > 1:  # the fields above are sample 0's
+                res["samples"] = [
+                    {"index": c.index, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}
+                    for c in o.outputs
+                ]
                 if sp.logprobs is not None:
                     for sample, c in zip(res["samples"], o.outputs):
                         sample["logprobs"] = c.logprobs
@@ -283,9 +468,11 @@ def _generate(args) -> int:
             else:
                 if o.text is not None:
                     print(o.text)
-                print(f"token_ids={o.token_ids} finish={o.finish_reason} cached={o.num_cached_tokens} "
-                      f"{o.cached_tokens_by_tier}" + (f" routed_experts={res['routed_experts_shape']}"
-                                                      if o.routed_experts is not None else ""))
+                print(
+                    f"token_ids={o.token_ids} finish={o.finish_reason} cached={o.num_cached_tokens} "
+                    f"{o.cached_tokens_by_tier}"
+                    + (f" routed_experts={res['routed_experts_shape']}" if o.routed_experts is not None else "")
+                )
                 if res.get("logprobs") is not None:
                     print("logprobs=" + str([round(lps[t], 4) for t, lps in zip(o.token_ids, res["logprobs"])]))
                 for c in o.outputs[1:]:
@@ -297,12 +484,14 @@ def _generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _GPU_BENCHES:   # they parse their own flags
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _GPU_BENCHES:  # they parse their own flags
         import importlib
+
         importlib.import_module(_GPU_BENCHES[argv[1]]).main(argv[2:])
         return 0
     if len(argv) >= 2 and argv[0] == "pool" and argv[1] == "mooncake":
         from kvtier.storage import mooncake_pool
+
         return mooncake_pool.main(argv[2:])
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -312,9 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "sim":
             from kvtier.bench import sim
+
             return sim.main(args)
         if args.command == "init-model":
             from kvtier.model import init_model
+
             path = init_model(args.preset, args.dir, seed=args.seed, dtype=args.dtype, config_only=args.config_only)
             print(f"wrote {args.preset} to {path}")
             return 0
@@ -322,24 +513,52 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             from kvtier.serve.server import serve
-            return serve(args.model, host=args.host, port=args.port, role=args.role, api_key=args.api_key,
-                         served_model_name=args.served_model_name, max_queue=args.max_queue,
-                         log_level=args.log_level, max_body_bytes=args.max_body_bytes,
-                         require_cache_salt=args.require_cache_salt, log_stats_interval=args.log_stats_interval,
-                         config=_engine_config(args))
+
+            return serve(
+                args.model,
+                host=args.host,
+                port=args.port,
+                role=args.role,
+                api_key=args.api_key,
+                served_model_name=args.served_model_name,
+                max_queue=args.max_queue,
+                log_level=args.log_level,
+                max_body_bytes=args.max_body_bytes,
+                require_cache_salt=args.require_cache_salt,
+                log_stats_interval=args.log_stats_interval,
+                config=_engine_config(args),
+            )
         if args.command == "router":
             from kvtier.serve.server import route
-            route(args.prefill, args.decode, host=args.host, port=args.port, log_level=args.log_level,
-                  api_key=args.api_key, backend_api_key=args.backend_api_key, timeout=args.timeout,
-                  health_interval=args.health_interval, max_body_bytes=args.max_body_bytes)
+
+            route(
+                args.prefill,
+                args.decode,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                api_key=args.api_key,
+                backend_api_key=args.backend_api_key,
+                timeout=args.timeout,
+                health_interval=args.health_interval,
+                max_body_bytes=args.max_body_bytes,
+            )
             return 0
         if args.command == "demo":
             from kvtier.demo import run_demo
-            run_demo(model_dir=args.model, clients=args.clients, turns=args.turns, device=args.device,
-                     storage=args.storage, dtype=args.dtype)
+
+            run_demo(
+                model_dir=args.model,
+                clients=args.clients,
+                turns=args.turns,
+                device=args.device,
+                storage=args.storage,
+                dtype=args.dtype,
+            )
             return 0
         if args.command == "bench":
             from kvtier.bench import cache_bench
+
             return cache_bench.main(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ not one full prefill), so its rounding differs, and where a random model's top t
 tie, that can flip a greedy token: the demo reports how many outputs matched rather than
 stopping at the first that did not.
 """
+
 from __future__ import annotations
 
 import random
@@ -45,21 +46,33 @@ def _warm_up(llm: kvtier.LLM, cold: kvtier.LLM, prompt_tokens: int, device_block
     or autotunes, on its first use in a process: on a GPU that is hundreds of ms the TTFT column
     would otherwise charge to the cache): a full prefill on both engines, a prefill over a cached
     prefix, and a host-tier hit (a short prompt pushed out of the device tier by a long one)."""
+
     def toks(n: int) -> list[int]:
         return [rng.randrange(256) for _ in range(n)]
+
     long = toks(prompt_tokens)
     for engine in (llm, cold):
         _ttft(engine, long)
-    _ttft(llm, long + toks(16))                                       # device hit + new tokens
+    _ttft(llm, long + toks(16))  # device hit + new tokens
     short = toks(48)
     _ttft(llm, short)
-    _ttft(llm, toks(min(prompt_tokens, (device_blocks - 4) * 16)))   # evicts `short` to host
-    _ttft(llm, short + toks(16))                                      # host hit + new tokens
+    _ttft(llm, toks(min(prompt_tokens, (device_blocks - 4) * 16)))  # evicts `short` to host
+    _ttft(llm, short + toks(16))  # host hit + new tokens
 
 
-def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, system_tokens: int | None = None,
-             question_tokens: int = 48, answer_tokens: int = 24, seed: int = 0, device: str = "cpu",
-             storage: str | None = None, dtype: str = "auto", out=print) -> dict:
+def run_demo(
+    model_dir: str | None = None,
+    clients: int = 4,
+    turns: int = 4,
+    system_tokens: int | None = None,
+    question_tokens: int = 48,
+    answer_tokens: int = 24,
+    seed: int = 0,
+    device: str = "cpu",
+    storage: str | None = None,
+    dtype: str = "auto",
+    out=print,
+) -> dict:
     tmp = None
     pool_dir = None
     if storage is None:
@@ -93,14 +106,23 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
     # client's history and a little more, the host tier a little more again.
     per_client = -(-(system_tokens + turns * (question_tokens + answer_tokens)) // 16)
     device_blocks, host_blocks = (per_client + 16, per_client + 24) if cuda else (48, 56)
-    sizes = dict(block_size=16, num_device_blocks=device_blocks, device=device, load_format=load_format,
-                 dtype=dtype, max_num_batched_tokens=max(1024, 16 * per_client + 64))
+    sizes = dict(
+        block_size=16,
+        num_device_blocks=device_blocks,
+        device=device,
+        load_format=load_format,
+        dtype=dtype,
+        max_num_batched_tokens=max(1024, 16 * per_client + 64),
+    )
     out(f"storage pool: {storage}")
     identical = 0
     # storage_fetch="auto": storage hits are fetched only when the cost model says they beat recompute
-    with kvtier.LLM(path, num_host_blocks=host_blocks, storage=storage, storage_fetch="auto",
-                    write_policy="write_through", **sizes) as llm, \
-            kvtier.LLM(path, enable_prefix_caching=False, **sizes) as cold:
+    with (
+        kvtier.LLM(
+            path, num_host_blocks=host_blocks, storage=storage, storage_fetch="auto", write_policy="write_through", **sizes
+        ) as llm,
+        kvtier.LLM(path, enable_prefix_caching=False, **sizes) as cold,
+    ):
         _warm_up(llm, cold, system_tokens + question_tokens, device_blocks, random.Random(seed + 1))
         for turn in range(turns):
             for c in range(clients):
@@ -118,33 +140,53 @@ def run_demo(model_dir: str | None = None, clients: int = 4, turns: int = 4, sys
                 histories[c] += answer.token_ids
         stats = llm.cache_stats()
         dtype_used = str(llm.dtype).removeprefix("torch.")
-    out(f"{'turn':>4} {'client':>6} {'prompt':>7} {'device':>7} {'host':>6} {'storage':>8} "
-        f"{'TTFT cache':>11} {'TTFT recompute':>15}")
+    out(
+        f"{'turn':>4} {'client':>6} {'prompt':>7} {'device':>7} {'host':>6} {'storage':>8} "
+        f"{'TTFT cache':>11} {'TTFT recompute':>15}"
+    )
     for turn, c, n, by_tier, t_cache, t_cold in rows:
-        out(f"{turn:>4} {c:>6} {n:>7} {by_tier['device']:>7} {by_tier['host']:>6} {by_tier['storage']:>8} "
-            f"{t_cache * 1e3:>9.1f}ms {t_cold * 1e3:>13.1f}ms")
+        out(
+            f"{turn:>4} {c:>6} {n:>7} {by_tier['device']:>7} {by_tier['host']:>6} {by_tier['storage']:>8} "
+            f"{t_cache * 1e3:>9.1f}ms {t_cold * 1e3:>13.1f}ms"
+        )
     hit = sum(totals.values())
     later = [r for r in rows if r[0] > 0]
     speedup = sum(r[5] for r in later) / max(1e-9, sum(r[4] for r in later))
     median = statistics.median(r[5] / max(1e-9, r[4]) for r in later) if later else 1.0
-    out(f"hit tokens: device {totals['device']}, host {totals['host']}, storage {totals['storage']} "
-        f"= {hit / prompt_tokens:.0%} of {prompt_tokens} prompt tokens")
+    out(
+        f"hit tokens: device {totals['device']}, host {totals['host']}, storage {totals['storage']} "
+        f"= {hit / prompt_tokens:.0%} of {prompt_tokens} prompt tokens"
+    )
 
     def ratio(x: float) -> str:
         return f"{x:.2f}x faster than recompute" if x >= 1 else f"{1 / x:.2f}x slower than recompute"
+
     note = ""
     if median < 1:
         note = " (this model is too small for the tokens a cache hit saves to outweigh the copies)"
     elif median > 1.5 * speedup:
         note = " (a few requests waited for others' blocks on their way down to the pool: see the TTFT column)"
     out(f"TTFT after the first turn: {ratio(speedup)} in total, {ratio(median)} for the median request{note}")
-    why = "" if identical == len(rows) else (
-        f" (the others differ by a flipped greedy token: in {dtype_used} a cached prefix rounds differently "
-        f"from a full prefill, and this random model's logits nearly tie)")
+    why = (
+        ""
+        if identical == len(rows)
+        else (
+            f" (the others differ by a flipped greedy token: in {dtype_used} a cached prefix rounds differently "
+            f"from a full prefill, and this random model's logits nearly tie)"
+        )
+    )
     out(f"{identical} of {len(rows)} outputs identical to recompute, {dtype_used}{why}")
     if tmp is not None:
         tmp.cleanup()
     if pool_dir is not None:
         pool_dir.cleanup()
-    return {"hit_tokens": totals, "prompt_tokens": prompt_tokens, "ttft_speedup": speedup, "stats": stats,
-            "ttft_speedup_median": median, "outputs": len(rows), "identical_outputs": identical, "dtype": dtype_used}
+    return {
+        "hit_tokens": totals,
+        "prompt_tokens": prompt_tokens,
+        "ttft_speedup": speedup,
+        "stats": stats,
+        "ttft_speedup_median": median,
+        "outputs": len(rows),
+        "identical_outputs": identical,
+        "dtype": dtype_used,
+    }

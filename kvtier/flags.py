@@ -1,6 +1,7 @@
 """Checks of values shared by every command, bench and options object: argparse types that parse
 one flag's text, and :func:`check_int` for values given in Python; each names the bad value in
 its error (``kvtier serve --port 0`` -> "a port is 1..65535, got 0")."""
+
 from __future__ import annotations
 
 import argparse
@@ -82,14 +83,17 @@ def capacity(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None,
-              optional: bool = False) -> None:
+def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
     """ValueError naming ``value`` unless it is an int in ``lo..hi`` (either bound may be None),
     or None when ``optional``. One check for SamplingParams and EngineConfig."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-            (lo is not None and value < lo) or (hi is not None and value > hi):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or (lo is not None and value < lo)
+        or (hi is not None and value > hi)
+    ):
         if lo is not None and hi is not None:
             want = f"an int in {lo}..{hi}"
         else:

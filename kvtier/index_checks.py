@@ -10,6 +10,7 @@ engine reports it and stops (engine/fatal.py)::
 The checks read the tensors *when the stream reaches them*, so a race (a tensor read before its
 upload landed, or after its memory was reused) is caught where it happens, not at the upload.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ def check(name: str, ids: torch.Tensor, size: int) -> None:
     if not ENABLED or ids.numel() == 0:
         return
     if ids.device.type == "cpu" and ids.is_pinned():
-        ok = bool(((ids >= 0) & (ids < size)).all())     # read by a kernel through its mapped address
+        ok = bool(((ids >= 0) & (ids < size)).all())  # read by a kernel through its mapped address
         if not ok:
             raise IndexError(f"KVTIER_CHECK_INDICES: {name} out of [0, {size}): {ids.tolist()[:16]}")
         return

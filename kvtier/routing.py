@@ -14,6 +14,7 @@ top-k, Qwen only with ``norm_topk_prob``), so gradients flow into the router as 
 ``len(tokens) - 1`` rows: the last token never went through the model). Positions past ``S`` use
 the live top-k.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,11 +27,14 @@ import torch.nn.functional as F
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's MoE routers in layer order."""
-    routers = [m for m in model.modules()
-               if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k") and hasattr(m, "weight")]
+    routers = [
+        m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k") and hasattr(m, "weight")
+    ]
     if not routers:
-        raise ValueError(f"{type(model).__name__} has no MoE routers (transformers *TopKRouter modules); "
-                         f"routing replay supports Mixtral, Qwen2-MoE and Qwen3-MoE on transformers >= 5")
+        raise ValueError(
+            f"{type(model).__name__} has no MoE routers (transformers *TopKRouter modules); "
+            f"routing replay supports Mixtral, Qwen2-MoE and Qwen3-MoE on transformers >= 5"
+        )
     return routers
 
 
@@ -50,13 +54,16 @@ def _renormalizes(router: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def replay(model: torch.nn.Module, routed_experts: np.ndarray | torch.Tensor) -> Iterator[None]:
     routers = moe_routers(model)
-    forced = torch.as_tensor(np.asarray(routed_experts) if not isinstance(routed_experts, torch.Tensor)
-                             else routed_experts).long()
+    forced = torch.as_tensor(
+        np.asarray(routed_experts) if not isinstance(routed_experts, torch.Tensor) else routed_experts
+    ).long()
     if forced.dim() == 3:
         forced = forced[None]
     if forced.dim() != 4 or forced.shape[2] != len(routers) or forced.shape[3] != routers[0].top_k:
-        raise ValueError(f"routed_experts has shape {tuple(forced.shape)}, expected [batch?, seq, "
-                         f"{len(routers)} moe layers, top_k {routers[0].top_k}]")
+        raise ValueError(
+            f"routed_experts has shape {tuple(forced.shape)}, expected [batch?, seq, "
+            f"{len(routers)} moe layers, top_k {routers[0].top_k}]"
+        )
     num_experts = _weight(routers[0]).shape[0]
     if forced.numel() and (forced.min() < 0 or forced.max() >= num_experts):
         raise ValueError(f"routed_experts holds ids outside 0..{num_experts - 1}")
@@ -93,7 +100,7 @@ def _forced_forward(router: torch.nn.Module, forced: torch.Tensor, renormalize: 
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not type(router).__name__.startswith("Mixtral"):
-            weights = weights.to(logits.dtype)      # the Qwen routers cast back; Mixtral keeps fp32
+            weights = weights.to(logits.dtype)  # the Qwen routers cast back; Mixtral keeps fp32
         return logits, weights, idx
 
     return forward

@@ -16,6 +16,7 @@ by the model and the engine's sizes, so the engine compiles every variant at sta
 Triton before 3.2 has no ``do_not_specialize_on_alignment``: there ``unaligned`` pointers go to
 ``do_not_specialize``, which drops the same assumption.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -23,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import triton
 
-KERNELS: list[Any] = []          # every kernel made by jit(), for num_compiled()
+KERNELS: list[Any] = []  # every kernel made by jit(), for num_compiled()
 
 
 def jit(*, vary: Sequence[str] = (), unaligned: Sequence[str] = ()) -> Callable[[Any], Any]:
@@ -37,6 +38,7 @@ def jit(*, vary: Sequence[str] = (), unaligned: Sequence[str] = ()) -> Callable[
         kernel = wrap(fn)
         KERNELS.append(kernel)
         return kernel
+
     return register
 
 
@@ -45,11 +47,11 @@ def num_compiled() -> int:
     every kernel of :data:`KERNELS`; 0 under Triton's interpreter, which compiles nothing."""
     total = 0
     for kernel in KERNELS:
-        caches = getattr(kernel, "device_caches", None)     # Triton >= 3.2: device -> (cache, ...)
+        caches = getattr(kernel, "device_caches", None)  # Triton >= 3.2: device -> (cache, ...)
         if caches is not None:
             total += sum(len(entry[0]) for entry in list(caches.values()))
             continue
-        cache = getattr(kernel, "cache", None)              # older: device -> {key: kernel}
+        cache = getattr(kernel, "cache", None)  # older: device -> {key: kernel}
         if isinstance(cache, dict):
             total += sum(len(v) for v in cache.values())
     return total

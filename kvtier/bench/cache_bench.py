@@ -13,6 +13,7 @@ every full block (tokens packed to bytes, validated) and digest the blocks that 
 in the tree (a hit takes its key from the tree node); ``rest`` is everything else (tree walk,
 allocate, commit, free, eviction).
 """
+
 from __future__ import annotations
 
 import gc
@@ -27,14 +28,15 @@ WINDOW = 32
 HASHES = ("sha256", "xxh3_128")
 
 
-def make_trace(num_requests: int, num_prompts: int, prompt_tokens: int, seed: int = 0,
-               vocab: int = 32000) -> list[list[int]]:
+def make_trace(num_requests: int, num_prompts: int, prompt_tokens: int, seed: int = 0, vocab: int = 32000) -> list[list[int]]:
     """Prompts of ``prompt_tokens`` tokens: a shared prefix (7/8) plus a unique suffix."""
     rng = random.Random(seed)
     prefix_len = prompt_tokens * 7 // 8
     prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(num_prompts)]
-    return [prefixes[rng.randrange(num_prompts)] + [rng.randrange(vocab) for _ in range(prompt_tokens - prefix_len)]
-            for _ in range(num_requests)]
+    return [
+        prefixes[rng.randrange(num_prompts)] + [rng.randrange(vocab) for _ in range(prompt_tokens - prefix_len)]
+        for _ in range(num_requests)
+    ]
 
 
 def device_blocks_for(num_prompts: int, prompt_tokens: int, block_size: int) -> int:
@@ -43,8 +45,14 @@ def device_blocks_for(num_prompts: int, prompt_tokens: int, block_size: int) -> 
     return num_prompts * (prompt_tokens * 7 // 8 // block_size) + 2 * WINDOW * prompt_blocks
 
 
-def replay(trace: list[list[int]], block_size: int, hash_name: str, num_device_blocks: int,
-           window: int = WINDOW, hit_blocks: list[int] | None = None) -> tuple[float, int]:
+def replay(
+    trace: list[list[int]],
+    block_size: int,
+    hash_name: str,
+    num_device_blocks: int,
+    window: int = WINDOW,
+    hit_blocks: list[int] | None = None,
+) -> tuple[float, int]:
     """Seconds for the whole trace, and prompt tokens served from the cache (``hit_blocks``:
     filled with each request's number of hit blocks)."""
     mgr = CacheManager(block_size=block_size, num_device_blocks=num_device_blocks, hash_name=hash_name)
@@ -75,7 +83,7 @@ def replay(trace: list[list[int]], block_size: int, hash_name: str, num_device_b
 def time_keys(trace: list[list[int]], block_size: int, hash_name: str, hit_blocks: list[int]) -> float:
     """Seconds of the replay's key work: labels of every full block, digests of the misses."""
     mgr = CacheManager(block_size=block_size, num_device_blocks=1, hash_name=hash_name)
-    known = [bytes(32)] * max(hit_blocks, default=0)   # hits: keys a tree match hands over
+    known = [bytes(32)] * max(hit_blocks, default=0)  # hits: keys a tree match hands over
     t0 = time.perf_counter()
     for rid, (tokens, n_hit) in enumerate(zip(trace, hit_blocks)):
         h = mgr.new_request(rid, tokens).hasher
@@ -93,8 +101,14 @@ def best_of(fn, repeat: int):
     return min(runs, key=lambda r: r[0] if isinstance(r, tuple) else r)
 
 
-def run(num_requests: int = 2000, num_prompts: int = 200, prompt_tokens: int = 4096,
-        block_size: int = 16, repeat: int = 5, seed: int = 0) -> list[dict]:
+def run(
+    num_requests: int = 2000,
+    num_prompts: int = 200,
+    prompt_tokens: int = 4096,
+    block_size: int = 16,
+    repeat: int = 5,
+    seed: int = 0,
+) -> list[dict]:
     num_device_blocks = device_blocks_for(num_prompts, prompt_tokens, block_size)
     trace = make_trace(num_requests, num_prompts, prompt_tokens, seed)
     num_tokens = sum(map(len, trace))
@@ -105,22 +119,31 @@ def run(num_requests: int = 2000, num_prompts: int = 200, prompt_tokens: int = 4
         replay(trace, block_size, hash_name, num_device_blocks, hit_blocks=hit_blocks)
         total, hit = best_of(lambda: replay(trace, block_size, hash_name, num_device_blocks), repeat)
         keys = best_of(lambda: time_keys(trace, block_size, hash_name, hit_blocks), repeat)
-        rows.append({
-            "hash": hash_name, "requests": num_requests, "prompt_tokens": num_tokens,
-            "blocks": num_blocks, "device_blocks": num_device_blocks, "us_per_request": total / num_requests * 1e6,
-            "us_per_block": total / num_blocks * 1e6,
-            "keys_us_per_request": keys / num_requests * 1e6,
-            "rest_us_per_request": max(0.0, total - keys) / num_requests * 1e6,
-            "hit_share": hit / num_tokens, "best_of": repeat,
-        })
+        rows.append(
+            {
+                "hash": hash_name,
+                "requests": num_requests,
+                "prompt_tokens": num_tokens,
+                "blocks": num_blocks,
+                "device_blocks": num_device_blocks,
+                "us_per_request": total / num_requests * 1e6,
+                "us_per_block": total / num_blocks * 1e6,
+                "keys_us_per_request": keys / num_requests * 1e6,
+                "rest_us_per_request": max(0.0, total - keys) / num_requests * 1e6,
+                "hit_share": hit / num_tokens,
+                "best_of": repeat,
+            }
+        )
     return rows
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['hash']:<9} {r['requests']} req x {r['prompt_tokens'] // r['requests']} tok: "
-            f"{r['us_per_request']:8.1f} us/req {r['us_per_block']:6.2f} us/block  "
-            f"(keys {r['keys_us_per_request']:.1f} + rest {r['rest_us_per_request']:.1f} us/req)  "
-            f"hit {r['hit_share']:.3f}  best of {r['best_of']}")
+    return (
+        f"{r['hash']:<9} {r['requests']} req x {r['prompt_tokens'] // r['requests']} tok: "
+        f"{r['us_per_request']:8.1f} us/req {r['us_per_block']:6.2f} us/block  "
+        f"(keys {r['keys_us_per_request']:.1f} + rest {r['rest_us_per_request']:.1f} us/req)  "
+        f"hit {r['hit_share']:.3f}  best of {r['best_of']}"
+    )
 
 
 def main(args) -> int:

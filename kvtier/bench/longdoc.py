@@ -11,6 +11,7 @@ are prefix hits, if the cache kept the documents::
     kvtier bench longdoc --model qwen3-0.6b-shape --device cuda --documents 40 --document-length 8000 \\
         --questions 2 --device-blocks 8000 --compare device,host
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ def order(documents: int, questions: int, how: str, seed: int) -> list[tuple[int
         random.Random(seed).shuffle(seq)
         nth: dict[int, int] = {}
         out = []
-        for d, _ in seq:                 # a document's k-th ask is round k, whatever came before
+        for d, _ in seq:  # a document's k-th ask is round k, whatever came before
             out.append((d, nth.get(d, 0)))
             nth[d] = nth.get(d, 0) + 1
         return out
@@ -61,23 +62,29 @@ def workload(args: argparse.Namespace) -> serving.Workload:
         tasks = []
         for d, q in order(args.documents, args.questions, args.order, args.seed):
             question = [rng.randrange(vocab) for _ in range(args.question_length)]
-            await arrivals.admit()           # in order: the next starts when a slot frees
+            await arrivals.admit()  # in order: the next starts when a slot frees
             tasks.append(asyncio.create_task(ask(d, q, question)))
         await asyncio.gather(*tasks)
         return records
+
     return run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtier bench longdoc", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench longdoc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--documents", type=positive_int, default=8, help="documents (default 8)")
     ap.add_argument("--document-length", type=positive_int, default=1024, help="tokens per document (default 1024)")
     ap.add_argument("--questions", type=positive_int, default=2, help="times each document is asked (default 2)")
     ap.add_argument("--question-length", type=positive_int, default=16, help="tokens per question (default 16)")
     ap.add_argument("--output-length", type=positive_int, default=16, help="tokens per answer (default 16)")
-    ap.add_argument("--order", choices=("tile", "interleave", "random"), default="tile",
-                    help="tile: d0..dN repeated; interleave: each document's questions together (default tile)")
+    ap.add_argument(
+        "--order",
+        choices=("tile", "interleave", "random"),
+        default="tile",
+        help="tile: d0..dN repeated; interleave: each document's questions together (default tile)",
+    )
     ap.add_argument("--max-inflight", type=positive_int, default=4, help="requests in flight at most (default 4)")
     serving.add_common_flags(ap)
     return ap
@@ -85,8 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving.run(args, "longdoc", workload(args), args.documents * args.questions,
-                start=(min(args.documents, args.max_inflight), args.document_length + args.question_length))
+    serving.run(
+        args,
+        "longdoc",
+        workload(args),
+        args.documents * args.questions,
+        start=(min(args.documents, args.max_inflight), args.document_length + args.question_length),
+    )
     return 0
 
 

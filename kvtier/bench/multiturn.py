@@ -17,6 +17,7 @@ working set 4x the device tier is the regime where the host and storage tiers pa
     kvtier bench multiturn --model qwen3-0.6b-shape --device cuda --clients 32 --rounds 8 \\
         --request-length 1024 --output-length 64 --device-blocks 4400 --compare device,host,storage
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,7 @@ def workload(args: argparse.Namespace) -> serving.Workload:
         else:
             await asyncio.gather(*(conversation(c) for c in range(args.clients)))
         return records
+
     return run
 
 
@@ -67,20 +69,19 @@ def add_workload_flags(ap: argparse.ArgumentParser) -> None:
     """The workload's flags (``kvtier bench pd-soak`` takes them too, with its own defaults)."""
     ap.add_argument("--clients", type=positive_int, default=8, help="conversations (default %(default)s)")
     ap.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default %(default)s)")
-    ap.add_argument("--request-length", type=positive_int, default=256,
-                    help="tokens of each new question (default %(default)s)")
-    ap.add_argument("--output-length", type=positive_int, default=32,
-                    help="tokens of each answer (default %(default)s)")
-    ap.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="Poisson arrivals per second (default inf: no pacing)")
-    ap.add_argument("--max-parallel", type=positive_int, default=16,
-                    help="requests in flight at most (default %(default)s)")
+    ap.add_argument("--request-length", type=positive_int, default=256, help="tokens of each new question (default %(default)s)")
+    ap.add_argument("--output-length", type=positive_int, default=32, help="tokens of each answer (default %(default)s)")
+    ap.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (default inf: no pacing)"
+    )
+    ap.add_argument("--max-parallel", type=positive_int, default=16, help="requests in flight at most (default %(default)s)")
     ap.add_argument("--round-barrier", action="store_true", help="all clients finish a round before the next")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtier bench multiturn", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench multiturn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_workload_flags(ap)
     serving.add_common_flags(ap)
     return ap
@@ -88,8 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving.run(args, "multiturn", workload(args), args.clients * args.rounds,
-                start=(min(args.clients, args.max_parallel), args.request_length))
+    serving.run(
+        args,
+        "multiturn",
+        workload(args),
+        args.clients * args.rounds,
+        start=(min(args.clients, args.max_parallel), args.request_length),
+    )
     return 0
 
 

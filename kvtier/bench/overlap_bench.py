@@ -18,6 +18,7 @@ Goals (issue 7): host TTFT <= 1.1 x max(device TTFT, bytes / link); host <= 0.3 
 
     kvtier bench overlap [--models llama3-8b-shape,qwen3-0.6b-shape] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,7 @@ def _link_gbps(nbytes: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16,
-              cuda_graphs: bool = True) -> dict:
+def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16, cuda_graphs: bool = True) -> dict:
     import kvtier
 
     cfg = kvtier.model.ModelConfig.from_hf_dir(path)
@@ -75,10 +75,19 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
     # device tier: one request and a little more, so filler prompts (twice its blocks, even for
     # a one-block prefix) push the prefix out; host tier: room for the prefix and the fillers
     fillers = 1 + -(-2 * (need + 16) // need)
-    llm = kvtier.LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
-                     num_device_blocks=need + 16, num_host_blocks=(fillers + 2) * need, write_policy="write_through",
-                     max_num_batched_tokens=prefix_len + new_len + 64, max_model_len=prefix_len + new_len + 64,
-                     cuda_graphs=cuda_graphs)
+    llm = kvtier.LLM(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        block_size=block_size,
+        num_device_blocks=need + 16,
+        num_host_blocks=(fillers + 2) * need,
+        write_policy="write_through",
+        max_num_batched_tokens=prefix_len + new_len + 64,
+        max_model_len=prefix_len + new_len + 64,
+        cuda_graphs=cuda_graphs,
+    )
     try:
         prefix = tokens(prefix_len)
         # warm-up: compile kernels for these shapes, on every path (device hit, host hit, cold)
@@ -88,17 +97,20 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
         _ttft(llm, prefix + tokens(new_len))
         res: dict[str, list[float]] = {"device": [], "host": [], "recompute": []}
         host_tokens: list[int] = []
+
         def check(ok: bool, what: str, out) -> None:
             if not ok:
-                raise RuntimeError(f"bench overlap (prefix {prefix_len}, new {new_len}): {what}; "
-                                   f"cached tokens by tier {out.cached_tokens_by_tier}")
+                raise RuntimeError(
+                    f"bench overlap (prefix {prefix_len}, new {new_len}): {what}; "
+                    f"cached tokens by tier {out.cached_tokens_by_tier}"
+                )
 
         for _ in range(repeat):
-            _ttft(llm, prefix + tokens(1))                       # prefix on device (and host)
+            _ttft(llm, prefix + tokens(1))  # prefix on device (and host)
             dt, out = _ttft(llm, prefix + tokens(new_len))
             check(out.cached_tokens_by_tier["device"] >= prefix_len - block_size, "the device hit missed", out)
             res["device"].append(dt)
-            for _ in range(fillers):                              # evict the prefix from device
+            for _ in range(fillers):  # evict the prefix from device
                 _ttft(llm, tokens(prefix_len + new_len))
             dt, out = _ttft(llm, prefix + tokens(new_len))
             # LRU keeps the prefix's head on device if the filler left room: most must come from host
@@ -109,36 +121,53 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
             check(out.num_cached_tokens == 0, "the recompute case hit the cache", out)
             res["recompute"].append(dt)
         kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        prefix_bytes = min(host_tokens) * kv_bytes_per_token        # what the host hit loaded
+        prefix_bytes = min(host_tokens) * kv_bytes_per_token  # what the host hit loaded
         link = _link_gbps(prefix_bytes)
         med = {k: statistics.median(v) for k, v in res.items()}
         bound = max(med["device"], prefix_bytes / (link * 1e9))
-        return {"prefix_tokens": prefix_len, "new_tokens": new_len, "prefix_kv_bytes": prefix_bytes,
-                "link_GBps": link, "ttft_s": med, "ttft_all_s": res, "overlap_bound_s": bound,
-                "host_vs_bound": med["host"] / bound, "host_vs_recompute": med["host"] / med["recompute"],
-                "host_load_GBps_effective": prefix_bytes / med["host"] / 1e9}
+        return {
+            "prefix_tokens": prefix_len,
+            "new_tokens": new_len,
+            "prefix_kv_bytes": prefix_bytes,
+            "link_GBps": link,
+            "ttft_s": med,
+            "ttft_all_s": res,
+            "overlap_bound_s": bound,
+            "host_vs_bound": med["host"] / bound,
+            "host_vs_recompute": med["host"] / med["recompute"],
+            "host_load_GBps_effective": prefix_bytes / med["host"] / 1e9,
+        }
     finally:
         llm.close()
 
 
-def decode_case(path: Path, num_requests: int, prompt_len: int, max_tokens: int,
-                order: tuple[str, ...] = ("without", "with_backups")) -> dict:
+def decode_case(
+    path: Path, num_requests: int, prompt_len: int, max_tokens: int, order: tuple[str, ...] = ("without", "with_backups")
+) -> dict:
     import kvtier
 
     cfg = kvtier.model.ModelConfig.from_hf_dir(path)
     rng = random.Random(1)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
-    blocks = 2 * num_requests * -(-(prompt_len + max_tokens) // 16)     # room enough: no preemption
+    blocks = 2 * num_requests * -(-(prompt_len + max_tokens) // 16)  # room enough: no preemption
     out = {}
     for name in order:
         host_blocks = 0 if name == "without" else 2 * blocks
-        llm = kvtier.LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", num_device_blocks=blocks,
-                         num_host_blocks=host_blocks, write_policy="write_through",
-                         max_model_len=prompt_len + max_tokens + 16, max_num_seqs=num_requests)
+        llm = kvtier.LLM(
+            path,
+            device="cuda",
+            dtype="bfloat16",
+            load_format="dummy",
+            num_device_blocks=blocks,
+            num_host_blocks=host_blocks,
+            write_policy="write_through",
+            max_model_len=prompt_len + max_tokens + 16,
+            max_num_seqs=num_requests,
+        )
         try:
             params = kvtier.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             warm = [[rng.randrange(cfg.vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
-            llm.generate(warm, params)              # the same shapes: compiles and captures everything
+            llm.generate(warm, params)  # the same shapes: compiles and captures everything
             # prefill separately, so the timed part is decode
             llm.generate(prompts, kvtier.SamplingParams(max_tokens=1, ignore_eos=True))
             torch.cuda.synchronize()
@@ -148,8 +177,12 @@ def decode_case(path: Path, num_requests: int, prompt_len: int, max_tokens: int,
             dt = time.perf_counter() - t0
             toks = sum(len(o.token_ids) for o in outs)
             stats = llm.cache_stats()
-            out[name] = {"tokens_per_s": toks / dt, "seconds": dt, "bytes_backed_up": stats["host"]["bytes_in"],
-                         "preemptions": llm.scheduler.num_preemptions}
+            out[name] = {
+                "tokens_per_s": toks / dt,
+                "seconds": dt,
+                "bytes_backed_up": stats["host"]["bytes_in"],
+                "preemptions": llm.scheduler.num_preemptions,
+            }
         finally:
             llm.close()
     out["ratio"] = out["with_backups"]["tokens_per_s"] / out["without"]["tokens_per_s"]
@@ -157,19 +190,26 @@ def decode_case(path: Path, num_requests: int, prompt_len: int, max_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench overlap", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="llama3-8b-shape,qwen3-0.6b-shape",
-                    help="presets (dummy weights) or model directories, comma separated")
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench overlap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--models",
+        default="llama3-8b-shape,qwen3-0.6b-shape",
+        help="presets (dummy weights) or model directories, comma separated",
+    )
     ap.add_argument("--prefix", type=int, default=8192, help="cached prefix tokens (default 8192)")
     ap.add_argument("--new", type=int, default=512, help="new tokens after the prefix (default 512)")
     ap.add_argument("--repeat", type=int, default=3, help="TTFT runs per case; the median is reported (default 3)")
     ap.add_argument("--decode-requests", type=int, default=64, help="sequences in the decode run (default 64)")
     ap.add_argument("--decode-prompt", type=int, default=512, help="prompt tokens per decode sequence (default 512)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="tokens generated per sequence (default 256)")
-    ap.add_argument("--eager", action="store_true",
-                    help="no CUDA graphs (by default a step of <= 256 tokens is replayed from a step graph, "
-                         "its host loads behind layer gates, as the engine runs it)")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="no CUDA graphs (by default a step of <= 256 tokens is replayed from a step graph, "
+        "its host loads behind layer gates, as the engine runs it)",
+    )
     ap.add_argument("--skip-decode", action="store_true", help="only the TTFT cases")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
@@ -185,17 +225,23 @@ def main(argv: list[str] | None = None) -> int:
                 path = init_model(name, Path(tmp) / name, config_only=True)
             r = {"ttft": ttft_case(path, args.prefix, args.new, args.repeat, cuda_graphs=not args.eager)}
             t = r["ttft"]
-            print(f"{name}: TTFT device {t['ttft_s']['device'] * 1e3:.1f} ms, host {t['ttft_s']['host'] * 1e3:.1f} ms, "
-                  f"recompute {t['ttft_s']['recompute'] * 1e3:.1f} ms; link {t['link_GBps']:.1f} GB/s, "
-                  f"bound {t['overlap_bound_s'] * 1e3:.1f} ms; host/bound {t['host_vs_bound']:.2f} (goal <= 1.1), "
-                  f"host/recompute {t['host_vs_recompute']:.2f}", flush=True)
+            print(
+                f"{name}: TTFT device {t['ttft_s']['device'] * 1e3:.1f} ms, host {t['ttft_s']['host'] * 1e3:.1f} ms, "
+                f"recompute {t['ttft_s']['recompute'] * 1e3:.1f} ms; link {t['link_GBps']:.1f} GB/s, "
+                f"bound {t['overlap_bound_s'] * 1e3:.1f} ms; host/bound {t['host_vs_bound']:.2f} (goal <= 1.1), "
+                f"host/recompute {t['host_vs_recompute']:.2f}",
+                flush=True,
+            )
             if not args.skip_decode:
                 r["decode"] = decode_case(path, args.decode_requests, args.decode_prompt, args.decode_tokens)
                 d = r["decode"]
-                print(f"{name}: decode {d['without']['tokens_per_s']:.0f} tok/s without backups, "
-                      f"{d['with_backups']['tokens_per_s']:.0f} with write_through backups "
-                      f"({d['with_backups']['bytes_backed_up'] / 2**20:.0f} MiB backed up): ratio {d['ratio']:.3f} "
-                      f"(goal >= 0.97)", flush=True)
+                print(
+                    f"{name}: decode {d['without']['tokens_per_s']:.0f} tok/s without backups, "
+                    f"{d['with_backups']['tokens_per_s']:.0f} with write_through backups "
+                    f"({d['with_backups']['bytes_backed_up'] / 2**20:.0f} MiB backed up): ratio {d['ratio']:.3f} "
+                    f"(goal >= 0.97)",
+                    flush=True,
+                )
             results["models"][name] = r
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

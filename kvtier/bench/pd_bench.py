@@ -11,6 +11,7 @@ client of that pool (``kvtier bench storage``'s baseline, same object size and t
 Every server is a process on 127.0.0.1, started and stopped here; the temporary directory
 holding the model, the default pool and the logs is removed at the end, however it ends.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ from kvtier.storage.client import default_storage_workers
 
 def _stats(server: ServerProcess) -> dict:
     import httpx
+
     return httpx.get(server.url + "/kvtier/stats", timeout=30).json()
 
 
@@ -39,6 +41,7 @@ def _histograms(server: ServerProcess, names: tuple[str, ...]) -> dict[str, tupl
     """(sum, count) of each histogram ``names`` on the server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
     for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text):
         if fam.name in names:
@@ -61,26 +64,41 @@ def _means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float,
 _P_HISTOGRAMS = ("kvtier_time_to_first_token_seconds", "kvtier_pd_export_seconds")
 
 
-def workload(n: int, rate: float, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], vocab: int,
-             seed: int) -> list[dict]:
+def workload(
+    n: int, rate: float, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], vocab: int, seed: int
+) -> list[dict]:
     rng = np.random.default_rng(seed)
     t = 0.0
     out = []
     for i in range(n):
         t += rng.exponential(1.0 / rate) if rate > 0 else 0.0
         n_in = int(rng.integers(prompt_tokens[0], prompt_tokens[1] + 1))
-        out.append({"at": t, "prompt": rng.integers(0, min(vocab, 32000), n_in).tolist(),
-                    "max_tokens": int(rng.integers(output_tokens[0], output_tokens[1] + 1))})
+        out.append(
+            {
+                "at": t,
+                "prompt": rng.integers(0, min(vocab, 32000), n_in).tolist(),
+                "max_tokens": int(rng.integers(output_tokens[0], output_tokens[1] + 1)),
+            }
+        )
     return out
 
 
 async def _drive(url: str, model: str, reqs: list[dict], timeout: float) -> list[dict]:
     import httpx
+
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024)) as client:
+
         async def one(r: dict) -> dict:
             await asyncio.sleep(r["at"])
-            body = {"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0,
-                    "ignore_eos": True, "stream": True, "return_token_ids": True}
+            body = {
+                "model": model,
+                "prompt": r["prompt"],
+                "max_tokens": r["max_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
             t0 = time.perf_counter()
             times: list[float] = []
             counts: list[int] = []
@@ -101,6 +119,7 @@ async def _drive(url: str, model: str, reqs: list[dict], timeout: float) -> list
                         tokens += ids
             itl = [(b - a) / k for a, b, k in zip(times, times[1:], counts[1:])]
             return {"ttft": times[0], "itl": itl, "tokens": tokens, "n": len(tokens)}
+
         return await asyncio.gather(*(one(r) for r in reqs))
 
 
@@ -108,15 +127,24 @@ def _summary(results: list[dict], wall: float) -> dict:
     ttft = [r["ttft"] for r in results]
     itl = [x for r in results for x in r["itl"]]
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
-    return {"ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
-            "itl_mean_s": statistics.fmean(itl) if itl else float("nan"), "itl_p50_s": pct(itl, 50),
-            "itl_p90_s": pct(itl, 90), "output_tokens_per_s": sum(r["n"] for r in results) / wall, "wall_s": wall}
+    return {
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p90_s": pct(ttft, 90),
+        "itl_mean_s": statistics.fmean(itl) if itl else float("nan"),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p90_s": pct(itl, 90),
+        "output_tokens_per_s": sum(r["n"] for r in results) / wall,
+        "wall_s": wall,
+    }
 
 
 def _spread(runs: list[dict]) -> dict:
     """Per metric over repeats: the median, and the spread (min, max)."""
-    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                "max": max(r[k] for r in runs)} for k in runs[0]}
+    return {
+        k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)}
+        for k in runs[0]
+    }
 
 
 def _sweep(url: str, name: str, loads: dict[float, list[list[dict]]], timeout: float, bar) -> dict:
@@ -132,10 +160,22 @@ def _sweep(url: str, name: str, loads: dict[float, list[list[dict]]], timeout: f
     return out
 
 
-def run(model: str, storage: str | None, engine_args: list[str], requests: int, rates: list[float],
-        prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int, workers: int,
-        tmp: Path, timeout: float = 600.0, repeat: int = 1,
-        setups: tuple[str, ...] = ("colocated", "pd"), prefill_put_workers: int | None = None) -> dict:
+def run(
+    model: str,
+    storage: str | None,
+    engine_args: list[str],
+    requests: int,
+    rates: list[float],
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    seed: int,
+    workers: int,
+    tmp: Path,
+    timeout: float = 600.0,
+    repeat: int = 1,
+    setups: tuple[str, ...] = ("colocated", "pd"),
+    prefill_put_workers: int | None = None,
+) -> dict:
     """Both setups (or ``setups``), each driven at every rate ``repeat`` times with ``requests``
     requests (a fresh workload per repeat: seed + repeat); servers' logs (and the default pool)
     go to ``tmp``, which the caller owns. ``points``: per rate, per setup, each metric's median
@@ -147,12 +187,20 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
     pool_url = storage or f"file://{tmp / 'pool'}"
     name = "bench"
     common = [model, "--served-model-name", name, *engine_args]
-    loads = {r: [workload(requests, r, prompt_tokens, output_tokens, cfg.vocab_size, seed + k) for k in range(repeat)]
-             for r in rates}
+    loads = {
+        r: [workload(requests, r, prompt_tokens, output_tokens, cfg.vocab_size, seed + k) for k in range(repeat)] for r in rates
+    }
     warm = workload(4, 0, prompt_tokens, (4, 4), cfg.vocab_size, seed + 1000)
-    res: dict = {"model": model, "pool": pool_url.split("@")[-1], "requests": requests, "rates": rates,
-                 "repeat": repeat, "prompt_tokens": list(prompt_tokens),
-                 "output_tokens": list(output_tokens), "prefill_put_workers": prefill_put_workers}
+    res: dict = {
+        "model": model,
+        "pool": pool_url.split("@")[-1],
+        "requests": requests,
+        "rates": rates,
+        "repeat": repeat,
+        "prompt_tokens": list(prompt_tokens),
+        "output_tokens": list(output_tokens),
+        "prefill_put_workers": prefill_put_workers,
+    }
     servers: list[ServerProcess] = []
     done = [0]
     total = len(rates) * repeat * len(setups)
@@ -160,6 +208,7 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
     def bar() -> None:
         done[0] += 1
         print(f"  [{done[0]}/{total}] runs done", file=sys.stderr, flush=True)
+
     runs: dict = {}
     try:
         if "colocated" in setups:
@@ -173,8 +222,7 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
             pd_args = ["--storage", pool_url, "--storage-workers", str(workers)]
             p_args = [] if prefill_put_workers is None else ["--storage-put-workers", str(prefill_put_workers)]
             p = ServerProcess(["serve", *common, "--role", "prefill", *pd_args, *p_args], tmp / "prefill.log")
-            d = ServerProcess(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"],
-                              tmp / "decode.log")
+            d = ServerProcess(["serve", *common, "--role", "decode", *pd_args, "--storage-fetch", "always"], tmp / "decode.log")
             servers += [p, d]
             p.wait_ready(), d.wait_ready()
             router = ServerProcess(["router", "--prefill", p.url, "--decode", d.url], tmp / "router.log").wait_ready()
@@ -186,14 +234,19 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
             # where P's answer time goes (all rates together): its own TTFT, then the wait for
             # the pool to store the prompt's blocks before it answers
             means = _means(h0, h1)
-            res["prefill_server"] = {"ttft_mean_s": means.get("kvtier_time_to_first_token_seconds"),
-                                     "export_mean_s": means.get("kvtier_pd_export_seconds"),
-                                     "storage": _stats(p)["storage"]}
+            res["prefill_server"] = {
+                "ttft_mean_s": means.get("kvtier_time_to_first_token_seconds"),
+                "export_mean_s": means.get("kvtier_pd_export_seconds"),
+                "storage": _stats(p)["storage"],
+            }
             busy_b = s1["busy_read_bytes"] - s0["busy_read_bytes"]
             busy_s = s1["busy_read_seconds"] - s0["busy_read_seconds"]
-            res["handoff"] = {"bytes": busy_b, "gbps": busy_b / busy_s / 1e9 if busy_s else float("nan"),
-                              "storage_hit_tokens": s1["hit_tokens"] - s0["hit_tokens"],
-                              "fetch_threads": workers}
+            res["handoff"] = {
+                "bytes": busy_b,
+                "gbps": busy_b / busy_s / 1e9 if busy_s else float("nan"),
+                "storage_hit_tokens": s1["hit_tokens"] - s0["hit_tokens"],
+                "fetch_threads": workers,
+            }
             obj = int(s1["bytes_read"] / max(1, s1["hits"])) if s1["hits"] else None
             for s in servers:
                 s.stop()
@@ -212,8 +265,11 @@ def run(model: str, storage: str | None, engine_args: list[str], requests: int, 
         for setup, by_rate in runs.items():
             point[setup] = _spread([summary for summary, _ in by_rate[r]])
         if len(runs) == 2:
-            point["identical_tokens"] = sum(a["tokens"] == b["tokens"] for (_, xs), (_, ys)
-                                            in zip(runs["colocated"][r], runs["pd"][r]) for a, b in zip(xs, ys))
+            point["identical_tokens"] = sum(
+                a["tokens"] == b["tokens"]
+                for (_, xs), (_, ys) in zip(runs["colocated"][r], runs["pd"][r])
+                for a, b in zip(xs, ys)
+            )
             for k in ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s"):
                 point[f"pd_over_colocated_{k}"] = point["pd"][k]["median"] / point["colocated"][k]["median"]
         res["points"].append(point)
@@ -247,34 +303,62 @@ def _setups(text: str) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench pd", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench pd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="model directory (default: a fresh qwen3-moe-tiny checkpoint)")
-    ap.add_argument("--preset", default="qwen3-moe-tiny",
-                    help="preset written when --model is not given (with --load-format dummy: config only)")
+    ap.add_argument(
+        "--preset",
+        default="qwen3-moe-tiny",
+        help="preset written when --model is not given (with --load-format dummy: config only)",
+    )
     ap.add_argument("--storage", default=None, help="pool URL (default: file:// in a temporary directory)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="weights (default auto)")
     ap.add_argument("--requests", type=int, default=24, help="requests (default 24)")
-    ap.add_argument("--rate", type=_rates, default=[4.0],
-                    help="arrivals per second, Poisson; 0 = all at once; several (2,4,8) sweep them (default 4)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="runs per rate, each a fresh workload; medians with their spread (default 1)")
-    ap.add_argument("--setups", type=_setups, default=("colocated", "pd"),
-                    help="colocated,pd (default both; one alone e.g. to split a long sweep)")
+    ap.add_argument(
+        "--rate",
+        type=_rates,
+        default=[4.0],
+        help="arrivals per second, Poisson; 0 = all at once; several (2,4,8) sweep them (default 4)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="runs per rate, each a fresh workload; medians with their spread (default 1)"
+    )
+    ap.add_argument(
+        "--setups",
+        type=_setups,
+        default=("colocated", "pd"),
+        help="colocated,pd (default both; one alone e.g. to split a long sweep)",
+    )
     ap.add_argument("--prompt-tokens", type=_pair, default=(64, 384), help="LO,HI prompt lengths (default 64,384)")
     ap.add_argument("--output-tokens", type=_pair, default=(8, 64), help="LO,HI output lengths (default 8,64)")
-    ap.add_argument("--num-device-blocks", type=int, default=None, help="per server (default: sized from memory; "
-                    "on one GPU each server takes its share: give it)")
+    ap.add_argument(
+        "--num-device-blocks",
+        type=int,
+        default=None,
+        help="per server (default: sized from memory; on one GPU each server takes its share: give it)",
+    )
     ap.add_argument("--num-host-blocks", type=int, default=1024, help="per server (default 1024)")
     ap.add_argument("--max-model-len", type=int, default=None, help="context (default: the model's)")
-    ap.add_argument("--storage-workers", type=int, default=default_storage_workers(),
-                    help="fetch threads of D, and of the raw baseline (default: one per core, 2..16)")
-    ap.add_argument("--prefill-put-workers", type=int, default=None,
-                    help="put threads of P (default: the server's, half of --storage-workers)")
-    ap.add_argument("--early-loads", choices=("on", "off"), default="on",
-                    help="every server's early_loads: D's hand-off blocks go on to the device chunk by "
-                         "chunk as they land (default on)")
+    ap.add_argument(
+        "--storage-workers",
+        type=int,
+        default=default_storage_workers(),
+        help="fetch threads of D, and of the raw baseline (default: one per core, 2..16)",
+    )
+    ap.add_argument(
+        "--prefill-put-workers",
+        type=int,
+        default=None,
+        help="put threads of P (default: the server's, half of --storage-workers)",
+    )
+    ap.add_argument(
+        "--early-loads",
+        choices=("on", "off"),
+        default="on",
+        help="every server's early_loads: D's hand-off blocks go on to the device chunk by chunk as they land (default on)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
@@ -305,10 +389,23 @@ def main(argv: list[str] | None = None) -> int:
             model = a.model
             if model is None:
                 from kvtier.model import init_model
+
                 model = str(init_model(a.preset, tmp / "model", seed=0, config_only=a.load_format == "dummy"))
-            res = run(model, a.storage, [str(x) for x in engine], a.requests, a.rate, a.prompt_tokens,
-                      a.output_tokens, a.seed, a.storage_workers, tmp, repeat=a.repeat, setups=a.setups,
-                      prefill_put_workers=a.prefill_put_workers)
+            res = run(
+                model,
+                a.storage,
+                [str(x) for x in engine],
+                a.requests,
+                a.rate,
+                a.prompt_tokens,
+                a.output_tokens,
+                a.seed,
+                a.storage_workers,
+                tmp,
+                repeat=a.repeat,
+                setups=a.setups,
+                prefill_put_workers=a.prefill_put_workers,
+            )
             res["early_loads"] = a.early_loads
     finally:
         if main_thread:
@@ -318,30 +415,43 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(res))
         return 0
-    print(f"kvtier bench pd: {a.requests} requests per run, {a.repeat} run(s) per rate, prompts "
-          f"{a.prompt_tokens}, outputs {a.output_tokens}, pool {res['pool']}  (median over runs [min-max])")
+    print(
+        f"kvtier bench pd: {a.requests} requests per run, {a.repeat} run(s) per rate, prompts "
+        f"{a.prompt_tokens}, outputs {a.output_tokens}, pool {res['pool']}  (median over runs [min-max])"
+    )
     ms = lambda m: f"{m['median'] * 1e3:7.1f} [{m['min'] * 1e3:.0f}-{m['max'] * 1e3:.0f}]"  # noqa: E731
     for point in res["points"]:
         for k in a.setups:
             s = point[k]
-            print(f"  {point['rate']:5g}/s {k:10s} TTFT mean {ms(s['ttft_mean_s'])} p50 {ms(s['ttft_p50_s'])} "
-                  f"p90 {ms(s['ttft_p90_s'])} | ITL mean {ms(s['itl_mean_s'])} p90 {ms(s['itl_p90_s'])} | "
-                  f"{s['output_tokens_per_s']['median']:7.1f} tok/s")
+            print(
+                f"  {point['rate']:5g}/s {k:10s} TTFT mean {ms(s['ttft_mean_s'])} p50 {ms(s['ttft_p50_s'])} "
+                f"p90 {ms(s['ttft_p90_s'])} | ITL mean {ms(s['itl_mean_s'])} p90 {ms(s['itl_p90_s'])} | "
+                f"{s['output_tokens_per_s']['median']:7.1f} tok/s"
+            )
         if "identical_tokens" in point:
-            print(f"  {point['rate']:5g}/s PD/colocated: TTFT p90 {point['pd_over_colocated_ttft_p90_s']:.2f}, "
-                  f"ITL p90 {point['pd_over_colocated_itl_p90_s']:.2f}; identical token streams "
-                  f"{point['identical_tokens']} / {a.requests * a.repeat}")
+            print(
+                f"  {point['rate']:5g}/s PD/colocated: TTFT p90 {point['pd_over_colocated_ttft_p90_s']:.2f}, "
+                f"ITL p90 {point['pd_over_colocated_itl_p90_s']:.2f}; identical token streams "
+                f"{point['identical_tokens']} / {a.requests * a.repeat}"
+            )
     ps = res.get("prefill_server")
     if ps and ps["ttft_mean_s"] is not None:
         export = ps["export_mean_s"]
-        print(f"  P: own TTFT mean {ps['ttft_mean_s'] * 1e3:.1f} ms, then the pool's ack of the prompt's blocks "
-              + (f"{export * 1e3:.1f} ms" if export is not None else "-")
-              + " (a streamed first token leaves after the first, D starts after both)")
+        print(
+            f"  P: own TTFT mean {ps['ttft_mean_s'] * 1e3:.1f} ms, then the pool's ack of the prompt's blocks "
+            + (f"{export * 1e3:.1f} ms" if export is not None else "-")
+            + " (a streamed first token leaves after the first, D starts after both)"
+        )
     h = res.get("handoff")
     if h:
-        print(f"  hand-off: {h['bytes'] / 1e6:.1f} MB read by D at {h['gbps']:.3f} GB/s"
-              + (f" = {h['ratio_vs_raw_get']:.2f} x the raw client's get ({res['pool_raw']['raw_get_gbps']:.3f} GB/s)"
-                 if "ratio_vs_raw_get" in h else ""))
+        print(
+            f"  hand-off: {h['bytes'] / 1e6:.1f} MB read by D at {h['gbps']:.3f} GB/s"
+            + (
+                f" = {h['ratio_vs_raw_get']:.2f} x the raw client's get ({res['pool_raw']['raw_get_gbps']:.3f} GB/s)"
+                if "ratio_vs_raw_get" in h
+                else ""
+            )
+        )
     return 0
 
 

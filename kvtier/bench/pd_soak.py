@@ -34,6 +34,7 @@ unknown answer::
         --rounds 4 --request-length 512 --output-length 32 --device-blocks 2048 --host-blocks 8192 \\
         --max-model-len 8192 --block-tokens 64 --trace-requests 200 --json pd_soak.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,35 +50,50 @@ import kvtier
 from kvtier.bench import multiturn, serving, trace_replay
 from kvtier.flags import non_negative_int, positive_int
 
-CONFIGS = ("storage", "pd")           # the baseline first
+CONFIGS = ("storage", "pd")  # the baseline first
 TRACE = Path(kvtier.__file__).resolve().parent.parent / "traces" / "mooncake_conversation_1k.jsonl"
 COUNTS = ("requests", "compared", "deaths", "http_5xx", "errors", "mismatches", "unknown")
 
 
 def workloads(args: argparse.Namespace, limit: int) -> dict[str, tuple[serving.Workload, int, tuple[int, int]]]:
     """name -> (workload, its requests, its start shape for the warm-up), as their benches run them."""
-    out = {"multiturn": (multiturn.workload(args), args.clients * args.rounds,
-                         (min(args.clients, args.max_parallel), args.request_length))}
+    out = {
+        "multiturn": (
+            multiturn.workload(args),
+            args.clients * args.rounds,
+            (min(args.clients, args.max_parallel), args.request_length),
+        )
+    }
     if args.trace_requests:
-        targs = argparse.Namespace(**{**vars(args), "file": args.trace, "requests": args.trace_requests,
-                                      "max_output_tokens": args.output_length,
-                                      "max_input_tokens": limit - args.output_length})
+        targs = argparse.Namespace(
+            **{
+                **vars(args),
+                "file": args.trace,
+                "requests": args.trace_requests,
+                "max_output_tokens": args.output_length,
+                "max_input_tokens": limit - args.output_length,
+            }
+        )
         reqs = trace_replay.prompts(targs, args.vocab)
         if not reqs:
-            raise SystemExit(f"{args.trace}: no request of the first {args.trace_requests} fits the context "
-                             f"({limit} tokens less --output-length)")
-        first = [len(ids) for _, ids, _ in reqs[:min(8, args.max_parallel)]]
+            raise SystemExit(
+                f"{args.trace}: no request of the first {args.trace_requests} fits the context "
+                f"({limit} tokens less --output-length)"
+            )
+        first = [len(ids) for _, ids, _ in reqs[: min(8, args.max_parallel)]]
         out["trace"] = (trace_replay.workload(targs), len(reqs), (len(first), round(sum(first) / len(first))))
     return out
 
 
-def run_config(args: argparse.Namespace, config: str, name: str, model: str, tmp: Path, log_dir: Path,
-               todo: dict) -> tuple[dict, dict[str, list[serving.Record]]]:
+def run_config(
+    args: argparse.Namespace, config: str, name: str, model: str, tmp: Path, log_dir: Path, todo: dict
+) -> tuple[dict, dict[str, list[serving.Record]]]:
     """One configuration of a run: its servers started, every workload on them, their deaths.
     A server that exits (or hangs) while starting is a death; the workloads are then not run."""
     import httpx
+
     env = None
-    if args.fresh_triton_cache:               # P and D share theirs: both compile, at once
+    if args.fresh_triton_cache:  # P and D share theirs: both compile, at once
         cache = tmp / f"triton-{config}"
         cache.mkdir()
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
@@ -86,16 +102,26 @@ def run_config(args: argparse.Namespace, config: str, name: str, model: str, tmp
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         try:
-            server = stack.enter_context(serving.Server(
-                None, model, serving.server_flags(config, args, tmp), log_dir, pd=config == "pd",
-                name=f"{name}-{config}", log_level="info" if args.log_dir else "warning",
-                devices=serving.devices(args), env=env))
-        except (RuntimeError, httpx.HTTPError) as e:     # ServerProcess.wait_ready: exited, or not ready
+            server = stack.enter_context(
+                serving.Server(
+                    None,
+                    model,
+                    serving.server_flags(config, args, tmp),
+                    log_dir,
+                    pd=config == "pd",
+                    name=f"{name}-{config}",
+                    log_level="info" if args.log_dir else "warning",
+                    devices=serving.devices(args),
+                    env=env,
+                )
+            )
+        except (RuntimeError, httpx.HTTPError) as e:  # ServerProcess.wait_ready: exited, or not ready
             out["died"] = [{"role": "starting", "returncode": None, "log": "", "tail": str(e)}]
         else:
             for wname, (workload, count, start) in todo.items():
                 out["workloads"][wname], records[wname] = serving.measure(
-                    args, server, f"{name} {wname} [{config}]", workload, count, start)
+                    args, server, f"{name} {wname} [{config}]", workload, count, start
+                )
             out["died"] = server.deaths()
     out["seconds"] = time.perf_counter() - t0
     return out, records
@@ -109,8 +135,7 @@ def soak_run(args: argparse.Namespace, k: int, model: str, limit: int, log_dir: 
     records: dict[str, dict[str, list[serving.Record]]] = {}
     with tempfile.TemporaryDirectory(prefix=f"kvtier-pd-soak-{k}-") as tmp_name:
         for config in CONFIGS:
-            configs[config], records[config] = run_config(rargs, config, f"run{k}", model, Path(tmp_name),
-                                                          log_dir, todo)
+            configs[config], records[config] = run_config(rargs, config, f"run{k}", model, Path(tmp_name), log_dir, todo)
     run: dict[str, Any] = dict.fromkeys(COUNTS, 0)
     run.update(run=k, first_mismatches=[], first_errors=[], died=[])
     for config, c in configs.items():
@@ -121,7 +146,7 @@ def soak_run(args: argparse.Namespace, k: int, model: str, limit: int, log_dir: 
             run["requests"] += res["requests"]
             run["http_5xx"] += fivexx
             run["errors"] += failed - fivexx
-            run["first_errors"] += [f"{config}: {e}" for e in res["errors"]][:5 - len(run["first_errors"])]
+            run["first_errors"] += [f"{config}: {e}" for e in res["errors"]][: 5 - len(run["first_errors"])]
     for wname in todo:
         same = serving.compare_outputs(records["storage"].get(wname, []), records["pd"].get(wname, []))
         for key in ("compared", "mismatches", "unknown"):
@@ -136,41 +161,64 @@ def problem(run: dict) -> str | None:
     k = run["run"]
     if run["deaths"]:
         d = run["died"][0]
-        return (f"run {k}: {run['deaths']} deaths; the first: {d['config']} {d['role']} "
-                f"(exit {d['returncode']}, {d['log'] or 'no log'}):\n{d['tail']}")
+        return (
+            f"run {k}: {run['deaths']} deaths; the first: {d['config']} {d['role']} "
+            f"(exit {d['returncode']}, {d['log'] or 'no log'}):\n{d['tail']}"
+        )
     if run["mismatches"]:
         m = run["first_mismatches"][0]
-        return (f"run {k}: {run['mismatches']} of {run['compared']} PD answers differ from the colocated ones; "
-                f"the first: {m['workload']} group {m['group']} round {m['round']} at token {m['position']} "
-                f"({m['got']} instead of {m['expected']})")
+        return (
+            f"run {k}: {run['mismatches']} of {run['compared']} PD answers differ from the colocated ones; "
+            f"the first: {m['workload']} group {m['group']} round {m['round']} at token {m['position']} "
+            f"({m['got']} instead of {m['expected']})"
+        )
     if run["http_5xx"] or run["errors"]:
-        return (f"run {k}: {run['http_5xx']} 5xx and {run['errors']} other failed requests, e.g. "
-                f"{(run['first_errors'] or ['?'])[0]}")
+        return (
+            f"run {k}: {run['http_5xx']} 5xx and {run['errors']} other failed requests, e.g. {(run['first_errors'] or ['?'])[0]}"
+        )
     if run["unknown"]:
         return f"run {k}: {run['unknown']} PD answers could not be compared (no token ids on either side)"
     return None
 
 
 def line(what: str, r: dict) -> str:
-    return (f"{what}: {r['requests']} requests ({r['compared']} PD answers compared), {r['deaths']} deaths, "
-            f"{r['http_5xx']} 5xx, {r['errors']} other errors, {r['mismatches']} mismatches, {r['unknown']} unknown")
+    return (
+        f"{what}: {r['requests']} requests ({r['compared']} PD answers compared), {r['deaths']} deaths, "
+        f"{r['http_5xx']} 5xx, {r['errors']} other errors, {r['mismatches']} mismatches, {r['unknown']} unknown"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtier bench pd-soak", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench pd-soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--runs", type=positive_int, default=3, help="runs, each on fresh servers (default %(default)s)")
-    ap.add_argument("--fresh-triton-cache", action="store_true",
-                    help="each run's configurations start with an empty TRITON_CACHE_DIR of their own (a "
-                         "temporary directory): every kernel compiled while serving, as on a new machine")
+    ap.add_argument(
+        "--fresh-triton-cache",
+        action="store_true",
+        help="each run's configurations start with an empty TRITON_CACHE_DIR of their own (a "
+        "temporary directory): every kernel compiled while serving, as on a new machine",
+    )
     multiturn.add_workload_flags(ap)
-    ap.add_argument("--trace", default=str(TRACE), metavar="FILE",
-                    help="Mooncake-format trace replayed after the conversations (default: "
-                         "traces/mooncake_conversation_1k.jsonl of this checkout)")
-    ap.add_argument("--trace-requests", type=non_negative_int, default=16,
-                    help="its first N requests, at once (0: no trace) (default %(default)s)")
-    ap.add_argument("--block-tokens", type=positive_int, default=16,
-                    help="tokens per Mooncake hash block (512: the trace's; default %(default)s)")
+    ap.add_argument(
+        "--trace",
+        default=str(TRACE),
+        metavar="FILE",
+        help="Mooncake-format trace replayed after the conversations (default: "
+        "traces/mooncake_conversation_1k.jsonl of this checkout)",
+    )
+    ap.add_argument(
+        "--trace-requests",
+        type=non_negative_int,
+        default=16,
+        help="its first N requests, at once (0: no trace) (default %(default)s)",
+    )
+    ap.add_argument(
+        "--block-tokens",
+        type=positive_int,
+        default=16,
+        help="tokens per Mooncake hash block (512: the trace's; default %(default)s)",
+    )
     ap.set_defaults(clients=4, rounds=3, request_length=32, output_length=8, time_scale=0.0)
     serving.add_common_flags(ap, compare=False)
     ap.set_defaults(url=None)
@@ -182,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     runs: list[dict] = []
 
-    def report() -> tuple[dict, list[str]]:      # --json after every run: a run cut short keeps the others
+    def report() -> tuple[dict, list[str]]:  # --json after every run: a run cut short keeps the others
         total = {key: sum(r[key] for r in runs) for key in COUNTS}
         problems = [p for p in map(problem, runs) if p]
         if args.json:
@@ -192,19 +240,25 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="kvtier-pd-soak-") as tmp_name:
         model, args.vocab = serving.resolve_model(args, Path(tmp_name))
-        assert model is not None                 # (no --url: the soak starts its own servers)
+        assert model is not None  # (no --url: the soak starts its own servers)
         from kvtier.model import ModelConfig
+
         limit = args.max_model_len = args.max_model_len or ModelConfig.from_hf_dir(model).max_position_embeddings
         if args.rounds * (args.request_length + args.output_length) > limit:
-            raise SystemExit(f"a conversation grows to {args.rounds * (args.request_length + args.output_length)} "
-                             f"tokens (--rounds x (--request-length + --output-length)), over the context, {limit}")
+            raise SystemExit(
+                f"a conversation grows to {args.rounds * (args.request_length + args.output_length)} "
+                f"tokens (--rounds x (--request-length + --output-length)), over the context, {limit}"
+            )
         log_dir = Path(args.log_dir or tmp_name)
         log_dir.mkdir(parents=True, exist_ok=True)
         for k in range(1, args.runs + 1):
             runs.append(soak_run(args, k, model, limit, log_dir))
             c = runs[-1]["configs"]
-            print(line(f"run {k}/{args.runs}", runs[-1])
-                  + f" [storage {c['storage']['seconds']:.0f} s, pd {c['pd']['seconds']:.0f} s]", flush=True)
+            print(
+                line(f"run {k}/{args.runs}", runs[-1])
+                + f" [storage {c['storage']['seconds']:.0f} s, pd {c['pd']['seconds']:.0f} s]",
+                flush=True,
+            )
             total, problems = report()
     print(line(f"total of {args.runs} runs", total) + f" ({time.perf_counter() - started:.0f} s)")
     if problems:

@@ -11,6 +11,7 @@ versions ``kvtier[peers]`` pins: these are internal APIs, they move between rele
 What is timed is what the peer's scheduler calls per request; building the engine-side request
 object is not (kvtier's adapter builds none).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,9 +25,10 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """A request a peer's cache admitted."""
-    handle: Any                 # what the peer needs to publish and finish this request
-    num_cached_tokens: int      # prompt tokens served from the cache
-    phases_ns: dict[str, int]   # time of each step of the admission
+
+    handle: Any  # what the peer needs to publish and finish this request
+    num_cached_tokens: int  # prompt tokens served from the cache
+    phases_ns: dict[str, int]  # time of each step of the admission
 
 
 class VllmPeer:
@@ -44,10 +46,12 @@ class VllmPeer:
         self._hasher = get_request_block_hasher(block_size, digest)
         # one full-attention layer group: the KV shape does not matter to the bookkeeping
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                               kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], spec)])
-        self.mgr = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
-                                  hash_block_size=block_size, enable_caching=True)
+        config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], spec)]
+        )
+        self.mgr = KVCacheManager(
+            config, max_model_len=max_model_len, scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=True
+        )
         self._request, self._params = Request, SamplingParams(max_tokens=1)
         self.name = f"vllm[{hash_name}]"
 
@@ -55,7 +59,7 @@ class VllmPeer:
         req = self._request(str(rid), tokens, self._params, None)
         t0 = time.perf_counter_ns()
         req._block_hasher = self._hasher
-        req.update_block_hashes()                                   # the chained block keys
+        req.update_block_hashes()  # the chained block keys
         t1 = time.perf_counter_ns()
         hit_blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
         t2 = time.perf_counter_ns()
@@ -67,7 +71,7 @@ class VllmPeer:
         return Admitted(req, num_hit, {"hash": t1 - t0, "match": t2 - t1, "alloc+insert": t3 - t2})
 
     def publish(self, req) -> dict[str, int]:
-        return {}                                                   # done inside allocate_slots
+        return {}  # done inside allocate_slots
 
     def finish(self, req) -> dict[str, int]:
         t0 = time.perf_counter_ns()
@@ -89,8 +93,9 @@ def _let_sglang_import_on_cpu() -> None:
 
     sglang = importlib.util.find_spec("sglang")
     assert sglang is not None and sglang.origin is not None, "sglang is not installed"
-    spec = importlib.util.spec_from_file_location("_sglang_platform_stubs",
-                                                  os.path.join(os.path.dirname(sglang.origin), "_platform_stubs.py"))
+    spec = importlib.util.spec_from_file_location(
+        "_sglang_platform_stubs", os.path.join(os.path.dirname(sglang.origin), "_platform_stubs.py")
+    )
     assert spec is not None and spec.loader is not None
     stubs = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = stubs
@@ -99,8 +104,7 @@ def _let_sglang_import_on_cpu() -> None:
         # leave torch.Tensor.to alone
         stubs._patch_non_blocking = lambda: None  # type: ignore[attr-defined]  # a module loaded from a file
         saved = sys.platform, platform.machine, torch.backends.mps.is_available
-        sys.platform, platform.machine, torch.backends.mps.is_available = (
-            "darwin", lambda: "arm64", lambda: True)  # type: ignore[assignment]  # replaced for the import only
+        sys.platform, platform.machine, torch.backends.mps.is_available = ("darwin", lambda: "arm64", lambda: True)  # type: ignore[assignment]  # replaced for the import only
         try:
             stubs.install_platform_stubs()
         finally:
@@ -134,12 +138,13 @@ class SglangPeer:
         self._torch, self._array = torch, array
         self._key, self._evict, self._insert, self._match = RadixKey, EvictParams, InsertParams, MatchPrefixParams
         self.page = block_size
-        self.alloc = PagedTokenToKVPoolAllocator(size=num_blocks * block_size, page_size=block_size,
-                                                 dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
+        self.alloc = PagedTokenToKVPoolAllocator(
+            size=num_blocks * block_size, page_size=block_size, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+        )
         self.tree = RadixCache.create_simulated(mock_allocator=self.alloc, page_size=block_size)
 
     def admit(self, rid, tokens):
-        ids = self._array("q", tokens)                              # the request's input ids
+        ids = self._array("q", tokens)  # the request's input ids
         tree, alloc, page = self.tree, self.alloc, self.page
         t0 = time.perf_counter_ns()
         # the scheduler matches at most len - 1 tokens (one must be computed)
@@ -156,7 +161,7 @@ class SglangPeer:
         if new_slots is None:
             tree.unlock(lock)
             return None
-        slots = self._torch.cat([hit_slots, new_slots[:need]])    # the request's req_to_token row
+        slots = self._torch.cat([hit_slots, new_slots[:need]])  # the request's req_to_token row
         t2 = time.perf_counter_ns()
         handle = {"ids": ids, "slots": slots, "owned_from": num_hit, "lock": lock}
         return Admitted(handle, num_hit, {"match": t1 - t0, "alloc": t2 - t1})
@@ -167,11 +172,11 @@ class SglangPeer:
         tree, slots, owned = self.tree, h["slots"], h["owned_from"]
         t0 = time.perf_counter_ns()
         key = self._key(h["ids"]).page_aligned(self.page)
-        inserted = tree.insert(self._insert(key=key, value=slots[:len(key)].to(self._torch.int64, copy=True)))
-        self.alloc.free_segment(slots[owned:inserted.prefix_len], start_pos=owned)     # duplicates
+        inserted = tree.insert(self._insert(key=key, value=slots[: len(key)].to(self._torch.int64, copy=True)))
+        self.alloc.free_segment(slots[owned : inserted.prefix_len], start_pos=owned)  # duplicates
         node = tree.match_prefix(self._match(key=key)).last_device_node
         tree_slots = tree.path_device_indices(node)
-        slots[owned:len(tree_slots)] = tree_slots[owned:]
+        slots[owned : len(tree_slots)] = tree_slots[owned:]
         h["owned_from"] = len(tree_slots)
         tree.unlock(h["lock"])
         h["lock"] = tree.lock(node)
@@ -179,7 +184,7 @@ class SglangPeer:
 
     def finish(self, h) -> dict[str, int]:
         t0 = time.perf_counter_ns()
-        self.alloc.free_segment(h["slots"][h["owned_from"]:], start_pos=h["owned_from"])   # the partial page
+        self.alloc.free_segment(h["slots"][h["owned_from"] :], start_pos=h["owned_from"])  # the partial page
         self.tree.unlock(h["lock"])
         return {"free": time.perf_counter_ns() - t0}
 
@@ -187,4 +192,8 @@ class SglangPeer:
         total = self.alloc.num_pages * self.page
         assert self.tree.protected_size_ == 0, f"SGLang tokens still locked: {self.tree.protected_size_}"
         assert self.alloc.available_size() + self.tree.evictable_size_ == total, (
-            "SGLang pages leaked", self.alloc.available_size(), self.tree.evictable_size_, total)
+            "SGLang pages leaked",
+            self.alloc.available_size(),
+            self.tree.evictable_size_,
+            total,
+        )

@@ -18,6 +18,7 @@ much more) do not slow another's garbage collector; a warm-up replay, then the b
 The peers come from ``pip install 'kvtier[peers]'``. A peer whose package is missing is skipped
 with a message naming it; kvtier always runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ INSTALL_HINT = "pip install 'kvtier[peers]'"
 PEERS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "kvtier": (None, ("sha256", "xxh3_128")),
     "vllm": ("vllm", ("sha256",)),
-    "sglang": ("sglang", ("none",)),      # the radix tree compares tokens: no digest
+    "sglang": ("sglang", ("none",)),  # the radix tree compares tokens: no digest
 }
 
 
@@ -65,7 +66,7 @@ class KvtierPeer:
     def __init__(self, num_blocks: int, block_size: int, hash_name: str = "sha256") -> None:
         self.mgr = CacheManager(block_size=block_size, num_device_blocks=num_blocks, hash_name=hash_name)
         self.name = f"kvtier[{hash_name}]"
-        self._refused: dict[int, CacheRequest] = {}   # retried with the keys already computed
+        self._refused: dict[int, CacheRequest] = {}  # retried with the keys already computed
 
     def admit(self, rid: int, tokens: list[int]) -> Admitted | None:
         mgr = self.mgr
@@ -98,20 +99,25 @@ class KvtierPeer:
         assert mgr.tree.num_device_unlocked == mgr.tree.num_device_copies, "a block is still pinned"
 
 
-def make_trace(num_requests: int, num_prompts: int, prompt_tokens: tuple[int, int] = (1024, 4096),
-               unique_tokens: tuple[int, int] = (32, 512), vocab: int = 32000, seed: int = 0) -> list[list[int]]:
+def make_trace(
+    num_requests: int,
+    num_prompts: int,
+    prompt_tokens: tuple[int, int] = (1024, 4096),
+    unique_tokens: tuple[int, int] = (32, 512),
+    vocab: int = 32000,
+    seed: int = 0,
+) -> list[list[int]]:
     """Each request: one of ``num_prompts`` shared prompts, then tokens of its own."""
     rng = random.Random(seed)
     shared = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_tokens))] for _ in range(num_prompts)]
-    return [rng.choice(shared) + [rng.randrange(vocab) for _ in range(rng.randint(*unique_tokens))]
-            for _ in range(num_requests)]
+    return [rng.choice(shared) + [rng.randrange(vocab) for _ in range(rng.randint(*unique_tokens))] for _ in range(num_requests)]
 
 
 def replay(peer: Peer, trace: list[list[int]], window: int) -> dict:
     """Run the trace through ``peer``; per-request time is the sum of its phases."""
     phases: dict[str, int] = {}
     per_request = [0] * len(trace)
-    in_flight: list[tuple[int, Any]] = []     # (request index, handle), oldest first
+    in_flight: list[tuple[int, Any]] = []  # (request index, handle), oldest first
     hit_tokens = 0
 
     def count(i: int, times: dict[str, int]) -> None:
@@ -141,9 +147,16 @@ def replay(peer: Peer, trace: list[list[int]], window: int) -> dict:
     peer.check()
     us = sorted(ns / 1e3 for ns in per_request)
     n = len(us)
-    return {"peer": peer.name, "requests": n, "mean_us": statistics.fmean(us), "p50_us": us[n // 2],
-            "p99_us": us[min(n - 1, n * 99 // 100)], "phase_mean_us": {k: v / 1e3 / n for k, v in phases.items()},
-            "hit_share": hit_tokens / sum(map(len, trace)), "wall_s": wall}
+    return {
+        "peer": peer.name,
+        "requests": n,
+        "mean_us": statistics.fmean(us),
+        "p50_us": us[n // 2],
+        "p99_us": us[min(n - 1, n * 99 // 100)],
+        "phase_mean_us": {k: v / 1e3 / n for k, v in phases.items()},
+        "hit_share": hit_tokens / sum(map(len, trace)),
+        "wall_s": wall,
+    }
 
 
 def peer_factory(name: str, variant: str) -> Callable[[int, int], Peer]:
@@ -163,7 +176,7 @@ def run_peer(name: str, variant: str, trace: list[list[int]], args: argparse.Nam
     runs = []
     for _ in range(args.repeat):
         gc.collect()
-        runs.append(replay(make(args.num_blocks, args.block_size), trace, args.window))   # empty cache
+        runs.append(replay(make(args.num_blocks, args.block_size), trace, args.window))  # empty cache
     best = min(runs, key=lambda r: r["mean_us"])
     best["runs_mean_us"] = [round(r["mean_us"], 1) for r in runs]
     return best
@@ -180,6 +193,7 @@ def missing_package(name: str) -> str | None:
 def _in_child(name: str, args: argparse.Namespace, argv: list[str]) -> list[dict]:
     """Run one peer (all its variants) in a fresh process; its rows, or one row saying why not."""
     from kvtier.serve.launch import kvtier_command
+
     proc = subprocess.run(kvtier_command("bench", "peers", *argv, "--one", name), capture_output=True, text=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not rows:
@@ -192,26 +206,37 @@ def format_row(r: dict) -> str:
     if "skipped" in r:
         return f"{r['peer']:<17} skipped: {r['skipped']}"
     phases = " ".join(f"{k} {v:.1f}" for k, v in r["phase_mean_us"].items())
-    return (f"{r['peer']:<17} {r['mean_us']:8.1f} us/request  p50 {r['p50_us']:8.1f}  p99 {r['p99_us']:8.1f}  "
-            f"hit {r['hit_share']:.3f}  [{phases}]  runs {r['runs_mean_us']}")
+    return (
+        f"{r['peer']:<17} {r['mean_us']:8.1f} us/request  p50 {r['p50_us']:8.1f}  p99 {r['p99_us']:8.1f}  "
+        f"hit {r['hit_share']:.3f}  [{phases}]  runs {r['runs_mean_us']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(prog="kvtier bench peers", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peer", action="append", choices=sorted(PEERS), default=None,
-                    help="run only this peer (repeat for several; default: all)")
-    for flag, default, what in (("--requests", 2000, "requests in the trace"), ("--prompts", 50, "shared prompts"),
-                                ("--block-size", 16, "tokens per block"),
-                                ("--num-blocks", 16384, "cache size in blocks, the same for every peer"),
-                                ("--window", 32, "requests holding blocks at once"),
-                                ("--warmup", 200, "requests of a throwaway replay first"),
-                                ("--repeat", 3, "timed replays; the fastest is reported")):
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--peer",
+        action="append",
+        choices=sorted(PEERS),
+        default=None,
+        help="run only this peer (repeat for several; default: all)",
+    )
+    for flag, default, what in (
+        ("--requests", 2000, "requests in the trace"),
+        ("--prompts", 50, "shared prompts"),
+        ("--block-size", 16, "tokens per block"),
+        ("--num-blocks", 16384, "cache size in blocks, the same for every peer"),
+        ("--window", 32, "requests holding blocks at once"),
+        ("--warmup", 200, "requests of a throwaway replay first"),
+        ("--repeat", 3, "timed replays; the fastest is reported"),
+    ):
         ap.add_argument(flag, type=positive_int, default=default, help=f"{what} (default {default})")
     ap.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per peer")
-    ap.add_argument("--one", choices=sorted(PEERS), default=None, help=argparse.SUPPRESS)   # the child's side
+    ap.add_argument("--one", choices=sorted(PEERS), default=None, help=argparse.SUPPRESS)  # the child's side
     args = ap.parse_args(argv)
     trace = make_trace(args.requests, args.prompts, seed=args.seed)
 
@@ -219,19 +244,21 @@ def main(argv: list[str] | None = None) -> int:
         for variant in PEERS[args.one][1]:
             try:
                 row = run_peer(args.one, variant, trace, args)
-            except ImportError as e:     # the package is there, something it imports is not
+            except ImportError as e:  # the package is there, something it imports is not
                 row = {"peer": args.one, "skipped": f"{e}: {INSTALL_HINT}"}
             print(json.dumps(row), flush=True)
         return 0
 
     child_argv = [a for a in argv if a != "--json"]
     peer_flags = [i for i, a in enumerate(child_argv) if a == "--peer" or a.startswith("--peer=")]
-    for i in reversed(peer_flags):                       # the child runs one peer, named by --one
-        del child_argv[i:i + (1 if "=" in child_argv[i] else 2)]
+    for i in reversed(peer_flags):  # the child runs one peer, named by --one
+        del child_argv[i : i + (1 if "=" in child_argv[i] else 2)]
     if not args.json:
-        print(f"trace: {len(trace)} requests ({sum(map(len, trace))} tokens), {args.prompts} shared prompts "
-              f"of 1-4K tokens + 32-512 unique ones; block {args.block_size}, {args.num_blocks} blocks, "
-              f"window {args.window}, best of {args.repeat}")
+        print(
+            f"trace: {len(trace)} requests ({sum(map(len, trace))} tokens), {args.prompts} shared prompts "
+            f"of 1-4K tokens + 32-512 unique ones; block {args.block_size}, {args.num_blocks} blocks, "
+            f"window {args.window}, best of {args.repeat}"
+        )
     for name in args.peer or list(PEERS):
         why = missing_package(name)
         rows = [{"peer": name, "skipped": why}] if why else _in_child(name, args, child_argv)

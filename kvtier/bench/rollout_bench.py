@@ -13,6 +13,7 @@ Two measurements, each against a baseline run in the same process on the same GP
 
 Defaults use the ``llama3-8b-shape`` preset with dummy bf16 weights (``--preset``, ``--model``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,8 @@ class PeakBlocks:
             out = self._step()
             self.peak = max(self.peak, pool.num_used - self.base)
             return out
-        self.base = pool.num_used        # blocks the tree holds already (warm-up prompts)
+
+        self.base = pool.num_used  # blocks the tree holds already (warm-up prompts)
         self.llm.step = step
         return self
 
@@ -65,22 +67,27 @@ def bench_samples(path: Path, args: argparse.Namespace, vocab: int) -> dict:
     rng = random.Random(args.seed)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
     warm = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
-    kw = dict(device=args.device, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    kw = dict(
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     n, g, s = args.n, args.output_tokens, args.seed
 
     def params(**over):
         base = dict(max_tokens=g, ignore_eos=True, temperature=0.8, top_p=0.95)
         return kvtier.SamplingParams(**(base | over))
+
     res: dict = {"n": n, "prompt_tokens": len(prompt), "output_tokens": g}
     with kvtier.LLM(path, **kw) as llm:
-        llm.generate([warm], params(n=n, seed=s))                    # warm-up: same shapes
+        llm.generate([warm], params(n=n, seed=s))  # warm-up: same shapes
         with PeakBlocks(llm) as peak:
             t_group, group = _timed(llm, [prompt], params(n=n, seed=s), args.device)
         bs = llm.block_size
         bound = (-(-len(prompt) // bs) + n * -(-g // bs)) * 1.05
-        res |= {"group_s": t_group, "peak_blocks": peak.peak, "block_bound": bound,
-                "blocks_ok": peak.peak <= bound}
+        res |= {"group_s": t_group, "peak_blocks": peak.peak, "block_bound": bound, "blocks_ok": peak.peak <= bound}
     with kvtier.LLM(path, enable_prefix_caching=False, **kw) as llm:
         llm.generate([warm] * n, [params(seed=s + i) for i in range(n)])
         t_sep, sep = _timed(llm, [prompt] * n, [params(seed=s + i) for i in range(n)], args.device)
@@ -95,8 +102,14 @@ def bench_logprobs(path: Path, args: argparse.Namespace, vocab: int) -> dict:
 
     rng = random.Random(args.seed + 1)
     prompts = [[rng.randrange(vocab) for _ in range(args.lp_prompt_tokens)] for _ in range(args.lp_requests)]
-    kw = dict(device=args.device, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    kw = dict(
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
     out: dict = {"requests": len(prompts), "prompt_tokens": args.lp_prompt_tokens, "output_tokens": args.lp_output_tokens}
     with kvtier.LLM(path, **kw) as llm:
         for label, lp in (("off", None), ("on", args.logprobs)):
@@ -106,19 +119,21 @@ def bench_logprobs(path: Path, args: argparse.Namespace, vocab: int) -> dict:
             for _ in range(args.repeat):
                 dt, outs = _timed(llm, prompts, p, args.device)
                 best = dt if best is None else min(best, dt)
-            assert best is not None                 # (repeat >= 1)
+            assert best is not None  # (repeat >= 1)
             toks = sum(len(o.token_ids) for o in outs)
             if lp is not None:
-                assert all(o.outputs[0].logprobs is not None and len(o.outputs[0].logprobs) == len(o.token_ids)
-                           for o in outs), "logprobs missing"
+                assert all(o.outputs[0].logprobs is not None and len(o.outputs[0].logprobs) == len(o.token_ids) for o in outs), (
+                    "logprobs missing"
+                )
             out[f"{label}_tok_s"] = toks / best
     out["ratio"] = out["on_tok_s"] / out["off_tok_s"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench rollout", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="model directory (default: --preset written to a temp dir)")
     ap.add_argument("--preset", default="llama3-8b-shape", help="preset when --model is not given (default llama3-8b-shape)")
     ap.add_argument("--load-format", default="dummy", choices=("auto", "dummy"), help="default dummy (random weights)")
@@ -145,21 +160,31 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(args.model)
         else:
             from kvtier.model import init_model
+
             path = init_model(args.preset, tmp, config_only=args.load_format == "dummy")
         from kvtier.model import ModelConfig
+
         vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
-        res: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                     "model": args.model or args.preset}
+        res: dict = {
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "model": args.model or args.preset,
+        }
         if "samples" not in args.skip:
             r = res["samples"] = bench_samples(path, args, vocab)
-            print(f"n={r['n']} on a {r['prompt_tokens']}-token prompt, {r['output_tokens']} tokens each: "
-                  f"{r['group_s'] * 1e3:.0f} ms vs {r['separate_s'] * 1e3:.0f} ms for {r['n']} separate requests "
-                  f"without prefix caching = {r['speedup']:.2f}x; peak blocks {r['peak_blocks']} "
-                  f"(bound {r['block_bound']:.0f}); samples equal separate: {r['samples_equal_separate']}", flush=True)
+            print(
+                f"n={r['n']} on a {r['prompt_tokens']}-token prompt, {r['output_tokens']} tokens each: "
+                f"{r['group_s'] * 1e3:.0f} ms vs {r['separate_s'] * 1e3:.0f} ms for {r['n']} separate requests "
+                f"without prefix caching = {r['speedup']:.2f}x; peak blocks {r['peak_blocks']} "
+                f"(bound {r['block_bound']:.0f}); samples equal separate: {r['samples_equal_separate']}",
+                flush=True,
+            )
         if "logprobs" not in args.skip:
             r = res["logprobs"] = bench_logprobs(path, args, vocab)
-            print(f"decode {r['requests']} x {r['output_tokens']} tokens: logprobs={args.logprobs} "
-                  f"{r['on_tok_s']:.0f} tok/s vs off {r['off_tok_s']:.0f} tok/s = {r['ratio']:.3f}", flush=True)
+            print(
+                f"decode {r['requests']} x {r['output_tokens']} tokens: logprobs={args.logprobs} "
+                f"{r['on_tok_s']:.0f} tok/s vs off {r['off_tok_s']:.0f} tok/s = {r['ratio']:.3f}",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0

@@ -5,6 +5,7 @@ prompt tokens each generating ``--output`` tokens (EOS ignored). Runs alternate 
 ``--repeat`` times and keep each arm's best; prints tokens/s of both, the ratio (goal >= 0.99)
 and routing bytes per token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     import kvtier
     from kvtier.model import ModelConfig, init_model
 
-    ap = argparse.ArgumentParser(prog="kvtier bench routing", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench routing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input", type=int, default=256)
@@ -44,8 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(min(cfg.vocab_size, 32000)) for _ in range(args.input)] for _ in range(args.requests)]
     sp = kvtier.SamplingParams(max_tokens=args.output, ignore_eos=True)
     samples: dict[bool, list[float]] = {True: [], False: []}
-    engines = {on: kvtier.LLM(path, device=args.device, dtype=args.dtype, capture_routing=on,
-                              enable_prefix_caching=False, max_num_seqs=args.requests) for on in (True, False)}
+    engines = {
+        on: kvtier.LLM(
+            path,
+            device=args.device,
+            dtype=args.dtype,
+            capture_routing=on,
+            enable_prefix_caching=False,
+            max_num_seqs=args.requests,
+        )
+        for on in (True, False)
+    }
     bytes_per_token = engines[True].routing.bytes_per_token
     dtype_name = str(engines[True].routing.dtype)
     for llm in engines.values():
@@ -67,15 +78,24 @@ def main(argv: list[str] | None = None) -> int:
     ratio = best[True] / best[False]
     pair_ratios = sorted(a / b for a, b in zip(samples[True], samples[False]))
     median_pair = pair_ratios[len(pair_ratios) // 2]
-    print(f"capture on: {best[True]:.0f} tok/s  off: {best[False]:.0f} tok/s  ratio (best/best) {ratio:.3f}  "
-          f"median of back-to-back pairs {median_pair:.3f}  runs on {[round(x) for x in samples[True]]} "
-          f"off {[round(x) for x in samples[False]]}")
-    print(f"routing {bytes_per_token} bytes/token ({cfg.num_moe_layers} MoE layers x top-{cfg.top_k}, "
-          f"{dtype_name})")
+    print(
+        f"capture on: {best[True]:.0f} tok/s  off: {best[False]:.0f} tok/s  ratio (best/best) {ratio:.3f}  "
+        f"median of back-to-back pairs {median_pair:.3f}  runs on {[round(x) for x in samples[True]]} "
+        f"off {[round(x) for x in samples[False]]}"
+    )
+    print(f"routing {bytes_per_token} bytes/token ({cfg.num_moe_layers} MoE layers x top-{cfg.top_k}, {dtype_name})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"on": samples[True], "off": samples[False], "ratio_best": ratio,
-                                               "ratio_median_pair": median_pair,
-                                               "bytes_per_token": bytes_per_token}))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "on": samples[True],
+                    "off": samples[False],
+                    "ratio_best": ratio,
+                    "ratio_median_pair": median_pair,
+                    "bytes_per_token": bytes_per_token,
+                }
+            )
+        )
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -24,6 +24,7 @@ exited by the end of the workload, with its log's tail. ``--expect-identical`` m
 an exit with the first one named. The PD configuration's prefill and decode servers run on
 ``--prefill-device`` and ``--decode-device`` (each default ``--device``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,9 @@ CONFIGS = ("recompute", "device", "host", "storage", "pd")
 @dataclass
 class Record:
     """One request as the client saw it."""
-    group: int                     # the client (multiturn), the document (longdoc), the request (trace)
-    round: int                     # (group, round) names one request of a workload
+
+    group: int  # the client (multiturn), the document (longdoc), the request (trace)
+    round: int  # (group, round) names one request of a workload
     prompt_tokens: int
     max_tokens: int
     start: float = 0.0
@@ -57,15 +59,14 @@ class Record:
     output_tokens: int = 0
     output_ids: list[int] | None = None
     cached_tokens: int | None = None
-    status: int | None = None      # the HTTP status (an error inside the stream: its code); None: no answer
+    status: int | None = None  # the HTTP status (an error inside the stream: its code); None: no answer
     error: str | None = None
 
 
 def devices(args: Any) -> dict[str, str]:
     """The started servers' ``--device`` by role: a colocated configuration's ``server`` runs on
     --device; PD's ``prefill`` and ``decode`` on --prefill-device and --decode-device (default --device)."""
-    return {"server": args.device, "prefill": args.prefill_device or args.device,
-            "decode": args.decode_device or args.device}
+    return {"server": args.device, "prefill": args.prefill_device or args.device, "decode": args.decode_device or args.device}
 
 
 class Server:
@@ -76,14 +77,23 @@ class Server:
     ``server``, ``prefill`` or ``decode``; none: the server's default) and runs with ``env``
     (None: this process's)."""
 
-    def __init__(self, url: str | None, model: str | None, flags: list[str], log_dir: Path,
-                 pd: bool = False, name: str = "server", log_level: str = "warning",
-                 devices: dict[str, str] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None,
+        model: str | None,
+        flags: list[str],
+        log_dir: Path,
+        pd: bool = False,
+        name: str = "server",
+        log_level: str = "warning",
+        devices: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.url, self.model, self.flags, self.log_dir, self.pd = url, model, flags, log_dir, pd
         self.config, self.log_level, self.devices, self.env = name, log_level, devices or {}, env
-        self.procs: dict[str, Any] = {}    # role (server, prefill, decode, router) -> ServerProcess
-        self.metric_urls: list[str] = []   # kvtier servers whose /metrics count (the first: cached tokens)
-        self.token_ids = True           # does it take return_token_ids (kvtier, recent vLLM)?
+        self.procs: dict[str, Any] = {}  # role (server, prefill, decode, router) -> ServerProcess
+        self.metric_urls: list[str] = []  # kvtier servers whose /metrics count (the first: cached tokens)
+        self.token_ids = True  # does it take return_token_ids (kvtier, recent vLLM)?
 
     def __enter__(self) -> "Server":
         try:
@@ -92,7 +102,8 @@ class Server:
             else:
                 self.metric_urls = [self.url]
             import httpx
-            assert self.url is not None             # (started above)
+
+            assert self.url is not None  # (started above)
             models = httpx.get(self.url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
             self.name = models[0]["id"]
         except BaseException:
@@ -106,21 +117,24 @@ class Server:
             raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
         device = ["--device", self.devices[role]] if role in self.devices else []
         # D loads what P handed off whatever its cost model says (as `kvtier bench pd`'s D does)
-        extra = {"server": [], "prefill": ["--role", "prefill"],
-                 "decode": ["--role", "decode", "--storage-fetch", "always"]}[role]
+        extra = {"server": [], "prefill": ["--role", "prefill"], "decode": ["--role", "decode", "--storage-fetch", "always"]}[
+            role
+        ]
         return ["serve", self.model, *device, *self.flags, *extra]
 
     def _start(self) -> None:
         from kvtier.serve.launch import ServerProcess
+
         def start(args: list[str], role: str) -> Any:
             what = "" if role == "server" else f"-{role}"
             log, k = self.log_dir / f"{self.config}{what}.log", 1
-            while log.exists():                  # a kept --log-dir used again: a file per server
+            while log.exists():  # a kept --log-dir used again: a file per server
                 k += 1
                 log = self.log_dir / f"{self.config}{what}-{k}.log"
             proc = ServerProcess(args, log, env=self.env, log_level=self.log_level)
             self.procs[role] = proc
             return proc
+
         if not self.pd:
             self.url = start(self.command("server"), "server").wait_ready().url
             self.metric_urls = [self.url]
@@ -140,8 +154,11 @@ class Server:
     def deaths(self) -> list[dict]:
         """Each started process that has exited (an engine death, or the router's): its role,
         exit code, log and the log's last lines."""
-        return [{"role": role, "returncode": proc.popen.returncode, "log": str(proc.log), "tail": proc.tail()}
-                for role, proc in self.procs.items() if proc.popen.poll() is not None]
+        return [
+            {"role": role, "returncode": proc.popen.returncode, "log": str(proc.log), "tail": proc.tail()}
+            for role, proc in self.procs.items()
+            if proc.popen.poll() is not None
+        ]
 
     def metrics(self) -> dict[str, float]:
         """kvtier's cached prompt tokens per tier so far (empty for other servers)."""
@@ -166,6 +183,7 @@ class Server:
     def _scrape_one(url: str) -> dict[str, float]:
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
+
         try:
             text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
             out = {}
@@ -185,6 +203,7 @@ class Server:
         role: ``server``, or ``prefill`` and ``decode``; empty for --url. A server that does not
         answer is left out."""
         import httpx
+
         if self.url is None or not self.procs:
             return {}
         roles = ["prefill", "decode"] if self.pd else ["server"]
@@ -217,16 +236,23 @@ class Server:
 
 async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> Record:
     """Stream one completion; fills ``rec``'s timings, tokens and cached tokens."""
-    body = {"model": server.name, "prompt": prompt, "max_tokens": rec.max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": server.name,
+        "prompt": prompt,
+        "max_tokens": rec.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     if server.token_ids:
         body["return_token_ids"] = True
-    assert server.url is not None                   # (a server entered)
+    assert server.url is not None  # (a server entered)
     rec.start = last = time.perf_counter()
     ids: list[int] = []
     try:
         async with client.stream("POST", server.url.rstrip("/") + "/v1/completions", json=body) as r:
-            if r.status_code == 400 and server.token_ids:        # a server without return_token_ids
+            if r.status_code == 400 and server.token_ids:  # a server without return_token_ids
                 await r.aread()
                 server.token_ids = False
                 return await send(client, server, rec, prompt)
@@ -239,12 +265,12 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
                     continue
                 chunk = json.loads(line[6:])
                 err = chunk.get("error")
-                if isinstance(err, dict):                # an error after the status line went out
+                if isinstance(err, dict):  # an error after the status line went out
                     rec.status = err["code"] if isinstance(err.get("code"), int) else 500
                     rec.error = f"HTTP {rec.status} in the stream: {str(err.get('message'))[:200]!r}"
                     break
                 if chunk.get("usage"):
-                    rec.cached_tokens = ((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
+                    rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in chunk.get("choices") or ():
                     got = choice.get("token_ids") or []
                     if not (choice.get("text") or got):
@@ -306,7 +332,7 @@ def http_5xx(records: list[Record]) -> int:
 
 def summarize(records: list[Record], wall: float) -> dict:
     ok = [r for r in records if r.error is None and r.ttft is not None]
-    ttft = [r.ttft for r in ok if r.ttft is not None]     # (every one of ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]  # (every one of ok)
     itl = [g for r in ok for g in r.itl]
     rounds = sorted({r.round for r in records})
     by_round = {k: [r for r in ok if r.round == k] for k in rounds}
@@ -316,9 +342,18 @@ def summarize(records: list[Record], wall: float) -> dict:
 
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
-        "requests": len(records), "failed": len(records) - len(ok), "http_5xx": http_5xx(records), "seconds": wall,
-        "ttft_mean": mean(ttft), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "ttft_p99": pct(ttft, 99),
-        "itl_mean": mean(itl), "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90), "itl_p99": pct(itl, 99),
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "http_5xx": http_5xx(records),
+        "seconds": wall,
+        "ttft_mean": mean(ttft),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p90": pct(ttft, 90),
+        "ttft_p99": pct(ttft, 99),
+        "itl_mean": mean(itl),
+        "itl_p50": pct(itl, 50),
+        "itl_p90": pct(itl, 90),
+        "itl_p99": pct(itl, 99),
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall if wall else None,
         "requests_per_s": len(ok) / wall if wall else None,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
@@ -337,8 +372,10 @@ def progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[], Non
         yield lambda: None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True) as bar:
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    ) as bar:
         task = bar.add_task(label, total=total)
         yield lambda: bar.advance(task)
 
@@ -351,18 +388,25 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
     from kvtier.engine.config import EngineConfig
-    options: dict[str, Any] = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-                               "dtype": args.dtype or "auto", "load_format": args.load_format or "auto",
-                               "max_model_len": args.max_model_len, "num_device_blocks": args.device_blocks}
+
+    options: dict[str, Any] = {
+        "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "dtype": args.dtype or "auto",
+        "load_format": args.load_format or "auto",
+        "max_model_len": args.max_model_len,
+        "num_device_blocks": args.device_blocks,
+    }
     if config == "recompute":
         options |= {"enable_prefix_caching": False, "num_host_blocks": 0}
     elif config == "device":
         options["num_host_blocks"] = 0
     else:
         options["num_host_blocks"] = args.host_blocks
-        if config in ("storage", "pd"):       # (one pool each: no hit across)
+        if config in ("storage", "pd"):  # (one pool each: no hit across)
             options["storage"] = args.storage or f"file://{tmp}/pool-{config}"
     import shlex
+
     return EngineConfig(**options).to_flags() + shlex.split(args.server_args or "")
 
 
@@ -370,61 +414,126 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
     """The flags of every serving bench; ``compare=False`` leaves out those of the --compare
     driver (--url, --compare, --plot, --expect-identical) for a bench that picks its own."""
     from kvtier.flags import non_negative_int, positive_int
+
     if compare:
-        ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start "
-                                                    "kvtier servers, one per --compare configuration)")
-        ap.add_argument("--compare", default="host", help="comma-separated configurations of the started server, "
-                        "the first the baseline of the ratios and of the answers: recompute, device (prefix cache "
-                        "on the GPU only), host (+ host tier), storage (+ file:// pool, or --storage URL), pd (a "
-                        "prefill and a decode server, each the storage configuration, behind kvtier router) "
-                        "(default host)")
-        ap.add_argument("--expect-identical", action="store_true",
-                        help="exit non-zero, naming the first, if any configuration's answer (token ids) differs "
-                             "from the first configuration's, has no token ids, or any request failed or server died")
+        ap.add_argument(
+            "--url",
+            default=None,
+            help="an OpenAI-compatible server to measure (default: start kvtier servers, one per --compare configuration)",
+        )
+        ap.add_argument(
+            "--compare",
+            default="host",
+            help="comma-separated configurations of the started server, "
+            "the first the baseline of the ratios and of the answers: recompute, device (prefix cache "
+            "on the GPU only), host (+ host tier), storage (+ file:// pool, or --storage URL), pd (a "
+            "prefill and a decode server, each the storage configuration, behind kvtier router) "
+            "(default host)",
+        )
+        ap.add_argument(
+            "--expect-identical",
+            action="store_true",
+            help="exit non-zero, naming the first, if any configuration's answer (token ids) differs "
+            "from the first configuration's, has no token ids, or any request failed or server died",
+        )
         ap.add_argument("--plot", default=None, metavar="PATH.png", help="plot TTFT per round and its CDF here")
-    ap.add_argument("--model", default=None, help="what the started kvtier server serves: a checkpoint "
-                                                  "directory or a preset name (written to a temporary folder)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="what the started kvtier server serves: a checkpoint directory or a preset name (written to a temporary folder)",
+    )
     ap.add_argument("--device", default="cpu", help="the started server's device (default cpu)")
-    ap.add_argument("--prefill-device", default=None, metavar="DEV",
-                    help="the pd configuration's prefill server's device, e.g. cuda:0 (default --device)")
-    ap.add_argument("--decode-device", default=None, metavar="DEV",
-                    help="the pd configuration's decode server's device, e.g. cuda:1 (default --device)")
+    ap.add_argument(
+        "--prefill-device",
+        default=None,
+        metavar="DEV",
+        help="the pd configuration's prefill server's device, e.g. cuda:0 (default --device)",
+    )
+    ap.add_argument(
+        "--decode-device",
+        default=None,
+        metavar="DEV",
+        help="the pd configuration's decode server's device, e.g. cuda:1 (default --device)",
+    )
     # the engine's options under the names `kvtier serve` gives them (kvtier/engine/config.py);
     # --device-blocks / --host-blocks: the names these benches had
     from kvtier.flags import block_size
-    ap.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
-                    help="the started servers' dtype (default: the engine's)")
-    ap.add_argument("--load-format", default=None, choices=("auto", "dummy"),
-                    help="auto or dummy (default auto; presets: dummy)")
+
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the started servers' dtype (default: the engine's)",
+    )
+    ap.add_argument("--load-format", default=None, choices=("auto", "dummy"), help="auto or dummy (default auto; presets: dummy)")
     ap.add_argument("--block-size", type=block_size, default=16, help="tokens per KV block (default 16)")
-    ap.add_argument("--num-device-blocks", "--device-blocks", dest="device_blocks", type=positive_int, default=None,
-                    help="device tier blocks (default: from free memory)")
-    ap.add_argument("--num-host-blocks", "--host-blocks", dest="host_blocks", type=non_negative_int, default=4096,
-                    help="host tier blocks of the host, storage and pd configurations (default 4096)")
+    ap.add_argument(
+        "--num-device-blocks",
+        "--device-blocks",
+        dest="device_blocks",
+        type=positive_int,
+        default=None,
+        help="device tier blocks (default: from free memory)",
+    )
+    ap.add_argument(
+        "--num-host-blocks",
+        "--host-blocks",
+        dest="host_blocks",
+        type=non_negative_int,
+        default=4096,
+        help="host tier blocks of the host, storage and pd configurations (default 4096)",
+    )
     ap.add_argument("--storage", default=None, help="pool URL of the storage config (default: a temporary file://)")
-    ap.add_argument("--max-model-len", type=positive_int, default=None,
-                    help="the started servers' context (default: the model's)")
-    ap.add_argument("--server-args", default=None, metavar="'FLAGS'",
-                    help="more `kvtier serve` flags for every started server, e.g. '--preemption-mode recompute'")
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                    help="the started servers' token budget per step (default 2048)")
-    ap.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the served "
-                                                            "model's vocab, 32000 with --url)")
+    ap.add_argument(
+        "--max-model-len", type=positive_int, default=None, help="the started servers' context (default: the model's)"
+    )
+    ap.add_argument(
+        "--server-args",
+        default=None,
+        metavar="'FLAGS'",
+        help="more `kvtier serve` flags for every started server, e.g. '--preemption-mode recompute'",
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=2048,
+        help="the started servers' token budget per step (default 2048)",
+    )
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="token ids are drawn below this (default: the served model's vocab, 32000 with --url)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH", help="write every result here")
-    ap.add_argument("--log-dir", default=None, metavar="DIR",
-                    help="keep the started servers' logs here, at info level: CONFIG.log (PD: "
-                         "pd-prefill.log, pd-decode.log, pd-router.log; a name already there gets -2, -3, ...), "
-                         "with each engine's stats line every "
-                         "10 s (--server-args '--log-stats-interval S' to change); default: a temporary "
-                         "directory, removed, warnings only")
+    ap.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the started servers' logs here, at info level: CONFIG.log (PD: "
+        "pd-prefill.log, pd-decode.log, pd-router.log; a name already there gets -2, -3, ...), "
+        "with each engine's stats line every "
+        "10 s (--server-args '--log-stats-interval S' to change); default: a temporary "
+        "directory, removed, warnings only",
+    )
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    ap.add_argument("--warmup", type=non_negative_int, default=None, metavar="N",
-                    help="untimed requests sent to each server first, in two waves of N at once (default: "
-                         "the bench's requests in flight at its start; 0: none)")
-    ap.add_argument("--warmup-tokens", type=positive_int, default=None, metavar="N",
-                    help="prompt tokens of the first wave, twice that in the second (default: the bench's "
-                         "first prompts' length; at most half of --max-model-len)")
+    ap.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="untimed requests sent to each server first, in two waves of N at once (default: "
+        "the bench's requests in flight at its start; 0: none)",
+    )
+    ap.add_argument(
+        "--warmup-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="prompt tokens of the first wave, twice that in the second (default: the bench's "
+        "first prompts' length; at most half of --max-model-len)",
+    )
 
 
 def resolve_model(args: Any, tmp: Path) -> tuple[str | None, int]:
@@ -435,11 +544,12 @@ def resolve_model(args: Any, tmp: Path) -> tuple[str | None, int]:
         raise SystemExit("give --model (a checkpoint or preset to serve) or --url (a running server)")
     from kvtier.model import ModelConfig, init_model
     from kvtier.model.presets import PRESETS
+
     path = Path(args.model)
     if not path.exists():
         if args.model not in PRESETS:
             raise SystemExit(f"--model {args.model!r}: no such directory and not a preset ({', '.join(PRESETS)})")
-        args.load_format = args.load_format or "dummy"      # a preset: random weights from its config
+        args.load_format = args.load_format or "dummy"  # a preset: random weights from its config
         path = init_model(args.model, tmp / "model", config_only=args.load_format == "dummy")
     vocab = ModelConfig.from_hf_dir(path).vocab_size
     return str(path), min(args.vocab or vocab, vocab)
@@ -464,13 +574,21 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
         tmp = Path(tmp_name)
         model, args.vocab = resolve_model(args, tmp)
         log_dir = tmp
-        if args.log_dir:                       # kept: each server's log at info (its stats lines)
+        if args.log_dir:  # kept: each server's log at info (its stats lines)
             log_dir = Path(args.log_dir)
             log_dir.mkdir(parents=True, exist_ok=True)
         for config in configs:
             flags = [] if args.url else server_flags(config, args, tmp)
-            with Server(args.url, model, flags, log_dir, pd=config == "pd", name=config,
-                        log_level="info" if args.log_dir else "warning", devices=devices(args)) as server:
+            with Server(
+                args.url,
+                model,
+                flags,
+                log_dir,
+                pd=config == "pd",
+                name=config,
+                log_level="info" if args.log_dir else "warning",
+                devices=devices(args),
+            ) as server:
                 res, records[config] = measure(args, server, f"{name} [{config}]", workload, count, start)
                 died = server.deaths()
             res["deaths"], res["died"] = len(died), died
@@ -489,12 +607,13 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
     return out
 
 
-def measure(args: Any, server: Server, label: str, workload: Workload, count: int,
-            start: tuple[int, int]) -> tuple[dict, list[Record]]:
+def measure(
+    args: Any, server: Server, label: str, workload: Workload, count: int, start: tuple[int, int]
+) -> tuple[dict, list[Record]]:
     """``workload`` once on a started ``server`` after a warm-up (:func:`_warmup`, its copies
     settled): its summary (:func:`summarize`, the tiers' hits, the servers' stats, the errors,
     the warm-up's) and its records. ``label``: the progress bar's."""
-    token_ids = server.token_ids      # a warm-up that fails must not flip the probe
+    token_ids = server.token_ids  # a warm-up that fails must not flip the probe
     warm = asyncio.run(_with_client(_warmup(args, start), server, args, lambda: None))
     if any(r.error for r in warm):
         server.token_ids = token_ids
@@ -506,11 +625,15 @@ def measure(args: Any, server: Server, label: str, workload: Workload, count: in
         wall = time.perf_counter() - t0
     after = server.metrics()
     res = summarize(records, wall)
-    res["server_stats"] = server.cache_stats()     # each kvtier server's /kvtier/stats at the end
+    res["server_stats"] = server.cache_stats()  # each kvtier server's /kvtier/stats at the end
     res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
     res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
-    res["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if r.error), "http_5xx": http_5xx(warm),
-                     "settle": settled}
+    res["warmup"] = {
+        "requests": len(warm),
+        "failed": sum(1 for r in warm if r.error),
+        "http_5xx": http_5xx(warm),
+        "settle": settled,
+    }
     return res, records
 
 
@@ -530,13 +653,27 @@ def compare_outputs(base: list[Record], other: list[Record], keep: int = 5) -> d
             continue
         compared += 1
         if r.output_ids != b.output_ids:
-            pos = next((i for i, (x, y) in enumerate(zip(b.output_ids, r.output_ids)) if x != y),
-                       min(len(b.output_ids), len(r.output_ids)))
-            mismatches.append({"group": r.group, "round": r.round, "position": pos,
-                               "expected": b.output_ids[pos:pos + 4], "got": r.output_ids[pos:pos + 4]})
+            pos = next(
+                (i for i, (x, y) in enumerate(zip(b.output_ids, r.output_ids)) if x != y),
+                min(len(b.output_ids), len(r.output_ids)),
+            )
+            mismatches.append(
+                {
+                    "group": r.group,
+                    "round": r.round,
+                    "position": pos,
+                    "expected": b.output_ids[pos : pos + 4],
+                    "got": r.output_ids[pos : pos + 4],
+                }
+            )
     unknown += len(set(want) - seen)
-    return {"identical": not mismatches and not unknown, "compared": compared, "mismatches": len(mismatches),
-            "unknown": unknown, "first_mismatches": mismatches[:keep]}
+    return {
+        "identical": not mismatches and not unknown,
+        "compared": compared,
+        "mismatches": len(mismatches),
+        "unknown": unknown,
+        "first_mismatches": mismatches[:keep],
+    }
 
 
 def first_problem(results: dict[str, dict]) -> str | None:
@@ -549,12 +686,16 @@ def first_problem(results: dict[str, dict]) -> str | None:
             return f"{config}: the {d['role']} server exited with {d['returncode']} ({d['log']}):\n{d['tail']}"
         if r.get("mismatches"):
             m = r["first_mismatches"][0]
-            return (f"{config}: {r['mismatches']} of {r['compared']} answers differ from {base}'s; the first: "
-                    f"group {m['group']} round {m['round']} at token {m['position']} "
-                    f"({m['got']} instead of {m['expected']})")
+            return (
+                f"{config}: {r['mismatches']} of {r['compared']} answers differ from {base}'s; the first: "
+                f"group {m['group']} round {m['round']} at token {m['position']} "
+                f"({m['got']} instead of {m['expected']})"
+            )
         if r["failed"]:
-            return (f"{config}: {r['failed']} of {r['requests']} requests failed ({r['http_5xx']} 5xx), e.g. "
-                    f"{(r['errors'] or ['?'])[0]}")
+            return (
+                f"{config}: {r['failed']} of {r['requests']} requests failed ({r['http_5xx']} 5xx), e.g. "
+                f"{(r['errors'] or ['?'])[0]}"
+            )
         if r.get("unknown"):
             return f"{config}: {r['unknown']} answers could not be compared with {base}'s (no token ids, or failed)"
     return None
@@ -564,8 +705,7 @@ def warmup_shape(args: Any, start: tuple[int, int]) -> tuple[int, int]:
     """(requests per warm-up wave, their prompt tokens): --warmup / --warmup-tokens, else
     ``start``, what the bench starts with (requests in flight, prompt tokens)."""
     n, tokens = start
-    return (n if args.warmup is None else args.warmup,
-            tokens if args.warmup_tokens is None else args.warmup_tokens)
+    return (n if args.warmup is None else args.warmup, tokens if args.warmup_tokens is None else args.warmup_tokens)
 
 
 def _warmup(args: Any, start: tuple[int, int]) -> Workload:
@@ -575,21 +715,25 @@ def _warmup(args: Any, start: tuple[int, int]) -> Workload:
     at most half ``--max-model-len``. A server's first requests pay one-time costs (Triton
     compiles kernels on first use and caches them on disk for the next server) that would
     otherwise land on the first configuration alone."""
+
     async def go(server: Server, client: Any, tick: Callable[[], None]) -> list[Record]:
         rng = random.Random(args.seed + 7919)
-        cap = max(1, args.max_model_len // 2) if args.max_model_len else None   # a 400 is no warm-up
+        cap = max(1, args.max_model_len // 2) if args.max_model_len else None  # a 400 is no warm-up
         n, tokens = warmup_shape(args, start)
         recs = []
         for wave in ([tokens] * n, [2 * tokens + i for i in range(n)]):
             batch = [Record(-1, -1, min(k, cap) if cap else k, 4) for k in wave]
-            recs += await asyncio.gather(*(send(client, server, r, [rng.randrange(args.vocab) for _ in range(r.prompt_tokens)])
-                                           for r in batch))
+            recs += await asyncio.gather(
+                *(send(client, server, r, [rng.randrange(args.vocab) for _ in range(r.prompt_tokens)]) for r in batch)
+            )
         return recs
+
     return go
 
 
 async def _with_client(workload: Workload, server: Server, args: Any, tick: Callable[[], None]) -> list[Record]:
     import httpx
+
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         return await workload(server, client, tick)
@@ -606,33 +750,43 @@ def table(results: dict[str, dict]) -> str:
     def ratio(x: float | None, b: float | None) -> str:
         return "-" if x is None or not b else f"{x / b:.2f}"
 
-    def same(r: dict) -> str:       # the answers against the first configuration's
+    def same(r: dict) -> str:  # the answers against the first configuration's
         if "identical" not in r:
             return "base"
         return "yes" if r["identical"] else f"{r['mismatches']} diff" if r["mismatches"] else f"{r['unknown']} ?"
 
-    rows = [f"{'config':<10} {'reqs':>5} {'fail':>4} {'5xx':>4} {'dead':>4} {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
-            f"{'p99':>7} {'ITL mean':>8} {'p90':>6} {'tok/s':>8} {'cached %':>8} {'TTFT x':>7} {'tok/s x':>7} "
-            f"{'same':>7}"]
+    rows = [
+        f"{'config':<10} {'reqs':>5} {'fail':>4} {'5xx':>4} {'dead':>4} {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
+        f"{'p99':>7} {'ITL mean':>8} {'p90':>6} {'tok/s':>8} {'cached %':>8} {'TTFT x':>7} {'tok/s x':>7} "
+        f"{'same':>7}"
+    ]
     for config, r in results.items():
-        cached = "-" if r["cached_tokens"] is None or not r["prompt_tokens"] else \
-            f"{100 * r['cached_tokens'] / r['prompt_tokens']:.0f}"
-        rows.append(f"{config:<10} {r['requests']:>5} {r['failed']:>4} {r['http_5xx']:>4} {r.get('deaths', 0):>4} "
-                    f"{ms(r['ttft_mean']):>9} {ms(r['ttft_p50']):>7} "
-                    f"{ms(r['ttft_p90']):>7} {ms(r['ttft_p99']):>7} {ms(r['itl_mean']):>8} {ms(r['itl_p90']):>6} "
-                    f"{r['output_tokens_per_s'] or 0:>8.0f} {cached:>8} {ratio(r['ttft_mean'], base['ttft_mean']):>7} "
-                    f"{ratio(r['output_tokens_per_s'], base['output_tokens_per_s']):>7} {same(r):>7}")
+        cached = (
+            "-"
+            if r["cached_tokens"] is None or not r["prompt_tokens"]
+            else f"{100 * r['cached_tokens'] / r['prompt_tokens']:.0f}"
+        )
+        rows.append(
+            f"{config:<10} {r['requests']:>5} {r['failed']:>4} {r['http_5xx']:>4} {r.get('deaths', 0):>4} "
+            f"{ms(r['ttft_mean']):>9} {ms(r['ttft_p50']):>7} "
+            f"{ms(r['ttft_p90']):>7} {ms(r['ttft_p99']):>7} {ms(r['itl_mean']):>8} {ms(r['itl_p90']):>6} "
+            f"{r['output_tokens_per_s'] or 0:>8.0f} {cached:>8} {ratio(r['ttft_mean'], base['ttft_mean']):>7} "
+            f"{ratio(r['output_tokens_per_s'], base['output_tokens_per_s']):>7} {same(r):>7}"
+        )
         if r["cached_tokens_by_tier"]:
-            rows.append(" " * 11 + "cached by tier: " + ", ".join(f"{t} {int(n)}" for t, n in
-                                                                  sorted(r["cached_tokens_by_tier"].items())))
+            rows.append(
+                " " * 11 + "cached by tier: " + ", ".join(f"{t} {int(n)}" for t, n in sorted(r["cached_tokens_by_tier"].items()))
+            )
     return "\n".join(rows)
 
 
 def plot(results: dict[str, dict], path: str, name: str) -> None:
     """Mean TTFT per round (left) and the TTFT CDF (right), one line per configuration."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for config, r in results.items():
         a.plot(range(len(r["ttft_by_round"])), [1e3 * (x or 0) for x in r["ttft_by_round"]], marker="o", label=config)

@@ -16,6 +16,7 @@ The cyclic garbage collector is paused during the replay: the manager frees its 
 reference counting (removed nodes form no cycles), and a full collection over a tree whose
 nodes churn by the million cost a third of the wall time.
 """
+
 from __future__ import annotations
 
 import gc
@@ -43,11 +44,11 @@ class SimConfig:
     write_through_threshold: int = 2
     eviction: str = "lru"
     hash_name: str = "sha256"
-    kv_bytes_per_token: int = 131072   # 128 KiB: e.g. 32 layers x 8 KV heads x 128 dims x 2 (K,V) x bf16
+    kv_bytes_per_token: int = 131072  # 128 KiB: e.g. 32 layers x 8 KV heads x 128 dims x 2 (K,V) x bf16
     max_running: int = 16
-    storage_gbps: float = 2.0            # storage read bandwidth of one call (GB/s)
-    storage_latency_ms: float = 0.5      # per call
-    prefill_tokens_per_s: float = 0.0    # recompute rate; 0: fetch every storage hit
+    storage_gbps: float = 2.0  # storage read bandwidth of one call (GB/s)
+    storage_latency_ms: float = 0.5  # per call
+    prefill_tokens_per_s: float = 0.0  # recompute rate; 0: fetch every storage hit
 
 
 def _tier_size(size: int | float, trace: list[TraceRequest], block_size: int) -> int:
@@ -62,17 +63,31 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) 
     block_nbytes = cfg.kv_bytes_per_token * cfg.block_size
     cost = None
     if storage is not None and cfg.prefill_tokens_per_s > 0:
-        cost = FetchCostModel("sim", workers=1, batch=1 << 30, block_nbytes=block_nbytes, block_size=cfg.block_size,
-                              prior=(cfg.storage_latency_ms / 1e3, cfg.storage_gbps * 1e9))
+        cost = FetchCostModel(
+            "sim",
+            workers=1,
+            batch=1 << 30,
+            block_nbytes=block_nbytes,
+            block_size=cfg.block_size,
+            prior=(cfg.storage_latency_ms / 1e3, cfg.storage_gbps * 1e9),
+        )
         cost.observe_prefill(int(cfg.prefill_tokens_per_s), 1.0)
     mgr = CacheManager(
-        block_size=cfg.block_size, num_device_blocks=_tier_size(cfg.device_blocks, trace, cfg.block_size),
-        num_host_blocks=_tier_size(cfg.host_blocks, trace, cfg.block_size), storage=storage,
-        write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold, eviction=cfg.eviction,
-        hash_name=cfg.hash_name, block_nbytes=block_nbytes, fetch_cost=cost)
+        block_size=cfg.block_size,
+        num_device_blocks=_tier_size(cfg.device_blocks, trace, cfg.block_size),
+        num_host_blocks=_tier_size(cfg.host_blocks, trace, cfg.block_size),
+        storage=storage,
+        write_policy=cfg.write_policy,
+        write_through_threshold=cfg.write_through_threshold,
+        eviction=cfg.eviction,
+        hash_name=cfg.hash_name,
+        block_nbytes=block_nbytes,
+        fetch_cost=cost,
+    )
     bar = None
     if progress:
         from tqdm import tqdm
+
         bar = tqdm(total=len(trace), unit="req", file=sys.stderr, mininterval=0.5)
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -83,8 +98,7 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) 
             gc.enable()
 
 
-def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager,
-            storage: SimulatedStorage | None, bar) -> dict:
+def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storage: SimulatedStorage | None, bar) -> dict:
     hits = dict.fromkeys(TIERS, 0)
     prompt_tokens = skipped = 0
     running: deque = deque()
@@ -106,7 +120,7 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager,
         hits["device"] += m.num_device_blocks * cfg.block_size
         hits["host"] += m.num_host_blocks * cfg.block_size
         if m.num_storage_blocks:
-            fetched = mgr.prefetch(req)      # as many as pay (all without a cost model) and fit
+            fetched = mgr.prefetch(req)  # as many as pay (all without a cost model) and fit
             hits["storage"] += fetched * cfg.block_size
             if fetched:
                 step()
@@ -117,12 +131,12 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager,
             mgr.free(running.popleft())
             step()
         else:
-            step()                        # loads land, then the prefill ran
+            step()  # loads land, then the prefill ran
             mgr.commit(req, len(tokens))
-            step()                        # backups / puts of the new blocks
+            step()  # backups / puts of the new blocks
             running.append(req)
             continue
-        skipped += 1                      # larger than the whole device tier
+        skipped += 1  # larger than the whole device tier
         mgr.free(req)
     while running:
         mgr.free(running.popleft())
@@ -142,14 +156,15 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager,
         "failures": dict(mgr.stats.failures),
         "fetch_decisions": dict(mgr.fetch_cost.decisions) if mgr.fetch_cost is not None else None,
         "wall_s": round(time.perf_counter() - t0, 3),
-        "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
-                   for k, v in vars(cfg).items()},
+        "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(cfg).items()},
     }
 
 
 def format_report(res: dict) -> str:
-    lines = [f"requests {res['requests']}  prompt tokens {res['prompt_tokens']:,}  "
-             f"skipped {res['skipped_requests']}  wall {res['wall_s']:.1f}s"]
+    lines = [
+        f"requests {res['requests']}  prompt tokens {res['prompt_tokens']:,}  "
+        f"skipped {res['skipped_requests']}  wall {res['wall_s']:.1f}s"
+    ]
     lines.append(f"{'tier':<8} {'hit tokens':>14} {'hit rate':>9} {'evictions':>11}")
     for t in TIERS:
         lines.append(f"{t:<8} {res['hit_tokens'][t]:>14,} {res['hit_rate'][t]:>9.3f} {res['evictions'][t]:>11,}")
@@ -164,12 +179,20 @@ def format_report(res: dict) -> str:
 def main(args) -> int:
     trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
     cfg = SimConfig(
-        block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-        storage_blocks=args.storage_blocks, write_policy=args.write_policy,
-        write_through_threshold=args.write_through_threshold, eviction=args.eviction,
-        hash_name=args.hash, kv_bytes_per_token=args.kv_bytes_per_token, max_running=args.max_running,
-        storage_gbps=args.storage_gbps, storage_latency_ms=args.storage_latency_ms,
-        prefill_tokens_per_s=args.prefill_tokens_per_s)
+        block_size=args.block_size,
+        device_blocks=args.device_blocks,
+        host_blocks=args.host_blocks,
+        storage_blocks=args.storage_blocks,
+        write_policy=args.write_policy,
+        write_through_threshold=args.write_through_threshold,
+        eviction=args.eviction,
+        hash_name=args.hash,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        max_running=args.max_running,
+        storage_gbps=args.storage_gbps,
+        storage_latency_ms=args.storage_latency_ms,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+    )
     res = simulate(trace, cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
     print(json.dumps(res) if args.json else format_report(res))
     return 0

@@ -28,6 +28,7 @@ Goals (issue 14): 0 5xx, 0 engine stops, 0 leaked blocks or pins, 0 mismatched a
 cross-salt hits, ``/health`` p99 < 100 ms. Prints one JSON object (``--json PATH`` writes it too);
 exit status 1 if a goal is missed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,20 +46,32 @@ from typing import Any
 
 MODEL_NAME = "soak"
 # kind -> weight in the mix; every kind's expected outcome is checked in _check_status
-MIX = {"ids": 30, "stream": 16, "chat": 8, "text": 6, "odd": 8, "bad": 10, "salt": 4,
-       "hangup": 6, "stream_abort": 5, "prefetch_abort": 5, "huge": 0.3, "stop": 2}
+MIX = {
+    "ids": 30,
+    "stream": 16,
+    "chat": 8,
+    "text": 6,
+    "odd": 8,
+    "bad": 10,
+    "salt": 4,
+    "hangup": 6,
+    "stream_abort": 5,
+    "prefetch_abort": 5,
+    "huge": 0.3,
+    "stop": 2,
+}
 BAD_BODIES = [
-    b'{"model": "soak", "prompt": [1, 2,',                                   # invalid JSON
+    b'{"model": "soak", "prompt": [1, 2,',  # invalid JSON
     b'{"model": "soak", "prompt": [1, 2], "max_tokens": -3}',
-    b'{"model": "soak", "prompt": [1, 2], "frobnicate": 1}',                 # unknown field
-    b'{"model": "soak", "prompt": [1, 99999999]}',                            # token id past the vocab
-    b'{"model": "soak", "prompt": [1, 2], "max_tokens": 100000}',             # over the context
-    b'{"model": "soak", "prompt": "a\\ud800b"}',                               # lone surrogate
+    b'{"model": "soak", "prompt": [1, 2], "frobnicate": 1}',  # unknown field
+    b'{"model": "soak", "prompt": [1, 99999999]}',  # token id past the vocab
+    b'{"model": "soak", "prompt": [1, 2], "max_tokens": 100000}',  # over the context
+    b'{"model": "soak", "prompt": "a\\ud800b"}',  # lone surrogate
     b'{"model": "soak", "prompt": []}',
     b'{"model": "soak", "prompt": [1, 2], "temperature": "hot"}',
     b'{"model": "soak", "prompt": [1, 2], "top_p": 0}',
-    b'{"model": "not-this-one", "prompt": [1, 2]}',                          # 404
-    b'[1, 2, 3]',
+    b'{"model": "not-this-one", "prompt": [1, 2]}',  # 404
+    b"[1, 2, 3]",
     b'{"model": "soak", "messages": []}',
     b'{"model": "soak", "prompt": [1, 2], "n": 0}',
     b'{"model": "soak", "prompt": [1, 2], "stream": "yes"}',
@@ -102,35 +115,55 @@ class Workload:
 def _body(kind: str, wl: Workload, rng: random.Random, salt_id: int) -> dict:
     greedy = {"model": MODEL_NAME, "temperature": 0, "return_token_ids": True}
     if kind in ("ids", "stream"):
-        return dict(greedy, prompt=wl.prompt(), max_tokens=rng.randrange(1, 17), stream=kind == "stream",
-                    ignore_eos=rng.random() < 0.5)
+        return dict(
+            greedy, prompt=wl.prompt(), max_tokens=rng.randrange(1, 17), stream=kind == "stream", ignore_eos=rng.random() < 0.5
+        )
     if kind == "stop":
-        return dict(greedy, prompt=wl.prompt(), max_tokens=24, stop=[chr(rng.randrange(97, 123))],
-                    stop_token_ids=[rng.randrange(256)])
+        return dict(
+            greedy, prompt=wl.prompt(), max_tokens=24, stop=[chr(rng.randrange(97, 123))], stop_token_ids=[rng.randrange(256)]
+        )
     if kind == "chat":
         text = "".join(chr(rng.randrange(97, 123)) for _ in range(rng.randrange(8, 200)))
-        return dict(greedy, messages=[{"role": "system", "content": "be brief"},
-                                      {"role": "user", "content": text}],
-                    max_tokens=rng.randrange(1, 9), stream=rng.random() < 0.5)
+        return dict(
+            greedy,
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+            max_tokens=rng.randrange(1, 9),
+            stream=rng.random() < 0.5,
+        )
     if kind == "text":
-        return dict(greedy, prompt="".join(chr(rng.randrange(32, 127)) for _ in range(rng.randrange(4, 300))),
-                    max_tokens=rng.randrange(1, 9))
-    if kind == "odd":        # extremes a valid request may carry: nulls, 1e-300, top_k 1, huge seeds
-        return rng.choice([
-            {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 1e-300},
-            {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 1, "top_p": 1e-300},
-            {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 100, "top_k": 1},
-            {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 1.5,
-             "seed": 2 ** 63 - 1},
-            {"model": MODEL_NAME, "prompt": wl.prompt()[:40], "max_tokens": None, "temperature": None,
-             "top_p": None, "stream": None, "stop": None, "n": None, "seed": None, "user": None},
-        ])
-    if kind == "salt":       # a fresh salt on a prompt others sent: must not hit anything
+        return dict(
+            greedy,
+            prompt="".join(chr(rng.randrange(32, 127)) for _ in range(rng.randrange(4, 300))),
+            max_tokens=rng.randrange(1, 9),
+        )
+    if kind == "odd":  # extremes a valid request may carry: nulls, 1e-300, top_k 1, huge seeds
+        return rng.choice(
+            [
+                {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 1e-300},
+                {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 1, "top_p": 1e-300},
+                {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 100, "top_k": 1},
+                {"model": MODEL_NAME, "prompt": wl.prompt(), "max_tokens": 4, "temperature": 1.5, "seed": 2**63 - 1},
+                {
+                    "model": MODEL_NAME,
+                    "prompt": wl.prompt()[:40],
+                    "max_tokens": None,
+                    "temperature": None,
+                    "top_p": None,
+                    "stream": None,
+                    "stop": None,
+                    "n": None,
+                    "seed": None,
+                    "user": None,
+                },
+            ]
+        )
+    if kind == "salt":  # a fresh salt on a prompt others sent: must not hit anything
         return dict(greedy, prompt=wl.old_prompt(), max_tokens=1, cache_salt=f"tenant-{salt_id}")
-    if kind in ("hangup", "stream_abort"):       # long answers: the client leaves before the end
+    if kind in ("hangup", "stream_abort"):  # long answers: the client leaves before the end
         prompt = wl.prompt()
-        return dict(greedy, prompt=prompt, max_tokens=min(200, wl.context - len(prompt)), ignore_eos=True,
-                    stream=kind == "stream_abort")
+        return dict(
+            greedy, prompt=prompt, max_tokens=min(200, wl.context - len(prompt)), ignore_eos=True, stream=kind == "stream_abort"
+        )
     if kind == "prefetch_abort":
         return dict(greedy, prompt=wl.old_prompt(), max_tokens=8)
     raise ValueError(kind)
@@ -142,7 +175,7 @@ def _expected(kind: str, status: int) -> bool:
     if kind == "huge":
         return status == 413
     if kind in ("hangup", "stream_abort", "prefetch_abort"):
-        return status in (0, 200)            # 0: we hung up before an answer
+        return status in (0, 200)  # 0: we hung up before an answer
     return status == 200
 
 
@@ -160,11 +193,12 @@ async def _one(client: Any, url: str, kind: str, body: Any, rng: random.Random) 
             return rec
         if kind == "hangup" or kind == "prefetch_abort":
             try:
-                r = await asyncio.wait_for(client.post(url + path, json=body),
-                                           timeout=rng.uniform(0.002, 0.05 if kind == "prefetch_abort" else 0.3))
+                r = await asyncio.wait_for(
+                    client.post(url + path, json=body), timeout=rng.uniform(0.002, 0.05 if kind == "prefetch_abort" else 0.3)
+                )
                 rec["status"] = r.status_code
             except asyncio.TimeoutError:
-                pass                          # cancelled: httpx drops the connection mid-request
+                pass  # cancelled: httpx drops the connection mid-request
             return rec
         if body.get("stream"):
             toks: list[int] = []
@@ -185,7 +219,7 @@ async def _one(client: Any, url: str, kind: str, body: Any, rng: random.Random) 
                         toks += c.get("token_ids") or []
                     n_chunks += 1
                     if kind == "stream_abort" and n_chunks >= rng.randrange(1, 4):
-                        return rec             # leave mid-stream
+                        return rec  # leave mid-stream
             rec["token_ids"] = toks
             return rec
         r = await client.post(url + path, json=body)
@@ -214,8 +248,7 @@ async def _health_poller(client: Any, url: str, stop: asyncio.Event, out: list) 
         await asyncio.sleep(0.05)
 
 
-async def _client(url: str, requests: int, concurrency: int, seed: int, context: int,
-                  huge_bytes: int, progress: bool) -> dict:
+async def _client(url: str, requests: int, concurrency: int, seed: int, context: int, huge_bytes: int, progress: bool) -> dict:
     import httpx
     from tqdm import tqdm
 
@@ -233,8 +266,10 @@ async def _client(url: str, requests: int, concurrency: int, seed: int, context:
         queue.put_nowait((i, kind))
     bar = tqdm(total=requests, desc="soak", unit="req", disable=not progress, file=sys.stderr)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client, \
-            httpx.AsyncClient(timeout=10.0) as health_client:
+    async with (
+        httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client,
+        httpx.AsyncClient(timeout=10.0) as health_client,
+    ):
         stop = asyncio.Event()
         poller = asyncio.create_task(_health_poller(health_client, url, stop, health))
 
@@ -253,6 +288,7 @@ async def _client(url: str, requests: int, concurrency: int, seed: int, context:
                     body = _body(kind, wl, wrng, i)
                 records.append(await _one(client, url, kind, body, wrng))
                 bar.update(1)
+
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.perf_counter() - t0
@@ -280,15 +316,24 @@ def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, 
     from kvtier.serve.api import Server
     from kvtier.serve.launch import free_port
 
-    core = EngineCore(model, device=args.device, num_device_blocks=args.device_blocks,
-                      num_host_blocks=args.host_blocks, storage=pool, write_policy="write_through",
-                      max_num_seqs=32, max_num_batched_tokens=1024, storage_fetch="always",
-                      overlap_schedule=args.overlap_schedule)
+    core = EngineCore(
+        model,
+        device=args.device,
+        num_device_blocks=args.device_blocks,
+        num_host_blocks=args.host_blocks,
+        storage=pool,
+        write_policy="write_through",
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        storage_fetch="always",
+        overlap_schedule=args.overlap_schedule,
+    )
     engine = AsyncEngine(core, max_queue=4096)
     server = Server(engine, MODEL_NAME)
     port = free_port()
-    userver = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="critical",
-                                            timeout_graceful_shutdown=2))
+    userver = uvicorn.Server(
+        uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=2)
+    )
     thread = threading.Thread(target=userver.run, name="soak-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -301,6 +346,7 @@ def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, 
 
 def _quiesce_and_check(engine: Any, timeout: float = 60.0) -> dict:
     """Wait until no request is in the engine, land every copy, then DESIGN §5 on the whole cache."""
+
     def state(core: Any) -> tuple[int, int]:
         return len(core.scheduler.running) + len(core.scheduler.waiting), engine.num_streams
 
@@ -313,23 +359,28 @@ def _quiesce_and_check(engine: Any, timeout: float = 60.0) -> dict:
 
     def check(core: Any) -> dict:
         core.drain()
-        out = {"requests_left": len(core.scheduler.running) + len(core.scheduler.waiting),
-               "sinks_left": engine.num_streams, "copies_in_flight": core.transfer.num_in_flight,
-               "storage_in_flight": core.storage.num_in_flight if core.storage is not None else 0,
-               "device_blocks_used": core.cache.device_pool.num_used,
-               "host_blocks_used": core.cache.host_pool.num_used}
+        out = {
+            "requests_left": len(core.scheduler.running) + len(core.scheduler.waiting),
+            "sinks_left": engine.num_streams,
+            "copies_in_flight": core.transfer.num_in_flight,
+            "storage_in_flight": core.storage.num_in_flight if core.storage is not None else 0,
+            "device_blocks_used": core.cache.device_pool.num_used,
+            "host_blocks_used": core.cache.host_pool.num_used,
+        }
         try:
-            core.cache.assert_invariants()      # no live request: every block is free or the tree's
+            core.cache.assert_invariants()  # no live request: every block is free or the tree's
             out["invariants"] = "ok"
         except AssertionError as e:
             out["invariants"] = f"violated: {e}"
         return out
+
     return _call(engine, check)
 
 
 def _call(engine: Any, fn: Any) -> Any:
     async def run() -> Any:
         return await engine.call(fn)
+
     return asyncio.run(run())
 
 
@@ -351,8 +402,12 @@ def _references(model: Path, records: list[dict], device: str) -> tuple[int, int
     todo: dict[tuple, list[dict]] = {}
     for r in records:
         b = r.get("body") or {}
-        if r["status"] != 200 or r.get("token_ids") is None or "stream_error" in r or r["kind"] not in (
-                "ids", "stream", "salt", "stop"):
+        if (
+            r["status"] != 200
+            or r.get("token_ids") is None
+            or "stream_error" in r
+            or r["kind"] not in ("ids", "stream", "salt", "stop")
+        ):
             continue
         if r["kind"] == "stream" and len(r["token_ids"]) == 0:
             continue
@@ -362,16 +417,17 @@ def _references(model: Path, records: list[dict], device: str) -> tuple[int, int
     keys = list(todo)
     with kvtier.LLM(model, device=device, enable_prefix_caching=False) as llm:
         for i in range(0, len(keys), 64):
-            batch = keys[i:i + 64]
-            outs = llm.generate([list(k[0]) for k in batch],
-                                [kvtier.SamplingParams(max_tokens=k[1], ignore_eos=k[2], stop_token_ids=k[3])
-                                 for k in batch])
+            batch = keys[i : i + 64]
+            outs = llm.generate(
+                [list(k[0]) for k in batch],
+                [kvtier.SamplingParams(max_tokens=k[1], ignore_eos=k[2], stop_token_ids=k[3]) for k in batch],
+            )
             for k, o in zip(batch, outs):
                 for r in todo[k]:
                     got = r["token_ids"]
                     want = o.token_ids
-                    if r["kind"] == "stop":         # a stop string may end the answer early
-                        ok = want[:len(got)] == got
+                    if r["kind"] == "stop":  # a stop string may end the answer early
+                        ok = want[: len(got)] == got
                     else:
                         ok = got == want
                     if not ok:
@@ -396,9 +452,19 @@ def run(args: argparse.Namespace) -> dict:
         try:
             ctx = mp.get_context("spawn")
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_client_process, args=(child, url, args.requests, args.concurrency,
-                                                             args.seed, core.max_model_len,
-                                                             args.huge_bytes, not args.no_progress))
+            proc = ctx.Process(
+                target=_client_process,
+                args=(
+                    child,
+                    url,
+                    args.requests,
+                    args.concurrency,
+                    args.seed,
+                    core.max_model_len,
+                    args.huge_bytes,
+                    not args.no_progress,
+                ),
+            )
             proc.start()
             child.close()
             res = parent.recv()
@@ -409,7 +475,7 @@ def run(args: argparse.Namespace) -> dict:
             if engine_error is None:
                 leaks = _quiesce_and_check(engine)
                 stats = _call(engine, lambda c: c.cache_stats())
-            else:                          # a stopped engine cannot be inspected
+            else:  # a stopped engine cannot be inspected
                 leaks, stats = {"invariants": "not checked: the engine stopped", "requests_left": -1}, None
             metrics = _scrape(url)
         finally:
@@ -425,23 +491,31 @@ def run(args: argparse.Namespace) -> dict:
     for r in records:
         by_kind.setdefault(r["kind"], Counter())[r["status"]] += 1
         if not _expected(r["kind"], r["status"]) or "stream_error" in r:
-            unexpected.append({k: v for k, v in r.items() if k != "body"} |
-                              {"body": str(r.get("body"))[:200]})
+            unexpected.append({k: v for k, v in r.items() if k != "body"} | {"body": str(r.get("body"))[:200]})
     cross_salt = [r for r in records if r["kind"] == "salt" and r.get("cached_tokens")]
     lat = [t for t, _ in res["health"]]
     health_bad = sum(1 for _, s in res["health"] if s != 200)
     five_xx = sum(n for s, n in statuses.items() if s >= 500)
     summary = {
-        "requests": len(records), "elapsed_s": round(res["elapsed_s"], 1),
+        "requests": len(records),
+        "elapsed_s": round(res["elapsed_s"], 1),
         "requests_per_s": round(len(records) / res["elapsed_s"], 1),
         "status": {str(k): v for k, v in sorted(statuses.items())},
         "by_kind": {k: {str(s): n for s, n in sorted(c.items())} for k, c in sorted(by_kind.items())},
-        "five_xx": five_xx, "unexpected": len(unexpected), "unexpected_examples": unexpected[:5],
-        "engine_error": engine_error, "health_checks": len(lat), "health_not_200": health_bad,
-        "health_p50_ms": round(_pct(lat, 0.5) * 1e3, 2), "health_p99_ms": round(_pct(lat, 0.99) * 1e3, 2),
+        "five_xx": five_xx,
+        "unexpected": len(unexpected),
+        "unexpected_examples": unexpected[:5],
+        "engine_error": engine_error,
+        "health_checks": len(lat),
+        "health_not_200": health_bad,
+        "health_p50_ms": round(_pct(lat, 0.5) * 1e3, 2),
+        "health_p99_ms": round(_pct(lat, 0.99) * 1e3, 2),
         "health_max_ms": round(max(lat, default=float("nan")) * 1e3, 2),
-        "leak_check": leaks, "answers_compared": compared, "unique_prompts_compared": unique,
-        "mismatches": len(mismatches), "mismatch_examples": mismatches[:3],
+        "leak_check": leaks,
+        "answers_compared": compared,
+        "unique_prompts_compared": unique,
+        "mismatches": len(mismatches),
+        "mismatch_examples": mismatches[:3],
         "cross_salt_hits": len(cross_salt),
         "hit_tokens": stats and {t: stats[t]["hit_tokens"] for t in ("device", "host", "storage")},
         "metrics": metrics,
@@ -464,14 +538,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (default 16)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--model", default=None, help="HF model directory (default: a fresh random --preset)")
-    p.add_argument("--preset", default="qwen3-tiny",
-                   help="preset when --model is not given (default qwen3-tiny: dense; see the module docstring)")
+    p.add_argument(
+        "--preset",
+        default="qwen3-tiny",
+        help="preset when --model is not given (default qwen3-tiny: dense; see the module docstring)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--device-blocks", type=int, default=96, help="device tier, blocks of 16 tokens (default 96)")
     p.add_argument("--host-blocks", type=int, default=192, help="host tier, blocks (default 192)")
     p.add_argument("--huge-bytes", type=int, default=40 << 20, help="size of the oversized bodies (default 40 MiB)")
-    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
-                   help="the engine's overlap scheduling (default: on for cuda, off for cpu)")
+    p.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine's overlap scheduling (default: on for cuda, off for cpu)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -481,8 +562,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     for name in ("requests", "concurrency", "device_blocks", "host_blocks", "huge_bytes"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"kvtier bench soak: error: --{name.replace('_', '-')} must be >= 1, "
-                             f"got {getattr(args, name)}")
+            raise SystemExit(f"kvtier bench soak: error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     summary = run(args)
     text = json.dumps(summary, indent=2, default=str)
     print(text)

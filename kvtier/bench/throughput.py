@@ -12,6 +12,7 @@ weights once and the KV of every sequence in its batch) over the HBM bandwidth m
 device copy in the same run, and the ratio roofline / time taken (1.0 = at the memory limit).
 ``--no-overlap-schedule`` runs without overlap scheduling; ``--compare-overlap`` runs both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,7 @@ import torch
 
 def make_requests(n: int, seed: int, vocab: int, in_range=(100, 1024), out_range=(100, 1024)):
     rng = random.Random(seed)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(*in_range))], rng.randint(*out_range))
-            for _ in range(n)]
+    return [([rng.randrange(vocab) for _ in range(rng.randint(*in_range))], rng.randint(*out_range)) for _ in range(n)]
 
 
 def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False, **llm_kwargs) -> dict:
@@ -41,6 +41,7 @@ def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False,
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
+
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
             with torch_profile(activities=acts) as prof:
                 llm.generate([p for p, _ in reqs[:128]], kvtier.SamplingParams(max_tokens=24, ignore_eos=True))
@@ -51,17 +52,24 @@ def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False,
             torch.cuda.synchronize()
         read = _count_bytes_read(llm)
         t0 = time.perf_counter()
-        outs = llm.generate([p for p, _ in reqs],
-                            [kvtier.SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs])
+        outs = llm.generate([p for p, _ in reqs], [kvtier.SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs])
         if device == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         toks = sum(len(o.token_ids) for o in outs)
         assert toks == sum(n for _, n in reqs), "every request must generate exactly its output length"
-        return {"requests": len(reqs), "output_tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
-                "preemptions": llm.scheduler.num_preemptions, "overlap_schedule": llm.overlap_schedule,
-                "num_device_blocks": llm.cache.device_pool.num_blocks, "steps": read["steps"],
-                "weight_bytes_read": read["weights"], "kv_bytes_read": read["kv"]}
+        return {
+            "requests": len(reqs),
+            "output_tokens": toks,
+            "seconds": dt,
+            "tokens_per_s": toks / dt,
+            "preemptions": llm.scheduler.num_preemptions,
+            "overlap_schedule": llm.overlap_schedule,
+            "num_device_blocks": llm.cache.device_pool.num_blocks,
+            "steps": read["steps"],
+            "weight_bytes_read": read["weights"],
+            "kv_bytes_read": read["kv"],
+        }
 
 
 def _count_bytes_read(llm) -> dict:
@@ -78,6 +86,7 @@ def _count_bytes_read(llm) -> dict:
         counts["weights"] += weights
         counts["kv"] += kv_per_token * sum(s.request.num_computed_tokens + s.num_tokens for s in out.scheduled)
         return real(out, start_loads)
+
     llm.runner.execute = execute
     return counts
 
@@ -111,19 +120,25 @@ def run_hf(path: Path, reqs, device: str, batch: int) -> dict:
     model = loaded.to(device).eval()  # type: ignore[arg-type]  # PreTrainedModel.to is typed by @wraps(Module.to)
     useful, t_total = 0, 0.0
     for i in range(0, len(reqs), batch):
-        chunk = reqs[i:i + batch]
+        chunk = reqs[i : i + batch]
         width = max(len(p) for p, _ in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for r, (p, _) in enumerate(chunk):          # left padding
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        for r, (p, _) in enumerate(chunk):  # left padding
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         new = max(n for _, n in chunk)
         torch.cuda.synchronize() if device == "cuda" else None
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         torch.cuda.synchronize() if device == "cuda" else None
         t_total += time.perf_counter() - t0
         useful += sum(n for _, n in chunk)
@@ -132,8 +147,9 @@ def run_hf(path: Path, reqs, device: str, batch: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench throughput", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="model directory (default: write qwen3-0.6b-shape to a temp dir)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=64, help="requests HF generates (the first N of the same)")
@@ -146,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096, help="context length (bounds CUDA-graph tables)")
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
-    ap.add_argument("--no-overlap-schedule", dest="overlap_schedule", action="store_false",
-                    help="run without overlap scheduling")
+    ap.add_argument("--no-overlap-schedule", dest="overlap_schedule", action="store_false", help="run without overlap scheduling")
     ap.add_argument("--compare-overlap", action="store_true", help="run with and without overlap scheduling")
     ap.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on cuda)")
     ap.add_argument("--seed", type=int, default=0)
@@ -160,33 +175,51 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.model) if args.model else None
     if path is None:
         from kvtier.model import init_model
+
         tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-")
         path = init_model("qwen3-0.6b-shape", tmp.name)
     from kvtier.model import ModelConfig
+
     vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
     reqs = make_requests(args.requests, args.seed, vocab, tuple(args.input_range), tuple(args.output_range))
     bandwidth = hbm_bandwidth(args.device)
-    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                           "hbm_bytes_per_s": bandwidth}
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "hbm_bytes_per_s": bandwidth,
+    }
     modes = [True, False] if args.compare_overlap else [args.overlap_schedule]
     for overlap in modes:
-        run = run_kvtier(path, reqs, args.device, args.dtype, args.profile,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                         attention_backend=args.attention_backend, max_model_len=args.max_model_len,
-                         cuda_graphs=args.cuda_graphs, overlap_schedule=overlap)
+        run = run_kvtier(
+            path,
+            reqs,
+            args.device,
+            args.dtype,
+            args.profile,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            attention_backend=args.attention_backend,
+            max_model_len=args.max_model_len,
+            cuda_graphs=args.cuda_graphs,
+            overlap_schedule=overlap,
+        )
         run.update(roofline(run, bandwidth))
-        print(f"kvtier (overlap {'on' if run['overlap_schedule'] else 'off'}): {run['requests']} requests, "
-              f"{run['output_tokens']} tokens in {run['seconds']:.1f}s = {run['tokens_per_s']:.0f} tok/s "
-              f"(preemptions {run['preemptions']}, {run['steps']} steps); HBM roofline "
-              f"{run['roofline_seconds']:.1f}s at {bandwidth / 1e12:.2f} TB/s measured: "
-              f"{run['roofline_ratio']:.2f} of roofline", flush=True)
+        print(
+            f"kvtier (overlap {'on' if run['overlap_schedule'] else 'off'}): {run['requests']} requests, "
+            f"{run['output_tokens']} tokens in {run['seconds']:.1f}s = {run['tokens_per_s']:.0f} tok/s "
+            f"(preemptions {run['preemptions']}, {run['steps']} steps); HBM roofline "
+            f"{run['roofline_seconds']:.1f}s at {bandwidth / 1e12:.2f} TB/s measured: "
+            f"{run['roofline_ratio']:.2f} of roofline",
+            flush=True,
+        )
         res.setdefault("kvtier", run)
         res["kvtier_overlap_" + ("on" if run["overlap_schedule"] else "off")] = run
     ours = res["kvtier"]
     if args.hf_requests:
-        hf = run_hf(path, reqs[:args.hf_requests], args.device, args.hf_batch)
-        print(f"hf transformers: {hf['requests']} requests (batch {args.hf_batch}), {hf['output_tokens']} useful "
-              f"tokens in {hf['seconds']:.1f}s = {hf['tokens_per_s']:.0f} tok/s")
+        hf = run_hf(path, reqs[: args.hf_requests], args.device, args.hf_batch)
+        print(
+            f"hf transformers: {hf['requests']} requests (batch {args.hf_batch}), {hf['output_tokens']} useful "
+            f"tokens in {hf['seconds']:.1f}s = {hf['tokens_per_s']:.0f} tok/s"
+        )
         res["hf"] = hf
         res["ratio"] = ours["tokens_per_s"] / hf["tokens_per_s"]
         print(f"ratio kvtier / hf: {res['ratio']:.1f}x")

@@ -12,6 +12,7 @@ replay; a round is a tenth of the replay, in order::
     kvtier bench trace traces/mooncake_conversation_1k.jsonl --model qwen3-0.6b-shape --device cuda \\
         --block-tokens 64 --requests 300 --compare device,host
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,7 @@ def prompts(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int]
             ids = [t % vocab for t in r.input_ids]
         if args.max_input_tokens is not None and len(ids) > args.max_input_tokens:
             continue
-        out.append(((r.timestamp - t0) / 1e3 * args.time_scale, ids,
-                    max(1, min(r.output_length or 1, args.max_output_tokens))))
+        out.append(((r.timestamp - t0) / 1e3 * args.time_scale, ids, max(1, min(r.output_length or 1, args.max_output_tokens))))
     return out
 
 
@@ -67,20 +67,30 @@ def workload(args: argparse.Namespace) -> serving.Workload:
 
         await asyncio.gather(*(replay(i, at, p, o) for i, (at, p, o) in enumerate(todo)))
         return records
+
     return run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtier bench trace", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("file", help="JSONL trace (e.g. traces/mooncake_conversation_1k.jsonl)")
     ap.add_argument("--requests", type=positive_int, default=None, help="replay the first N (default all)")
-    ap.add_argument("--block-tokens", type=positive_int, default=512,
-                    help="tokens per Mooncake hash block (default 512, the trace's; smaller shrinks prompts)")
+    ap.add_argument(
+        "--block-tokens",
+        type=positive_int,
+        default=512,
+        help="tokens per Mooncake hash block (default 512, the trace's; smaller shrinks prompts)",
+    )
     ap.add_argument("--time-scale", type=float, default=1.0, help="timestamps x this (default 1; 0: all at once)")
     ap.add_argument("--max-output-tokens", type=positive_int, default=64, help="answers capped at this (default 64)")
-    ap.add_argument("--max-input-tokens", type=positive_int, default=None,
-                    help="leave out requests whose prompt is longer (default: none left out)")
+    ap.add_argument(
+        "--max-input-tokens",
+        type=positive_int,
+        default=None,
+        help="leave out requests whose prompt is longer (default: none left out)",
+    )
     ap.add_argument("--max-parallel", type=positive_int, default=64, help="requests in flight at most (default 64)")
     serving.add_common_flags(ap)
     return ap
@@ -93,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     reqs = prompts(args, 1 << 20)
     if not reqs:
         raise SystemExit(f"{args.file}: every request is over --max-input-tokens {args.max_input_tokens}")
-    first = [len(ids) for _, ids, _ in reqs[:min(8, args.max_parallel)]]
+    first = [len(ids) for _, ids, _ in reqs[: min(8, args.max_parallel)]]
     serving.run(args, "trace", workload(args), len(reqs), start=(len(first), round(sum(first) / len(first))))
     return 0
 

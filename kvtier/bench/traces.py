@@ -12,6 +12,7 @@ Mooncake requests get synthetic token ids: the tokens of hash id ``h`` are a fix
 generated (vectorized) each time ``input_ids`` is read, not kept: a whole trace of 12k requests
 of 12k tokens would hold 144M Python ints (GBs, and a slow garbage collector).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,19 @@ _MASK = 0xFFFFFFFF
 class TraceRequest:
     """One request of a trace: ``input_ids`` given, or made from Mooncake ``hash_ids``."""
 
-    __slots__ = ("timestamp", "_input_ids", "output_length", "line", "hash_ids", "input_length",
-                 "block_tokens", "vocab")
+    __slots__ = ("timestamp", "_input_ids", "output_length", "line", "hash_ids", "input_length", "block_tokens", "vocab")
 
-    def __init__(self, timestamp: float, input_ids: list[int] | None, output_length: int, line: int,
-                 hash_ids: list[int] | None = None, input_length: int = 0,
-                 block_tokens: int = 512, vocab: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        timestamp: float,
+        input_ids: list[int] | None,
+        output_length: int,
+        line: int,
+        hash_ids: list[int] | None = None,
+        input_length: int = 0,
+        block_tokens: int = 512,
+        vocab: int = 1 << 30,
+    ) -> None:
         if input_ids is None and hash_ids is None:
             raise ValueError("a trace request needs input_ids or hash_ids")
         self.timestamp = timestamp
@@ -48,13 +56,15 @@ class TraceRequest:
     def input_ids(self) -> list[int]:
         if self._input_ids is not None:
             return self._input_ids
-        assert self.hash_ids is not None          # (one of the two is given)
+        assert self.hash_ids is not None  # (one of the two is given)
         n_blocks = -(-self.input_length // self.block_tokens)
-        return tokens_of_hashes(self.hash_ids[:n_blocks], self.block_tokens, self.vocab)[:self.input_length]
+        return tokens_of_hashes(self.hash_ids[:n_blocks], self.block_tokens, self.vocab)[: self.input_length]
 
     def __repr__(self) -> str:
-        return (f"TraceRequest(timestamp={self.timestamp}, input_length={self.input_length}, "
-                f"output_length={self.output_length}, line={self.line})")
+        return (
+            f"TraceRequest(timestamp={self.timestamp}, input_length={self.input_length}, "
+            f"output_length={self.output_length}, line={self.line})"
+        )
 
 
 def _tokens_of_hash(h: int, block_tokens: int, vocab: int) -> list[int]:
@@ -92,8 +102,7 @@ def _field(obj: dict, name: str, line: int, kind: type, *, required: bool = True
     return value
 
 
-def read_trace(path: str | Path, block_tokens: int = 512, vocab: int = 1 << 30,
-               limit: int | None = None) -> list[TraceRequest]:
+def read_trace(path: str | Path, block_tokens: int = 512, vocab: int = 1 << 30, limit: int | None = None) -> list[TraceRequest]:
     """All requests of a JSONL trace, ordered by timestamp (stable for ties)."""
     if block_tokens < 1:
         raise ValueError(f"--trace-block-tokens must be >= 1, got {block_tokens}")
@@ -135,7 +144,8 @@ def _iter_trace(path: Path, block_tokens: int, vocab: int, limit: int | None) ->
                 if length < 0 or length > len(hash_ids) * block_tokens:
                     raise TraceError(
                         f"line {line_no}: field 'input_length' {length} does not fit {len(hash_ids)} "
-                        f"hash ids of {block_tokens} tokens")
+                        f"hash ids of {block_tokens} tokens"
+                    )
                 for h in hash_ids:
                     if type(h) is not int or h < 0:
                         raise TraceError(f"line {line_no}: field 'hash_ids' has a bad id {h!r}")

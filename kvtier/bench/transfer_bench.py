@@ -22,6 +22,7 @@ contiguous from 64 blocks up, both directions; fast >= 10 x loop.
 
     kvtier bench transfer [--blocks 1,4,16,64,256,1024,4096] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,11 @@ def _time(fn, reps: int) -> float:
 
 def _per_layer(copy: Callable[[int], None], num_layers: int) -> Callable[[], None]:
     """One timed call of ``copy(layer)`` for every layer."""
+
     def run() -> None:
         for layer in range(num_layers):
             copy(layer)
+
     return run
 
 
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
     block_bytes = L * 2 * bs * H * D * dtype.itemsize
     contiguous_dev = torch.empty(n_max * block_bytes, dtype=torch.uint8, device=device)
     contiguous_host = torch.empty(n_max * block_bytes, dtype=torch.uint8, pin_memory=True)
-    registered_host = HostKV((n_max * block_bytes,), torch.uint8, device)   # how the host pool is pinned
+    registered_host = HostKV((n_max * block_bytes,), torch.uint8, device)  # how the host pool is pinned
     rng = random.Random(0)
     rows = []
     for n in counts:
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
             d2h_pairs = fast.BlockPairs.split(dev, hst, True, fast.TUNING["min_dma_run_d2h"])
             h2d_pairs = fast.BlockPairs.split(hst, dev, True, fast.TUNING["min_dma_run_h2d"], device)
             d2h_kernel, h2d_kernel = fast.BlockPairs.split(dev, hst, True, 0), fast.BlockPairs.split(hst, dev, True, 0)
-            staged = fast.host_runs(host.tensor, kv, hst, dev)      # the same pairs serve both directions
+            staged = fast.host_runs(host.tensor, kv, hst, dev)  # the same pairs serve both directions
             row = {"blocks": n, "pattern": pattern, "bytes": nbytes}
             for direction in ("d2h", "h2d"):
                 if direction == "d2h":
@@ -126,8 +129,14 @@ def run(args: argparse.Namespace) -> dict:
                         "registered": lambda: contiguous_dev[:nbytes].copy_(registered_host.tensor[:nbytes], non_blocking=True),
                     }
                 for name, fn in variants.items():
-                    if (name == "loop" and n > args.max_loop_blocks or name == "reference" and n > args.max_ref_blocks
-                            or name == "staged" and staged is None):    # layers not views of one buffer
+                    if (
+                        name == "loop"
+                        and n > args.max_loop_blocks
+                        or name == "reference"
+                        and n > args.max_ref_blocks
+                        or name == "staged"
+                        and staged is None
+                    ):  # layers not views of one buffer
                         continue
                     row[f"{direction}_{name}_GBps"] = nbytes / _time(fn, args.repeat) / 1e9
                 c = row[f"{direction}_contiguous_GBps"]
@@ -141,16 +150,22 @@ def run(args: argparse.Namespace) -> dict:
             print(_line(row), flush=True)
     goal_rows = [r for r in rows if r["blocks"] >= 64]
     summary = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
         "shape": dict(layers=L, kv_heads=H, head_dim=D, block_size=bs, dtype=args.dtype, block_bytes=block_bytes),
         "rows": rows,
-        "min_fast_vs_contiguous_from_64": {d: min(r[f"{d}_fast_vs_contiguous"] for r in goal_rows)
-                                           for d in ("d2h", "h2d")} if goal_rows else None,
-        "min_staged_vs_contiguous_from_64": {d: min((r[f"{d}_staged_vs_contiguous"] for r in goal_rows
-                                                     if f"{d}_staged_vs_contiguous" in r), default=None)
-                                             for d in ("d2h", "h2d")} if goal_rows else None,
-        "min_fast_vs_loop": {d: min((r[f"{d}_fast_vs_loop"] for r in rows if f"{d}_fast_vs_loop" in r), default=None)
-                             for d in ("d2h", "h2d")},
+        "min_fast_vs_contiguous_from_64": {d: min(r[f"{d}_fast_vs_contiguous"] for r in goal_rows) for d in ("d2h", "h2d")}
+        if goal_rows
+        else None,
+        "min_staged_vs_contiguous_from_64": {
+            d: min((r[f"{d}_staged_vs_contiguous"] for r in goal_rows if f"{d}_staged_vs_contiguous" in r), default=None)
+            for d in ("d2h", "h2d")
+        }
+        if goal_rows
+        else None,
+        "min_fast_vs_loop": {
+            d: min((r[f"{d}_fast_vs_loop"] for r in rows if f"{d}_fast_vs_loop" in r), default=None) for d in ("d2h", "h2d")
+        },
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}), flush=True)
     host.release()
@@ -161,16 +176,19 @@ def run(args: argparse.Namespace) -> dict:
 def _line(r: dict) -> str:
     parts = [f"{r['blocks']:5d} {r['pattern']:11s}"]
     for d in ("d2h", "h2d"):
-        vals = " ".join(f"{name}={r[f'{d}_{name}_GBps']:6.1f}" for name in ("fast", "staged", "kernel", "reference", "loop",
-                                                                       "contiguous", "registered")
-                        if f"{d}_{name}_GBps" in r)
+        vals = " ".join(
+            f"{name}={r[f'{d}_{name}_GBps']:6.1f}"
+            for name in ("fast", "staged", "kernel", "reference", "loop", "contiguous", "registered")
+            if f"{d}_{name}_GBps" in r
+        )
         parts.append(f"{d}: {vals} GB/s  fast/contig={r[f'{d}_fast_vs_contiguous']:.2f}")
     return " | ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench transfer", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench transfer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--blocks", default="1,4,16,64,256,1024,4096", help="block counts, comma separated")
     ap.add_argument("--layers", type=int, default=32, help="layers (default 32: Llama-3-8B)")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")

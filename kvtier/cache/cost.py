@@ -20,6 +20,7 @@ after ``explore_every`` refusals in a row, one run is fetched anyway (counted as
 measure the pool again. ``storage_fetch="always"`` (``always=True``) fetches every hit; the estimates still serve
 the ``best_effort`` prefetch policy (how long a fetch should take).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,14 @@ import threading
 from dataclasses import dataclass, field
 
 # latency (s), bandwidth (bytes/s) of one call before anything is measured
-PRIORS = {"memory": (20e-6, 4e9), "file": (200e-6, 1.5e9), "redis": (500e-6, 1e9),
-          "rediss": (800e-6, 0.6e9), "redis+cluster": (600e-6, 1e9), "mooncake": (1e-3, 1e9)}
+PRIORS = {
+    "memory": (20e-6, 4e9),
+    "file": (200e-6, 1.5e9),
+    "redis": (500e-6, 1e9),
+    "rediss": (800e-6, 0.6e9),
+    "redis+cluster": (600e-6, 1e9),
+    "mooncake": (1e-3, 1e9),
+}
 
 
 @dataclass(slots=True)
@@ -56,7 +63,7 @@ class _Fit:
             return None
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
-        if var <= (1e-3 * mx) ** 2 or var <= 0:     # all one size: no slope from the data
+        if var <= (1e-3 * mx) ** 2 or var <= 0:  # all one size: no slope from the data
             return None
         b = (self.sxy / self.w - mx * my) / var
         return my - b * mx, b
@@ -67,21 +74,20 @@ class FetchCostModel:
     scheme: str = "memory"
     workers: int = 4
     batch: int = 16
-    block_nbytes: int = 0          # one stored object
+    block_nbytes: int = 0  # one stored object
     block_size: int = 16
-    prior: tuple[float, float] | None = None   # (latency s, bandwidth bytes/s); None: PRIORS[scheme]
-    always: bool = False                       # fetch every hit (no decision)
-    explore_every: int = 16                    # refusals in a row before one fetch re-measures the pool
+    prior: tuple[float, float] | None = None  # (latency s, bandwidth bytes/s); None: PRIORS[scheme]
+    always: bool = False  # fetch every hit (no decision)
+    explore_every: int = 16  # refusals in a row before one fetch re-measures the pool
     _refused_in_a_row: int = 0
     _fit: _Fit = field(default_factory=_Fit)
     _mean_bytes_per_s: float = 0.0  # bytes / s through one call, when sizes do not vary
-    _busy_bytes: float = 0.0        # decayed sums over busy periods (reads in flight): a big fetch
-    _busy_seconds: float = 0.0      # weighs more than a small one (bytes-weighted rate)
-    _prefill_tokens: float = 0.0    # decayed sums over prefill steps (token-weighted rate)
+    _busy_bytes: float = 0.0  # decayed sums over busy periods (reads in flight): a big fetch
+    _busy_seconds: float = 0.0  # weighs more than a small one (bytes-weighted rate)
+    _prefill_tokens: float = 0.0  # decayed sums over prefill steps (token-weighted rate)
     _prefill_seconds: float = 0.0
     _prefill_tokens_per_s: float = 0.0
-    decisions: dict[str, int] = field(default_factory=lambda: {"fetch": 0, "partial": 0, "recompute": 0,
-                                                                "explore": 0})
+    decisions: dict[str, int] = field(default_factory=lambda: {"fetch": 0, "partial": 0, "recompute": 0, "explore": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # ------------------------------------------------------------------ measurements
@@ -120,7 +126,7 @@ class FetchCostModel:
         if line is not None and line[1] > 0:
             return max(0.0, line[0]), 1.0 / line[1]
         if mean_rate > 0:
-            return 0.0, mean_rate          # sizes never varied: the mean rate includes latency
+            return 0.0, mean_rate  # sizes never varied: the mean rate includes latency
         return lat0, bw0
 
     @property
@@ -156,7 +162,7 @@ class FetchCostModel:
             k = num_blocks
             while k >= 1:
                 recompute = self.recompute_seconds(k)
-                assert recompute is not None        # a prefill rate is known (above)
+                assert recompute is not None  # a prefill rate is known (above)
                 gain = recompute - self.fetch_seconds(k)
                 if gain > best_gain:
                     best_k, best_gain = k, gain
@@ -174,6 +180,10 @@ class FetchCostModel:
 
     def as_dict(self) -> dict:
         lat, bw = self.call_model()
-        return {"decisions": dict(self.decisions), "call_latency_s": lat, "call_bandwidth_gbps": bw / 1e9,
-                "aggregate_gbps": self.aggregate_bytes_per_s / 1e9,
-                "prefill_tokens_per_s": self._prefill_tokens_per_s}
+        return {
+            "decisions": dict(self.decisions),
+            "call_latency_s": lat,
+            "call_bandwidth_gbps": bw / 1e9,
+            "aggregate_gbps": self.aggregate_bytes_per_s / 1e9,
+            "prefill_tokens_per_s": self._prefill_tokens_per_s,
+        }

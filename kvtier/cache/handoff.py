@@ -21,6 +21,7 @@ Its state is its own (the exports waiting for each node's put, the tail fetches 
 uses of the manager: the tree (locks), the pools, ``_put``/``copy_down`` of a node, the staged
 copies, ``new_op``, the storage index and the request's keys (``sync_keys``).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -39,8 +40,8 @@ class TailBlock:
     __slots__ = ("key", "index", "num_tokens", "host_block", "device_block", "state", "export")
 
     def __init__(self, key: str, index: int, num_tokens: int) -> None:
-        self.key = key                  # "<hex>:partial:<num_tokens>" (storage object name)
-        self.index = index              # block index in the request (= full blocks before it)
+        self.key = key  # "<hex>:partial:<num_tokens>" (storage object name)
+        self.index = index  # block index in the request (= full blocks before it)
         self.num_tokens = num_tokens
         self.host_block: int | None = None
         self.device_block: int | None = None
@@ -58,10 +59,10 @@ class Export:
     def __init__(self, rid: object, num_tokens: int, keys: list[str]) -> None:
         self.rid = rid
         self.num_tokens = num_tokens
-        self.keys = keys                # storage names of the blocks, in order (manifest)
-        self.num_waiting = 0            # blocks not acked yet
-        self.failed = 0                 # blocks that did not reach the pool
-        self.skipped = 0                # full blocks the pool already held
+        self.keys = keys  # storage names of the blocks, in order (manifest)
+        self.num_waiting = 0  # blocks not acked yet
+        self.failed = 0  # blocks that did not reach the pool
+        self.skipped = 0  # full blocks the pool already held
 
     @property
     def done(self) -> bool:
@@ -73,8 +74,8 @@ class Handoff:
 
     def __init__(self, mgr: CacheManager) -> None:
         self.m = mgr
-        self.exporting: dict[int, tuple[Node, list[Export]]] = {}   # node -> exports awaiting its put
-        self.tail_ops: list[TransferOp] = []                        # tail fetches not planned yet
+        self.exporting: dict[int, tuple[Node, list[Export]]] = {}  # node -> exports awaiting its put
+        self.tail_ops: list[TransferOp] = []  # tail fetches not planned yet
 
     # ------------------------------------------------------------------ keys
     def keys(self, req: CacheRequest, num_tokens: int) -> tuple[list[bytes], str | None]:
@@ -82,13 +83,13 @@ class Handoff:
         block's name (None when ``num_tokens`` is a multiple of the block size)."""
         if not 0 < num_tokens <= len(req.token_ids):
             raise ValueError(f"num_tokens must be in 1..{len(req.token_ids)}, got {num_tokens}")
-        n_full = num_tokens // self.m.block_size      # the request's own keys (matching reuses them)
+        n_full = num_tokens // self.m.block_size  # the request's own keys (matching reuses them)
         full = self.m.sync_keys(req, n_full * self.m.block_size)[:n_full]
         return list(full), req.hasher.partial_key(num_tokens, req.token_ids)
 
     def manifest_names(self, full: list[bytes], tail: str | None) -> list[str]:
         """Storage object names of :meth:`keys`' blocks (a hand-off manifest's keys)."""
-        storage = self.m.storage                # a pool client (StorageClient) where hand-offs run
+        storage = self.m.storage  # a pool client (StorageClient) where hand-offs run
         ns = storage.namespace if storage is not None else "default"  # type: ignore[attr-defined]  # not in StorageIndex
         return [object_name(k, ns) for k in full] + ([object_name(tail, ns)] if tail else [])
 
@@ -115,23 +116,23 @@ class Handoff:
                 exp.skipped += 1
                 continue
             exp.num_waiting += 1
-            self.m.tree.lock(node)                # its device copy stays until its put landed
+            self.m.tree.lock(node)  # its device copy stays until its put landed
             self.exporting.setdefault(id(node), (node, []))[1].append(exp)
             if node.host_ready:
-                self.m.put_to_storage(node)                 # (or a put already in flight: we wait for it)
+                self.m.put_to_storage(node)  # (or a put already in flight: we wait for it)
             elif node.host_block is None:
-                self.m.copy_down(node)           # then put when it lands (_complete_backup)
+                self.m.copy_down(node)  # then put when it lands (_complete_backup)
         if n_tail:
-            assert tail_name is not None                # a partial block has a name
+            assert tail_name is not None  # a partial block has a name
             tail = TailBlock(tail_name, n_full, n_tail)
             tail.export = exp
             exp.num_waiting += 1
             got = self.m.take_host(1)
-            if got is None:                     # host tier full of pinned blocks: D recomputes it
+            if got is None:  # host tier full of pinned blocks: D recomputes it
                 self._export_ack(exp, ok=False)
             else:
                 tail.host_block = got[0]
-                tail.device_block = req.block_table.pop(n_full)   # ours now (freed once copied)
+                tail.device_block = req.block_table.pop(n_full)  # ours now (freed once copied)
                 tail.state = "backing_up"
                 self.m.stage("backup", (tail, tail.device_block, tail.host_block))
         return exp
@@ -227,7 +228,7 @@ class Handoff:
             tail.state = "loading"
             self.m.stage("load", (req, tail.index, tail, blocks[tail.index - first_own]))
             req.num_loading += 1
-        else:                                    # its full blocks were not all hits: recomputed
+        else:  # its full blocks were not all hits: recomputed
             self.drop_tail(req)
 
     def drop_tail(self, req: CacheRequest) -> None:
@@ -239,10 +240,9 @@ class Handoff:
             self.m.host_pool.free_one(tail.host_block)
             tail.host_block = None
         if tail.state in ("fetching", "ready", "wanted"):
-            tail.state = "dropped"                       # a fetch in flight frees its block when done
+            tail.state = "dropped"  # a fetch in flight frees its block when done
 
-    def tail_loaded(self, req: CacheRequest, tail: TailBlock, block: int, ok: bool,
-                     rewinds: dict[object, int]) -> None:
+    def tail_loaded(self, req: CacheRequest, tail: TailBlock, block: int, ok: bool, rewinds: dict[object, int]) -> None:
         assert tail.host_block is not None, tail
         self.m.host_pool.free_one(tail.host_block)
         tail.host_block = None

@@ -8,6 +8,7 @@ pin counts equal their holders; every eviction candidate is queued. It reads the
 its public views (``tree``, the pools, ``copies_in_flight()``, ``landed_twice``, the
 prefetcher's and the hand-off's own state) and changes nothing.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -33,24 +34,20 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
         if node.host_ready:
             assert node.parent.is_root or node.parent.host_ready, f"host copies not prefix-closed at {node}"
         if node.device_block is not None:
-            assert node.parent.is_root or node.parent.device_block is not None, \
-                f"device copies not prefix-closed at {node}"
+            assert node.parent.is_root or node.parent.device_block is not None, f"device copies not prefix-closed at {node}"
             assert node.device_block not in dev_owner, f"device block {node.device_block} owned twice"
             dev_owner[node.device_block] = node
         if node.host_block is not None:
             assert node.host_block not in host_owner, f"host block {node.host_block} owned twice"
             host_owner[node.host_block] = node
         children = tree.children_of(node)
-        assert node.num_device_children == sum(
-            c.device_block is not None for c in children), f"device children {node}"
-        assert node.num_host_children == sum(
-            c.host_block is not None for c in children), f"host children {node}"
+        assert node.num_device_children == sum(c.device_block is not None for c in children), f"device children {node}"
+        assert node.num_host_children == sum(c.host_block is not None for c in children), f"host children {node}"
         assert node.lock_ref >= 0 and node.device_reads >= 0 and node.host_reads >= 0
         # every candidate is queued (else it would never be evicted)
         assert node.in_device_heap or not node.device_evictable(), f"{node} missing from the device heap"
         assert node.in_host_heap or not node.host_evictable(), f"{node} missing from the host heap"
-    assert tree.root.num_device_children == sum(
-        c.device_block is not None for c in tree.children_of(tree.root))
+    assert tree.root.num_device_children == sum(c.device_block is not None for c in tree.children_of(tree.root))
     live = [r for r in requests if not r.freed]
     for r in live:
         if not r.admitted:
@@ -59,23 +56,24 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
             assert tree.alive(n), f"request {r.rid!r} holds a dead node"
             assert r.block_table[i] == n.device_block, f"request {r.rid!r} table/node mismatch at {i}"
             locks[id(n)] = locks.get(id(n), 0) + 1
-        for b in r.block_table[len(r.nodes):]:
+        for b in r.block_table[len(r.nodes) :]:
             assert b not in dev_owner, f"device block {b} owned by a node and request {r.rid!r}"
             dev_owner[b] = r
     # in-flight reads and writes
     dev_reads: dict[int, int] = {}
     host_reads: dict[int, int] = {}
     in_flight = m.copies_in_flight()
+
     def tail_owns(t: TailBlock) -> None:
         assert t.host_block is not None, f"tail {t.key} in flight without a host block"
         assert t.host_block not in host_owner, f"host block {t.host_block} owned twice"
         host_owner[t.host_block] = t
+
     for kind, items in in_flight:
         if kind == "tailfetch":
             tail_owns(items[0])
             continue
-        if kind in ("load", "backup", "put") and items and any(type(it[0 if kind != "load" else 2])
-                                                               is TailBlock for it in items):
+        if kind in ("load", "backup", "put") and items and any(type(it[0 if kind != "load" else 2]) is TailBlock for it in items):
             tails = [it for it in items if type(it[0 if kind != "load" else 2]) is TailBlock]
             items = [it for it in items if type(it[0 if kind != "load" else 2]) is not TailBlock]
             for it in tails:
@@ -113,10 +111,11 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
             for _pf, _i, _k, b, _label in items:
                 assert b not in host_owner, f"fetch target {b} owned twice"
                 host_owner[b] = _pf
-    assert len(m.prefetcher.preloading) == sum(len(items) for kind, items in in_flight if kind == "preload"), \
+    assert len(m.prefetcher.preloading) == sum(len(items) for kind, items in in_flight if kind == "preload"), (
         "a preload tracked with no copy in flight"
+    )
     prefetches = {id(x[0]): x[0] for kind, items in in_flight if kind == "fetch" for x in items}
-    for pf in prefetches.values():       # each holds its anchor until its last chunk is done
+    for pf in prefetches.values():  # each holds its anchor until its last chunk is done
         assert pf.num_chunks_pending > 0 and pf.num_blocks_pending > 0
         if pf.locked:
             locks[id(pf.anchor)] = locks.get(id(pf.anchor), 0) + 1
@@ -125,7 +124,7 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
     for r in live:
         if r.tail is not None and r.tail.state == "ready":
             tail_owns(r.tail)
-    for node, exports in m.handoff.exporting.values():   # hand-offs hold their blocks' device copies
+    for node, exports in m.handoff.exporting.values():  # hand-offs hold their blocks' device copies
         locks[id(node)] = locks.get(id(node), 0) + len(exports)
     for node in tree.nodes.values():
         assert node.lock_ref == locks.get(id(node), 0), f"lock_ref {node.lock_ref} != holders of {node}"
@@ -142,4 +141,3 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
         assert m.host_pool.is_free(b) != (b in host_owner), f"host block {b} leaked or double-owned"
     unlocked = sum(1 for n in tree.nodes.values() if n.device_block is not None and n.lock_ref == 0)
     assert tree.num_device_unlocked == unlocked, (tree.num_device_unlocked, unlocked)
-

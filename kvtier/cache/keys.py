@@ -13,6 +13,7 @@ ints included). ``sha256`` (default, 32-byte keys) or ``xxh3_128`` (16-byte keys
 :class:`BlockHasher` extends a request's keys incrementally as its tokens grow (prompt, then
 generated tokens), hashing each full block once.
 """
+
 from __future__ import annotations
 
 import array
@@ -111,15 +112,22 @@ class ModelFingerprint:
     dtype: str
     block_size: int
     kv_layout: str = "page_first"
-    weights: str = ""       # which weights (a digest): two fine-tunes of one shape never share KV
-    payload: str = ""       # what else a stored block carries, e.g. R3 routing "routing:48x8:uint8"
+    weights: str = ""  # which weights (a digest): two fine-tunes of one shape never share KV
+    payload: str = ""  # what else a stored block carries, e.g. R3 routing "routing:48x8:uint8"
 
     def encode(self) -> bytes:
-        parts = (self.architecture, self.num_layers, self.num_kv_heads, self.head_dim,
-                 self.dtype, self.block_size, self.kv_layout)
+        parts = (
+            self.architecture,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.block_size,
+            self.kv_layout,
+        )
         out = b"".join(_field(str(p).encode()) for p in parts)
         for tag, value in (("weights", self.weights), ("payload", self.payload)):
-            if value:                 # absent when empty: fingerprints without them keep their keys
+            if value:  # absent when empty: fingerprints without them keep their keys
                 out += _field(tag.encode()) + _field(value.encode())
         return out
 
@@ -140,8 +148,7 @@ class MMItem:
         return self.hash.encode() if isinstance(self.hash, str) else bytes(self.hash)
 
 
-def namespace_seed(fingerprint: ModelFingerprint | None, cache_salt: str | None = None,
-                   hash_name: str = "sha256") -> bytes:
+def namespace_seed(fingerprint: ModelFingerprint | None, cache_salt: str | None = None, hash_name: str = "sha256") -> bytes:
     """Root of every key chain: format version, model fingerprint and the request's cache_salt."""
     digest = get_digest(hash_name)
     fp = fingerprint.encode() if fingerprint is not None else b""
@@ -149,8 +156,7 @@ def namespace_seed(fingerprint: ModelFingerprint | None, cache_salt: str | None 
     return digest(b"kvtier-ns" + struct.pack("<I", FORMAT_VERSION) + _field(fp) + salt)
 
 
-def block_extras(start: int, end: int, lora_name: str | None,
-                 mm_items: Sequence[MMItem]) -> bytes:
+def block_extras(start: int, end: int, lora_name: str | None, mm_items: Sequence[MMItem]) -> bytes:
     """Tagged extra keys of the block holding token positions [start, end).
 
     A multimodal item belongs to every block it overlaps; one that ends exactly at ``start``
@@ -165,8 +171,7 @@ def block_extras(start: int, end: int, lora_name: str | None,
     return out
 
 
-def block_key(parent: bytes, tokens: Sequence[int], extras: bytes = b"",
-              hash_name: str = "sha256") -> bytes:
+def block_key(parent: bytes, tokens: Sequence[int], extras: bytes = b"", hash_name: str = "sha256") -> bytes:
     """The key of one block; the one function every consumer calls."""
     return get_digest(hash_name)(parent + encode_tokens(tokens) + extras)
 
@@ -191,23 +196,42 @@ class BlockHasher:
     request.
     """
 
-    __slots__ = ("block_size", "seed", "stream", "uniform", "num_blocks", "_ends", "_width", "_keys",
-                 "_digest", "_pending", "_lora", "_mm", "_num_tokens")
+    __slots__ = (
+        "block_size",
+        "seed",
+        "stream",
+        "uniform",
+        "num_blocks",
+        "_ends",
+        "_width",
+        "_keys",
+        "_digest",
+        "_pending",
+        "_lora",
+        "_mm",
+        "_num_tokens",
+    )
 
-    def __init__(self, block_size: int, seed: bytes, hash_name: str = "sha256",
-                 lora_name: str | None = None, mm_items: Iterable[MMItem] = ()) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        seed: bytes,
+        hash_name: str = "sha256",
+        lora_name: str | None = None,
+        mm_items: Iterable[MMItem] = (),
+    ) -> None:
         self.block_size = block_size
         self.seed = seed
-        self.stream = seed                 # seed + the labels of the full blocks, end to end
+        self.stream = seed  # seed + the labels of the full blocks, end to end
         self._lora = lora_name
         self._mm = tuple(mm_items)
         self.uniform = lora_name is None and not self._mm
         self.num_blocks = 0
-        self._ends: list[int] = []         # end offset of each label in ``stream`` (extras only)
-        self._width = 4 * block_size       # bytes of a label without extras
-        self._keys: list[bytes] = []       # digests of the first len(_keys) labels
+        self._ends: list[int] = []  # end offset of each label in ``stream`` (extras only)
+        self._width = 4 * block_size  # bytes of a label without extras
+        self._keys: list[bytes] = []  # digests of the first len(_keys) labels
         self._digest = get_digest(hash_name)
-        self._pending: list[int] = []      # tokens of the last, partial block
+        self._pending: list[int] = []  # tokens of the last, partial block
         self._num_tokens = 0
 
     @property
@@ -221,12 +245,12 @@ class BlockHasher:
         return len(self.seed) + self._width * (i + 1) if self.uniform else self._ends[i]
 
     def label(self, i: int) -> bytes:
-        return self.stream[self.end(i - 1):self.end(i)]
+        return self.stream[self.end(i - 1) : self.end(i)]
 
     def label_ends(self, i: int, n: int) -> Sequence[int]:
         """Where the labels of blocks ``i..n-1`` end, counted from the start of block ``i``'s."""
         start = self.end(i - 1)
-        if self.uniform:                    # block 0's label starts with the seed
+        if self.uniform:  # block 0's label starts with the seed
             return range(self.end(i) - start, self.end(n - 1) - start + 1, self._width)
         return [e - start for e in self._ends[i:n]]
 
@@ -244,21 +268,22 @@ class BlockHasher:
         added = len(tokens)
         if self._pending:
             tokens = self._pending + list(tokens)
-        data = encode_tokens(tokens)     # validates every token first: a refusal changes nothing
+        data = encode_tokens(tokens)  # validates every token first: a refusal changes nothing
         self._num_tokens += added
         n_full = len(tokens) // bs
-        self._pending = list(tokens[n_full * bs:])
+        self._pending = list(tokens[n_full * bs :])
         if not n_full:
             return self.num_blocks
         nbytes = self._width
         if self.uniform:
-            cut = n_full * nbytes         # one copy: concatenating a view does not copy it first
+            cut = n_full * nbytes  # one copy: concatenating a view does not copy it first
             self.stream += memoryview(data)[:cut] if len(data) > cut else data
         else:
             b0 = self.num_blocks * bs
-            parts = [data[i * nbytes:(i + 1) * nbytes]
-                     + block_extras(b0 + i * bs, b0 + (i + 1) * bs, self._lora, self._mm)
-                     for i in range(n_full)]
+            parts = [
+                data[i * nbytes : (i + 1) * nbytes] + block_extras(b0 + i * bs, b0 + (i + 1) * bs, self._lora, self._mm)
+                for i in range(n_full)
+            ]
             end = len(self.stream)
             for part in parts:
                 end += len(part)
@@ -276,9 +301,8 @@ class BlockHasher:
         assert num_blocks <= self.num_blocks, (num_blocks, self.num_blocks)
         parent = keys[-1] if keys else b""
         digest, stream, start = self._digest, self.stream, self.end(i - 1)
-        ends = (range(self.end(i), self.end(num_blocks - 1) + 1, self._width) if self.uniform
-                else self._ends[i:num_blocks])
-        if digest is _sha256:            # hashlib's object directly: no wrapper call per block
+        ends = range(self.end(i), self.end(num_blocks - 1) + 1, self._width) if self.uniform else self._ends[i:num_blocks]
+        if digest is _sha256:  # hashlib's object directly: no wrapper call per block
             sha256 = hashlib.sha256
             for end in ends:
                 parent = sha256(parent + stream[start:end]).digest()
@@ -296,7 +320,7 @@ class BlockHasher:
         instead of hashing them."""
         mine = self._keys
         if len(mine) < len(keys):
-            mine.extend(keys[len(mine):] if mine else keys)   # the same list object: it only grows
+            mine.extend(keys[len(mine) :] if mine else keys)  # the same list object: it only grows
 
     def extend(self, tokens: Sequence[int]) -> list[bytes]:
         """Append tokens; return the keys of blocks that became full."""
@@ -315,20 +339,20 @@ class BlockHasher:
             num_tokens, pending = self._num_tokens, self._pending
         else:
             assert tokens is not None, "num_tokens comes with tokens"
-            pending = list(tokens[num_tokens - num_tokens % self.block_size:num_tokens])
+            pending = list(tokens[num_tokens - num_tokens % self.block_size : num_tokens])
         n = len(pending)
         if not n:
             return None
         n_full = (num_tokens - n) // self.block_size
         parent = self.ensure_keys(n_full)[n_full - 1] if n_full else self.seed
         start = num_tokens - n
-        extras = b"" if (self._lora is None and not self._mm) else block_extras(
-            start, start + self.block_size, self._lora, self._mm)
+        extras = (
+            b"" if (self._lora is None and not self._mm) else block_extras(start, start + self.block_size, self._lora, self._mm)
+        )
         return f"{self._digest(parent + encode_tokens(pending) + extras).hex()}:partial:{n}"
 
 
-def object_name(key: bytes | str, namespace: str = "default", tp_rank: int | None = None,
-                tp_size: int = 1) -> str:
+def object_name(key: bytes | str, namespace: str = "default", tp_rank: int | None = None, tp_size: int = 1) -> str:
     """Storage object name ``kvt:<ns>:<hex>[:tp<rank>of<size>]`` (partial names pass through)."""
     name = f"kvt:{namespace}:{key.hex() if isinstance(key, bytes) else key}"
     if tp_size > 1:

@@ -30,6 +30,7 @@ Ownership (DESIGN §5.1): every device block is free, or held by exactly one tre
 exactly one request (``block_table[len(nodes):]``); every host block is free, held by one node,
 or by one in-flight fetch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,14 +54,13 @@ from kvtier.cache.tree import Node, RadixTree
 log = logging.getLogger(__name__)
 _DEVICE_BLOCK = operator.attrgetter("device_block")
 TIERS = ("device", "host", "storage")
-FETCH_CHUNK = 32      # blocks per fetch op: a request may start with the chunks that landed
-MAX_SEEDS = 1024      # namespace seeds kept (one per cache_salt, least recently used dropped)
-PROBE_TTL_S = 2.0     # a request's storage lookup older than this is asked again when it is matched
+FETCH_CHUNK = 32  # blocks per fetch op: a request may start with the chunks that landed
+MAX_SEEDS = 1024  # namespace seeds kept (one per cache_salt, least recently used dropped)
+PROBE_TTL_S = 2.0  # a request's storage lookup older than this is asked again when it is matched
 
 
 def check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
-            or block_size & (block_size - 1):
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
     return block_size
 
@@ -68,28 +68,44 @@ def check_block_size(block_size: object) -> int:
 class CacheRequest:
     """The manager's record of one request. ``token_ids`` is the caller's list (it grows)."""
 
-    __slots__ = ("rid", "token_ids", "hasher", "nodes", "block_table", "num_loading",
-                 "admitted", "freed", "_path", "_num_device_hits", "_num_host_hits", "_epoch", "match",
-                 "prefetch", "_storage_probe", "tail", "no_hits")
+    __slots__ = (
+        "rid",
+        "token_ids",
+        "hasher",
+        "nodes",
+        "block_table",
+        "num_loading",
+        "admitted",
+        "freed",
+        "_path",
+        "_num_device_hits",
+        "_num_host_hits",
+        "_epoch",
+        "match",
+        "prefetch",
+        "_storage_probe",
+        "tail",
+        "no_hits",
+    )
 
     def __init__(self, rid: object, token_ids: list[int], hasher: BlockHasher) -> None:
         self.rid = rid
         self.token_ids = token_ids
         self.hasher = hasher
-        self.nodes: list[Node] = []         # locked; block_table[i] == nodes[i].device_block
+        self.nodes: list[Node] = []  # locked; block_table[i] == nodes[i].device_block
         self.block_table: list[int] = []
-        self.num_loading = 0                # host->device loads in flight into block_table
+        self.num_loading = 0  # host->device loads in flight into block_table
         self.admitted = False
         self.freed = False
-        self._path: list[Node] = []         # matched nodes (device hits then host hits)
+        self._path: list[Node] = []  # matched nodes (device hits then host hits)
         self._num_device_hits = 0
         self._num_host_hits = 0
         self._epoch = -1
         self.match: MatchResult | None = None
-        self.prefetch: Prefetch | None = None     # its storage prefetch (one per admission)
-        self._storage_probe: tuple | None = None   # last storage lookup: (first, end, hits or its future, when)
-        self.tail: TailBlock | None = None         # PD: the prompt's partial block, from the pool
-        self.no_hits = False                       # match nothing (it must compute every token)
+        self.prefetch: Prefetch | None = None  # its storage prefetch (one per admission)
+        self._storage_probe: tuple | None = None  # last storage lookup: (first, end, hits or its future, when)
+        self.tail: TailBlock | None = None  # PD: the prompt's partial block, from the pool
+        self.no_hits = False  # match nothing (it must compute every token)
 
     @property
     def keys(self) -> list[bytes]:
@@ -105,21 +121,32 @@ class CacheRequest:
 class CacheStats:
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    bytes_moved: dict[str, int] = field(default_factory=lambda: {
-        "host_to_device": 0, "device_to_host": 0, "storage_to_host": 0, "host_to_storage": 0})
-    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("load", "backup", "fetch", "put"), 0))
+    bytes_moved: dict[str, int] = field(
+        default_factory=lambda: {"host_to_device": 0, "device_to_host": 0, "storage_to_host": 0, "host_to_storage": 0}
+    )
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("load", "backup", "fetch", "put"), 0))
     query_tokens: int = 0
     swapped_out_blocks: int = 0
 
     def as_dict(self) -> dict:
-        return {"hit_tokens": dict(self.hit_tokens), "evictions": dict(self.evictions),
-                "bytes_moved": dict(self.bytes_moved), "failures": dict(self.failures),
-                "query_tokens": self.query_tokens, "swapped_out_blocks": self.swapped_out_blocks}
+        return {
+            "hit_tokens": dict(self.hit_tokens),
+            "evictions": dict(self.evictions),
+            "bytes_moved": dict(self.bytes_moved),
+            "failures": dict(self.failures),
+            "query_tokens": self.query_tokens,
+            "swapped_out_blocks": self.swapped_out_blocks,
+        }
 
 
-_BYTES_KEY = {"load": "host_to_device", "backup": "device_to_host", "preload": "host_to_device",
-              "fetch": "storage_to_host", "put": "host_to_storage", "tailfetch": "storage_to_host"}
+_BYTES_KEY = {
+    "load": "host_to_device",
+    "backup": "device_to_host",
+    "preload": "host_to_device",
+    "fetch": "storage_to_host",
+    "put": "host_to_storage",
+    "tailfetch": "storage_to_host",
+}
 _STAT_KIND = {"tailfetch": "fetch", "preload": "load"}
 
 
@@ -153,12 +180,12 @@ class CacheManager:
         self.block_nbytes = block_nbytes
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = CacheStats()
-        self.fetch_cost = fetch_cost       # None: fetch every storage hit (storage_fetch="always")
+        self.fetch_cost = fetch_cost  # None: fetch every storage hit (storage_fetch="always")
         if fetch_chunk_blocks < 1:
             raise ValueError(f"fetch_chunk_blocks must be >= 1, got {fetch_chunk_blocks}")
         self.fetch_chunk = fetch_chunk_blocks
-        self.early_loads = early_loads     # prefetched blocks go on to the device as they land
-        self._backup_backlog: dict[int, Node] = {}   # copy-on-land backups waiting for host room
+        self.early_loads = early_loads  # prefetched blocks go on to the device as they land
+        self._backup_backlog: dict[int, Node] = {}  # copy-on-land backups waiting for host room
         # namespace seed per cache_salt, most recent last: salts are chosen by clients, so it is
         # bounded (an evicted salt's seed is just computed again, to the same bytes)
         self._seeds: OrderedDict[str | None, bytes] = OrderedDict()
@@ -170,20 +197,31 @@ class CacheManager:
         self._landed_twice: list[int] = []
         self._staged: dict[str, list] = {"load": [], "backup": [], "fetch": [], "put": [], "preload": []}
         self._pending: dict[int, tuple[str, list]] = {}
-        self.prefetcher = Prefetcher(self)     # storage -> host fetches of storage hits
-        self.handoff = Handoff(self)           # PD: prompts to and from the pool
-        self._completers = {"load": self._complete_load, "backup": self._complete_backup,
-                            "put": self._complete_put, "fetch": self.prefetcher.complete,
-                            "preload": self.prefetcher.complete_preload,
-                            "tailfetch": self.handoff.complete_tailfetch}
+        self.prefetcher = Prefetcher(self)  # storage -> host fetches of storage hits
+        self.handoff = Handoff(self)  # PD: prompts to and from the pool
+        self._completers = {
+            "load": self._complete_load,
+            "backup": self._complete_backup,
+            "put": self._complete_put,
+            "fetch": self.prefetcher.complete,
+            "preload": self.prefetcher.complete_preload,
+            "tailfetch": self.handoff.complete_tailfetch,
+        }
 
     @property
     def has_host(self) -> bool:
         return self.host_pool.num_blocks > 0
 
     # ================================================================== requests
-    def new_request(self, rid: object, token_ids: list[int], *, cache_salt: str | None = None,
-                    lora_name: str | None = None, mm_items: Sequence[MMItem] = ()) -> CacheRequest:
+    def new_request(
+        self,
+        rid: object,
+        token_ids: list[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_items: Sequence[MMItem] = (),
+    ) -> CacheRequest:
         seed = self._seeds.get(cache_salt)
         if seed is None:
             seed = self._seeds[cache_salt] = namespace_seed(self.fingerprint, cache_salt, self.hash_name)
@@ -201,7 +239,7 @@ class CacheManager:
             # every token there is so far, not just ``num_tokens``: ids only ever get appended, and
             # the first call then packs the whole prompt without copying the list
             ids = req.token_ids
-            h.add_tokens(ids[h.num_tokens:] if h.num_tokens else ids)
+            h.add_tokens(ids[h.num_tokens :] if h.num_tokens else ids)
 
     def sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]:
         """Keys of every full block of ``req.token_ids[:num_tokens]`` (and any hashed before)."""
@@ -212,7 +250,7 @@ class CacheManager:
     def _tree_prefix(self, req: CacheRequest, max_blocks: int) -> tuple[list[Node], int, int]:
         """(path, device hits, device + host hits) of ``req``'s first ``max_blocks`` blocks."""
         self._sync_labels(req, max_blocks * self.block_size)
-        path = self.tree.match(req.hasher, max_blocks)   # adopts the hits' keys: never hashed
+        path = self.tree.match(req.hasher, max_blocks)  # adopts the hits' keys: never hashed
         # device copies are prefix-closed: the device hits end where the first node
         # without one is (binary search); past them every node must be readable on host
         lo, hi = 0, len(path)
@@ -244,19 +282,19 @@ class CacheManager:
     def _storage_hits(self, req: CacheRequest, nh: int, max_blocks: int) -> int:
         """How many blocks from ``nh`` on the pool holds: from the lookup started at arrival (or
         an earlier step) when it covers ``nh`` and is fresh, else asked now."""
-        probe = req._storage_probe          # one lookup per range, not one per step
+        probe = req._storage_probe  # one lookup per range, not one per step
         if probe is not None and probe[1] == max_blocks and time.monotonic() - probe[3] < PROBE_TTL_S:
             first, _, hits, at = probe
-            if not isinstance(hits, int):   # started at arrival: usually answered by now
+            if not isinstance(hits, int):  # started at arrival: usually answered by now
                 try:
                     hits = int(hits.result())
                 except Exception:  # noqa: BLE001 - a failed or cancelled lookup is a miss
                     hits = 0
                 req._storage_probe = (first, max_blocks, hits, at)
-            if first <= nh <= first + hits:   # the block after the hits is absent (or the end)
+            if first <= nh <= first + hits:  # the block after the hits is absent (or the end)
                 return first + hits - nh
         keys = req.hasher.ensure_keys(max_blocks)
-        assert self.storage is not None         # asked only with a storage tier
+        assert self.storage is not None  # asked only with a storage tier
         ns = self.storage.lookup_prefix(keys[nh:max_blocks])
         req._storage_probe = (nh, max_blocks, ns, time.monotonic())
         return ns
@@ -273,7 +311,7 @@ class CacheManager:
             del path[nh:]
             if self.storage is not None and nh < max_blocks and req.prefetch is None:
                 ns = self._storage_hits(req, nh, max_blocks)
-                storage_keys = tuple(req.hasher.ensure_keys(max_blocks)[nh:nh + ns]) if ns else ()
+                storage_keys = tuple(req.hasher.ensure_keys(max_blocks)[nh : nh + ns]) if ns else ()
         req._path, req._num_device_hits, req._num_host_hits = path, nd, nh - nd
         req._epoch = self.tree.epoch
         req.match = MatchResult(bs, nd, nh - nd, ns, storage_keys)
@@ -351,7 +389,7 @@ class CacheManager:
         if req.admitted:
             return need - len(req.block_table)
         need = max(need, len(req._path)) - req._num_device_hits
-        return need + sum(1 for n in req._path[:req._num_device_hits] if n.lock_ref == 0)
+        return need + sum(1 for n in req._path[: req._num_device_hits] if n.lock_ref == 0)
 
     def _device_blocks_reclaimable(self) -> int:
         return self.device_pool.num_free + len(self._landed_twice) + self.tree.num_device_unlocked
@@ -379,12 +417,12 @@ class CacheManager:
             req.block_table.extend(blocks)
             return True
 
-        if req.match is None or req._epoch != tree.epoch:   # no match yet, or a copy went away since
+        if req.match is None or req._epoch != tree.epoch:  # no match yet, or a copy went away since
             self.match_prefix(req)
         nd, path = req._num_device_hits, req._path
         device_hits, host_hits = path[:nd], path[nd:]
         newly_locked = 0
-        for n in device_hits:   # pin first, so our own eviction cannot take them
+        for n in device_hits:  # pin first, so our own eviction cannot take them
             if not n.lock_ref:
                 newly_locked += 1
             n.lock_ref += 1
@@ -400,7 +438,7 @@ class CacheManager:
                 tree.maybe_candidate(n)
             return False
         req.admitted = True
-        req.nodes = device_hits          # a fresh slice of the path: ours
+        req.nodes = device_hits  # a fresh slice of the path: ours
         req.block_table = [*map(_DEVICE_BLOCK, device_hits), *blocks]
         for j, n in enumerate(host_hits):
             self._staged["load"].append((req, nd + j, n, blocks[j]))
@@ -414,13 +452,13 @@ class CacheManager:
         bs = self.block_size
         from_storage = preloaded = 0
         for n in host_hits:
-            if n.from_storage:           # fetched for this request: a storage hit, counted once
+            if n.from_storage:  # fetched for this request: a storage hit, counted once
                 n.from_storage = False
                 from_storage += 1
         pf = req.prefetch
         if pf is not None:
-            pf.preload = False               # admitted: chunks still landing stay on host
-            for n in device_hits:            # preloaded for it while it waited: host (or storage) hits
+            pf.preload = False  # admitted: chunks still landing stay on host
+            for n in device_hits:  # preloaded for it while it waited: host (or storage) hits
                 if n.preloaded is not None:  # (another prefetch's: a device hit, the flag spent)
                     mine = n.preloaded is pf
                     n.preloaded = None
@@ -467,9 +505,9 @@ class CacheManager:
         v = tree.pop_device_victim() if num_blocks > 0 else None
         while v is not None:
             if v.host_block is None:
-                if write_back and self.backup(v):   # write_back: freed once the copy landed
+                if write_back and self.backup(v):  # write_back: freed once the copy landed
                     v.evict_device_after_copy = True
-                    deferred += 1                    # counts toward the target: no over-eviction
+                    deferred += 1  # counts toward the target: no over-eviction
                     v = tree.pop_device_victim() if freed + deferred < num_blocks else None
                     continue
                 # the last copies: the nodes go too (write_back tries a backup of each first)
@@ -479,7 +517,7 @@ class CacheManager:
                 if freed + deferred < num_blocks:
                     v = tree.next_device_victim(v)
                 else:
-                    assert v.parent is not None         # an evicted node is never the root
+                    assert v.parent is not None  # an evicted node is never the root
                     tree.maybe_candidate(v.parent)
                     v = None
             else:
@@ -494,10 +532,14 @@ class CacheManager:
             v = tree.pop_host_victim()
             if v is None:
                 return
-            if (v.device_block is None and self.policy.copy_on_evict and self.storage is not None
-                    and not self.storage.contains(v.key)):
+            if (
+                v.device_block is None
+                and self.policy.copy_on_evict
+                and self.storage is not None
+                and not self.storage.contains(v.key)
+            ):
                 deferred += 1
-                self.put_to_storage(v)                    # write_back: freed once stored
+                self.put_to_storage(v)  # write_back: freed once stored
                 v.evict_host_after_copy = True
                 continue
             self.host_pool.free_one(tree.drop_host(v))
@@ -514,11 +556,11 @@ class CacheManager:
         n = node
         while not n.is_root and n.host_block is None:
             chain.append(n)
-            assert n.parent is not None         # not the root
+            assert n.parent is not None  # not the root
             n = n.parent
-        top = n                     # root, or the nearest ancestor with a host copy
+        top = n  # root, or the nearest ancestor with a host copy
         if not top.is_root:
-            top.host_reads += 1     # our own host evictions must not take the copy we hang from
+            top.host_reads += 1  # our own host evictions must not take the copy we hang from
         try:
             for n in reversed(chain):
                 got = self.take_host(1)
@@ -545,8 +587,8 @@ class CacheManager:
         self._backup_backlog = {}
         for i, node in enumerate(pending):
             if node.host_block is not None or node.device_block is None or not self.tree.alive(node):
-                continue                           # copied meanwhile, or its device copy is gone
-            if not self.backup(node):             # still full: keep it and the rest, in order
+                continue  # copied meanwhile, or its device copy is gone
+            if not self.backup(node):  # still full: keep it and the rest, in order
                 self._backup_backlog = {id(n): n for n in pending[i:]}
                 return
 
@@ -575,14 +617,14 @@ class CacheManager:
         tick = self.touch()
         copy_down = self.has_host
         table = req.block_table
-        while i < n_full:                   # blocks the tree has already (computed twice)
+        while i < n_full:  # blocks the tree has already (computed twice)
             node = tree.child(parent, h.label(i))
             if node is None:
                 break
             tree.lock(node)
             if node.device_block is None:
                 tree.set_device(node, table[i])
-            elif node.device_block != table[i]:     # keep the tree's copy
+            elif node.device_block != table[i]:  # keep the tree's copy
                 self.device_pool.free_one(table[i])
                 table[i] = node.device_block
             node.last_access = tick
@@ -596,8 +638,7 @@ class CacheManager:
         # the rest is new: one run of nodes holding our device blocks, locked by us
         start = h.end(i - 1)
         ends = h.label_ends(i, n_full)
-        new = tree.add_run(parent, keys[i:n_full], h.stream[start:start + ends[-1]], ends, h.uniform,
-                           table[i:n_full], tick)
+        new = tree.add_run(parent, keys[i:n_full], h.stream[start : start + ends[-1]], ends, h.uniform, table[i:n_full], tick)
         req.nodes.extend(new)
         if copy_down and self.policy.copy_on_land(1):
             for node in new:
@@ -615,20 +656,20 @@ class CacheManager:
             self.handoff.drop_tail(req)
         if not req.admitted:
             if req.prefetch is not None:
-                req.prefetch.preload = False     # nobody waits for its chunks on the device now
+                req.prefetch.preload = False  # nobody waits for its chunks on the device now
             return
         tree, unlocked = self.tree, 0
-        for node in reversed(req.nodes):     # tail first: it is the one that may become a leaf
+        for node in reversed(req.nodes):  # tail first: it is the one that may become a leaf
             node.lock_ref -= 1
             if not node.lock_ref:
                 unlocked += 1
                 if not node.num_device_children and not node.in_device_heap:
                     tree.maybe_candidate(node)
         tree.num_device_unlocked += unlocked
-        own = req.block_table[len(req.nodes) + req.num_loading:]
+        own = req.block_table[len(req.nodes) + req.num_loading :]
         if own:
             self.device_pool.free(own)
-        del req.block_table[len(req.nodes) + req.num_loading:]
+        del req.block_table[len(req.nodes) + req.num_loading :]
         req.nodes = []
 
     def swap_out(self, req: CacheRequest) -> int:
@@ -641,9 +682,9 @@ class CacheManager:
         planned = 0
         if self.has_host and req.admitted and not req.freed:
             before = len(self._staged["backup"])
-            for node in req.nodes:            # every one: an ancestor's earlier copy may have failed
+            for node in req.nodes:  # every one: an ancestor's earlier copy may have failed
                 if node.host_block is None and not self.backup(node):
-                    break                      # host tier full: the rest is recomputed
+                    break  # host tier full: the rest is recomputed
             planned = len(self._staged["backup"]) - before
             self.stats.swapped_out_blocks += planned
         self.free(req)
@@ -655,13 +696,18 @@ class CacheManager:
         land: backups of unlocked nodes (a swap out, write_back), and early loads (a preload's
         block becomes its node's unlocked device copy, or goes back to the pool). The scheduler
         waits for them instead of preempting a running request."""
-        def unlocked_below(node: Node) -> bool:      # evictable leaf-first once its copy lands
-            return node.lock_ref == 0 and all(unlocked_below(c) for c in self.tree.children_of(node)
-                                               if c.device_block is not None)
+
+        def unlocked_below(node: Node) -> bool:  # evictable leaf-first once its copy lands
+            return node.lock_ref == 0 and all(
+                unlocked_below(c) for c in self.tree.children_of(node) if c.device_block is not None
+            )
+
         ops = (*self._pending.values(), ("backup", self._staged["backup"]), ("preload", self._staged["preload"]))
-        return sum(len(items) if kind == "preload" else
-                   sum(1 for n, _d, _h in items if type(n) is not TailBlock and unlocked_below(n))
-                   for kind, items in ops if kind in ("backup", "preload"))
+        return sum(
+            len(items) if kind == "preload" else sum(1 for n, _d, _h in items if type(n) is not TailBlock and unlocked_below(n))
+            for kind, items in ops
+            if kind in ("backup", "preload")
+        )
 
     # ================================================================== plans
     def take_plan(self) -> StepPlan:
@@ -726,8 +772,7 @@ class CacheManager:
             raise ValueError(f"failed item indices {bad} out of range for op {op_id} ({len(items)} items)")
         if failed:
             self.stats.failures[_STAT_KIND.get(kind, kind)] += len(failed)
-            log.warning("%s op %d: %d of %d blocks failed; degrading to recompute",
-                        kind, op_id, len(failed), len(items))
+            log.warning("%s op %d: %d of %d blocks failed; degrading to recompute", kind, op_id, len(failed), len(items))
         ok_blocks = len(items) - len(failed)
         self.stats.bytes_moved[_BYTES_KEY[kind]] += ok_blocks * self.block_nbytes
         rewinds = self._completers[kind](items, failed)
@@ -761,13 +806,13 @@ class CacheManager:
                 continue
             if req.rid in rewinds or idx in failed:
                 rewinds.setdefault(req.rid, i * self.block_size)
-                self.stats.hit_tokens["host"] -= self.block_size   # recomputed: not a hit after all
-                continue                         # stays request-owned; recomputed
+                self.stats.hit_tokens["host"] -= self.block_size  # recomputed: not a hit after all
+                continue  # stays request-owned; recomputed
             assert i == len(req.nodes), "loads complete in path order"
             tree.lock(node)
             if node.device_block is None:
                 tree.set_device(node, block)
-            elif node.device_block != block:     # loaded twice: keep the tree's copy
+            elif node.device_block != block:  # loaded twice: keep the tree's copy
                 self._landed_twice.append(block)
                 req.block_table[i] = node.device_block
             req.nodes.append(node)
@@ -781,7 +826,7 @@ class CacheManager:
                 continue
             node.device_reads -= 1
             parent = node.parent
-            if idx in failed or not (parent.is_root or parent.host_ready):   # parent's copy failed
+            if idx in failed or not (parent.is_root or parent.host_ready):  # parent's copy failed
                 if idx not in failed:
                     self.stats.failures["backup"] += 1
                 self.host_pool.free_one(tree.drop_host(node))
@@ -789,9 +834,8 @@ class CacheManager:
                     self.handoff.node_done(node, False)
             else:
                 node.host_ready = True
-                self.prefetcher.anchor_landed(node)   # fetched blocks hang below: it stays
-                if self.storage is not None and (self.policy.copy_on_land(node.hit_count)
-                                                 or id(node) in self.handoff.exporting):
+                self.prefetcher.anchor_landed(node)  # fetched blocks hang below: it stays
+                if self.storage is not None and (self.policy.copy_on_land(node.hit_count) or id(node) in self.handoff.exporting):
                     self.put_to_storage(node)
             if node.evict_device_after_copy:
                 node.evict_device_after_copy = False
@@ -810,7 +854,7 @@ class CacheManager:
             node.putting = False
             node.host_reads -= 1
             if idx not in failed:
-                assert self.storage is not None     # puts run only with a storage tier
+                assert self.storage is not None  # puts run only with a storage tier
                 self.storage.add(node.key)
             if id(node) in self.handoff.exporting:
                 self.handoff.node_done(node, idx not in failed)
@@ -832,19 +876,20 @@ class CacheManager:
         """DESIGN §5 (1, 2, 3, 4, 6) on the whole state (cache/invariants.py). ``requests``:
         every live request."""
         from kvtier.cache.invariants import check
+
         check(self, requests)
 
     # ---------------------------------------------------------- read-only views (the checker's)
     def copies_in_flight(self) -> list[tuple[str, list]]:
         """Every copy planned and not completed, as ``(kind, items)``: the ops in flight, this
         step's staged items, and the fetched chunks parked until their turn."""
-        return [*self._pending.values(), *self._staged.items(),
-                *(("fetch", items) for items, _failed in self.prefetcher.parked)]
+        return [*self._pending.values(), *self._staged.items(), *(("fetch", items) for items, _failed in self.prefetcher.parked)]
 
     @property
     def landed_twice(self) -> tuple[int, ...]:
         """Device blocks of loads that landed twice, held out of the pool until the next allocate."""
         return tuple(self._landed_twice)
+
 
 def parse_capacity(value: str | int | float) -> int | float:
     """``0`` (none), a block count, or ``inf`` (unbounded)."""

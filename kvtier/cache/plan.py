@@ -11,6 +11,7 @@ op completes.
 The executor reports back with :meth:`CacheManager.complete` (``op_id`` plus the indices of the
 items that failed); only then do the bytes count as landed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,12 +19,12 @@ from typing import Iterator
 
 # kind -> (source tier, destination tier)
 OP_KINDS = {
-    "load": ("host", "device"),     # host -> device, before the step's forward reads it
+    "load": ("host", "device"),  # host -> device, before the step's forward reads it
     "preload": ("host", "device"),  # host -> device into tree nodes, ahead of a waiting request's
-                                    # admission (no forward waits on it: it lands as device copies)
-    "backup": ("device", "host"),   # device -> host, after the forward that wrote it
-    "fetch": ("storage", "host"),   # storage -> host (prefetch)
-    "put": ("host", "storage"),     # host -> storage
+    # admission (no forward waits on it: it lands as device copies)
+    "backup": ("device", "host"),  # device -> host, after the forward that wrote it
+    "fetch": ("storage", "host"),  # storage -> host (prefetch)
+    "put": ("host", "storage"),  # host -> storage
 }
 
 
@@ -31,8 +32,8 @@ OP_KINDS = {
 class TransferOp:
     op_id: int
     kind: str
-    src_blocks: tuple[int, ...]   # device or host block ids; () for fetch
-    dst_blocks: tuple[int, ...]   # device or host block ids; () for put
+    src_blocks: tuple[int, ...]  # device or host block ids; () for fetch
+    dst_blocks: tuple[int, ...]  # device or host block ids; () for put
     keys: tuple[bytes | str, ...]  # block keys of the items (storage object names derive from them)
 
     @property
@@ -84,5 +85,4 @@ class MatchResult:
 
     def tokens_by_tier(self) -> dict[str, int]:
         bs = self.block_size
-        return {"device": self.num_device_blocks * bs, "host": self.num_host_blocks * bs,
-                "storage": self.num_storage_blocks * bs}
+        return {"device": self.num_device_blocks * bs, "host": self.num_host_blocks * bs, "storage": self.num_storage_blocks * bs}

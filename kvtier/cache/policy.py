@@ -13,6 +13,7 @@ name                       copy down when                              on evicti
 Eviction policies order the evictable leaves of a tier: ``lru`` (least recently used first,
 deeper blocks first among equals) and ``lfu`` (fewest hits first, then LRU).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Block allocators for the device and host tiers: O(1) allocate/free, loud on misuse."""
+
 from __future__ import annotations
 
 
@@ -59,7 +60,7 @@ class BlockPool:
         is_free, n = self._is_free, self.num_blocks
         for i, b in enumerate(blocks):
             if not (isinstance(b, int) and 0 <= b < n) or is_free[b]:
-                for done in blocks[:i]:            # undo: nothing freed
+                for done in blocks[:i]:  # undo: nothing freed
                     is_free[done] = 0
                 if not (isinstance(b, int) and 0 <= b < n):
                     raise DoubleFreeError(f"{self.tier} pool: block id {b!r} is not in 0..{n - 1}")

@@ -22,6 +22,7 @@ already fetching are not fetched twice: the follower waits for them (``waits_for
 own chunks below them. Chunks land in order: one that completes early is parked
 (``_parked``); if the block it hangs from is gone or failed, it is dropped (a miss, blocks freed).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -37,22 +38,34 @@ class Prefetch:
     """One request's storage->host fetch, in chunks: it holds the node its blocks hang from
     until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
 
-    __slots__ = ("anchor", "locked", "host_pinned", "keys", "start", "next_index", "waits_for",
-                 "num_blocks_pending", "num_chunks_pending", "uniform", "preload", "num_preloading")
+    __slots__ = (
+        "anchor",
+        "locked",
+        "host_pinned",
+        "keys",
+        "start",
+        "next_index",
+        "waits_for",
+        "num_blocks_pending",
+        "num_chunks_pending",
+        "uniform",
+        "preload",
+        "num_preloading",
+    )
 
     def __init__(self, anchor: Node, locked: bool) -> None:
         self.anchor = anchor
-        self.locked = locked    # held by a lock (its host copy is still in flight) ...
-        self.host_pinned = not locked   # ... and by a host pin once that copy has landed
+        self.locked = locked  # held by a lock (its host copy is still in flight) ...
+        self.host_pinned = not locked  # ... and by a host pin once that copy has landed
         self.keys: tuple[bytes, ...] = ()
-        self.start = 0          # keys[:start] are fetched by other prefetches (waits_for)
-        self.next_index = 0     # chunks land in order: the first item index of the next one
+        self.start = 0  # keys[:start] are fetched by other prefetches (waits_for)
+        self.next_index = 0  # chunks land in order: the first item index of the next one
         self.waits_for: list[Prefetch] = []
         self.num_blocks_pending = 0
         self.num_chunks_pending = 0
-        self.uniform = True     # its labels have no extras (BlockHasher.uniform)
-        self.preload = False    # early loads: its blocks go on to the device as they land
-        self.num_preloading = 0   # its preloads in flight
+        self.uniform = True  # its labels have no extras (BlockHasher.uniform)
+        self.preload = False  # early loads: its blocks go on to the device as they land
+        self.num_preloading = 0  # its preloads in flight
 
 
 class Prefetcher:
@@ -60,10 +73,10 @@ class Prefetcher:
 
     def __init__(self, mgr: CacheManager) -> None:
         self.m = mgr
-        self.parked: list[list] = []                     # chunks landed before they can hang
-        self.anchored: dict[int, list[Prefetch]] = {}   # prefetches below a host copy in flight
-        self.fetching: dict[bytes, Prefetch] = {}       # block key -> the prefetch fetching it
-        self.preloading: dict[int, Node] = {}            # id(node) -> node, its preload in flight
+        self.parked: list[list] = []  # chunks landed before they can hang
+        self.anchored: dict[int, list[Prefetch]] = {}  # prefetches below a host copy in flight
+        self.fetching: dict[bytes, Prefetch] = {}  # block key -> the prefetch fetching it
+        self.preloading: dict[int, Node] = {}  # id(node) -> node, its preload in flight
 
     def prefetch(self, req: CacheRequest) -> int:
         """Plan storage->host fetches of ``req``'s storage hits (after ``match_prefix``); the
@@ -78,19 +91,19 @@ class Prefetcher:
             want = mgr.fetch_cost.blocks_to_fetch(want)
             if not want:
                 return 0
-        covered = 0                              # leading blocks someone else is fetching
+        covered = 0  # leading blocks someone else is fetching
         while covered < want and m.storage_keys[covered] in self.fetching:
             covered += 1
         others = list({id(pf): pf for pf in (self.fetching[k] for k in m.storage_keys[:covered])}.values())
         anchor = req.matched[-1] if req.matched else mgr.tree.root
-        if covered == want:                      # all of it is on its way already
+        if covered == want:  # all of it is on its way already
             return self._wait_for(req, anchor, others, covered)
         if covered == 0 and not anchor.is_root and anchor.host_block is None and not mgr.backup(anchor):
-            return 0                 # fetched blocks hang below a host copy (host tier prefix-closed)
+            return 0  # fetched blocks hang below a host copy (host tier prefix-closed)
         # hold the anchor: its landed host copy with a host pin (so our own host evictions below
         # cannot take it), else its device copy with a lock (its host copy is still in flight)
         pf = Prefetch(anchor, not anchor.host_ready)
-        self.hold(pf, +1)           # the node the fetched blocks will hang from stays
+        self.hold(pf, +1)  # the node the fetched blocks will hang from stays
         blocks: list[int] = []
         for _ in m.storage_keys[covered:want]:
             got = mgr.take_host(1)
@@ -100,12 +113,12 @@ class Prefetcher:
         if not blocks:
             self.hold(pf, -1)
             return self._wait_for(req, anchor, others, covered) if covered else 0
-        keys = m.storage_keys[:covered + len(blocks)]
-        first = len(req.matched)                  # storage hits follow the device and host hits
+        keys = m.storage_keys[: covered + len(blocks)]
+        first = len(req.matched)  # storage hits follow the device and host hits
         labels = [req.hasher.label(j) for j in range(first, first + len(keys))]
         pf.keys = keys
         pf.uniform = req.hasher.uniform
-        pf.start = pf.next_index = covered      # chunk 0 hangs below keys[covered - 1] (or the anchor)
+        pf.start = pf.next_index = covered  # chunk 0 hangs below keys[covered - 1] (or the anchor)
         pf.waits_for = others
         pf.num_blocks_pending = len(blocks)
         pf.num_chunks_pending = -(-len(blocks) // mgr.fetch_chunk)
@@ -113,20 +126,21 @@ class Prefetcher:
             mgr.stage("fetch", (pf, i, keys[i], blocks[i - covered], labels[i]))
             self.fetching[keys[i]] = pf
         req.prefetch = pf
-        req.match = None   # the next match sees the fetched blocks as host hits
+        req.match = None  # the next match sees the fetched blocks as host hits
         if mgr.early_loads and -(-len(req.token_ids) // mgr.block_size) <= (
-                mgr.device_pool.num_free + mgr.tree.num_device_unlocked):
-            pf.preload = True        # the whole request fits on the device: bring it up as it lands
+            mgr.device_pool.num_free + mgr.tree.num_device_unlocked
+        ):
+            pf.preload = True  # the whole request fits on the device: bring it up as it lands
             tick = mgr.touch()
-            for node in req.matched:   # (LRU) the preloads' evictions take other blocks first
+            for node in req.matched:  # (LRU) the preloads' evictions take other blocks first
                 node.last_access = tick
-            self._preload(pf, req.matched[m.num_device_blocks:])   # its host hits, now
+            self._preload(pf, req.matched[m.num_device_blocks :])  # its host hits, now
         return len(keys)
 
     def _wait_for(self, req: CacheRequest, anchor: Node, others: list[Prefetch], covered: int) -> int:
         """``req`` fetches nothing itself: it waits for the ``covered`` blocks others fetch."""
         pf = Prefetch(anchor, False)
-        pf.host_pinned = False                   # holds nothing: it has no chunk of its own
+        pf.host_pinned = False  # holds nothing: it has no chunk of its own
         pf.waits_for = others
         req.prefetch = pf
         req.match = None
@@ -139,8 +153,7 @@ class Prefetcher:
         pf = req.prefetch
         if pf is None:
             return 0
-        return pf.num_blocks_pending + pf.num_preloading + sum(
-            o.num_blocks_pending + o.num_preloading for o in pf.waits_for)
+        return pf.num_blocks_pending + pf.num_preloading + sum(o.num_blocks_pending + o.num_preloading for o in pf.waits_for)
 
     def hold(self, pf: Prefetch, delta: int) -> None:
         node = pf.anchor
@@ -202,13 +215,19 @@ class Prefetcher:
         """(ready to land, the node the chunk hangs from or None if gone)."""
         pf, first = items[0][0], items[0][1]
         if first != pf.next_index:
-            return False, None                    # an earlier chunk has not landed yet
+            return False, None  # an earlier chunk has not landed yet
         parent = pf.anchor if first == 0 else self.m.tree.nodes.get(pf.keys[first - 1])
         if parent is None and first > 0 and self.fetching.get(pf.keys[first - 1]) not in (None, pf):
-            return False, None                    # another request's prefetch is fetching it
-        if (parent is not None and not parent.is_root and self.m.tree.alive(parent)
-                and parent.host_block is not None and not parent.host_ready and parent.device_reads):
-            return False, parent                  # its host copy is still being written
+            return False, None  # another request's prefetch is fetching it
+        if (
+            parent is not None
+            and not parent.is_root
+            and self.m.tree.alive(parent)
+            and parent.host_block is not None
+            and not parent.host_ready
+            and parent.device_reads
+        ):
+            return False, parent  # its host copy is still being written
         return True, parent
 
     def unpark(self) -> None:
@@ -231,8 +250,7 @@ class Prefetcher:
         for idx, (_pf, _i, key, block, label) in enumerate(items):
             if self.fetching.get(key) is pf:
                 del self.fetching[key]
-            if broken or idx in failed or parent is None or not (
-                    parent.is_root or (tree.alive(parent) and parent.host_ready)):
+            if broken or idx in failed or parent is None or not (parent.is_root or (tree.alive(parent) and parent.host_ready)):
                 broken = True
                 self.m.host_pool.free_one(block)
                 continue
@@ -242,7 +260,7 @@ class Prefetcher:
             if node.host_block is None:
                 node.last_access = tick
                 tree.set_host(node, block, ready=True)
-                node.from_storage = True     # its first host hit counts as a storage hit
+                node.from_storage = True  # its first host hit counts as a storage hit
             else:
                 self.m.host_pool.free_one(block)
             tree.maybe_candidate(node)
@@ -267,15 +285,14 @@ class Prefetcher:
         tree, todo = self.m.tree, []
         for node in nodes:
             if node.device_block is not None or id(node) in self.preloading:
-                continue                         # on the device already, or on its way
+                continue  # on the device already, or on its way
             parent = node.parent
             assert parent is not None
-            if not node.host_ready or not (parent.is_root or parent.device_block is not None
-                                           or id(parent) in self.preloading):
+            if not node.host_ready or not (parent.is_root or parent.device_block is not None or id(parent) in self.preloading):
                 break
             todo.append(node)
             self.preloading[id(node)] = node
-            node.host_reads += 1                 # its host copy stays while the copy reads it
+            node.host_reads += 1  # its host copy stays while the copy reads it
         if not todo:
             return
         blocks = self.m.take_device(len(todo))
@@ -300,12 +317,16 @@ class Prefetcher:
             node.host_reads -= 1
             pf.num_preloading -= 1
             parent = node.parent
-            if (idx in failed or node.device_block is not None or not tree.alive(node)
-                    or not (parent.is_root or parent.device_block is not None)):
+            if (
+                idx in failed
+                or node.device_block is not None
+                or not tree.alive(node)
+                or not (parent.is_root or parent.device_block is not None)
+            ):
                 pool.free_one(block)
             else:
                 node.last_access = tick
                 tree.set_device(node, block)
-                node.preloaded = pf              # a host hit of pf's request if it is admitted on it
+                node.preloaded = pf  # a host hit of pf's request if it is admitted on it
             tree.maybe_candidate(node)
         return {}

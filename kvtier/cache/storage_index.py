@@ -5,6 +5,7 @@ past the tree, and tells ``add(key)`` once a put is acknowledged. A real pool cl
 Mooncake, a directory) answers from the pool itself; :class:`SimulatedStorage` keeps the keys
 in process with an LRU capacity, for ``kvtier sim`` and the ``memory://`` pool.
 """
+
 from __future__ import annotations
 
 import math

@@ -32,6 +32,7 @@ at most one entry per node and tier); entries are validated lazily on pop (stale
 again with its current key; no longer a candidate: dropped), so no eviction scans the tree.
 Eviction keys only grow (last access, hit count), so a stale entry pops early, never late.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -46,56 +47,84 @@ ROOT_KEY = b""
 
 class Node:
     __slots__ = (
-        "key", "parent", "seg", "idx", "depth", "num_children", "in_device_heap", "in_host_heap",
-        "device_block", "host_block", "host_ready", "putting",
-        "lock_ref", "device_reads", "host_reads",
-        "num_device_children", "num_host_children",
-        "hit_count", "last_access", "evict_device_after_copy", "evict_host_after_copy",
-        "from_storage", "preloaded",
+        "key",
+        "parent",
+        "seg",
+        "idx",
+        "depth",
+        "num_children",
+        "in_device_heap",
+        "in_host_heap",
+        "device_block",
+        "host_block",
+        "host_ready",
+        "putting",
+        "lock_ref",
+        "device_reads",
+        "host_reads",
+        "num_device_children",
+        "num_host_children",
+        "hit_count",
+        "last_access",
+        "evict_device_after_copy",
+        "evict_host_after_copy",
+        "from_storage",
+        "preloaded",
     )
 
     def __init__(self, key: bytes, parent: "Node | None", seg: "Segment", idx: int) -> None:
         self.key = key
         self.parent = parent
-        self.seg = seg                         # the segment holding this block ...
-        self.idx = idx                         # ... at this index
+        self.seg = seg  # the segment holding this block ...
+        self.idx = idx  # ... at this index
         self.depth: int = -1 if parent is None else parent.depth + 1  # block index along the path
         self.num_children = 0
         self.in_device_heap = False
         self.in_host_heap = False
-        self.device_block: int | None = None   # readable: set only once the bytes landed
+        self.device_block: int | None = None  # readable: set only once the bytes landed
         self.host_block: int | None = None
-        self.host_ready = False                # False while a device->host copy is in flight
-        self.putting = False                   # a host->storage copy is in flight
-        self.lock_ref = 0                      # running requests using the device copy
-        self.device_reads = 0                  # in-flight copies reading the device copy
-        self.host_reads = 0                    # in-flight copies reading the host copy, holds
+        self.host_ready = False  # False while a device->host copy is in flight
+        self.putting = False  # a host->storage copy is in flight
+        self.lock_ref = 0  # running requests using the device copy
+        self.device_reads = 0  # in-flight copies reading the device copy
+        self.host_reads = 0  # in-flight copies reading the host copy, holds
         self.num_device_children = 0
         self.num_host_children = 0
         self.hit_count = 0
         self.last_access = 0
-        self.evict_device_after_copy = False   # write_back: free the device copy once copied
-        self.evict_host_after_copy = False     # write_back: free the host copy once stored
-        self.from_storage = False              # host copy fetched from storage, not yet hit
-        self.preloaded = None                  # the prefetch whose wait preloaded the device copy (not hit yet)
+        self.evict_device_after_copy = False  # write_back: free the device copy once copied
+        self.evict_host_after_copy = False  # write_back: free the host copy once stored
+        self.from_storage = False  # host copy fetched from storage, not yet hit
+        self.preloaded = None  # the prefetch whose wait preloaded the device copy (not hit yet)
 
     def __repr__(self) -> str:
-        return (f"Node(depth={self.depth}, key={self.key[:4].hex()}, dev={self.device_block}, "
-                f"host={self.host_block}{'' if self.host_ready else '*'}, lock={self.lock_ref})")
+        return (
+            f"Node(depth={self.depth}, key={self.key[:4].hex()}, dev={self.device_block}, "
+            f"host={self.host_block}{'' if self.host_ready else '*'}, lock={self.lock_ref})"
+        )
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
     def device_evictable(self) -> bool:
-        return (self.device_block is not None and self.lock_ref == 0 and self.device_reads == 0
-                and self.num_device_children == 0
-                and (self.host_block is not None or not self.num_children))
+        return (
+            self.device_block is not None
+            and self.lock_ref == 0
+            and self.device_reads == 0
+            and self.num_device_children == 0
+            and (self.host_block is not None or not self.num_children)
+        )
 
     def host_evictable(self) -> bool:
-        return (self.host_block is not None and self.host_ready and self.host_reads == 0
-                and not self.putting and self.num_host_children == 0
-                and (self.device_block is not None or not self.num_children))
+        return (
+            self.host_block is not None
+            and self.host_ready
+            and self.host_reads == 0
+            and not self.putting
+            and self.num_host_children == 0
+            and (self.device_block is not None or not self.num_children)
+        )
 
 
 class Segment:
@@ -120,13 +149,13 @@ class Segment:
         self.uniform = uniform
 
     def label(self, i: int) -> bytes:
-        return self.data[self.ends[i - 1] if i else 0:self.ends[i]]
+        return self.data[self.ends[i - 1] if i else 0 : self.ends[i]]
 
     def trimmed(self) -> bytes:
         """``data`` without the labels of evicted blocks."""
         data = self.data
         if self.ends and len(data) != self.ends[-1]:
-            data = self.data = data[:self.ends[-1]]
+            data = self.data = data[: self.ends[-1]]
         return data
 
     def __repr__(self) -> str:
@@ -147,8 +176,8 @@ class RadixTree:
         self._seq = count()
         self.num_device_copies = 0
         self.num_host_copies = 0
-        self.num_device_unlocked = 0   # device copies no running request holds (evictable in time)
-        self.epoch = 0                 # bumped whenever a copy or node goes away (stale matches)
+        self.num_device_unlocked = 0  # device copies no running request holds (evictable in time)
+        self.epoch = 0  # bumped whenever a copy or node goes away (stale matches)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -171,13 +200,12 @@ class RadixTree:
         seg, blk = self.root_seg, 0
         while blk < max_blocks:
             pos = h.end(blk - 1)
-            child = seg.children.get(stream[pos:h.end(blk)])
+            child = seg.children.get(stream[pos : h.end(blk)])
             if child is None:
                 break
             n = len(child.nodes)
-            if n <= max_blocks - blk and plain and child.uniform and (
-                    stream[pos:pos + child.ends[-1]] == child.trimmed()):
-                k = n                        # the whole run (block ends agree: no extras)
+            if n <= max_blocks - blk and plain and child.uniform and (stream[pos : pos + child.ends[-1]] == child.trimmed()):
+                k = n  # the whole run (block ends agree: no extras)
             else:
                 k = self._common_blocks(child, h, blk, min(n, max_blocks - blk))
             if k < n:
@@ -196,12 +224,12 @@ class RadixTree:
         """How many of ``seg``'s first ``limit`` blocks equal ``h``'s blocks from ``blk`` (the
         first one does: it was found by its label)."""
         stream, pos, ends, data = h.stream, h.end(blk - 1), seg.ends, seg.data
-        if h.uniform and seg.uniform:        # equal bytes up to a block end = equal blocks: bisect
-            lo, hi = 1, limit                # lo blocks match; is it more?
+        if h.uniform and seg.uniform:  # equal bytes up to a block end = equal blocks: bisect
+            lo, hi = 1, limit  # lo blocks match; is it more?
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 e = ends[mid - 1]
-                if stream[pos:pos + e] == data[:e]:
+                if stream[pos : pos + e] == data[:e]:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -229,8 +257,16 @@ class RadixTree:
         return node.seg.label(node.idx)
 
     # ------------------------------------------------------------------ structure
-    def add_run(self, parent: Node, keys: Sequence[bytes], data: bytes, ends: Sequence[int],
-                uniform: bool, device_blocks: Sequence[int] = (), tick: int = 0) -> list[Node]:
+    def add_run(
+        self,
+        parent: Node,
+        keys: Sequence[bytes],
+        data: bytes,
+        ends: Sequence[int],
+        uniform: bool,
+        device_blocks: Sequence[int] = (),
+        tick: int = 0,
+    ) -> list[Node]:
         """New nodes for a chain of blocks below ``parent`` (which has no child with the first
         label): their keys, their labels end to end and each label's end in ``data``. Appended
         to ``parent``'s segment when ``parent`` ends a leaf segment; else a new child segment,
@@ -243,9 +279,9 @@ class RadixTree:
         if i < len(seg.nodes):
             self._split(seg, i)
         if seg.children or seg is self.root_seg:
-            assert data[:ends[0]] not in seg.children, "duplicate block"
+            assert data[: ends[0]] not in seg.children, "duplicate block"
             target = Segment(seg, uniform)
-            seg.children[data[:ends[0]]] = target
+            seg.children[data[: ends[0]]] = target
         else:
             target = seg
             target.uniform = target.uniform and uniform
@@ -298,7 +334,7 @@ class RadixTree:
             node.seg, node.idx = tail, j
         del seg.nodes[i:], seg.keys[i:], seg.ends[i:]
         seg.data = seg.data[:cut]
-        seg.children = {tail.data[:tail.ends[0]]: tail}
+        seg.children = {tail.data[: tail.ends[0]]: tail}
 
     def _drop_leaf(self, node: Node) -> None:
         """Unlink a childless node (the last block of a leaf segment)."""
@@ -311,7 +347,7 @@ class RadixTree:
         if len(seg.nodes) > 1:
             seg.nodes.pop()
             seg.keys.pop()
-            seg.ends.pop()                  # data is cut later (trimmed)
+            seg.ends.pop()  # data is cut later (trimmed)
             return
         up = seg.parent
         assert up is not None
@@ -378,7 +414,7 @@ class RadixTree:
         if node.lock_ref == 0:
             self.num_device_unlocked += 1
             self.maybe_candidate(node)
-        elif node.host_block is not None:      # locked: a candidate on the host tier at most
+        elif node.host_block is not None:  # locked: a candidate on the host tier at most
             self.maybe_candidate(node)
 
     def _clear_device(self, node: Node) -> int:
@@ -429,8 +465,13 @@ class RadixTree:
         key = self._key
         while j > 1 and i - j + 1 < limit:
             p = nodes[j - 1]
-            if (p.host_block is not None or p.lock_ref or p.device_reads or p.device_block is None
-                    or (bound is not None and not key(p) < bound)):
+            if (
+                p.host_block is not None
+                or p.lock_ref
+                or p.device_reads
+                or p.device_block is None
+                or (bound is not None and not key(p) < bound)
+            ):
                 break
             j -= 1
         if j == i:
@@ -445,7 +486,7 @@ class RadixTree:
             assert n.device_block is not None
             blocks.append(n.device_block)
             n.device_block = None
-        del nodes[j:], seg.keys[j:], seg.ends[j:]     # data is cut later (trimmed)
+        del nodes[j:], seg.keys[j:], seg.ends[j:]  # data is cut later (trimmed)
         above = nodes[j - 1]
         above.num_children = above.num_device_children = 0
         self.num_device_copies -= len(run)
@@ -496,8 +537,13 @@ class RadixTree:
         """Push ``node`` on the heap of each tier where it is an eviction candidate (once)."""
         if node.parent is None:
             return
-        if (not node.in_device_heap and node.device_block is not None and not node.lock_ref
-                and not node.num_device_children and node.device_evictable()):
+        if (
+            not node.in_device_heap
+            and node.device_block is not None
+            and not node.lock_ref
+            and not node.num_device_children
+            and node.device_evictable()
+        ):
             node.in_device_heap = True
             self._push(self._device_heap, node)
         if not node.in_host_heap and node.host_block is not None and node.host_evictable():
@@ -506,12 +552,14 @@ class RadixTree:
 
     def _push(self, heap: list, node: Node) -> None:
         heapq.heappush(heap, (self._key(node), next(self._seq), node))
-        if len(heap) > 2 * len(self.nodes) + 4096:   # dead entries piled up: start over
+        if len(heap) > 2 * len(self.nodes) + 4096:  # dead entries piled up: start over
             self._rebuild()
 
     def _rebuild(self) -> None:
-        for heap, flag, is_candidate in ((self._device_heap, "in_device_heap", Node.device_evictable),
-                                         (self._host_heap, "in_host_heap", Node.host_evictable)):
+        for heap, flag, is_candidate in (
+            (self._device_heap, "in_device_heap", Node.device_evictable),
+            (self._host_heap, "in_host_heap", Node.host_evictable),
+        ):
             for _k, _s, n in heap:
                 setattr(n, flag, False)
             heap[:] = [(self._key(n), next(self._seq), n) for n in self.nodes.values() if is_candidate(n)]

@@ -23,6 +23,7 @@ A caller that goes away (client disconnect, cancellation) aborts its request: it
 to the pool at the next step boundary. Everything that touches engine state runs on the engine
 thread (``call(fn)`` for stats); callers only read immutable results.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,12 +61,13 @@ class Delta:
     ``finish_reason`` is set on a sample's last delta; ``output`` (every sample) on the request's
     very last one. ``logprobs``: one entry per token of ``token_ids`` (``SamplingParams.logprobs``
     set), as in ``CompletionOutput.logprobs``."""
+
     token_ids: list[int]
     output: RequestOutput | None = None
     index: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
-    export: dict | None = None      # P of a hand-off, on its first token's delta: the blocks on their way
+    export: dict | None = None  # P of a hand-off, on its first token's delta: the blocks on their way
 
 
 class _Sink:
@@ -74,11 +76,10 @@ class _Sink:
     def __init__(self, loop: asyncio.AbstractEventLoop, req: Request) -> None:
         self.loop, self.req = loop, req
         self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
-        self.sent = [0] * req.params.n           # tokens sent, per sample
-        self.ended: set[int] = set()             # samples whose finish_reason was sent
+        self.sent = [0] * req.params.n  # tokens sent, per sample
+        self.ended: set[int] = set()  # samples whose finish_reason was sent
 
-    def delta(self, index: int, token_ids: list[int], logprobs: list | None,
-              finish_reason: str | None) -> Delta | None:
+    def delta(self, index: int, token_ids: list[int], logprobs: list | None, finish_reason: str | None) -> Delta | None:
         """Sample ``index``'s delta since the last one (None: nothing new)."""
         start, end = self.sent[index], len(token_ids)
         if end <= start and (finish_reason is None or index in self.ended):
@@ -86,20 +87,30 @@ class _Sink:
         self.sent[index] = end
         if finish_reason is not None:
             self.ended.add(index)
-        return Delta(list(token_ids[start:end]), index=index, finish_reason=finish_reason,
-                     logprobs=None if logprobs is None else list(logprobs[start:end]))
+        return Delta(
+            list(token_ids[start:end]),
+            index=index,
+            finish_reason=finish_reason,
+            logprobs=None if logprobs is None else list(logprobs[start:end]),
+        )
 
     def push(self, item: Delta | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:          # the caller's loop is closed: nobody is listening
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, max_queue: int = 1024, idle_wait: float = 0.05,
-                 max_step_failures: int = 3, stats_interval: float = 0.0,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        max_queue: int = 1024,
+        idle_wait: float = 0.05,
+        max_step_failures: int = 3,
+        stats_interval: float = 0.0,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         """``on_dead(error)`` is called on the engine thread once the loop stopped on an error,
         before the requests in flight are failed (``kvtier serve`` exits on it: a dead engine
         never serves again)."""
@@ -108,13 +119,13 @@ class AsyncEngine:
         if max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
         self.max_step_failures = max_step_failures
-        self._stats = StatsLog(stats_interval)      # a line every stats_interval s of work (0: none)
+        self._stats = StatsLog(stats_interval)  # a line every stats_interval s of work (0: none)
         self.core = core
         self.max_queue = max_queue
         self._idle_wait = idle_wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}         # engine thread only
-        self._num_queued = 0                       # added, not yet admitted (approximate, for 503)
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._num_queued = 0  # added, not yet admitted (approximate, for 503)
         self._error: BaseException | None = None
         self.on_dead = on_dead
         self._stop = threading.Event()
@@ -130,8 +141,9 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.core.scheduler.waiting)
 
-    def make_request(self, prompt: Any, params: SamplingParams, cache_salt: str | None = None,
-                     request_id: str | None = None, **handoff: Any) -> Request:
+    def make_request(
+        self, prompt: Any, params: SamplingParams, cache_salt: str | None = None, request_id: str | None = None, **handoff: Any
+    ) -> Request:
         """Validate (ValueError names the problem) without touching engine state."""
         self.check_alive()
         req = self.core.make_request(prompt, params, cache_salt, request_id, **handoff)
@@ -143,8 +155,9 @@ class AsyncEngine:
         finished output. Leaving the iteration early aborts the request."""
         self.check_alive()
         if self.num_waiting + self._num_queued >= self.max_queue:
-            raise QueueFull(f"{self.num_waiting + self._num_queued} requests are waiting "
-                            f"(max_queue={self.max_queue}); retry later")
+            raise QueueFull(
+                f"{self.num_waiting + self._num_queued} requests are waiting (max_queue={self.max_queue}); retry later"
+            )
         sink = _Sink(asyncio.get_running_loop(), req)
         self._num_queued += 1
         self._inbox.put(("add", sink))
@@ -160,7 +173,7 @@ class AsyncEngine:
                     return
         finally:
             if not done:
-                self._inbox.put(("abort", sink))     # the sink: never another request of that id
+                self._inbox.put(("abort", sink))  # the sink: never another request of that id
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run ``fn(core)`` on the engine thread between steps (stats, cache inspection)."""
@@ -186,10 +199,10 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         core = self.core
-        failures = 0                   # steps in a row that raised (no request to blame)
+        failures = 0  # steps in a row that raised (no request to blame)
         try:
             if core.device.type == "cuda":
-                torch.cuda.set_device(core.device)   # a new thread's current device is cuda:0
+                torch.cuda.set_device(core.device)  # a new thread's current device is cuda:0
             while not self._stop.is_set():
                 self._take_inbox(block=not core.has_unfinished())
                 # no request: copies in flight still land and stage the next (a landed
@@ -204,8 +217,9 @@ class AsyncEngine:
                     failures += 1
                     if failures >= self.max_step_failures or core.closed or device_lost(e):
                         raise
-                    log.exception("engine %s failed with no request to blame (%d in a row)",
-                                  "idle pump" if idle else "step", failures)
+                    log.exception(
+                        "engine %s failed with no request to blame (%d in a row)", "idle pump" if idle else "step", failures
+                    )
                     self._stop.wait(self._idle_wait)
                     continue
                 failures = 0
@@ -217,8 +231,9 @@ class AsyncEngine:
                     self._log_stats()
         except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
             if device_lost(e):
-                log.critical("the GPU can run nothing more (%s); failing every request in flight, "
-                             "the engine stops", e, exc_info=e)
+                log.critical(
+                    "the GPU can run nothing more (%s); failing every request in flight, the engine stops", e, exc_info=e
+                )
                 e = e if isinstance(e, DeviceLost) else DeviceLost(str(e))
             else:
                 log.exception("engine step failed; failing every request in flight")
@@ -236,7 +251,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         self._sinks.clear()
-        while True:                    # callers still waiting on a call() or an add
+        while True:  # callers still waiting on a call() or an add
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -302,6 +317,7 @@ class AsyncEngine:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+
         try:
             fut.get_loop().call_soon_threadsafe(set_)
         except RuntimeError:
@@ -321,7 +337,7 @@ class AsyncEngine:
             export = None
             if sink.req.export and out is None:  # P of a hand-off: its token once its export started
                 if sink.sent[0]:
-                    continue                     # sent: the output comes once the pool acked
+                    continue  # sent: the output comes once the pool acked
                 export = self.core.export_names(rid)
                 if export is None:
                     continue
@@ -329,7 +345,7 @@ class AsyncEngine:
             if export is not None and deltas:
                 deltas[0].export = export
             if out is not None:
-                if not deltas:    # (the last sample's finish is always unsent; never lose the output)
+                if not deltas:  # (the last sample's finish is always unsent; never lose the output)
                     deltas.append(Delta([], index=out.outputs[0].index))
                 deltas[-1].output = out
                 del self._sinks[rid]

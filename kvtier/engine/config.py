@@ -39,6 +39,7 @@ engine (``EngineCore.__init__``, engine/sizing.py):
 
 This module imports no torch, so ``kvtier --help`` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,79 +50,125 @@ from kvtier import flags as types
 from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
 
 
-def _opt(default: Any, help: str, *, type: Callable[[str], Any] | None = None,  # noqa: A002
-         choices: tuple | None = None, flag: str | None = None, switch: str | None = None,
-         metavar: str | None = None) -> Any:
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    type: Callable[[str], Any] | None = None,  # noqa: A002
+    choices: tuple | None = None,
+    flag: str | None = None,
+    switch: str | None = None,
+    metavar: str | None = None,
+) -> Any:
     """A field with its command-line form: ``flag`` (default ``--name-with-dashes``); ``switch``:
     a bool set by one flag (``--no-prefix-caching``); a bool or None default without ``switch``
     and without ``type``: ``--x/--no-x``."""
-    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "flag": flag,
-                                            "switch": switch, "metavar": metavar})
+    return field(
+        default=default,
+        metadata={"help": help, "type": type, "choices": choices, "flag": flag, "switch": switch, "metavar": metavar},
+    )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = _opt("cpu", "cpu, cuda or cuda:N (default cpu)", type=str)
-    dtype: str = _opt("auto", "compute dtype; auto = the checkpoint's on cuda, float32 on cpu (default auto)",
-                      choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _opt(
+        "auto",
+        "compute dtype; auto = the checkpoint's on cuda, float32 on cpu (default auto)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     block_size: int = _opt(16, "tokens per KV block, a power of two (default 16)", type=types.block_size)
-    num_device_blocks: int | None = _opt(None, "device tier size in blocks (default: sized from free memory)",
-                                         type=types.positive_int)
+    num_device_blocks: int | None = _opt(
+        None, "device tier size in blocks (default: sized from free memory)", type=types.positive_int
+    )
     num_host_blocks: int | None = _opt(
-        None, "host tier size in blocks; 0 = none (default: none, or with --storage a host tier sized from free "
-              "memory: twice the device tier, at most a quarter of available RAM)", type=types.non_negative_int)
+        None,
+        "host tier size in blocks; 0 = none (default: none, or with --storage a host tier sized from free "
+        "memory: twice the device tier, at most a quarter of available RAM)",
+        type=types.non_negative_int,
+    )
     storage: str | None = _opt(
-        None, "storage pool URL (its I/O goes through the host tier): file:///dir[?capacity=100GiB], "
-              "memory://?capacity=1GiB, redis://[:password@]host:port/db, rediss://..., "
-              "redis+cluster://host:port,host:port, mooncake://host:port?protocol=tcp[&segment=4GiB]; "
-              "any URL takes &throttle=RATE to simulate a slow pool (default none)", type=str)
+        None,
+        "storage pool URL (its I/O goes through the host tier): file:///dir[?capacity=100GiB], "
+        "memory://?capacity=1GiB, redis://[:password@]host:port/db, rediss://..., "
+        "redis+cluster://host:port,host:port, mooncake://host:port?protocol=tcp[&segment=4GiB]; "
+        "any URL takes &throttle=RATE to simulate a slow pool (default none)",
+        type=str,
+    )
     write_policy: str | None = _opt(
-        None, "when blocks are copied down a tier (default: write_through with --storage, so every computed block "
-              "reaches the pool, and with a host tier; else write_through_selective)", choices=tuple(WRITE_POLICIES))
-    write_through_threshold: int = _opt(2, "hits before write_through_selective copies down (default 2)",
-                                        type=types.positive_int)
+        None,
+        "when blocks are copied down a tier (default: write_through with --storage, so every computed block "
+        "reaches the pool, and with a host tier; else write_through_selective)",
+        choices=tuple(WRITE_POLICIES),
+    )
+    write_through_threshold: int = _opt(2, "hits before write_through_selective copies down (default 2)", type=types.positive_int)
     enable_prefix_caching: bool = _opt(True, "disable prefix caching", switch="--no-prefix-caching")
     prefetch_policy: str = _opt(
-        "best_effort", "when a request with storage hits starts: best_effort = after the time the fetch was "
-                       "expected to take, with what landed; wait_complete = when all landed; timeout = after "
-                       "--prefetch-timeout (default best_effort)", choices=("best_effort", "wait_complete", "timeout"))
+        "best_effort",
+        "when a request with storage hits starts: best_effort = after the time the fetch was "
+        "expected to take, with what landed; wait_complete = when all landed; timeout = after "
+        "--prefetch-timeout (default best_effort)",
+        choices=("best_effort", "wait_complete", "timeout"),
+    )
     prefetch_timeout: tuple[float, float] = _opt(
-        (0.1, 0.05), "prefetch_policy=timeout: seconds, plus seconds per 1K prompt tokens (default 0.1,0.05)",
-        type=types.timeout_pair, metavar="BASE,PER_1K")
-    storage_fetch: str = _opt("auto", "fetch from storage only when cheaper than recompute (auto) or always "
-                                      "(default auto)", choices=("auto", "always"))
-    storage_workers: int | None = _opt(None, "storage fetch threads (default: one per core, 2 to 16)",
-                                       type=types.positive_int)
+        (0.1, 0.05),
+        "prefetch_policy=timeout: seconds, plus seconds per 1K prompt tokens (default 0.1,0.05)",
+        type=types.timeout_pair,
+        metavar="BASE,PER_1K",
+    )
+    storage_fetch: str = _opt(
+        "auto", "fetch from storage only when cheaper than recompute (auto) or always (default auto)", choices=("auto", "always")
+    )
+    storage_workers: int | None = _opt(None, "storage fetch threads (default: one per core, 2 to 16)", type=types.positive_int)
     storage_put_workers: int | None = _opt(
-        None, "storage put threads (default 1: each one slows the engine thread while it writes; "
-              "kvtier serve --role prefill: half the fetch threads)", type=types.positive_int)
+        None,
+        "storage put threads (default 1: each one slows the engine thread while it writes; "
+        "kvtier serve --role prefill: half the fetch threads)",
+        type=types.positive_int,
+    )
     early_loads: bool = _opt(
-        True, "a request waiting for a storage fetch has its host hits and each fetched chunk, as it lands, "
-              "copied on to the device meanwhile, so it starts with device hits (default on; --no-early-loads "
-              "loads them when it starts)")
+        True,
+        "a request waiting for a storage fetch has its host hits and each fetched chunk, as it lands, "
+        "copied on to the device meanwhile, so it starts with device hits (default on; --no-early-loads "
+        "loads them when it starts)",
+    )
     tensor_parallel_size: int = _opt(1, "tensor parallel ranks (default 1; only 1 so far)", type=types.positive_int)
     preemption_mode: str | None = _opt(
-        None, "when the device tier is full: swap a request's KV to the host tier and load it back, or "
-              "recompute it (default: swap when there is a host tier, else recompute)", choices=("swap", "recompute"))
-    load_format: str = _opt("auto", "auto: the checkpoint's safetensors; dummy: random weights in device memory "
-                                    "from config.json alone (benchmarks) (default auto)", choices=("auto", "dummy"))
+        None,
+        "when the device tier is full: swap a request's KV to the host tier and load it back, or "
+        "recompute it (default: swap when there is a host tier, else recompute)",
+        choices=("swap", "recompute"),
+    )
+    load_format: str = _opt(
+        "auto",
+        "auto: the checkpoint's safetensors; dummy: random weights in device memory "
+        "from config.json alone (benchmarks) (default auto)",
+        choices=("auto", "dummy"),
+    )
     seed: int = _opt(0, "engine seed (default 0)", type=int)
     max_num_batched_tokens: int = _opt(2048, "token budget per step (default 2048)", type=types.positive_int)
     max_num_seqs: int = _opt(256, "running requests at most (default 256)", type=types.positive_int)
     max_model_len: int | None = _opt(None, "context length (default: the model's)", type=types.positive_int)
-    attention_backend: str | None = _opt(None, "attention kernels (default: triton on cuda, torch on cpu)",
-                                         choices=("torch", "triton"))
+    attention_backend: str | None = _opt(
+        None, "attention kernels (default: triton on cuda, torch on cpu)", choices=("torch", "triton")
+    )
     eviction: str = _opt("lru", "eviction order (default lru)", choices=tuple(sorted(EVICTION_POLICIES)))
     capture_routing: bool = _opt(True, "MoE: do not capture routed experts (R3)", switch="--no-routing-capture")
-    cuda_graphs: bool | None = _opt(None, "replay decode steps and other steps of up to 256 tokens from CUDA "
-                                          "graphs captured at start (default: on for cuda)")
-    overlap_schedule: bool | None = _opt(None, "schedule step N+1 on the CPU while the GPU runs step N "
-                                               "(default: on for cuda; --no-overlap-schedule turns it off)")
-    pd_on_miss: str = _opt("recompute", "PD decode side: blocks missing, corrupt or late in the pool are "
-                                        "recomputed, or the request fails with 502 (default recompute)",
-                           choices=("recompute", "error"))
-    export_timeout: float = _opt(30.0, "PD prefill side: seconds to wait for the pool to ack a prompt's blocks "
-                                       "(default 30)", type=types.positive_float)
+    cuda_graphs: bool | None = _opt(
+        None, "replay decode steps and other steps of up to 256 tokens from CUDA graphs captured at start (default: on for cuda)"
+    )
+    overlap_schedule: bool | None = _opt(
+        None, "schedule step N+1 on the CPU while the GPU runs step N (default: on for cuda; --no-overlap-schedule turns it off)"
+    )
+    pd_on_miss: str = _opt(
+        "recompute",
+        "PD decode side: blocks missing, corrupt or late in the pool are "
+        "recomputed, or the request fails with 502 (default recompute)",
+        choices=("recompute", "error"),
+    )
+    export_timeout: float = _opt(
+        30.0, "PD prefill side: seconds to wait for the pool to ack a prompt's blocks (default 30)", type=types.positive_float
+    )
 
     def __post_init__(self) -> None:
         """Every check that needs no model: ValueError naming the bad value, before anything loads."""
@@ -130,24 +177,38 @@ class EngineConfig:
             if value is None and f.default is None:
                 continue
             if meta["choices"] is not None and value not in meta["choices"]:
-                raise ValueError(f"unknown {f.name} {value!r}; choose "
-                                 f"{', '.join(map(str, meta['choices']))}")
-            if meta["type"] is None and meta["choices"] is None and isinstance(f.default, bool | None) \
-                    and not isinstance(value, bool):
+                raise ValueError(f"unknown {f.name} {value!r}; choose {', '.join(map(str, meta['choices']))}")
+            if (
+                meta["type"] is None
+                and meta["choices"] is None
+                and isinstance(f.default, bool | None)
+                and not isinstance(value, bool)
+            ):
                 raise ValueError(f"{f.name} must be True or False, got {value!r}")
-        for name, lo in (("num_device_blocks", 1), ("num_host_blocks", 0), ("max_num_seqs", 1),
-                         ("max_num_batched_tokens", 1), ("write_through_threshold", 1), ("seed", None),
-                         ("storage_workers", 1), ("storage_put_workers", 1), ("max_model_len", 1),
-                         ("tensor_parallel_size", 1)):
+        for name, lo in (
+            ("num_device_blocks", 1),
+            ("num_host_blocks", 0),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("write_through_threshold", 1),
+            ("seed", None),
+            ("storage_workers", 1),
+            ("storage_put_workers", 1),
+            ("max_model_len", 1),
+            ("tensor_parallel_size", 1),
+        ):
             types.check_int(name, getattr(self, name), lo, optional=getattr(EngineConfig, name, 0) is None)
         from kvtier.cache.manager import check_block_size
         from kvtier.cache.policy import WritePolicy
+
         check_block_size(self.block_size)
         if self.write_policy is not None:
             WritePolicy(self.write_policy, self.write_through_threshold)
         if self.storage is not None and self.num_host_blocks == 0:
-            raise ValueError("a storage tier needs a host tier: num_host_blocks=0 turns it off; "
-                             "leave num_host_blocks unset (sized from free memory) or set it > 0")
+            raise ValueError(
+                "a storage tier needs a host tier: num_host_blocks=0 turns it off; "
+                "leave num_host_blocks unset (sized from free memory) or set it > 0"
+            )
         if self.preemption_mode == "swap" and not self.num_host_blocks and self.storage is None:
             raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
         if not (isinstance(self.export_timeout, int | float) and self.export_timeout > 0):
@@ -157,10 +218,8 @@ class EngineConfig:
         device = str(self.device)
         if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if len(self.prefetch_timeout) != 2 or not all(isinstance(x, int | float) and x >= 0
-                                                      for x in self.prefetch_timeout):
-            raise ValueError(f"prefetch_timeout must be two numbers >= 0 (base, per 1K tokens), "
-                             f"got {self.prefetch_timeout!r}")
+        if len(self.prefetch_timeout) != 2 or not all(isinstance(x, int | float) and x >= 0 for x in self.prefetch_timeout):
+            raise ValueError(f"prefetch_timeout must be two numbers >= 0 (base, per 1K tokens), got {self.prefetch_timeout!r}")
 
     # ------------------------------------------------------------------ command lines
     @classmethod
@@ -170,12 +229,20 @@ class EngineConfig:
             meta, name = f.metadata, f.metadata["flag"] or "--" + f.name.replace("_", "-")
             if meta["switch"]:
                 parser.add_argument(meta["switch"], dest=f.name, action="store_false", help=meta["help"])
-            elif meta["type"] is None and meta["choices"] is None:          # --x / --no-x
-                parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=meta["help"])
+            elif meta["type"] is None and meta["choices"] is None:  # --x / --no-x
+                parser.add_argument(
+                    name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"]
+                )
             else:
-                parser.add_argument(name, dest=f.name, type=meta["type"], choices=meta["choices"],
-                                    default=f.default, metavar=meta["metavar"], help=meta["help"])
+                parser.add_argument(
+                    name,
+                    dest=f.name,
+                    type=meta["type"],
+                    choices=meta["choices"],
+                    default=f.default,
+                    metavar=meta["metavar"],
+                    help=meta["help"],
+                )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

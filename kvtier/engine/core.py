@@ -43,6 +43,7 @@ Copies complete asynchronously on the GPU (the transfer engine polls their event
 synchronously on CPU; storage fetches and puts run on the storage client's worker threads on both
 (polled too). The manager counts bytes as landed only when they have.
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,22 +81,22 @@ from kvtier.transfer.host_pool import HostKV
 log = logging.getLogger(__name__)
 
 
-
-
 @dataclass(slots=True)
 class _Launched:
     """A step queued on the device whose results the host has not taken yet."""
+
     out: SchedulerOutput
-    ends: list[int]              # each scheduled request's computed length after it (Scheduler.advance)
+    ends: list[int]  # each scheduled request's computed length after it (Scheduler.advance)
     result: StepResult
-    sync: bool                   # the next schedule needs its results first
-    loads: bool                  # it loaded blocks (host -> device)
-    t0: float                    # perf_counter at launch
+    sync: bool  # the next schedule needs its results first
+    loads: bool  # it loaded blocks (host -> device)
+    t0: float  # perf_counter at launch
 
 
 class EngineCore:
-    def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None, *,
-                 startup: Startup | None = None, **options: Any) -> None:
+    def __init__(
+        self, model: str | os.PathLike, config: EngineConfig | None = None, *, startup: Startup | None = None, **options: Any
+    ) -> None:
         """Load ``model`` and set up the tiers. The options are ``config`` (engine/config.py: every
         option, its default, flag and check, and how the defaults that depend on the model or
         the machine are resolved), with ``options`` as keywords over it
@@ -144,99 +145,161 @@ class EngineCore:
         self._generator = torch.Generator(self.device).manual_seed(c.seed)
 
         if num_device_blocks is None:
-            num_device_blocks = size_device_blocks(self.device, bytes_per_block, block_size, max_num_seqs,
-                                                   self.max_model_len)
+            num_device_blocks = size_device_blocks(self.device, bytes_per_block, block_size, max_num_seqs, self.max_model_len)
         if num_host_blocks is None:
-            num_host_blocks = (size_host_blocks(bytes_per_block, block_size, num_device_blocks, self.max_model_len)
-                               if storage is not None else 0)
+            num_host_blocks = (
+                size_host_blocks(bytes_per_block, block_size, num_device_blocks, self.max_model_len) if storage is not None else 0
+            )
         if preemption_mode is None:
             preemption_mode = "swap" if num_host_blocks else "recompute"
         self.preemption_mode = preemption_mode
         routing_payload = ""
-        if cfg.is_moe and c.capture_routing:    # stored blocks carry routing: not the same objects
+        if cfg.is_moe and c.capture_routing:  # stored blocks carry routing: not the same objects
             routing_payload = f"routing:{cfg.num_moe_layers}x{cfg.top_k}:{cfg.num_experts}"
-        fingerprint = ModelFingerprint(cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       str(self.dtype).removeprefix("torch."), block_size,
-                                       weights=weights_digest(self.path, c.load_format), payload=routing_payload)
+        fingerprint = ModelFingerprint(
+            cfg.architecture,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            str(self.dtype).removeprefix("torch."),
+            block_size,
+            weights=weights_digest(self.path, c.load_format),
+            payload=routing_payload,
+        )
         self.storage, self.fetch_cost = open_pool(c)
         self.cache = CacheManager(
-            block_size=block_size, num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-            storage=self.storage, write_policy=write_policy, write_through_threshold=write_through_threshold,
-            eviction=c.eviction, fingerprint=fingerprint, block_nbytes=bytes_per_block,
-            enable_prefix_caching=c.enable_prefix_caching, fetch_cost=self.fetch_cost, early_loads=bool(c.early_loads))
+            block_size=block_size,
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=num_host_blocks,
+            storage=self.storage,
+            write_policy=write_policy,
+            write_through_threshold=write_through_threshold,
+            eviction=c.eviction,
+            fingerprint=fingerprint,
+            block_nbytes=bytes_per_block,
+            enable_prefix_caching=c.enable_prefix_caching,
+            fetch_cost=self.fetch_cost,
+            early_loads=bool(c.early_loads),
+        )
         with startup("allocating KV tiers"):
             # one block more than the pool hands out: the scratch block padded CUDA-graph rows
             # (and the start's kernel warm-up) write to
             self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
             # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
-            self._host = (HostKV((num_host_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                                 self.dtype, self.device) if num_host_blocks else None)
+            self._host = (
+                HostKV((num_host_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), self.dtype, self.device)
+                if num_host_blocks
+                else None
+            )
         self.host_kv = self._host.tensor if self._host is not None else None
-        self.routing = (RoutingCapture(cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size,
-                                       num_device_blocks, num_host_blocks, self.device)
-                        if cfg.is_moe and c.capture_routing else None)
+        self.routing = (
+            RoutingCapture(
+                cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size, num_device_blocks, num_host_blocks, self.device
+            )
+            if cfg.is_moe and c.capture_routing
+            else None
+        )
         self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing)
         if self.storage is not None:
-            assert self.host_kv is not None       # a pool always gets a host tier (config, sizing)
+            assert self.host_kv is not None  # a pool always gets a host tier (config, sizing)
             bind_pool(self.storage, self.fetch_cost, self.host_kv, self.routing, fingerprint)
-        if cuda_graphs is None:        # default: on for CUDA, where launches bound decode speed
+        if cuda_graphs is None:  # default: on for CUDA, where launches bound decode speed
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs and self.device.type == "cuda" and attention_backend != "triton":
             # a captured graph keeps the host lengths the torch reference read at capture
-            log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly",
-                        attention_backend)
+            log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly", attention_backend)
             cuda_graphs = False
         if self.device.type == "cuda":
             with startup("compiling kernels"):
                 startup.kernels_compiled = compile_kernels(
-                    self.model, self.kv_caches, self.host_kv, num_device_blocks, block_size,
-                    self.max_model_len, attention_backend)
+                    self.model, self.kv_caches, self.host_kv, num_device_blocks, block_size, self.max_model_len, attention_backend
+                )
         graphs = step_graphs = None
         if cuda_graphs:
             capture = self.device.type == "cuda"
             routing_shape = (cfg.num_moe_layers, cfg.top_k) if self.routing else None
             with startup("capturing CUDA graphs"):
-                graphs = DecodeGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
-                                      min(max_num_seqs, 256), num_device_blocks, self.device,
-                                      capture=capture, routing_shape=routing_shape)
+                graphs = DecodeGraphs(
+                    self.model,
+                    self.kv_caches,
+                    block_size,
+                    self.max_model_len,
+                    min(max_num_seqs, 256),
+                    num_device_blocks,
+                    self.device,
+                    capture=capture,
+                    routing_shape=routing_shape,
+                )
                 graphs.capture_all()
                 # other steps of up to 256 tokens (MoE layers dispatch densely up to there: no sync)
                 max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
                 if max_tokens >= StepGraphs.SIZES[0]:
-                    step_graphs = StepGraphs(self.model, self.kv_caches, block_size, self.max_model_len,
-                                             max_tokens, num_device_blocks, self.device, capture=capture,
-                                             routing_shape=routing_shape, pool=graphs.pool(),
-                                             gates=self.transfer.gates)
+                    step_graphs = StepGraphs(
+                        self.model,
+                        self.kv_caches,
+                        block_size,
+                        self.max_model_len,
+                        max_tokens,
+                        num_device_blocks,
+                        self.device,
+                        capture=capture,
+                        routing_shape=routing_shape,
+                        pool=graphs.pool(),
+                        gates=self.transfer.gates,
+                    )
                     step_graphs.capture_all()
-        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs,
-                                  step_graphs)
-        self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, self.max_model_len,
-                                   cfg.eos_token_ids, preemption_mode, c.prefetch_policy, c.prefetch_timeout)
+        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs, step_graphs)
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_batched_tokens,
+            max_num_seqs,
+            self.max_model_len,
+            cfg.eos_token_ids,
+            preemption_mode,
+            c.prefetch_policy,
+            c.prefetch_timeout,
+        )
         self.block_size = block_size
         # P: outputs waiting for the pool's acks (engine/pd.py)
-        self._exports = Exports(self.cache, self.storage.namespace if self.storage is not None else "",
-                                float(c.export_timeout))
-        self._groups = SampleGroups(self.scheduler, self._make_sample)   # n > 1 (engine/group.py)
-        self.intake = Intake(self.path, self.tokenizer, cfg, self.max_model_len, block_size, num_device_blocks,
-                             self.storage is not None, self.routing is not None, self.device, self._generator)
-        self._ops_done = 0            # copies completed so far (progress: write_back frees blocks late)
+        self._exports = Exports(self.cache, self.storage.namespace if self.storage is not None else "", float(c.export_timeout))
+        self._groups = SampleGroups(self.scheduler, self._make_sample)  # n > 1 (engine/group.py)
+        self.intake = Intake(
+            self.path,
+            self.tokenizer,
+            cfg,
+            self.max_model_len,
+            block_size,
+            num_device_blocks,
+            self.storage is not None,
+            self.routing is not None,
+            self.device,
+            self._generator,
+        )
+        self._ops_done = 0  # copies completed so far (progress: write_back frees blocks late)
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
         self.overlap_schedule = self.device.type == "cuda" if c.overlap_schedule is None else bool(c.overlap_schedule)
-        self._inflight: _Launched | None = None   # overlap: the step on the GPU, results not taken
-        self._rewinds: dict[object, int] = {}     # failed loads: request id -> tokens still valid
+        self._inflight: _Launched | None = None  # overlap: the step on the GPU, results not taken
+        self._rewinds: dict[object, int] = {}  # failed loads: request id -> tokens still valid
         self._loads_submitted = 0
         self._closed = False
         startup.done()
 
     # ------------------------------------------------------------------ API
-    def add_request(self, prompt, params: SamplingParams | None = None, cache_salt: str | None = None,
-                    request_id: str | None = None, *, handoff: dict | None = None, export: bool = False) -> Request:
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        *,
+        handoff: dict | None = None,
+        export: bool = False,
+    ) -> Request:
         """Validate and queue a request; it joins the next step. ``export``: P of a PD hand-off;
         ``handoff``: D of one (``{"first_token", "num_tokens", "keys", "namespace"}``)."""
         if request_id is not None:
-            self._check_new_id(str(request_id))       # before the work of make_request
-        req = self.make_request(prompt, params or SamplingParams(), cache_salt, request_id,
-                                handoff=handoff, export=export)
+            self._check_new_id(str(request_id))  # before the work of make_request
+        req = self.make_request(prompt, params or SamplingParams(), cache_salt, request_id, handoff=handoff, export=export)
         self.enqueue(req)
         return req
 
@@ -249,13 +312,13 @@ class EngineCore:
         self.scheduler.add(req)
         if req.handoff is not None:
             self.cache.expect_tail(req.cache_req, req.num_prompt_tokens)
-        if req.params.n > 1:             # no prefix caching: no prompt to share, n requests from the start
+        if req.params.n > 1:  # no prefix caching: no prompt to share, n requests from the start
             self._groups.add(req, fork_now=not self.cache.enable_prefix_caching)
 
     def abort(self, request_id: str) -> bool:
         """Drop a queued or running request (every sample of it) and return its blocks; False if
         unknown/finished."""
-        self._exports.discard(request_id)       # an export in flight finishes on its own
+        self._exports.discard(request_id)  # an export in flight finishes on its own
         aborted = self._groups.abort(request_id)
         return self.scheduler.abort(request_id) is not None if aborted is None else aborted
 
@@ -276,18 +339,28 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         sched = self.scheduler
         # (a group whose sample 0 finished still owns its id until its last sample did)
-        if request_id in self._exports or self._groups.owns(request_id) or any(
-                r.request_id == request_id for r in (*sched.waiting, *sched.running)):
+        if (
+            request_id in self._exports
+            or self._groups.owns(request_id)
+            or any(r.request_id == request_id for r in (*sched.waiting, *sched.running))
+        ):
             raise ValueError(f"request_id {request_id!r} is already in use by a request in the engine")
 
-    def make_request(self, prompt, params: SamplingParams, cache_salt: str | None,
-                     request_id: str | None = None, *, handoff: dict | None = None,
-                     export: bool = False) -> Request:
+    def make_request(
+        self,
+        prompt,
+        params: SamplingParams,
+        cache_salt: str | None,
+        request_id: str | None = None,
+        *,
+        handoff: dict | None = None,
+        export: bool = False,
+    ) -> Request:
         """A validated :class:`Request` (engine/intake.py; no engine state touched but the id
         counter); ``handoff``: P's manifest, checked against the blocks this engine would read."""
         req = self.intake.request(prompt, params, cache_salt, request_id, handoff=handoff is not None, export=export)
         if handoff is not None:
-            assert self.storage is not None       # (intake checked)
+            assert self.storage is not None  # (intake checked)
             accept_handoff(req, handoff, self.config.vocab_size, self.storage.namespace, self.cache, self.scheduler)
         return req
 
@@ -307,15 +380,15 @@ class EngineCore:
         (before anything was scheduled) raises."""
         self._check_open()
         ops_before = self._ops_done
-        self._pump()                              # copies that landed since the last step
+        self._pump()  # copies that landed since the last step
         results: list[RequestOutput] = []
         prev, self._inflight = self._inflight, None
         if prev is not None and prev.sync:
             self._finish(prev, results)
             prev = None
         out = self.scheduler.schedule(defer_preempt=prev is not None)
-        if out.needs_sync:                        # it would preempt: first the step in flight
-            self._finish(prev, results)           # type: ignore[arg-type]
+        if out.needs_sync:  # it would preempt: first the step in flight
+            self._finish(prev, results)  # type: ignore[arg-type]
             prev = None
             out = self.scheduler.schedule()
         cur = self._launch(out, results) if out.scheduled else None
@@ -327,21 +400,27 @@ class EngineCore:
             else:
                 self._finish(cur, results)
         elif not out.scheduled:
-            self._pump()                          # staged copies (e.g. a swap's) go out now
+            self._pump()  # staged copies (e.g. a swap's) go out now
             self._complete(self.transfer.wait_loads())
         if self._exports:
             results += self._exports.finished()
         progressed = out.scheduled or self._ops_done != ops_before or results
         if not progressed and self.has_unfinished():
-            if self.transfer.num_in_flight:        # nothing to run until copies land: wait for them
+            if self.transfer.num_in_flight:  # nothing to run until copies land: wait for them
                 self._complete(self.transfer.drain())
-            elif self.storage is not None and self.storage.num_in_flight:   # prefetches, puts landing
+            elif self.storage is not None and self.storage.num_in_flight:  # prefetches, puts landing
                 self._complete(self.storage.wait(timeout=0.05))
             elif not self.cache.num_pending_ops and self.scheduler.waiting:
-                req = self.scheduler.waiting[0]     # blocks held elsewhere (e.g. exports): it cannot run
-                results.append(self._fail(req, RuntimeError(
-                    f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: the device "
-                    f"tier has {self.cache.device_pool.num_blocks} blocks")))
+                req = self.scheduler.waiting[0]  # blocks held elsewhere (e.g. exports): it cannot run
+                results.append(
+                    self._fail(
+                        req,
+                        RuntimeError(
+                            f"request {req.request_id} ({req.num_tokens} tokens) cannot be scheduled: the device "
+                            f"tier has {self.cache.device_pool.num_blocks} blocks"
+                        ),
+                    )
+                )
         return self._groups.fold(results, self._error_output)
 
     def _launch(self, out: SchedulerOutput, results: list[RequestOutput]) -> _Launched | None:
@@ -350,14 +429,15 @@ class EngineCore:
         loads_before = self._loads_submitted
 
         def start_loads(mode: str):
-            if not hook:                          # once per step, whatever forwards run in it
+            if not hook:  # once per step, whatever forwards run in it
                 self.transfer.load_mode = mode
                 try:
-                    self._pump()                  # loads: queued (GPU) or done (CPU)
+                    self._pump()  # loads: queued (GPU) or done (CPU)
                 finally:
                     self.transfer.load_mode = "whole"
                 hook.append(self.transfer.layer_hook())
             return hook[0]
+
         hook: list = []
         t0 = time.perf_counter()
         self.runner.start_step()
@@ -383,7 +463,7 @@ class EngineCore:
         try:
             return self.runner.execute(out, start_loads)
         except Exception as e:  # noqa: BLE001
-            raise_if_device_lost(e)               # nothing more runs on this GPU: no retry
+            raise_if_device_lost(e)  # nothing more runs on this GPU: no retry
             if len(out.scheduled) == 1:
                 raise
             log.warning("a forward of %d requests failed (%r): running them one by one", len(out.scheduled), e)
@@ -411,9 +491,12 @@ class EngineCore:
                 # a step with prefill work, from launch to results: the recompute side of the cost model
                 self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - step.t0)
             if step.loads:
-                self._complete(self.transfer.wait_loads())     # the forward waited on them
-            rewinds: dict[object, int] = {s.request.request_id: self._rewinds.pop(s.request.request_id)
-                       for s in out.scheduled if s.request.request_id in self._rewinds}
+                self._complete(self.transfer.wait_loads())  # the forward waited on them
+            rewinds: dict[object, int] = {
+                s.request.request_id: self._rewinds.pop(s.request.request_id)
+                for s in out.scheduled
+                if s.request.request_id in self._rewinds
+            }
             finished = self.scheduler.update(out, step.ends, sampled, rewinds)
         except Exception as e:  # noqa: BLE001
             self.scheduler.drop(out)
@@ -426,27 +509,26 @@ class EngineCore:
 
     def _outputs(self, out: SchedulerOutput, finished: list[Request], results: list[RequestOutput]) -> None:
         scheduled = [s.request for s in out.scheduled]
-        if self._groups:                 # n > 1: a sample 0 that sampled its first token forks
+        if self._groups:  # n > 1: a sample 0 that sampled its first token forks
             self._groups.fork_ready(scheduled)
         results += check_handoffs(scheduled, finished, self.pd_on_miss, self.scheduler, self._error_output)
         for req in finished:
             try:
                 output = request_output(req, self.tokenizer, self.routing)
                 if req.export:
-                    self._exports.start(req, output)      # comes out once the pool acked its blocks
+                    self._exports.start(req, output)  # comes out once the pool acked its blocks
                 else:
                     results.append(output)
-            finally:                      # a failed output still returns the request's blocks
+            finally:  # a failed output still returns the request's blocks
                 self.scheduler.release(req)
-        self._pump()                              # backups of what the forward wrote, puts
+        self._pump()  # backups of what the forward wrote, puts
 
     def _blame(self, out: SchedulerOutput, results: list[RequestOutput], exc: BaseException) -> None:
         """Fail the requests of ``out`` without an output yet (the step raised ``exc``); an
         error after which the GPU can run nothing more stops the engine instead (engine/fatal.py)."""
         raise_if_device_lost(exc)
         answered = {o.request_id for o in results} | self._exports.ids()
-        blamed = [s.request for s in out.scheduled
-                  if s.request.request_id not in answered and not s.request.is_finished]
+        blamed = [s.request for s in out.scheduled if s.request.request_id not in answered and not s.request.is_finished]
         if not blamed:
             raise exc
         log.error("engine step failed; failing its %d requests", len(blamed), exc_info=exc)
@@ -457,9 +539,13 @@ class EngineCore:
         """Fail ``req`` for an internal error: return its blocks (wherever the step left it) and
         make its error output."""
         self._exports.discard(req.request_id)
-        if (self.scheduler.abort(req.request_id) is None and req.cache is not None and not req.cache.freed
-                and req not in self.scheduler.draining):
-            self.scheduler.release(req)           # finished in update, not yet released
+        if (
+            self.scheduler.abort(req.request_id) is None
+            and req.cache is not None
+            and not req.cache.freed
+            and req not in self.scheduler.draining
+        ):
+            self.scheduler.release(req)  # finished in update, not yet released
         req.status = Status.FINISHED
         self.num_failed_requests += 1
         return self._error_output(req, f"internal error: {exc!r}", "internal")
@@ -484,7 +570,7 @@ class EngineCore:
             plan = self.cache.take_plan()
             for op in plan:
                 if op.kind in ("fetch", "put"):
-                    self.storage.submit(op)        # type: ignore[union-attr]
+                    self.storage.submit(op)  # type: ignore[union-attr]
                 else:
                     self._loads_submitted += op.kind == "load"
                     self.transfer.submit(op)
@@ -507,7 +593,7 @@ class EngineCore:
         (close, errors)."""
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
-            self._finish(step, [])                 # (close: its requests' outputs are not wanted)
+            self._finish(step, [])  # (close: its requests' outputs are not wanted)
         self._pump()
         while self.transfer.num_in_flight or (self.storage is not None and self.storage.num_in_flight):
             self._complete(self.transfer.drain())
@@ -540,11 +626,18 @@ class EngineCore:
         moved = s.bytes_moved
         hits = sum(s.hit_tokens.values())
         return {
-            "device": {"hit_tokens": s.hit_tokens["device"], "evictions": s.evictions["device"],
-                       "bytes_in": moved["host_to_device"], "blocks_used": self.cache.device_pool.num_used},
-            "host": {"hit_tokens": s.hit_tokens["host"], "evictions": s.evictions["host"],
-                     "bytes_in": moved["device_to_host"] + moved["storage_to_host"],
-                     "blocks_used": self.cache.host_pool.num_used},
+            "device": {
+                "hit_tokens": s.hit_tokens["device"],
+                "evictions": s.evictions["device"],
+                "bytes_in": moved["host_to_device"],
+                "blocks_used": self.cache.device_pool.num_used,
+            },
+            "host": {
+                "hit_tokens": s.hit_tokens["host"],
+                "evictions": s.evictions["host"],
+                "bytes_in": moved["device_to_host"] + moved["storage_to_host"],
+                "blocks_used": self.cache.host_pool.num_used,
+            },
             "storage": self._storage_stats(),
             "query_tokens": s.query_tokens,
             "miss_tokens": max(0, s.query_tokens - hits),
@@ -555,8 +648,11 @@ class EngineCore:
 
     def _storage_stats(self) -> dict:
         s = self.cache.stats
-        out: dict[str, Any] = {"hit_tokens": s.hit_tokens["storage"], "bytes_in": s.bytes_moved["host_to_storage"],
-               "bytes_out": s.bytes_moved["storage_to_host"]}
+        out: dict[str, Any] = {
+            "hit_tokens": s.hit_tokens["storage"],
+            "bytes_in": s.bytes_moved["host_to_storage"],
+            "bytes_out": s.bytes_moved["storage_to_host"],
+        }
         if self.storage is not None:
             out.update(self.storage.stats())
             out["evictions"] = out.get("server", {}).get("evictions", 0)

@@ -36,6 +36,7 @@ layer's copies ran, so one launch overlaps loads and layers as the eager forward
 waits do, without its ~250 launches from Python. Without gates (a driver without stream memory
 operations) the replay waits for all of the step's loads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,9 +47,19 @@ from kvtier.model.attention import AttentionMetadata
 class _Graphs:
     """Captured forwards keyed by padded size, over static buffers of ``rows`` sequences/tokens."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 rows: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None, pool=None) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        rows: int,
+        scratch_block: int,
+        device: torch.device,
+        capture: bool,
+        routing_shape: tuple[int, int] | None,
+        pool=None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -65,16 +76,15 @@ class _Graphs:
         self.seq_lens = torch.ones(rows, dtype=i32, device=device)
         self.block_tables = torch.full((rows, self.max_blocks), scratch_block, dtype=i32, device=device)
         # R3: MoE layers write the step's expert ids here inside the graph
-        self.routing_out = (torch.zeros((rows, *routing_shape), dtype=i32, device=device)
-                            if routing_shape is not None else None)
-        self.buckets: list[int] = []      # padded sizes
-        self.keys: list = []              # one graph each (captured by capture_all)
+        self.routing_out = torch.zeros((rows, *routing_shape), dtype=i32, device=device) if routing_shape is not None else None
+        self.buckets: list[int] = []  # padded sizes
+        self.keys: list = []  # one graph each (captured by capture_all)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = pool
         self._capture_stream: torch.cuda.Stream | None = None
-        self.runs = 0           # steps run through this path (replayed, or eagerly on a CPU)
+        self.runs = 0  # steps run through this path (replayed, or eagerly on a CPU)
         self._arange = torch.arange(rows + 1, dtype=torch.int64, device=device)
-        self.gates = None         # StepGraphs: layer gates each layer waits on (transfer/gates.py)
+        self.gates = None  # StepGraphs: layer gates each layer waits on (transfer/gates.py)
 
     def capture_all(self) -> None:
         """Capture every bucket now (engine start), not at its first step: a capture takes tens
@@ -96,8 +106,7 @@ class _Graphs:
     def _forward(self, bp: int, meta: AttentionMetadata) -> torch.Tensor:
         routing = self.routing_out[:bp] if self.routing_out is not None else None
         hook = self.gates.wait if self.gates is not None else None
-        return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches, meta, routing_out=routing,
-                          layer_hook=hook)
+        return self.model(self.input_ids[:bp], self.positions[:bp], self.kv_caches, meta, routing_out=routing, layer_hook=hook)
 
     def _rows(self, key) -> int:
         """Token rows of the graph of ``key``."""
@@ -115,7 +124,7 @@ class _Graphs:
         if bp not in self._graphs:
             self._reset(bp)
             torch.cuda.synchronize(self.device)
-            self._forward(self._rows(bp), self._capture_meta(bp))   # warm-up: compiles kernels outside the capture
+            self._forward(self._rows(bp), self._capture_meta(bp))  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # captured on a stream of this engine's GPU: torch.cuda.graph's default capture stream
@@ -142,16 +151,37 @@ class StepGraphs(_Graphs):
     SIZES = (16, 32, 64, 128, 256)
     FEW = 4
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 max_tokens: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None = None, pool=None, gates=None) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        max_tokens: int,
+        scratch_block: int,
+        device: torch.device,
+        capture: bool,
+        routing_shape: tuple[int, int] | None = None,
+        pool=None,
+        gates=None,
+    ) -> None:
         sizes = [b for b in self.SIZES if b <= max_tokens]
-        super().__init__(model, kv_caches, block_size, max_model_len, sizes[-1] if sizes else 1,
-                         scratch_block, device, capture, routing_shape, pool)
+        super().__init__(
+            model,
+            kv_caches,
+            block_size,
+            max_model_len,
+            sizes[-1] if sizes else 1,
+            scratch_block,
+            device,
+            capture,
+            routing_shape,
+            pool,
+        )
         self.gates = gates
         self.buckets = sizes
         self.keys = [(bp, bound) for bp in sizes for bound in (self.FEW, bp)]
-        self.used: set[tuple[int, int]] = set()     # (bucket, bound) of the steps run (tests)
+        self.used: set[tuple[int, int]] = set()  # (bucket, bound) of the steps run (tests)
 
     def _rows(self, key) -> int:
         return key[0]
@@ -162,10 +192,16 @@ class StepGraphs(_Graphs):
         bp, bound = key
         q_lens = [bp] if bound == self.FEW else [1] * bp
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bp], query_start_loc=self.query_start_loc[:bound + 1],
-            seq_lens=self.seq_lens[:bound], block_tables=self.block_tables[:bound],
-            query_lens_cpu=q_lens, seq_lens_cpu=[self.max_model_len] * len(q_lens), max_query_len=bp,
-            max_seq_len=self.max_model_len, graph_num_seqs=bound)
+            slot_mapping=self.slot_mapping[:bp],
+            query_start_loc=self.query_start_loc[: bound + 1],
+            seq_lens=self.seq_lens[:bound],
+            block_tables=self.block_tables[:bound],
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=[self.max_model_len] * len(q_lens),
+            max_query_len=bp,
+            max_seq_len=self.max_model_len,
+            graph_num_seqs=bound,
+        )
 
     def _reset(self, key) -> None:
         bp, bound = key
@@ -184,10 +220,10 @@ class StepGraphs(_Graphs):
             self.positions[tokens:bp].copy_(self._arange[:pad])
             torch.remainder(self._arange[:pad], bs, out=self.slot_mapping[tokens:bp])
             self.slot_mapping[tokens:bp] += self.scratch_block * bs
-            self.seq_lens[seqs:seqs + 1].fill_(pad)
-            self.block_tables[seqs, :-(-pad // bs)].fill_(self.scratch_block)
+            self.seq_lens[seqs : seqs + 1].fill_(pad)
+            self.block_tables[seqs, : -(-pad // bs)].fill_(self.scratch_block)
             seqs += 1
-        self.query_start_loc[seqs:bound + 1].fill_(bp)
+        self.query_start_loc[seqs : bound + 1].fill_(bp)
         return seqs
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -203,19 +239,25 @@ class StepGraphs(_Graphs):
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.query_start_loc[:seqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[: seqs + 1].copy_(meta.query_start_loc)
         self.seq_lens[:seqs].copy_(meta.seq_lens)
         self.block_tables[:seqs, :width].copy_(meta.block_tables)
         total = self._pad(n, seqs, bp, bound)
         self.runs += 1
         self.used.add((bp, bound))
-        if graph is None:          # the CPU twin: the reference backend reads exact host lengths
+        if graph is None:  # the CPU twin: the reference backend reads exact host lengths
             q_lens = list(meta.query_lens_cpu) + [bp - n] * (total - seqs)
             s_lens = list(meta.seq_lens_cpu) + [bp - n] * (total - seqs)
             eager = AttentionMetadata(
-                slot_mapping=self.slot_mapping[:bp], query_start_loc=self.query_start_loc[:total + 1],
-                seq_lens=self.seq_lens[:total], block_tables=self.block_tables[:total],
-                query_lens_cpu=q_lens, seq_lens_cpu=s_lens, max_query_len=max(q_lens), max_seq_len=max(s_lens))
+                slot_mapping=self.slot_mapping[:bp],
+                query_start_loc=self.query_start_loc[: total + 1],
+                seq_lens=self.seq_lens[:total],
+                block_tables=self.block_tables[:total],
+                query_lens_cpu=q_lens,
+                seq_lens_cpu=s_lens,
+                max_query_len=max(q_lens),
+                max_seq_len=max(s_lens),
+            )
             return self._forward(bp, eager)[:n]
         graph.replay()
         assert out is not None
@@ -225,14 +267,25 @@ class StepGraphs(_Graphs):
 class DecodeGraphs(_Graphs):
     """Decode steps (one token per sequence) by padded batch size (module docstring)."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 max_batch: int, scratch_block: int, device: torch.device, capture: bool,
-                 routing_shape: tuple[int, int] | None = None, pool=None) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        scratch_block: int,
+        device: torch.device,
+        capture: bool,
+        routing_shape: tuple[int, int] | None = None,
+        pool=None,
+    ) -> None:
         buckets = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
         if buckets[-1] < max_batch:
             buckets.append(max_batch)
-        super().__init__(model, kv_caches, block_size, max_model_len, buckets[-1], scratch_block,
-                         device, capture, routing_shape, pool)
+        super().__init__(
+            model, kv_caches, block_size, max_model_len, buckets[-1], scratch_block, device, capture, routing_shape, pool
+        )
         self.buckets = self.keys = buckets
 
     def _meta(self, bp: int, seq_lens_cpu: list[int] | None) -> AttentionMetadata:
@@ -240,9 +293,15 @@ class DecodeGraphs(_Graphs):
         (CPU twin): the reference backend reads the host lengths, so they are exact."""
         lens = seq_lens_cpu if seq_lens_cpu is not None else [self.max_model_len] * bp
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bp], query_start_loc=self.query_start_loc[:bp + 1],
-            seq_lens=self.seq_lens[:bp], block_tables=self.block_tables[:bp],
-            query_lens_cpu=[1] * bp, seq_lens_cpu=lens, max_query_len=1, max_seq_len=max(lens))
+            slot_mapping=self.slot_mapping[:bp],
+            query_start_loc=self.query_start_loc[: bp + 1],
+            seq_lens=self.seq_lens[:bp],
+            block_tables=self.block_tables[:bp],
+            query_lens_cpu=[1] * bp,
+            seq_lens_cpu=lens,
+            max_query_len=1,
+            max_seq_len=max(lens),
+        )
 
     def _capture_meta(self, bp: int) -> AttentionMetadata:
         return self._meta(bp, None)
@@ -268,7 +327,7 @@ class DecodeGraphs(_Graphs):
         width = meta.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"block table of {width} blocks exceeds max_model_len {self.max_model_len}")
-        graph, out = self._graph(bp) if self.capture else (None, None)   # capture first: it resets the buffers
+        graph, out = self._graph(bp) if self.capture else (None, None)  # capture first: it resets the buffers
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)

@@ -13,6 +13,7 @@ match the text is cut before the stop string and the stream ends (``stopped``).
 ``skip_special_tokens`` (default, as the offline API and vLLM): special tokens (``<|im_end|>``,
 ``<|endoftext|>``) add no text.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -24,10 +25,10 @@ class TextStream:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
-        self._prefix = 0          # window start (token index)
-        self._read = 0            # tokens whose text was produced
-        self.text = ""            # text produced so far (sent + held back)
-        self.sent = 0             # characters of self.text handed out
+        self._prefix = 0  # window start (token index)
+        self._read = 0  # tokens whose text was produced
+        self.text = ""  # text produced so far (sent + held back)
+        self.sent = 0  # characters of self.text handed out
         self.stopped = False
 
     def push(self, token_ids: Sequence[int]) -> str:
@@ -48,12 +49,14 @@ class TextStream:
     def _decode(self, final: bool) -> None:
         if self.tokenizer is None:
             return
+
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        before = decode(self.ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        after = decode(self.ids[self._prefix:])
+
+        before = decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        after = decode(self.ids[self._prefix :])
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
+            self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
 
     def _release(self, final: bool) -> str:
@@ -64,13 +67,13 @@ class TextStream:
                 self.stopped = True
                 text = self.text = text[:i]
         end = len(text)
-        if not final and not self.stopped:       # hold back what may begin a stop string
+        if not final and not self.stopped:  # hold back what may begin a stop string
             for s in self.stop:
                 for k in range(min(len(s) - 1, end - self.sent), 0, -1):
-                    if s.startswith(text[end - k:]):
+                    if s.startswith(text[end - k :]):
                         end = min(end, len(text) - k)
                         break
-        out = text[self.sent:end]
+        out = text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
 

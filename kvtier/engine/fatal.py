@@ -7,6 +7,7 @@ becomes :class:`DeviceLost`, which the engine never catches: ``AsyncEngine`` fai
 flight and stops, ``/health`` says ``dead`` and ``kvtier serve`` exits non-zero so that a
 supervisor starts a fresh process (docs/SERVING.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,18 @@ class DeviceLost(RuntimeError):
 
 # what torch's messages say when the context is gone (an out-of-memory error is not among them:
 # it fails one allocation, and the engine recovers from it like from any other error)
-_MARKERS = ("device-side assert", "illegal memory access", "an illegal instruction", "misaligned address",
-            "unspecified launch failure", "launch timed out", "uncorrectable ECC", "CUDA error: unknown error",
-            "CUBLAS_STATUS_EXECUTION_FAILED", "CUDA-capable device(s) is/are busy or unavailable")
+_MARKERS = (
+    "device-side assert",
+    "illegal memory access",
+    "an illegal instruction",
+    "misaligned address",
+    "unspecified launch failure",
+    "launch timed out",
+    "uncorrectable ECC",
+    "CUDA error: unknown error",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUDA-capable device(s) is/are busy or unavailable",
+)
 
 
 def device_lost(exc: BaseException) -> bool:

@@ -21,6 +21,7 @@ samples are queued with sample 0 and run as n independent requests. A PD hand-of
 first token. ``abort(id)`` aborts every sample; a sample that fails (``error_kind="internal"``)
 fails the request, its other samples aborted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -37,19 +38,21 @@ def check_n(req: Request) -> None:
     """ValueError if ``req`` asks for n > 1 samples where they cannot be served."""
     n = req.params.n
     if n > 1 and (req.export or req.handoff is not None):
-        raise ValueError(f"n={n} samples cannot be served through a PD hand-off (export/handoff): "
-                         f"send n=1 or run the request colocated")
+        raise ValueError(
+            f"n={n} samples cannot be served through a PD hand-off (export/handoff): send n=1 or run the request colocated"
+        )
 
 
 @dataclass(eq=False)
 class SampleGroup:
     """The samples of one request: ``samples[i]`` is sample i's Request (None until forked)."""
-    head: Request                                   # sample 0, the request the user added
+
+    head: Request  # sample 0, the request the user added
     samples: list[Request | None] = field(init=False)
     done: dict[int, CompletionOutput] = field(default_factory=dict)
-    head_output: RequestOutput | None = None        # sample 0's own output
+    head_output: RequestOutput | None = None  # sample 0's own output
     forked: bool = False
-    ended: bool = False             # its output is out, or it was aborted (SampleGroups.end)
+    ended: bool = False  # its output is out, or it was aborted (SampleGroups.end)
 
     def __post_init__(self) -> None:
         self.samples = [self.head] + [None] * (self.head.params.n - 1)
@@ -80,8 +83,8 @@ class SampleGroup:
         if len(self.done) < self.n:
             return None
         out = self.head_output
-        assert out is not None                  # sample 0 is among the finished
-        out.outputs = [self.done[i] for i in range(self.n)]    # token_ids etc. are outputs[0]'s already
+        assert out is not None  # sample 0 is among the finished
+        out.outputs = [self.done[i] for i in range(self.n)]  # token_ids etc. are outputs[0]'s already
         return out
 
     def fail(self, error_output: RequestOutput) -> RequestOutput:
@@ -93,8 +96,16 @@ class SampleGroup:
         outputs = []
         for i in range(self.n):
             toks, lps = started.get(i, ([], None))
-            outputs.append(replace(template, index=i, token_ids=list(toks), text=None, routed_experts=None,
-                                   logprobs=None if lps is None else list(lps)))
+            outputs.append(
+                replace(
+                    template,
+                    index=i,
+                    token_ids=list(toks),
+                    text=None,
+                    routed_experts=None,
+                    logprobs=None if lps is None else list(lps),
+                )
+            )
         error_output.outputs = outputs
         error_output.token_ids = outputs[0].token_ids
         return error_output
@@ -149,7 +160,7 @@ class SampleGroups:
             self.scheduler.add(req)
         group.forked = True
         if front:
-            self.scheduler.waiting.rotate(group.n - 1)    # the ones just added, in index order
+            self.scheduler.waiting.rotate(group.n - 1)  # the ones just added, in index order
 
     def fork_ready(self, scheduled: list[Request]) -> None:
         """After a step: fork every group whose sample 0 (among ``scheduled``) has its first token."""
@@ -185,22 +196,23 @@ class SampleGroups:
             return [(0, req.output_token_ids, req.logprobs, None)]
         return entry[0].progress()
 
-    def fold(self, results: list[RequestOutput],
-             error_output: Callable[[Request, str, str | None], RequestOutput]) -> list[RequestOutput]:
+    def fold(
+        self, results: list[RequestOutput], error_output: Callable[[Request, str, str | None], RequestOutput]
+    ) -> list[RequestOutput]:
         """A step's outputs with samples folded into their requests': a sample that finished
         waits in its group, the last one gives the request's output; one that failed fails the
         request: its other samples are aborted (their blocks returned), and
         ``error_output(head, error, error_kind)`` makes the request's error output."""
         if not self.sample_of:
             return results
-        entries = [(o, self.sample_of.get(o.request_id)) for o in results]   # before groups end
+        entries = [(o, self.sample_of.get(o.request_id)) for o in results]  # before groups end
         outs = []
         for o, entry in entries:
             if entry is None:
                 outs.append(o)
                 continue
             group, i = entry
-            if group.ended:               # another sample of it failed in this step: answered
+            if group.ended:  # another sample of it failed in this step: answered
                 continue
             if o.error is not None:
                 self.end(group)

@@ -1,6 +1,7 @@
 """Prompts in, validated :class:`Request` objects out: every check a request gets before it
 touches the engine (text or ids, token ranges, context and device-tier fit, PD and logprob
 combinations), its id and its generator. Bad input raises ValueError naming the value."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -16,25 +17,33 @@ from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
 from kvtier.model import ModelConfig
 
-AUTO_ID = "kvtier-auto-"      # ids the engine makes; given ids may not start so: never the same
+AUTO_ID = "kvtier-auto-"  # ids the engine makes; given ids may not start so: never the same
 
 
 @dataclass
 class Intake:
-    path: Path                    # the checkpoint (named in errors)
-    tokenizer: Any                # None: token-id prompts only
+    path: Path  # the checkpoint (named in errors)
+    tokenizer: Any  # None: token-id prompts only
     model: ModelConfig
     max_model_len: int
     block_size: int
     num_device_blocks: int
-    has_pool: bool                # a storage pool: PD hand-offs possible
-    routing: bool                 # MoE routing capture on
+    has_pool: bool  # a storage pool: PD hand-offs possible
+    routing: bool  # MoE routing capture on
     device: torch.device
-    generator: torch.Generator    # the engine's shared generator (unseeded requests)
+    generator: torch.Generator  # the engine's shared generator (unseeded requests)
     _ids: Iterator[int] = field(default_factory=count)
 
-    def request(self, prompt: str | list[int] | Any, params: SamplingParams, cache_salt: str | None,
-                request_id: str | None = None, *, handoff: bool = False, export: bool = False) -> Request:
+    def request(
+        self,
+        prompt: str | list[int] | Any,
+        params: SamplingParams,
+        cache_salt: str | None,
+        request_id: str | None = None,
+        *,
+        handoff: bool = False,
+        export: bool = False,
+    ) -> Request:
         """A validated Request (``handoff``: the decode side of a PD hand-off; the manifest is
         checked by engine/pd.py)."""
         if isinstance(prompt, str):
@@ -46,30 +55,41 @@ class Intake:
         if not ids:
             raise ValueError("empty prompt: give at least one token")
         if params.return_routed_experts and not self.routing:
-            raise ValueError("return_routed_experts=True needs a MoE model with routing capture on "
-                             f"({self.model.architecture}, capture_routing={self.model.is_moe and self.routing})")
+            raise ValueError(
+                "return_routed_experts=True needs a MoE model with routing capture on "
+                f"({self.model.architecture}, capture_routing={self.model.is_moe and self.routing})"
+            )
         ids = check_token_ids(ids, self.model.vocab_size)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                             f"(max_model_len), leaving no room to generate")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                f"(max_model_len), leaving no room to generate"
+            )
         longest = len(ids) + params.max_tokens
         if longest > self.max_model_len:
-            raise ValueError(f"max_tokens={params.max_tokens} + {len(ids)} prompt tokens = {longest} tokens, "
-                             f"more than the model's context of {self.max_model_len} (max_model_len)")
+            raise ValueError(
+                f"max_tokens={params.max_tokens} + {len(ids)} prompt tokens = {longest} tokens, "
+                f"more than the model's context of {self.max_model_len} (max_model_len)"
+            )
         if -(-longest // self.block_size) > self.num_device_blocks:
-            raise ValueError(f"a request of {len(ids)} prompt tokens + max_tokens={params.max_tokens} needs "
-                             f"{-(-longest // self.block_size)} blocks, more than the whole device tier "
-                             f"({self.num_device_blocks} blocks of {self.block_size} tokens)")
+            raise ValueError(
+                f"a request of {len(ids)} prompt tokens + max_tokens={params.max_tokens} needs "
+                f"{-(-longest // self.block_size)} blocks, more than the whole device tier "
+                f"({self.num_device_blocks} blocks of {self.block_size} tokens)"
+            )
         if export and handoff:
             raise ValueError("a request is either the prefill (export) or the decode (handoff) side of a hand-off")
         if (export or handoff) and not self.has_pool:
             raise ValueError("a PD hand-off needs a storage pool: start the engine with storage=URL")
         if handoff and (params.logprobs is not None or params.prompt_logprobs is not None):
-            raise ValueError(f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: the decode "
-                             "side of a PD hand-off has neither its first token's logits nor the prompt's")
+            raise ValueError(
+                f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: the decode "
+                "side of a PD hand-off has neither its first token's logits nor the prompt's"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={list(params.stop)!r} is matched on the output text, and {self.path} has "
-                             "no tokenizer; use stop_token_ids")
+            raise ValueError(
+                f"stop={list(params.stop)!r} is matched on the output text, and {self.path} has no tokenizer; use stop_token_ids"
+            )
         if request_id is None:
             rid = f"{AUTO_ID}{next(self._ids)}"
         elif str(request_id).startswith(AUTO_ID):

@@ -6,6 +6,7 @@ and steps the engine until all of them finished (the serving front end is
 ``SamplingParams.n > 1`` its ``outputs`` hold the n samples (engine/group.py). A request that fails inside the engine raises
 RuntimeError here (its batch's other requests are aborted; the engine stays usable).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -24,9 +25,12 @@ class LLM(EngineCore):
     :class:`kvtier.EngineConfig`'s (with a storage pool and nothing else set, a host tier sized
     from free memory and write_through); keywords go over ``config``."""
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         self._check_open()
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
@@ -47,7 +51,7 @@ class LLM(EngineCore):
                 for out in self.step():
                     if out.request_id not in mine:
                         continue
-                    if out.error_kind == "internal":   # offline: no error outputs, an exception
+                    if out.error_kind == "internal":  # offline: no error outputs, an exception
                         raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                     done[out.request_id] = out
         except BaseException:

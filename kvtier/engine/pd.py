@@ -13,6 +13,7 @@ blocks this engine would read and starts the request from P's first token; after
 :func:`check_handoffs` records how much of the prompt came from the pool (``result``: ``ok``,
 ``recomputed``, or ``error`` under ``pd_on_miss="error"``, which fails the request).
 """
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 ErrorOutput = Callable[[Request, str, str], RequestOutput]
 
 
-def accept_handoff(req: Request, manifest: object, vocab_size: int, namespace: str, cache: CacheManager,
-                   scheduler: Scheduler) -> None:
+def accept_handoff(
+    req: Request, manifest: object, vocab_size: int, namespace: str, cache: CacheManager, scheduler: Scheduler
+) -> None:
     """D: start ``req`` from P's first token; ValueError (naming the field) unless P's manifest
     names the blocks this engine would read for this prompt."""
     if not isinstance(manifest, dict):
@@ -46,8 +48,10 @@ def accept_handoff(req: Request, manifest: object, vocab_size: int, namespace: s
         raise ValueError(f"handoff.namespace is {ns!r}, but this engine's pool namespace is {namespace!r}")
     probe = cache.new_request(req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt)
     if manifest.get("keys") != cache.manifest_names(*cache.handoff_keys(probe, n)):
-        raise ValueError("handoff.keys do not match the blocks this engine would read for this prompt: "
-                         "the prefill engine runs another model, dtype, block size or cache_salt")
+        raise ValueError(
+            "handoff.keys do not match the blocks this engine would read for this prompt: "
+            "the prefill engine runs another model, dtype, block size or cache_salt"
+        )
     req.all_token_ids.append(first)
     req.output_token_ids.append(first)
     req.metrics["first_token"] = req.metrics["arrival"]
@@ -55,8 +59,9 @@ def accept_handoff(req: Request, manifest: object, vocab_size: int, namespace: s
     req.handoff_stop = scheduler.stop_reason(req, first)
 
 
-def check_handoffs(scheduled: list[Request], finished: list[Request], pd_on_miss: str, scheduler: Scheduler,
-                   error_output: ErrorOutput) -> list[RequestOutput]:
+def check_handoffs(
+    scheduled: list[Request], finished: list[Request], pd_on_miss: str, scheduler: Scheduler, error_output: ErrorOutput
+) -> list[RequestOutput]:
     """D: once a handed-off request ran its first step, how much of P's prompt did it find?
     Under ``pd_on_miss="error"``, a request that has to recompute any of it fails (its output
     returned; it leaves ``finished``)."""
@@ -64,13 +69,15 @@ def check_handoffs(scheduled: list[Request], finished: list[Request], pd_on_miss
     for req in scheduled:
         h = req.handoff
         if h is None or "result" in h or req.num_cached_tokens is None:
-            continue                 # (a failed load has lowered num_cached_tokens already)
+            continue  # (a failed load has lowered num_cached_tokens already)
         missing = req.num_prompt_tokens - req.num_cached_tokens
         h["missing_tokens"] = missing
         h["result"] = "ok" if missing == 0 else ("error" if pd_on_miss == "error" else "recomputed")
         if h["result"] == "error":
-            msg = (f"PD hand-off: {missing} of the {req.num_prompt_tokens} prompt tokens were missing, "
-                   f"corrupt or late in the pool (pd_on_miss='error')")
+            msg = (
+                f"PD hand-off: {missing} of the {req.num_prompt_tokens} prompt tokens were missing, "
+                f"corrupt or late in the pool (pd_on_miss='error')"
+            )
             if req in finished:
                 finished.remove(req)
                 scheduler.release(req)
@@ -101,7 +108,7 @@ class Exports:
     def start(self, req: Request, output: RequestOutput) -> None:
         """The prefill is done and its first token sampled: write the prompt to the pool; the
         output comes out of :meth:`finished` once it is there."""
-        assert req.cache is not None                    # a finished request not yet released
+        assert req.cache is not None  # a finished request not yet released
         exp = self.cache.export(req.cache, req.num_prompt_tokens)
         self._pending[req.request_id] = (output, exp, time.monotonic() + self.timeout_s)
 
@@ -116,8 +123,12 @@ class Exports:
         if entry is None:
             return None
         output, exp, _ = entry
-        return {"namespace": self.namespace, "keys": list(exp.keys), "num_tokens": exp.num_tokens,
-                "cached_tokens": output.num_cached_tokens}
+        return {
+            "namespace": self.namespace,
+            "keys": list(exp.keys),
+            "num_tokens": exp.num_tokens,
+            "cached_tokens": output.num_cached_tokens,
+        }
 
     def finished(self) -> list[RequestOutput]:
         """The outputs whose blocks the pool acked, or whose time ran out, with their manifests."""
@@ -129,7 +140,9 @@ class Exports:
                 continue
             del self._pending[rid]
             output.handoff = {
-                "namespace": self.namespace, "keys": exp.keys, "num_tokens": exp.num_tokens,
+                "namespace": self.namespace,
+                "keys": exp.keys,
+                "num_tokens": exp.num_tokens,
                 "first_token": output.token_ids[0],
                 "complete": exp.done and not exp.failed,
                 "failed_blocks": exp.failed + (exp.num_waiting if late else 0),

@@ -1,5 +1,6 @@
 """The engine's storage pool: opened with its fetch cost model, then bound to the host tier
 (one storage object per host block: its KV bytes, then its routing bytes, as zero-copy views)."""
+
 from __future__ import annotations
 
 import sys
@@ -25,28 +26,39 @@ IO_SWITCH_INTERVAL_S = 0.0005
 def open_pool(c: EngineConfig) -> tuple[StorageClient | None, FetchCostModel | None]:
     """The pool ``c.storage`` names (None, None without one) and its fetch cost model: always
     measured, deciding only under ``storage_fetch="auto"``."""
-    storage = open_storage(c.storage, workers=c.storage_workers or default_storage_workers(),
-                           put_workers=c.storage_put_workers or 1)
+    storage = open_storage(
+        c.storage, workers=c.storage_workers or default_storage_workers(), put_workers=c.storage_put_workers or 1
+    )
     if storage is None:
         return None, None
-    cost = FetchCostModel(storage.backend.scheme, storage.workers, storage.batch, 0, c.block_size,
-                          always=c.storage_fetch == "always")
+    cost = FetchCostModel(
+        storage.backend.scheme, storage.workers, storage.batch, 0, c.block_size, always=c.storage_fetch == "always"
+    )
     storage.on_fetch_io = cost.observe_fetch
     storage.on_fetch_busy = cost.observe_busy
     return storage, cost
 
 
-def bind_pool(storage: StorageClient, cost: FetchCostModel | None, host_kv: torch.Tensor,
-              routing: RoutingCapture | None, fingerprint: ModelFingerprint) -> None:
+def bind_pool(
+    storage: StorageClient,
+    cost: FetchCostModel | None,
+    host_kv: torch.Tensor,
+    routing: RoutingCapture | None,
+    fingerprint: ModelFingerprint,
+) -> None:
     """Bind ``storage`` to the host tier and calibrate the cost model on this pool's speed."""
     if sys.getswitchinterval() > IO_SWITCH_INTERVAL_S:
         sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
-    host_u8 = host_kv.view(torch.uint8).numpy()       # [num_host_blocks, block bytes...]
-    layout = BlobLayout(namespace_digest(storage.namespace, fingerprint.encode()),
-                        str(host_kv.dtype).removeprefix("torch."), tuple(host_kv.shape[1:]), fingerprint.block_size,
-                        host_u8[0].nbytes, routing.block_nbytes if routing is not None else 0)
-    storage.bind(layout, host_u8.__getitem__,
-                 (lambda h: routing.host_store[h].view(np.uint8)) if routing is not None else None)
+    host_u8 = host_kv.view(torch.uint8).numpy()  # [num_host_blocks, block bytes...]
+    layout = BlobLayout(
+        namespace_digest(storage.namespace, fingerprint.encode()),
+        str(host_kv.dtype).removeprefix("torch."),
+        tuple(host_kv.shape[1:]),
+        fingerprint.block_size,
+        host_u8[0].nbytes,
+        routing.block_nbytes if routing is not None else 0,
+    )
+    storage.bind(layout, host_u8.__getitem__, (lambda h: routing.host_store[h].view(np.uint8)) if routing is not None else None)
     if cost is not None:
         cost.block_nbytes = layout.nbytes
         storage.calibrate()

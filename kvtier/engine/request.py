@@ -10,6 +10,7 @@ when the step's results reach the host (``num_pending`` counts those in between)
     prompt:  p0 p1 p2 p3 p4 p5 p6 | generated: g0 g1
              └ cached ┘└ chunk 1 ┘             └ decode steps, one token each
 """
+
 from __future__ import annotations
 
 import enum
@@ -45,23 +46,23 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     cache: CacheRequest | None = None
-    num_cached_tokens: int | None = None          # prompt tokens served from cache, first admission
+    num_cached_tokens: int | None = None  # prompt tokens served from cache, first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
-    prefetch_from: int | None = None              # cached tokens (device + host) before a storage prefetch
-    prefetch_device: int = 0                      # ... of which on the device
-    prefetch_deadline: float | None = None        # monotonic time its prefetch stops holding it back
+    prefetch_from: int | None = None  # cached tokens (device + host) before a storage prefetch
+    prefetch_device: int = 0  # ... of which on the device
+    prefetch_deadline: float | None = None  # monotonic time its prefetch stops holding it back
     generator: torch.Generator | None = None
-    handoff: dict | None = None                   # PD, D side: P's manifest, then the result (engine/core.py)
-    export: bool = False                          # PD, P side: write the prompt to the pool once prefilled
-    handoff_stop: str | None = None               # D: the first token P sampled already ended it
-    logprobs: list[dict[int, float]] | None = None          # per generated token (params.logprobs set)
-    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (params.prompt_logprobs set)
+    handoff: dict | None = None  # PD, D side: P's manifest, then the result (engine/core.py)
+    export: bool = False  # PD, P side: write the prompt to the pool once prefilled
+    handoff_stop: str | None = None  # D: the first token P sampled already ended it
+    logprobs: list[dict[int, float]] | None = None  # per generated token (params.logprobs set)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (params.prompt_logprobs set)
     # what the runner computed in the last step, taken by Scheduler.update only if the step's
     # work is kept (a rewound step's token and logprobs are dropped together)
     step_logprobs: dict[int, float] | None = None
-    step_prompt_logprobs: tuple[int, list[dict[int, float] | None]] | None = None   # (first prompt index, entries)
-    stop_strings: StopStrings | None = None       # params.stop, matched on the incremental text
+    step_prompt_logprobs: tuple[int, list[dict[int, float] | None]] | None = None  # (first prompt index, entries)
+    stop_strings: StopStrings | None = None  # params.stop, matched on the incremental text
     metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
     # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first
     # scheduled), first_token

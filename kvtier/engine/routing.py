@@ -15,6 +15,7 @@ Routing follows its KV block: it is overwritten exactly when the block's KV is, 
 between tiers, and stored in the same storage object. So a prefix hit on any tier returns the
 routing of the cached tokens. The dtype is the smallest unsigned int that holds an expert id.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 
 from kvtier.engine.staging import PinnedRing
 
-_RING = 4          # staging slots: steps whose rows may be on their way at once
+_RING = 4  # staging slots: steps whose rows may be on their way at once
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -33,8 +34,16 @@ def routing_dtype(num_experts: int) -> np.dtype:
 
 
 class RoutingCapture:
-    def __init__(self, num_moe_layers: int, top_k: int, num_experts: int, block_size: int,
-                 num_device_blocks: int, num_host_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_moe_layers: int,
+        top_k: int,
+        num_experts: int,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        device: torch.device,
+    ) -> None:
         self.num_moe_layers, self.top_k, self.num_experts = num_moe_layers, top_k, num_experts
         self.block_size = block_size
         self.dtype = routing_dtype(num_experts)
@@ -44,7 +53,7 @@ class RoutingCapture:
         self.device = device
         self._buf = torch.zeros((0, num_moe_layers, top_k), dtype=torch.int32, device=device)
         self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
-        self._ring = PinnedRing(device, _RING)          # pinned staging, reused (engine/staging.py)
+        self._ring = PinnedRing(device, _RING)  # pinned staging, reused (engine/staging.py)
 
     @property
     def bytes_per_token(self) -> int:
@@ -52,14 +61,13 @@ class RoutingCapture:
 
     def buffer(self, num_tokens: int) -> torch.Tensor:
         if self._buf.shape[0] < num_tokens:  # grows to the largest step, reused after
-            self._buf = torch.zeros((num_tokens, self.num_moe_layers, self.top_k),
-                                    dtype=torch.int32, device=self.device)
+            self._buf = torch.zeros((num_tokens, self.num_moe_layers, self.top_k), dtype=torch.int32, device=self.device)
         return self._buf[:num_tokens]
 
     def record(self, rows: torch.Tensor, slot_mapping: np.ndarray) -> None:
         """Start copying this step's rows to the host; no CPU wait."""
         if rows.device.type == "cuda":
-            if len(self._pending) >= _RING - 1:        # its ring slot still holds rows not scattered
+            if len(self._pending) >= _RING - 1:  # its ring slot still holds rows not scattered
                 self.flush(wait=True)
             copy = self._ring.download(rows)
             host, event = copy.host, copy.event
@@ -102,8 +110,7 @@ class RoutingCapture:
         return self.block_size * self.bytes_per_token
 
 
-def validate_routed_experts(routed: object, num_tokens: int, num_moe_layers: int, top_k: int,
-                            num_experts: int) -> np.ndarray:
+def validate_routed_experts(routed: object, num_tokens: int, num_moe_layers: int, top_k: int, num_experts: int) -> np.ndarray:
     """Check a user-given routing array for ``llm.score``; returns it as int64."""
     if not isinstance(routed, np.ndarray):
         if isinstance(routed, torch.Tensor):
@@ -112,8 +119,7 @@ def validate_routed_experts(routed: object, num_tokens: int, num_moe_layers: int
             raise ValueError(f"routed_experts must be a numpy array, got {type(routed).__name__}")
     want = (num_tokens - 1, num_moe_layers, top_k)
     if routed.shape != want:
-        raise ValueError(f"routed_experts has shape {routed.shape}, expected {want} "
-                         f"(len(token_ids) - 1, num_moe_layers, top_k)")
+        raise ValueError(f"routed_experts has shape {routed.shape}, expected {want} (len(token_ids) - 1, num_moe_layers, top_k)")
     if routed.dtype.kind not in "iu":
         raise ValueError(f"routed_experts must have an integer dtype, got {routed.dtype}")
     if routed.size and (routed.min() < 0 or routed.max() >= num_experts):

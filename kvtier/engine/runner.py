@@ -20,6 +20,7 @@ positions, slots, sample rows, placeholder places; int32: the attention metadata
 results come down in one, through rings of reusable pinned buffers (engine/staging.py): a
 blocking ``torch.tensor(..., device=cuda)`` would wait for the step in flight.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,9 +44,16 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, routing: RoutingCapture | None = None,
-                 decode_graphs: DecodeGraphs | None = None, step_graphs: StepGraphs | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        routing: RoutingCapture | None = None,
+        decode_graphs: DecodeGraphs | None = None,
+        step_graphs: StepGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -54,10 +62,10 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.step_graphs = step_graphs
         self.penalties = Penalties(model.config.vocab_size, model.config.eos_token_ids, device)
-        self._last: StepResult | None = None     # the last launched step ...
-        self._feed: StepResult | None = None     # ... as of this step's start: its tokens feed this one
-        self._up, self._down = PinnedRing(device), PinnedRing(device)   # a step's inputs, its results
-        self.graph_steps_after_loads = 0         # graph replays that waited for host->device loads
+        self._last: StepResult | None = None  # the last launched step ...
+        self._feed: StepResult | None = None  # ... as of this step's start: its tokens feed this one
+        self._up, self._down = PinnedRing(device), PinnedRing(device)  # a step's inputs, its results
+        self.graph_steps_after_loads = 0  # graph replays that waited for host->device loads
 
     def start_step(self) -> None:
         """A new step begins (its forwards, several if a batch is retried request by request,
@@ -74,19 +82,21 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
-        pending_at: list[int] = []          # places in ids of tokens still on the device ...
-        pending_rows: list[int] = []        # ... and their rows in the last step's tokens
+        pending_at: list[int] = []  # places in ids of tokens still on the device ...
+        pending_rows: list[int] = []  # ... and their rows in the last step's tokens
         for s in out.scheduled:
             req = s.request
             start = req.num_computed_tokens
             end = start + s.num_tokens
             known = req.all_token_ids[start:end]
             ids.extend(known)
-            if len(known) < s.num_tokens:   # the last one was sampled by the step in flight
+            if len(known) < s.num_tokens:  # the last one was sampled by the step in flight
                 last = self._feed
                 if len(known) != s.num_tokens - 1 or last is None or req not in last.rows:
-                    raise RuntimeError(f"request {req.request_id}: positions {start}..{end - 1} need "
-                                       f"{s.num_tokens - len(known)} tokens the host has not seen")
+                    raise RuntimeError(
+                        f"request {req.request_id}: positions {start}..{end - 1} need "
+                        f"{s.num_tokens - len(known)} tokens the host has not seen"
+                    )
                 pending_at.append(len(ids))
                 pending_rows.append(last.rows[req])
                 ids.append(0)
@@ -99,42 +109,59 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, "cpu")
         return self._upload(ids, positions, meta, sample_rows, pending_at, pending_rows)
 
-    def _upload(self, ids: list[int], positions: list[int], meta: AttentionMetadata, sample_rows: list[int],
-                pending_at: list[int], pending_rows: list[int]) -> StepInputs:
+    def _upload(
+        self,
+        ids: list[int],
+        positions: list[int],
+        meta: AttentionMetadata,
+        sample_rows: list[int],
+        pending_at: list[int],
+        pending_rows: list[int],
+    ) -> StepInputs:
         """The step's inputs on the device, in two non-blocking copies (the module docstring)."""
         n = len(ids)
-        wide = np.concatenate([np.asarray(ids, np.int64), np.asarray(positions, np.int64), meta.slot_mapping_cpu,
-                               np.asarray(sample_rows + pending_at + pending_rows, np.int64)])
-        narrow = np.concatenate([meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
-                                 meta.block_tables.numpy().ravel()])
+        wide = np.concatenate(
+            [
+                np.asarray(ids, np.int64),
+                np.asarray(positions, np.int64),
+                meta.slot_mapping_cpu,
+                np.asarray(sample_rows + pending_at + pending_rows, np.int64),
+            ]
+        )
+        narrow = np.concatenate([meta.query_start_loc.numpy(), meta.seq_lens.numpy(), meta.block_tables.numpy().ravel()])
         wide_d, narrow_d = self._up.upload(wide), self._up.upload(narrow)
         b = meta.num_seqs
         dev = AttentionMetadata(
-            slot_mapping=wide_d[2 * n:3 * n], query_start_loc=narrow_d[:b + 1], seq_lens=narrow_d[b + 1:2 * b + 1],
-            block_tables=narrow_d[2 * b + 1:].view(b, -1), query_lens_cpu=meta.query_lens_cpu,
-            seq_lens_cpu=meta.seq_lens_cpu, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            slot_mapping_cpu=meta.slot_mapping_cpu)
+            slot_mapping=wide_d[2 * n : 3 * n],
+            query_start_loc=narrow_d[: b + 1],
+            seq_lens=narrow_d[b + 1 : 2 * b + 1],
+            block_tables=narrow_d[2 * b + 1 :].view(b, -1),
+            query_lens_cpu=meta.query_lens_cpu,
+            seq_lens_cpu=meta.seq_lens_cpu,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            slot_mapping_cpu=meta.slot_mapping_cpu,
+        )
         input_ids = wide_d[:n]
-        tail = wide_d[3 * n:]
+        tail = wide_d[3 * n :]
         ns, npend = len(sample_rows), len(pending_at)
-        if index_checks.ENABLED:                 # KVTIER_CHECK_INDICES=1: as the GPU reads them
+        if index_checks.ENABLED:  # KVTIER_CHECK_INDICES=1: as the GPU reads them
             kv = self.kv_caches[0]
             index_checks.check("input_ids", input_ids, self.model.config.vocab_size)
             index_checks.check("slot_mapping", dev.slot_mapping, kv.shape[1] * kv.shape[2])
             index_checks.check("block_tables", dev.block_tables, kv.shape[1])
             index_checks.check("sample_rows", tail[:ns], n)
         if npend:
-            last = self._feed                    # the step in flight (build_inputs checked it)
+            last = self._feed  # the step in flight (build_inputs checked it)
             assert last is not None and last.tokens is not None
-            at, rows = tail[ns:ns + npend], tail[ns + npend:]
+            at, rows = tail[ns : ns + npend], tail[ns + npend :]
             if index_checks.ENABLED:
                 index_checks.check("pending token places", at, n)
                 index_checks.check("pending token rows", rows, last.tokens.numel())
             input_ids.index_copy_(0, at, last.tokens.index_select(0, rows))
-        return StepInputs(input_ids, wide_d[n:2 * n], dev, sample_rows, tail[:ns])
+        return StepInputs(input_ids, wide_d[n : 2 * n], dev, sample_rows, tail[:ns])
 
-    def execute(self, out: SchedulerOutput,
-                start_loads: Callable[[str], LoadWaits | None] | None = None) -> StepResult:
+    def execute(self, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None = None) -> StepResult:
         """Queue the step's forward and sampling; returns at once (:class:`StepResult`).
 
         ``start_loads(mode)`` is called once the step's inputs are uploaded, before the first
@@ -159,7 +186,7 @@ class ModelRunner:
         graphs, steps = self.decode_graphs, self.step_graphs
         decode_graph = graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None
         step_graph = not decode_graph and steps is not None and steps.bucket(len(input_ids)) is not None
-        if decode_graph or step_graph:            # replayed, whatever it loads
+        if decode_graph or step_graph:  # replayed, whatever it loads
             mode = "gated" if step_graph and steps is not None and steps.gates is not None else "whole"
         else:
             mode = "layers"
@@ -168,7 +195,7 @@ class ModelRunner:
             assert graphs is not None
             self._wait_all_loads(layer_hook)
             hidden = graphs.run(input_ids, positions, meta)
-            routing_out = graphs.routing_out[:len(input_ids)] if graphs.routing_out is not None else None
+            routing_out = graphs.routing_out[: len(input_ids)] if graphs.routing_out is not None else None
         elif step_graph and (mode != "layers" or layer_hook is None):
             assert steps is not None
             if mode != "gated":
@@ -177,12 +204,11 @@ class ModelRunner:
                 layer_hook.before_graph()
                 self.graph_steps_after_loads += 1
             hidden = steps.run(input_ids, positions, meta)
-            routing_out = steps.routing_out[:len(input_ids)] if steps.routing_out is not None else None
+            routing_out = steps.routing_out[: len(input_ids)] if steps.routing_out is not None else None
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook,
-                                routing_out=routing_out)
-        if self.routing is not None:             # (the buffers and the host slots come with routing)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook, routing_out=routing_out)
+        if self.routing is not None:  # (the buffers and the host slots come with routing)
             assert routing_out is not None and meta.slot_mapping_cpu is not None
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         samplers = [s.request for s in out.scheduled if s.samples]
@@ -198,7 +224,7 @@ class ModelRunner:
         raw = None
         if samplers:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
-            if raw_rows:                          # before penalties
+            if raw_rows:  # before penalties
                 raw = torch.log_softmax(_rows(logits, raw_rows), dim=-1)
             penalized = [i for i, p in enumerate(params) if p.has_penalties]
             if penalized:
@@ -214,7 +240,7 @@ class ModelRunner:
                 lp = raw
             elif not raw_rows:
                 lp = processed
-            else:                    # both modes in one step: back to the order of ``want``
+            else:  # both modes in one step: back to the order of ``want``
                 assert raw is not None and processed is not None
                 by_row = {row: n for n, row in enumerate(raw_rows + proc_rows)}
                 lp = torch.cat([raw, processed])[to_device([by_row[i] for i in want], self.device)]
@@ -238,8 +264,11 @@ class ModelRunner:
             start = req.num_computed_tokens
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                 end = min(start + s.num_tokens, req.num_prompt_tokens - 1)
-                spans.append(_PromptSpan(req, start, list(range(offset, offset + max(0, end - start))),
-                                         req.prompt_token_ids[start + 1:end + 1]))
+                spans.append(
+                    _PromptSpan(
+                        req, start, list(range(offset, offset + max(0, end - start))), req.prompt_token_ids[start + 1 : end + 1]
+                    )
+                )
             offset += s.num_tokens
         return spans
 
@@ -251,9 +280,9 @@ class ModelRunner:
         k = max(_asked(span.req.params.prompt_logprobs) for span in spans)
         pieces = []
         for a in range(0, len(rows), _PROMPT_SLICE):
-            at = to_device(rows[a:a + _PROMPT_SLICE], self.device)
+            at = to_device(rows[a : a + _PROMPT_SLICE], self.device)
             lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, at)), dim=-1)
-            pieces.append(_Pack.scored(lp, targets[a:a + _PROMPT_SLICE], k))
+            pieces.append(_Pack.scored(lp, targets[a : a + _PROMPT_SLICE], k))
         if not pieces:
             pieces.append(_Pack.scored(hidden.new_zeros(0, 1, dtype=torch.float32), targets, 0))
         return pack.add_block(torch.cat(pieces), k)
@@ -264,7 +293,7 @@ class ModelRunner:
         from kvtier.model import allocate_kv_caches
 
         cfg = self.model.config
-        n = len(token_ids) - 1            # every token but the last goes through the model
+        n = len(token_ids) - 1  # every token but the last goes through the model
         num_blocks = -(-n // self.block_size)
         kv = allocate_kv_caches(cfg, num_blocks, self.block_size, self.device, self.kv_caches[0].dtype)
         meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], self.block_size, self.device)
@@ -283,7 +312,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows_cpu: list[int]
-    sample_rows: torch.Tensor          # the same, on the device
+    sample_rows: torch.Tensor  # the same, on the device
 
 
 class StepResult:
@@ -295,7 +324,7 @@ class StepResult:
         self.rows = {r: i for i, r in enumerate(samplers)}
         self.tokens: torch.Tensor | None = None
         self.host: HostCopy | None = None
-        self.logprobs: tuple[list[int], tuple[int, int, int]] | None = None      # (sampler rows, where in pack)
+        self.logprobs: tuple[list[int], tuple[int, int, int]] | None = None  # (sampler rows, where in pack)
         self.prompt: tuple[list[_PromptSpan], tuple[int, int, int]] | None = None
         self._sampled: dict[str, int] | None = None
 
@@ -309,11 +338,12 @@ class StepResult:
             return self._sampled
         host = self.host.wait()
         samplers = self.samplers
-        token_ids = [int(t) for t in host[:len(samplers)]]
+        token_ids = [int(t) for t in host[: len(samplers)]]
         if self.logprobs is not None:
             want, where = self.logprobs
-            entries = _Pack.entries(host, where, [token_ids[i] for i in want],
-                                    [_asked(samplers[i].params.logprobs) for i in want])
+            entries = _Pack.entries(
+                host, where, [token_ids[i] for i in want], [_asked(samplers[i].params.logprobs) for i in want]
+            )
             for i, entry in zip(want, entries):
                 samplers[i].step_logprobs = entry
         if self.prompt is not None:
@@ -323,12 +353,12 @@ class StepResult:
             entries_it = iter(_Pack.entries(host, where, targets, ks))
             for span in spans:
                 scored: list[dict[int, float] | None] = [next(entries_it) for _ in span.targets]
-                if span.start == 0:          # the first prompt token has no logprob
+                if span.start == 0:  # the first prompt token has no logprob
                     span.req.step_prompt_logprobs = (0, [None, *scored])
                 else:
                     span.req.step_prompt_logprobs = (span.start + 1, scored)
         self._sampled = {r.request_id: t for r, t in zip(samplers, token_ids)}
-        self.host = None                      # the pinned buffer goes back to torch's cache
+        self.host = None  # the pinned buffer goes back to torch's cache
         return self._sampled
 
     @property
@@ -355,15 +385,15 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1 else t.index_select(0, to_device(rows, t.device))
 
 
-_PROMPT_SLICE = 512      # prompt positions whose logits are computed at once (bounds their memory)
+_PROMPT_SLICE = 512  # prompt positions whose logits are computed at once (bounds their memory)
 
 
 @dataclass
 class _PromptSpan:
     req: Request
-    start: int               # the chunk's first position
-    rows: list[int]          # rows of the step's hidden states that score a prompt token
-    targets: list[int]       # the tokens they score: prompt[start+1 : start+1+len(rows)]
+    start: int  # the chunk's first position
+    rows: list[int]  # rows of the step's hidden states that score a prompt token
+    targets: list[int]  # the tokens they score: prompt[start+1 : start+1+len(rows)]
 
 
 class _Pack:
@@ -396,13 +426,13 @@ class _Pack:
     def entries(host: np.ndarray, where: tuple[int, int, int], ids: list[int], ks: list[int]) -> list[dict[int, float]]:
         """Per row: {its token: logprob, then its own top-k (rank order): logprob}."""
         start, n, width = where
-        block = host[start:start + n * width].reshape(n, width)
+        block = host[start : start + n * width].reshape(n, width)
         k = (width - 1) // 2
         # whole columns to Python at once, then one dict per row built in C (dict.update over a
         # zip): this runs on the engine thread after every step's sync, with the GPU idle
         sampled = block[:, 0].tolist()
-        values = block[:, 1:1 + k].tolist()
-        top_ids = block[:, 1 + k:].astype(np.int64).tolist()
+        values = block[:, 1 : 1 + k].tolist()
+        top_ids = block[:, 1 + k :].astype(np.int64).tolist()
         out = []
         for token, s, v, i, kr in zip(ids, sampled, values, top_ids, ks):
             entry = {token: s}

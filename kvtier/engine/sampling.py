@@ -21,6 +21,7 @@ What the fields mean (the OpenAI / vLLM meanings):
 - ``stop``: strings matched on the detokenized output; the output ends before the match (the
   text excludes it; the tokens up to the one that completed it are kept), finish_reason "stop".
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 
 MAX_N = 128
-MAX_LOGPROBS = 20           # as vLLM and OpenAI's chat top_logprobs
+MAX_LOGPROBS = 20  # as vLLM and OpenAI's chat top_logprobs
 LOGPROBS_MODES = ("raw", "processed")
 
 
@@ -51,22 +52,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_routed_experts: bool = False
-    skip_special_tokens: bool = True            # RequestOutput.text leaves out special tokens (EOS...)
+    skip_special_tokens: bool = True  # RequestOutput.text leaves out special tokens (EOS...)
     n: int = 1
-    logprobs: int | None = None                 # None: none; k: sampled token + top-k per generated token
+    logprobs: int | None = None  # None: none; k: sampled token + top-k per generated token
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
-    logprobs_mode: str = "raw"                  # raw | processed (see the module docstring)
+    logprobs_mode: str = "raw"  # raw | processed (see the module docstring)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -115,16 +115,16 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.min_tokens > 0)
+        return (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0 or self.min_tokens > 0
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token id per row of ``logits`` [n, vocab] (see :func:`draw`), on the host."""
     return draw(logits, params, generators)[0].tolist()
 
@@ -162,8 +162,12 @@ def topk(x: torch.Tensor, k: int) -> torch.return_types.topk:
     return torch.return_types.topk((top.values, cand_idx.gather(-1, top.indices)))
 
 
-def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-         processed_rows: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    processed_rows: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token id per row of ``logits`` [n, vocab], as a device tensor [n] (no host sync: the
     caller moves it with whatever else the step returns), and for ``processed_rows`` the log of
     the distribution each row was drawn from ([len(processed_rows), vocab] float32: after
@@ -186,7 +190,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Seq
     clean = torch.nan_to_num(logits, nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
     tokens = clean.argmax(dim=-1)
     processed = None
-    if processed_rows:           # greedy rows' distribution; sampled ones are overwritten below
+    if processed_rows:  # greedy rows' distribution; sampled ones are overwritten below
         processed = torch.log_softmax(logits[list(processed_rows)].float(), dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
@@ -212,7 +216,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Seq
         sorted_rows, order = rows[nidx].sort(dim=-1, descending=True, stable=True)
         sorted_p = torch.softmax(sorted_rows, dim=-1)
         keep = sorted_p.cumsum(-1) - sorted_p < _column([sp[j].top_p for j in nucleus], rows)  # smallest set reaching top_p
-        keep[:, 0] = True                                                           # and never empty
+        keep[:, 0] = True  # and never empty
         sorted_p = sorted_p * keep
         kept_logp = torch.log_softmax(sorted_rows.masked_fill(~keep, float("-inf")), dim=-1)
         logp[nidx] = torch.empty_like(kept_logp).scatter_(1, order, kept_logp)
@@ -226,7 +230,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Seq
             picks.append(order_j[torch.multinomial(p_sorted, 1, generator=generators[sampled[j]])])
         else:
             picks.append(torch.multinomial(probs[j], 1, generator=generators[sampled[j]]))
-    finite = torch.isfinite(logits[idx]).any(dim=-1)        # else: the argmax of the cleaned row
+    finite = torch.isfinite(logits[idx]).any(dim=-1)  # else: the argmax of the cleaned row
     tokens[idx] = torch.where(finite, torch.cat(picks), tokens[idx])
     if processed is not None:
         where = {row: n for n, row in enumerate(processed_rows)}
@@ -268,7 +272,7 @@ class Penalties:
         self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.owners: list[Request | None] = []
-        self.counted: list[int] = []           # output tokens each slot has counted
+        self.counted: list[int] = []  # output tokens each slot has counted
         self.slot_of: dict[Request, int] = {}
 
     def _slot(self, req: Request) -> int:
@@ -296,7 +300,7 @@ class Penalties:
         self.in_prompt[slot, torch.tensor(req.prompt_token_ids, device=self.device)] = True
         return slot
 
-    @torch.inference_mode()      # the logits are an inference tensor (compute_logits)
+    @torch.inference_mode()  # the logits are an inference tensor (compute_logits)
     def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
         """Penalize ``logits[rows]`` (of ``reqs``) in place."""
         slots = [self._slot(r) for r in reqs]
@@ -304,20 +308,21 @@ class Penalties:
         new_tokens: list[int] = []
         for slot, req in zip(slots, reqs):
             out = req.output_token_ids
-            if len(out) < self.counted[slot]:      # (a request made anew under the same object)
+            if len(out) < self.counted[slot]:  # (a request made anew under the same object)
                 self.counts[slot] = 0
                 self.counted[slot] = 0
-            new_tokens += out[self.counted[slot]:]
+            new_tokens += out[self.counted[slot] :]
             new_slots += [slot] * (len(out) - self.counted[slot])
             self.counted[slot] = len(out)
         if new_tokens:
-            self.counts.index_put_((torch.tensor(new_slots, device=self.device),
-                                    torch.tensor(new_tokens, device=self.device)),
-                                   torch.ones(len(new_tokens), dtype=torch.int32, device=self.device),
-                                   accumulate=True)
+            self.counts.index_put_(
+                (torch.tensor(new_slots, device=self.device), torch.tensor(new_tokens, device=self.device)),
+                torch.ones(len(new_tokens), dtype=torch.int32, device=self.device),
+                accumulate=True,
+            )
         ridx = torch.tensor(rows, device=self.device)
         x = logits[ridx]
-        mask_rows: list[int] = []              # min_tokens: what would end the request, masked
+        mask_rows: list[int] = []  # min_tokens: what would end the request, masked
         mask_ids: list[int] = []
         for n, req in enumerate(reqs):
             p = req.params
@@ -332,10 +337,10 @@ class Penalties:
         counts = self.counts[sidx]
         if any(r.params.repetition_penalty != 1.0 for r in reqs):
             rep = _column([r.params.repetition_penalty for r in reqs], x)
-            seen = self.in_prompt[sidx] | (counts > 0)         # HF / CTRL: prompt and output
+            seen = self.in_prompt[sidx] | (counts > 0)  # HF / CTRL: prompt and output
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         if any(r.params.presence_penalty or r.params.frequency_penalty for r in reqs):
             freq = _column([r.params.frequency_penalty for r in reqs], x)
             pres = _column([r.params.presence_penalty for r in reqs], x)
-            x = x - freq * counts - pres * (counts > 0)       # OpenAI: the output only
+            x = x - freq * counts - pres * (counts > 0)  # OpenAI: the output only
         logits[ridx] = x

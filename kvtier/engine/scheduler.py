@@ -36,6 +36,7 @@ is not scheduled, and ``defer_preempt=True`` makes schedule() stop and say so
 A request that finished by a token the host had not seen when the next step was scheduled runs
 in that step for nothing: its token there is dropped.
 """
+
 from __future__ import annotations
 
 import time
@@ -49,16 +50,16 @@ from kvtier.engine.request import Request, Status
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int              # tokens computed this step, from request.num_computed_tokens
-    samples: bool                # this chunk reaches the end: its last logits give the next token
+    num_tokens: int  # tokens computed this step, from request.num_computed_tokens
+    samples: bool  # this chunk reaches the end: its last logits give the next token
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
-    stalled: bool = False        # a running request waits for device blocks that copies will free
-    needs_sync: bool = False     # defer_preempt: a preemption is needed; finish the step in flight first
+    stalled: bool = False  # a running request waits for device blocks that copies will free
+    needs_sync: bool = False  # defer_preempt: a preemption is needed; finish the step in flight first
 
     @property
     def num_tokens(self) -> int:
@@ -66,10 +67,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = (),
-                 preemption_mode: str = "recompute", prefetch_policy: str = "best_effort",
-                 prefetch_timeout: tuple[float, float] = (0.1, 0.05)) -> None:
+    def __init__(
+        self,
+        cache: CacheManager,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
+        eos_token_ids: tuple[int, ...] = (),
+        preemption_mode: str = "recompute",
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout: tuple[float, float] = (0.1, 0.05),
+    ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if preemption_mode not in ("swap", "recompute"):
@@ -90,14 +98,14 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.draining: list[Request] = []     # finished, blocks held until their steps in flight land
+        self.draining: list[Request] = []  # finished, blocks held until their steps in flight land
         self.num_preemptions = 0
-        self.num_prompt_tokens_computed = 0   # prompt tokens forwarded, hits excluded (stats)
-        self.num_generated_tokens = 0         # tokens appended to outputs (stats)
+        self.num_prompt_tokens_computed = 0  # prompt tokens forwarded, hits excluded (stats)
+        self.num_generated_tokens = 0  # tokens appended to outputs (stats)
 
     def add(self, req: Request) -> None:
         req.cache = self._cache_request(req)
-        self.cache.start_lookup(req.cache)      # the pool's answer is ready by its first schedule
+        self.cache.start_lookup(req.cache)  # the pool's answer is ready by its first schedule
         self.waiting.append(req)
 
     def _cache_request(self, req: Request) -> CacheRequest:
@@ -122,17 +130,17 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens_ahead - req.num_computed_tokens, budget)
             if n <= 0 or (req.num_pending and self._ends_in_flight(req)):
-                i += 1                               # nothing to compute until its token lands
+                i += 1  # nothing to compute until its token lands
                 continue
             while not cache.allocate(req.cache_req, req.num_computed_tokens + n):
-                if cache.wait_would_fit(req.cache_req, req.num_computed_tokens + n):   # copies landing free
+                if cache.wait_would_fit(req.cache_req, req.num_computed_tokens + n):  # copies landing free
                     # enough blocks (backups, early loads): wait for them rather than preempt
                     out.stalled = True
                     break
                 if defer_preempt:
                     out.needs_sync = True
                     return out
-                victim = self.running.pop()          # newest first
+                victim = self.running.pop()  # newest first
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -144,7 +152,7 @@ class Scheduler:
             if out.stalled:
                 break
         if out.preempted or out.stalled:
-            return out                               # no admissions while short of blocks
+            return out  # no admissions while short of blocks
         idx = 0
         # a request whose prefetch is in flight holds a seat: no more prefetches (host blocks
         # reserved) than requests that could be admitted, and no one admitted ahead of them then
@@ -152,15 +160,15 @@ class Scheduler:
         while idx < len(self.waiting) and budget > 0 and seats > 0:
             req = self.waiting[idx]
             if req.prefetch_deadline is not None and not self._prefetch_settled(req):
-                idx += 1                             # its storage hits are landing: step aside
+                idx += 1  # its storage hits are landing: step aside
                 seats -= 1
                 continue
             m = cache.match_prefix(req.cache_req)
             cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache_req)
             if req.prefetch_from is None:
-                req.prefetch_from = cached               # what device + host held at arrival
+                req.prefetch_from = cached  # what device + host held at arrival
                 req.prefetch_device = m.num_device_blocks * m.block_size
-                if m.num_storage_blocks or req.cache_req.tail is not None:   # (a PD hand-off's last block)
+                if m.num_storage_blocks or req.cache_req.tail is not None:  # (a PD hand-off's last block)
                     n_fetch = cache.prefetch(req.cache_req)
                     if n_fetch:
                         req.metrics["prefetch_start"] = time.monotonic()
@@ -170,12 +178,12 @@ class Scheduler:
                         continue
             if not cache.allocate(req.cache_req, min(req.num_tokens, cached + budget)):
                 break
-            match = req.cache_req.match              # allocate re-matches if the tree changed
+            match = req.cache_req.match  # allocate re-matches if the tree changed
             assert match is not None
             m = match
             cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache_req)
             n = min(req.num_tokens - cached, budget)
-            if not cache.allocate(req.cache_req, cached + n):   # fewer hits than first seen: grow
+            if not cache.allocate(req.cache_req, cached + n):  # fewer hits than first seen: grow
                 n = len(req.cache_req.block_table) * m.block_size - cached
             del self.waiting[idx]
             req.metrics.setdefault("admitted", time.monotonic())
@@ -185,9 +193,9 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = cached
                 device = m.num_device_blocks * m.block_size
-                if "prefetch_start" in req.metrics:      # early loads made host and storage hits device hits
+                if "prefetch_start" in req.metrics:  # early loads made host and storage hits device hits
                     device = min(device, req.prefetch_device)
-                storage = max(0, cached - max(req.prefetch_from, device))   # hits that came from storage
+                storage = max(0, cached - max(req.prefetch_from, device))  # hits that came from storage
                 req.cached_tokens_by_tier = {"device": device, "host": cached - device - storage, "storage": storage}
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
@@ -209,7 +217,7 @@ class Scheduler:
     def _prefetch_settled(self, req: Request) -> bool:
         """May a request whose prefetch started be admitted now?"""
         deadline = req.prefetch_deadline
-        assert deadline is not None                 # (its prefetch started)
+        assert deadline is not None  # (its prefetch started)
         return not self.cache.prefetch_pending(req.cache_req) or time.monotonic() >= deadline
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
@@ -217,8 +225,11 @@ class Scheduler:
 
     def _ends_in_flight(self, req: Request) -> bool:
         """Will the token(s) in flight end ``req`` whatever they are (by length)?"""
-        return (req.handoff_stop is not None or len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
-                or req.num_tokens_ahead >= self.max_model_len)
+        return (
+            req.handoff_stop is not None
+            or len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
+            or req.num_tokens_ahead >= self.max_model_len
+        )
 
     def _preempt(self, req: Request) -> None:
         """Free everything; the request starts over from its cached prefix: under swap, every
@@ -230,7 +241,7 @@ class Scheduler:
         req.cache = self._cache_request(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.prefetch_from = None            # its prefix may be in storage again: prefetch anew
+        req.prefetch_from = None  # its prefix may be in storage again: prefetch anew
         req.prefetch_deadline = None
         self.num_preemptions += 1
         req.status = Status.WAITING
@@ -250,22 +261,23 @@ class Scheduler:
             ends.append(req.num_computed_tokens)
         return ends
 
-    def update(self, out: SchedulerOutput, ends: list[int], sampled: dict[str, int],
-               rewinds: dict[object, int] | None = None) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, ends: list[int], sampled: dict[str, int], rewinds: dict[object, int] | None = None
+    ) -> list[Request]:
         """Apply a step whose results reached the host (``ends`` from :meth:`advance`); returns
         the requests that finished in it."""
         finished = []
         for s, end in zip(out.scheduled, ends):
             req = s.request
             req.num_pending -= s.samples
-            if req.status is not Status.RUNNING:    # finished or aborted while the step ran: dropped
+            if req.status is not Status.RUNNING:  # finished or aborted while the step ran: dropped
                 req.step_logprobs = req.step_prompt_logprobs = None
                 continue
-            if rewinds and req.request_id in rewinds:   # a load failed: recompute from there
+            if rewinds and req.request_id in rewinds:  # a load failed: recompute from there
                 valid = rewinds[req.request_id]
                 req.num_computed_tokens = min(req.num_computed_tokens, valid)
                 if req.num_cached_tokens is not None and req.num_cached_tokens > valid:
-                    req.num_cached_tokens = valid            # the rest is recomputed, not a hit
+                    req.num_cached_tokens = valid  # the rest is recomputed, not a hit
                     tiers = req.cached_tokens_by_tier
                     tiers["device"] = min(tiers["device"], valid)
                     tiers["host"] = min(tiers["host"], valid - tiers["device"])
@@ -277,7 +289,7 @@ class Scheduler:
                 _take_prompt_logprobs(req)
             if not s.samples:
                 continue
-            if req.handoff_stop is not None:         # its handed-off first token already ended it
+            if req.handoff_stop is not None:  # its handed-off first token already ended it
                 req.status = Status.FINISHED
                 req.finish_reason = req.handoff_stop
                 finished.append(req)
@@ -289,7 +301,7 @@ class Scheduler:
             req.output_token_ids.append(token)
             self.num_generated_tokens += 1
             if req.logprobs is not None:
-                assert req.step_logprobs is not None     # the step computed them (params.logprobs)
+                assert req.step_logprobs is not None  # the step computed them (params.logprobs)
                 req.logprobs.append(req.step_logprobs)
                 req.step_logprobs = None
             reason = self._stop_reason(req, token)
@@ -356,9 +368,9 @@ def _take_prompt_logprobs(req: Request) -> None:
     """Append the prompt logprobs the step computed past those the request has (a request
     recomputed after a preemption scores again what it scored before)."""
     step, kept = req.step_prompt_logprobs, req.prompt_logprobs
-    assert step is not None and kept is not None       # (a request that asked for them, scored by the step)
+    assert step is not None and kept is not None  # (a request that asked for them, scored by the step)
     first, entries = step
     req.step_prompt_logprobs = None
     have = len(kept)
     if first <= have:
-        kept.extend(entries[have - first:])
+        kept.extend(entries[have - first :])

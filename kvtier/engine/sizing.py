@@ -1,5 +1,6 @@
 """How big the engine's tiers are when the options leave it open: the dtype ``auto`` picks, the
 device tier from free GPU memory (or RAM on CPU), the host tier a storage pool gets."""
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,7 @@ def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 
 
-def size_device_blocks(device: torch.device, bytes_per_block: int, block_size: int, max_num_seqs: int,
-                       max_model_len: int) -> int:
+def size_device_blocks(device: torch.device, bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
     """Blocks that fit in free memory (90% of free GPU memory after weights, less 1 GiB for
     activations; 20% of available RAM on CPU), capped at what max_num_seqs full-length
     sequences could use."""
@@ -40,8 +40,10 @@ def size_device_blocks(device: torch.device, bytes_per_block: int, block_size: i
     need = blocks_per_sequence(max_model_len, block_size)
     n = min(budget // bytes_per_block, max_num_seqs * need)
     if n < need:
-        raise ValueError(f"only {n} KV blocks fit in free memory, but one {max_model_len}-token "
-                         f"sequence needs {need}; lower max_model_len or free memory")
+        raise ValueError(
+            f"only {n} KV blocks fit in free memory, but one {max_model_len}-token "
+            f"sequence needs {need}; lower max_model_len or free memory"
+        )
     return int(n)
 
 
@@ -53,10 +55,10 @@ def size_host_blocks(bytes_per_block: int, block_size: int, num_device_blocks: i
     budget = int(available_ram() * 0.25) // bytes_per_block
     n = min(max(2 * num_device_blocks, 2 * need), budget)
     if n < 1:
-        raise ValueError(f"no room for a host tier in free memory ({available_ram()} bytes, "
-                         f"{bytes_per_block} per block); set num_host_blocks")
-    log.info("host tier: %d blocks (%.2f GiB; num_host_blocks not set, a storage pool is)",
-             n, n * bytes_per_block / 2**30)
+        raise ValueError(
+            f"no room for a host tier in free memory ({available_ram()} bytes, {bytes_per_block} per block); set num_host_blocks"
+        )
+    log.info("host tier: %d blocks (%.2f GiB; num_host_blocks not set, a storage pool is)", n, n * bytes_per_block / 2**30)
     return int(n)
 
 
@@ -64,8 +66,10 @@ def check_host_blocks(num_host_blocks: int, bytes_per_block: int) -> None:
     """ValueError if ``num_host_blocks`` would not fit in the memory available now."""
     need, have = num_host_blocks * bytes_per_block, available_ram()
     if need > have:
-        raise ValueError(f"num_host_blocks={num_host_blocks} needs {need / 2**30:.1f} GiB of host memory "
-                         f"({bytes_per_block} bytes per block), more than the {have / 2**30:.1f} GiB available")
+        raise ValueError(
+            f"num_host_blocks={num_host_blocks} needs {need / 2**30:.1f} GiB of host memory "
+            f"({bytes_per_block} bytes per block), more than the {have / 2**30:.1f} GiB available"
+        )
 
 
 def available_ram() -> int:

@@ -12,6 +12,7 @@ there would be long over by then)::
 
 On CPU nothing is staged: the arrays are the tensors.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,7 +32,7 @@ class PinnedRing:
         self._next = (i + 1) % len(self._buffers)
         event = self._events[i]
         if event is not None:
-            event.synchronize()                 # its copy, len(ring) transfers ago
+            event.synchronize()  # its copy, len(ring) transfers ago
         buf = self._buffers[i]
         if buf is None or buf.numel() < nbytes:
             buf = self._buffers[i] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
@@ -52,7 +53,7 @@ class PinnedRing:
         if not self.cuda:
             return torch.from_numpy(arr)
         i, buf = self._slot(arr.nbytes)
-        host = buf[:arr.nbytes].view(torch.from_numpy(arr[:0]).dtype)
+        host = buf[: arr.nbytes].view(torch.from_numpy(arr[:0]).dtype)
         host.numpy()[:] = arr
         dev = host.to(self.device, non_blocking=True)
         self._record(i)
@@ -63,7 +64,7 @@ class PinnedRing:
         if not vec.is_cuda:
             return HostCopy(vec, None)
         i, buf = self._slot(vec.numel() * vec.element_size())
-        host = buf[:vec.numel() * vec.element_size()].view(vec.dtype).view(vec.shape)
+        host = buf[: vec.numel() * vec.element_size()].view(vec.dtype).view(vec.shape)
         host.copy_(vec, non_blocking=True)
         return HostCopy(host, self._record(i))
 

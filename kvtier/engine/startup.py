@@ -6,6 +6,7 @@ current one readable from another thread (a starting server's ``/health`` names 
     startup: compiling kernels ...          startup: compiling kernels done in 21.4 s (38 variants)
     startup: capturing CUDA graphs ...      startup: ready in 31.2 s
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,8 @@ class Startup:
         self.t0 = time.monotonic()
         self.phase = "starting"
         self.phases_s: dict[str, float] = {}
-        self.total_s: float | None = None          # set by done()
-        self.kernels_compiled = 0                   # Triton variants compiled or loaded at start
+        self.total_s: float | None = None  # set by done()
+        self.kernels_compiled = 0  # Triton variants compiled or loaded at start
         self._compiled_at_ready = 0
 
     @contextlib.contextmanager
@@ -32,15 +33,14 @@ class Startup:
         t = time.monotonic()
         yield
         self.phases_s[name] = round(time.monotonic() - t, 3)
-        self.phase = "setting up"           # between phases
+        self.phase = "setting up"  # between phases
         log.info("startup: %s done in %.1f s", name, self.phases_s[name])
 
     def done(self) -> None:
         self.total_s = round(time.monotonic() - self.t0, 3)
         self._compiled_at_ready = _num_compiled()
         self.phase = "ready"
-        log.info("startup: ready in %.1f s (%s)", self.total_s,
-                 ", ".join(f"{k} {v:.1f} s" for k, v in self.phases_s.items()))
+        log.info("startup: ready in %.1f s (%s)", self.total_s, ", ".join(f"{k} {v:.1f} s" for k, v in self.phases_s.items()))
 
     @property
     def elapsed_s(self) -> float:
@@ -53,14 +53,19 @@ class Startup:
         return _num_compiled() - self._compiled_at_ready if self.total_s is not None else 0
 
     def as_dict(self) -> dict:
-        return {"phase": self.phase, "elapsed_s": self.elapsed_s, "startup_s": self.total_s,
-                "phases_s": dict(self.phases_s), "kernels_compiled": self.kernels_compiled,
-                "kernels_compiled_since_ready": self.kernels_compiled_since_ready}
+        return {
+            "phase": self.phase,
+            "elapsed_s": self.elapsed_s,
+            "startup_s": self.total_s,
+            "phases_s": dict(self.phases_s),
+            "kernels_compiled": self.kernels_compiled,
+            "kernels_compiled_since_ready": self.kernels_compiled_since_ready,
+        }
 
 
 def _num_compiled() -> int:
     try:
         from kvtier.triton_jit import num_compiled
-    except ImportError:          # no triton: nothing is ever compiled
+    except ImportError:  # no triton: nothing is ever compiled
         return 0
     return num_compiled()

@@ -14,6 +14,7 @@ each such compile stalled a step, engine/warmup.py.)
 
 It runs on the engine thread between steps and reads counters only (no synchronization).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,8 @@ class StatsLog:
         self.interval = interval
         self.logger = logger
         self._last = time.monotonic()
-        self._counts = (0, 0, 0, 0)    # prompt tokens computed, generated; pool bytes read, written
-        self._slowest = 0.0            # the longest engine step since the last line (s)
+        self._counts = (0, 0, 0, 0)  # prompt tokens computed, generated; pool bytes read, written
+        self._slowest = 0.0  # the longest engine step since the last line (s)
 
     def note_step(self, seconds: float) -> None:
         """The engine loop ran one step (or pump) in ``seconds``: the line reports the slowest."""
@@ -46,8 +47,12 @@ class StatsLog:
         if now - self._last < self.interval:
             return None
         pool = core.storage.counters if core.storage is not None else {}
-        counts = (core.scheduler.num_prompt_tokens_computed, core.scheduler.num_generated_tokens,
-                  pool.get("bytes_read", 0), pool.get("bytes_written", 0))
+        counts = (
+            core.scheduler.num_prompt_tokens_computed,
+            core.scheduler.num_generated_tokens,
+            pool.get("bytes_read", 0),
+            pool.get("bytes_written", 0),
+        )
         last, slowest = self._counts, self._slowest
         dt, self._last, self._counts, self._slowest = now - self._last, now, counts, 0.0
         sched, cache = core.scheduler, core.cache
@@ -57,17 +62,18 @@ class StatsLog:
         prompt, sampled, read, written = (c - b for c, b in zip(counts, last))
         fetching = sum(1 for r in sched.waiting if r.prefetch_deadline is not None)
         dev, host = cache.device_pool, cache.host_pool
-        line = (f"engine ({dt:.1f} s): {prompt / dt:,.0f} prompt + {sampled / dt:,.0f} generated tok/s | "
-                f"running {len(sched.running)}, waiting {len(sched.waiting)} ({fetching} fetching) | "
-                f"device {dev.num_used:,}/{dev.num_blocks:,} blocks, host {host.num_used:,}/{host.num_blocks:,} | "
-                f"copies pending {cache.num_pending_ops}, exports {core.num_exports} | "
-                + (f"pool read {read / dt / 1e9:.2f} GB/s, written {written / dt / 1e9:.2f} | "
-                   if core.storage is not None else "")
-                + f"slowest step {slowest * 1e3:,.0f} ms | "
-                f"preempted {sched.num_preemptions} | failed {core.num_failed_requests}")
+        line = (
+            f"engine ({dt:.1f} s): {prompt / dt:,.0f} prompt + {sampled / dt:,.0f} generated tok/s | "
+            f"running {len(sched.running)}, waiting {len(sched.waiting)} ({fetching} fetching) | "
+            f"device {dev.num_used:,}/{dev.num_blocks:,} blocks, host {host.num_used:,}/{host.num_blocks:,} | "
+            f"copies pending {cache.num_pending_ops}, exports {core.num_exports} | "
+            + (f"pool read {read / dt / 1e9:.2f} GB/s, written {written / dt / 1e9:.2f} | " if core.storage is not None else "")
+            + f"slowest step {slowest * 1e3:,.0f} ms | "
+            f"preempted {sched.num_preemptions} | failed {core.num_failed_requests}"
+        )
         startup = getattr(core, "startup", None)
         compiled = startup.kernels_compiled_since_ready if startup is not None else 0
-        if compiled:          # each one stalled a step: a shape the start's warm-up did not foresee
+        if compiled:  # each one stalled a step: a shape the start's warm-up did not foresee
             line += f" | kernels compiled since ready {compiled}"
         self.logger.info(line)
         return line

@@ -17,6 +17,7 @@ by the model and the engine's sizes (kvtier/triton_jit.py), so after this the en
 nothing more: :func:`kvtier.triton_jit.num_compiled` then stays where it was at start.
 The CUDA graphs are captured after this (engine/cuda_graph.py), each over kernels already built.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,15 +31,22 @@ from kvtier.model.families import CausalLM
 log = logging.getLogger(__name__)
 
 
-def compile_kernels(model: CausalLM, kv_caches: list[torch.Tensor], host_kv: torch.Tensor | None,
-                    scratch_block: int, block_size: int, max_model_len: int,
-                    attention_backend: str) -> int:
+def compile_kernels(
+    model: CausalLM,
+    kv_caches: list[torch.Tensor],
+    host_kv: torch.Tensor | None,
+    scratch_block: int,
+    block_size: int,
+    max_model_len: int,
+    attention_backend: str,
+) -> int:
     """Run each kernel variant once (module docstring); returns the Triton variants compiled or
     loaded. A no-op off CUDA (Triton's interpreter compiles nothing; torch has nothing to load)."""
     device = kv_caches[0].device
     if device.type != "cuda":
         return 0
     from kvtier.triton_jit import num_compiled
+
     before = num_compiled()
     cfg = model.config
     # a decode row, a short extend (decode tiles' upper bound + 1) and a prefill chunk in one step
@@ -54,10 +62,12 @@ def compile_kernels(model: CausalLM, kv_caches: list[torch.Tensor], host_kv: tor
     topk(torch.log_softmax(logits, dim=-1), 5)
     if attention_backend == "triton":
         from kvtier.model.triton_attention import compile_variants
+
         compile_variants(kv_caches[0], cfg.num_heads, scratch_block, max_model_len)
     if host_kv is not None and host_kv.shape[0] > 0:
         from kvtier.transfer import kernels
+
         if kernels.available():
             kernels.compile_variants(host_kv, kv_caches, scratch_block, 0)
-    tokens.cpu()                              # (a sync: everything above ran)
+    tokens.cpu()  # (a sync: everything above ran)
     return num_compiled() - before

@@ -16,6 +16,7 @@ Queries attend causally: the query at absolute position p sees KV positions 0..p
 Every fast backend (Triton) has the same signature as :func:`reference_attention` and is
 tested against it on random shapes; :mod:`kvtier.model.backends` picks one by name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ import torch
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor      # [num_tokens] int64
-    query_start_loc: torch.Tensor   # [num_seqs + 1] int32, cumulative query lengths
-    seq_lens: torch.Tensor          # [num_seqs] int32, KV length after this step
-    block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32 (padding: 0)
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, KV length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32 (padding: 0)
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     max_query_len: int
@@ -44,8 +45,14 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
         """Build metadata from plain lists (the scheduler's view); vectorized with numpy, since
         this runs on the CPU every step for every sequence."""
         if len(query_lens) != len(seq_lens) or len(seq_lens) != len(block_tables):
@@ -64,7 +71,7 @@ class AttentionMetadata:
         width = int(widths.max())
         table = np.zeros((len(block_tables), width), dtype=np.int32)
         for row, t in zip(table, block_tables):
-            row[:len(t)] = t
+            row[: len(t)] = t
         # position of every new token, then its block through the table
         qsl = np.zeros(len(q) + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
@@ -84,8 +91,7 @@ class AttentionMetadata:
         )
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) at their slots."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
@@ -93,8 +99,7 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def reference_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+def reference_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
 
     Plain torch, one sequence at a time, softmax in fp32. The reference every backend is checked
@@ -110,14 +115,14 @@ def reference_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
         blocks = meta.block_tables[i, :num_blocks].long()
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]
-        q = query[start:start + q_len].float().transpose(0, 1)                # [H, q, D]
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)         # [H, s, D]
+        q = query[start : start + q_len].float().transpose(0, 1)  # [H, q, D]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, s, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale                    # [H, q, s]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q, s]
         q_pos = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
         k_pos = torch.arange(s_len, device=query.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[start:start + q_len] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+        out[start : start + q_len] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
         start += q_len
     return out

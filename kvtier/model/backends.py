@@ -1,5 +1,6 @@
 """Attention backends by name: ``torch`` (the reference, any device: kvtier.model.attention) or
 ``triton`` (CUDA: kvtier.model.triton_attention, imported when asked for)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -18,5 +19,6 @@ def get_backend(name: str) -> AttentionFn:
         return reference_attention
     if name == "triton":
         from kvtier.model.triton_attention import triton_attention
+
         return triton_attention
     raise ValueError(f"unknown attention backend {name!r}; choose from {list(BACKENDS)}")

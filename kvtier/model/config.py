@@ -5,6 +5,7 @@ has q/k/v bias) and in how RoPE is described (transformers 5 ``rope_parameters``
 ``rope_theta`` + ``rope_scaling``). :class:`ModelConfig` hides all of that: the model code reads
 only its fields.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +42,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False           # bias on q/k/v projections (Qwen2 always)
-    o_bias: bool = False             # bias on o_proj (Llama attention_bias)
-    mlp_bias: bool = False           # bias on gate/up/down (Llama mlp_bias)
-    qk_norm: bool = False            # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always)
+    o_bias: bool = False  # bias on o_proj (Llama attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type + its parameters
     sliding_window: int | None = None  # recorded, not applied (see families.py)
@@ -132,7 +138,8 @@ def _rope_dict(hf: dict[str, Any]) -> dict[str, Any]:
         rope["original_max_position_embeddings"] = (
             hf.get("original_max_position_embeddings")
             or rope.get("original_max_position_embeddings")
-            or hf.get("max_position_embeddings"))
+            or hf.get("max_position_embeddings")
+        )
     return rope
 
 
@@ -145,18 +152,25 @@ def _eos_ids(hf: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
 
 def _moe_fields(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if arch == "MixtralForCausalLM":
-        return dict(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
-                    moe_layer_ids=tuple(range(num_layers)))
+        return dict(
+            num_experts=hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layer_ids=tuple(range(num_layers)),
+        )
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0   # v5 Qwen3-MoE: the latter
+        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # v5 Qwen3-MoE: the latter
         step = hf.get("decoder_sparse_step", 1) or 1
         dense_only = set(hf.get("mlp_only_layers") or [])
-        layers = tuple(i for i in range(num_layers)
-                       if num_experts > 0 and i not in dense_only and (i + 1) % step == 0)
+        layers = tuple(i for i in range(num_layers) if num_experts > 0 and i not in dense_only and (i + 1) % step == 0)
         shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
-        return dict(num_experts=num_experts, top_k=hf["num_experts_per_tok"],
-                    moe_intermediate_size=hf["moe_intermediate_size"],
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                    shared_expert_intermediate_size=shared, moe_layer_ids=layers)
+        return dict(
+            num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=shared,
+            moe_layer_ids=layers,
+        )
     return {}

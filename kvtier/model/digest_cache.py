@@ -16,6 +16,7 @@ file written 0600 (atomically: a temp file, then ``os.replace``), and a file tha
 that others may write is ignored, as is a corrupt or unreadable one. Failing to write it only
 costs a re-hash next time.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 CACHE_DIR_ENV = "KVTIER_CACHE_DIR"
 FILE_NAME = "weights_digests.json"
 VERSION = 1
-MAX_ENTRIES = 4096                  # least recently used entries go beyond this
+MAX_ENTRIES = 4096  # least recently used entries go beyond this
 _STAMP_FIELDS = ("size", "mtime_ns", "ctime_ns", "ino", "dev")
 
 
@@ -42,7 +43,7 @@ def cache_dir() -> Path:
     if os.environ.get(CACHE_DIR_ENV):
         return Path(os.environ[CACHE_DIR_ENV])
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"   # XDG: relative = unset
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # XDG: relative = unset
     return base / "kvtier"
 
 
@@ -50,8 +51,7 @@ def file_stamp(file: Path) -> tuple[str, dict[str, int]]:
     """(real path, the stat fields an entry must match)."""
     real = os.path.realpath(file)
     st = os.stat(real)
-    return real, {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-                  "ino": st.st_ino, "dev": st.st_dev}
+    return real, {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
 
 
 class DigestCache:
@@ -92,7 +92,7 @@ class DigestCache:
             folder = self.path.parent
             folder.parent.mkdir(parents=True, exist_ok=True)
             folder.mkdir(mode=0o700, exist_ok=True)
-            files = {**_read(self.path), **self._new}       # merge what another process wrote
+            files = {**_read(self.path), **self._new}  # merge what another process wrote
             if len(files) > MAX_ENTRIES:
                 keep = sorted(files, key=lambda k: files[k].get("at", 0))[-MAX_ENTRIES:]
                 files = {k: files[k] for k in keep}
@@ -122,8 +122,11 @@ def _read(path: Path) -> dict[str, dict]:
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = json.loads(f.read())
         files = data["files"] if data.get("version") == VERSION else {}
-        return {k: v for k, v in files.items()
-                if isinstance(k, str) and isinstance(v, dict) and all(isinstance(v.get(f), int) for f in _STAMP_FIELDS)}
+        return {
+            k: v
+            for k, v in files.items()
+            if isinstance(k, str) and isinstance(v, dict) and all(isinstance(v.get(f), int) for f in _STAMP_FIELDS)
+        }
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return {}
     finally:

@@ -12,6 +12,7 @@ Parameter names equal the Hugging Face names of the Llama/Qwen layout, so the lo
 Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``. Sliding-window attention (old Mistral configs) is
 not applied: outputs are exact only while sequences stay shorter than ``cfg.sliding_window``.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -72,10 +73,16 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, layer_hook: Callable[[int], None] | None = None,
-                routing_out: torch.Tensor | None = None,
-                routing_in: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
+        routing_out: torch.Tensor | None = None,
+        routing_in: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the step's flattened tokens.
 
         input_ids, positions: [T]; kv_caches[l]: [2, num_blocks, block_size, num_kv_heads, head_dim];
@@ -84,11 +91,10 @@ class CausalLM(nn.Module):
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, h.dtype)      # once per step, shared by all layers
+        rope = self.rotary.cos_sin(positions, h.dtype)  # once per step, shared by all layers
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h, residual = layer(h, residual, positions, rope, kv_cache, meta, self.attn_fn, layer_hook,
-                                routing_out, routing_in)
+            h, residual = layer(h, residual, positions, rope, kv_cache, meta, self.attn_fn, layer_hook, routing_out, routing_in)
         return self.model.norm(h, residual)[0]
 
     def fuse_projections(self) -> None:
@@ -100,7 +106,7 @@ class CausalLM(nn.Module):
         for m in dense:
             m.fuse()
         for block in moe:
-            block.fuse()        # stacks the (already fused) experts for dense dispatch
+            block.fuse()  # stacks the (already fused) experts for dense dispatch
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ sums and products are computed in fp32 and rounded to the model dtype where torc
 so fp32 results equal the unfused path to float rounding of the reductions and bf16 results to
 the last bit but for those.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,12 +29,14 @@ def use_triton(x: torch.Tensor) -> bool:
     if not x.is_cuda:
         return False
     from kvtier.model import triton_fused
+
     return triton_fused.available()
 
 
 # ------------------------------------------------------------------ torch references
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (x itself when residual is None), then ``weight * rms_norm(h)`` as
     transformers' RMSNorm computes it (fp32 norm, cast back, times the weight). Returns (normed, h)."""
     h = x if residual is None else x + residual
@@ -41,13 +44,22 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return weight * y.to(h.dtype), h
 
 
-def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
-                      k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def rope_write_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hk, D]; cos, sin [T, 1, D] (rotate-half layout). Optional per-head
     RMSNorm of q and k (Qwen3), RoPE of both, k and v written at their slots. Returns rotated q."""
     if q_norm is not None:
-        assert k_norm is not None                        # (q and k norms come together)
+        assert k_norm is not None  # (q and k norms come together)
         q = add_rms_norm_ref(q, None, q_norm, eps)[0]
         k = add_rms_norm_ref(k, None, k_norm, eps)[0]
     q = q * cos + _rotate_half(q) * sin
@@ -67,19 +79,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ dispatch
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         from kvtier.model.triton_fused import add_rms_norm as kernel
+
         return kernel(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
-def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     if use_triton(q) and q.dtype == kv_cache.dtype:
         from kvtier.model.triton_fused import rope_write_kv as kernel
+
         return kernel(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
     return rope_write_kv_ref(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
 
@@ -87,5 +111,6 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up) and gate_up.is_contiguous():
         from kvtier.model.triton_fused import silu_and_mul as kernel
+
         return kernel(gate_up)
     return silu_and_mul_ref(gate_up)

@@ -3,6 +3,7 @@
 Each op follows transformers' arithmetic step for step (which dtype, in which order) so that fp32
 logits match to ~1e-5 and bf16 logits stay close.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,10 @@ from kvtier.model.config import ModelConfig
 from kvtier.model.fused import add_rms_norm, rope_write_kv, silu_and_mul
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -42,6 +46,7 @@ class RMSNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 # Rotary embedding. inv_freq per rope_type, as transformers.modeling_rope_utils computes it (on CPU,
 # fp32); attention_factor scales cos and sin (yarn).
+
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -110,7 +115,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    inv_freq: torch.Tensor      # a buffer
+    inv_freq: torch.Tensor  # a buffer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,6 +132,7 @@ class RotaryEmbedding(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
+
 
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)). Also one expert's shape and the Qwen2-MoE shared expert."""
@@ -161,7 +167,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -181,8 +187,16 @@ class SelfAttention(nn.Module):
         self.qkv_proj = _fused_linear(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding | tuple,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, attn_fn, layer_hook=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding | tuple,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attn_fn,
+        layer_hook=None,
+    ) -> torch.Tensor:
         """``rotary``: the RotaryEmbedding, or the step's precomputed (cos, sin)."""
         T = x.shape[0]
         if self.qkv_proj is not None:
@@ -195,10 +209,10 @@ class SelfAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         cos, sin = rotary if isinstance(rotary, tuple) else rotary.cos_sin(positions, q.dtype)
         if layer_hook is not None:
-            layer_hook(self.layer_idx)   # e.g. wait until this layer's KV has arrived from the host tier
+            layer_hook(self.layer_idx)  # e.g. wait until this layer's KV has arrived from the host tier
         q_norm, k_norm = self.q_norm, self.k_norm
         norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None)
-        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)   # (q/k norm,) RoPE, KV write
+        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)  # (q/k norm,) RoPE, KV write
         out = attn_fn(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -207,8 +221,7 @@ def _fused_linear(*parts: nn.Linear) -> nn.Linear:
     """One Linear whose output is the concatenation of ``parts``' outputs."""
     weight = torch.cat([p.weight for p in parts])
     bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                      device="meta", dtype=weight.dtype)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         fused.bias = nn.Parameter(bias, requires_grad=False)

@@ -13,6 +13,7 @@ checkpoint shapes that are not on disk (e.g. the ``llama3-8b-shape`` preset writ
 :func:`safetensors_files` lists (the loader's own list), cached per file by
 :mod:`kvtier.model.digest_cache`.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,9 @@ def safetensors_files(path: Path) -> list[Path]:
         return [single]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path} "
-                                "(load_format='dummy' makes random weights from config.json alone)")
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {path} (load_format='dummy' makes random weights from config.json alone)"
+        )
     return files
 
 
@@ -80,7 +82,7 @@ def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
                 if not fused:
                     yield name, f.get_tensor(key)
                     continue
-                stacked = f.get_tensor(key)          # gate_up_proj [E, 2I, H]; down_proj [E, H, I]
+                stacked = f.get_tensor(key)  # gate_up_proj [E, 2I, H]; down_proj [E, H, I]
                 for e, w in enumerate(stacked):
                     if fused[2] == "down_proj":
                         yield f"{fused[1]}.{e}.down_proj.weight", w
@@ -90,8 +92,14 @@ def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
                         yield f"{fused[1]}.{e}.up_proj.weight", up
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32,
-               attention_backend: str = "torch", fuse: bool = True, load_format: str = "auto") -> CausalLM:
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+    attention_backend: str = "torch",
+    fuse: bool = True,
+    load_format: str = "auto",
+) -> CausalLM:
     """Build the family named by config.json and fill it. ``dtype=None``: config's.
 
     ``load_format``: "auto" reads the safetensors checkpoint; "dummy" draws random weights (see
@@ -109,36 +117,35 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     else:
         loaded = _checkpoint_weights(model, path, device, dtype)
     model.load_state_dict(loaded, strict=False, assign=True)
-    del loaded                                       # else fuse_projections keeps both copies alive
+    del loaded  # else fuse_projections keeps both copies alive
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(cfg).to(device)   # inv_freq computed on CPU, as transformers does
+    model.rotary = RotaryEmbedding(cfg).to(device)  # inv_freq computed on CPU, as transformers does
     if fuse:
         model.fuse_projections()
     return model.eval()
 
 
-def _checkpoint_weights(model: CausalLM, path: Path, device: str | torch.device,
-                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _checkpoint_weights(model: CausalLM, path: Path, device: str | torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` (on meta) from the checkpoint at ``path``."""
-    params = dict(model.named_parameters())          # tied lm_head appears once, as embed_tokens
+    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     loaded: dict[str, torch.Tensor] = {}
     for name, tensor in _checkpoint_tensors(safetensors_files(path)):
         if name not in params:
-            continue                                  # e.g. rotary inv_freq, tied lm_head copies
+            continue  # e.g. rotary inv_freq, tied lm_head copies
         if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(params[name].shape)}")
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
         loaded[name] = tensor.to(device=device, dtype=dtype).contiguous()
     missing = [name for name in params if name not in loaded]
     if missing:
-        raise KeyError(f"checkpoint {path} is missing tensor {missing[0]!r}"
-                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise KeyError(
+            f"checkpoint {path} is missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     return loaded
 
 
-def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dtype,
-                   std: float) -> dict[str, torch.Tensor]:
+def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
     """Random weights for every parameter of ``model`` (on meta), allocated and drawn on ``device``
     (nothing passes through host memory) from a generator seeded with DUMMY_SEED, in parameter
     order, so two loads on one device are equal. As transformers initializes: Linear / Embedding
@@ -147,7 +154,7 @@ def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dty
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     norms = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm)}
     loaded: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():     # tied lm_head appears once, as embed_tokens
+    for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens
         tensor = torch.empty(param.shape, device=device, dtype=dtype)
         if name in norms:
             tensor.fill_(1.0)
@@ -179,8 +186,15 @@ def weights_digest(path: str | os.PathLike, load_format: str = "auto") -> str:
     with DigestCache.open() as cache:
         todo = [f for f in files if cache.get(f) is None]
         total = sum(f.stat().st_size for f in todo)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="hashing weights", file=sys.stderr,
-                  disable=total < _PROGRESS_BYTES, leave=False) as bar:
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc="hashing weights",
+            file=sys.stderr,
+            disable=total < _PROGRESS_BYTES,
+            leave=False,
+        ) as bar:
             for f in files:
                 digest = cache.get(f)
                 if digest is None:
@@ -190,8 +204,8 @@ def weights_digest(path: str | os.PathLike, load_format: str = "auto") -> str:
     return h.hexdigest()
 
 
-_PROGRESS_BYTES = 1 << 30          # a progress bar when more than this is to be hashed
-_READ_CHUNK = 16 << 20             # large reads: hashing runs at disk speed, not syscall speed
+_PROGRESS_BYTES = 1 << 30  # a progress bar when more than this is to be hashed
+_READ_CHUNK = 16 << 20  # large reads: hashing runs at disk speed, not syscall speed
 
 
 def _framed(data: bytes) -> bytes:

@@ -10,6 +10,7 @@ Routing capture / replay (R3): ``routing_out[:, moe_index]`` receives the expert
 no host sync); ``routing_in[:, moe_index]`` forces the experts, while their gate weights are still
 taken from the live router probabilities and normalized as the family does.
 """
+
 from __future__ import annotations
 
 from typing import cast
@@ -24,12 +25,13 @@ from kvtier.model.layers import MLP
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_index: int):
         super().__init__()
-        self.moe_index = moe_index          # column of routing_out / routing_in
+        self.moe_index = moe_index  # column of routing_out / routing_in
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.top_k, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
-                                     for _ in range(cfg.num_experts))
-        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None   # set by fuse()
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act) for _ in range(cfg.num_experts)
+        )
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # set by fuse()
         self.shared_expert: MLP | None
         self.shared_expert_gate: nn.Linear | None
         if cfg.shared_expert_intermediate_size:
@@ -55,8 +57,9 @@ class SparseMoE(nn.Module):
     # hit anyway, and reading the expert weights, not the extra FLOPs, is what costs.
     DENSE_MAX_TOKENS = 256
 
-    def forward(self, x: torch.Tensor, routing_out: torch.Tensor | None = None,
-                routing_in: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, routing_out: torch.Tensor | None = None, routing_in: torch.Tensor | None = None
+    ) -> torch.Tensor:
         ids, weights = self.route(x, routing_in)
         if routing_out is not None:
             routing_out[:, self.moe_index].copy_(ids)
@@ -65,7 +68,7 @@ class SparseMoE(nn.Module):
         else:
             out = self._experts(x, ids, weights.to(x.dtype))
         if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None      # (the two come together)
+            assert self.shared_expert_gate is not None  # (the two come together)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
@@ -86,28 +89,28 @@ class SparseMoE(nn.Module):
         self._act = experts[0].act
 
     def _experts_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        assert self._stacked is not None                                 # (forward checks it)
+        assert self._stacked is not None  # (forward checks it)
         gate_up, down = self._stacked
-        h = torch.matmul(x.unsqueeze(0), gate_up.transpose(1, 2))       # [E, T, 2I]
+        h = torch.matmul(x.unsqueeze(0), gate_up.transpose(1, 2))  # [E, T, 2I]
         gate, up = h.chunk(2, dim=-1)
-        y = torch.matmul(self._act(gate) * up, down.transpose(1, 2))    # [E, T, H]
+        y = torch.matmul(self._act(gate) * up, down.transpose(1, 2))  # [E, T, H]
         combine = torch.zeros((x.shape[0], self.num_experts), dtype=x.dtype, device=x.device)
-        combine.scatter_(1, ids, weights)                                # [T, E]: 0 for unused experts
+        combine.scatter_(1, ids, weights)  # [T, E]: 0 for unused experts
         return torch.einsum("te,eth->th", combine, y)
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum of weight * expert(x) over each token's experts: tokens grouped by expert, one loop."""
-        flat_ids = ids.flatten()                                   # [T * top_k], token-major
+        flat_ids = ids.flatten()  # [T * top_k], token-major
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()   # one host sync
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync
         tokens = order // ids.shape[1]
         flat_weights = weights.flatten()[order]
         out = torch.zeros_like(x)
         start = 0
         for expert, n in zip(self.experts, counts):
             if n:
-                tok = tokens[start:start + n]
-                y = expert(x[tok]) * flat_weights[start:start + n, None]
+                tok = tokens[start : start + n]
+                y = expert(x[tok]) * flat_weights[start : start + n, None]
                 out.index_add_(0, tok, y)
                 start += n
         return out

@@ -7,6 +7,7 @@ feature (GQA, explicit head_dim, tied embeddings, llama3 / yarn RoPE, MoE varian
 ones have benchmark shapes (bf16) and take ~10-30 s to write. ``config_only=True`` writes no weights
 (in milliseconds, for any shape): load such a directory with ``load_format="dummy"``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,72 +17,219 @@ import torch
 
 from kvtier.model.tokenizer import EOS_TOKEN_ID, save_byte_tokenizer
 
-_TINY = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
-             bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=None)
+_TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.15,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=EOS_TOKEN_ID,
+    pad_token_id=None,
+)
 _TINY_MOE = dict(_TINY, num_experts_per_tok=2)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama-tiny": dict(config_class="LlamaConfig", dtype="float32", kwargs=dict(
-        _TINY, num_hidden_layers=2, intermediate_size=128,
-        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=64))),
-    "mistral-tiny": dict(config_class="MistralConfig", dtype="float32", kwargs=dict(
-        _TINY, num_hidden_layers=2, intermediate_size=128, num_key_value_heads=1, head_dim=32,
-        sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
-    "qwen2-tiny": dict(config_class="Qwen2Config", dtype="float32", kwargs=dict(
-        _TINY, num_hidden_layers=3, intermediate_size=128, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                             original_max_position_embeddings=128))),
-    "qwen3-tiny": dict(config_class="Qwen3Config", dtype="float32", kwargs=dict(
-        _TINY, num_hidden_layers=2, intermediate_size=128, head_dim=32, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
-    "mixtral-tiny": dict(config_class="MixtralConfig", dtype="float32", kwargs=dict(
-        _TINY_MOE, num_hidden_layers=2, intermediate_size=64, num_local_experts=8,
-        sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
-    "qwen2-moe-tiny": dict(config_class="Qwen2MoeConfig", dtype="float32", kwargs=dict(
-        _TINY_MOE, num_hidden_layers=3, intermediate_size=128, num_experts=8, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
-        mlp_only_layers=[1], rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
-    "qwen3-moe-tiny": dict(config_class="Qwen3MoeConfig", dtype="float32", kwargs=dict(
-        _TINY_MOE, num_hidden_layers=2, intermediate_size=128, num_experts=8, moe_intermediate_size=32,
-        head_dim=32, norm_topk_prob=True,
-        rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=2.0, original_max_position_embeddings=256))),
+    "llama-tiny": dict(
+        config_class="LlamaConfig",
+        dtype="float32",
+        kwargs=dict(
+            _TINY,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral-tiny": dict(
+        config_class="MistralConfig",
+        dtype="float32",
+        kwargs=dict(
+            _TINY,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+    ),
+    "qwen2-tiny": dict(
+        config_class="Qwen2Config",
+        dtype="float32",
+        kwargs=dict(
+            _TINY,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128),
+        ),
+    ),
+    "qwen3-tiny": dict(
+        config_class="Qwen3Config",
+        dtype="float32",
+        kwargs=dict(
+            _TINY,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+    ),
+    "mixtral-tiny": dict(
+        config_class="MixtralConfig",
+        dtype="float32",
+        kwargs=dict(
+            _TINY_MOE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+    ),
+    "qwen2-moe-tiny": dict(
+        config_class="Qwen2MoeConfig",
+        dtype="float32",
+        kwargs=dict(
+            _TINY_MOE,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            num_experts=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    "qwen3-moe-tiny": dict(
+        config_class="Qwen3MoeConfig",
+        dtype="float32",
+        kwargs=dict(
+            _TINY_MOE,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_experts=8,
+            moe_intermediate_size=32,
+            head_dim=32,
+            norm_topk_prob=True,
+            rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=2.0, original_max_position_embeddings=256),
+        ),
+    ),
     # `kvtier demo`: large enough that a prefix hit visibly beats recompute on a CPU, small enough to
     # write in a second.
-    "qwen3-moe-demo": dict(config_class="Qwen3MoeConfig", dtype="float32", kwargs=dict(
-        _TINY_MOE, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=32, intermediate_size=512, num_experts=8, moe_intermediate_size=256, norm_topk_prob=True,
-        max_position_embeddings=8192, initializer_range=0.05,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen3-moe-demo": dict(
+        config_class="Qwen3MoeConfig",
+        dtype="float32",
+        kwargs=dict(
+            _TINY_MOE,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=512,
+            num_experts=8,
+            moe_intermediate_size=256,
+            norm_topk_prob=True,
+            max_position_embeddings=8192,
+            initializer_range=0.05,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+    ),
     # Benchmark shapes (bf16): never instantiate these in unit tests.
-    "qwen3-0.6b-shape": dict(config_class="Qwen3Config", dtype="bfloat16", kwargs=dict(
-        vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, initializer_range=0.02,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6),
-        bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=None)),
-    "qwen3-moe-small": dict(config_class="Qwen3MoeConfig", dtype="bfloat16", kwargs=dict(
-        vocab_size=32768, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=128, intermediate_size=3072, num_experts=32,
-        num_experts_per_tok=4, moe_intermediate_size=384, norm_topk_prob=True,
-        max_position_embeddings=32768, rms_norm_eps=1e-6, initializer_range=0.02,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6),
-        bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=None)),
+    "qwen3-0.6b-shape": dict(
+        config_class="Qwen3Config",
+        dtype="bfloat16",
+        kwargs=dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            initializer_range=0.02,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+            bos_token_id=None,
+            eos_token_id=EOS_TOKEN_ID,
+            pad_token_id=None,
+        ),
+    ),
+    "qwen3-moe-small": dict(
+        config_class="Qwen3MoeConfig",
+        dtype="bfloat16",
+        kwargs=dict(
+            vocab_size=32768,
+            hidden_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=3072,
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=384,
+            norm_topk_prob=True,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            initializer_range=0.02,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+            bos_token_id=None,
+            eos_token_id=EOS_TOKEN_ID,
+            pad_token_id=None,
+        ),
+    ),
     # Llama-3.1-8B's shape (128K context, llama3 RoPE). ~16 GB of bf16 weights: write it with
     # config_only=True and load it with load_format="dummy".
-    "llama3-8b-shape": dict(config_class="LlamaConfig", dtype="bfloat16", kwargs=dict(
-        vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, initializer_range=0.02,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=8192),
-        bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=None)),
+    "llama3-8b-shape": dict(
+        config_class="LlamaConfig",
+        dtype="bfloat16",
+        kwargs=dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            tie_word_embeddings=False,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            bos_token_id=None,
+            eos_token_id=EOS_TOKEN_ID,
+            pad_token_id=None,
+        ),
+    ),
 }
 
 
-def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype | str | None = None,
-               config_only: bool = False) -> Path:
+def init_model(
+    preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype | str | None = None, config_only: bool = False
+) -> Path:
     """Write a random checkpoint of ``preset`` (config, safetensors, generation config, tokenizer).
 
     ``config_only``: everything but the safetensors, without building the model (for
@@ -94,8 +242,7 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dty
     dtype = dtype or spec["dtype"]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     config = getattr(transformers, spec["config_class"])(**spec["kwargs"])
-    generation_config = transformers.GenerationConfig(
-        eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, bos_token_id=None)
+    generation_config = transformers.GenerationConfig(eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, bos_token_id=None)
     out_dir = Path(out_dir)
     if config_only:
         config.architectures = [spec["config_class"].replace("Config", "ForCausalLM")]

@@ -3,6 +3,7 @@
 Every string round-trips (ids 0..255 are bytes in GPT-2's byte-to-unicode alphabet); it is saved as
 ``tokenizer.json`` + ``tokenizer_config.json`` so ``transformers.AutoTokenizer`` loads it too.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|endoftext|>"
 BYTE_VOCAB_SIZE = 256
-VOCAB_SIZE = BYTE_VOCAB_SIZE + len(SPECIAL_TOKENS)     # model vocab_size must be >= this
+VOCAB_SIZE = BYTE_VOCAB_SIZE + len(SPECIAL_TOKENS)  # model vocab_size must be >= this
 EOS_TOKEN_ID = BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(EOS_TOKEN)
 IM_END_TOKEN_ID = BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index("<|im_end|>")
 
@@ -56,8 +57,7 @@ def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 4096) -> No
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character map (what ByteLevel uses)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars = printable[:]
     n = 0
     for b in range(256):

@@ -31,6 +31,7 @@ contiguous causal flash kernel: 0.15 ms).
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) fp32 and fp16 are right; bf16 dot
 products are not (interpreter limitation), so bf16 is only checked on CUDA.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,28 +80,47 @@ if _IMPORT_ERROR is None:
         return lo - 1
 
     @triton.jit
-    def _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end, q_pos,
-                   offs_d, scale_log2, stride_kv, stride_kb, stride_ks, stride_kh, stride_kd,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   PRECISION: tl.constexpr, K_ROWS: tl.constexpr):
+    def _attn_tile(
+        q,
+        acc,
+        l_i,
+        m_i,
+        kv_ptr,
+        bt_row_ptr,
+        tile,
+        kvh,
+        kv_end,
+        q_pos,
+        offs_d,
+        scale_log2,
+        stride_kv,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        PRECISION: tl.constexpr,
+        K_ROWS: tl.constexpr,
+    ):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if MASKED:
             in_range = offs_n < kv_end
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
         else:
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
-        slot = (blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
-                + kvh * stride_kh)
+        slot = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         v_ptrs = kv_ptr + stride_kv + slot[:, None] + offs_d[None, :] * stride_kd  # [N, D]
         if K_ROWS:
-            k_ptrs = kv_ptr + slot[:, None] + offs_d[None, :] * stride_kd          # [N, D]
+            k_ptrs = kv_ptr + slot[:, None] + offs_d[None, :] * stride_kd  # [N, D]
             if MASKED:
                 k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
             else:
                 k = tl.load(k_ptrs)
             k = tl.trans(k.to(q.dtype))
         else:
-            k_ptrs = kv_ptr + slot[None, :] + offs_d[:, None] * stride_kd          # [D, N]
+            k_ptrs = kv_ptr + slot[None, :] + offs_d[:, None] * stride_kd  # [D, N]
             if MASKED:
                 k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
             else:
@@ -111,7 +131,7 @@ if _IMPORT_ERROR is None:
         else:
             v = tl.load(v_ptrs)
         v = v.to(q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2                  # [M, N] fp32
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [M, N] fp32
         if MASKED:
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -128,16 +148,39 @@ if _IMPORT_ERROR is None:
     # the step's upload buffer) must not compile a new kernel in the middle of serving.
     @jit(vary=["num_seqs", "tiles_per_split", "stride_bt"], unaligned=["seq_lens_ptr", "bt_ptr"])
     def _unified_attention_kernel(
-        q_ptr, kv_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-        bt_ptr, seq_lens_ptr, qsl_ptr,
-        scale_log2, num_seqs, num_heads, tiles_per_split,
-        stride_qt, stride_qh, stride_qd,
-        stride_kv, stride_kb, stride_ks, stride_kh, stride_kd,
-        stride_ot, stride_oh, stride_od,
+        q_ptr,
+        kv_ptr,
+        out_ptr,
+        part_o_ptr,
+        part_ml_ptr,
+        bt_ptr,
+        seq_lens_ptr,
+        qsl_ptr,
+        scale_log2,
+        num_seqs,
+        num_heads,
+        tiles_per_split,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_kv,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,
+        stride_ot,
+        stride_oh,
+        stride_od,
         stride_bt,
-        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+        K_ROWS: tl.constexpr,
     ):
         # last q-blocks first: under the causal mask they have the most KV to walk
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -161,8 +204,11 @@ if _IMPORT_ERROR is None:
         q_pos = context_len + tok_local
         token = (q_start + tok_local).to(tl.int64)
 
-        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-                    + offs_d[None, :] * stride_qd, mask=row_valid[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=row_valid[:, None],
+            other=0.0,
+        )
 
         # KV range of this query tile: [0, kv_end); tiles below n_full are visible to all rows
         last_tok = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -182,34 +228,83 @@ if _IMPORT_ERROR is None:
         bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
 
         for tile in range(t_lo, tl.minimum(t_hi, n_full)):
-            acc, l_i, m_i = _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end,
-                                       q_pos, offs_d, scale_log2, stride_kv, stride_kb,
-                                       stride_ks, stride_kh, stride_kd, BLOCK_SIZE, BLOCK_N,
-                                       False, PRECISION, K_ROWS)
+            acc, l_i, m_i = _attn_tile(
+                q,
+                acc,
+                l_i,
+                m_i,
+                kv_ptr,
+                bt_row_ptr,
+                tile,
+                kvh,
+                kv_end,
+                q_pos,
+                offs_d,
+                scale_log2,
+                stride_kv,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_kd,
+                BLOCK_SIZE,
+                BLOCK_N,
+                False,
+                PRECISION,
+                K_ROWS,
+            )
         for tile in range(tl.maximum(t_lo, n_full), t_hi):
-            acc, l_i, m_i = _attn_tile(q, acc, l_i, m_i, kv_ptr, bt_row_ptr, tile, kvh, kv_end,
-                                       q_pos, offs_d, scale_log2, stride_kv, stride_kb,
-                                       stride_ks, stride_kh, stride_kd, BLOCK_SIZE, BLOCK_N,
-                                       True, PRECISION, K_ROWS)
+            acc, l_i, m_i = _attn_tile(
+                q,
+                acc,
+                l_i,
+                m_i,
+                kv_ptr,
+                bt_row_ptr,
+                tile,
+                kvh,
+                kv_end,
+                q_pos,
+                offs_d,
+                scale_log2,
+                stride_kv,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_kd,
+                BLOCK_SIZE,
+                BLOCK_N,
+                True,
+                PRECISION,
+                K_ROWS,
+            )
 
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-                     + offs_d[None, :] * stride_od,
-                     out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+            tl.store(
+                out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_valid[:, None],
+            )
         else:
             # partials: o [T, H, S, D] (unnormalized), ml [T, H, S, 2] (log2-domain max, sum)
             part = (token * num_heads + head) * NUM_SPLITS + split
-            tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                     mask=row_valid[:, None])
+            tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
 
     @jit()
-    def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads,
-                             stride_ot, stride_oh, stride_od,
-                             HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                             SPLITS_P2: tl.constexpr):
+    def _merge_splits_kernel(
+        part_o_ptr,
+        part_ml_ptr,
+        out_ptr,
+        num_heads,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        HEAD_DIM: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_P2)
@@ -220,16 +315,13 @@ if _IMPORT_ERROR is None:
         sums = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
         m_max = tl.max(m, axis=0)
         w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
-        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_valid[:, None], other=0.0)
+        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
         denom = tl.sum(sums * w, axis=0)
         res = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
-                 res.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, res.to(out_ptr.dtype.element_ty))
 
 
-def choose_splits(query_lens: list[int], max_seq_len: int, block_q: int, num_kv_heads: int,
-                  sms: int) -> int:
+def choose_splits(query_lens: list[int], max_seq_len: int, block_q: int, num_kv_heads: int, sms: int) -> int:
     """Split-KV factor (a power of two) for a step: 1 when its programs fill the GPU, else enough
     splits of the KV range for ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, each split at
     least ``MIN_POSITIONS_PER_SPLIT`` positions. Decode steps and short extends over a long cached
@@ -240,9 +332,8 @@ def choose_splits(query_lens: list[int], max_seq_len: int, block_q: int, num_kv_
         busy = sum(-(-q // block_q) for q in query_lens) * num_kv_heads
     if busy >= sms:
         return 1
-    n = min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS_PER_SM * sms // busy),
-            max(1, max_seq_len // MIN_POSITIONS_PER_SPLIT))
-    return 1 << (max(1, n).bit_length() - 1)   # a power of two: NUM_SPLITS is a compile-time constant
+    n = min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS_PER_SM * sms // busy), max(1, max_seq_len // MIN_POSITIONS_PER_SPLIT))
+    return 1 << (max(1, n).bit_length() - 1)  # a power of two: NUM_SPLITS is a compile-time constant
 
 
 def _next_pow2(x: int) -> int:
@@ -271,8 +362,7 @@ def _launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len:
         # memory-bound: few rows (one token x the GQA group), wide KV tiles
         kind = "decode"
         block_m = max(16, _next_pow2(group))
-        block_n = 32 if (head_dim > 128 or (is_fp32 and head_dim > 64)) else (
-            64 if is_fp32 else 128)
+        block_n = 32 if (head_dim > 128 or (is_fp32 and head_dim > 64)) else (64 if is_fp32 else 128)
         num_warps, num_stages, k_rows = 4, 2, False
     elif is_fp32 or head_dim > 128:
         kind = "prefill"
@@ -293,8 +383,9 @@ def _launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len:
     return block_m, block_n, num_warps, num_stages, k_rows
 
 
-def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+def triton_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *, num_splits: int | None = None
+) -> torch.Tensor:
     """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
 
     Same contract as :func:`kvtier.model.attention.reference_attention`. ``num_splits`` forces
@@ -305,8 +396,7 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     if kv_head_dim != head_dim:
@@ -333,52 +423,81 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
 
-    block_m, block_n, num_warps, num_stages, k_rows = _launch_config(
-        query.dtype, head_dim, group, meta.max_query_len)
+    block_m, block_n, num_warps, num_stages, k_rows = _launch_config(query.dtype, head_dim, group, meta.max_query_len)
     block_q = block_m // group
-    num_q_blocks = num_tokens // block_q + num_seqs        # upper bound; extra programs exit
+    num_q_blocks = num_tokens // block_q + num_seqs  # upper bound; extra programs exit
     n_kv_tiles = triton.cdiv(meta.max_seq_len, block_n)
 
     if num_splits is None:
-        num_splits = choose_splits(meta.query_lens_cpu, meta.max_seq_len, block_q, num_kv_heads,
-                                   _sm_count(query.device)) if query.is_cuda else 1
+        num_splits = (
+            choose_splits(meta.query_lens_cpu, meta.max_seq_len, block_q, num_kv_heads, _sm_count(query.device))
+            if query.is_cuda
+            else 1
+        )
         num_splits = 1 << (min(num_splits, n_kv_tiles).bit_length() - 1)
     num_splits = max(1, min(int(num_splits), n_kv_tiles))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
 
     if num_splits > 1:
-        part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim),
-                             dtype=torch.float32, device=query.device)
-        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2),
-                              dtype=torch.float32, device=query.device)
+        part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     else:
-        part_o = part_ml = out      # unused
+        part_o = part_ml = out  # unused
 
     precision = "tf32" if (ALLOW_TF32 and query.dtype == torch.float32) else "ieee"
     grid = (num_q_blocks, num_kv_heads, num_splits)
     _unified_attention_kernel[grid](
-        query, kv_cache, out, part_o, part_ml,
-        block_tables, seq_lens, qsl,
-        float(scale) * math.log2(math.e), num_seqs, num_heads, tiles_per_split,
-        query.stride(0), query.stride(1), query.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        query,
+        kv_cache,
+        out,
+        part_o,
+        part_ml,
+        block_tables,
+        seq_lens,
+        qsl,
+        float(scale) * math.log2(math.e),
+        num_seqs,
+        num_heads,
+        tiles_per_split,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         kv_cache.stride(4),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=precision, K_ROWS=k_rows,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        PRECISION=precision,
+        K_ROWS=k_rows,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_o, part_ml, out, num_heads,
-            out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits),
+            part_o,
+            part_ml,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=_next_pow2(num_splits),
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out
-
 
 
 def compile_variants(kv_cache: torch.Tensor, num_heads: int, block: int, max_model_len: int) -> int:

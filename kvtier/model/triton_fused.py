@@ -5,6 +5,7 @@ Rounding follows torch's: an op on half-precision tensors computes in fp32 and r
 to the tensor dtype, so the kernels round at the same points (``.to(dtype)`` after each op that
 torch would round), not only at the end.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ try:
     import triton.language as tl
 
     from kvtier.triton_jit import jit
-except ImportError:          # pragma: no cover - the torch path runs instead (fused.use_triton)
+except ImportError:  # pragma: no cover - the torch path runs instead (fused.use_triton)
     triton = None
 
 
@@ -27,9 +28,9 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
+
     @jit()
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, N, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -48,9 +49,30 @@ if triton is not None:
         tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @jit()
-    def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kv_ptr, slot_ptr, qout_ptr,
-                              sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, v_offset, eps,
-                              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    def _rope_write_kv_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        kv_ptr,
+        slot_ptr,
+        qout_ptr,
+        sq_t,
+        sq_h,
+        sk_t,
+        sk_h,
+        sv_t,
+        sv_h,
+        v_offset,
+        eps,
+        HQ: tl.constexpr,
+        HK: tl.constexpr,
+        D: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = tl.arange(0, D // 2)
@@ -67,7 +89,7 @@ if triton is not None:
         lo = tl.load(src + half)
         hi = tl.load(src + D // 2 + half)
         dt = lo.dtype
-        if HAS_NORM:                                # per-head RMSNorm (Qwen3), as transformers'
+        if HAS_NORM:  # per-head RMSNorm (Qwen3), as transformers'
             lf, hf = lo.to(tl.float32), hi.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(lf * lf, axis=0) + tl.sum(hf * hf, axis=0)) / D + eps)
             w_lo = tl.load(w_ptr + half).to(tl.float32)
@@ -104,21 +126,32 @@ if triton is not None:
         tl.store(out_ptr + row * N + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
     rows = x.numel() // n
     out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
     h = torch.empty_like(x) if residual is not None else x
     if rows:
-        _add_rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, h, n, eps,
-                                      HAS_RES=residual is not None, BLOCK=_pow2(n))
+        _add_rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out, h, n, eps, HAS_RES=residual is not None, BLOCK=_pow2(n)
+        )
     return out, h
 
 
-def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     T, hq, d = q.shape
     hk = k.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and kv_cache.is_contiguous()
@@ -126,9 +159,29 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     q_out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
     if T:
         _rope_write_kv_kernel[(T, hq + hk)](
-            q, k, v, cos, sin, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,
-            kv_cache, slot_mapping, q_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), kv_cache[0].numel(), eps, HQ=hq, HK=hk, D=d, HAS_NORM=q_norm is not None)
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            q_norm if q_norm is not None else q,
+            k_norm if k_norm is not None else k,
+            kv_cache,
+            slot_mapping,
+            q_out,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            kv_cache[0].numel(),
+            eps,
+            HQ=hq,
+            HK=hk,
+            D=d,
+            HAS_NORM=q_norm is not None,
+        )
     return q_out
 
 

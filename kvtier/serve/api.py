@@ -37,6 +37,7 @@ engine stopped. Once a stream has started, an error is an in-stream ``{"error": 
 A client that goes away (before or during its answer) has every engine request of its call
 aborted; so has a call one of whose requests failed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,21 +71,21 @@ def check_role(role: str, has_storage: bool) -> None:
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose {', '.join(ROLES)}")
     if role != "colocated" and not has_storage:
-        raise ValueError(f"--role {role} hands KV over through a storage pool: give --storage URL "
-                         "(and --num-host-blocks)")
+        raise ValueError(f"--role {role} hands KV over through a storage pool: give --storage URL (and --num-host-blocks)")
 
 
 @dataclass(eq=False)
 class _Choice:
     """One choice of an answer: sample ``sample`` of its prompt (``index`` = prompt * n + sample)."""
+
     index: int
     sample: int
     stream: ChoiceText
-    echo: str = ""                     # completions' echo: the prompt's text, before the choice's
+    echo: str = ""  # completions' echo: the prompt's text, before the choice's
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)     # per token of token_ids (logprobs asked)
+    logprobs: list = field(default_factory=list)  # per token of token_ids (logprobs asked)
     finish_reason: str | None = None
-    offset: int = 0                    # text offset of the next token (completions' logprobs)
+    offset: int = 0  # text offset of the next token (completions' logprobs)
 
     @property
     def done(self) -> bool:
@@ -94,23 +95,25 @@ class _Choice:
 @dataclass(eq=False)
 class _Gen:
     """One engine request of a call: one prompt, its n samples."""
+
     req: Any
     choices: list[_Choice]
     output: Any = None
-    finish_reason: str | None = None   # None at the end: aborted (the client went away)
-    num_generated: int = 0             # tokens received so far, every sample (an aborted request's count)
+    finish_reason: str | None = None  # None at the end: aborted (the client went away)
+    num_generated: int = 0  # tokens received so far, every sample (an aborted request's count)
 
 
 @dataclass(eq=False)
 class _Call:
     """One HTTP request: one engine request per prompt."""
-    kind: str                          # "completion" | "chat"
+
+    kind: str  # "completion" | "chat"
     body: Any
     rid: str
     created: int
     model: str
     gens: list[_Gen]
-    echo_only: bool = False            # echo with max_tokens=0: nothing generated is shown
+    echo_only: bool = False  # echo with max_tokens=0: nothing generated is shown
 
     @property
     def choices(self) -> list[_Choice]:
@@ -127,6 +130,7 @@ class _Call:
 @dataclass(eq=False, slots=True)
 class _Piece:
     """New text and tokens of one choice; ``end``: the choice's last (its finish_reason is set)."""
+
     choice: _Choice
     text: str
     token_ids: list[int]
@@ -137,9 +141,15 @@ class _Piece:
 class Server:
     """The FastAPI app of one engine; ``app`` is it behind the ASGI layers (what uvicorn runs)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, role: str = "colocated",
-                 api_key: str | None = None, max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES,
-                 require_cache_salt: bool = False) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        role: str = "colocated",
+        api_key: str | None = None,
+        max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES,
+        require_cache_salt: bool = False,
+    ) -> None:
         core = engine.core
         check_role(role, core.storage is not None)
         self.engine, self.model_name, self.role = engine, model_name, role
@@ -157,8 +167,11 @@ class Server:
 
     # ------------------------------------------------------------------ app
     def _build(self) -> FastAPI:
-        app = FastAPI(title="kvtier", version=__import__("kvtier").__version__,
-                      description="OpenAI-compatible API of a kvtier engine (DESIGN §6).")
+        app = FastAPI(
+            title="kvtier",
+            version=__import__("kvtier").__version__,
+            description="OpenAI-compatible API of a kvtier engine (DESIGN §6).",
+        )
         server = self
         add_error_handlers(app)
 
@@ -173,9 +186,19 @@ class Server:
 
         @app.get("/v1/models")
         async def models() -> dict:
-            return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                                "owned_by": "kvtier", "max_model_len": server.max_model_len,
-                                                "kvtier_role": server.role}]}
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": server.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "kvtier",
+                        "max_model_len": server.max_model_len,
+                        "kvtier_role": server.role,
+                    }
+                ],
+            }
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -227,26 +250,37 @@ class Server:
         or prefill/decode without its pool (no hand-off works). ``engine`` says whether requests
         can still run here: the router keeps sending a decode server colocated requests then."""
         error = self.engine.error
-        if error is not None:            # it never serves again: `kvtier serve` exits (non-zero)
-            return JSONResponse(error_body(503, f"the engine stopped: {error}") | {"status": "dead", "role": self.role,
-                                                                                  "engine": "dead"}, status_code=503)
+        if error is not None:  # it never serves again: `kvtier serve` exits (non-zero)
+            return JSONResponse(
+                error_body(503, f"the engine stopped: {error}") | {"status": "dead", "role": self.role, "engine": "dead"},
+                status_code=503,
+            )
         try:
             self.engine.check_alive()
         except EngineDead as e:
-            return JSONResponse(error_body(503, str(e)) | {"status": "unavailable", "role": self.role,
-                                                           "engine": "stopped"}, status_code=503)
+            return JSONResponse(
+                error_body(503, str(e)) | {"status": "unavailable", "role": self.role, "engine": "stopped"}, status_code=503
+            )
         pool = self.pool_health()
         core = self.engine.core
-        body = {"status": "ok", "role": self.role, "engine": "ok", "pool": pool,
-                "pd_on_miss": core.pd_on_miss, "export_timeout": core.engine_config.export_timeout,
-                "startup_s": core.startup.total_s}
+        body = {
+            "status": "ok",
+            "role": self.role,
+            "engine": "ok",
+            "pool": pool,
+            "pd_on_miss": core.pd_on_miss,
+            "export_timeout": core.engine_config.export_timeout,
+            "startup_s": core.startup.total_s,
+        }
         if pool is None or pool.get("ok", True):
             return JSONResponse(body)
         reason = f"the storage pool is unreachable: {pool.get('reason') or 'no reason given'}"
         if self.role == "colocated":
             return JSONResponse(body | {"status": "degraded", "reason": reason})
-        return JSONResponse(error_body(503, f"{reason} (--role {self.role} needs it)") | body
-                            | {"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse(
+            error_body(503, f"{reason} (--role {self.role} needs it)") | body | {"status": "unavailable", "reason": reason},
+            status_code=503,
+        )
 
     # ------------------------------------------------------------------ requests
     async def _prompt_ids(self, kind: str, body: Any, prompt: Any, budget: int) -> list[int]:
@@ -264,62 +298,84 @@ class Server:
 
     async def _start(self, kind: str, body: Any, export: bool = False) -> _Call:
         if body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} is not served here (this server serves "
-                                f"{self.model_name!r})", "model")
+            raise APIError(404, f"model {body.model!r} is not served here (this server serves {self.model_name!r})", "model")
         handoff = body.kvtier_handoff
         prompts = body.prompts
         if handoff is not None:
             if self.role != "decode":
-                raise APIError(400, f"kvtier_handoff is for servers with --role decode (this one is {self.role})",
-                               "kvtier_handoff")
+                raise APIError(
+                    400, f"kvtier_handoff is for servers with --role decode (this one is {self.role})", "kvtier_handoff"
+                )
             if why := _beyond_handoff(body):
-                raise APIError(400, f"a PD hand-off carries one prompt and one sample without logprobs: {why}",
-                               "kvtier_handoff")
+                raise APIError(400, f"a PD hand-off carries one prompt and one sample without logprobs: {why}", "kvtier_handoff")
         if self.require_cache_salt and not body.cache_salt:
-            raise APIError(400, "this server requires a cache_salt on every request (--require-cache-salt): "
-                                "prefix-cache hits are shared only between requests with the same salt",
-                           "cache_salt")
+            raise APIError(
+                400,
+                "this server requires a cache_salt on every request (--require-cache-salt): "
+                "prefix-cache hits are shared only between requests with the same salt",
+                "cache_salt",
+            )
         asked = body.max_tokens_asked
-        echo_only = asked == 0                   # echo, max_tokens=0: the prompt (and its logprobs) alone
-        ids_of = await asyncio.gather(*(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1))
-                                        for p in prompts))
+        echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
+        ids_of = await asyncio.gather(*(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1)) for p in prompts))
         params_of = []
         for i, ids in enumerate(ids_of):
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
             if len(ids) + max_tokens > self.max_model_len:
                 which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
-                raise APIError(400, f"{which} has {len(ids)} tokens and max_tokens={max_tokens}: together over "
-                                    f"the model's context of {self.max_model_len} tokens", "max_tokens")
+                raise APIError(
+                    400,
+                    f"{which} has {len(ids)} tokens and max_tokens={max_tokens}: together over "
+                    f"the model's context of {self.max_model_len} tokens",
+                    "max_tokens",
+                )
             try:
                 params = body.sampling_params(max_tokens)
-                if export:                       # P of PD: the first token only
+                if export:  # P of PD: the first token only
                     params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             except ValueError as e:
                 raise APIError(400, str(e), sampling_param(str(e))) from None
             params_of.append(params)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        rid = (handoff.response_id if handoff is not None and handoff.response_id else
-               prefix + secrets.token_hex(12))
+        rid = handoff.response_id if handoff is not None and handoff.response_id else prefix + secrets.token_hex(12)
         created = handoff.created if handoff is not None and handoff.created else int(time.time())
         extra: dict[str, Any] = {}
         if export:
             extra["export"] = True
         elif handoff is not None:
-            extra["handoff"] = {"namespace": handoff.namespace, "keys": handoff.keys,
-                                "num_tokens": handoff.num_tokens, "first_token": handoff.first_token}
+            extra["handoff"] = {
+                "namespace": handoff.namespace,
+                "keys": handoff.keys,
+                "num_tokens": handoff.num_tokens,
+                "first_token": handoff.first_token,
+            }
 
-        def make() -> list[Any]:   # validates every id against the vocabulary: O(prompt), off the event loop
-            return [self.engine.make_request(ids, params, body.cache_salt, f"{rid}-{i}-{secrets.token_hex(4)}",
-                                             **extra) for i, (ids, params) in enumerate(zip(ids_of, params_of))]
+        def make() -> list[Any]:  # validates every id against the vocabulary: O(prompt), off the event loop
+            return [
+                self.engine.make_request(ids, params, body.cache_salt, f"{rid}-{i}-{secrets.token_hex(4)}", **extra)
+                for i, (ids, params) in enumerate(zip(ids_of, params_of))
+            ]
+
         try:
             reqs = await asyncio.to_thread(make)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         n, echo = body.n, kind == "completion" and body.echo
-        gens = [_Gen(req, [_Choice(i * n + j, j, ChoiceText(self.tokenizer, body.stop_strings, body.skip_special_tokens,
-                                                            body.min_tokens),
-                                   self._echo_text(p, ids) if echo else "") for j in range(n)])
-                for i, (req, p, ids) in enumerate(zip(reqs, prompts, ids_of))]
+        gens = [
+            _Gen(
+                req,
+                [
+                    _Choice(
+                        i * n + j,
+                        j,
+                        ChoiceText(self.tokenizer, body.stop_strings, body.skip_special_tokens, body.min_tokens),
+                        self._echo_text(p, ids) if echo else "",
+                    )
+                    for j in range(n)
+                ],
+            )
+            for i, (req, p, ids) in enumerate(zip(reqs, prompts, ids_of))
+        ]
         return _Call(kind, body, rid, created, self.model_name, gens, echo_only)
 
     def _failure(self, out: Any) -> APIError:
@@ -346,10 +402,10 @@ class Server:
         except QueueFull as e:
             refused = True
             raise APIError(503, str(e)) from None
-        except ValueError as e:                  # the engine refused it (e.g. a duplicate request id)
+        except ValueError as e:  # the engine refused it (e.g. a duplicate request id)
             refused = True
             raise APIError(400, str(e)) from None
-        except EngineDead as e:                  # an APIError: said in-stream if streaming
+        except EngineDead as e:  # an APIError: said in-stream if streaming
             gen.finish_reason = "error"
             raise APIError(503, str(e)) from None
         finally:
@@ -380,8 +436,9 @@ class Server:
         choice.finish_reason = "length" if call.echo_only else reason
         return choice.stream.finish()
 
-    async def _deltas(self, call: _Call, gen: _Gen, replay: bool = False,
-                      emit_replayed: bool = False) -> AsyncGenerator[_Piece | None, None]:
+    async def _deltas(
+        self, call: _Call, gen: _Gen, replay: bool = False, emit_replayed: bool = False
+    ) -> AsyncGenerator[_Piece | None, None]:
         """Pieces of ``gen``'s choices as they come, after one ``None`` once the engine produced its
         first delta (so that callers can answer errors before it with a status code); a piece with
         ``end`` closes its choice (``finish_reason`` set). Sets ``gen.output`` and
@@ -390,7 +447,7 @@ class Server:
         it from the router already). The request ends early (aborted in the engine) once every
         choice has met a stop string, and when this is closed early (a client that went away);
         every request that reached the engine is counted once."""
-        defer = call.body.return_routed_experts     # choices' ends wait for the output (their routing)
+        defer = call.body.return_routed_experts  # choices' ends wait for the output (their routing)
         held: list[_Choice] = []
 
         def ended(p: _Piece) -> _Piece:
@@ -405,6 +462,7 @@ class Server:
             pieces = [_Piece(c, "", [], None, True) for c in held]
             held.clear()
             return pieces
+
         skip = 0
         with self._engine_errors(gen):
             if replay:
@@ -417,7 +475,7 @@ class Server:
                     yield _Piece(piece.choice, "", [], None, True)
                 if piece.choice.done:
                     gen.finish_reason = "stop"
-                    for p in release():          # no output comes: announce them as they are
+                    for p in release():  # no output comes: announce them as they are
                         yield p
                     return
             t_prev = None
@@ -433,7 +491,7 @@ class Server:
                         started = True
                         yield None
                     toks = delta.token_ids[skip:]
-                    lps = delta.logprobs[len(delta.token_ids) - len(toks):] if delta.logprobs is not None else None
+                    lps = delta.logprobs[len(delta.token_ids) - len(toks) :] if delta.logprobs is not None else None
                     skip = max(0, skip - len(delta.token_ids))
                     gen.num_generated += len(toks)
                     now = time.monotonic()
@@ -442,7 +500,7 @@ class Server:
                     if toks:
                         t_prev = now
                     gen.output = out
-                    pieces = []                 # at most one per choice: its end comes last
+                    pieces = []  # at most one per choice: its end comes last
                     choice = gen.choices[delta.index]
                     if not choice.done:
                         piece = self._push(call, choice, toks, lps)
@@ -450,20 +508,19 @@ class Server:
                         if not choice.done and reason is not None:
                             piece.text += self._end(call, choice, reason)
                         pieces.append(piece)
-                    if out is not None:                 # the request's end: every choice ends
-                        pieces += [_Piece(c, self._end(call, c, _reason(out, c)), [], None)
-                                   for c in gen.choices if not c.done]
+                    if out is not None:  # the request's end: every choice ends
+                        pieces += [_Piece(c, self._end(call, c, _reason(out, c)), [], None) for c in gen.choices if not c.done]
                     for piece in pieces:
                         if piece.text or piece.token_ids or piece.choice.done:
                             yield ended(piece)
                     if out is not None or all(c.done for c in gen.choices):
-                        for p in release():         # with the output (their routing), or none comes
+                        for p in release():  # with the output (their routing), or none comes
                             yield p
                     if out is not None:
                         break
                     if all(c.done for c in gen.choices):
                         gen.finish_reason = "stop"
-                        return                      # the finally below aborts the engine request
+                        return  # the finally below aborts the engine request
             finally:
                 await agen.aclose()
             out = gen.output
@@ -472,8 +529,9 @@ class Server:
             if "first_token" in m and not replay:
                 self.metrics.ttft.observe(m["first_token"] - m["arrival"])
 
-    async def _events(self, call: _Call, replay: bool = False,
-                      emit_replayed: bool = False) -> AsyncGenerator[_Piece | None, None]:
+    async def _events(
+        self, call: _Call, replay: bool = False, emit_replayed: bool = False
+    ) -> AsyncGenerator[_Piece | None, None]:
         """The pieces of every request of ``call`` as they come (``_deltas``), after one ``None``
         once each has had its first delta (or ended). Closing it aborts every request."""
         if len(call.gens) == 1:
@@ -493,6 +551,7 @@ class Server:
             except Exception as e:  # noqa: BLE001 - the consumer raises it
                 queue.put_nowait((i, e))
             queue.put_nowait((i, _END))
+
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(call.gens)]
         try:
             unstarted, live, backlog, ready = set(range(len(tasks))), len(tasks), [], False
@@ -512,16 +571,16 @@ class Server:
                     for piece in backlog:
                         yield piece
                     backlog.clear()
-        finally:                                     # the others' engine requests are aborted
+        finally:  # the others' engine requests are aborted
             for t in tasks:
                 t.cancel()
 
     # ------------------------------------------------------------------ response shapes
-    def _chunk(self, call: _Call, choice: _Choice, delta: dict | None = None, text: str | None = None,
-               finish: str | None = None) -> dict:
+    def _chunk(
+        self, call: _Call, choice: _Choice, delta: dict | None = None, text: str | None = None, finish: str | None = None
+    ) -> dict:
         if call.kind == "chat":
-            c: dict[str, Any] = {"index": choice.index, "delta": delta or {}, "logprobs": None,
-                                 "finish_reason": finish}
+            c: dict[str, Any] = {"index": choice.index, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
             c = {"index": choice.index, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -540,20 +599,35 @@ class Server:
         if out is None:
             return
         samples = out.outputs
-        r = samples[choice.sample].routed_experts if choice.sample < len(samples) else \
-            out.routed_experts if choice.sample == 0 else None
+        r = (
+            samples[choice.sample].routed_experts
+            if choice.sample < len(samples)
+            else out.routed_experts
+            if choice.sample == 0
+            else None
+        )
         if r is not None:
-            shape["routed_experts"] = {"dtype": str(r.dtype), "shape": list(r.shape),
-                                       "data": base64.b64encode(r.tobytes()).decode()}
+            shape["routed_experts"] = {
+                "dtype": str(r.dtype),
+                "shape": list(r.shape),
+                "data": base64.b64encode(r.tobytes()).decode(),
+            }
 
     def _usage(self, call: _Call) -> dict:
-        n_prompt = sum(len(g.req.prompt_token_ids) for g in call.gens)       # once per prompt, not per sample
+        n_prompt = sum(len(g.req.prompt_token_ids) for g in call.gens)  # once per prompt, not per sample
         n_out = sum(len(c.token_ids) for g in call.gens for c in g.choices)
         h = call.body.kvtier_handoff
-        cached = h.prefill_cached_tokens if h is not None else \
-            sum(g.output.num_cached_tokens for g in call.gens if g.output is not None)
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        cached = (
+            h.prefill_cached_tokens
+            if h is not None
+            else sum(g.output.num_cached_tokens for g in call.gens if g.output is not None)
+        )
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def _first_chunks(self, call: _Call) -> list[dict]:
         """What a stream starts with, per choice: chat's role, completions' echoed prompt."""
@@ -585,12 +659,19 @@ class Server:
                     yield _data(last)
             so = body.stream_options
             if so is not None and so.include_usage:
-                yield _data({"id": call.rid, "object": "chat.completion.chunk" if call.kind == "chat" else
-                             "text_completion", "created": call.created, "model": call.model, "choices": [],
-                             "usage": self._usage(call)})
-        except APIError as e:           # mid-stream: the status is sent; say it in the stream
+                yield _data(
+                    {
+                        "id": call.rid,
+                        "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+                        "created": call.created,
+                        "model": call.model,
+                        "choices": [],
+                        "usage": self._usage(call),
+                    }
+                )
+        except APIError as e:  # mid-stream: the status is sent; say it in the stream
             yield sse_error(e)
-        finally:                        # a client that went away: its engine requests are aborted
+        finally:  # a client that went away: its engine requests are aborted
             await rest.aclose()
         yield "data: [DONE]\n\n"
 
@@ -598,14 +679,17 @@ class Server:
         """A choice of a whole (non-streaming) answer."""
         body, text = call.body, choice.stream.text
         if call.kind == "chat":
-            shape: dict[str, Any] = {"index": choice.index, "message": {"role": "assistant", "content": text},
-                                     "logprobs": None, "finish_reason": choice.finish_reason}
+            shape: dict[str, Any] = {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": choice.finish_reason,
+            }
         else:
-            shape = {"index": choice.index, "text": choice.echo + text, "logprobs": None,
-                     "finish_reason": choice.finish_reason}
+            shape = {"index": choice.index, "text": choice.echo + text, "logprobs": None, "finish_reason": choice.finish_reason}
         if call.logprobs:
             ids, lps = choice.token_ids, choice.logprobs
-            if body.engine_prompt_logprobs is not None:          # echo: the prompt's tokens first
+            if body.engine_prompt_logprobs is not None:  # echo: the prompt's tokens first
                 prompt_lps = gen.output.prompt_logprobs if gen.output is not None else None
                 if prompt_lps is None:
                     raise APIError(500, "the engine returned no prompt logprobs for a request that asked for them")
@@ -619,8 +703,12 @@ class Server:
 
     async def respond(self, kind: str, body: Any, request: Request) -> Response:
         if body.stream and body.engine_prompt_logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported when streaming (the prompt's logprobs come "
-                                "with the end of the request): use stream=false", "echo")
+            raise APIError(
+                400,
+                "echo with logprobs is not supported when streaming (the prompt's logprobs come "
+                "with the end of the request): use stream=false",
+                "echo",
+            )
         call = await self._start(kind, body)
         replay = body.kvtier_handoff is not None
         events = self._events(call, replay, emit_replayed=not body.stream)
@@ -632,17 +720,27 @@ class Server:
             except BaseException:
                 await events.aclose()
                 raise
-            return StreamingResponse(self._sse(call, first, events, replay), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._sse(call, first, events, replay),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
 
         async def collect() -> None:
             async for _ in events:
                 pass
+
         await until_disconnect(request, collect())
-        return JSONResponse({"id": call.rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": call.created, "model": call.model,
-                             "choices": [self._choice(call, g, c) for g in call.gens for c in g.choices],
-                             "usage": self._usage(call)})
+        return JSONResponse(
+            {
+                "id": call.rid,
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": call.created,
+                "model": call.model,
+                "choices": [self._choice(call, g, c) for g in call.gens for c in g.choices],
+                "usage": self._usage(call),
+            }
+        )
 
     async def prefill(self, kind: str, body: Any, request: Request) -> Response:
         """P of a PD hand-off: the prefill, its blocks written to the pool. The answer is two JSON
@@ -687,7 +785,7 @@ class Server:
             raise self._failure(out) if out is not None else APIError(500, "the prefill produced no output")
         if first.token_ids:
             token = first.token_ids[0]
-        else:                             # events() yields tokens, or the output
+        else:  # events() yields tokens, or the output
             assert out is not None
             token = out.token_ids[0]
         names = first.export or {}
@@ -698,12 +796,18 @@ class Server:
                 c["choices"][0]["token_ids"] = [token]
             chunks.append(c)
         cached = names.pop("cached_tokens", out.num_cached_tokens if out is not None else 0)
-        if not names:                     # no export's names on the first delta: the output's
+        if not names:  # no export's names on the first delta: the output's
             assert out is not None
             names = _names(out.handoff)
-        head = {"id": call.rid, "created": call.created, "chunks": chunks,
-                "prompt_token_ids": list(gen.req.prompt_token_ids), "first_token": token,
-                "cached_tokens": cached, "manifest": names}
+        head = {
+            "id": call.rid,
+            "created": call.created,
+            "chunks": chunks,
+            "prompt_token_ids": list(gen.req.prompt_token_ids),
+            "first_token": token,
+            "cached_tokens": cached,
+            "manifest": names,
+        }
 
         async def lines() -> AsyncIterator[str]:
             try:
@@ -713,14 +817,14 @@ class Server:
                     try:
                         e = await _next(it)
                         last = None if e is _END else e.output
-                    except APIError as failed:         # e.g. the engine stopped: said in the answer
+                    except APIError as failed:  # e.g. the engine stopped: said in the answer
                         err = failed
                 if err is None and (last is None or last.finish_reason == "error" or last.handoff is None):
                     err = self._failure(last) if last is not None else APIError(500, "the export produced no output")
                 if err is not None:
                     yield json.dumps(error_body(err.status, err.message)) + "\n"
                     return
-                assert last is not None                # (else err is set above)
+                assert last is not None  # (else err is set above)
                 m = last.metrics or {}
                 if "first_token" in m:
                     self.metrics.ttft.observe(m["first_token"] - m["arrival"])
@@ -729,6 +833,7 @@ class Server:
                 yield json.dumps({"manifest": last.handoff}, separators=(",", ":")) + "\n"
             finally:
                 await it.aclose()
+
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 

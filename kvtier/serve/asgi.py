@@ -11,6 +11,7 @@ Both are plain ``async __call__(scope, receive, send)`` classes, not Starlette's
 non-streaming request is never noticed (its request generates to the end). These layers hand
 ``receive`` through untouched (ApiKeyAuth) or only count the bytes it carries (BodyLimit).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -104,7 +105,7 @@ class BodyLimit:
 
         try:
             await self.app(scope, counted_receive, tracked_send)
-        except BodyTooLarge:         # an app without a handler for it (or one that re-raised)
+        except BodyTooLarge:  # an app without a handler for it (or one that re-raised)
             if started:
                 raise
             await self._refuse(scope, receive, send)
@@ -117,6 +118,7 @@ class BodyLimit:
 
 async def _drain(receive: Receive, max_bytes: int) -> None:
     """Read and discard the rest of a request body (at most ``max_bytes``, ``DRAIN_MAX_S``)."""
+
     async def drain() -> None:
         nonlocal max_bytes
         while max_bytes > 0:
@@ -126,6 +128,7 @@ async def _drain(receive: Receive, max_bytes: int) -> None:
             max_bytes -= len(message.get("body", b""))
             if not message.get("more_body"):
                 return
+
     try:
         await asyncio.wait_for(drain(), DRAIN_MAX_S)
     except asyncio.TimeoutError:

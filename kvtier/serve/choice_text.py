@@ -7,6 +7,7 @@ the choice ends, text that may begin a stop string: from the first token on, sin
 completed at token ``min_tokens`` may begin before it. No text of a stop string that ends an
 output is ever sent; a match completed before ``min_tokens`` does not end it, and is sent.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -15,12 +16,11 @@ from kvtier.engine.detok import StopStrings
 
 
 class ChoiceText:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.stop = tuple(s for s in stop if s)
         self.matcher = StopStrings(tokenizer, self.stop, skip_special_tokens, min_tokens)
-        self.num_tokens = 0       # generated tokens pushed
-        self.sent = 0             # characters of the text handed out
+        self.num_tokens = 0  # generated tokens pushed
+        self.sent = 0  # characters of the text handed out
 
     @property
     def stopped(self) -> bool:
@@ -30,7 +30,7 @@ class ChoiceText:
     @property
     def text(self) -> str:
         """The text handed out so far (all of it, once finished)."""
-        return self.matcher.text[:self.sent]
+        return self.matcher.text[: self.sent]
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, int]:
         """Append generated tokens: the text that can be sent now, and how many of the tokens
@@ -46,19 +46,19 @@ class ChoiceText:
         """The choice ended: the rest of its text (incomplete characters included)."""
         if not self.stopped:
             stream = self.matcher.stream
-            stream.stop = ()      # the text's incomplete end, matched no more (as the engine's output)
+            stream.stop = ()  # the text's incomplete end, matched no more (as the engine's output)
             stream.finish()
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
         text = self.matcher.text
         end = len(text)
-        if not final and not self.stopped:       # hold back what may begin a stop string
+        if not final and not self.stopped:  # hold back what may begin a stop string
             for s in self.stop:
                 for k in range(min(len(s) - 1, len(text) - self.sent), 0, -1):
-                    if s.startswith(text[len(text) - k:]):
+                    if s.startswith(text[len(text) - k :]):
                         end = min(end, len(text) - k)
                         break
-        out = text[self.sent:end]
+        out = text[self.sent : end]
         self.sent = max(self.sent, end)
         return out

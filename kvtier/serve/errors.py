@@ -8,6 +8,7 @@
 exception handlers; ``error_body`` / ``error_response`` build it where there is no exception (the
 ASGI layers of ``asgi.py``, the router's own answers, an in-stream error event).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "request_too_large", 502: "bad_gateway", 503: "overloaded_error", 504: "timeout"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    502: "bad_gateway",
+    503: "overloaded_error",
+    504: "timeout",
+}
 
 
 class APIError(Exception):
@@ -36,8 +44,9 @@ def error_body(status: int, message: str, param: str | None = None, type_: str |
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, type_: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, type_), status_code=status, headers=headers)
 
 
@@ -70,7 +79,7 @@ def add_error_handlers(app: FastAPI) -> None:
         loc = list(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return error_response(400, invalid_json_message(ctx.get("error", "JSON decode error"), exc.body, loc[-1]))
-        param = getattr(ctx.get("error"), "param", None)       # protocol.FieldError: a whole-body check
+        param = getattr(ctx.get("error"), "param", None)  # protocol.FieldError: a whole-body check
         if isinstance(param, str):
             return error_response(400, str(ctx["error"]), param=param)
         where = ".".join(str(p) for p in loc if p != "body") or "body"

@@ -7,6 +7,7 @@ kvtier.cli`` would put the cwd first on ``sys.path``, so a ``kvtier/`` folder th
 a decoy) would be imported instead. ``_BOOT`` puts the directory holding this kvtier in front of
 it (works on Python 3.10, which has no ``-P``) and leaves the cwd as it is, so relative paths in
 the arguments keep their meaning."""
+
 from __future__ import annotations
 
 import signal
@@ -36,18 +37,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: Sequence[object], log: Path, env: dict | None = None,
-                 log_level: str = "warning") -> None:
+    def __init__(self, args: Sequence[object], log: Path, env: dict | None = None, log_level: str = "warning") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = kvtier_command(*args, "--port", self.port, "--log-level", log_level)
         self.log = Path(log)
         with open(self.log, "ab") as f:
-            self.popen = procs.spawn(self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+            self.popen = procs.spawn(
+                self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
         import httpx
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:

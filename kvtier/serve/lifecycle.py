@@ -14,6 +14,7 @@ An engine that stops on an error never serves again (a GPU error poisons its con
 engine/fatal.py): the server says ``dead`` for ``DEAD_GRACE_S``, then exits non-zero so that a
 supervisor starts a fresh one. A start that fails exits the same way, with the error in the log.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,7 +23,7 @@ from kvtier.engine.startup import Startup
 from kvtier.serve.asgi import ASGIApp, Receive, Scope, Send
 from kvtier.serve.errors import error_body, error_response
 
-DEAD_GRACE_S = 2.0      # how long /health says "dead" before the process exits
+DEAD_GRACE_S = 2.0  # how long /health says "dead" before the process exits
 
 
 class StartingApp:
@@ -31,14 +32,14 @@ class StartingApp:
     def __init__(self, startup: Startup, role: str) -> None:
         self.startup, self.role = startup, role
         self.app: ASGIApp | None = None
-        self.failed: str | None = None          # why the start failed
+        self.failed: str | None = None  # why the start failed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         app = self.app
         if app is not None:
             await app(scope, receive, send)
             return
-        if scope["type"] == "lifespan":          # nothing to start or stop before the engine is built
+        if scope["type"] == "lifespan":  # nothing to start or stop before the engine is built
             while True:
                 message = await receive()
                 kind = message["type"].rsplit(".", 1)[-1]
@@ -48,15 +49,21 @@ class StartingApp:
         if scope["type"] != "http":
             return
         from fastapi.responses import JSONResponse
+
         if self.failed is not None:
             body: dict[str, Any] = error_body(503, f"the server failed to start: {self.failed}")
             response = JSONResponse(body | {"status": "dead", "role": self.role, "engine": "dead"}, status_code=503)
         elif scope["path"] == "/health":
             body = error_body(503, f"the server is starting ({self.startup.phase})")
-            response = JSONResponse(body | {"status": "starting", "role": self.role, "engine": "starting",
-                                            **self.startup.as_dict()}, status_code=503,
-                                    headers={"Retry-After": "1"})
+            response = JSONResponse(
+                body | {"status": "starting", "role": self.role, "engine": "starting", **self.startup.as_dict()},
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
         else:
-            response = error_response(503, f"the server is starting ({self.startup.phase}); retry once "
-                                           "GET /health answers 200", headers={"Retry-After": "1"})
+            response = error_response(
+                503,
+                f"the server is starting ({self.startup.phase}); retry once GET /health answers 200",
+                headers={"Retry-After": "1"},
+            )
         await response(scope, receive, send)

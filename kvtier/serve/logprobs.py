@@ -14,6 +14,7 @@ dict (the sampled token + the top-k, as vLLM); chat's the ``top_logprobs`` most 
 that are not finite (-inf after top-k in ``processed`` mode) are -9999.0, as vLLM, since JSON has
 no -inf.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,7 @@ class TokenStrings:
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
         tok = self.tokenizer
-        if tok is None:                                      # token ids only: the id is the string
+        if tok is None:  # token ids only: the id is the string
             return f"token_id:{token_id}", list(str(token_id).encode())
         text = tok.decode([token_id], skip_special_tokens=False)
         raw = None
@@ -66,8 +67,9 @@ class TokenStrings:
         return text, list(raw if raw is not None else text.encode("utf-8"))
 
 
-def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int], logprobs: Logprobs,
-                        offset: int = 0) -> tuple[dict[str, list], int]:
+def completion_logprobs(
+    strings: TokenStrings, token_ids: Sequence[int], logprobs: Logprobs, offset: int = 0
+) -> tuple[dict[str, list], int]:
     """Completions' shape for ``token_ids``; ``offset``: the text offset of the first. Returns it
     and the offset after the last token."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -83,16 +85,18 @@ def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int], logprob
         out["token_logprobs"].append(_finite(lps[tid]))
         top: dict[str, float] = {}
         for t, lp in sorted(lps.items(), key=lambda kv: -kv[1]):
-            top.setdefault(strings.get(t)[0], _finite(lp))      # two ids of one string: the likelier
+            top.setdefault(strings.get(t)[0], _finite(lp))  # two ids of one string: the likelier
         out["top_logprobs"].append(top)
     return out, offset
 
 
 def chat_logprobs(strings: TokenStrings, token_ids: Sequence[int], logprobs: Logprobs, top: int) -> dict[str, list]:
     """Chat's shape for ``token_ids``, with the ``top`` most likely tokens at each position."""
+
     def entry(t: int, lp: float) -> dict[str, Any]:
         text, raw = strings.get(t)
         return {"token": text, "logprob": _finite(lp), "bytes": raw}
+
     content = []
     for tid, lps in zip(token_ids, logprobs):
         assert lps is not None

@@ -8,6 +8,7 @@ failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``), the cop
 (``kvtier_copies_pending``) and the queue gauges are read from a snapshot the engine thread takes
 at scrape time.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,10 +29,12 @@ class _CacheCollector:
         moved = CounterMetricFamily("kvtier_bytes_moved", "KV bytes moved between tiers", labels=["direction"])
         evict = CounterMetricFamily("kvtier_evictions", "KV blocks evicted per tier", labels=["tier"])
         fail = CounterMetricFamily("kvtier_storage_failures", "failed block copies per operation", labels=["op"])
-        blocks = GaugeMetricFamily("kvtier_tier_blocks", "KV blocks of each tier: used (held by requests or "
-                                   "cached) | free", labels=["tier", "state"])
-        pending = GaugeMetricFamily("kvtier_copies_pending", "copies between tiers planned and not landed "
-                                    "yet (loads, backups, fetches, puts)")
+        blocks = GaugeMetricFamily(
+            "kvtier_tier_blocks", "KV blocks of each tier: used (held by requests or cached) | free", labels=["tier", "state"]
+        )
+        pending = GaugeMetricFamily(
+            "kvtier_copies_pending", "copies between tiers planned and not landed yet (loads, backups, fetches, puts)"
+        )
         if s is not None:
             pending.add_metric([], s.get("pending_ops", 0))
             for tier, (used, total) in s["tier_blocks"].items():
@@ -55,22 +58,25 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.prompt_tokens = Counter("kvtier_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("kvtier_generation_tokens", "tokens generated", registry=r)
-        self.cached_tokens = Counter("kvtier_cached_tokens", "prompt tokens served from cache, per tier",
-                                     ["tier"], registry=r)
+        self.cached_tokens = Counter("kvtier_cached_tokens", "prompt tokens served from cache, per tier", ["tier"], registry=r)
         self.running = Gauge("kvtier_requests_running", "requests in the running batch", registry=r)
         self.waiting = Gauge("kvtier_requests_waiting", "requests waiting for admission", registry=r)
-        self.ttft = Histogram("kvtier_time_to_first_token_seconds", "arrival to first token",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("kvtier_inter_token_latency_seconds", "time between tokens of a request",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.handoffs = Counter("kvtier_pd_handoffs", "PD hand-offs served (decode side): ok | recomputed | "
-                                "error", ["result"], registry=r)
-        self.export = Histogram("kvtier_pd_export_seconds", "P of a PD hand-off: first token to the pool's "
-                                "ack of every block of the prompt, or to the export's timeout (P answers "
-                                "then)",
-                                buckets=_TTFT_BUCKETS, registry=r)
-        self.requests = Counter("kvtier_requests", "finished requests by finish reason", ["finish_reason"],
-                                registry=r)
+        self.ttft = Histogram("kvtier_time_to_first_token_seconds", "arrival to first token", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "kvtier_inter_token_latency_seconds", "time between tokens of a request", buckets=_ITL_BUCKETS, registry=r
+        )
+        self.handoffs = Counter(
+            "kvtier_pd_handoffs", "PD hand-offs served (decode side): ok | recomputed | error", ["result"], registry=r
+        )
+        self.export = Histogram(
+            "kvtier_pd_export_seconds",
+            "P of a PD hand-off: first token to the pool's "
+            "ack of every block of the prompt, or to the export's timeout (P answers "
+            "then)",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter("kvtier_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier)
         for result in ("ok", "recomputed", "error"):
@@ -78,8 +84,7 @@ class ServerMetrics:
         self._cache = _CacheCollector()
         r.register(self._cache)
 
-    def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int,
-                 output=None) -> None:
+    def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int, output=None) -> None:
         """One request ended; ``output``: the engine's final output, None if it had none (aborted,
         or cut by a stop string)."""
         self.requests.labels(finish_reason).inc()
@@ -104,7 +109,13 @@ def snapshot(core) -> dict:
     (used, total) blocks per tier."""
     s = core.cache.stats.as_dict()
     cache = core.cache
-    return {"bytes_moved": s["bytes_moved"], "evictions": s["evictions"], "failures": s["failures"],
-            "pending_ops": cache.num_pending_ops,
-            "tier_blocks": {"device": (cache.device_pool.num_used, cache.device_pool.num_blocks),
-                            "host": (cache.host_pool.num_used, cache.host_pool.num_blocks)}}
+    return {
+        "bytes_moved": s["bytes_moved"],
+        "evictions": s["evictions"],
+        "failures": s["failures"],
+        "pending_ops": cache.num_pending_ops,
+        "tier_blocks": {
+            "device": (cache.device_pool.num_used, cache.device_pool.num_blocks),
+            "host": (cache.host_pool.num_used, cache.host_pool.num_blocks),
+        },
+    }

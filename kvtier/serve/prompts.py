@@ -17,6 +17,7 @@ text, the template is rendered a second time with placeholders to find where eac
 and only the template's own special tokens stay control tokens; contents are encoded as plain
 text. Contents without special-token text keep today's ids exactly (the plain path is not taken).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 from kvtier.serve.errors import APIError
 
-_MARK = "\ue000kvtier-content-{}\ue001"           # private-use characters: never in a template
+_MARK = "\ue000kvtier-content-{}\ue001"  # private-use characters: never in a template
 _MARK_RE = re.compile("\ue000kvtier-content-(\\d+)\ue001")
 
 
@@ -37,7 +38,7 @@ class PromptTokenizer:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-tokenize")
         self._longest_token = 1
         self._specials: re.Pattern | None = None
-        self._plain: Any = None                    # a copy of the fast tokenizer that never matches specials
+        self._plain: Any = None  # a copy of the fast tokenizer that never matches specials
         if tokenizer is not None:
             self._longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
             specials = _special_tokens(tokenizer)
@@ -47,6 +48,7 @@ class PromptTokenizer:
             if backend is not None:
                 # a copy, not a toggle of the shared one's flag: tokenizer threads run concurrently
                 from tokenizers import Tokenizer
+
                 self._plain = Tokenizer.from_str(backend.to_str())
                 self._plain.encode_special_tokens = True
 
@@ -72,21 +74,23 @@ class PromptTokenizer:
     def _check_bound(self, text: str, budget: int, param: str) -> None:
         at_least = len(text) // (2 * self._longest_token)
         if at_least > budget:
-            raise APIError(400, f"the {param} has {len(text)} characters, so at least {at_least} tokens: over the "
-                                f"{budget} tokens the model's context of {self.max_model_len} leaves it", param)
+            raise APIError(
+                400,
+                f"the {param} has {len(text)} characters, so at least {at_least} tokens: over the "
+                f"{budget} tokens the model's context of {self.max_model_len} leaves it",
+                param,
+            )
 
     # ------------------------------------------------------------------ chat
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, budget: int) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions",
-                           "messages")
+            raise APIError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions", "messages")
         return await self._run(self._encode_chat, messages, add_generation_prompt, budget)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the client's 400
             raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
 
@@ -94,17 +98,19 @@ class PromptTokenizer:
         self._check_bound("".join(m["content"] for m in messages), budget, "messages")
         text = self._render(messages, add_generation_prompt)
         self._check_bound(text, budget, "messages")
-        injected = [i for i, m in enumerate(messages) if self._specials is not None
-                    and self._specials.search(m["content"])]
+        injected = [i for i, m in enumerate(messages) if self._specials is not None and self._specials.search(m["content"])]
         if not injected:
             return self.tokenizer.encode(text, add_special_tokens=False)
         if self._plain is None:
-            raise APIError(400, f"messages[{injected[0]}].content holds special-token text, which this (slow) "
-                                "tokenizer cannot keep as plain text", f"messages.{injected[0]}.content")
+            raise APIError(
+                400,
+                f"messages[{injected[0]}].content holds special-token text, which this (slow) "
+                "tokenizer cannot keep as plain text",
+                f"messages.{injected[0]}.content",
+            )
         return self._encode_chat_plain_contents(messages, add_generation_prompt, text, injected[0])
 
-    def _encode_chat_plain_contents(self, messages: list[dict], add_generation_prompt: bool, text: str,
-                                    first: int) -> list[int]:
+    def _encode_chat_plain_contents(self, messages: list[dict], add_generation_prompt: bool, text: str, first: int) -> list[int]:
         """Ids of ``text`` where only special tokens written by the template are control tokens.
 
         The placeholder render splits the text into template pieces and contents; text between
@@ -115,25 +121,29 @@ class PromptTokenizer:
         # parts: template, content index, template, content index, ..., template
         pieces = [(p, False) if k % 2 == 0 else (messages[int(p)]["content"], True) for k, p in enumerate(parts)]
         if "".join(p for p, _ in pieces) != text:
-            raise APIError(400, f"messages[{first}].content holds special-token text, and this chat template "
-                                "changes contents, so it cannot be kept as plain text: remove it",
-                           f"messages.{first}.content")
+            raise APIError(
+                400,
+                f"messages[{first}].content holds special-token text, and this chat template "
+                "changes contents, so it cannot be kept as plain text: remove it",
+                f"messages.{first}.content",
+            )
         specials = self._specials
-        assert specials is not None               # (a content holds special-token text)
+        assert specials is not None  # (a content holds special-token text)
         ids: list[int] = []
-        run: list[str] = []                       # text since the last template special token
+        run: list[str] = []  # text since the last template special token
 
         def flush() -> None:
             if run:
                 ids.extend(self._plain.encode_batch(["".join(run)], add_special_tokens=False)[0].ids)
                 run.clear()
+
         for piece, is_content in pieces:
             if is_content:
                 run.append(piece)
                 continue
             at = 0
             for m in specials.finditer(piece):
-                run.append(piece[at:m.start()])
+                run.append(piece[at : m.start()])
                 flush()
                 ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))
                 at = m.end()

@@ -18,6 +18,7 @@ fields) and means the field's default; ``max_tokens: null`` means the rest of th
 with a lone surrogate (``"\ud800"`` in JSON: no UTF-8 exists for it) is a 400 naming its field.
 Booleans are JSON ``true``/``false`` only (``"yes"`` or ``1`` for ``stream`` is a 400, not a guess).
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from kvtier.engine.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
-MAX_PROMPTS = 1024          # prompts in one completions request
+MAX_PROMPTS = 1024  # prompts in one completions request
 
 
 class FieldError(ValueError):
@@ -39,8 +40,9 @@ class FieldError(ValueError):
 
 class _Body(BaseModel):
     """Unknown fields refused; ``null`` for an optional field means its default."""
+
     model_config = ConfigDict(extra="forbid")
-    NULL_KEPT: ClassVar[frozenset[str]] = frozenset()   # fields whose null is not their default
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset()  # fields whose null is not their default
 
     @model_validator(mode="before")
     @classmethod
@@ -48,8 +50,9 @@ class _Body(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or k not in fields or fields[k].is_required() or k in cls.NULL_KEPT}
+        return {
+            k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required() or k in cls.NULL_KEPT
+        }
 
 
 _T = TypeVar("_T")
@@ -67,6 +70,7 @@ class StreamOptions(_Body):
 
 class Handoff(BaseModel):
     """D's half of a PD hand-off (sent by the router): P's manifest and first token."""
+
     model_config = ConfigDict(extra="forbid")
     namespace: str
     keys: list[str]
@@ -79,14 +83,14 @@ class Handoff(BaseModel):
 
 
 class _Sampling(_Body):
-    NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})   # null: the rest of the context
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # null: the rest of the context
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=1, description="null: the rest of the context")
     temperature: Optional[float] = Field(1.0, ge=0.0, le=100.0)
     top_p: Optional[float] = Field(1.0, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(0, ge=-1)
-    seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = Field(default_factory=list)
     ignore_eos: Optional[StrictBool] = False
@@ -97,16 +101,19 @@ class _Sampling(_Body):
     n: Optional[int] = Field(1, ge=1, le=MAX_N, description="samples per prompt")
     presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(1.0, gt=0.0, allow_inf_nan=False,
-                                                description="> 1 discourages every token of the prompt and output")
+    repetition_penalty: Optional[float] = Field(
+        1.0, gt=0.0, allow_inf_nan=False, description="> 1 discourages every token of the prompt and output"
+    )
     min_tokens: Optional[int] = Field(0, ge=0, description="no EOS or stop token before this many tokens")
     logprobs_mode: Optional[Literal["raw", "processed"]] = Field(
-        "raw", description="raw: the model's distribution; processed: the one sampled from")
+        "raw", description="raw: the model's distribution; processed: the one sampled from"
+    )
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported: {} only")
     user: Optional[str] = None
     skip_special_tokens: Optional[StrictBool] = Field(True, description="leave special tokens out of the text")
-    return_token_ids: Optional[StrictBool] = Field(False, description="each choice (each stream chunk) also carries "
-                                                                "its token ids")
+    return_token_ids: Optional[StrictBool] = Field(
+        False, description="each choice (each stream chunk) also carries its token ids"
+    )
     kvtier_handoff: Optional[Handoff] = None
 
     @model_validator(mode="before")
@@ -161,17 +168,26 @@ class _Sampling(_Body):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's params (ValueError names the bad field first: ``sampling_param`` finds it)."""
-        return SamplingParams(max_tokens=max_tokens, temperature=_given(self.temperature), top_p=_given(self.top_p),
-                              top_k=max(_given(self.top_k), 0), seed=self.seed,
-                              stop_token_ids=tuple(_given(self.stop_token_ids)),
-                              ignore_eos=_given(self.ignore_eos), return_routed_experts=_given(self.return_routed_experts),
-                              skip_special_tokens=_given(self.skip_special_tokens), n=_given(self.n),
-                              logprobs=self.engine_logprobs, prompt_logprobs=self.engine_prompt_logprobs,
-                              presence_penalty=_given(self.presence_penalty),
-                              frequency_penalty=_given(self.frequency_penalty),
-                              repetition_penalty=_given(self.repetition_penalty),
-                              min_tokens=_given(self.min_tokens),
-                              stop=tuple(self.stop_strings), logprobs_mode=_given(self.logprobs_mode))
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_given(self.temperature),
+            top_p=_given(self.top_p),
+            top_k=max(_given(self.top_k), 0),
+            seed=self.seed,
+            stop_token_ids=tuple(_given(self.stop_token_ids)),
+            ignore_eos=_given(self.ignore_eos),
+            return_routed_experts=_given(self.return_routed_experts),
+            skip_special_tokens=_given(self.skip_special_tokens),
+            n=_given(self.n),
+            logprobs=self.engine_logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs,
+            presence_penalty=_given(self.presence_penalty),
+            frequency_penalty=_given(self.frequency_penalty),
+            repetition_penalty=_given(self.repetition_penalty),
+            min_tokens=_given(self.min_tokens),
+            stop=tuple(self.stop_strings),
+            logprobs_mode=_given(self.logprobs_mode),
+        )
 
 
 def sampling_param(message: str) -> str | None:
@@ -182,11 +198,13 @@ def sampling_param(message: str) -> str | None:
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0, description="null: the rest of the context; 0: with echo only "
-                                                            "(the prompt's logprobs, nothing generated)")
+    max_tokens: Optional[int] = Field(
+        16, ge=0, description="null: the rest of the context; 0: with echo only (the prompt's logprobs, nothing generated)"
+    )
     echo: Optional[StrictBool] = Field(False, description="the prompt before each choice's text (and its logprobs)")
-    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description="top-k logprobs per token "
-                                                                               "(an int: chat's is the bool)")
+    logprobs: Optional[StrictInt] = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="top-k logprobs per token (an int: chat's is the bool)"
+    )
     suffix: Optional[str] = Field(None, max_length=0, description="not supported")
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N, description="null or n only")
 
@@ -207,11 +225,12 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _echo_and_best_of(self) -> "CompletionRequest":
         if self.max_tokens == 0 and not self.echo:
-            raise FieldError("max_tokens", "max_tokens=0 generates nothing: it needs echo=true (the prompt, "
-                                           "with its logprobs)")
+            raise FieldError("max_tokens", "max_tokens=0 generates nothing: it needs echo=true (the prompt, with its logprobs)")
         if self.best_of is not None and self.best_of != self.n:
-            raise FieldError("best_of", f"best_of={self.best_of} with n={self.n}: only best_of = n (or null) is "
-                                        "supported; every sample is returned")
+            raise FieldError(
+                "best_of",
+                f"best_of={self.best_of} with n={self.n}: only best_of = n (or null) is supported; every sample is returned",
+            )
         return self
 
     @property
@@ -230,7 +249,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")     # name, tool_calls, ...: the template may use them
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: the template may use them
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
@@ -256,8 +275,9 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="null: max_tokens")
     logprobs: Optional[StrictBool] = Field(False, description="the logprob of each generated token")
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most "
-                                                                                 "likely tokens at each position")
+    top_logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most likely tokens at each position"
+    )
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: Optional[StrictBool] = True
 

@@ -22,6 +22,7 @@ first token the client has), and D's answer only continues the stream (an error 
 the stream as an error event). Otherwise P's chunks wait for P's ack and D's headers, so that a
 failed export can still run the request colocated and D's 502 can be the answer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,7 @@ from kvtier.serve.errors import APIError, add_error_handlers, error_response, in
 log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _PREFILL = {"completion": "/kvtier/prefill/completions", "chat": "/kvtier/prefill/chat"}
-DEFAULT_EXPORT_TIMEOUT_S = 30.0     # P's --export-timeout default, for a P whose /health lacks it
+DEFAULT_EXPORT_TIMEOUT_S = 30.0  # P's --export-timeout default, for a P whose /health lacks it
 ACK_MARGIN_S = 10.0
 
 
@@ -59,9 +60,17 @@ class Backend:
 
 
 class Router:
-    def __init__(self, prefill: list[str], decode: list[str], api_key: str | None = None,
-                 backend_api_key: str | None = None, timeout: float = 600.0, connect_timeout: float = 3.0,
-                 health_interval: float = 2.0, max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        api_key: str | None = None,
+        backend_api_key: str | None = None,
+        timeout: float = 600.0,
+        connect_timeout: float = 3.0,
+        health_interval: float = 2.0,
+        max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
         if not decode:
             raise ValueError("the router needs at least one --decode server")
         self.prefill = [Backend(u, "prefill") for u in prefill]
@@ -75,16 +84,19 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         r = self.registry = CollectorRegistry()
-        self.routes = Counter("kvtier_router_requests", "requests by route: pd (P then D), colocated (D alone)",
-                              ["route"], registry=r)
-        self.fallbacks = Counter("kvtier_router_fallbacks", "requests served colocated on D instead of PD, by reason",
-                                 ["reason"], registry=r)
-        self.incomplete = Counter("kvtier_router_incomplete_exports",
-                                  "hand-offs whose P did not write every block (or broke off, or did not ack in "
-                                  "time) after its first token went out: D recomputed what was missing",
-                                  registry=r)
-        self.prefill_seconds = Histogram("kvtier_router_prefill_seconds", "P's answer time (prefill + pool writes)",
-                                         registry=r)
+        self.routes = Counter(
+            "kvtier_router_requests", "requests by route: pd (P then D), colocated (D alone)", ["route"], registry=r
+        )
+        self.fallbacks = Counter(
+            "kvtier_router_fallbacks", "requests served colocated on D instead of PD, by reason", ["reason"], registry=r
+        )
+        self.incomplete = Counter(
+            "kvtier_router_incomplete_exports",
+            "hand-offs whose P did not write every block (or broke off, or did not ack in "
+            "time) after its first token went out: D recomputed what was missing",
+            registry=r,
+        )
+        self.prefill_seconds = Histogram("kvtier_router_prefill_seconds", "P's answer time (prefill + pool writes)", registry=r)
         for route in ("pd", "colocated"):
             self.routes.labels(route)
         self.api = self._build()
@@ -122,14 +134,20 @@ class Router:
 
     # ------------------------------------------------------------------ app
     def _build(self) -> FastAPI:
-        app = FastAPI(title="kvtier router", version=__import__("kvtier").__version__,
-                      description="OpenAI-compatible front of kvtier prefill and decode servers.")
+        app = FastAPI(
+            title="kvtier router",
+            version=__import__("kvtier").__version__,
+            description="OpenAI-compatible front of kvtier prefill and decode servers.",
+        )
         router = self
 
         @app.on_event("startup")
         async def _start() -> None:
-            router.client = httpx.AsyncClient(timeout=router.timeout, headers=router.headers,
-                                              limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+            router.client = httpx.AsyncClient(
+                timeout=router.timeout,
+                headers=router.headers,
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            )
             await asyncio.gather(*(router._check(b) for b in router.prefill + router.decode))
             router._health_task = asyncio.create_task(router._health_loop())
 
@@ -147,8 +165,9 @@ class Router:
             up = [b.url for b in router.decode if b.healthy]
             if not up:
                 return error_response(503, "no decode server is up")
-            return JSONResponse({"status": "ok", "role": "router", "decode_up": up,
-                                 "prefill_up": [b.url for b in router.prefill if b.healthy]})
+            return JSONResponse(
+                {"status": "ok", "role": "router", "decode_up": up, "prefill_up": [b.url for b in router.prefill if b.healthy]}
+            )
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -182,7 +201,7 @@ class Router:
             body = json.loads(await request.body())
         except json.JSONDecodeError as e:
             return error_response(400, invalid_json_message(e.msg, e.doc, e.pos))
-        except ValueError as e:                         # not UTF-8
+        except ValueError as e:  # not UTF-8
             return error_response(400, invalid_json_message(str(e)))
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
@@ -196,13 +215,16 @@ class Router:
         stream = body.get("stream") is True
         pre, reason = await self._prefill(kind, body)
         if isinstance(pre, Response):
-            return pre                                      # the client's error (4xx), from P
+            return pre  # the client's error (4xx), from P
         if pre is None:
             return await self._colocated(kind, body, stream, reason)
         if stream and self._decode_recomputes():
             self.routes.labels("pd").inc()
-            return StreamingResponse(self._relay_early(kind, body, pre), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._relay_early(kind, body, pre),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         if not await pre.acked("colocated on D"):
             return await self._colocated(kind, body, stream, "prefill_write_failed")
         self.routes.labels("pd").inc()
@@ -227,7 +249,7 @@ class Router:
         try:
             for c in pre.chunks:
                 yield f"data: {json.dumps(c, separators=(',', ':'))}\n\n".encode()
-        except BaseException:              # the client left: P's answer is closed too
+        except BaseException:  # the client left: P's answer is closed too
             await pre.close()
             raise
         if not await pre.acked("D recomputes what is missing"):
@@ -243,8 +265,7 @@ class Router:
                 detail = _describe(e)
             finally:
                 await r.aclose()
-            yield (sse_error(APIError(502, f"decode server answered {r.status_code}: {detail}"))
-                   + "data: [DONE]\n\n").encode()
+            yield (sse_error(APIError(502, f"decode server answered {r.status_code}: {detail}")) + "data: [DONE]\n\n").encode()
             return
         async for b in _relay(None, r):
             yield b
@@ -273,7 +294,7 @@ class Router:
                 continue
             if _clients_fault(r):
                 return Response(r.content, status_code=r.status_code, media_type="application/json"), ""
-            if r.status_code == 501:          # what a hand-off cannot carry (n > 1, logprobs, several
+            if r.status_code == 501:  # what a hand-off cannot carry (n > 1, logprobs, several
                 return None, "not_handed_off"  # prompts): any P would say so; nothing is wrong with P
             if r.status_code != 200:
                 log.warning("prefill server %s answered %d: %s", p.url, r.status_code, r.text[:200])
@@ -329,10 +350,12 @@ class Router:
                 return error_response(502, f"decode server failed while answering: {_describe(e)}")
             finally:
                 await r.aclose()
-            return Response(content, status_code=r.status_code,
-                            media_type=r.headers.get("content-type", "application/json"))
-        return StreamingResponse(_relay(first_chunks, r), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json"))
+        return StreamingResponse(
+            _relay(first_chunks, r),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
 
 class _Prefill:
@@ -350,10 +373,16 @@ class _Prefill:
     async def start(self) -> None:
         head = json.loads(await anext(self._lines))
         names = head["manifest"]
-        self.head = {"namespace": names["namespace"], "keys": names["keys"], "num_tokens": names["num_tokens"],
-                     "first_token": head["first_token"], "prompt_token_ids": head["prompt_token_ids"],
-                     "prefill_cached_tokens": head.get("cached_tokens", 0), "response_id": head["id"],
-                     "created": head["created"]}
+        self.head = {
+            "namespace": names["namespace"],
+            "keys": names["keys"],
+            "num_tokens": names["num_tokens"],
+            "first_token": head["first_token"],
+            "prompt_token_ids": head["prompt_token_ids"],
+            "prefill_cached_tokens": head.get("cached_tokens", 0),
+            "response_id": head["id"],
+            "created": head["created"],
+        }
         self.chunks = head["chunks"]
 
     async def ack(self) -> dict | None:
@@ -383,8 +412,12 @@ class _Prefill:
             await self.close()
         if manifest is not None and manifest.get("complete"):
             return True
-        log.warning("prefill server %s could not write every block (%s): %s", self.url,
-                    "its answer broke off" if manifest is None else f"{manifest.get('failed_blocks')} failed", then)
+        log.warning(
+            "prefill server %s could not write every block (%s): %s",
+            self.url,
+            "its answer broke off" if manifest is None else f"{manifest.get('failed_blocks')} failed",
+            then,
+        )
         return False
 
     def handoff(self) -> dict:
@@ -403,7 +436,7 @@ async def _relay(first_chunks: list | None, r: httpx.Response) -> AsyncIterator[
             yield f"data: {json.dumps(c, separators=(',', ':'))}\n\n".encode()
         async for b in r.aiter_raw():
             yield b
-    except httpx.HTTPError as e:       # D died mid-stream: say so, end the stream
+    except httpx.HTTPError as e:  # D died mid-stream: say so, end the stream
         err = APIError(502, f"decode server failed mid-stream: {_describe(e)}")
         yield (sse_error(err) + "data: [DONE]\n\n").encode()
     finally:
@@ -414,7 +447,7 @@ def _clients_fault(r: httpx.Response) -> bool:
     """P's answer is an error of the client's request (D would answer the same), not of P."""
     if r.status_code in (400, 413):
         return True
-    if r.status_code == 404:                   # unknown model: named in the error's param
+    if r.status_code == 404:  # unknown model: named in the error's param
         try:
             return r.json()["error"]["param"] == "model"
         except (ValueError, KeyError, TypeError):

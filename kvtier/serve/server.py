@@ -5,6 +5,7 @@ shows them), from the environment: ``KVTIER_API_KEY`` (clients' key, server and 
 ``KVTIER_BACKEND_API_KEY`` (the key the router sends to its servers). The flag wins; an empty key
 is an error, never "no authentication".
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,15 +52,27 @@ def role_defaults(role: str, config: EngineConfig) -> EngineConfig:
     pool are its product, gets half its fetch threads as put threads unless told (an engine that
     serves requests itself gets one: put threads slow its engine thread)."""
     from kvtier.storage.client import default_storage_workers
+
     if role == "prefill" and config.storage_put_workers is None:
         return replace(config, storage_put_workers=max(1, (config.storage_workers or default_storage_workers()) // 2))
     return config
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "colocated",
-          api_key: str | None = None, served_model_name: str | None = None, max_queue: int = 1024,
-          log_level: str = "info", max_body_bytes: int | None = None, require_cache_salt: bool = False,
-          log_stats_interval: float = 10.0, config: EngineConfig | None = None, **options: Any) -> int:
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    role: str = "colocated",
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_queue: int = 1024,
+    log_level: str = "info",
+    max_body_bytes: int | None = None,
+    require_cache_salt: bool = False,
+    log_stats_interval: float = 10.0,
+    config: EngineConfig | None = None,
+    **options: Any,
+) -> int:
     """Serve until stopped; returns the process's exit status: 0 after a clean stop, 1 if the
     engine failed to start or died (serve/lifecycle.py: the port answers ``/health`` with 503
     ``starting`` while the engine starts, ``dead`` before such an exit)."""
@@ -73,31 +86,48 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
 
     api_key = resolve_key(api_key, API_KEY_ENV, "--api-key")
     config = replace(config, **options) if config is not None else EngineConfig(**options)
-    check_role(role, config.storage is not None)     # before loading the model
+    check_role(role, config.storage is not None)  # before loading the model
     setup_logging(log_level)
     log = logging.getLogger("kvtier")
     startup = Startup()
     front = StartingApp(startup, role)
-    userver = uvicorn.Server(uvicorn.Config(front, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=5))
+    userver = uvicorn.Server(uvicorn.Config(front, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     built: dict[str, Any] = {}
     died: list[BaseException] = []
 
     def exit_soon(error: BaseException) -> None:
         died.append(error)
-        log.critical("the engine stopped (%s): /health says dead, the server exits in %.0f s",
-                     error, DEAD_GRACE_S)
+        log.critical("the engine stopped (%s): /health says dead, the server exits in %.0f s", error, DEAD_GRACE_S)
         threading.Timer(DEAD_GRACE_S, lambda: setattr(userver, "should_exit", True)).start()
 
     def build() -> None:
         try:
-            _build_server(model, role, api_key, served_model_name, max_queue, max_body_bytes,
-                          require_cache_salt, log_stats_interval, startup, exit_soon, config, built)
+            _build_server(
+                model,
+                role,
+                api_key,
+                served_model_name,
+                max_queue,
+                max_body_bytes,
+                require_cache_salt,
+                log_stats_interval,
+                startup,
+                exit_soon,
+                config,
+                built,
+            )
             front.app = built["server"].app
-            log.info("serving %s as %r (role %s) on http://%s:%d, ready after %.1f s", model,
-                     built["server"].model_name, role, host, port, startup.total_s)
+            log.info(
+                "serving %s as %r (role %s) on http://%s:%d, ready after %.1f s",
+                model,
+                built["server"].model_name,
+                role,
+                host,
+                port,
+                startup.total_s,
+            )
         except BaseException as e:  # noqa: BLE001 - the server says so, then exits non-zero
-            if startup.phase == "starting":      # bad arguments, before any phase: the caller raises it
+            if startup.phase == "starting":  # bad arguments, before any phase: the caller raises it
                 built["error"] = e
                 return
             log.critical("the server failed to start: %s", e, exc_info=e)
@@ -125,9 +155,20 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, role: str = "co
     return 1 if died else 0
 
 
-def _build_server(model: str, role: str, api_key: str | None, served_model_name: str | None, max_queue: int,
-                  max_body_bytes: int | None, require_cache_salt: bool, log_stats_interval: float,
-                  startup: Any, on_dead: Any, config: EngineConfig, built: dict[str, Any]) -> None:
+def _build_server(
+    model: str,
+    role: str,
+    api_key: str | None,
+    served_model_name: str | None,
+    max_queue: int,
+    max_body_bytes: int | None,
+    require_cache_salt: bool,
+    log_stats_interval: float,
+    startup: Any,
+    on_dead: Any,
+    config: EngineConfig,
+    built: dict[str, Any],
+) -> None:
     """The engine, its loop and the HTTP app (into ``built`` as they come, for the cleanup)."""
     from kvtier.engine.async_engine import AsyncEngine
     from kvtier.engine.core import EngineCore
@@ -136,21 +177,39 @@ def _build_server(model: str, role: str, api_key: str | None, served_model_name:
 
     core = EngineCore(model, role_defaults(role, config), startup=startup)
     built["engine"] = AsyncEngine(core, max_queue=max_queue, stats_interval=log_stats_interval, on_dead=on_dead)
-    built["server"] = Server(built["engine"], served_model_name or Path(model).name, role, api_key,
-                             max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                             require_cache_salt=require_cache_salt)
+    built["server"] = Server(
+        built["engine"],
+        served_model_name or Path(model).name,
+        role,
+        api_key,
+        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        require_cache_salt=require_cache_salt,
+    )
 
 
-def route(prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", api_key: str | None = None, backend_api_key: str | None = None,
-          max_body_bytes: int | None = None, **kwargs: Any) -> None:
+def route(
+    prefill: list[str],
+    decode: list[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    api_key: str | None = None,
+    backend_api_key: str | None = None,
+    max_body_bytes: int | None = None,
+    **kwargs: Any,
+) -> None:
     import uvicorn
 
     from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
     from kvtier.serve.router import Router
 
     setup_logging(log_level)
-    router = Router(prefill, decode, api_key=resolve_key(api_key, API_KEY_ENV, "--api-key"),
-                    backend_api_key=resolve_key(backend_api_key, BACKEND_API_KEY_ENV, "--backend-api-key"),
-                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, **kwargs)
+    router = Router(
+        prefill,
+        decode,
+        api_key=resolve_key(api_key, API_KEY_ENV, "--api-key"),
+        backend_api_key=resolve_key(backend_api_key, BACKEND_API_KEY_ENV, "--backend-api-key"),
+        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        **kwargs,
+    )
     uvicorn.run(router.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

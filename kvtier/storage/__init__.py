@@ -16,6 +16,7 @@ blobs (:mod:`kvtier.storage.blob`), retries and a circuit breaker; any failure i
 ``health()`` is the pool's state for ``/health``. A URL is shown (errors, logs, ``describe()``) only
 through :func:`~kvtier.storage.base.redact_url`: passwords never reach a log.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,8 +28,20 @@ from kvtier.storage.client import StorageClient
 from kvtier.storage.memory import MemoryBackend, parse_size
 from kvtier.storage.throttle import ThrottledBackend
 
-__all__ = ["MISSING", "TOO_LARGE", "Backend", "BlobLayout", "MemoryBackend", "StorageClient", "StorageError",
-           "namespace_digest", "open_backend", "open_storage", "parse_size", "redact_url"]
+__all__ = [
+    "MISSING",
+    "TOO_LARGE",
+    "Backend",
+    "BlobLayout",
+    "MemoryBackend",
+    "StorageClient",
+    "StorageError",
+    "namespace_digest",
+    "open_backend",
+    "open_storage",
+    "parse_size",
+    "redact_url",
+]
 
 # scheme -> "module:class" (imported on use: redis/mooncake clients are optional extras)
 BACKENDS = {
@@ -50,8 +63,10 @@ def open_backend(url: str) -> Backend:
     parsed = urlparse(url)
     target = BACKENDS.get(parsed.scheme)
     if target is None:
-        raise ValueError(f"unknown storage URL scheme {parsed.scheme!r} in {redact_url(url)!r}; expected one of "
-                         f"{', '.join(s + '://' for s in BACKENDS)}")
+        raise ValueError(
+            f"unknown storage URL scheme {parsed.scheme!r} in {redact_url(url)!r}; expected one of "
+            f"{', '.join(s + '://' for s in BACKENDS)}"
+        )
     query = parse_qsl(parsed.query, keep_blank_values=True)
     throttle = [v for k, v in query if k == "throttle"]
     if throttle:

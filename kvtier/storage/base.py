@@ -30,6 +30,7 @@ Contract:
 * Backends are used by several worker threads at once: they must be thread-safe (one connection
   pool, or one connection per thread).
 """
+
 from __future__ import annotations
 
 import re
@@ -54,7 +55,7 @@ def redact_url(url: object) -> str:
     scheme, sep, rest = text.partition("://")
     if not sep:
         scheme, rest = "", text
-    if "@" in rest and not rest.startswith("/"):          # file:///dir@x has no credentials
+    if "@" in rest and not rest.startswith("/"):  # file:///dir@x has no credentials
         userinfo, _, hosts = rest.rpartition("@")
         user, colon, _ = userinfo.partition(":")
         rest = (f"{user}:***@" if colon and not set(user) & set("/?#&=") else "***@") + hosts

@@ -13,6 +13,7 @@ field matches and the checksum holds: anything else (another model's or another 
 object, a truncated or corrupted object, a format from another version) is reported as *bad*, and
 the client counts it, deletes it and treats it as a miss. No pickle: the header is ``struct``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -36,8 +37,8 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "float8
 
 class BlobStatus(enum.Enum):
     OK = "ok"
-    TRUNCATED = "truncated"          # shorter than header + payload sizes
-    BAD_HEADER = "bad_header"        # magic, version, dtype, shape or sizes differ
+    TRUNCATED = "truncated"  # shorter than header + payload sizes
+    BAD_HEADER = "bad_header"  # magic, version, dtype, shape or sizes differ
     WRONG_NAMESPACE = "wrong_namespace"
     WRONG_KEY = "wrong_key"
     BAD_CHECKSUM = "bad_checksum"
@@ -52,10 +53,10 @@ def namespace_digest(namespace: str, fingerprint: bytes = b"") -> bytes:
 class BlobLayout:
     """What every object of one engine looks like (same for all its blocks)."""
 
-    namespace: bytes                 # namespace_digest(...)
-    dtype: str                       # KV dtype name, e.g. "bfloat16"
-    shape: tuple[int, ...]           # one host block: (num_layers, 2, block_size, kv_heads, head_dim)
-    block_size: int                  # tokens per block
+    namespace: bytes  # namespace_digest(...)
+    dtype: str  # KV dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]  # one host block: (num_layers, 2, block_size, kv_heads, head_dim)
+    block_size: int  # tokens per block
     kv_nbytes: int
     routing_nbytes: int = 0
 
@@ -77,9 +78,22 @@ class BlobLayout:
         if len(key) > 32:
             raise ValueError(f"block key of {len(key)} bytes; at most 32")
         shape = tuple(self.shape) + (0,) * (6 - len(self.shape))
-        return _FMT.pack(MAGIC, VERSION, HEADER_NBYTES, len(key), _DTYPES.index(self.dtype), len(self.shape),
-                         _ALGO_XXH3_64, self.block_size, self.namespace, key.ljust(32, b"\0"), *shape,
-                         self.kv_nbytes, self.routing_nbytes, checksum)
+        return _FMT.pack(
+            MAGIC,
+            VERSION,
+            HEADER_NBYTES,
+            len(key),
+            _DTYPES.index(self.dtype),
+            len(self.shape),
+            _ALGO_XXH3_64,
+            self.block_size,
+            self.namespace,
+            key.ljust(32, b"\0"),
+            *shape,
+            self.kv_nbytes,
+            self.routing_nbytes,
+            checksum,
+        )
 
     def encode_into(self, buf: np.ndarray, key: bytes | str, kv: np.ndarray, routing: np.ndarray | None) -> int:
         """Write the object of block ``key`` into ``buf`` (uint8, >= nbytes); returns its size.
@@ -87,15 +101,17 @@ class BlobLayout:
         ``kv``/``routing`` are uint8 views of the host block's bytes (one copy each into ``buf``)."""
         h, k = HEADER_NBYTES, self.kv_nbytes
         if kv.nbytes != k or (routing.nbytes if routing is not None else 0) != self.routing_nbytes:
-            raise ValueError(f"payload of {kv.nbytes} + {0 if routing is None else routing.nbytes} bytes; "
-                             f"layout expects {k} + {self.routing_nbytes}")
-        np.copyto(buf[h:h + k], kv.reshape(-1))
+            raise ValueError(
+                f"payload of {kv.nbytes} + {0 if routing is None else routing.nbytes} bytes; "
+                f"layout expects {k} + {self.routing_nbytes}"
+            )
+        np.copyto(buf[h : h + k], kv.reshape(-1))
         if routing is not None:
-            np.copyto(buf[h + k:h + k + self.routing_nbytes], routing.reshape(-1))
-        checksum = xxhash.xxh3_64_intdigest(buf[h:self.nbytes].data)
+            np.copyto(buf[h + k : h + k + self.routing_nbytes], routing.reshape(-1))
+        checksum = xxhash.xxh3_64_intdigest(buf[h : self.nbytes].data)
         header = self._header(key, checksum)
-        buf[:len(header)] = np.frombuffer(header, np.uint8)
-        buf[len(header):h] = 0
+        buf[: len(header)] = np.frombuffer(header, np.uint8)
+        buf[len(header) : h] = 0
         return self.nbytes
 
     def header_for(self, key: bytes | str, kv: np.ndarray, routing: np.ndarray | None) -> bytes:
@@ -103,14 +119,15 @@ class BlobLayout:
         writers send header, kv and routing as three parts: no staging copy)."""
         return self._header(key, _digest(kv, routing)).ljust(HEADER_NBYTES, b"\0")
 
-    def check_parts(self, header: np.ndarray, size: int, key: bytes | str, kv: np.ndarray,
-                    routing: np.ndarray | None) -> BlobStatus:
+    def check_parts(
+        self, header: np.ndarray, size: int, key: bytes | str, kv: np.ndarray, routing: np.ndarray | None
+    ) -> BlobStatus:
         """:meth:`check` of an object read in parts: header into ``header``, payload straight into
         the host block's ``kv`` and ``routing`` views."""
         status = self._check_header(header, size, key)
         if status is not BlobStatus.OK:
             return status
-        if _digest(kv, routing) != int.from_bytes(header[_CHECKSUM_OFFSET:_FMT.size].tobytes(), "little"):
+        if _digest(kv, routing) != int.from_bytes(header[_CHECKSUM_OFFSET : _FMT.size].tobytes(), "little"):
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
@@ -119,8 +136,8 @@ class BlobLayout:
         status = self._check_header(buf, size, key)
         if status is not BlobStatus.OK:
             return status
-        checksum = _FMT.unpack_from(buf[:_FMT.size].data)[18]
-        if xxhash.xxh3_64_intdigest(buf[HEADER_NBYTES:self.nbytes].data) != checksum:
+        checksum = _FMT.unpack_from(buf[: _FMT.size].data)[18]
+        if xxhash.xxh3_64_intdigest(buf[HEADER_NBYTES : self.nbytes].data) != checksum:
             return BlobStatus.BAD_CHECKSUM
         return BlobStatus.OK
 
@@ -128,14 +145,13 @@ class BlobLayout:
         key = header_key(key)
         # fast path (a thread pool's worth of these share the GIL): every field but the checksum
         # is known, so one comparison with the expected header checks them all
-        if (size == self.nbytes and len(key) <= 32
-                and buf[:_CHECKSUM_OFFSET].tobytes() == self._header(key, 0)[:_CHECKSUM_OFFSET]):
+        if size == self.nbytes and len(key) <= 32 and buf[:_CHECKSUM_OFFSET].tobytes() == self._header(key, 0)[:_CHECKSUM_OFFSET]:
             return BlobStatus.OK
         if size < _FMT.size:
             return BlobStatus.TRUNCATED
-        f = _FMT.unpack_from(buf[:_FMT.size].data)
+        f = _FMT.unpack_from(buf[: _FMT.size].data)
         magic, version, hdr, klen, dtype, ndim, algo, tokens, ns, stored_key = f[:10]
-        shape, kv_nbytes, rt_nbytes = f[10:10 + ndim], f[16], f[17]
+        shape, kv_nbytes, rt_nbytes = f[10 : 10 + ndim], f[16], f[17]
         if magic != MAGIC or version != VERSION or hdr != HEADER_NBYTES or algo != _ALGO_XXH3_64:
             return BlobStatus.BAD_HEADER
         if size < hdr + kv_nbytes + rt_nbytes:
@@ -144,9 +160,15 @@ class BlobLayout:
             return BlobStatus.WRONG_NAMESPACE
         if stored_key[:klen] != key or klen != len(key):
             return BlobStatus.WRONG_KEY
-        if (dtype >= len(_DTYPES) or _DTYPES[dtype] != self.dtype or tuple(shape) != tuple(self.shape)
-                or tokens != self.block_size or kv_nbytes != self.kv_nbytes or rt_nbytes != self.routing_nbytes
-                or size != self.nbytes):
+        if (
+            dtype >= len(_DTYPES)
+            or _DTYPES[dtype] != self.dtype
+            or tuple(shape) != tuple(self.shape)
+            or tokens != self.block_size
+            or kv_nbytes != self.kv_nbytes
+            or rt_nbytes != self.routing_nbytes
+            or size != self.nbytes
+        ):
             return BlobStatus.BAD_HEADER
         return BlobStatus.OK
 
@@ -154,9 +176,9 @@ class BlobLayout:
         """Copy a checked object's payload into the host block's bytes."""
         h, k = HEADER_NBYTES, self.kv_nbytes
         assert kv.flags.c_contiguous and (routing is None or routing.flags.c_contiguous)
-        np.copyto(kv.reshape(-1), buf[h:h + k])
+        np.copyto(kv.reshape(-1), buf[h : h + k])
         if routing is not None:
-            np.copyto(routing.reshape(-1), buf[h + k:h + k + self.routing_nbytes])
+            np.copyto(routing.reshape(-1), buf[h + k : h + k + self.routing_nbytes])
 
 
 def _digest(kv: np.ndarray, routing: np.ndarray | None) -> int:

@@ -39,6 +39,7 @@ thread probes it (``exists`` of one name) every ``probe_interval`` seconds in wh
 succeeded; a probe that fails counts toward the breaker, one that succeeds closes it, one that
 has not returned after ``probe_timeout`` makes the pool unhealthy. :meth:`close` stops it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,7 +63,7 @@ from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus
 log = logging.getLogger(__name__)
 
 
-_LOOKUP_SLICE = 128    # names per exists call when a lookup is split across threads
+_LOOKUP_SLICE = 128  # names per exists call when a lookup is split across threads
 
 # failed checks counted as ``corrupt`` (our object, damaged); any other failure is ``foreign``
 _DAMAGED = (BlobStatus.BAD_CHECKSUM, BlobStatus.TRUNCATED, BlobStatus.WRONG_KEY)
@@ -150,32 +151,45 @@ class CircuitBreaker:
     def failure(self) -> None:
         with self._lock:
             self.failures += 1
-            if self._probing:                   # the probe failed: open again, for longer
+            if self._probing:  # the probe failed: open again, for longer
                 self._probing = False
                 self.cooldown = min(self.cooldown * 2, self.max_cooldown)
                 self.open_until = time.monotonic() + self.cooldown
             elif self.open_until is None and self.failures >= self.threshold:
                 self.trips += 1
                 self.open_until = time.monotonic() + self.cooldown
-                log.warning("storage failed %d times in a row: circuit breaker open for %.1f s "
-                            "(requests go on by recompute)", self.failures, self.cooldown)
+                log.warning(
+                    "storage failed %d times in a row: circuit breaker open for %.1f s (requests go on by recompute)",
+                    self.failures,
+                    self.cooldown,
+                )
 
 
 @dataclass(slots=True)
 class _Op:
     op: TransferOp
     futures: list[Future]
-    starts: list[int]                   # first item index of each batch
+    starts: list[int]  # first item index of each batch
     failed: list[int] = field(default_factory=list)
 
 
 class StorageClient:
-    def __init__(self, backend: Backend, namespace: str = "default", *, workers: int = 4, batch: int = 16,
-                 put_workers: int | None = None,
-                 retries: int = 1, breaker_threshold: int = 3, breaker_cooldown: float = 2.0,
-                 on_fetch_io: Callable[[int, float], None] | None = None,
-                 on_fetch_busy: Callable[[int, float], None] | None = None,
-                 probe_interval: float | None = 2.0, probe_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        namespace: str = "default",
+        *,
+        workers: int = 4,
+        batch: int = 16,
+        put_workers: int | None = None,
+        retries: int = 1,
+        breaker_threshold: int = 3,
+        breaker_cooldown: float = 2.0,
+        on_fetch_io: Callable[[int, float], None] | None = None,
+        on_fetch_busy: Callable[[int, float], None] | None = None,
+        probe_interval: float | None = 2.0,
+        probe_timeout: float = 5.0,
+    ) -> None:
         if workers < 1 or batch < 1 or retries < 0:
             raise ValueError(f"workers and batch must be >= 1 and retries >= 0, got {workers}, {batch}, {retries}")
         self.backend = backend
@@ -184,17 +198,17 @@ class StorageClient:
         self.batch = batch
         self.retries = retries
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown)
-        self.on_fetch_io = on_fetch_io          # cost model: (bytes, seconds) of each get call
-        self.on_fetch_busy = on_fetch_busy      # cost model: (bytes, wall seconds) of each busy period
-        self._reads_active = 0                  # read calls in flight (busy period bookkeeping)
+        self.on_fetch_io = on_fetch_io  # cost model: (bytes, seconds) of each get call
+        self.on_fetch_busy = on_fetch_busy  # cost model: (bytes, wall seconds) of each busy period
+        self._reads_active = 0  # read calls in flight (busy period bookkeeping)
         self._busy_start = 0.0
         self._busy_bytes = 0
         self._busy_tainted = False
         self.layout: BlobLayout | None = None
         self._kv: Callable[[int], np.ndarray] | None = None
         self._routing: Callable[[int], np.ndarray] | None = None
-        self._pool: ThreadPoolExecutor | None = None        # fetches (and calibration)
-        self._put_pool: ThreadPoolExecutor | None = None    # puts
+        self._pool: ThreadPoolExecutor | None = None  # fetches (and calibration)
+        self._put_pool: ThreadPoolExecutor | None = None  # puts
         self._lookup_pool: ThreadPoolExecutor | None = None  # slices of long lookups (never queued behind I/O)
         self._arrival_pool: ThreadPoolExecutor | None = None  # whole lookups started at a request's arrival
         self.put_workers = put_workers if put_workers is not None else max(1, workers // 2)
@@ -202,22 +216,38 @@ class StorageClient:
             raise ValueError(f"put_workers must be >= 1, got {put_workers}")
         self._slots: SimpleQueue[np.ndarray] = SimpleQueue()
         self._inflight: deque[_Op] = deque()
-        self._known: OrderedDict[bytes | str, None] = OrderedDict()   # keys stored (a hint for skipping puts)
+        self._known: OrderedDict[bytes | str, None] = OrderedDict()  # keys stored (a hint for skipping puts)
         self._lock = threading.Lock()
-        self.counters: dict[str, float] = {k: 0 for k in (
-            "lookups", "lookup_hits", "hits", "misses", "corrupt", "foreign", "replaced_corrupt",
-            "skipped_breaker_open",
-            "put_blocks", "put_refused",
-            "failed_calls", "bytes_read", "bytes_written", "fetch_seconds", "put_seconds",
-            "busy_read_bytes", "busy_read_seconds")}      # reads over wall time while any was in flight
+        self.counters: dict[str, float] = {
+            k: 0
+            for k in (
+                "lookups",
+                "lookup_hits",
+                "hits",
+                "misses",
+                "corrupt",
+                "foreign",
+                "replaced_corrupt",
+                "skipped_breaker_open",
+                "put_blocks",
+                "put_refused",
+                "failed_calls",
+                "bytes_read",
+                "bytes_written",
+                "fetch_seconds",
+                "put_seconds",
+                "busy_read_bytes",
+                "busy_read_seconds",
+            )
+        }  # reads over wall time while any was in flight
         self._closed = False
-        self.where = redact_url(backend.describe())   # for logs, stats, health (a backend's own
+        self.where = redact_url(backend.describe())  # for logs, stats, health (a backend's own
         #                                               describe() is not trusted to hide every secret)
         # health: written by the I/O paths and the probe, read by health() (one short lock)
         self._health_lock = threading.Lock()
-        self._last_ok: float | None = None            # monotonic time of the last call that succeeded
+        self._last_ok: float | None = None  # monotonic time of the last call that succeeded
         self._last_error: tuple[float, str] | None = None
-        self._probe_started: float | None = None      # a probe call in flight since
+        self._probe_started: float | None = None  # a probe call in flight since
         self.probe_interval, self.probe_timeout = probe_interval, probe_timeout
         self._stop_probe = threading.Event()
         self._probe_thread: threading.Thread | None = None
@@ -228,8 +258,9 @@ class StorageClient:
             self._probe_thread.start()
 
     # ------------------------------------------------------------------ set-up
-    def bind(self, layout: BlobLayout, kv: Callable[[int], np.ndarray],
-             routing: Callable[[int], np.ndarray] | None = None) -> None:
+    def bind(
+        self, layout: BlobLayout, kv: Callable[[int], np.ndarray], routing: Callable[[int], np.ndarray] | None = None
+    ) -> None:
         """Where host block ``h``'s bytes are: ``kv(h)`` (and ``routing(h)``), uint8 views."""
         self.layout, self._kv, self._routing = layout, kv, routing
         arena = np.empty((self.workers + self.put_workers, self.batch, layout.nbytes), np.uint8)
@@ -270,11 +301,11 @@ class StorageClient:
             elif len(names) > 2 * _LOOKUP_SLICE and self._lookup_pool is not None:
                 # a long prompt: slices looked up at once on the lookup threads (a file pool
                 # answers with one stat per name; a server pipelines each slice)
-                slices = [names[i:i + _LOOKUP_SLICE] for i in range(0, len(names), _LOOKUP_SLICE)]
+                slices = [names[i : i + _LOOKUP_SLICE] for i in range(0, len(names), _LOOKUP_SLICE)]
                 present = [p for part in self._lookup_pool.map(self.backend.exists, slices) for p in part]
             else:
                 present = self.backend.exists(names)
-        except Exception as e:   # a dead pool is a miss
+        except Exception as e:  # a dead pool is a miss
             self._call_failed("lookup", e)
             return 0
         finally:
@@ -285,12 +316,12 @@ class StorageClient:
             if not p:
                 break
             n += 1
-        with self._lock:         # (lookups run on the engine thread and on the arrival threads)
+        with self._lock:  # (lookups run on the engine thread and on the arrival threads)
             for k, p in zip(keys, present):
                 if p:
                     self._remember(k)
                 else:
-                    self._known.pop(k, None)       # evicted from the pool: put it again next time
+                    self._known.pop(k, None)  # evicted from the pool: put it again next time
             self.counters["lookups"] += 1
             self.counters["lookup_hits"] += n
         return n
@@ -329,15 +360,14 @@ class StorageClient:
         blocks = op.dst_blocks if op.kind == "fetch" else op.src_blocks
         run = self._fetch_batch if op.kind == "fetch" else self._put_batch
         pool = self._pool if op.kind == "fetch" else self._put_pool
-        assert pool is not None                 # bind() starts both
+        assert pool is not None  # bind() starts both
         futures, starts = [], []
         if not self.breaker.blocked():
             for s in range(0, op.num_blocks, self.batch):
-                futures.append(pool.submit(self._gated, run, op.keys[s:s + self.batch],
-                                           blocks[s:s + self.batch]))
+                futures.append(pool.submit(self._gated, run, op.keys[s : s + self.batch], blocks[s : s + self.batch]))
                 starts.append(s)
         entry = _Op(op, futures, starts)
-        if not futures:                         # breaker open: fail at once, no I/O
+        if not futures:  # breaker open: fail at once, no I/O
             entry.failed = list(range(op.num_blocks))
         self._inflight.append(entry)
 
@@ -352,7 +382,7 @@ class StorageClient:
             for start, fut in zip(entry.starts, entry.futures):
                 try:
                     entry.failed.extend(start + i for i in fut.result())
-                except Exception as e:          # the worker itself broke: the whole batch failed
+                except Exception as e:  # the worker itself broke: the whole batch failed
                     log.warning("storage %s batch failed: %s", entry.op.kind, e)
                     n = min(self.batch, entry.op.num_blocks - start)
                     entry.failed.extend(range(start, start + n))
@@ -427,10 +457,16 @@ class StorageClient:
             rts = [self._routing(hb) for hb in host_blocks] if self._routing else [None] * n
             t0 = self._read_started()
             try:
-                if parts:     # header into staging, payload straight into the host block
-                    sizes = self._call("get", self.backend.get_into_parts, names, [
-                        [slot[j, :HEADER_NBYTES].data, _flat(kv), *([_flat(rt)] if rt is not None else [])]
-                        for j, (kv, rt) in enumerate(zip(kvs, rts))])
+                if parts:  # header into staging, payload straight into the host block
+                    sizes = self._call(
+                        "get",
+                        self.backend.get_into_parts,
+                        names,
+                        [
+                            [slot[j, :HEADER_NBYTES].data, _flat(kv), *([_flat(rt)] if rt is not None else [])]
+                            for j, (kv, rt) in enumerate(zip(kvs, rts))
+                        ],
+                    )
                 else:
                     sizes = self._call("get", self.backend.get_into, names, [memoryview(slot[j]) for j in range(n)])
             except Exception:
@@ -444,17 +480,16 @@ class StorageClient:
                     failed.append(j)
                     continue
                 if size == TOO_LARGE:
-                    status = BlobStatus.BAD_HEADER        # larger than this layout: not ours
+                    status = BlobStatus.BAD_HEADER  # larger than this layout: not ours
                 elif parts:
                     status = layout.check_parts(slot[j], size, key, kvs[j], rts[j])
                 else:
                     status = layout.check(slot[j], size, key)
-                if status is not BlobStatus.OK:              # a miss; deleted so a put replaces it
+                if status is not BlobStatus.OK:  # a miss; deleted so a put replaces it
                     failed.append(j)
                     bad.append(names[j])
                     corrupt += status in _DAMAGED
-                    log.warning("storage object %s is bad (%s): a miss, deleted to be written again",
-                                names[j], status.value)
+                    log.warning("storage object %s is bad (%s): a miss, deleted to be written again", names[j], status.value)
                     continue
                 if not parts:
                     layout.decode_into(slot[j], kvs[j], rts[j])
@@ -475,7 +510,7 @@ class StorageClient:
                 c["replaced_corrupt"] += replaced
                 c["bytes_read"] += nbytes
                 c["fetch_seconds"] += dt
-                for j in failed:                   # not (or no longer) stored intact: put it again
+                for j in failed:  # not (or no longer) stored intact: put it again
                     self._known.pop(keys[j], None)
             if nbytes and self.on_fetch_io is not None:
                 self.on_fetch_io(nbytes, dt)
@@ -517,9 +552,11 @@ class StorageClient:
             rts = [self._routing(hb) for hb in host_blocks] if self._routing else [None] * n
             objects: list[list[memoryview]] | list[memoryview]
             put: Callable[..., list[bool]]
-            if self.backend.supports_parts:   # header, then the host block's bytes as they are
-                objects = [[memoryview(layout.header_for(k, kv, rt)), _flat(kv), *([_flat(rt)] if rt is not None else [])]
-                           for k, kv, rt in zip(keys, kvs, rts)]
+            if self.backend.supports_parts:  # header, then the host block's bytes as they are
+                objects = [
+                    [memoryview(layout.header_for(k, kv, rt)), _flat(kv), *([_flat(rt)] if rt is not None else [])]
+                    for k, kv, rt in zip(keys, kvs, rts)
+                ]
                 put = self.backend.put_from_parts
             else:
                 for j in range(n):
@@ -569,10 +606,16 @@ class StorageClient:
             reason = f"circuit breaker open after {failures} failed calls (last: {error})"
         elif failures:
             reason = f"the last call failed ({error})"
-        return {"ok": reason is None, "reason": reason, "backend": self.where, "breaker_open": breaker_open,
-                "failures_in_a_row": failures, "last_error": error,
-                "last_error_s_ago": None if last_error is None else now - last_error[0],
-                "last_ok_s_ago": None if last_ok is None else now - last_ok}
+        return {
+            "ok": reason is None,
+            "reason": reason,
+            "backend": self.where,
+            "breaker_open": breaker_open,
+            "failures_in_a_row": failures,
+            "last_error": error,
+            "last_error_s_ago": None if last_error is None else now - last_error[0],
+            "last_ok_s_ago": None if last_ok is None else now - last_ok,
+        }
 
     def _probe_loop(self) -> None:
         """Probe the pool when nothing succeeded for ``probe_interval`` seconds."""
@@ -581,7 +624,7 @@ class StorageClient:
             with self._health_lock:
                 last_ok = self._last_ok
             if last_ok is not None and time.monotonic() - last_ok < self.probe_interval:
-                continue                          # busy and well: nothing to learn
+                continue  # busy and well: nothing to learn
             self.probe()
 
     def probe(self) -> bool:
@@ -596,7 +639,7 @@ class StorageClient:
             with self._health_lock:
                 was_ok = self._last_error is None or (self._last_ok or 0) > self._last_error[0]
                 self._last_error = (time.monotonic(), f"probe: {redact_url(e) or type(e).__name__}")
-            if was_ok:                            # logged once per outage, not once per probe
+            if was_ok:  # logged once per outage, not once per probe
                 log.warning("storage %s does not answer: %s", self.where, redact_url(e))
             self.breaker.probe_failed()
             return False
@@ -617,21 +660,21 @@ class StorageClient:
         names = [f"{self.name(b'')}calibrate:{os.getpid()}:{i}" for i in range(n)]
         try:
             bufs = [memoryview(slot[j]) for j in range(n)]
-            slot[:n, :64] = 0                     # not a valid blob: never read as KV
+            slot[:n, :64] = 0  # not a valid blob: never read as KV
             if not all(self.backend.put_from(names, bufs)):
                 return False
-            for count in (1, n, 1, n):            # one call at a time: latency and per-call rate
+            for count in (1, n, 1, n):  # one call at a time: latency and per-call rate
                 t0 = self._read_started()
                 sizes = self.backend.get_into(names[:count], bufs[:count])
                 dt = time.perf_counter() - t0
-                self._read_ended(0)             # (per-call sample only)
+                self._read_ended(0)  # (per-call sample only)
                 if any(s < 0 for s in sizes):
                     return False
                 if self.on_fetch_io is not None:
                     self.on_fetch_io(sum(sizes), dt)
-            self.start_threads()                 # every fetch thread first (not timed)
+            self.start_threads()  # every fetch thread first (not timed)
             others = [self._slots.get() for _ in range(self.workers - 1)]
-            try:                                  # every worker at once: the aggregate rate
+            try:  # every worker at once: the aggregate rate
                 views = [bufs] + [[memoryview(o[j]) for j in range(n)] for o in others]
 
                 def read(v):
@@ -642,6 +685,7 @@ class StorageClient:
                     finally:
                         self._read_ended(sum(s for s in got if s > 0))
                     return got
+
                 results = list(self._pool.map(read, views))
             finally:
                 for o in others:
@@ -660,8 +704,7 @@ class StorageClient:
     # ------------------------------------------------------------------ stats, close
     def stats(self) -> dict:
         c = dict(self.counters)
-        out = {"backend": self.where, **c,
-               "breaker_open": self.breaker.is_open, "breaker_trips": self.breaker.trips}
+        out = {"backend": self.where, **c, "breaker_open": self.breaker.is_open, "breaker_trips": self.breaker.trips}
         if c["fetch_seconds"] > 0:
             out["read_gbps"] = c["bytes_read"] / c["fetch_seconds"] / 1e9
         if c["put_seconds"] > 0:
@@ -679,7 +722,7 @@ class StorageClient:
             return
         self._closed = True
         self._stop_probe.set()
-        if self._probe_thread is not None:       # a probe stuck in the backend: left (a daemon)
+        if self._probe_thread is not None:  # a probe stuck in the backend: left (a daemon)
             self._probe_thread.join(self.probe_timeout)
         for pool in (self._arrival_pool, self._pool, self._put_pool, self._lookup_pool):
             if pool is not None:

@@ -27,6 +27,7 @@ another user (or a symlink to one, or a symlink owned by another user) is refuse
 
 Mounted distributed file systems (3FS, NFS, Lustre) work the same way through their mount point.
 """
+
 from __future__ import annotations
 
 import errno
@@ -50,8 +51,8 @@ log = logging.getLogger(__name__)
 _STALE_TMP_S = 600.0
 _TOUCH_AFTER_S = 60.0
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_FULL_EVICT_TO = 0.8          # a full disk: evict down to this fraction of what the pool holds
-_FULL_EVICT_EVERY_S = 1.0     # ... at most once a second per process (threads failing together)
+_FULL_EVICT_TO = 0.8  # a full disk: evict down to this fraction of what the pool holds
+_FULL_EVICT_EVERY_S = 1.0  # ... at most once a second per process (threads failing together)
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -67,7 +68,7 @@ class FileBackend(Backend):
             raise ValueError(f"storage directory {root!r} is not writable")
         self.root = root
         self._prefix = root.rstrip("/") + "/"
-        if capacity_bytes is None:         # default: half of the free space, at most 100 GiB
+        if capacity_bytes is None:  # default: half of the free space, at most 100 GiB
             capacity_bytes = max(1 << 20, min(100 << 30, shutil.disk_usage(root).free // 2))
         self.capacity = capacity_bytes
         self._lock = threading.Lock()
@@ -75,10 +76,10 @@ class FileBackend(Backend):
         self._estimate = self._scan_size()
         self.evictions = 0
         self.round_trips = 0
-        self.full_disk_evictions = 0       # scans run because a write hit ENOSPC/EDQUOT
-        self.full_disk_refused = 0         # writes refused because the disk stayed full
+        self.full_disk_evictions = 0  # scans run because a write hit ENOSPC/EDQUOT
+        self.full_disk_refused = 0  # writes refused because the disk stayed full
         self._last_full_evict = -float("inf")
-        self._touch: list[str] = []        # objects read since the last mtime refresh
+        self._touch: list[str] = []  # objects read since the last mtime refresh
 
     @classmethod
     def from_url(cls, url: str) -> "FileBackend":
@@ -96,7 +97,7 @@ class FileBackend(Backend):
         if "/" in name or name.startswith(".") or not name:
             raise ValueError(f"bad object name {name!r}")
         h = xxhash.xxh64_hexdigest(name.encode())
-        return f"{self._prefix}{h[:2]}/{h[2:4]}/{name}"     # (os.path.join: 2 us of the GIL)
+        return f"{self._prefix}{h[:2]}/{h[2:4]}/{name}"  # (os.path.join: 2 us of the GIL)
 
     # ------------------------------------------------------------------ Backend
     def exists(self, names: Sequence[str]) -> list[bool]:
@@ -109,7 +110,7 @@ class FileBackend(Backend):
     def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         return self.put_from_parts(names, [[b] for b in bufs])
 
-    supports_parts = True        # readv/writev: objects go straight between files and host blocks
+    supports_parts = True  # readv/writev: objects go straight between files and host blocks
 
     def get_into_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
         # Per object: open, one readv, close, and as little Python as possible between them: the
@@ -127,7 +128,7 @@ class FileBackend(Backend):
             try:
                 fd = os.open(path, _READ)
             except OSError as e:
-                if e.errno in (errno.ENOENT, errno.ELOOP):    # ELOOP: a symlink, not our object
+                if e.errno in (errno.ENOENT, errno.ELOOP):  # ELOOP: a symlink, not our object
                     out.append(MISSING)
                     continue
                 raise StorageError(f"file storage {self.root}: cannot open {name}: {e}") from e
@@ -138,16 +139,15 @@ class FileBackend(Backend):
                 # larger object unseen: its first ``want`` bytes are taken, and the blob check
                 # still verifies every one of them (header, sizes, checksum).
                 got = os.readv(fd, [*bufs, bytearray(1)])
-                if 0 < got < want:                 # a short read (rare on a local file system)
-                    got += _readv_all(fd, _views_after([memoryview(b).cast("B") for b in bufs], got) + [
-                        memoryview(bytearray(1))])
+                if 0 < got < want:  # a short read (rare on a local file system)
+                    got += _readv_all(fd, _views_after([memoryview(b).cast("B") for b in bufs], got) + [memoryview(bytearray(1))])
             except OSError as e:
                 raise StorageError(f"file storage {self.root}: cannot read {name}: {e}") from e
             finally:
                 os.close(fd)
             out.append(TOO_LARGE if got > want else got)
             if len(self._touch) < 65536:
-                self._touch.append(path)           # LRU: touched later, off the read path
+                self._touch.append(path)  # LRU: touched later, off the read path
         return out
 
     def put_from_parts(self, names: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
@@ -162,7 +162,7 @@ class FileBackend(Backend):
             if nbytes > self.capacity:
                 out.append(False)
                 continue
-            if _is_object(path):               # immutable, content-addressed: already there
+            if _is_object(path):  # immutable, content-addressed: already there
                 out.append(True)
                 continue
             try:
@@ -180,7 +180,7 @@ class FileBackend(Backend):
                 if e.errno in _FULL_ERRNOS:
                     with self._lock:
                         self.full_disk_refused += 1
-                    out.append(False)          # disk still full: refused, not a dead pool
+                    out.append(False)  # disk still full: refused, not a dead pool
                     continue
                 raise StorageError(f"file storage {self.root}: cannot write {name}: {e}") from e
             written += nbytes
@@ -223,7 +223,7 @@ class FileBackend(Backend):
                 return os.open(tmp, _CREATE, 0o600), tmp
             except FileExistsError:
                 continue
-            except FileNotFoundError:          # first object of this shard
+            except FileNotFoundError:  # first object of this shard
                 _make_private_dirs(self.root, shard)
                 return os.open(tmp, _CREATE, 0o600), tmp
         raise OSError(errno.EEXIST, f"no free temp file name for {name} in {shard}")
@@ -267,8 +267,7 @@ class FileBackend(Backend):
         """Remove least recently used objects down to 90% of the capacity, or (``keep_fraction``,
         a full disk) down to that fraction of what the pool holds; one process at a time."""
         self._touch_hits()
-        lock_fd = os.open(os.path.join(self.root, ".evict.lock"),
-                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        lock_fd = os.open(os.path.join(self.root, ".evict.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             now = time.time()
@@ -300,7 +299,7 @@ class FileBackend(Backend):
             with self._lock:
                 self._estimate = total
         finally:
-            os.close(lock_fd)                  # releases the flock
+            os.close(lock_fd)  # releases the flock
 
     def _evict_for_space(self) -> None:
         """A write hit a full disk: free a fifth of the pool, unless this process did so within
@@ -311,17 +310,21 @@ class FileBackend(Backend):
                 return
             self._last_full_evict = now
             self.full_disk_evictions += 1
-        log.warning("file storage %s: disk full; evicting down to %d%% of the pool", self.root,
-                    int(_FULL_EVICT_TO * 100))
+        log.warning("file storage %s: disk full; evicting down to %d%% of the pool", self.root, int(_FULL_EVICT_TO * 100))
         self._evict(_FULL_EVICT_TO)
 
     def close(self) -> None:
         self._touch_hits()
 
     def stats(self) -> dict:
-        return {"nbytes_estimate": self._estimate, "capacity": self.capacity, "evictions": self.evictions,
-                "round_trips": self.round_trips, "full_disk_evictions": self.full_disk_evictions,
-                "full_disk_refused": self.full_disk_refused}
+        return {
+            "nbytes_estimate": self._estimate,
+            "capacity": self.capacity,
+            "evictions": self.evictions,
+            "round_trips": self.round_trips,
+            "full_disk_evictions": self.full_disk_evictions,
+            "full_disk_refused": self.full_disk_refused,
+        }
 
     def describe(self) -> str:
         return f"file://{self.root}?capacity={self.capacity}"
@@ -340,17 +343,22 @@ def _make_private_root(root: str) -> None:
         raise ValueError(f"cannot create storage directory {root!r}: {e}") from None
     link = os.lstat(root)
     if stat.S_ISLNK(link.st_mode) and link.st_uid != uid:
-        raise ValueError(f"storage directory {root!r} is a symlink owned by uid {link.st_uid}, "
-                         f"not by this process's uid {uid}: refusing to follow it")
+        raise ValueError(
+            f"storage directory {root!r} is a symlink owned by uid {link.st_uid}, "
+            f"not by this process's uid {uid}: refusing to follow it"
+        )
     st = os.stat(root)
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"storage directory {root!r} is not a directory")
     if st.st_uid != uid:
-        raise ValueError(f"storage directory {root!r} is owned by uid {st.st_uid}, not by this "
-                         f"process's uid {uid}: a pool must be private (its objects reveal prompts)")
+        raise ValueError(
+            f"storage directory {root!r} is owned by uid {st.st_uid}, not by this "
+            f"process's uid {uid}: a pool must be private (its objects reveal prompts)"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
-        log.warning("storage directory %s had mode %o: tightened to 700 (its objects reveal prompts)",
-                    root, stat.S_IMODE(st.st_mode))
+        log.warning(
+            "storage directory %s had mode %o: tightened to 700 (its objects reveal prompts)", root, stat.S_IMODE(st.st_mode)
+        )
         os.chmod(root, 0o700)
 
 

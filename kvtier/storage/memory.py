@@ -1,5 +1,6 @@
 """In-process storage backend (``memory://?capacity=1GiB``): bytes by name, LRU-evicted at a byte
 capacity. Not shared between processes; for tests, demos and single-process use."""
+
 from __future__ import annotations
 
 import re
@@ -10,8 +11,18 @@ from urllib.parse import parse_qs, urlparse
 
 from kvtier.storage.base import MISSING, TOO_LARGE, Backend, redact_url
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 1000, "mib": 1 << 20, "mb": 1000**2,
-          "gib": 1 << 30, "gb": 1000**3, "tib": 1 << 40, "tb": 1000**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "kb": 1000,
+    "mib": 1 << 20,
+    "mb": 1000**2,
+    "gib": 1 << 30,
+    "gb": 1000**3,
+    "tib": 1 << 40,
+    "tb": 1000**4,
+}
 
 
 def parse_size(text: str) -> int:
@@ -70,7 +81,7 @@ class MemoryBackend(Backend):
             elif len(data) > len(buf):
                 out.append(TOO_LARGE)
             else:
-                buf[:len(data)] = data
+                buf[: len(data)] = data
                 out.append(len(data))
         return out
 
@@ -82,7 +93,7 @@ class MemoryBackend(Backend):
                 continue
             data = bytes(buf)
             with self._lock:
-                if name in self._objects:          # immutable, content-addressed: keep the first copy
+                if name in self._objects:  # immutable, content-addressed: keep the first copy
                     self._objects.move_to_end(name)
                 else:
                     self._objects[name] = data
@@ -112,8 +123,7 @@ class MemoryBackend(Backend):
             self._objects[name] = bytes(data)
 
     def stats(self) -> dict:
-        return {"objects": len(self._objects), "nbytes": self.nbytes, "capacity": self.capacity,
-                "evictions": self.evictions}
+        return {"objects": len(self._objects), "nbytes": self.nbytes, "capacity": self.capacity, "evictions": self.evictions}
 
     def describe(self) -> str:
         return f"memory://?capacity={self.capacity}"

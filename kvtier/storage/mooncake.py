@@ -81,6 +81,7 @@ backend is still created (the engine starts; storage is a miss) and every call r
 at most once per ``timeout`` seconds, raising :class:`StorageError` meanwhile. A bad URL raises
 ``ValueError``; a missing ``mooncake`` package raises ``ImportError`` saying what to install.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -104,8 +105,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_LOCAL_BUFFER = 64 << 20
 PROTOCOLS = ("tcp", "rdma")
-URL_PARAMS = ("protocol", "segment", "local_buffer", "metadata", "timeout", "local_hostname",
-              "rdma_devices")
+URL_PARAMS = ("protocol", "segment", "local_buffer", "metadata", "timeout", "local_hostname", "rdma_devices")
 
 # Mooncake Store error codes (mooncake-store/include/types.h); see the module docstring.
 OBJECT_NOT_FOUND = -704
@@ -117,17 +117,27 @@ OBJECT_HAS_LEASE = -706
 # per item: the object is not (or no longer, or not yet) readable -> a miss
 _GET_MISS = frozenset({OBJECT_NOT_FOUND, -703, -707, -702, OBJECT_HAS_LEASE, -101})
 # per item: the pool refused to store it (full, or someone else is writing it) -> False
-_PUT_REFUSED = frozenset({NO_AVAILABLE_HANDLE, BUFFER_OVERFLOW, -101, -703, OBJECT_HAS_LEASE,
-                          INVALID_PARAMS})
+_PUT_REFUSED = frozenset({NO_AVAILABLE_HANDLE, BUFFER_OVERFLOW, -101, -703, OBJECT_HAS_LEASE, INVALID_PARAMS})
 _PUT_EXISTS = frozenset({OBJECT_ALREADY_EXISTS})
 _REMOVE_OK = frozenset({OBJECT_NOT_FOUND, OBJECT_HAS_LEASE, -703})
-_MASTER_FAILURES = frozenset({-900, -901})      # RPC_FAIL, RPC_TIMEOUT
-_ENV_SET_BY_US: dict[str, str] = {}     # environment variables this module set (not the user)
-_CODE_NAMES = {-1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
-               -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -702: "INVALID_REPLICA",
-               -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND",
-               -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
-               -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT"}
+_MASTER_FAILURES = frozenset({-900, -901})  # RPC_FAIL, RPC_TIMEOUT
+_ENV_SET_BY_US: dict[str, str] = {}  # environment variables this module set (not the user)
+_CODE_NAMES = {
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -101: "SEGMENT_NOT_FOUND",
+    -200: "NO_AVAILABLE_HANDLE",
+    -600: "INVALID_PARAMS",
+    -702: "INVALID_REPLICA",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
+}
 
 
 def code_name(code: int) -> str:
@@ -152,7 +162,7 @@ def local_hostname_for(master_host: str, master_port: int) -> str:
         return "127.0.0.1"
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_host, master_port))          # no packet is sent
+            s.connect((master_host, master_port))  # no packet is sent
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
@@ -162,20 +172,20 @@ def parse_mooncake_url(url: str) -> dict[str, Any]:
     """``mooncake://host:port?...`` -> keyword arguments of :class:`MooncakeBackend`."""
     if not isinstance(url, str):
         raise ValueError(f"mooncake URL must be a string, got {type(url).__name__}")
-    shown = redact_url(url)                 # what messages show (a password, if any, hidden)
+    shown = redact_url(url)  # what messages show (a password, if any, hidden)
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as e:
-        raise ValueError(f"bad mooncake URL {shown!r}: {redact_url(e)} (expected mooncake://host:port"
-                         f"?protocol=tcp)") from None
+        raise ValueError(f"bad mooncake URL {shown!r}: {redact_url(e)} (expected mooncake://host:port?protocol=tcp)") from None
     if parts.scheme != "mooncake":
         raise ValueError(f"not a mooncake:// URL: {shown!r}")
     if parts.username is not None or parts.password is not None:
         raise ValueError(f"mooncake URL takes no user/password: {shown!r}")
     if not parts.hostname:
-        raise ValueError(f"mooncake URL needs the master's host:port, e.g. "
-                         f"mooncake://127.0.0.1:50051?protocol=tcp; got {shown!r}")
+        raise ValueError(
+            f"mooncake URL needs the master's host:port, e.g. mooncake://127.0.0.1:50051?protocol=tcp; got {shown!r}"
+        )
     if port is None or port == 0:
         raise ValueError(f"mooncake URL needs the master's port (e.g. :50051), got {shown!r}")
     if parts.path not in ("", "/"):
@@ -185,8 +195,7 @@ def parse_mooncake_url(url: str) -> dict[str, Any]:
     query: dict[str, str] = {}
     for k, v in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
         if k not in URL_PARAMS:
-            raise ValueError(f"unknown mooncake URL parameter {k!r} in {shown!r}; "
-                             f"known: {', '.join(URL_PARAMS)}")
+            raise ValueError(f"unknown mooncake URL parameter {k!r} in {shown!r}; known: {', '.join(URL_PARAMS)}")
         if k in query:
             raise ValueError(f"mooncake URL parameter {k!r} given twice in {shown!r}")
         if v == "" and k != "rdma_devices":
@@ -207,8 +216,7 @@ def parse_mooncake_url(url: str) -> dict[str, Any]:
         try:
             kw["timeout"] = float(query["timeout"])
         except ValueError:
-            raise ValueError(f"mooncake URL parameter 'timeout' must be seconds, got "
-                             f"{query['timeout']!r} in {shown!r}") from None
+            raise ValueError(f"mooncake URL parameter 'timeout' must be seconds, got {query['timeout']!r} in {shown!r}") from None
     if "local_hostname" in query:
         kw["local_hostname"] = query["local_hostname"]
     if "rdma_devices" in query:
@@ -237,22 +245,32 @@ def _address(buf: memoryview) -> tuple[int, int]:
 class MooncakeBackend(Backend):
     scheme = "mooncake"
 
-    def __init__(self, host: str, port: int, *, protocol: str = "tcp", segment: int = 0,
-                 local_buffer: int = DEFAULT_LOCAL_BUFFER, metadata: str = "P2PHANDSHAKE",
-                 timeout: float = DEFAULT_TIMEOUT, local_hostname: str | None = None,
-                 rdma_devices: str = "") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        protocol: str = "tcp",
+        segment: int = 0,
+        local_buffer: int = DEFAULT_LOCAL_BUFFER,
+        metadata: str = "P2PHANDSHAKE",
+        timeout: float = DEFAULT_TIMEOUT,
+        local_hostname: str | None = None,
+        rdma_devices: str = "",
+    ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"mooncake protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         if not (0 < int(port) < 65536):
             raise ValueError(f"mooncake master port must be 1..65535, got {port!r}")
         if segment < 0 or local_buffer <= 0:
-            raise ValueError(f"mooncake segment must be >= 0 and local_buffer > 0, got "
-                             f"segment={segment!r} local_buffer={local_buffer!r}")
+            raise ValueError(
+                f"mooncake segment must be >= 0 and local_buffer > 0, got segment={segment!r} local_buffer={local_buffer!r}"
+            )
         if not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"mooncake timeout must be a positive number of seconds, got {timeout!r}")
         if not metadata:
             raise ValueError("mooncake metadata must not be empty (default P2PHANDSHAKE)")
-        self._Store = import_store()                     # ImportError with the install hint
+        self._Store = import_store()  # ImportError with the install hint
         self.host, self.port = str(host), int(port)
         self.master = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         self.protocol = protocol
@@ -265,11 +283,11 @@ class MooncakeBackend(Backend):
         self._set_env()
 
         self._store: Any = None
-        self._state = threading.Condition()               # guards _store, _active, _closed
+        self._state = threading.Condition()  # guards _store, _active, _closed
         self._active = 0
         self._closed = False
         self._connect_lock = threading.Lock()
-        self._master_suspect = False                      # set by RPC_FAIL / RPC_TIMEOUT codes
+        self._master_suspect = False  # set by RPC_FAIL / RPC_TIMEOUT codes
         self._next_connect = 0.0
         self._last_connect_error = ""
         self._regions: list[tuple[int, int, memoryview]] = []  # (start, end, keep-alive ref)
@@ -277,12 +295,28 @@ class MooncakeBackend(Backend):
         self._bounce: np.ndarray | None = None
         self._bounce_lock = threading.Lock()
         self._counter_lock = threading.Lock()
-        self._c = dict(round_trips=0, bytes_read=0, bytes_written=0, gets=0, hits=0, misses=0,
-                       too_large=0, puts=0, refused=0, exists=0, deletes=0, errors=0,
-                       zero_copy_items=0, bounce_items=0, connects=0, connect_failures=0, resets=0)
+        self._c = dict(
+            round_trips=0,
+            bytes_read=0,
+            bytes_written=0,
+            gets=0,
+            hits=0,
+            misses=0,
+            too_large=0,
+            puts=0,
+            refused=0,
+            exists=0,
+            deletes=0,
+            errors=0,
+            zero_copy_items=0,
+            bounce_items=0,
+            connects=0,
+            connect_failures=0,
+            resets=0,
+        )
         try:
             self._connect()
-        except StorageError as e:   # the engine may start while the pool is down: calls retry
+        except StorageError as e:  # the engine may start while the pool is down: calls retry
             log.warning("%s", e)
 
     @classmethod
@@ -296,7 +330,7 @@ class MooncakeBackend(Backend):
         if self.metadata != "P2PHANDSHAKE":
             q.append(f"metadata={self.metadata}")
         q.append(f"timeout={self.timeout:g}")
-        return redact_url(f"mooncake://{self.master}?{'&'.join(q)}")   # metadata may be a URL with a password
+        return redact_url(f"mooncake://{self.master}?{'&'.join(q)}")  # metadata may be a URL with a password
 
     def __repr__(self) -> str:
         return f"MooncakeBackend({self.describe()})"
@@ -315,7 +349,7 @@ class MooncakeBackend(Backend):
             defaults["MC_TCP_BIND_ADDRESS"] = self.local_hostname
         for k, v in defaults.items():
             if k not in os.environ or _ENV_SET_BY_US.get(k) == os.environ[k]:
-                os.environ[k] = v                       # not the user's: the last backend's
+                os.environ[k] = v  # not the user's: the last backend's
                 _ENV_SET_BY_US[k] = v
 
     def _connect(self) -> None:
@@ -327,8 +361,7 @@ class MooncakeBackend(Backend):
                 raise StorageError(f"mooncake {self.master}: backend is closed")
             now = time.monotonic()
             if now < self._next_connect:
-                raise StorageError(f"mooncake {self.master}: not connected "
-                                   f"({self._last_connect_error}); retrying shortly")
+                raise StorageError(f"mooncake {self.master}: not connected ({self._last_connect_error}); retrying shortly")
             self._next_connect = now + self.timeout
             self._count(connects=1)
             try:
@@ -339,8 +372,7 @@ class MooncakeBackend(Backend):
                 self._count(connect_failures=1)
                 raise StorageError(f"mooncake master {self.master} unreachable: {e}") from None
             store = self._Store()
-            rc = store.setup(self.local_hostname, self.metadata, self.segment, 0,
-                             self.protocol, self.rdma_devices, self.master)
+            rc = store.setup(self.local_hostname, self.metadata, self.segment, 0, self.protocol, self.rdma_devices, self.master)
             if rc != 0:
                 self._last_connect_error = f"setup returned {rc}"
                 self._count(connect_failures=1)
@@ -348,8 +380,7 @@ class MooncakeBackend(Backend):
                     store.close()
                 except Exception:
                     pass
-                raise StorageError(f"mooncake setup against master {self.master} failed ({rc}); "
-                                   f"see the client log above")
+                raise StorageError(f"mooncake setup against master {self.master} failed ({rc}); see the client log above")
             self._registered = ()
             for start, end, _ in self._regions:
                 self._register_region(store, start, end)
@@ -362,8 +393,9 @@ class MooncakeBackend(Backend):
     def _register_region(self, store: Any, start: int, end: int) -> bool:
         rc = store.register_buffer(start, end - start)
         if rc != 0:
-            log.warning("mooncake register_buffer(%#x, %d) failed (%s): that memory takes the "
-                        "bounce-buffer path", start, end - start, rc)
+            log.warning(
+                "mooncake register_buffer(%#x, %d) failed (%s): that memory takes the bounce-buffer path", start, end - start, rc
+            )
             return False
         self._registered = self._registered + ((start, end),)
         return True
@@ -404,7 +436,7 @@ class MooncakeBackend(Backend):
         if self._store is None:
             self._connect()
         elif self._master_suspect:
-            self._probe_master()            # raises while the master's port refuses connections
+            self._probe_master()  # raises while the master's port refuses connections
             self._reset()
         with self._state:
             if self._closed or self._store is None:
@@ -428,12 +460,13 @@ class MooncakeBackend(Backend):
         self._count(errors=1)
         if any(c in _MASTER_FAILURES for c in codes):
             self._master_suspect = True
-        return StorageError(f"mooncake {self.master}: {op} failed: {code_name(codes[0])} for "
-                            f"{names[0]!r} ({len(codes)} of {total} items failed)")
+        return StorageError(
+            f"mooncake {self.master}: {op} failed: {code_name(codes[0])} for {names[0]!r} ({len(codes)} of {total} items failed)"
+        )
 
     def _in_region(self, addr: int, n: int) -> bool:
         end = addr + n
-        for start, stop in self._registered:              # a tuple, replaced (never mutated)
+        for start, stop in self._registered:  # a tuple, replaced (never mutated)
             if start <= addr and end <= stop:
                 return True
         return False
@@ -446,8 +479,7 @@ class MooncakeBackend(Backend):
             self._exit()
         self._count(round_trips=1)
         if len(codes) != len(names):
-            raise StorageError(f"mooncake {self.master}: {fn_name} returned {len(codes)} results "
-                               f"for {len(names)} keys")
+            raise StorageError(f"mooncake {self.master}: {fn_name} returned {len(codes)} results for {len(names)} keys")
         return [int(c) for c in codes]
 
     def _bounce_buffer(self, need: int) -> tuple[np.ndarray, int]:
@@ -465,8 +497,7 @@ class MooncakeBackend(Backend):
                 self._exit()
             if rc != 0:
                 self._bounce = None
-                raise StorageError(f"mooncake {self.master}: cannot register a {size}-byte "
-                                   f"bounce buffer ({rc})")
+                raise StorageError(f"mooncake {self.master}: cannot register a {size}-byte bounce buffer ({rc})")
             self._bounce = buf
         return self._bounce, int(self._bounce.ctypes.data)
 
@@ -494,8 +525,8 @@ class MooncakeBackend(Backend):
         end = start + n
         for s, e, _ in self._regions:
             if s <= start and end <= e:
-                return                                    # already covered
-        self._regions.append((start, end, memoryview(buf)))   # keeps the memory alive
+                return  # already covered
+        self._regions.append((start, end, memoryview(buf)))  # keeps the memory alive
         store = self._store
         if store is not None:
             with self._state:
@@ -539,8 +570,9 @@ class MooncakeBackend(Backend):
         direct = [i for i in range(len(names)) if sizes[i] and self._in_region(addrs[i], sizes[i])]
         bounce = [i for i in range(len(names)) if not (sizes[i] and self._in_region(addrs[i], sizes[i]))]
         if direct:
-            got = self._batch("batch_get_into", [names[i] for i in direct],
-                              [addrs[i] for i in direct], [sizes[i] for i in direct])
+            got = self._batch(
+                "batch_get_into", [names[i] for i in direct], [addrs[i] for i in direct], [sizes[i] for i in direct]
+            )
             for i, c in zip(direct, got):
                 codes[i] = c
         if bounce:
@@ -550,28 +582,28 @@ class MooncakeBackend(Backend):
                     offs, off = [], 0
                     for i in chunk:
                         offs.append(off)
-                        off += max(sizes[i], 1)     # a 0-byte buffer still gets a distinct slot
-                    got = self._batch("batch_get_into", [names[i] for i in chunk],
-                                      [base + o for o in offs], [sizes[i] for i in chunk])
+                        off += max(sizes[i], 1)  # a 0-byte buffer still gets a distinct slot
+                    got = self._batch(
+                        "batch_get_into", [names[i] for i in chunk], [base + o for o in offs], [sizes[i] for i in chunk]
+                    )
                     for i, o, c in zip(chunk, offs, got):
                         codes[i] = c
                         if c > 0:
-                            np.frombuffer(bufs[i], dtype=np.uint8)[:c] = buf[o:o + c]
+                            np.frombuffer(bufs[i], dtype=np.uint8)[:c] = buf[o : o + c]
         self._count(zero_copy_items=len(direct), bounce_items=len(bounce))
         return self._get_results(names, sizes, codes)
 
     def _get_results(self, names: list[str], sizes: list[int], codes: list[int]) -> list[int]:
         out: list[int] = []
         check: list[int] = []
-        fatal = [i for i, c in enumerate(codes)
-                 if c < 0 and c not in _GET_MISS and c not in (INVALID_PARAMS, BUFFER_OVERFLOW)]
+        fatal = [i for i, c in enumerate(codes) if c < 0 and c not in _GET_MISS and c not in (INVALID_PARAMS, BUFFER_OVERFLOW)]
         if fatal:
             raise self._fail("get", [codes[i] for i in fatal], [names[i] for i in fatal], len(names))
         for i, c in enumerate(codes):
             if c in (INVALID_PARAMS, BUFFER_OVERFLOW):
                 check.append(i)
             out.append(c if c >= 0 else MISSING)
-        if check:                        # "buffer too small"? ask the object's size
+        if check:  # "buffer too small"? ask the object's size
             store = self._enter()
             try:
                 real = [int(store.get_size(names[i])) for i in check]
@@ -586,8 +618,9 @@ class MooncakeBackend(Backend):
                 else:
                     raise self._fail("get", [codes[i]], [names[i]], len(names))
         hits = [c for c in out if c >= 0]
-        self._count(gets=len(out), hits=len(hits), misses=out.count(MISSING),
-                    too_large=out.count(TOO_LARGE), bytes_read=sum(hits))
+        self._count(
+            gets=len(out), hits=len(hits), misses=out.count(MISSING), too_large=out.count(TOO_LARGE), bytes_read=sum(hits)
+        )
         return out
 
     def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
@@ -601,13 +634,14 @@ class MooncakeBackend(Backend):
             a, n = _address(b)
             addrs.append(a)
             sizes.append(n)
-        codes = [INVALID_PARAMS] * len(names)             # an empty object is refused
+        codes = [INVALID_PARAMS] * len(names)  # an empty object is refused
         nonempty = [i for i in range(len(names)) if sizes[i]]
         direct = [i for i in nonempty if self._in_region(addrs[i], sizes[i])]
         bounce = [i for i in nonempty if not self._in_region(addrs[i], sizes[i])]
         if direct:
-            got = self._batch("batch_put_from", [names[i] for i in direct],
-                              [addrs[i] for i in direct], [sizes[i] for i in direct])
+            got = self._batch(
+                "batch_put_from", [names[i] for i in direct], [addrs[i] for i in direct], [sizes[i] for i in direct]
+            )
             for i, c in zip(direct, got):
                 codes[i] = c
         if bounce:
@@ -616,21 +650,20 @@ class MooncakeBackend(Backend):
                     buf, base = self._bounce_buffer(sum(sizes[i] for i in chunk))
                     offs, off = [], 0
                     for i in chunk:
-                        buf[off:off + sizes[i]] = np.frombuffer(memoryview(bufs[i]), dtype=np.uint8)
+                        buf[off : off + sizes[i]] = np.frombuffer(memoryview(bufs[i]), dtype=np.uint8)
                         offs.append(off)
                         off += sizes[i]
-                    got = self._batch("batch_put_from", [names[i] for i in chunk],
-                                      [base + o for o in offs], [sizes[i] for i in chunk])
+                    got = self._batch(
+                        "batch_put_from", [names[i] for i in chunk], [base + o for o in offs], [sizes[i] for i in chunk]
+                    )
                     for i, c in zip(chunk, got):
                         codes[i] = c
         self._count(zero_copy_items=len(direct), bounce_items=len(bounce))
-        fatal = [i for i, c in enumerate(codes)
-                 if c != 0 and c not in _PUT_EXISTS and c not in _PUT_REFUSED]
+        fatal = [i for i, c in enumerate(codes) if c != 0 and c not in _PUT_EXISTS and c not in _PUT_REFUSED]
         if fatal:
             raise self._fail("put", [codes[i] for i in fatal], [names[i] for i in fatal], len(names))
         ok = [c == 0 or c in _PUT_EXISTS for c in codes]
-        self._count(puts=len(ok), refused=ok.count(False),
-                    bytes_written=sum(s for s, c in zip(sizes, codes) if c == 0))
+        self._count(puts=len(ok), refused=ok.count(False), bytes_written=sum(s for s, c in zip(sizes, codes) if c == 0))
         return ok
 
     def delete(self, names: Sequence[str]) -> None:
@@ -650,9 +683,11 @@ class MooncakeBackend(Backend):
     def stats(self) -> dict:
         with self._counter_lock:
             out: dict[str, Any] = dict(self._c)
-        out.update(connected=self._store is not None,
-                   registered_bytes=sum(e - s for s, e in self._registered),
-                   bounce_bytes=0 if self._bounce is None else int(self._bounce.nbytes))
+        out.update(
+            connected=self._store is not None,
+            registered_bytes=sum(e - s for s, e in self._registered),
+            bounce_bytes=0 if self._bounce is None else int(self._bounce.nbytes),
+        )
         return out
 
     def close(self) -> None:
@@ -667,7 +702,7 @@ class MooncakeBackend(Backend):
             busy = self._active
         if store is None:
             return
-        if busy:     # a call is still inside the library: tearing down under it could crash
+        if busy:  # a call is still inside the library: tearing down under it could crash
             log.warning("mooncake close: %d call(s) still running; leaving the client to exit", busy)
             return
         try:
@@ -675,7 +710,7 @@ class MooncakeBackend(Backend):
         except Exception as e:  # pragma: no cover
             log.warning("mooncake close failed: %s", e)
         self._bounce = None
-        self._regions = []                  # the client is gone: the memory may be freed
+        self._regions = []  # the client is gone: the memory may be freed
         self._registered = ()
 
 
@@ -683,8 +718,9 @@ class MooncakeBackend(Backend):
 # throughput check: python -m kvtier.storage.mooncake [URL] (starts a local pool when no URL)
 
 
-def _throughput_check(url: str, sizes: Sequence[int] = (1 << 20, 2 << 20), batch: int = 8,
-                      rounds: int = 12, repeats: int = 2) -> list[dict]:
+def _throughput_check(
+    url: str, sizes: Sequence[int] = (1 << 20, 2 << 20), batch: int = 8, rounds: int = 12, repeats: int = 2
+) -> list[dict]:
     """MB/s of the raw client's bytes API against this backend, on ``batch`` objects per call:
 
     raw      ``put_batch``/``get_batch`` (bytes in, bytes out)
@@ -696,8 +732,7 @@ def _throughput_check(url: str, sizes: Sequence[int] = (1 << 20, 2 << 20), batch
     kw = parse_mooncake_url(url)
     backend = MooncakeBackend(**kw)
     raw = backend._Store()
-    rc = raw.setup(backend.local_hostname, backend.metadata, 0, 256 << 20, backend.protocol,
-                   backend.rdma_devices, backend.master)
+    rc = raw.setup(backend.local_hostname, backend.metadata, 0, 256 << 20, backend.protocol, backend.rdma_devices, backend.master)
     if rc != 0:
         raise StorageError(f"raw client setup failed ({rc})")
     results = []
@@ -707,7 +742,7 @@ def _throughput_check(url: str, sizes: Sequence[int] = (1 << 20, 2 << 20), batch
             backend.register_buffer(arena.reshape(-1).data)
             arena[:] = np.random.default_rng(size).integers(0, 256, arena.shape, dtype=np.uint8)
             values = [arena[j].tobytes() for j in range(batch)]
-            loose = [bytearray(v) for v in values]                    # not registered
+            loose = [bytearray(v) for v in values]  # not registered
             zc = [memoryview(arena[j]) for j in range(batch)]
             lv = [memoryview(b) for b in loose]
 
@@ -732,8 +767,7 @@ def _throughput_check(url: str, sizes: Sequence[int] = (1 << 20, 2 << 20), batch
             best: dict[str, float] = {}
             for rep in range(repeats):
                 for tag in ("raw", "raw1", "backend", "bounce"):
-                    keys = [[f"tp:{tag}:{rep}:{size}:{r}:{j}" for j in range(batch)]
-                            for r in range(rounds)]
+                    keys = [[f"tp:{tag}:{rep}:{size}:{r}:{j}" for j in range(batch)] for r in range(rounds)]
                     mb = rounds * batch * size / 1e6
                     for op, fn in (("put", put), ("get", get)):
                         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ Python API (tests)::
     h = start_pool(port=None, size="256MiB")   # free port; returns when ready
     h.url; h.kill_node(); h.kill_master(); h.pause_node(); h.resume_node(); h.kill(); h.stop()
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,16 +48,17 @@ READY_TIMEOUT = 30.0
 STOP_GRACE = 5.0
 
 
-INSTALL_HINT = ("the mooncake:// storage backend needs the Mooncake Store client: "
-                "pip install 'kvtier[mooncake]' (wheel mooncake-transfer-engine-non-cuda>=0.3.13.post1; "
-                "on a CUDA machine mooncake-transfer-engine works too) and, on Debian/Ubuntu, "
-                "apt-get install -y libibverbs1 libnuma1 libcurl4")
-
+INSTALL_HINT = (
+    "the mooncake:// storage backend needs the Mooncake Store client: "
+    "pip install 'kvtier[mooncake]' (wheel mooncake-transfer-engine-non-cuda>=0.3.13.post1; "
+    "on a CUDA machine mooncake-transfer-engine works too) and, on Debian/Ubuntu, "
+    "apt-get install -y libibverbs1 libnuma1 libcurl4"
+)
 
 
 def import_store() -> Any:
     """The Mooncake Store client class (ImportError with the install hint without it)."""
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")    # its INFO lines are per connection
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines are per connection
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
@@ -82,6 +84,7 @@ def find_master_binary() -> str:
         return env
     try:
         import importlib.util
+
         spec = importlib.util.find_spec("mooncake")
     except (ImportError, ValueError):
         spec = None
@@ -133,7 +136,7 @@ def _stop_and_wait(p: subprocess.Popen | None, timeout: float = 5.0) -> None:
             for tid in os.listdir(f"/proc/{p.pid}/task"):
                 with open(f"/proc/{p.pid}/task/{tid}/stat") as f:
                     states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except OSError:       # not Linux, or a thread ended meanwhile
+        except OSError:  # not Linux, or a thread ended meanwhile
             if not os.path.isdir(f"/proc/{p.pid}"):
                 return
             states = []
@@ -169,8 +172,17 @@ def read_metrics(host: str, metrics_port: int, timeout: float = 1.0) -> dict[str
 class PoolHandle:
     """A running master + pool node. ``url`` is what engines use."""
 
-    def __init__(self, host: str, port: int, metrics_port: int, size: int, lease_ttl_ms: int,
-                 workdir: Path, own_workdir: bool, master_binary: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics_port: int,
+        size: int,
+        lease_ttl_ms: int,
+        workdir: Path,
+        own_workdir: bool,
+        master_binary: str,
+    ) -> None:
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.size, self.lease_ttl_ms = size, lease_ttl_ms
         self.workdir, self._own_workdir = workdir, own_workdir
@@ -204,22 +216,41 @@ class PoolHandle:
         return f"PoolHandle({self.url} master={pids[0]} node={pids[1]} size={self.size})"
 
     def log_tail(self, n: int = 15) -> str:
-        return (f"--- master log ({self.master_log}):\n{_tail(self.master_log, n)}\n"
-                f"--- node log ({self.node_log}):\n{_tail(self.node_log, n)}")
+        return (
+            f"--- master log ({self.master_log}):\n{_tail(self.master_log, n)}\n"
+            f"--- node log ({self.node_log}):\n{_tail(self.node_log, n)}"
+        )
 
     def metrics(self, timeout: float = 1.0) -> dict[str, float]:
         return read_metrics(self.host, self.metrics_port, timeout)
 
     # ---- processes
     def master_command(self) -> list[str]:
-        return [self.master_binary, f"--rpc_address={self.host}", f"--rpc_port={self.port}",
-                f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
-                f"--default_kv_lease_ttl={self.lease_ttl_ms}", "--enable_metric_reporting=false"]
+        return [
+            self.master_binary,
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+            "--enable_metric_reporting=false",
+        ]
 
     def node_command(self) -> list[str]:
-        return [sys.executable, "-m", "kvtier.storage.mooncake_pool", "node",
-                "--master", self.address, "--size", str(self.size), "--host", self.host,
-                "--parent-pid", str(os.getpid())]
+        return [
+            sys.executable,
+            "-m",
+            "kvtier.storage.mooncake_pool",
+            "node",
+            "--master",
+            self.address,
+            "--size",
+            str(self.size),
+            "--host",
+            self.host,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
 
     def start_master(self) -> None:
         if _port_in_use(self.host, self.port):
@@ -228,10 +259,10 @@ class PoolHandle:
 
     def start_node(self) -> None:
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])          # so that -m kvtier... imports
+        root = str(Path(__file__).resolve().parents[2])  # so that -m kvtier... imports
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
         env.setdefault("MC_TCP_BIND_ADDRESS", self.host)
-        env.setdefault("MC_RPC_TIMEOUT_MS", "2000")               # a quick exit if the master is gone
+        env.setdefault("MC_RPC_TIMEOUT_MS", "2000")  # a quick exit if the master is gone
         env.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", "2000")
         env.setdefault("MC_LOG_LEVEL", "WARNING")
         self.node = _spawn(self.node_command(), self.node_log, env)
@@ -243,8 +274,7 @@ class PoolHandle:
         while time.monotonic() < deadline:
             for name, p in (("master", self.master), ("pool node", self.node)):
                 if p is not None and p.poll() is not None:
-                    raise PoolError(f"mooncake {name} exited with {p.returncode} while starting:\n"
-                                    f"{self.log_tail()}")
+                    raise PoolError(f"mooncake {name} exited with {p.returncode} while starting:\n{self.log_tail()}")
             try:
                 m = self.metrics(timeout=1.0)
                 cap = m.get("master_total_capacity_bytes", 0)
@@ -254,8 +284,7 @@ class PoolHandle:
             except OSError as e:
                 last = f"metrics endpoint: {e}"
             time.sleep(0.05)
-        raise PoolError(f"mooncake pool {self.url} not ready after {timeout:g}s ({last}):\n"
-                        f"{self.log_tail()}")
+        raise PoolError(f"mooncake pool {self.url} not ready after {timeout:g}s ({last}):\n{self.log_tail()}")
 
     def kill_node(self) -> None:
         """SIGKILL the pool node (its memory and objects are gone: reads fail with TRANSFER_FAIL,
@@ -295,19 +324,24 @@ class PoolHandle:
 
     def clear(self) -> None:
         """Remove every object (a short-lived client; leases are ignored)."""
-        code = ("import os,sys\nos.environ.setdefault('MC_LOG_LEVEL','WARNING')\n"
-                "from mooncake.store import MooncakeDistributedStore as S\n"
-                "s=S()\nrc=s.setup(sys.argv[1],'P2PHANDSHAKE',0,0,'tcp','',sys.argv[2])\n"
-                "assert rc==0, rc\nr=s.remove_all(True)\ns.close()\nsys.exit(0 if r>=0 else 1)\n")
-        env = dict(os.environ, MC_TCP_BIND_ADDRESS=os.environ.get("MC_TCP_BIND_ADDRESS", self.host),
-                   MC_RPC_TIMEOUT_MS="5000", MC_STORE_CLIENT_SETUP_RETRIES="1")
-        r = subprocess.run([sys.executable, "-c", code, self.host, self.address], env=env,
-                           capture_output=True, timeout=60)
+        code = (
+            "import os,sys\nos.environ.setdefault('MC_LOG_LEVEL','WARNING')\n"
+            "from mooncake.store import MooncakeDistributedStore as S\n"
+            "s=S()\nrc=s.setup(sys.argv[1],'P2PHANDSHAKE',0,0,'tcp','',sys.argv[2])\n"
+            "assert rc==0, rc\nr=s.remove_all(True)\ns.close()\nsys.exit(0 if r>=0 else 1)\n"
+        )
+        env = dict(
+            os.environ,
+            MC_TCP_BIND_ADDRESS=os.environ.get("MC_TCP_BIND_ADDRESS", self.host),
+            MC_RPC_TIMEOUT_MS="5000",
+            MC_STORE_CLIENT_SETUP_RETRIES="1",
+        )
+        r = subprocess.run([sys.executable, "-c", code, self.host, self.address], env=env, capture_output=True, timeout=60)
         if r.returncode != 0:
             raise PoolError(f"clearing {self.url} failed: {r.stderr.decode(errors='replace')[-2000:]}")
 
     def _stop_children(self) -> None:
-        procs.stop(self.node, STOP_GRACE)        # first: it unmounts its segment from the live master
+        procs.stop(self.node, STOP_GRACE)  # first: it unmounts its segment from the live master
         procs.stop(self.master, STOP_GRACE)
 
     def stop(self) -> None:
@@ -323,15 +357,22 @@ class PoolHandle:
         self.stop()
 
 
-def start_pool(port: int | None = None, size: int | str = "256MiB", workdir: str | Path | None = None,
-               *, host: str = "127.0.0.1", lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
-               metrics_port: int | None = None, timeout: float = READY_TIMEOUT) -> PoolHandle:
+def start_pool(
+    port: int | None = None,
+    size: int | str = "256MiB",
+    workdir: str | Path | None = None,
+    *,
+    host: str = "127.0.0.1",
+    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
+    metrics_port: int | None = None,
+    timeout: float = READY_TIMEOUT,
+) -> PoolHandle:
     """Start a master and one pool node of ``size`` bytes; return when the pool is usable.
 
-    ``port=None`` picks a free port. Logs go to ``workdir`` (a temp dir, removed by ``stop()``,
-    when None). Raises :class:`PoolError` (with the logs' tails) if it cannot start; nothing is
-    left running then. Started from the main thread, the children die with this process even if it
-is SIGKILLed (``PR_SET_PDEATHSIG``; the node also watches its parent PID); otherwise at exit.
+        ``port=None`` picks a free port. Logs go to ``workdir`` (a temp dir, removed by ``stop()``,
+        when None). Raises :class:`PoolError` (with the logs' tails) if it cannot start; nothing is
+        left running then. Started from the main thread, the children die with this process even if it
+    is SIGKILLed (``PR_SET_PDEATHSIG``; the node also watches its parent PID); otherwise at exit.
     """
     nbytes = parse_size(size) if isinstance(size, str) else int(size)
     if nbytes <= 0:
@@ -342,11 +383,10 @@ is SIGKILLed (``PR_SET_PDEATHSIG``; the node also watches its parent PID); other
     own = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    attempts = 3 if port is None or metrics_port is None else 1   # free-port races: try again
+    attempts = 3 if port is None or metrics_port is None else 1  # free-port races: try again
     err: BaseException | None = None
     for _ in range(attempts):
-        h = PoolHandle(host, port or free_port(host), metrics_port or free_port(host), nbytes,
-                       lease_ttl_ms, wd, own, binary)
+        h = PoolHandle(host, port or free_port(host), metrics_port or free_port(host), nbytes, lease_ttl_ms, wd, own, binary)
         try:
             h.start_master()
             h.start_node()
@@ -369,16 +409,16 @@ is SIGKILLed (``PR_SET_PDEATHSIG``; the node also watches its parent PID); other
 
 def node_main(argv: Sequence[str]) -> int:
     """``python -m kvtier.storage.mooncake_pool node``: contribute memory until signalled."""
-    ap = argparse.ArgumentParser(prog="python -m kvtier.storage.mooncake_pool node",
-                                 description="A Mooncake pool node: contributes --size bytes of "
-                                             "memory to the master's pool until SIGTERM/SIGINT.")
+    ap = argparse.ArgumentParser(
+        prog="python -m kvtier.storage.mooncake_pool node",
+        description="A Mooncake pool node: contributes --size bytes of memory to the master's pool until SIGTERM/SIGINT.",
+    )
     ap.add_argument("--master", required=True, help="master host:port")
     ap.add_argument("--size", required=True, help="memory to contribute (e.g. 4GiB)")
     ap.add_argument("--host", default="127.0.0.1", help="address this node advertises")
     ap.add_argument("--protocol", default="tcp", help="transfer protocol (tcp or rdma)")
     ap.add_argument("--rdma-devices", default="", help="RDMA devices (protocol rdma)")
-    ap.add_argument("--parent-pid", type=int, default=0,
-                    help="exit when this process is gone (the supervisor)")
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (the supervisor)")
     args = ap.parse_args(list(argv))
     size = parse_size(args.size)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)
@@ -392,13 +432,13 @@ def node_main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     store = import_store()()
     t0 = time.monotonic()
-    rc = store.setup(args.host, "P2PHANDSHAKE", size, 0, args.protocol, args.rdma_devices,
-                     args.master)
+    rc = store.setup(args.host, "P2PHANDSHAKE", size, 0, args.protocol, args.rdma_devices, args.master)
     if rc != 0:
         print(f"kvtier mooncake node: setup against {args.master} failed ({rc})", flush=True)
         return 1
-    print(f"kvtier mooncake node: contributing {size} bytes to {args.master} "
-          f"(set up in {time.monotonic() - t0:.2f}s)", flush=True)
+    print(
+        f"kvtier mooncake node: contributing {size} bytes to {args.master} (set up in {time.monotonic() - t0:.2f}s)", flush=True
+    )
     while not stop.wait(0.5):
         if args.parent_pid and (os.getppid() != args.parent_pid):
             print("kvtier mooncake node: supervisor gone; exiting", flush=True)
@@ -416,25 +456,35 @@ def build_parser(prog: str = "kvtier pool mooncake") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=prog,
         description="Run a local Mooncake Store pool: a mooncake_master plus one pool node that "
-                    "contributes --size bytes of memory. Prints the storage URL for engines "
-                    "(--storage mooncake://HOST:PORT?protocol=tcp) and runs until Ctrl-C/SIGTERM.",
-        epilog="Needs: pip install 'kvtier[mooncake]' and apt-get install -y libibverbs1.")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT,
-                    help=f"master RPC port engines connect to (default {DEFAULT_PORT})")
-    ap.add_argument("--size", default="1GiB",
-                    help="memory the pool node contributes, e.g. 4GiB or 512MB (default 1GiB)")
-    ap.add_argument("--host", default="127.0.0.1",
-                    help="address the master and node listen on and advertise; use the machine's "
-                         "IP to serve other machines (default 127.0.0.1)")
-    ap.add_argument("--lease-ttl-ms", type=int, default=DEFAULT_LEASE_TTL_MS,
-                    help="how long a read protects an object from eviction/removal, in ms "
-                         f"(master --default_kv_lease_ttl; default {DEFAULT_LEASE_TTL_MS})")
-    ap.add_argument("--metrics-port", type=int, default=None,
-                    help="port of the master's HTTP /metrics and /health (default: a free port)")
-    ap.add_argument("--workdir", default=None,
-                    help="directory for master.log and node.log (default: a temporary directory)")
-    ap.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT,
-                    help=f"seconds to wait for the pool to come up (default {READY_TIMEOUT:g})")
+        "contributes --size bytes of memory. Prints the storage URL for engines "
+        "(--storage mooncake://HOST:PORT?protocol=tcp) and runs until Ctrl-C/SIGTERM.",
+        epilog="Needs: pip install 'kvtier[mooncake]' and apt-get install -y libibverbs1.",
+    )
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"master RPC port engines connect to (default {DEFAULT_PORT})")
+    ap.add_argument("--size", default="1GiB", help="memory the pool node contributes, e.g. 4GiB or 512MB (default 1GiB)")
+    ap.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the master and node listen on and advertise; use the machine's "
+        "IP to serve other machines (default 127.0.0.1)",
+    )
+    ap.add_argument(
+        "--lease-ttl-ms",
+        type=int,
+        default=DEFAULT_LEASE_TTL_MS,
+        help="how long a read protects an object from eviction/removal, in ms "
+        f"(master --default_kv_lease_ttl; default {DEFAULT_LEASE_TTL_MS})",
+    )
+    ap.add_argument(
+        "--metrics-port", type=int, default=None, help="port of the master's HTTP /metrics and /health (default: a free port)"
+    )
+    ap.add_argument("--workdir", default=None, help="directory for master.log and node.log (default: a temporary directory)")
+    ap.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=READY_TIMEOUT,
+        help=f"seconds to wait for the pool to come up (default {READY_TIMEOUT:g})",
+    )
     return ap
 
 
@@ -444,8 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         return node_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.host in ("0.0.0.0", "::", ""):
-        print("kvtier pool mooncake: --host must be an address clients can reach (the pool "
-              "advertises it), not a wildcard", file=sys.stderr)
+        print(
+            "kvtier pool mooncake: --host must be an address clients can reach (the pool advertises it), not a wildcard",
+            file=sys.stderr,
+        )
         return 2
     try:
         size = parse_size(args.size)
@@ -466,22 +518,30 @@ def main(argv: list[str] | None = None) -> int:
     handle = None
     try:
         try:
-            handle = start_pool(args.port, size, args.workdir, host=args.host,
-                                lease_ttl_ms=args.lease_ttl_ms, metrics_port=args.metrics_port,
-                                timeout=args.ready_timeout)
+            handle = start_pool(
+                args.port,
+                size,
+                args.workdir,
+                host=args.host,
+                lease_ttl_ms=args.lease_ttl_ms,
+                metrics_port=args.metrics_port,
+                timeout=args.ready_timeout,
+            )
         except (PoolError, ImportError, ValueError) as e:
             print(f"kvtier pool mooncake: {e}", file=sys.stderr)
             return 1
-        assert handle.master is not None and handle.node is not None    # started by start_pool
-        print(f"Mooncake pool ready: {size} bytes, master pid {handle.master.pid}, node pid "
-              f"{handle.node.pid}, metrics http://{handle.host}:{handle.metrics_port}/metrics, "
-              f"logs in {handle.workdir}", flush=True)
+        assert handle.master is not None and handle.node is not None  # started by start_pool
+        print(
+            f"Mooncake pool ready: {size} bytes, master pid {handle.master.pid}, node pid "
+            f"{handle.node.pid}, metrics http://{handle.host}:{handle.metrics_port}/metrics, "
+            f"logs in {handle.workdir}",
+            flush=True,
+        )
         print(handle.url, flush=True)
         while not stop.wait(0.5):
             if not handle.alive:
                 which = "master" if handle.master.poll() is not None else "pool node"
-                print(f"kvtier pool mooncake: the {which} exited; stopping\n{handle.log_tail()}",
-                      file=sys.stderr, flush=True)
+                print(f"kvtier pool mooncake: the {which} exited; stopping\n{handle.log_tail()}", file=sys.stderr, flush=True)
                 return 1
         print("kvtier pool mooncake: stopping", flush=True)
         return 0

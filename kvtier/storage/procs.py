@@ -2,6 +2,7 @@
 and engine servers): each is killed when its launcher exits — by the kernel if the launcher dies (PR_SET_PDEATHSIG, Linux, set
 only from the main thread: the signal fires when the *thread* that forked exits), else at exit.
 Written by hand: subprocess has no "die with the parent" option."""
+
 from __future__ import annotations
 
 import atexit
@@ -22,7 +23,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         if _LIBC is None:
             _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
 
@@ -75,7 +76,7 @@ def _kill_leftovers() -> None:
         _LIVE.clear()
     for p in procs:
         try:
-            os.kill(p.pid, signal.SIGCONT)   # a stopped process must run to die cleanly
+            os.kill(p.pid, signal.SIGCONT)  # a stopped process must run to die cleanly
             p.kill()
             p.wait(timeout=5)
         except Exception:

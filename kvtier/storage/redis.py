@@ -52,6 +52,7 @@ redis-py 8.1 client (hiredis; pipelines of SET / GET of ``bytes``) on the same s
 Reproduce on a standalone server: ``python -m kvtier.storage.redis redis://127.0.0.1:PORT``
 (with ``-m``: run as a script, ``import redis`` would import this file).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -73,6 +74,7 @@ try:  # the optional dependency: pip install redis hiredis (kvtier[redis])
     from redis.exceptions import RedisError as _RedisError
     from redis.exceptions import ResponseError as _ResponseError
     from redis.retry import Retry as _Retry
+
     try:
         from redis.exceptions import RedisClusterException as _ClusterException
     except ImportError:  # pragma: no cover
@@ -90,7 +92,7 @@ __all__ = ["RedisBackend", "parse_redis_url"]
 DEFAULT_PORT = 6379
 DEFAULT_TIMEOUT = 2.0
 DEFAULT_BATCH = 16
-INFO_MAX_AGE = 5.0            # seconds between INFO calls made by stats()
+INFO_MAX_AGE = 5.0  # seconds between INFO calls made by stats()
 _QUERY_KEYS = ("timeout", "batch", "ssl_ca_certs", "ssl_cert_reqs")
 _TLS_ONLY = ("ssl_ca_certs", "ssl_cert_reqs")
 _CERT_REQS = ("none", "optional", "required")
@@ -103,11 +105,11 @@ _CERT_REQS = ("none", "optional", "required")
 def _parse_hostport(part: str, url_for_error: str) -> tuple[str, int]:
     if not part:
         raise ValueError(f"redis URL has no host: {url_for_error!r}")
-    if part.startswith("["):                      # [ipv6]:port
+    if part.startswith("["):  # [ipv6]:port
         end = part.find("]")
         if end < 0:
             raise ValueError(f"redis URL has a bad host {part!r} (unclosed '['): {url_for_error!r}")
-        host, rest = part[1:end], part[end + 1:]
+        host, rest = part[1:end], part[end + 1 :]
         if rest and not rest.startswith(":"):
             raise ValueError(f"redis URL has a bad host {part!r}: {url_for_error!r}")
         port_text = rest[1:] if rest else None
@@ -122,8 +124,7 @@ def _parse_hostport(part: str, url_for_error: str) -> tuple[str, int]:
     if port_text is None:
         return host, DEFAULT_PORT
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"redis URL has a bad port {port_text!r} (expected 1..65535): "
-                         f"{url_for_error!r}")
+        raise ValueError(f"redis URL has a bad port {port_text!r} (expected 1..65535): {url_for_error!r}")
     return host, int(port_text)
 
 
@@ -137,17 +138,17 @@ def parse_redis_url(url: str) -> dict[str, Any]:
         raise ValueError(f"not a URL (no '://'): {url!r}")
     scheme = scheme.lower()
     if scheme not in ("redis", "rediss", "redis+cluster"):
-        raise ValueError(f"unknown redis URL scheme {scheme!r} (expected redis, rediss or "
-                         f"redis+cluster)")
-    safe_url = redact_url(url)              # what messages show: never the password
+        raise ValueError(f"unknown redis URL scheme {scheme!r} (expected redis, rediss or redis+cluster)")
+    safe_url = redact_url(url)  # what messages show: never the password
     authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    if "@" in rest and "@" not in authority:   # a raw '/', '?' or '#' in a password split it
-        raise ValueError(f"redis URL has an '@' after the host (percent-encode '/', '?', '#' and '@' "
-                         f"in a password or a path, e.g. %2F, %40): {safe_url!r}")
+    if "@" in rest and "@" not in authority:  # a raw '/', '?' or '#' in a password split it
+        raise ValueError(
+            f"redis URL has an '@' after the host (percent-encode '/', '?', '#' and '@' "
+            f"in a password or a path, e.g. %2F, %40): {safe_url!r}"
+        )
     rest, _, fragment = rest.partition("#")
     if fragment:
-        raise ValueError(f"redis URL must not have a fragment ('#'; percent-encode it in a password): "
-                         f"{safe_url!r}")
+        raise ValueError(f"redis URL must not have a fragment ('#'; percent-encode it in a password): {safe_url!r}")
     rest, _, query = rest.partition("?")
     netloc, slash, path = rest.partition("/")
     # credentials (may contain '@' or ':' when percent-encoded; the last '@' ends them)
@@ -155,8 +156,7 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     username = password = None
     if at:
         if ":" not in userinfo:
-            raise ValueError(f"redis URL credentials must be ':password@' or 'user:password@' "
-                             f"(got no ':'): {safe_url!r}")
+            raise ValueError(f"redis URL credentials must be ':password@' or 'user:password@' (got no ':'): {safe_url!r}")
         user_text, _, pw_text = userinfo.partition(":")
         username = unquote(user_text) or None
         password = unquote(pw_text) or None
@@ -167,8 +167,7 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     nodes = [_parse_hostport(p.strip(), safe_url) for p in parts]
     cluster = scheme == "redis+cluster"
     if not cluster and len(nodes) != 1:
-        raise ValueError(f"{scheme}:// takes one host:port (use redis+cluster:// for several): "
-                         f"{safe_url!r}")
+        raise ValueError(f"{scheme}:// takes one host:port (use redis+cluster:// for several): {safe_url!r}")
     # db
     db = 0
     if slash and path not in ("",):
@@ -182,8 +181,7 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     seen = set()
     for key, value in parse_qsl(query, keep_blank_values=True):
         if key not in _QUERY_KEYS:
-            raise ValueError(f"unknown redis URL parameter {key!r} (known: "
-                             f"{', '.join(_QUERY_KEYS)})")
+            raise ValueError(f"unknown redis URL parameter {key!r} (known: {', '.join(_QUERY_KEYS)})")
         if key in seen:
             raise ValueError(f"redis URL parameter {key!r} given twice")
         seen.add(key)
@@ -195,25 +193,21 @@ def parse_redis_url(url: str) -> dict[str, Any]:
             except ValueError:
                 t = float("nan")
             if not (math.isfinite(t) and 0 < t <= 3600):
-                raise ValueError(f"redis URL parameter timeout={value!r} must be seconds in "
-                                 f"(0, 3600]")
+                raise ValueError(f"redis URL parameter timeout={value!r} must be seconds in (0, 3600]")
             opts["timeout"] = t
         elif key == "batch":
             if not value.isdigit() or not 1 <= int(value) <= 4096:
-                raise ValueError(f"redis URL parameter batch={value!r} must be an integer in "
-                                 f"1..4096")
+                raise ValueError(f"redis URL parameter batch={value!r} must be an integer in 1..4096")
             opts["batch"] = int(value)
         elif key == "ssl_cert_reqs":
             if value.lower() not in _CERT_REQS:
-                raise ValueError(f"redis URL parameter ssl_cert_reqs={value!r} must be one of "
-                                 f"{', '.join(_CERT_REQS)}")
+                raise ValueError(f"redis URL parameter ssl_cert_reqs={value!r} must be one of {', '.join(_CERT_REQS)}")
             opts["ssl_cert_reqs"] = value.lower()
         elif key == "ssl_ca_certs":
             if not value or not os.path.isfile(value):
                 raise ValueError(f"redis URL parameter ssl_ca_certs={value!r}: no such file")
             opts["ssl_ca_certs"] = value
-    return dict(nodes=nodes, db=db, username=username, password=password,
-                tls=scheme == "rediss", cluster=cluster, **opts)
+    return dict(nodes=nodes, db=db, username=username, password=password, tls=scheme == "rediss", cluster=cluster, **opts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,9 +285,9 @@ class _RespReader:
             self.start = self.end = 0
         elif self.end == len(self.buf):
             n = self.end - self.start
-            self.buf[:n] = self.mv[self.start:self.end]
+            self.buf[:n] = self.mv[self.start : self.end]
             self.start, self.end = 0, n
-        k = self.sock.recv_into(self.mv[self.end:])
+        k = self.sock.recv_into(self.mv[self.end :])
         if not k:
             raise _redis.ConnectionError("server closed the connection")
         self.end += k
@@ -302,7 +296,7 @@ class _RespReader:
         while True:
             i = self.buf.find(b"\r\n", self.start, self.end)
             if i >= 0:
-                line = bytes(self.mv[self.start:i])
+                line = bytes(self.mv[self.start : i])
                 self.start = i + 2
                 return line
             if self.end - self.start > 8192:
@@ -312,7 +306,7 @@ class _RespReader:
     def _into(self, dst: memoryview, n: int) -> None:
         have = min(n, self.end - self.start)
         if have:
-            dst[:have] = self.mv[self.start:self.start + have]
+            dst[:have] = self.mv[self.start : self.start + have]
             self.start += have
         sock = self.sock
         while have < n:
@@ -349,7 +343,7 @@ class _RespReader:
                 result = n
             while self.end - self.start < 2:
                 self._fill()
-            if self.buf[self.start:self.start + 2] != b"\r\n":
+            if self.buf[self.start : self.start + 2] != b"\r\n":
                 raise _ProtocolError("bulk string not terminated by CRLF")
             self.start += 2
             return result
@@ -368,7 +362,7 @@ def _checkout(pool):
 
 
 def _is_redirect(r: BaseException) -> bool:
-    if _redis is not None and isinstance(r, _AskError):   # MovedError is an AskError
+    if _redis is not None and isinstance(r, _AskError):  # MovedError is an AskError
         return True
     return isinstance(r, _ServerReply) and str(r).startswith(("MOVED ", "ASK "))
 
@@ -386,14 +380,22 @@ def _is_oom(r: BaseException) -> bool:
 class RedisBackend(Backend):
     scheme = "redis"
 
-    def __init__(self, nodes: Sequence[tuple[str, int]], *, db: int = 0,
-                 username: str | None = None, password: str | None = None, tls: bool = False,
-                 ssl_ca_certs: str | None = None, ssl_cert_reqs: str = "required",
-                 cluster: bool = False, timeout: float = DEFAULT_TIMEOUT,
-                 batch: int = DEFAULT_BATCH) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[tuple[str, int]],
+        *,
+        db: int = 0,
+        username: str | None = None,
+        password: str | None = None,
+        tls: bool = False,
+        ssl_ca_certs: str | None = None,
+        ssl_cert_reqs: str = "required",
+        cluster: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        batch: int = DEFAULT_BATCH,
+    ) -> None:
         if _redis is None:
-            raise ImportError(f"redis:// storage needs the redis client: pip install redis "
-                              f"hiredis ({_IMPORT_ERROR})")
+            raise ImportError(f"redis:// storage needs the redis client: pip install redis hiredis ({_IMPORT_ERROR})")
         if not nodes:
             raise ValueError("RedisBackend needs at least one host:port")
         if cluster and db != 0:
@@ -409,25 +411,43 @@ class RedisBackend(Backend):
         self._ssl_opts = {"ssl_ca_certs": ssl_ca_certs, "ssl_cert_reqs": ssl_cert_reqs}
         self._where = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
         self._conn_kwargs: dict[str, Any] = dict(
-            username=username, password=password,
-            socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-            socket_keepalive=True, protocol=2, connection_class=_conn_class(tls))
+            username=username,
+            password=password,
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            socket_keepalive=True,
+            protocol=2,
+            connection_class=_conn_class(tls),
+        )
         if tls:
-            self._conn_kwargs.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs,
-                                     ssl_check_hostname=ssl_cert_reqs == "required")
+            self._conn_kwargs.update(
+                ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs, ssl_check_hostname=ssl_cert_reqs == "required"
+            )
         self._tls_scratch = threading.local()  # per-thread header buffer of the GET reader
-        self._lock = threading.Lock()          # counters, INFO cache
+        self._lock = threading.Lock()  # counters, INFO cache
         self._connect_lock = threading.Lock()  # the lazy cluster client
         self._client: Any = None
         self._closed = False
         if not cluster:
             host, port = self.nodes[0]
-            pool = _redis.ConnectionPool(host=host, port=port, db=db,
-                                         retry=_Retry(_NoBackoff(), 0), **self._conn_kwargs)
+            pool = _redis.ConnectionPool(host=host, port=port, db=db, retry=_Retry(_NoBackoff(), 0), **self._conn_kwargs)
             self._client = _redis.Redis(connection_pool=pool)
-        self._c = dict(round_trips=0, bytes_read=0, bytes_written=0, gets=0, hits=0, misses=0,
-                       too_large=0, puts=0, refused=0, exists=0, deletes=0, errors=0,
-                       redirects=0, topology_refreshes=0)
+        self._c = dict(
+            round_trips=0,
+            bytes_read=0,
+            bytes_written=0,
+            gets=0,
+            hits=0,
+            misses=0,
+            too_large=0,
+            puts=0,
+            refused=0,
+            exists=0,
+            deletes=0,
+            errors=0,
+            redirects=0,
+            topology_refreshes=0,
+        )
         self._info: dict[str, Any] = {}
         self._info_at = -math.inf
 
@@ -459,11 +479,12 @@ class RedisBackend(Backend):
             return c
         if self._closed:
             raise StorageError(f"redis {self._where}: backend is closed")
-        with self._connect_lock:               # one discovery at a time; others wait for it
+        with self._connect_lock:  # one discovery at a time; others wait for it
             if self._client is None:
                 if self._closed:
                     raise StorageError(f"redis {self._where}: backend is closed")
                 from redis.cluster import ClusterNode, RedisCluster
+
                 # url= makes redis-py build every node's pool with ConnectionPool(**kwargs), so
                 # our connection_class (zero-copy packer) reaches the nodes; credentials stay in
                 # kwargs. The other URL hosts are extra startup nodes.
@@ -471,8 +492,11 @@ class RedisBackend(Backend):
                 first = f"redis://{f'[{h}]' if ':' in h else h}:{p}"
                 try:
                     self._client = RedisCluster(
-                        url=first, startup_nodes=[ClusterNode(h, p) for h, p in self.nodes[1:]],
-                        retry=_Retry(_NoBackoff(), 0), **self._conn_kwargs)
+                        url=first,
+                        startup_nodes=[ClusterNode(h, p) for h, p in self.nodes[1:]],
+                        retry=_Retry(_NoBackoff(), 0),
+                        **self._conn_kwargs,
+                    )
                 except _ERRORS as e:
                     raise self._fail("cluster discovery", e) from e
             return self._client
@@ -519,11 +543,9 @@ class RedisBackend(Backend):
                 node = nm.get_node_from_slot(client.keyslot(name))
                 g = groups.get(node.name)
                 if g is None:
-                    g = groups[node.name] = (node.name,
-                                             client.get_redis_connection(node).connection_pool,
-                                             [])
+                    g = groups[node.name] = (node.name, client.get_redis_connection(node).connection_pool, [])
                 g[2].append(i)
-        except _ERRORS as e:                   # e.g. SlotNotCoveredError
+        except _ERRORS as e:  # e.g. SlotNotCoveredError
             self._refresh(None)
             raise self._fail(op, e) from e
         return list(groups.values())
@@ -544,8 +566,7 @@ class RedisBackend(Backend):
         except Exception:
             pass
 
-    def _round_trip(self, op: str, cmds: list[tuple], views: list[memoryview] | None = None
-                    ) -> list:
+    def _round_trip(self, op: str, cmds: list[tuple], views: list[memoryview] | None = None) -> list:
         """Send ``cmds`` (one per item, item name second) to the node(s) serving them -- every
         node's commands are written before any reply is read -- and return one result per item:
         the reply, or the server's error reply as an exception instance. With ``views`` the
@@ -554,15 +575,14 @@ class RedisBackend(Backend):
         closed (their replies may be unread), a cluster re-reads its slot map."""
         groups = self._groups(op, [c[1] for c in cmds])
         results: list = [None] * len(cmds)
-        held: list[list] = []                  # [pool, conn, clean]
+        held: list[list] = []  # [pool, conn, clean]
         at = self._where
         try:
             for label, pool, idxs in groups:
                 at = label
                 conn = _checkout(pool)
                 held.append([pool, conn, False])
-                conn.send_packed_command(conn.pack_commands([cmds[i] for i in idxs]),
-                                         check_health=False)
+                conn.send_packed_command(conn.pack_commands([cmds[i] for i in idxs]), check_health=False)
             for entry, (label, _, idxs) in zip(held, groups):
                 at = label
                 conn = entry[1]
@@ -578,7 +598,7 @@ class RedisBackend(Backend):
                     for i in idxs:
                         try:
                             results[i] = conn.read_response()
-                        except _ResponseError as e:   # one item's error reply; stream in sync
+                        except _ResponseError as e:  # one item's error reply; stream in sync
                             results[i] = e
                     entry[2] = True
         except (*_ERRORS, _ProtocolError) as e:
@@ -608,7 +628,7 @@ class RedisBackend(Backend):
         out: list[bool] = []
         b = self.batch
         for i in range(0, len(names), b):
-            cmds = [("EXISTS", n) for n in names[i:i + b]]
+            cmds = [("EXISTS", n) for n in names[i : i + b]]
             for cmd, r in zip(cmds, self._round_trip("EXISTS", cmds)):
                 if isinstance(r, BaseException) and self.cluster and _is_redirect(r):
                     r = self._redirected("EXISTS", cmd)
@@ -625,8 +645,8 @@ class RedisBackend(Backend):
         b = self.batch
         nbytes = hits = misses = large = 0
         for i in range(0, len(names), b):
-            views = [_byte_view(x) for x in bufs[i:i + b]]
-            cmds = [("GET", n) for n in names[i:i + b]]
+            views = [_byte_view(x) for x in bufs[i : i + b]]
+            cmds = [("GET", n) for n in names[i : i + b]]
             for cmd, mv, r in zip(cmds, views, self._round_trip("GET", cmds, views)):
                 if isinstance(r, BaseException):
                     if not (self.cluster and _is_redirect(r)):
@@ -639,7 +659,7 @@ class RedisBackend(Backend):
                     elif len(v) > mv.nbytes:
                         r = TOO_LARGE
                     else:
-                        mv[:len(v)] = v
+                        mv[: len(v)] = v
                         r = len(v)
                 if r >= 0:
                     nbytes += r
@@ -649,8 +669,9 @@ class RedisBackend(Backend):
                 else:
                     large += 1
                 out.append(r)
-        self._count(round_trips=-(-len(names) // b), gets=len(names), bytes_read=nbytes,
-                    hits=hits, misses=misses, too_large=large)
+        self._count(
+            round_trips=-(-len(names) // b), gets=len(names), bytes_read=nbytes, hits=hits, misses=misses, too_large=large
+        )
         return out
 
     def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
@@ -660,26 +681,25 @@ class RedisBackend(Backend):
         b = self.batch
         written = refused = 0
         for i in range(0, len(names), b):
-            cmds = [("SET", n, _byte_view(x)) for n, x in zip(names[i:i + b], bufs[i:i + b])]
+            cmds = [("SET", n, _byte_view(x)) for n, x in zip(names[i : i + b], bufs[i : i + b])]
             for cmd, r in zip(cmds, self._round_trip("SET", cmds)):
                 if isinstance(r, BaseException) and self.cluster and _is_redirect(r):
                     r = self._redirected("SET", cmd)
                 if isinstance(r, BaseException):
-                    if not _is_oom(r):        # refused at maxmemory (noeviction): not an error
+                    if not _is_oom(r):  # refused at maxmemory (noeviction): not an error
                         raise self._fail("SET", r)
                     out.append(False)
                     refused += 1
                 else:
                     out.append(True)
                     written += cmd[2].nbytes
-        self._count(round_trips=-(-len(names) // b), puts=len(names), refused=refused,
-                    bytes_written=written)
+        self._count(round_trips=-(-len(names) // b), puts=len(names), refused=refused, bytes_written=written)
         return out
 
     def delete(self, names: Sequence[str]) -> None:
         b = self.batch
         for i in range(0, len(names), b):
-            cmds = [("UNLINK", n) for n in names[i:i + b]]
+            cmds = [("UNLINK", n) for n in names[i : i + b]]
             for cmd, r in zip(cmds, self._round_trip("UNLINK", cmds)):
                 if isinstance(r, BaseException) and self.cluster and _is_redirect(r):
                     r = self._redirected("UNLINK", cmd)
@@ -711,18 +731,25 @@ class RedisBackend(Backend):
             client = self._get_client()
             if self.cluster:
                 from redis.cluster import RedisCluster
+
                 per_node = client.info(target_nodes=RedisCluster.PRIMARIES)
-                infos = list(per_node.values()) if isinstance(per_node, dict) and all(
-                    isinstance(v, dict) for v in per_node.values()) else [per_node]
+                infos = (
+                    list(per_node.values())
+                    if isinstance(per_node, dict) and all(isinstance(v, dict) for v in per_node.values())
+                    else [per_node]
+                )
                 sizes = client.dbsize(target_nodes=RedisCluster.PRIMARIES)
                 objects = sum(sizes.values()) if isinstance(sizes, dict) else int(sizes)
             else:
                 infos = [client.info()]
                 objects = int(client.dbsize())
-            return dict(used_memory=sum(int(i.get("used_memory", 0)) for i in infos),
-                        maxmemory=sum(int(i.get("maxmemory", 0)) for i in infos),
-                        evicted_keys=sum(int(i.get("evicted_keys", 0)) for i in infos),
-                        objects=objects, server_nodes=len(infos))
+            return dict(
+                used_memory=sum(int(i.get("used_memory", 0)) for i in infos),
+                maxmemory=sum(int(i.get("maxmemory", 0)) for i in infos),
+                evicted_keys=sum(int(i.get("evicted_keys", 0)) for i in infos),
+                objects=objects,
+                server_nodes=len(infos),
+            )
         except (StorageError, *_ERRORS) as e:
             return {"server_error": f"{type(e).__name__}: {e}"}
 
@@ -747,8 +774,7 @@ class RedisBackend(Backend):
 # throughput check: python -m kvtier.storage.redis redis://127.0.0.1:PORT [MiB_total]
 
 
-def _throughput_check(url: str, total_mib: int = 512, size: int = 1 << 20,
-                      batch: int = DEFAULT_BATCH) -> dict[str, float]:
+def _throughput_check(url: str, total_mib: int = 512, size: int = 1 << 20, batch: int = DEFAULT_BATCH) -> dict[str, float]:
     """Raw redis-py (default client: hiredis, pipelines of SET/GET of bytes) against this backend
     (put_from/get_into of memoryviews) on the same server, same sizes, same batch. MB/s."""
     opts = parse_redis_url(url)
@@ -785,8 +811,7 @@ def _throughput_check(url: str, total_mib: int = 512, size: int = 1 << 20,
 
     def be_put():
         for i in range(0, n, batch):
-            be.put_from([f"tp:be:{(i + j) % 256}" for j in range(batch)],
-                        [memoryview(d) for d in data])
+            be.put_from([f"tp:be:{(i + j) % 256}" for j in range(batch)], [memoryview(d) for d in data])
 
     def be_get():
         for i in range(0, n, batch):
@@ -794,8 +819,7 @@ def _throughput_check(url: str, total_mib: int = 512, size: int = 1 << 20,
 
     for _ in range(2):  # second round is the one reported (warm allocator, warm server)
         res["raw_set"], res["backend_put"] = timed(raw_set), timed(be_put)
-        res["raw_get"], res["raw_mget"], res["backend_get"] = (timed(raw_get), timed(raw_mget),
-                                                               timed(be_get))
+        res["raw_get"], res["raw_mget"], res["backend_get"] = (timed(raw_get), timed(raw_mget), timed(be_get))
     res["put_ratio"] = res["backend_put"] / res["raw_set"]
     res["get_ratio"] = res["backend_get"] / max(res["raw_get"], res["raw_mget"])
     raw.delete(*[f"tp:raw:{i}" for i in range(256)], *[f"tp:be:{i}" for i in range(256)])
@@ -806,6 +830,7 @@ def _throughput_check(url: str, total_mib: int = 512, size: int = 1 << 20,
 
 if __name__ == "__main__":  # pragma: no cover
     import sys
+
     _url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379"
     _mib = int(sys.argv[2]) if len(sys.argv) > 2 else 512
     for _k, _v in _throughput_check(_url, _mib).items():

@@ -1,5 +1,6 @@
 """A backend slowed to a byte rate (``?throttle=200MB`` on any storage URL): a slow pool on demand,
 to show what the fetch-vs-recompute cost model does when fetching does not pay."""
+
 from __future__ import annotations
 
 import threading
@@ -16,7 +17,7 @@ class ThrottledBackend(Backend):
         self.scheme = inner.scheme  # type: ignore[misc]  # per instance: the inner backend's
         self.supports_parts = inner.supports_parts  # type: ignore[misc]  # per instance: the inner backend's
         self._lock = threading.Lock()
-        self._free_at = time.monotonic()       # one shared link: transfers queue behind each other
+        self._free_at = time.monotonic()  # one shared link: transfers queue behind each other
 
     def _pace(self, nbytes: int) -> None:
         with self._lock:

@@ -7,13 +7,15 @@ One host block holds all layers of one block contiguously, so it is one storage 
 These are the torch reference ops (any device, synchronous on the current stream); a fast path
 must keep their signatures and be tested against them.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def allocate_host_kv(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                     head_dim: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+def allocate_host_kv(
+    num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, pin: bool = False
+) -> torch.Tensor:
     shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
     return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
@@ -22,8 +24,7 @@ def _index(blocks, device) -> torch.Tensor:
     return torch.as_tensor(list(blocks), dtype=torch.long, device=device)
 
 
-def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
-                   device_blocks, host_blocks) -> None:
+def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor, device_blocks, host_blocks) -> None:
     """host[host_blocks[i]] = all layers of device block device_blocks[i]."""
     src = _index(device_blocks, kv_caches[0].device)
     dst = _index(host_blocks, host.device)
@@ -31,8 +32,9 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
         host[dst, layer] = kv[:, src].transpose(0, 1).to(host.device, non_blocking=False)
 
 
-def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
-                   host_blocks, device_blocks, layer: int | None = None) -> None:
+def host_to_device(
+    host: torch.Tensor, kv_caches: list[torch.Tensor], host_blocks, device_blocks, layer: int | None = None
+) -> None:
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all)."""
     src = _index(host_blocks, host.device)
     dst = _index(device_blocks, kv_caches[0].device)

@@ -41,6 +41,7 @@ reference ops (the CPU twin CI tests). Storage ops (fetch/put) are not its job: 
 client runs them on worker threads (kvtier.storage.client). A copy that raises is reported with all its items failed: the manager
 turns them into misses / recompute (DESIGN §5.6).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,30 +64,31 @@ class _InFlight:
     op: TransferOp
     failed: list[int]
     done: torch.cuda.Event | None = None
-    layer_events: list | None = None         # loads: one event per layer, from the ring
-    keep: tuple = field(default=())          # tensors the queued copy reads
-    queued: bool = True                      # gated loads: False until the forward takes them
+    layer_events: list | None = None  # loads: one event per layer, from the ring
+    keep: tuple = field(default=())  # tensors the queued copy reads
+    queued: bool = True  # gated loads: False until the forward takes them
 
 
 class TransferEngine:
-    def __init__(self, kv_caches: list[torch.Tensor], host_kv: torch.Tensor | None, routing=None,
-                 use_kernels: bool | None = None) -> None:
+    def __init__(
+        self, kv_caches: list[torch.Tensor], host_kv: torch.Tensor | None, routing=None, use_kernels: bool | None = None
+    ) -> None:
         self.kv_caches = kv_caches
         self.host_kv = host_kv
-        self.routing = routing                # RoutingCapture: routed experts travel with their KV block
+        self.routing = routing  # RoutingCapture: routed experts travel with their KV block
         self.num_layers = len(kv_caches)
         self.cuda = kv_caches[0].is_cuda
         if use_kernels is None:
             use_kernels = self.cuda and kernels.available()
         self.ops = kernels if use_kernels else reference
         self._inflight: deque[_InFlight] = deque()
-        self._step_loads: list[list] = []        # layer events this step's forward must wait on
-        self._free_sets: list[list] = []         # the ring of per-layer event sets
-        self._built: tuple = ()                  # the block pairs of the op being submitted
+        self._step_loads: list[list] = []  # layer events this step's forward must wait on
+        self._free_sets: list[list] = []  # the ring of per-layer event sets
+        self._built: tuple = ()  # the block pairs of the op being submitted
         # how loads submitted now are queued (module docstring): "whole", "layers" or "gated"
         self.load_mode = "whole"
-        self._gated: list[_InFlight] = []        # gated loads of this step, not yet queued
-        self._gated_done: torch.cuda.Event | None = None   # the last gated step's open_all
+        self._gated: list[_InFlight] = []  # gated loads of this step, not yet queued
+        self._gated_done: torch.cuda.Event | None = None  # the last gated step's open_all
         self.gates: LayerGates | None = None
         self.gates = LayerGates.create(self.num_layers, kv_caches[0].device)
         if self.cuda:
@@ -94,7 +96,7 @@ class TransferEngine:
             # loads gate the forward layer by layer: their kernels get SMs first as the
             # forward's blocks retire (high priority); backups can wait (default priority)
             self.load_stream = torch.cuda.Stream(device, priority=-1)
-            self.scatter_stream = torch.cuda.Stream(device, priority=-1)   # gated loads' scatters
+            self.scatter_stream = torch.cuda.Stream(device, priority=-1)  # gated loads' scatters
             self.offload_stream = torch.cuda.Stream(device)
             # preloads (a waiting request's blocks, as they land from storage) run beside the
             # steps' loads, not in front of them: no forward waits for a preload
@@ -104,7 +106,7 @@ class TransferEngine:
     # ------------------------------------------------------------------ submit
     def submit(self, op: TransferOp) -> None:
         """Queue ``op`` (never blocks on a GPU copy); its completion comes from :meth:`poll`."""
-        self._built = ()          # its block pairs once split: kept if it fails part-way (below)
+        self._built = ()  # its block pairs once split: kept if it fails part-way (below)
         try:
             if op.kind == "load":
                 entry = self._load(op)
@@ -114,7 +116,7 @@ class TransferEngine:
                 entry = self._backup(op)
             else:
                 raise ValueError(f"unknown op kind {op.kind!r}")
-        except Exception as e:   # a failed copy costs a recompute, never a wrong answer
+        except Exception as e:  # a failed copy costs a recompute, never a wrong answer
             log.warning("%s op %d failed: %s", op.kind, op.op_id, e)
             # the pairs' pinned ids stay alive until the fence passed: a copy queued before the
             # failure reads them through their mapped address, which the host allocator does
@@ -152,35 +154,34 @@ class TransferEngine:
             # loads of every layer at once: staged if they can be. Backups go by the zero-copy
             # kernel, faster than staged from 16 blocks up (docs/BENCHMARKS.md, bench transfer)
             if load and mode == "whole":
-                assert self.host_kv is not None         # loads come from the host tier
+                assert self.host_kv is not None  # loads come from the host tier
                 staged = kernels.host_runs(self.host_kv, self.kv_caches, op.src_blocks, op.dst_blocks)
                 if staged is not None:
                     return staged, None
             if load:
-                return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda,
-                                                kernels.TUNING["min_dma_run_h2d"], self.kv_caches[0].device), None
-            return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda,
-                                            kernels.TUNING["min_dma_run_d2h"]), None
+                return kernels.BlockPairs.split(
+                    op.src_blocks, op.dst_blocks, self.cuda, kernels.TUNING["min_dma_run_h2d"], self.kv_caches[0].device
+                ), None
+            return kernels.BlockPairs.split(op.src_blocks, op.dst_blocks, self.cuda, kernels.TUNING["min_dma_run_d2h"]), None
         return op.src_blocks, op.dst_blocks
 
     def _load(self, op: TransferOp) -> _InFlight:
-        assert self.host_kv is not None                 # loads come from the host tier
+        assert self.host_kv is not None  # loads come from the host tier
         if self.routing is not None:
             self.routing.host_to_device(op.src_blocks, op.dst_blocks)
         mode = self.load_mode if self.load_mode != "gated" or self.gates is not None else "whole"
         if mode not in ("whole", "layers", "gated"):
             raise ValueError(f"unknown load mode {self.load_mode!r}")
-        if (mode == "gated" and self.ops is kernels
-                and op.num_blocks * self.host_kv[0].nbytes < kernels.TUNING["min_gated_bytes"]):
-            mode = "whole"      # a small load: a few calls for every layer (staged) cost less CPU than
+        if mode == "gated" and self.ops is kernels and op.num_blocks * self.host_kv[0].nbytes < kernels.TUNING["min_gated_bytes"]:
+            mode = "whole"  # a small load: a few calls for every layer (staged) cost less CPU than
             #                     per-layer launches, and waiting for all of it costs the GPU ~nothing
-        if mode == "gated":                       # queued with the step's others (queue_gated)
-            entry = _InFlight(op, [], None, None, self._pairs(op, mode), queued=False)   # may raise: before the close
-            if not self._gated:                   # compute stream, before the mark: the step's
+        if mode == "gated":  # queued with the step's others (queue_gated)
+            entry = _InFlight(op, [], None, None, self._pairs(op, mode), queued=False)  # may raise: before the close
+            if not self._gated:  # compute stream, before the mark: the step's
                 if self._gated_done is not None:  # graph must not pass a gate until it opens, and
                     torch.cuda.current_stream(self.kv_caches[0].device).wait_event(self._gated_done)
-                assert self.gates is not None     # (gated mode is chosen only with gates)
-                self.gates.close()                # no open of an earlier step may land after the close
+                assert self.gates is not None  # (gated mode is chosen only with gates)
+                self.gates.close()  # no open of an earlier step may land after the close
             self._gated.append(entry)
             return entry
         if not self.cuda:
@@ -242,7 +243,7 @@ class TransferEngine:
             return
         entries, self._gated = self._gated, []
         gates, stream = self.gates, self.load_stream if self.cuda else None
-        assert gates is not None and self.host_kv is not None    # gated loads were queued
+        assert gates is not None and self.host_kv is not None  # gated loads were queued
         pipelined = stream is not None and self.ops is kernels
         scattered = False
         # the mark on the compute stream, taken *before* the load stream becomes current: taken
@@ -266,11 +267,10 @@ class TransferEngine:
                         if deferred is None:
                             self.ops.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer)
                         else:
-                            kernels.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer,
-                                                   deferred=deferred)
+                            kernels.host_to_device(self.host_kv, self.kv_caches, src, dst, layer=layer, deferred=deferred)
                     if deferred:
-                        assert stream is not None         # deferred scatters are pipelined on the load stream
-                        scattered = True          # (before: a scatter that raised may have run in part)
+                        assert stream is not None  # deferred scatters are pipelined on the load stream
+                        scattered = True  # (before: a scatter that raised may have run in part)
                         self._scatter(deferred, stream)
                         gates.open(layer, self.scatter_stream)
                     else:
@@ -279,15 +279,15 @@ class TransferEngine:
                 log.warning("gated loads %s failed: %s", [e.op.op_id for e in entries], e)
                 for entry in entries:
                     entry.failed = list(range(entry.op.num_blocks))
-            finally:                              # no graph waits forever on a gate
+            finally:  # no graph waits forever on a gate
                 done = None
                 if stream is not None:
-                    if scattered:                 # landed = scattered too
+                    if scattered:  # landed = scattered too
                         stream.wait_stream(self.scatter_stream)
                     gates.open_all(stream)
                     done = torch.cuda.Event()
                     done.record(stream)
-                    self._gated_done = done       # the next close waits for it
+                    self._gated_done = done  # the next close waits for it
                 else:
                     gates.open_all(stream)
                 for entry in entries:
@@ -307,8 +307,9 @@ class TransferEngine:
         """An event behind everything queued so far on the compute stream (the current one)."""
         current = torch.cuda.current_stream(self.kv_caches[0].device)
         if current in self._own_streams:
-            raise AssertionError(f"a mark taken on the transfer engine's own stream {current}: "
-                                 "it would order the copies after nothing")
+            raise AssertionError(
+                f"a mark taken on the transfer engine's own stream {current}: it would order the copies after nothing"
+            )
         mark = torch.cuda.Event()
         mark.record(current)
         return mark
@@ -331,11 +332,11 @@ class TransferEngine:
         out = []
         blocked: set[str] = set()
         for entry in list(self._inflight):
-            if not entry.queued:                  # gated, until the forward takes them
+            if not entry.queued:  # gated, until the forward takes them
                 continue
             kind = entry.op.kind
             if kind in blocked:
-                continue                          # backups, preloads: reported in submission order
+                continue  # backups, preloads: reported in submission order
             if entry.done is not None and not entry.done.query():
                 if kind in ("backup", "preload"):
                     blocked.add(kind)

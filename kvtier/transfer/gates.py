@@ -30,6 +30,7 @@ a wait is a protocol error); on a driver without them ``create`` returns None an
 waits for whole loads. Loads under ``kernels.TUNING["min_gated_bytes"]`` are not gated on the
 GPU: they go staged, all layers at once, and the graph waits for them before its replay.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,8 +40,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_WAIT_GEQ = 0x0          # CU_STREAM_WAIT_VALUE_GEQ
-_WRITE_DEFAULT = 0x0     # CU_STREAM_WRITE_VALUE_DEFAULT
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT
 _DRIVER: ctypes.CDLL | None = None
 _DRIVER_LOOKED_UP = False
 
@@ -73,7 +74,7 @@ class LayerGates:
         self.cuda = self.flags.is_cuda
         self._lib = _driver() if self.cuda else None
         self._base = self.flags.data_ptr()
-        self.closes = 0          # steps whose graph waited on gated loads (tests, metrics)
+        self.closes = 0  # steps whose graph waited on gated loads (tests, metrics)
 
     @classmethod
     def create(cls, num_layers: int, device: torch.device) -> "LayerGates | None":
@@ -111,8 +112,7 @@ class LayerGates:
             return
         assert self._lib is not None, "no driver: LayerGates.create() gives none"
         s = (stream or torch.cuda.current_stream(self.flags.device)).cuda_stream
-        self._check(self._lib.cuStreamWriteValue32_v2(s, self._base + 4 * layer, 1, _WRITE_DEFAULT),
-                    "cuStreamWriteValue32")
+        self._check(self._lib.cuStreamWriteValue32_v2(s, self._base + 4 * layer, 1, _WRITE_DEFAULT), "cuStreamWriteValue32")
 
     def open_all(self, stream: torch.cuda.Stream | None = None) -> None:
         if not self.cuda:
@@ -129,5 +129,4 @@ class LayerGates:
             return
         assert self._lib is not None, "no driver: LayerGates.create() gives none"
         s = torch.cuda.current_stream(self.flags.device).cuda_stream
-        self._check(self._lib.cuStreamWaitValue32_v2(s, self._base + 4 * layer, 1, _WAIT_GEQ),
-                    "cuStreamWaitValue32")
+        self._check(self._lib.cuStreamWaitValue32_v2(s, self._base + 4 * layer, 1, _WAIT_GEQ), "cuStreamWaitValue32")

@@ -13,6 +13,7 @@ Instead the buffer is an ordinary allocation that is
    mapped), so DMA engines and the zero-copy kernels of :mod:`kvtier.transfer.kernels` reach it;
 3. unregistered by :meth:`HostKV.release` (``LLM.close``), before its memory goes back.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,8 +34,7 @@ def gpu_numa_node(device: torch.device) -> int | None:
     """The NUMA node of ``device``'s PCI slot, or None (single node, unknown, or not a GPU)."""
     if device.type != "cuda":
         return None
-    nodes = [p for p in Path("/sys/devices/system/node").glob("node[0-9]*")] \
-        if Path("/sys/devices/system/node").is_dir() else []
+    nodes = [p for p in Path("/sys/devices/system/node").glob("node[0-9]*")] if Path("/sys/devices/system/node").is_dir() else []
     if len(nodes) < 2:
         return None
     p = torch.cuda.get_device_properties(device)
@@ -58,8 +58,9 @@ def _bind_to_node(t: torch.Tensor, node: int) -> bool:
     mask = (ctypes.c_ulong * (node // 64 + 1))()
     mask[node // 64] = 1 << (node % 64)
     libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.syscall(_SYS_MBIND, ctypes.c_void_p(start), ctypes.c_ulong(end - start), _MPOL_BIND,
-                      mask, ctypes.c_ulong(64 * len(mask) + 1), 0)
+    rc = libc.syscall(
+        _SYS_MBIND, ctypes.c_void_p(start), ctypes.c_ulong(end - start), _MPOL_BIND, mask, ctypes.c_ulong(64 * len(mask) + 1), 0
+    )
     return rc == 0
 
 
@@ -77,16 +78,21 @@ class HostKV:
                 self.numa_node = node
             if not _logged_numa:
                 _logged_numa = True
-                log.info("host KV pool: %s", f"bound to NUMA node {node} (the GPU's)" if self.numa_node is not None
-                         else "one NUMA node (or none known): no binding needed")
-        self.tensor.zero_()                         # first touch: pages land on the bound node
+                log.info(
+                    "host KV pool: %s",
+                    f"bound to NUMA node {node} (the GPU's)"
+                    if self.numa_node is not None
+                    else "one NUMA node (or none known): no binding needed",
+                )
+        self.tensor.zero_()  # first touch: pages land on the bound node
         if device.type == "cuda" and self.tensor.numel():
             nbytes = self.tensor.numel() * self.tensor.element_size()
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes,
-                                                       _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of the {nbytes / 2**30:.1f} GiB host KV pool failed "
-                                   f"(error {int(err)}); lower num_host_blocks or raise the locked-memory limit")
+                raise RuntimeError(
+                    f"cudaHostRegister of the {nbytes / 2**30:.1f} GiB host KV pool failed "
+                    f"(error {int(err)}); lower num_host_blocks or raise the locked-memory limit"
+                )
             self.registered = True
 
     def release(self) -> None:
@@ -99,5 +105,5 @@ class HostKV:
     def __del__(self) -> None:
         try:
             self.release()
-        except Exception:       # interpreter shutdown: nothing left to unpin
+        except Exception:  # interpreter shutdown: nothing left to unpin
             pass

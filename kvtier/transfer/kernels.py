@@ -38,6 +38,7 @@ layouts for a scattered list of blocks in one launch.
 Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernel on CPU tensors: that is how CI
 tests it against the reference.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 try:
     import triton
     import triton.language as tl
-except ImportError:      # pragma: no cover - the torch reference is used instead
+except ImportError:  # pragma: no cover - the torch reference is used instead
     triton = None
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -72,10 +73,19 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # (The scattered rest by one batched DMA, cuMemcpyBatchAsync, was measured and dropped: the H100's
 # copy engines move 32 KiB chunks at 0.34-0.55 of the link, the kernel at 0.81-0.94;
 # docs/BENCHMARKS.md, 2026-11-25.)
-TUNING = {"block": 1024, "part": 8192, "num_warps": 1, "max_programs": 264,
-          "min_dma_run_h2d": 32, "min_dma_run_d2h": 0, "min_dma_bytes_staged": 256 << 10,
-          "staging_bytes": 64 << 20, "staged_programs": 1056, "staged_warps": 4,
-          "min_gated_bytes": 64 << 20}
+TUNING = {
+    "block": 1024,
+    "part": 8192,
+    "num_warps": 1,
+    "max_programs": 264,
+    "min_dma_run_h2d": 32,
+    "min_dma_run_d2h": 0,
+    "min_dma_bytes_staged": 256 << 10,
+    "staging_bytes": 64 << 20,
+    "staged_programs": 1056,
+    "staged_warps": 4,
+    "min_gated_bytes": 64 << 20,
+}
 
 
 def available() -> bool:
@@ -87,11 +97,26 @@ if triton is not None:
 
     # one kernel whatever the copy: how many blocks, which layer, where the ids start (triton_jit.py)
     @jit(vary=["src_layer0", "dst_layer0", "num_work", "num_lk", "num_parts"], unaligned=["src_ids", "dst_ids"])
-    def _copy_chunks(src, dst, src_ids, dst_ids, src_layer0, dst_layer0,
-                     src_block_stride, src_layer_stride, src_kv_stride,
-                     dst_block_stride, dst_layer_stride, dst_kv_stride,
-                     num_work, num_lk, num_parts,
-                     CHUNK: tl.constexpr, PART: tl.constexpr, BLOCK: tl.constexpr):
+    def _copy_chunks(
+        src,
+        dst,
+        src_ids,
+        dst_ids,
+        src_layer0,
+        dst_layer0,
+        src_block_stride,
+        src_layer_stride,
+        src_kv_stride,
+        dst_block_stride,
+        dst_layer_stride,
+        dst_kv_stride,
+        num_work,
+        num_lk,
+        num_parts,
+        CHUNK: tl.constexpr,
+        PART: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """Persistent grid: program p copies work items p, p + P, ... where a work item is words
         [part*PART, (part+1)*PART) of the chunk (item, layer, k|v). Strides are in words; offsets
         are int64."""
@@ -149,8 +174,9 @@ class BlockPairs:
     dst_ids: torch.Tensor
 
     @staticmethod
-    def split(src_blocks: Sequence[int], dst_blocks: Sequence[int], cuda: bool, min_run: int,
-              scatter_device: torch.device | None = None) -> "BlockPairs":
+    def split(
+        src_blocks: Sequence[int], dst_blocks: Sequence[int], cuda: bool, min_run: int, scatter_device: torch.device | None = None
+    ) -> "BlockPairs":
         """``min_run``: the shortest run that goes by DMA (0: every block by the kernel).
         ``scatter_device`` (loads): a run needs consecutive sources only; its scattered
         destinations are written by a scatter from staging on that device."""
@@ -190,10 +216,10 @@ class HostRuns:
     kernel scatters to (loads) or gathers from (backups) the device blocks, for all layers and
     runs at once; the rest (runs too short to pay for a DMA) goes by the zero-copy kernel."""
 
-    runs: tuple[tuple[int, int], ...]      # (first host block, number of blocks)
-    run_device_ids: torch.Tensor           # the runs' device blocks, in order (int32)
-    host_ids: torch.Tensor                 # the rest: host blocks (int32) ...
-    device_ids: torch.Tensor               # ... and their device blocks
+    runs: tuple[tuple[int, int], ...]  # (first host block, number of blocks)
+    run_device_ids: torch.Tensor  # the runs' device blocks, in order (int32)
+    host_ids: torch.Tensor  # the rest: host blocks (int32) ...
+    device_ids: torch.Tensor  # ... and their device blocks
 
     @staticmethod
     def split(host_blocks: Sequence[int], device_blocks: Sequence[int], min_run: int, cuda: bool) -> "HostRuns":
@@ -217,8 +243,9 @@ class HostRuns:
         return HostRuns(tuple(runs), *ids)
 
 
-def host_runs(host: torch.Tensor, kv_caches: list[torch.Tensor], host_blocks: Sequence[int],
-              device_blocks: Sequence[int]) -> HostRuns | None:
+def host_runs(
+    host: torch.Tensor, kv_caches: list[torch.Tensor], host_blocks: Sequence[int], device_blocks: Sequence[int]
+) -> HostRuns | None:
     """The staged split of a copy of every layer (:class:`HostRuns`), or None where the staged
     path does not apply (layers in separate buffers, or ``TUNING["staging_bytes"]`` is 0)."""
     if not TUNING["staging_bytes"] or _shared_base(kv_caches) is None:
@@ -249,8 +276,16 @@ def _cudart() -> ctypes.CDLL | None:
             for path in sorted(paths):
                 lib = ctypes.CDLL(path)
                 f = lib.cudaMemcpy2DAsync
-                f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                              ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+                f.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_size_t,
+                    ctypes.c_void_p,
+                    ctypes.c_size_t,
+                    ctypes.c_size_t,
+                    ctypes.c_size_t,
+                    ctypes.c_int,
+                    ctypes.c_void_p,
+                ]
                 f.restype = ctypes.c_int
                 _CUDART = lib
                 break
@@ -270,9 +305,17 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     width = src[0].numel() * src.element_size()
     stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device).cuda_stream
     cudart = _cudart()
-    assert cudart is not None             # runs go by this copy only where it was found
-    err = cudart.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * dst.element_size(), src.data_ptr(),
-                                   src.stride(0) * src.element_size(), width, src.shape[0], 4, stream)
+    assert cudart is not None  # runs go by this copy only where it was found
+    err = cudart.cudaMemcpy2DAsync(
+        dst.data_ptr(),
+        dst.stride(0) * dst.element_size(),
+        src.data_ptr(),
+        src.stride(0) * src.element_size(),
+        width,
+        src.shape[0],
+        4,
+        stream,
+    )
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
 
@@ -294,40 +337,62 @@ def _shared_base(kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, int] | No
     return first, step
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-            num_layers: int, src_layer0: int, dst_layer0: int,
-            src_strides: tuple[int, int, int], dst_strides: tuple[int, int, int],
-            chunk_words: int, on_device: bool = False) -> None:
+def _launch(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    num_layers: int,
+    src_layer0: int,
+    dst_layer0: int,
+    src_strides: tuple[int, int, int],
+    dst_strides: tuple[int, int, int],
+    chunk_words: int,
+    on_device: bool = False,
+) -> None:
     """``on_device``: both sides in device memory (a staging scatter or gather), which wants more
     programs and warps in flight than a PCIe copy does (``TUNING["staged_*"]``)."""
     n = src_ids.numel()
     if n == 0 or num_layers == 0:
         return
-    if index_checks.ENABLED:        # each side's blocks: its tensor's size over its block stride
+    if index_checks.ENABLED:  # each side's blocks: its tensor's size over its block stride
         index_checks.check("copy src_ids", src_ids, src.numel() // src_strides[0])
         index_checks.check("copy dst_ids", dst_ids, dst.numel() // dst_strides[0])
     block = min(TUNING["block"], triton.next_power_of_2(chunk_words))
     part = -(-min(chunk_words, max(block, TUNING["part"])) // block) * block
     parts = -(-chunk_words // part)
     work = n * num_layers * 2 * parts
-    programs, warps = ((TUNING["staged_programs"], TUNING["staged_warps"]) if on_device
-                       else (TUNING["max_programs"], TUNING["num_warps"]))
+    programs, warps = (
+        (TUNING["staged_programs"], TUNING["staged_warps"]) if on_device else (TUNING["max_programs"], TUNING["num_warps"])
+    )
     _copy_chunks[(min(work, programs),)](
-        src, dst, src_ids, dst_ids, src_layer0, dst_layer0, *src_strides, *dst_strides,
-        work, num_layers * 2, parts, CHUNK=chunk_words, PART=part, BLOCK=block, num_warps=warps)
+        src,
+        dst,
+        src_ids,
+        dst_ids,
+        src_layer0,
+        dst_layer0,
+        *src_strides,
+        *dst_strides,
+        work,
+        num_layers * 2,
+        parts,
+        CHUNK=chunk_words,
+        PART=part,
+        BLOCK=block,
+        num_warps=warps,
+    )
 
 
 def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int]:
     """(chunk bytes, num_device_blocks, num_layers) after checking the two layouts agree."""
     two, num_device_blocks, *block = kv.shape
     if two != 2 or tuple(host.shape[2:]) != (2, *block) or host.dtype != kv.dtype:
-        raise ValueError(f"layouts disagree: device layer {tuple(kv.shape)} {kv.dtype}, "
-                         f"host {tuple(host.shape)} {host.dtype}")
+        raise ValueError(f"layouts disagree: device layer {tuple(kv.shape)} {kv.dtype}, host {tuple(host.shape)} {host.dtype}")
     return kv[0, 0].numel() * kv.element_size(), num_device_blocks, host.shape[1]
 
 
-def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
-                   device_blocks, host_blocks) -> None:
+def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor, device_blocks, host_blocks) -> None:
     """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current
     stream). ``device_blocks`` may be a :class:`BlockPairs` or :class:`HostRuns` (then
     ``host_blocks`` is ignored)."""
@@ -341,7 +406,7 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
         d0, h0, n = run.src0, run.dst0, run.n
         for layer, kv in enumerate(kv_caches):
             for kvi in (0, 1):
-                _copy_rows(host[h0:h0 + n, layer, kvi], kv[kvi, d0:d0 + n])
+                _copy_rows(host[h0 : h0 + n, layer, kvi], kv[kvi, d0 : d0 + n])
     src_ids, dst_ids = pairs.src_ids, pairs.dst_ids
     if not src_ids.numel():
         return
@@ -351,21 +416,45 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor,
         word, w = _word(chunk_bytes, host, base)
         if step % w == 0:
             chunk = chunk_bytes // w
-            src = base.view(-1).view(torch.uint8).view(word)   # layer l starts `step` bytes further each
-            _launch(src, _flat(host, word), src_ids, dst_ids, len(kv_caches), 0, 0,
-                    (chunk, step // w, num_device_blocks * chunk), (num_layers * 2 * chunk, 2 * chunk, chunk),
-                    chunk)
+            src = base.view(-1).view(torch.uint8).view(word)  # layer l starts `step` bytes further each
+            _launch(
+                src,
+                _flat(host, word),
+                src_ids,
+                dst_ids,
+                len(kv_caches),
+                0,
+                0,
+                (chunk, step // w, num_device_blocks * chunk),
+                (num_layers * 2 * chunk, 2 * chunk, chunk),
+                chunk,
+            )
             return
-    for layer, kv in enumerate(kv_caches):       # layers in separate buffers: a launch each
+    for layer, kv in enumerate(kv_caches):  # layers in separate buffers: a launch each
         word, w = _word(chunk_bytes, host, kv)
         chunk = chunk_bytes // w
-        _launch(_flat(kv, word), _flat(host, word), src_ids, dst_ids, 1, 0, layer,
-                (chunk, 0, num_device_blocks * chunk), (num_layers * 2 * chunk, 2 * chunk, chunk), chunk)
+        _launch(
+            _flat(kv, word),
+            _flat(host, word),
+            src_ids,
+            dst_ids,
+            1,
+            0,
+            layer,
+            (chunk, 0, num_device_blocks * chunk),
+            (num_layers * 2 * chunk, 2 * chunk, chunk),
+            chunk,
+        )
 
 
-def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
-                   host_blocks, device_blocks, layer: int | None = None,
-                   deferred: list | None = None) -> None:
+def host_to_device(
+    host: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    host_blocks,
+    device_blocks,
+    layer: int | None = None,
+    deferred: list | None = None,
+) -> None:
     """Device block device_blocks[i] = host block host_blocks[i] (one layer, or all), queued on
     the current stream. ``host_blocks`` may be a :class:`BlockPairs` (split once for all layers),
     or for all layers a :class:`HostRuns` (the staged path, a few calls whatever the layers).
@@ -383,19 +472,20 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
     if isinstance(host_blocks, BlockPairs):
         pairs = host_blocks
     else:
-        pairs = BlockPairs.split(host_blocks, device_blocks, kv_caches[0].is_cuda, TUNING["min_dma_run_h2d"],
-                                 scatter_device=kv_caches[0].device)
-    for index in (range(len(kv_caches)) if layer is None else (layer,)):
+        pairs = BlockPairs.split(
+            host_blocks, device_blocks, kv_caches[0].is_cuda, TUNING["min_dma_run_h2d"], scatter_device=kv_caches[0].device
+        )
+    for index in range(len(kv_caches)) if layer is None else (layer,):
         kv = kv_caches[index]
         for run in pairs.runs:
             h0, d0, n = run.src0, run.dst0, run.n
             if d0 is not None:
                 for kvi in (0, 1):
-                    _copy_rows(kv[kvi, d0:d0 + n], host[h0:h0 + n, index, kvi])
-            else:        # one DMA of K and V (adjacent on host) into staging, then a scatter
+                    _copy_rows(kv[kvi, d0 : d0 + n], host[h0 : h0 + n, index, kvi])
+            else:  # one DMA of K and V (adjacent on host) into staging, then a scatter
                 assert run.dst_ids is not None
                 staging = torch.empty((n, *host.shape[2:]), dtype=kv.dtype, device=kv.device)
-                _copy_rows(staging, host[h0:h0 + n, index])
+                _copy_rows(staging, host[h0 : h0 + n, index])
                 if deferred is None:
                     scatter_staged(kv, run.dst_ids, staging)
                 else:
@@ -403,8 +493,18 @@ def host_to_device(host: torch.Tensor, kv_caches: list[torch.Tensor],
         if pairs.src_ids.numel():
             word, w = _word(chunk_bytes, host, kv)
             chunk = chunk_bytes // w
-            _launch(_flat(host, word), _flat(kv, word), pairs.src_ids, pairs.dst_ids, 1, index, 0,
-                    (num_layers * 2 * chunk, 2 * chunk, chunk), (chunk, 0, num_device_blocks * chunk), chunk)
+            _launch(
+                _flat(host, word),
+                _flat(kv, word),
+                pairs.src_ids,
+                pairs.dst_ids,
+                1,
+                index,
+                0,
+                (num_layers * 2 * chunk, 2 * chunk, chunk),
+                (chunk, 0, num_device_blocks * chunk),
+                chunk,
+            )
 
 
 def scatter_staged(kv: torch.Tensor, dst_ids: torch.Tensor, staging: torch.Tensor) -> None:
@@ -413,8 +513,9 @@ def scatter_staged(kv: torch.Tensor, dst_ids: torch.Tensor, staging: torch.Tenso
     kv[:, dst_ids] = staging.transpose(0, 1)
 
 
-def _staged(host: torch.Tensor, kv_caches: list[torch.Tensor], pairs: HostRuns, load: bool,
-            chunk_bytes: int, num_device_blocks: int) -> None:
+def _staged(
+    host: torch.Tensor, kv_caches: list[torch.Tensor], pairs: HostRuns, load: bool, chunk_bytes: int, num_device_blocks: int
+) -> None:
     """Every layer of ``pairs`` between host and device (:class:`HostRuns`), queued on the current
     stream. The staging buffer (host layout) holds at most ``TUNING["staging_bytes"]``: longer
     copies go through it piece by piece; the stream orders a piece's DMA after the kernel that
@@ -424,10 +525,10 @@ def _staged(host: torch.Tensor, kv_caches: list[torch.Tensor], pairs: HostRuns, 
         raise ValueError("a staged copy needs the layers to be views of one buffer")
     base, step = shared
     word, w = _word(chunk_bytes, host, base)
-    while step % w:                        # the layer stride must be whole words too
+    while step % w:  # the layer stride must be whole words too
         word, w = next((t, n) for n, t in _WORDS if n < w)
     chunk, num_layers = chunk_bytes // w, host.shape[1]
-    dev = base.view(-1).view(torch.uint8).view(word)    # layer l starts `step` bytes further each
+    dev = base.view(-1).view(torch.uint8).view(word)  # layer l starts `step` bytes further each
     dev_strides = (chunk, step // w, num_device_blocks * chunk)
     host_strides = (num_layers * 2 * chunk, 2 * chunk, chunk)
     total = sum(n for _, n in pairs.runs)
@@ -436,38 +537,34 @@ def _staged(host: torch.Tensor, kv_caches: list[torch.Tensor], pairs: HostRuns, 
         staging = torch.empty((piece, *host.shape[1:]), dtype=host.dtype, device=base.device)
         flat = _flat(staging, word)
         rows = torch.arange(piece, dtype=torch.int32, device=base.device)
-        done = filled = 0                  # run blocks copied so far / rows of this piece
-        backs: list[tuple[int, int, int]] = []     # a backup's DMAs of this piece, after its gather
+        done = filled = 0  # run blocks copied so far / rows of this piece
+        backs: list[tuple[int, int, int]] = []  # a backup's DMAs of this piece, after its gather
         for h0, n in pairs.runs:
             at = 0
             while at < n:
                 m = min(n - at, piece - filled)
                 if load:
-                    staging[filled:filled + m].copy_(host[h0 + at:h0 + at + m], non_blocking=True)
+                    staging[filled : filled + m].copy_(host[h0 + at : h0 + at + m], non_blocking=True)
                 else:
                     backs.append((h0 + at, filled, m))
                 filled += m
                 at += m
                 if filled == piece or done + filled == total:
-                    ids = pairs.run_device_ids[done:done + filled]
+                    ids = pairs.run_device_ids[done : done + filled]
                     if load:
-                        _launch(flat, dev, rows[:filled], ids, num_layers, 0, 0, host_strides, dev_strides,
-                                chunk, on_device=True)
+                        _launch(flat, dev, rows[:filled], ids, num_layers, 0, 0, host_strides, dev_strides, chunk, on_device=True)
                     else:
-                        _launch(dev, flat, ids, rows[:filled], num_layers, 0, 0, dev_strides, host_strides,
-                                chunk, on_device=True)
+                        _launch(dev, flat, ids, rows[:filled], num_layers, 0, 0, dev_strides, host_strides, chunk, on_device=True)
                         for h, r, k in backs:
-                            host[h:h + k].copy_(staging[r:r + k], non_blocking=True)
+                            host[h : h + k].copy_(staging[r : r + k], non_blocking=True)
                         backs = []
                     done += filled
                     filled = 0
     if pairs.host_ids.numel():
         if load:
-            _launch(_flat(host, word), dev, pairs.host_ids, pairs.device_ids, num_layers, 0, 0,
-                    host_strides, dev_strides, chunk)
+            _launch(_flat(host, word), dev, pairs.host_ids, pairs.device_ids, num_layers, 0, 0, host_strides, dev_strides, chunk)
         else:
-            _launch(dev, _flat(host, word), pairs.device_ids, pairs.host_ids, num_layers, 0, 0,
-                    dev_strides, host_strides, chunk)
+            _launch(dev, _flat(host, word), pairs.device_ids, pairs.host_ids, num_layers, 0, 0, dev_strides, host_strides, chunk)
 
 
 def compile_variants(host: torch.Tensor, kv_caches: list[torch.Tensor], device_block: int, host_block: int) -> int:
@@ -485,7 +582,7 @@ def compile_variants(host: torch.Tensor, kv_caches: list[torch.Tensor], device_b
     host_to_device(host, kv_caches, BlockPairs.split(one_h, one_d, cuda, 0), None, layer=0)
     paths += 2
     if host_runs(host, kv_caches, one_h, one_d) is not None:
-        for min_run in (1, 2):           # the block as a run (staging), then as the rest
+        for min_run in (1, 2):  # the block as a run (staging), then as the rest
             staged = HostRuns.split(one_h, one_d, min_run, cuda)
             host_to_device(host, kv_caches, staged, None)
             device_to_host(kv_caches, host, staged, None)
