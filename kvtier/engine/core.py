@@ -57,8 +57,10 @@ import numpy as np
 import torch
 
 from kvtier.cache import CacheManager, ModelFingerprint
+from kvtier.engine.cache_stats import cache_stats
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
+from kvtier.engine.copies import CopyPump
+from kvtier.engine.cuda_graph import capture_graphs
 from kvtier.engine.fatal import raise_if_device_lost
 from kvtier.engine.group import SampleGroup, SampleGroups, check_n
 from kvtier.engine.intake import AUTO_ID, Intake, check_token_ids
@@ -74,7 +76,6 @@ from kvtier.engine.sizing import check_host_blocks, resolve_dtype, size_device_b
 from kvtier.engine.startup import Startup
 from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
-from kvtier.model.moe import SparseMoE
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
 
@@ -200,6 +201,7 @@ class EngineCore:
             else None
         )
         self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing)
+        self.copies = CopyPump(self.cache, self.transfer, self.storage)
         if self.storage is not None:
             assert self.host_kv is not None  # a pool always gets a host tier (config, sizing)
             bind_pool(self.storage, self.fetch_cost, self.host_kv, self.routing, fingerprint)
@@ -216,38 +218,19 @@ class EngineCore:
                 )
         graphs = step_graphs = None
         if cuda_graphs:
-            capture = self.device.type == "cuda"
-            routing_shape = (cfg.num_moe_layers, cfg.top_k) if self.routing else None
             with startup("capturing CUDA graphs"):
-                graphs = DecodeGraphs(
+                graphs, step_graphs = capture_graphs(
                     self.model,
                     self.kv_caches,
                     block_size,
                     self.max_model_len,
-                    min(max_num_seqs, 256),
+                    max_num_seqs,
+                    max_num_batched_tokens,
                     num_device_blocks,
                     self.device,
-                    capture=capture,
-                    routing_shape=routing_shape,
+                    (cfg.num_moe_layers, cfg.top_k) if self.routing else None,
+                    self.transfer.gates,
                 )
-                graphs.capture_all()
-                # other steps of up to 256 tokens (MoE layers dispatch densely up to there: no sync)
-                max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
-                if max_tokens >= StepGraphs.SIZES[0]:
-                    step_graphs = StepGraphs(
-                        self.model,
-                        self.kv_caches,
-                        block_size,
-                        self.max_model_len,
-                        max_tokens,
-                        num_device_blocks,
-                        self.device,
-                        capture=capture,
-                        routing_shape=routing_shape,
-                        pool=graphs.pool(),
-                        gates=self.transfer.gates,
-                    )
-                    step_graphs.capture_all()
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs, step_graphs)
         self.scheduler = Scheduler(
             self.cache,
@@ -275,12 +258,9 @@ class EngineCore:
             self.device,
             self._generator,
         )
-        self._ops_done = 0  # copies completed so far (progress: write_back frees blocks late)
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
         self.overlap_schedule = self.device.type == "cuda" if c.overlap_schedule is None else bool(c.overlap_schedule)
         self._inflight: _Launched | None = None  # overlap: the step on the GPU, results not taken
-        self._rewinds: dict[object, int] = {}  # failed loads: request id -> tokens still valid
-        self._loads_submitted = 0
         self._closed = False
         startup.done()
 
@@ -379,8 +359,8 @@ class EngineCore:
         copies in flight are drained and the step goes on. Only a failure with no request to blame
         (before anything was scheduled) raises."""
         self._check_open()
-        ops_before = self._ops_done
-        self._pump()  # copies that landed since the last step
+        ops_before = self.copies.num_done
+        self.copies.pump()  # copies that landed since the last step
         results: list[RequestOutput] = []
         prev, self._inflight = self._inflight, None
         if prev is not None and prev.sync:
@@ -400,16 +380,14 @@ class EngineCore:
             else:
                 self._finish(cur, results)
         elif not out.scheduled:
-            self._pump()  # staged copies (e.g. a swap's) go out now
-            self._complete(self.transfer.wait_loads())
+            self.copies.pump()  # staged copies (e.g. a swap's) go out now
+            self.copies.wait_loads()
         if self._exports:
             results += self._exports.finished()
-        progressed = out.scheduled or self._ops_done != ops_before or results
+        progressed = out.scheduled or self.copies.num_done != ops_before or results
         if not progressed and self.has_unfinished():
-            if self.transfer.num_in_flight:  # nothing to run until copies land: wait for them
-                self._complete(self.transfer.drain())
-            elif self.storage is not None and self.storage.num_in_flight:  # prefetches, puts landing
-                self._complete(self.storage.wait(timeout=0.05))
+            if self.copies.in_flight:  # nothing to run until copies land: wait for them
+                self.copies.wait_some()
             elif not self.cache.num_pending_ops and self.scheduler.waiting:
                 req = self.scheduler.waiting[0]  # blocks held elsewhere (e.g. exports): it cannot run
                 results.append(
@@ -426,13 +404,13 @@ class EngineCore:
     def _launch(self, out: SchedulerOutput, results: list[RequestOutput]) -> _Launched | None:
         """Queue the step (forward and sampling) and advance its requests; None if every one of
         them failed (their outputs into ``results``)."""
-        loads_before = self._loads_submitted
+        loads_before = self.copies.num_loads
 
         def start_loads(mode: str):
             if not hook:  # once per step, whatever forwards run in it
                 self.transfer.load_mode = mode
                 try:
-                    self._pump()  # loads: queued (GPU) or done (CPU)
+                    self.copies.pump()  # loads: queued (GPU) or done (CPU)
                 finally:
                     self.transfer.load_mode = "whole"
                 hook.append(self.transfer.layer_hook())
@@ -451,7 +429,7 @@ class EngineCore:
             return None
         # the next schedule needs this step's tokens on the host if it loaded blocks (a failed
         # load rewinds its request), fell back to one-by-one, or penalizes by what it samples
-        loads = self._loads_submitted != loads_before
+        loads = self.copies.num_loads != loads_before
         sync = loads or result.collected or any(s.request.params.has_penalties for s in out.scheduled)
         return _Launched(out, ends, result, sync, loads, t0)
 
@@ -491,12 +469,8 @@ class EngineCore:
                 # a step with prefill work, from launch to results: the recompute side of the cost model
                 self.fetch_cost.observe_prefill(out.num_tokens, time.perf_counter() - step.t0)
             if step.loads:
-                self._complete(self.transfer.wait_loads())  # the forward waited on them
-            rewinds: dict[object, int] = {
-                s.request.request_id: self._rewinds.pop(s.request.request_id)
-                for s in out.scheduled
-                if s.request.request_id in self._rewinds
-            }
+                self.copies.wait_loads()  # the forward waited on them
+            rewinds = self.copies.take_rewinds([s.request.request_id for s in out.scheduled])
             finished = self.scheduler.update(out, step.ends, sampled, rewinds)
         except Exception as e:  # noqa: BLE001
             self.scheduler.drop(out)
@@ -521,7 +495,7 @@ class EngineCore:
                     results.append(output)
             finally:  # a failed output still returns the request's blocks
                 self.scheduler.release(req)
-        self._pump()  # backups of what the forward wrote, puts
+        self.copies.pump()  # backups of what the forward wrote, puts
 
     def _blame(self, out: SchedulerOutput, results: list[RequestOutput], exc: BaseException) -> None:
         """Fail the requests of ``out`` without an output yet (the step raised ``exc``); an
@@ -560,33 +534,8 @@ class EngineCore:
         puts to the pool finish instead of waiting for the next request). Returns the copies
         still pending."""
         if not self.closed and not self.has_unfinished():
-            self._pump()
+            self.copies.pump()
         return self.cache.num_pending_ops
-
-    def _pump(self) -> None:
-        """Submit the manager's staged copies and hand back those that landed, until quiet (on
-        CPU every copy lands at once, and a landed copy may stage the next: backup -> put)."""
-        while True:
-            plan = self.cache.take_plan()
-            for op in plan:
-                if op.kind in ("fetch", "put"):
-                    self.storage.submit(op)  # type: ignore[union-attr]
-                else:
-                    self._loads_submitted += op.kind == "load"
-                    self.transfer.submit(op)
-            landed = self.transfer.poll()
-            if self.storage is not None:
-                landed += self.storage.poll()
-            self._complete(landed)
-            if not plan and not landed:
-                return
-
-    def _complete(self, landed: list[tuple[int, list[int]]]) -> None:
-        """Hand landed copies to the manager; a failed load's rewind (recompute its request from
-        there) waits in ``_rewinds`` for the step that loaded, which applies it."""
-        for op_id, failed in landed:
-            self._rewinds.update(self.cache.complete(op_id, failed))
-        self._ops_done += len(landed)
 
     def drain(self) -> None:
         """Finish the step in flight; wait for every copy in flight and hand it to the manager
@@ -594,12 +543,7 @@ class EngineCore:
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
             self._finish(step, [])  # (close: its requests' outputs are not wanted)
-        self._pump()
-        while self.transfer.num_in_flight or (self.storage is not None and self.storage.num_in_flight):
-            self._complete(self.transfer.drain())
-            if self.storage is not None:
-                self._complete(self.storage.drain())
-            self._pump()
+        self.copies.drain()
 
     def score(self, token_ids: Sequence[int], routed_experts: np.ndarray | None = None) -> np.ndarray:
         """Per-token logprobs of token_ids[1:] (float32 [len-1]); routing forced when given."""
@@ -622,43 +566,8 @@ class EngineCore:
         return len(self._exports)
 
     def cache_stats(self) -> dict:
-        s = self.cache.stats
-        moved = s.bytes_moved
-        hits = sum(s.hit_tokens.values())
-        return {
-            "device": {
-                "hit_tokens": s.hit_tokens["device"],
-                "evictions": s.evictions["device"],
-                "bytes_in": moved["host_to_device"],
-                "blocks_used": self.cache.device_pool.num_used,
-            },
-            "host": {
-                "hit_tokens": s.hit_tokens["host"],
-                "evictions": s.evictions["host"],
-                "bytes_in": moved["device_to_host"] + moved["storage_to_host"],
-                "blocks_used": self.cache.host_pool.num_used,
-            },
-            "storage": self._storage_stats(),
-            "query_tokens": s.query_tokens,
-            "miss_tokens": max(0, s.query_tokens - hits),
-            "failures": dict(s.failures),
-            "failed_requests": self.num_failed_requests,
-            "startup": self.startup.as_dict(),
-        }
-
-    def _storage_stats(self) -> dict:
-        s = self.cache.stats
-        out: dict[str, Any] = {
-            "hit_tokens": s.hit_tokens["storage"],
-            "bytes_in": s.bytes_moved["host_to_storage"],
-            "bytes_out": s.bytes_moved["storage_to_host"],
-        }
-        if self.storage is not None:
-            out.update(self.storage.stats())
-            out["evictions"] = out.get("server", {}).get("evictions", 0)
-        if self.fetch_cost is not None:
-            out["fetch_cost"] = self.fetch_cost.as_dict()
-        return out
+        """Hits, evictions, bytes moved and blocks used per tier; failures; the start's phases."""
+        return cache_stats(self.cache, self.storage, self.fetch_cost, self.num_failed_requests, self.startup)
 
     def close(self) -> None:
         """Wait for copies in flight, then release device and (pinned) host memory."""

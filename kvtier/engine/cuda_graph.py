@@ -39,9 +39,12 @@ operations) the replay waits for all of the step's loads.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvtier.model.attention import AttentionMetadata
+from kvtier.model.moe import SparseMoE
 
 
 class _Graphs:
@@ -340,3 +343,52 @@ class DecodeGraphs(_Graphs):
         graph.replay()
         assert out is not None
         return out[:batch]
+
+
+def capture_graphs(
+    model: Any,
+    kv_caches: list[torch.Tensor],
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_device_blocks: int,
+    device: torch.device,
+    routing_shape: tuple[int, int] | None,
+    gates: Any,
+) -> tuple[DecodeGraphs, StepGraphs | None]:
+    """The engine's graphs, captured (on CUDA; built uncaptured elsewhere, for their CPU tests):
+    decode steps of up to 256 sequences, and other steps of up to 256 tokens (MoE layers
+    dispatch densely up to there: no host sync), whose layers wait on ``gates`` (None: a step
+    with loads waits for all of them before its replay)."""
+    capture = device.type == "cuda"
+    graphs = DecodeGraphs(
+        model,
+        kv_caches,
+        block_size,
+        max_model_len,
+        min(max_num_seqs, 256),
+        num_device_blocks,
+        device,
+        capture=capture,
+        routing_shape=routing_shape,
+    )
+    graphs.capture_all()
+    max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
+    if max_tokens < StepGraphs.SIZES[0]:
+        return graphs, None
+    step_graphs = StepGraphs(
+        model,
+        kv_caches,
+        block_size,
+        max_model_len,
+        max_tokens,
+        num_device_blocks,
+        device,
+        capture=capture,
+        routing_shape=routing_shape,
+        pool=graphs.pool(),
+        gates=gates,
+    )
+    step_graphs.capture_all()
+    return graphs, step_graphs

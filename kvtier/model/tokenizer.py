@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
 
 def build_byte_tokenizer() -> Tokenizer:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(BYTE_VOCAB_SIZE)}
     assert set(vocab) == set(alphabet)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -55,7 +55,7 @@ def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 4096) -> No
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character map (what ByteLevel uses)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars = printable[:]

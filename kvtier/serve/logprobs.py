@@ -21,7 +21,7 @@ import math
 import re
 from typing import Any, Sequence
 
-from kvtier.model.tokenizer import _bytes_to_unicode
+from kvtier.model.tokenizer import bytes_to_unicode
 
 Logprobs = Sequence[dict[int, float] | None]
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -42,7 +42,7 @@ class TokenStrings:
         self._byte_of: dict[str, int] | None = None
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         if decoder is not None and b'"ByteLevel"' in decoder.__getstate__():
-            self._byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
         self._added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
