@@ -164,7 +164,7 @@ class EngineCore:
             cfg.head_dim,
             str(self.dtype).removeprefix("torch."),
             block_size,
-            weights=weights_digest(self.path, c.load_format),
+            weights=weights_digest(self.path, c.load_format, self.device),
             payload=routing_payload,
         )
         self.storage, self.fetch_cost = open_pool(c)

@@ -166,20 +166,25 @@ def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dty
     return loaded
 
 
-def weights_digest(path: str | os.PathLike, load_format: str = "auto") -> str:
+def weights_digest(path: str | os.PathLike, load_format: str = "auto", device: str | torch.device = "cpu") -> str:
     """The digest naming a checkpoint's weights (storage keys carry it, DESIGN §3: two fine-tunes
     of one base never share a key, however few tensors differ): xxh3-128 of config.json and of
     every byte of every weight file the loader reads (:func:`safetensors_files`, sub-folders of
-    an index included), each with its name. Dummy weights: a constant. Sampling a few windows
-    per file is not enough: a partial fine-tune changes only some tensors.
+    an index included), each with its name. Sampling a few windows per file is not enough: a
+    partial fine-tune changes only some tensors. Dummy weights are drawn from config.json by a
+    seeded generator of ``device``'s type (CPU and CUDA draw different numbers): their digest is
+    of the seed, the device type and config.json (two configs one ``rms_norm_eps`` apart must not
+    share a block).
 
     Hashing reads the whole checkpoint once (disk speed: ~1 s per GB); a per-file digest is kept
     in the user's cache (:mod:`kvtier.model.digest_cache`) keyed by the file's real path, size,
     mtime, ctime, inode and device, so restarting a server on an unchanged checkpoint reads only
     config.json."""
-    if load_format == "dummy":
-        return f"dummy:{DUMMY_SEED}"
     root = Path(path)
+    if load_format == "dummy":
+        kind = torch.device(device).type
+        config = xxhash.xxh3_128(_framed((root / "config.json").read_bytes())).hexdigest()
+        return f"dummy:{DUMMY_SEED}:{kind}:{config}"
     files = safetensors_files(root)
     h = xxhash.xxh3_128(b"kvtier-weights-v2\0")
     h.update(_framed((root / "config.json").read_bytes()))

@@ -148,5 +148,15 @@ def test_a_cache_file_others_may_write_is_not_trusted(llama, cache_dir, monkeypa
     assert len(opened) == 1
 
 
-def test_dummy_weights_need_no_files(tmp_path):
-    assert weights_digest(tmp_path, load_format="dummy") == weights_digest(tmp_path / "x", load_format="dummy")
+def test_dummy_weights_are_named_by_their_config_and_device_type_not_their_files(llama, tmp_path):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(llama / "config.json", copy / "config.json")            # config alone: no weight files
+    assert weights_digest(copy, load_format="dummy") == weights_digest(llama, load_format="dummy")
+    config = json.loads((copy / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10                # other weights: other KV
+    (copy / "config.json").write_text(json.dumps(config))
+    assert weights_digest(copy, load_format="dummy") != weights_digest(llama, load_format="dummy")
+    # CPU and CUDA generators draw different numbers from one seed
+    assert weights_digest(llama, "dummy", "cpu") != weights_digest(llama, "dummy", "cuda")
+    assert weights_digest(llama, "dummy", "cuda:1") == weights_digest(llama, "dummy", "cuda")
