@@ -32,7 +32,7 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found.append((node.module, [a.name for a in node.names], node.lineno))
             for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.stmt):
+                if isinstance(child, ast.stmt | ast.excepthandler):  # imports in except blocks too
                     visit([child])
 
     visit(ast.parse(path.read_text()).body)

@@ -142,8 +142,6 @@ class EngineCore:
             self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=c.load_format)
         with startup("loading tokenizer"):
             self.tokenizer = _load_tokenizer(self.path)
-        self.seed = c.seed
-        self._generator = torch.Generator(self.device).manual_seed(c.seed)
 
         if num_device_blocks is None:
             num_device_blocks = size_device_blocks(self.device, bytes_per_block, block_size, max_num_seqs, self.max_model_len)
@@ -256,7 +254,7 @@ class EngineCore:
             self.storage is not None,
             self.routing is not None,
             self.device,
-            self._generator,
+            torch.Generator(self.device).manual_seed(c.seed),  # unseeded requests draw from it
         )
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
         self.overlap_schedule = self.device.type == "cuda" if c.overlap_schedule is None else bool(c.overlap_schedule)
