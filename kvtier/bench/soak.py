@@ -59,6 +59,7 @@ MIX = {
     "prefetch_abort": 5,
     "huge": 0.3,
     "stop": 2,
+    "attack": 3,
 }
 BAD_BODIES = [
     b'{"model": "soak", "prompt": [1, 2,',  # invalid JSON
@@ -75,6 +76,22 @@ BAD_BODIES = [
     b'{"model": "soak", "messages": []}',
     b'{"model": "soak", "prompt": [1, 2], "n": 0}',
     b'{"model": "soak", "prompt": [1, 2], "stream": "yes"}',
+]
+
+# small bodies that once cost the server seconds or gigabytes: each must be a 4xx at once
+ATTACKS = [
+    lambda: b'{"model": "soak", "prompt": [' + b",".join([b"1.5"] * 300_000) + b"]}",  # floats as token ids
+    lambda: b'{"model": "soak", "prompt": [' + b",".join([b"{}"] * 300_000) + b"]}",  # objects as token ids
+    lambda: json.dumps({"model": "soak", "prompt": [[1, 2]] * 1024, "n": 128, "max_tokens": 1}).encode(),  # 131,072 samples
+    lambda: json.dumps(  # echo x logprobs x n: a response of millions of entries
+        {"model": "soak", "prompt": [[1, 2, 3]] * 32, "n": 32, "echo": True, "logprobs": 20, "max_tokens": None}
+    ).encode(),
+    lambda: json.dumps({"model": "soak", "prompt": [1, 2], "stop_token_ids": list(range(5000))}).encode(),
+    lambda: b'{"model": "soak", "prompt": [1, 2], "temperature": NaN}',
+    lambda: b'{"model": "soak", "prompt": [1, 2], "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nested 100k deep
+    lambda: b'{"model": "soak", "prompt": [true, false]}',  # booleans as token ids
+    lambda: b'{"model": "soak", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": true}',
+    lambda: b'{"model": "soak", "prompt": [1, 2], "max_tokens": 1e26}',
 ]
 
 
@@ -170,7 +187,7 @@ def _body(kind: str, wl: Workload, rng: random.Random, salt_id: int) -> dict:
 
 
 def _expected(kind: str, status: int) -> bool:
-    if kind == "bad":
+    if kind in ("bad", "attack"):
         return 400 <= status < 500
     if kind == "huge":
         return status == 413
@@ -186,7 +203,7 @@ async def _one(client: Any, url: str, kind: str, body: Any, rng: random.Random) 
     rec: dict[str, Any] = {"kind": kind, "status": 0}
     rec["body"] = body if isinstance(body, dict) else body[:200].decode(errors="replace")
     try:
-        if kind == "bad" or kind == "huge":
+        if kind in ("bad", "huge", "attack"):
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             r = await client.post(url + path, content=content, headers={"content-type": "application/json"})
             rec["status"] = r.status_code
@@ -282,6 +299,8 @@ async def _client(url: str, requests: int, concurrency: int, seed: int, context:
                     return
                 if kind == "bad":
                     body: Any = wrng.choice(BAD_BODIES)
+                elif kind == "attack":
+                    body = wrng.choice(ATTACKS)()
                 elif kind == "huge":
                     body = b'{"model": "soak", "prompt": "' + b"a" * huge_bytes + b'"}'
                 else:

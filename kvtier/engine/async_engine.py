@@ -1,23 +1,19 @@
-"""The serving front end: the engine core's step loop on its own thread, streaming tokens to
-asyncio callers (the HTTP server).
+"""The serving front end on one interpreter: the engine's loop (engine/loop.py) on a thread,
+streaming tokens to asyncio callers. ``kvtier serve`` runs the loop in a process of its own
+instead (engine/client.py, engine/proc.py), with the same interface; tests, the soak and
+embedding applications use this one.
 
 ::
 
-    asyncio callers                       engine thread
+    asyncio callers                       engine thread (EngineLoop)
     generate(prompt) ─ make_request ─► inbox ─► enqueue ─► step() ─► step() ─► ...
           ▲ (validated in the caller: a bad                          │ new tokens of every
           │  request never reaches the engine)                       │ request, each step
           └──────────── per-request asyncio.Queue ◄── call_soon_threadsafe ┘
 
-Requests that arrive while a step runs join the next one (continuous batching across clients).
-Each delta holds new tokens of one sample (``Delta.index``; n > 1 samples: engine/group.py), with
-their logprobs when asked; a sample's last delta has its ``finish_reason``, the request's last
-delta its ``output`` (every sample). P of a PD hand-off (``export``) gets its first token as soon
-as it is sampled, with the manifest's names (``Delta.export``), and its output once the pool
-acked the prompt's blocks (``output.handoff``).
-A step that fails fails its own requests (their final output has ``finish_reason="error"``,
-``error_kind="internal"``) and the loop goes on; the engine is dead only when it is closed or
-``max_step_failures`` steps in a row raise with no request to blame (``EngineDead`` then).
+``max_queue`` bounds the samples (a request's ``n``) waiting for admission: a request that would
+pass it gets QueueFull (HTTP 503) at once; one that asks for more samples than ``max_queue``
+could ever hold is a ValueError (400).
 A request whose id is in the engine already is refused with ValueError (HTTP 400).
 A caller that goes away (client disconnect, cancellation) aborts its request: its blocks return
 to the pool at the next step boundary. Everything that touches engine state runs on the engine
@@ -27,72 +23,38 @@ thread (``call(fn)`` for stats); callers only read immutable results.
 from __future__ import annotations
 
 import asyncio
-import logging
 import queue
 import threading
-import time
-from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Callable
 
-import torch
-
 from kvtier.engine.core import EngineCore
-from kvtier.engine.fatal import DeviceLost, device_lost
 from kvtier.engine.group import check_n
-from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.loop import Delta, EngineDead, EngineLoop, QueueFull, Sink
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.stats_log import StatsLog
 
-log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """More requests wait for admission than ``max_queue``: the caller should retry later (503)."""
+__all__ = ["AsyncEngine", "Delta", "EngineDead", "QueueFull", "check_samples"]
 
 
-class EngineDead(RuntimeError):
-    """The engine thread stopped (closed, or a step raised): no request can be served."""
+def check_samples(n: int, max_queue: int) -> None:
+    """ValueError unless ``n`` samples fit a queue of ``max_queue`` (they never would: not a 503)."""
+    if n > max_queue:
+        raise ValueError(f"{n} samples in one request: more than the server queues (--max-queue {max_queue})")
 
 
-@dataclass(slots=True)
-class Delta:
-    """New tokens of one sample (``index``, 0..n-1) of a request since that sample's last delta.
-    ``finish_reason`` is set on a sample's last delta; ``output`` (every sample) on the request's
-    very last one. ``logprobs``: one entry per token of ``token_ids`` (``SamplingParams.logprobs``
-    set), as in ``CompletionOutput.logprobs``."""
-
-    token_ids: list[int]
-    output: RequestOutput | None = None
-    index: int = 0
-    finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    export: dict | None = None  # P of a hand-off, on its first token's delta: the blocks on their way
+def check_queue(waiting: int, n: int, max_queue: int) -> None:
+    """QueueFull if ``n`` more samples do not fit beside ``waiting``."""
+    if waiting + n > max_queue:
+        raise QueueFull(f"{waiting} samples are waiting (max_queue={max_queue}); retry later")
 
 
-class _Sink:
-    __slots__ = ("loop", "queue", "req", "sent", "ended")
+class _AsyncSink(Sink):
+    __slots__ = ("loop", "queue")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: Request) -> None:
-        self.loop, self.req = loop, req
+        super().__init__(req)
+        self.loop = loop
         self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
-        self.sent = [0] * req.params.n  # tokens sent, per sample
-        self.ended: set[int] = set()  # samples whose finish_reason was sent
-
-    def delta(self, index: int, token_ids: list[int], logprobs: list | None, finish_reason: str | None) -> Delta | None:
-        """Sample ``index``'s delta since the last one (None: nothing new)."""
-        start, end = self.sent[index], len(token_ids)
-        if end <= start and (finish_reason is None or index in self.ended):
-            return None
-        self.sent[index] = end
-        if finish_reason is not None:
-            self.ended.add(index)
-        return Delta(
-            list(token_ids[start:end]),
-            index=index,
-            finish_reason=finish_reason,
-            logprobs=None if logprobs is None else list(logprobs[start:end]),
-        )
 
     def push(self, item: Delta | BaseException) -> None:
         try:
@@ -116,21 +78,19 @@ class AsyncEngine:
         never serves again)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_step_failures < 1:
-            raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
-        self.max_step_failures = max_step_failures
-        self._stats = StatsLog(stats_interval)  # a line every stats_interval s of work (0: none)
         self.core = core
         self.max_queue = max_queue
-        self._idle_wait = idle_wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
-        self._num_queued = 0  # added, not yet admitted (approximate, for 503)
-        self._error: BaseException | None = None
-        self.on_dead = on_dead
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._loop = EngineLoop(core, self._next_command, idle_wait, max_step_failures, stats_interval, on_dead)
+        self._samples_sent = 0  # samples of every add put in the inbox (the loop counts those it took)
+        self._thread = threading.Thread(target=self._loop.run, name="kvtier-engine", daemon=True)
         self._thread.start()
+
+    def _next_command(self, block: bool) -> tuple | None:
+        try:
+            return self._inbox.get(timeout=self._loop.idle_wait) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
 
     # ------------------------------------------------------------------ callers (asyncio)
     @property
@@ -141,11 +101,17 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.core.scheduler.waiting)
 
+    @property
+    def num_queued_samples(self) -> int:
+        """Samples waiting for admission or on their way to the engine (what ``max_queue`` bounds)."""
+        return self._loop.waiting_samples + self._samples_sent - self._loop.samples_taken
+
     def make_request(
         self, prompt: Any, params: SamplingParams, cache_salt: str | None = None, request_id: str | None = None, **handoff: Any
     ) -> Request:
         """Validate (ValueError names the problem) without touching engine state."""
         self.check_alive()
+        check_samples(params.n, self.max_queue)
         req = self.core.make_request(prompt, params, cache_salt, request_id, **handoff)
         check_n(req)
         return req
@@ -154,18 +120,16 @@ class AsyncEngine:
         """Stream ``req`` (from :meth:`make_request`): deltas of new tokens, the last one with the
         finished output. Leaving the iteration early aborts the request."""
         self.check_alive()
-        if self.num_waiting + self._num_queued >= self.max_queue:
-            raise QueueFull(
-                f"{self.num_waiting + self._num_queued} requests are waiting (max_queue={self.max_queue}); retry later"
-            )
-        sink = _Sink(asyncio.get_running_loop(), req)
-        self._num_queued += 1
+        check_queue(self.num_queued_samples, req.params.n, self.max_queue)
+        sink = _AsyncSink(asyncio.get_running_loop(), req)
+        self._samples_sent += req.params.n
         self._inbox.put(("add", sink))
         done = False
         try:
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
+                    done = True  # refused (e.g. its id is in use) or failed: not in the engine
                     raise item
                 yield item
                 if item.output is not None:
@@ -173,143 +137,49 @@ class AsyncEngine:
                     return
         finally:
             if not done:
-                self._inbox.put(("abort", sink))  # the sink: never another request of that id
+                self._inbox.put(("abort", req.request_id))
 
-    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run ``fn(core)`` on the engine thread between steps (stats, cache inspection)."""
+    async def call(self, fn: Callable[[EngineCore], Any] | str) -> Any:
+        """Run ``fn(core)`` on the engine thread between steps (stats, cache inspection); ``fn``
+        may name one of engine/loop.py's ``CALLS``."""
         self.check_alive()
         fut = asyncio.get_running_loop().create_future()
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(("call", fn, _resolver(fut)))
         return await fut
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop (requests in flight fail with EngineDead), then close the core."""
-        self._stop.set()
+        self._loop.stop()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
         self.core.close()
 
     def check_alive(self) -> None:
         """EngineDead if the engine stopped or is shutting down."""
-        if self._error is not None:
-            raise EngineDead(f"the engine stopped: {self._error!r}")
-        if self._stop.is_set():
+        if self._loop.error is not None:
+            raise EngineDead(f"the engine stopped: {self._loop.error!r}")
+        if self._loop.stopping:
             raise EngineDead("the engine is shutting down")
-
-    # ------------------------------------------------------------------ engine thread
-    def _loop(self) -> None:
-        core = self.core
-        failures = 0  # steps in a row that raised (no request to blame)
-        try:
-            if core.device.type == "cuda":
-                torch.cuda.set_device(core.device)  # a new thread's current device is cuda:0
-            while not self._stop.is_set():
-                self._take_inbox(block=not core.has_unfinished())
-                # no request: copies in flight still land and stage the next (a landed
-                # backup's put to the pool); else a step. Either may fail transiently.
-                idle = not core.has_unfinished()
-                started = time.perf_counter()
-                try:
-                    if idle:
-                        core.pump_idle()
-                    finished = [] if idle else core.step()
-                except Exception as e:  # noqa: BLE001 - maybe transient: dead only if it keeps failing
-                    failures += 1
-                    if failures >= self.max_step_failures or core.closed or device_lost(e):
-                        raise
-                    log.exception(
-                        "engine %s failed with no request to blame (%d in a row)", "idle pump" if idle else "step", failures
-                    )
-                    self._stop.wait(self._idle_wait)
-                    continue
-                failures = 0
-                if not idle:
-                    self._emit(finished)
-                if self._stats.interval:
-                    if not idle:
-                        self._stats.note_step(time.perf_counter() - started)
-                    self._log_stats()
-        except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
-            if device_lost(e):
-                log.critical(
-                    "the GPU can run nothing more (%s); failing every request in flight, the engine stops", e, exc_info=e
-                )
-                e = e if isinstance(e, DeviceLost) else DeviceLost(str(e))
-            else:
-                log.exception("engine step failed; failing every request in flight")
-            self._error = e
-        if self._error is not None and self.on_dead is not None:
-            try:
-                self.on_dead(self._error)
-            except Exception:  # noqa: BLE001 - the engine is gone either way
-                log.exception("on_dead callback failed")
-        err = EngineDead(f"the engine stopped: {self._error!r}" if self._error else "the engine is shutting down")
-        for rid, sink in list(self._sinks.items()):
-            sink.push(err)
-            try:
-                core.abort(rid)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-        self._sinks.clear()
-        while True:  # callers still waiting on a call() or an add
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                cmd[1].push(err)
-            elif cmd[0] == "call":
-                self._resolve(cmd[2], exc=err)
 
     @property
     def num_streams(self) -> int:
         """Requests whose callers still wait for deltas (a leak check: 0 once all ended)."""
-        return len(self._sinks)
+        return len(self._loop.sinks)
 
     @property
     def error(self) -> BaseException | None:
         """What stopped the engine, if an error did (None while it runs or after a shutdown)."""
-        return self._error
+        return self._loop.error
 
-    def _log_stats(self) -> None:
-        try:
-            self._stats.maybe_log(self.core)
-        except Exception:  # noqa: BLE001 - a log line must never stop the engine: no more of them
-            log.exception("stats line failed; --log-stats-interval is off from now on")
-            self._stats.interval = 0
+    @property
+    def max_step_failures(self) -> int:
+        return self._loop.max_step_failures
 
-    def _take_inbox(self, block: bool) -> None:
-        try:
-            cmd = self._inbox.get(timeout=self._idle_wait) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind = cmd[0]
-            if kind == "add":
-                sink = cmd[1]
-                self._num_queued -= 1
-                try:
-                    self.core.enqueue(sink.req)
-                    self._sinks[sink.req.request_id] = sink
-                except Exception as e:  # noqa: BLE001 - the caller gets it (e.g. a closed engine)
-                    sink.push(e)
-            elif kind == "abort":
-                rid = cmd[1].req.request_id
-                if self._sinks.get(rid) is cmd[1]:
-                    del self._sinks[rid]
-                    self.core.abort(rid)
-            elif kind == "call":
-                try:
-                    self._resolve(cmd[2], result=cmd[1](self.core))
-                except Exception as e:  # noqa: BLE001
-                    self._resolve(cmd[2], exc=e)
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
-    @staticmethod
-    def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+def _resolver(fut: asyncio.Future) -> Callable[[Any, BaseException | None], None]:
+    """A reply that settles ``fut`` on its own event loop (from any thread)."""
+
+    def reply(result: Any, exc: BaseException | None) -> None:
         def set_() -> None:
             if fut.done():
                 return
@@ -323,31 +193,4 @@ class AsyncEngine:
         except RuntimeError:
             pass
 
-    def _emit(self, finished: list[RequestOutput]) -> None:
-        """Each sample's new tokens since its last delta; a finished request's rest, per sample
-        (from its output), the last delta carrying the output."""
-        done = {o.request_id: o for o in finished}
-        for rid, sink in list(self._sinks.items()):
-            out = done.get(rid)
-            rows: list[tuple[int, list[int], list | None, str | None]]
-            if out is not None:
-                rows = [(c.index, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs]
-            else:
-                rows = self.core.progress(sink.req)
-            export = None
-            if sink.req.export and out is None:  # P of a hand-off: its token once its export started
-                if sink.sent[0]:
-                    continue  # sent: the output comes once the pool acked
-                export = self.core.export_names(rid)
-                if export is None:
-                    continue
-            deltas = [d for d in (sink.delta(*row) for row in rows) if d is not None]
-            if export is not None and deltas:
-                deltas[0].export = export
-            if out is not None:
-                if not deltas:  # (the last sample's finish is always unsent; never lose the output)
-                    deltas.append(Delta([], index=out.outputs[0].index))
-                deltas[-1].output = out
-                del self._sinks[rid]
-            for d in deltas:
-                sink.push(d)
+    return reply

@@ -76,6 +76,7 @@ from kvtier.engine.sizing import check_host_blocks, resolve_dtype, size_device_b
 from kvtier.engine.startup import Startup
 from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
+from kvtier.model.tokenizer import load_tokenizer
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
 
@@ -141,7 +142,7 @@ class EngineCore:
         with startup("loading weights"):
             self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=c.load_format)
         with startup("loading tokenizer"):
-            self.tokenizer = _load_tokenizer(self.path)
+            self.tokenizer = load_tokenizer(self.path)
 
         if num_device_blocks is None:
             num_device_blocks = size_device_blocks(self.device, bytes_per_block, block_size, max_num_seqs, self.max_model_len)
@@ -597,11 +598,3 @@ class EngineCore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _load_tokenizer(path: Path) -> Any:
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 MAX_N = 128
 MAX_LOGPROBS = 20  # as vLLM and OpenAI's chat top_logprobs
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids of one request (checked once, then a set: O(1) per token)
 LOGPROBS_MODES = ("raw", "processed")
 
 
@@ -62,6 +63,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     logprobs_mode: str = "raw"  # raw | processed (see the module docstring)
+    # stop_token_ids as a set (made by __post_init__): what the scheduler tests each token against
+    stop_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -78,10 +81,13 @@ class SamplingParams:
             stop = tuple(self.stop_token_ids)
         except TypeError:
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}") from None
+        if len(stop) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(stop)} ids: at most {MAX_STOP_TOKEN_IDS}")
         for t in stop:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
-        object.__setattr__(self, "stop_token_ids", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(stop)))  # each once, in order
+        object.__setattr__(self, "stop_set", frozenset(stop))
         for flag in ("ignore_eos", "return_routed_experts", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -271,6 +277,7 @@ class Penalties:
         self.device = device
         self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.ends = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)  # min_tokens: what would end it
         self.owners: list[Request | None] = []
         self.counted: list[int] = []  # output tokens each slot has counted
         self.slot_of: dict[Request, int] = {}
@@ -291,6 +298,7 @@ class Penalties:
             grow = max(4, 2 * slot) - slot
             self.counts = torch.cat([self.counts, self.counts.new_zeros(grow, self.vocab_size)])
             self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(grow, self.vocab_size)])
+            self.ends = torch.cat([self.ends, self.ends.new_zeros(grow, self.vocab_size)])
             self.owners += [None] * grow
             self.counted += [0] * grow
         self.owners[slot], self.slot_of[req] = req, slot
@@ -298,6 +306,11 @@ class Penalties:
         self.counted[slot] = 0
         self.in_prompt[slot] = False
         self.in_prompt[slot, torch.tensor(req.prompt_token_ids, device=self.device)] = True
+        p = req.params
+        ends = [t for t in p.stop_set | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)) if t < self.vocab_size]
+        self.ends[slot] = False
+        if ends:
+            self.ends[slot, torch.tensor(ends, device=self.device)] = True
         return slot
 
     @torch.inference_mode()  # the logits are an inference tensor (compute_logits)
@@ -322,17 +335,12 @@ class Penalties:
             )
         ridx = torch.tensor(rows, device=self.device)
         x = logits[ridx]
-        mask_rows: list[int] = []  # min_tokens: what would end the request, masked
-        mask_ids: list[int] = []
-        for n, req in enumerate(reqs):
-            p = req.params
-            if len(req.output_token_ids) < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                ends = [t for t in stops if t < self.vocab_size]
-                mask_rows += [n] * len(ends)
-                mask_ids += ends
-        if mask_rows:
-            x[torch.tensor(mask_rows, device=self.device), torch.tensor(mask_ids, device=self.device)] = float("-inf")
+        # min_tokens: what would end the request, masked (its slot's row: O(1) host work per row)
+        under = [n for n, req in enumerate(reqs) if len(req.output_token_ids) < req.params.min_tokens]
+        if under:
+            rows_under = torch.tensor(under, device=self.device)
+            mask = self.ends[torch.tensor([slots[n] for n in under], device=self.device)]
+            x[rows_under] = x[rows_under].masked_fill(mask, float("-inf"))
         sidx = torch.tensor(slots, device=self.device)
         counts = self.counts[sidx]
         if any(r.params.repetition_penalty != 1.0 for r in reqs):

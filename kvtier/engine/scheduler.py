@@ -355,7 +355,7 @@ class Scheduler:
         p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if token in p.stop_token_ids:
+        if token in p.stop_set:
             return "stop"
         if req.stop_strings is not None and req.stop_strings.push(token, len(req.output_token_ids)):
             return "stop"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("kvtier.startup")
 
@@ -25,22 +25,38 @@ class Startup:
         self.total_s: float | None = None  # set by done()
         self.kernels_compiled = 0  # Triton variants compiled or loaded at start
         self._compiled_at_ready = 0
+        self.on_change: Callable[[], None] | None = None  # after each phase change (an engine process tells its server)
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         self.phase = name
+        self._changed()
         log.info("startup: %s ...", name)
         t = time.monotonic()
         yield
         self.phases_s[name] = round(time.monotonic() - t, 3)
         self.phase = "setting up"  # between phases
+        self._changed()
         log.info("startup: %s done in %.1f s", name, self.phases_s[name])
 
     def done(self) -> None:
         self.total_s = round(time.monotonic() - self.t0, 3)
         self._compiled_at_ready = _num_compiled()
         self.phase = "ready"
+        self._changed()
         log.info("startup: ready in %.1f s (%s)", self.total_s, ", ".join(f"{k} {v:.1f} s" for k, v in self.phases_s.items()))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def mirror(self, state: dict[str, Any]) -> None:
+        """Take on ``state`` (another process's :meth:`as_dict`): a server whose engine runs in
+        a process of its own reports that engine's start."""
+        self.phase = state["phase"]
+        self.phases_s = dict(state["phases_s"])
+        self.total_s = state["startup_s"]
+        self.kernels_compiled = state["kernels_compiled"]
 
     @property
     def elapsed_s(self) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -66,3 +67,13 @@ def bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's Hugging Face tokenizer, or None if it ships none (token-id prompts only)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -51,17 +51,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Iterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
+from kvtier.engine.sampling import SamplingParams
 from kvtier.serve import asgi
+from kvtier.serve.body import body_schema, parse, with_schemas
 from kvtier.serve.choice_text import ChoiceText
 from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
 from kvtier.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
-from kvtier.serve.metrics import ServerMetrics, snapshot
+from kvtier.serve.metrics import ServerMetrics
 from kvtier.serve.prompts import PromptTokenizer
-from kvtier.serve.protocol import ChatCompletionRequest, CompletionRequest, sampling_param
+from kvtier.serve.protocol import MAX_LOGPROB_ENTRIES, ChatCompletionRequest, CompletionRequest, sampling_param
 
 log = logging.getLogger(__name__)
 ROLES = ("colocated", "prefill", "decode")
@@ -202,33 +204,45 @@ class Server:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            stats = await server.engine.call(snapshot)
+            stats = await server.engine.call("metrics")
             body = server.metrics.render(stats, server.engine.num_running, server.engine.num_waiting)
             return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         @app.get("/kvtier/stats")
         async def stats() -> Response:
             """The engine's cache_stats() (every tier, storage client, cost model) as JSON."""
-            s = await server.engine.call(lambda core: core.cache_stats())
+            s = await server.engine.call("cache_stats")
             return Response(json.dumps(s, default=str), media_type="application/json")
 
-        @app.post("/v1/completions")
-        async def completions(body: CompletionRequest, request: Request) -> Response:
+        completion_body, chat_body = server._body(CompletionRequest), server._body(ChatCompletionRequest)
+
+        @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+        async def completions(request: Request, body: CompletionRequest = Depends(completion_body)) -> Response:
             return await server.respond("completion", body, request)
 
-        @app.post("/v1/chat/completions")
-        async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+        async def chat(request: Request, body: ChatCompletionRequest = Depends(chat_body)) -> Response:
             return await server.respond("chat", body, request)
 
-        @app.post("/kvtier/prefill/completions")
-        async def prefill_completions(body: CompletionRequest, request: Request) -> Response:
+        @app.post("/kvtier/prefill/completions", openapi_extra=body_schema(CompletionRequest))
+        async def prefill_completions(request: Request, body: CompletionRequest = Depends(completion_body)) -> Response:
             return await server.prefill("completion", body, request)
 
-        @app.post("/kvtier/prefill/chat")
-        async def prefill_chat(body: ChatCompletionRequest, request: Request) -> Response:
+        @app.post("/kvtier/prefill/chat", openapi_extra=body_schema(ChatCompletionRequest))
+        async def prefill_chat(request: Request, body: ChatCompletionRequest = Depends(chat_body)) -> Response:
             return await server.prefill("chat", body, request)
 
+        with_schemas(app, CompletionRequest, ChatCompletionRequest)
         return app
+
+    def _body(self, model: Any) -> Any:
+        """A dependency that reads and checks a body of ``model`` off the event loop (serve/body.py)."""
+
+        async def read(request: Request) -> Any:
+            raw = await request.body()
+            return await asyncio.to_thread(parse, model, raw, self.max_model_len)
+
+        return read
 
     # ------------------------------------------------------------------ health
     def pool_health(self) -> dict | None:
@@ -315,6 +329,14 @@ class Server:
                 "prefix-cache hits are shared only between requests with the same salt",
                 "cache_salt",
             )
+        samples = len(prompts) * body.n
+        if samples > self.engine.max_queue:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompt(s) x n={body.n} = {samples} samples in one request: more than this "
+                f"server queues (--max-queue {self.engine.max_queue})",
+                "n",
+            )
         asked = body.max_tokens_asked
         echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
         ids_of = await asyncio.gather(*(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1)) for p in prompts))
@@ -336,6 +358,7 @@ class Server:
             except ValueError as e:
                 raise APIError(400, str(e), sampling_param(str(e))) from None
             params_of.append(params)
+        check_response_size(ids_of, params_of)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         rid = handoff.response_id if handoff is not None and handoff.response_id else prefix + secrets.token_hex(12)
         created = handoff.created if handoff is not None and handoff.created else int(time.time())
@@ -847,6 +870,27 @@ def _reason(out: Any, choice: _Choice) -> str:
     """The finish reason of ``choice`` in its request's final output."""
     samples = out.outputs
     return samples[choice.sample].finish_reason if choice.sample < len(samples) else out.finish_reason
+
+
+def check_response_size(ids_of: list[list[int]], params_of: list[SamplingParams]) -> None:
+    """APIError(400) if the answer would hold more than MAX_LOGPROB_ENTRIES logprob entries
+    (each choice: its echoed prompt's and its tokens', each with its top-k): a 17 KB request
+    with echo, logprobs=20 and n=128 over 32 prompts would build a 600 MB response."""
+    total = 0
+    for ids, p in zip(ids_of, params_of):
+        per_sample = 0
+        if p.logprobs is not None:
+            per_sample += p.max_tokens * (1 + p.logprobs)
+        if p.prompt_logprobs is not None:
+            per_sample += len(ids) * (1 + p.prompt_logprobs)
+        total += p.n * per_sample
+    if total > MAX_LOGPROB_ENTRIES:
+        raise APIError(
+            400,
+            f"this request asks for up to {total} logprob entries (prompts x n x (echoed prompt + max_tokens) x "
+            f"(1 + top logprobs)): at most {MAX_LOGPROB_ENTRIES} per request; lower n, max_tokens or logprobs, or leave out echo",
+            "logprobs",
+        )
 
 
 def _beyond_handoff(body: Any) -> str:

@@ -102,20 +102,3 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         return generate_latest(self.registry)
-
-
-def snapshot(core) -> dict:
-    """What /metrics needs from the engine (runs on the engine thread): the cache's counters, and
-    (used, total) blocks per tier."""
-    s = core.cache.stats.as_dict()
-    cache = core.cache
-    return {
-        "bytes_moved": s["bytes_moved"],
-        "evictions": s["evictions"],
-        "failures": s["failures"],
-        "pending_ops": cache.num_pending_ops,
-        "tier_blocks": {
-            "device": (cache.device_pool.num_used, cache.device_pool.num_blocks),
-            "host": (cache.host_pool.num_used, cache.host_pool.num_blocks),
-        },
-    }

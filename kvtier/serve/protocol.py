@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible API (DESIGN §6), validated by pydantic.
+"""Request bodies of the OpenAI-compatible API (DESIGN §6), validated by pydantic (after
+serve/body.py decoded them: lists stop at their first bad entry).
 
 OpenAI's fields as OpenAI defines them: ``n`` (1..128 samples per prompt), ``logprobs``
 (completions: an int 0..20, the top-k per token; chat: ``true`` + ``top_logprobs`` 0..20),
@@ -25,9 +26,12 @@ from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from kvtier.engine.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from kvtier.engine.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_STOP_STRINGS = 16
+# logprob entries one answer may hold (each a token with its top-k; ~70 bytes of JSON each)
+MAX_LOGPROB_ENTRIES = 2**21
 
 
 class FieldError(ValueError):
@@ -73,10 +77,10 @@ class Handoff(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     namespace: str
-    keys: list[str]
+    keys: list[str] = Field(fail_fast=True)
     num_tokens: int = Field(ge=1)
     first_token: int = Field(ge=0)
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[StrictInt] = Field(min_length=1, fail_fast=True)
     prefill_cached_tokens: int = Field(0, ge=0)
     response_id: Optional[str] = None
     created: Optional[int] = None
@@ -87,20 +91,20 @@ class _Sampling(_Body):
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=1, description="null: the rest of the context")
-    temperature: Optional[float] = Field(1.0, ge=0.0, le=100.0)
-    top_p: Optional[float] = Field(1.0, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: Optional[float] = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(0, ge=-1)
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = Field(default_factory=list)
+    stop_token_ids: Optional[list[StrictInt]] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)
     ignore_eos: Optional[StrictBool] = False
     return_routed_experts: Optional[StrictBool] = False
     cache_salt: Optional[str] = Field(None, max_length=1024)
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(1, ge=1, le=MAX_N, description="samples per prompt")
-    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: Optional[float] = Field(
         1.0, gt=0.0, allow_inf_nan=False, description="> 1 discourages every token of the prompt and output"
     )
@@ -108,7 +112,7 @@ class _Sampling(_Body):
     logprobs_mode: Optional[Literal["raw", "processed"]] = Field(
         "raw", description="raw: the model's distribution; processed: the one sampled from"
     )
-    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported: {} only")
+    logit_bias: Optional[dict[str, Any]] = Field(None, max_length=0, description="not supported: {} only")
     user: Optional[str] = None
     skip_special_tokens: Optional[StrictBool] = Field(True, description="leave special tokens out of the text")
     return_token_ids: Optional[StrictBool] = Field(
@@ -128,8 +132,8 @@ class _Sampling(_Body):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: Any) -> Any:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(v)} stop strings: at most {MAX_STOP_STRINGS}")
         return v
 
     @model_validator(mode="after")
@@ -197,7 +201,7 @@ def sampling_param(message: str) -> str | None:
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     max_tokens: Optional[int] = Field(
         16, ge=0, description="null: the rest of the context; 0: with echo only (the prompt's logprobs, nothing generated)"
     )
@@ -272,10 +276,10 @@ class ResponseFormat(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="null: max_tokens")
     logprobs: Optional[StrictBool] = Field(False, description="the logprob of each generated token")
-    top_logprobs: Optional[int] = Field(
+    top_logprobs: Optional[StrictInt] = Field(
         None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most likely tokens at each position"
     )
     response_format: Optional[ResponseFormat] = None

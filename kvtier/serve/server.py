@@ -115,6 +115,7 @@ def serve(
                 exit_soon,
                 config,
                 built,
+                log_level,
             )
             front.app = built["server"].app
             log.info(
@@ -168,15 +169,23 @@ def _build_server(
     on_dead: Any,
     config: EngineConfig,
     built: dict[str, Any],
+    log_level: str = "info",
 ) -> None:
-    """The engine, its loop and the HTTP app (into ``built`` as they come, for the cleanup)."""
-    from kvtier.engine.async_engine import AsyncEngine
-    from kvtier.engine.core import EngineCore
+    """The engine (in a process of its own: engine/client.py) and the HTTP app (into ``built`` as
+    they come, for the cleanup)."""
+    from kvtier.engine.client import EngineClient
     from kvtier.serve.api import Server
     from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
 
-    core = EngineCore(model, role_defaults(role, config), startup=startup)
-    built["engine"] = AsyncEngine(core, max_queue=max_queue, stats_interval=log_stats_interval, on_dead=on_dead)
+    built["engine"] = EngineClient(
+        model,
+        role_defaults(role, config),
+        max_queue=max_queue,
+        stats_interval=log_stats_interval,
+        on_dead=on_dead,
+        startup=startup,
+        log_level=log_level,
+    )
     built["server"] = Server(
         built["engine"],
         served_model_name or Path(model).name,

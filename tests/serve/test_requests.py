@@ -105,7 +105,7 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(client, path, body, param):
 def test_invalid_json_is_a_400_saying_what_and_where(client):
     err = error(post(client, "/v1/completions", b'{"model": "moe",\n "prompt": }'), 400)
     assert err["param"] is None
-    assert err["message"] == "the request body is not valid JSON: Expecting value at line 2, column 12"
+    assert err["message"] == "the request body is not valid JSON: invalid character at line 2, column 12"
 
 
 # ---------------------------------------------------------------- engine errors

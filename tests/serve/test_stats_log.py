@@ -87,12 +87,12 @@ def test_a_failing_line_turns_itself_off_and_the_engine_serves_on(checkpoint, ca
 
     def boom(core, now=None):
         raise RuntimeError("stats broke")
-    eng._stats.maybe_log = boom
+    eng._loop.stats.maybe_log = boom
     try:
         async def run():
             return [d async for d in eng.generate(eng.make_request([1, 2, 3], PARAMS))][-1].output
         assert len(asyncio.run(run()).token_ids) == 5
-        assert eng._stats.interval == 0
+        assert eng._loop.stats.interval == 0
     finally:
         eng.shutdown()
     assert any("stats line failed" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,137 @@
+"""The engine in a process of its own (what `kvtier serve` runs): the same tokens as the engine on
+a thread, aborts that return blocks, refusals that keep the queue count right, and a killed
+engine process that fails its requests instead of hanging them."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+import kvtier
+from kvtier.engine.async_engine import AsyncEngine, check_samples
+from kvtier.engine.client import EngineClient
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.core import EngineCore
+from kvtier.engine.loop import EngineDead, QueueFull
+
+OPTS = dict(block_size=8, num_device_blocks=64, max_model_len=128, enable_prefix_caching=False)  # used = held
+GREEDY = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)
+LONG = kvtier.SamplingParams(max_tokens=100, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def client(moe_model):
+    dead: list[BaseException] = []
+    c = EngineClient(str(moe_model), EngineConfig(**OPTS), max_queue=8, on_dead=dead.append)
+    c.dead = dead
+    yield c
+    c.shutdown()
+
+
+async def collect(engine, req):
+    deltas = [d async for d in engine.generate(req)]
+    return deltas, deltas[-1].output
+
+
+def test_the_same_tokens_as_the_engine_on_a_thread(client, moe_model):
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [5] * 20]
+    sampled = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7, n=3, logprobs=2)
+
+    async def run(engine):
+        outs = []
+        for p in prompts:
+            for params in (GREEDY, sampled):
+                deltas, out = await collect(engine, engine.make_request(p, params))
+                streamed = {}
+                for d in deltas:
+                    streamed.setdefault(d.index, []).extend(d.token_ids)
+                assert streamed == {c.index: c.token_ids for c in out.outputs}  # the stream is the output
+                outs.append([(c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs])
+        return outs
+
+    got = asyncio.run(run(client))
+    local = AsyncEngine(EngineCore(moe_model, **OPTS))
+    try:
+        want = asyncio.run(run(local))
+    finally:
+        local.shutdown()
+    assert got == want
+    assert any(len(o) == 3 for o in got) and all(t for o in got for t, _, _ in o)
+
+
+def test_a_request_left_early_returns_its_blocks(client):
+    async def main():
+        agen = client.generate(client.make_request([1, 2, 3], LONG))
+        async for d in agen:
+            if d.token_ids:
+                break
+        await agen.aclose()
+        for _ in range(200):  # the abort reaches the engine between steps
+            stats = await client.call("metrics")
+            if stats["tier_blocks"]["device"][0] == 0 and client.num_running == 0:
+                return stats
+            await asyncio.sleep(0.02)
+        return stats
+    stats = asyncio.run(main())
+    assert stats["tier_blocks"]["device"][0] == 0 and client.num_streams == 0
+
+
+def test_a_request_the_engine_refuses_is_a_value_error_and_leaves_the_queue_count_alone(moe_model):
+    """A hand-off whose manifest names other blocks passes the server's checks (it cannot know
+    the engine's block names) and is refused by the engine: the caller gets a ValueError, and
+    the refused samples are not counted as waiting."""
+    c = EngineClient(str(moe_model), EngineConfig(**OPTS, storage="memory://?capacity=64MiB"), max_queue=4)
+    try:
+        async def main():
+            for _ in range(6):  # more than max_queue: a leak in the count would turn into QueueFull
+                req = c.make_request([1, 2, 3], GREEDY, handoff={"first_token": 1, "num_tokens": 3, "keys": ["nope"],
+                                                                 "namespace": "nope"})
+                with pytest.raises(ValueError, match="handoff.namespace"):
+                    await collect(c, req)
+            return await collect(c, c.make_request([1, 2, 3], GREEDY))
+        _, out = asyncio.run(main())
+        assert len(out.token_ids) == GREEDY.max_tokens
+        with pytest.raises(ValueError, match=r"200 samples in one request.*--max-queue 4"):
+            check_samples(200, 4)
+        with pytest.raises(ValueError, match="n=5 .*|5 samples"):
+            c.make_request([1, 2, 3], kvtier.SamplingParams(max_tokens=2, n=5))
+    finally:
+        c.shutdown()
+
+
+def test_the_queue_bound_counts_samples(client):
+    async def main():
+        first = client.generate(client.make_request([1, 2, 3], kvtier.SamplingParams(max_tokens=100, n=6, ignore_eos=True)))
+        task = asyncio.ensure_future(first.__anext__())
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="samples are waiting"):
+            await collect(client, client.make_request([4, 5, 6], kvtier.SamplingParams(max_tokens=4, n=3)))
+        await task
+        await first.aclose()
+    asyncio.run(main())
+
+
+def test_a_killed_engine_process_fails_its_requests(moe_model):
+    dead: list[BaseException] = []
+    c = EngineClient(str(moe_model), EngineConfig(**OPTS), on_dead=dead.append)
+    try:
+        async def main():
+            agen = c.generate(c.make_request([1, 2, 3], kvtier.SamplingParams(max_tokens=120, ignore_eos=True)))
+            await agen.__anext__()
+            os.kill(c._proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDead, match="exited"):
+                async for _ in agen:
+                    pass
+        asyncio.run(asyncio.wait_for(main(), 60))
+        assert dead and isinstance(c.error, EngineDead)
+        with pytest.raises(EngineDead):
+            c.make_request([1, 2, 3], GREEDY)
+    finally:
+        c.shutdown(timeout=5)
+
+
+def test_bad_options_are_the_start_s_value_error(moe_model):
+    with pytest.raises(ValueError, match="block_size"):
+        EngineClient(str(moe_model), EngineConfig(**(OPTS | {"block_size": 7})))
