@@ -46,6 +46,8 @@ def parse(model: type[_M], raw: bytes, max_model_len: int) -> _M:
         fields = _ANY_FIELDS.decode(raw)
     except msgspec.ValidationError:
         raise APIError(400, "the request body must be a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body is JSON nested too deep") from None
     except msgspec.DecodeError as e:
         if _SURROGATE.search(raw) is None:
             where = _BYTE.search(str(e))
