@@ -36,7 +36,14 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type_ or _TYPES.get(status, "server_error")
+        self.type = type_ or error_type(status)
+
+
+def error_type(status: int) -> str:
+    """The error's ``type`` by its status: a 4xx is the client's (``invalid_request_error`` unless
+    a narrower type fits: 401, 404, 413), any other status without a type of its own a
+    ``server_error``."""
+    return _TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")
 
 
 def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> dict[str, Any]:
@@ -55,7 +62,7 @@ def sse_error(e: APIError) -> str:
     return f"data: {json.dumps(error_body(e.status, e.message, e.param, e.type), separators=(',', ':'))}\n\n"
 
 
-def invalid_json_message(error: str, doc: Any = None, position: Any = None) -> str:
+def invalid_json_message(error: str, doc: Any = None, position: Any = None, what: str = "the request body") -> str:
     """``the request body is not valid JSON: Expecting value at line 1, column 28`` (server, router)."""
     where = ""
     if isinstance(position, int) and isinstance(doc, (str, bytes)):
@@ -65,7 +72,7 @@ def invalid_json_message(error: str, doc: Any = None, position: Any = None) -> s
         else:
             newlines, last = before.count(b"\n"), before.rfind(b"\n")
         where = f" at line {newlines + 1}, column {position - (last + 1) + 1}"
-    return f"the request body is not valid JSON: {error}{where}"
+    return f"{what} is not valid JSON: {error}{where}"
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -10,9 +10,21 @@
 
 P and D never talk to each other: the pool carries the KV. Backends are picked round robin among
 the healthy ones (``GET /health`` every ``health_interval`` seconds; a backend that fails a
-request is marked down at once). A P that is down, answers an error, or could not write every
-block -> the request runs colocated on a D. A D that fails before answering -> the next D (the
-hand-off is in the pool, any D can read it). Every call has a timeout.
+request is marked down at once; a /health that is not a JSON object, or over
+``MAX_HEALTH_BYTES``, or late past ``HEALTH_TIMEOUT_S``, marks it down; a field of it that makes
+no sense is replaced by its default, with a warning). A P that is down, answers an error, could
+not write every block, or answers something else than its two lines -> the request runs
+colocated on a D. A D that fails before answering -> the next D (the hand-off is in the pool, any
+D can read it).
+
+Every call has a timeout, and a P has deadlines that no trickle of bytes can stretch (httpx's
+timeouts are per read): its first line by ``timeout`` seconds after the call went out (else the
+request runs colocated, the P is marked down), its ack by the same ``timeout`` and by its
+``export_timeout`` (its /health) + ``ACK_MARGIN_S`` after the first line. What the router reads
+is capped: a line of P's at ``MAX_PREFILL_LINE_BYTES`` (never read further), JSON from P, a
+/health or a client at ``MAX_JSON_DEPTH`` levels (counted before it is parsed); NaN, Infinity and
+lone surrogates in P's answer or a client's body are refused too. From P that is a malformed
+answer, from a client a 400 that names the problem.
 
 A stream starts with P's first token as soon as P has sampled it, before P's blocks are in the
 pool, when every healthy D recomputes what it misses (``pd_on_miss`` in its /health is
@@ -28,13 +40,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
 import time
+from itertools import accumulate
 from typing import AbstractSet, Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.requests import ClientDisconnect
 
 from kvtier.serve import asgi
 from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error, until_disconnect
@@ -43,7 +59,16 @@ log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _PREFILL = {"completion": "/kvtier/prefill/completions", "chat": "/kvtier/prefill/chat"}
 DEFAULT_EXPORT_TIMEOUT_S = 30.0  # P's --export-timeout default, for a P whose /health lacks it
-ACK_MARGIN_S = 10.0
+ACK_MARGIN_S = 10.0  # a P's ack is late past its export_timeout and this, after its first line
+# A line of P's answer longer than this is malformed (the request runs colocated). P's first line
+# carries the prompt's token ids and block names, about 12 bytes per prompt token: 32 MiB holds
+# a prompt of over two million tokens.
+MAX_PREFILL_LINE_BYTES = 32 * 1024 * 1024
+MAX_PREFILL_ERROR_BYTES = 1024 * 1024  # P's error answer (a client's error is passed on to it)
+MAX_HEALTH_BYTES = 1024 * 1024  # a /health answer
+HEALTH_TIMEOUT_S = 2.0  # a /health check, from the call to its last byte
+MAX_JSON_DEPTH = 64  # levels of arrays and objects in any JSON the router parses
+PD_ON_MISS = ("recompute", "error")  # what a D's /health may say in pd_on_miss
 
 
 class Backend:
@@ -54,6 +79,13 @@ class Backend:
         self.url, self.role = url, role
         self.healthy = True
         self.info: dict = {}
+        self._warned: set[str] = set()
+
+    def warn_once(self, message: str) -> None:
+        """Log ``message`` as a warning the first time it comes (each health check would repeat it)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("%s", message)
 
     def __repr__(self) -> str:
         return f"{self.role}:{self.url}{'' if self.healthy else ' (down)'}"
@@ -79,6 +111,7 @@ class Router:
             raise ValueError("the backend API key is empty: give a key, or none if the servers need none")
         self.headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self.timeout_s = timeout  # P's first line, and its whole answer through the ack
         self.health_interval = health_interval
         self._rr = {"prefill": 0, "decode": 0}
         self.client: httpx.AsyncClient | None = None
@@ -120,17 +153,29 @@ class Router:
 
     async def _check(self, b: Backend) -> None:
         try:
-            r = await self._http.get(b.url + "/health", timeout=httpx.Timeout(2.0))
-            b.info = r.json()
-            # a D without its pool cannot take hand-offs, but its engine still serves colocated
-            b.healthy = r.status_code == 200 or (b.role == "decode" and b.info.get("engine") == "ok")
-        except (httpx.HTTPError, ValueError, AttributeError):
+            status, raw = await asyncio.wait_for(self._get_health(b), HEALTH_TIMEOUT_S)
+            info = parse_json(raw, f"{b.role} server {b.url}'s /health", finite=False)
+            if not isinstance(info, dict):
+                raise BadJSON(f"{b.role} server {b.url}'s /health is not a JSON object")
+        except (httpx.HTTPError, asyncio.TimeoutError):
             b.healthy = False
+            return
+        except ValueError as e:  # BadJSON: not a kvtier server's /health
+            b.warn_once(f"{e}: the router takes it for down")
+            b.healthy = False
+            return
+        b.info = _health_info(b, info)
+        # a D without its pool cannot take hand-offs, but its engine still serves colocated
+        b.healthy = status == 200 or (b.role == "decode" and b.info.get("engine") == "ok")
+
+    async def _get_health(self, b: Backend) -> tuple[int, bytes]:
+        async with self._http.stream("GET", b.url + "/health", timeout=httpx.Timeout(HEALTH_TIMEOUT_S)) as r:
+            return r.status_code, await _read_at_most(r, MAX_HEALTH_BYTES, f"{b.role} server {b.url}'s /health")
 
     async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self._check(b) for b in self.prefill + self.decode))
+        while True:  # (the app's startup made the first round)
             await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self._check(b) for b in self.prefill + self.decode))
 
     # ------------------------------------------------------------------ app
     def _build(self) -> FastAPI:
@@ -198,11 +243,13 @@ class Router:
     # ------------------------------------------------------------------ requests
     async def handle(self, kind: str, request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
-        except json.JSONDecodeError as e:
-            return error_response(400, invalid_json_message(e.msg, e.doc, e.pos))
-        except ValueError as e:  # not UTF-8
-            return error_response(400, invalid_json_message(str(e)))
+            raw = await request.body()
+        except ClientDisconnect:
+            return error_response(499, "client disconnected")
+        try:
+            body = parse_json(raw, "the request body")
+        except BadJSON as e:
+            return error_response(400, str(e), e.param)
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         if "kvtier_handoff" in body:
@@ -280,38 +327,60 @@ class Router:
             if p is None:
                 return None, reason
             tried.add(p.url)
-            t0 = time.monotonic()
-            req = self._http.build_request("POST", p.url + _PREFILL[kind], json=dict(body, stream=False))
+            # one deadline for P's first line, however slowly its bytes come (httpx's timeouts
+            # are per read); the same one bounds P's ack (_Prefill.ack)
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
             try:
-                r = await self._http.send(req, stream=True)
-                if r.status_code != 200:
-                    await r.aread()
-                    await r.aclose()
-            except httpx.HTTPError as e:
-                log.warning("prefill server %s failed (%s); trying the next one", p.url, e)
+                pre, reason = await asyncio.wait_for(self._prefill_on(p, kind, body, deadline), self.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning(
+                    "prefill server %s sent no first token within %g s (--timeout); trying the next one", p.url, self.timeout_s
+                )
                 p.healthy = False
-                reason = "prefill_down"
+                reason = "prefill_timeout"
                 continue
-            if _clients_fault(r):
-                return Response(r.content, status_code=r.status_code, media_type="application/json"), ""
+            if pre is not None:
+                return pre, ""
+
+    async def _prefill_on(self, p: Backend, kind: str, body: dict, deadline: float) -> tuple[Any, str]:
+        """One P's first line: (P's answer, "") or (the client's error from P, "") or (None, what
+        went wrong with this P)."""
+        t0 = time.monotonic()
+        req = self._http.build_request("POST", p.url + _PREFILL[kind], json=dict(body, stream=False))
+        try:
+            r = await self._http.send(req, stream=True)
+        except httpx.HTTPError as e:
+            log.warning("prefill server %s failed (%s); trying the next one", p.url, e)
+            p.healthy = False
+            return None, "prefill_down"
+        if r.status_code != 200:
+            try:
+                content = await _read_at_most(r, MAX_PREFILL_ERROR_BYTES, f"prefill server {p.url}'s error answer")
+            except (httpx.HTTPError, ValueError) as e:
+                log.warning("prefill server %s answered %d, then failed (%s); trying the next one", p.url, r.status_code, e)
+                return None, "prefill_error"
+            finally:
+                await r.aclose()
+            if _clients_fault(r.status_code, content):
+                return Response(content, status_code=r.status_code, media_type="application/json"), ""
             if r.status_code == 501:  # what a hand-off cannot carry (n > 1, logprobs, several
                 return None, "not_handed_off"  # prompts): any P would say so; nothing is wrong with P
-            if r.status_code != 200:
-                log.warning("prefill server %s answered %d: %s", p.url, r.status_code, r.text[:200])
-                reason = "prefill_error"
-                continue
-            # P acks (or gives up) within its export_timeout (in its /health): a P silent past that
-            # and a margin is hung; the request goes on as if P had broken off
-            ack_timeout = float(p.info.get("export_timeout") or DEFAULT_EXPORT_TIMEOUT_S) + ACK_MARGIN_S
-            pre = _Prefill(p.url, r, t0, self.prefill_seconds, ack_timeout)
-            try:
-                await pre.start()
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, StopAsyncIteration) as e:
-                await pre.close()
-                log.warning("prefill server %s broke off before its first token (%r); trying the next one", p.url, e)
-                reason = "prefill_error"
-                continue
-            return pre, ""
+            log.warning("prefill server %s answered %d: %s", p.url, r.status_code, content[:200].decode(errors="replace"))
+            return None, "prefill_error"
+        # P acks (or gives up) within its export_timeout (in its /health): a P silent past that
+        # and a margin is hung; the request goes on as if P had broken off
+        ack_timeout = p.info.get("export_timeout", DEFAULT_EXPORT_TIMEOUT_S) + ACK_MARGIN_S
+        pre = _Prefill(p.url, r, t0, self.prefill_seconds, ack_timeout, deadline)
+        try:
+            await pre.start()
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, EOFError) as e:
+            await pre.close()
+            log.warning("prefill server %s broke off or answered no first line (%s); trying the next one", p.url, _describe(e))
+            return None, "prefill_error"
+        except BaseException:  # the deadline passed, or the client left
+            await pre.close()
+            raise
+        return pre, ""
 
     async def _open_decode(self, kind: str, body: dict) -> httpx.Response | APIError:
         """D's response, headers read and body streaming (a D that fails to connect or is busy:
@@ -358,21 +427,43 @@ class Router:
         )
 
 
+# the kvtier_handoff D gets from P's first line: each field's type
+_HEAD_TYPES = {
+    "namespace": str,
+    "keys": list,
+    "num_tokens": int,
+    "first_token": int,
+    "prompt_token_ids": list,
+    "prefill_cached_tokens": int,
+    "response_id": str,
+    "created": int,
+}
+
+
 class _Prefill:
     """P's answer, two JSON lines (``serve/api.py``): the first token's chunks and the manifest's
     names as soon as P sampled it (:meth:`start`), then the pool's ack of the prompt's blocks
-    (:meth:`ack`). The response stays open in between; :meth:`close` on every path."""
+    (:meth:`ack`). The response stays open in between; :meth:`close` on every path.
 
-    def __init__(self, url: str, response: httpx.Response, t0: float, seconds: Histogram, ack_timeout: float) -> None:
+    The ack is awaited until ``ack_timeout`` seconds after the first line, and never past
+    ``deadline`` (the event loop's clock: the whole hand-off's)."""
+
+    def __init__(
+        self, url: str, response: httpx.Response, t0: float, seconds: Histogram, ack_timeout: float, deadline: float
+    ) -> None:
         self.url, self.response, self.t0, self.seconds = url, response, t0, seconds
-        self.ack_timeout = ack_timeout
-        self._lines = response.aiter_lines()
+        self.ack_timeout, self.deadline = ack_timeout, deadline
+        self._lines = _Lines(response, MAX_PREFILL_LINE_BYTES)
         self.head: dict = {}
         self.chunks: list = []
 
     async def start(self) -> None:
-        head = json.loads(await anext(self._lines))
-        names = head["manifest"]
+        head = parse_json(await self._lines.next(), f"prefill server {self.url}'s first line")
+        if not isinstance(head, dict):
+            raise BadJSON(f"prefill server {self.url}'s first line is not a JSON object")
+        names, chunks = head["manifest"], head["chunks"]
+        if not isinstance(names, dict) or not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+            raise BadJSON(f"prefill server {self.url}'s first line has no manifest object or chunk objects")
         self.head = {
             "namespace": names["namespace"],
             "keys": names["keys"],
@@ -383,18 +474,28 @@ class _Prefill:
             "response_id": head["id"],
             "created": head["created"],
         }
-        self.chunks = head["chunks"]
+        wrong = [k for k, t in _HEAD_TYPES.items() if not isinstance(self.head[k], t) or isinstance(self.head[k], bool)]
+        if wrong:
+            raise BadJSON(f"prefill server {self.url}'s first line has a {', '.join(wrong)} of the wrong type")
+        self.chunks = chunks
+        loop = asyncio.get_running_loop()
+        self.deadline = min(self.deadline, loop.time() + self.ack_timeout)
 
     async def ack(self) -> dict | None:
         """P's final manifest (``complete``, ``failed_blocks``), or None if P answered an error,
-        something else than a manifest, broke off, or did not answer within ``ack_timeout``."""
+        something else than a manifest, broke off, or did not answer in time."""
+        left = self.deadline - asyncio.get_running_loop().time()
         try:
-            last = json.loads(await asyncio.wait_for(anext(self._lines), self.ack_timeout))
+            last = parse_json(await asyncio.wait_for(self._lines.next(), max(left, 0.0)), f"prefill server {self.url}'s ack line")
         except asyncio.TimeoutError:
-            log.warning("prefill server %s did not ack its blocks within %.0f s", self.url, self.ack_timeout)
+            log.warning(
+                "prefill server %s did not ack its blocks in time (--timeout, or its export_timeout + %g s)",
+                self.url,
+                ACK_MARGIN_S,
+            )
             return None
-        except (httpx.HTTPError, ValueError, StopAsyncIteration) as e:
-            log.warning("prefill server %s broke off after its first token (%r)", self.url, e)
+        except (httpx.HTTPError, ValueError, EOFError) as e:
+            log.warning("prefill server %s broke off after its first token (%s)", self.url, _describe(e))
             return None
         manifest = last.get("manifest") if isinstance(last, dict) else None
         if not isinstance(manifest, dict):
@@ -443,13 +544,13 @@ async def _relay(first_chunks: list | None, r: httpx.Response) -> AsyncIterator[
         await r.aclose()
 
 
-def _clients_fault(r: httpx.Response) -> bool:
+def _clients_fault(status: int, content: bytes) -> bool:
     """P's answer is an error of the client's request (D would answer the same), not of P."""
-    if r.status_code in (400, 413):
+    if status in (400, 413):
         return True
-    if r.status_code == 404:  # unknown model: named in the error's param
+    if status == 404:  # unknown model: named in the error's param
         try:
-            return r.json()["error"]["param"] == "model"
+            return parse_json(content, "prefill server's error")["error"]["param"] == "model"
         except (ValueError, KeyError, TypeError):
             return False
     return False
@@ -457,3 +558,163 @@ def _clients_fault(r: httpx.Response) -> bool:
 
 def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+# ---------------------------------------------------------------------- what P, D and clients send
+class BadJSON(ValueError):
+    """JSON the router refuses: not JSON, too large, nested too deep, or with a number that is not
+    finite or text that is not Unicode. ``param`` names the field at fault (None: the whole)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# a JSON string (or an unterminated one, to the end: every quote starts a match that succeeds, so
+# the scan never starts over), whatever is no bracket, and the escape of a UTF-16 surrogate
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json(raw: bytes | str, what: str, finite: bool = True) -> Any:
+    """``raw`` parsed, or BadJSON saying what is wrong with ``what``: nested deeper than
+    MAX_JSON_DEPTH (found by counting brackets outside strings, before the parser's recursion
+    gets there), not JSON, or (``finite``) holding NaN, Infinity, a number too large for a double
+    or a lone surrogate, which no strict client could read (``param``: where)."""
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            text = bytes(raw).decode(json.detect_encoding(raw))
+        except UnicodeDecodeError as e:
+            raise BadJSON(invalid_json_message(str(e), what=what)) from None
+    else:
+        text = raw
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # (else it cannot be deeper)
+        steps = accumulate(map(_NESTING.__getitem__, _NOT_BRACKET.sub("", _STRING.sub("", text))))
+        if next(filter(MAX_JSON_DEPTH.__lt__, steps), None) is not None:
+            raise BadJSON(f"{what} is nested too deep: more than {MAX_JSON_DEPTH} levels of arrays and objects")
+    suspect: list[str] = []
+
+    def constant(name: str) -> float:  # NaN, Infinity, -Infinity
+        suspect.append(name)
+        return float(name)
+
+    def number(s: str) -> float:
+        f = float(s)
+        if math.isinf(f):  # 1e999
+            suspect.append(s)
+        return f
+
+    try:
+        value = json.loads(text, parse_constant=constant, parse_float=number) if finite else json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadJSON(invalid_json_message(e.msg, e.doc, e.pos, what)) from None
+    except (ValueError, RecursionError) as e:  # e.g. an integer of over 4300 digits
+        raise BadJSON(invalid_json_message(str(e), what=what)) from None
+    if finite and (suspect or _SURROGATE.search(text)):
+        bad = _first_bad_value(value)
+        if bad is not None:
+            path, problem = bad
+            raise BadJSON(f"{path or what} {problem}", path or None)
+    return value
+
+
+def _first_bad_value(value: Any) -> tuple[str, str] | None:
+    """(dotted path, what is wrong) of the first number that is not finite or text that is not
+    Unicode (a lone surrogate) in ``value``, if any."""
+    todo: list[tuple[Any, str]] = [(value, "")]
+    while todo:
+        v, path = todo.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return path, f"must be a finite number, got {json.dumps(v)}"
+        if isinstance(v, str) and not v.isascii():
+            try:
+                v.encode()
+            except UnicodeEncodeError as e:
+                return path, f"is not valid Unicode: it holds a lone surrogate (U+{ord(v[e.start]):04X})"
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                todo.append((x, f"{path}.{k}" if path else k))
+                todo.append((k, path))
+        elif isinstance(v, list):
+            todo.extend((x, f"{path}.{i}" if path else str(i)) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+class _Lines:
+    """The lines of a streamed answer (the last may lack its newline), each read whole and at most
+    ``max_bytes`` long: a longer one is a BadJSON once that many bytes came, never read further.
+    EOFError when the answer ends."""
+
+    def __init__(self, response: httpx.Response, max_bytes: int) -> None:
+        self._chunks = response.aiter_bytes()
+        self._max = max_bytes
+        self._buf = bytearray()
+        self._searched = 0  # no newline in _buf before this
+        self._ended = False
+
+    async def next(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\n", self._searched)
+            if i < 0 and len(self._buf) > self._max or i > self._max:
+                raise BadJSON(f"a line of the answer is over {self._max} bytes")
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[: i + 1]
+                self._searched = 0
+                return line.removesuffix(b"\r")
+            self._searched = len(self._buf)
+            if self._ended:
+                if not self._buf:
+                    raise EOFError("the answer ended")
+                line = bytes(self._buf)
+                self._buf.clear()
+                return line
+            try:
+                self._buf += await anext(self._chunks)
+            except StopAsyncIteration:
+                self._ended = True
+
+
+async def _read_at_most(r: httpx.Response, max_bytes: int, what: str) -> bytes:
+    """``r``'s body, or BadJSON once it passes ``max_bytes`` (nothing more is read)."""
+    buf = bytearray()
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise BadJSON(f"{what} is over {max_bytes} bytes")
+    return bytes(buf)
+
+
+def _positive_number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and f > 0 else None
+
+
+def _health_info(b: Backend, info: dict) -> dict:
+    """A /health object with the fields the router reads made sound: an ``export_timeout`` that
+    is no finite positive number is DEFAULT_EXPORT_TIMEOUT_S, a ``pd_on_miss`` that is none of
+    PD_ON_MISS is dropped (the D is not taken to recompute); each with a warning."""
+    info = dict(info)
+    if "export_timeout" in info:
+        t = _positive_number(info["export_timeout"])
+        if t is None:
+            b.warn_once(
+                f"{b.role} server {b.url}'s /health says export_timeout={info['export_timeout']!r:.100}, not a finite "
+                f"positive number: the router waits for its acks as for one of {DEFAULT_EXPORT_TIMEOUT_S} s"
+            )
+            t = DEFAULT_EXPORT_TIMEOUT_S
+        info["export_timeout"] = t
+    if "pd_on_miss" in info and info["pd_on_miss"] not in PD_ON_MISS:
+        b.warn_once(
+            f"{b.role} server {b.url}'s /health says pd_on_miss={info['pd_on_miss']!r:.100}, none of "
+            f"{', '.join(PD_ON_MISS)}: it is not taken to recompute what it misses"
+        )
+        del info["pd_on_miss"]
+    return info
