@@ -72,6 +72,10 @@ BENCHES = {
         "CPU or GPU: PD on its own devices vs colocated, run after run on "
         "fresh servers: every greedy answer identical, 0 deaths, 0 5xx",
     ),
+    "flood": (
+        "kvtier.bench.flood",
+        "CPU or GPU: generation tokens/s and /health latency while connections flood /health, 401s or hostile bodies",
+    ),
     "soak": (
         "kvtier.bench.soak",
         "CPU or GPU: thousands of mixed, bad and hung-up HTTP requests against a "

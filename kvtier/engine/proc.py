@@ -16,6 +16,7 @@ samples taken, the pool's health) after a step when it changed and at least ever
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -125,6 +126,10 @@ class _Engine:
         self.refused_samples = 0  # samples of adds refused here (never reached the loop)
         self.last: tuple = ()
         self.last_at = self.pool_at = 0.0
+        # the server that started us: if it dies (killed, crashed), so do we. (PR_SET_PDEATHSIG
+        # cannot be used: it fires when the server's *thread* that started us ends, and a server
+        # starts its engine from a thread that ends once the engine is ready.)
+        self.parent = os.getppid()
 
     def next_command(self, block: bool) -> tuple | None:
         while self.poller.poll(int(self.loop.idle_wait * 1000) if block else 0):
@@ -169,6 +174,10 @@ class _Engine:
 
     def status(self) -> None:
         """The queue lengths after a step when they changed; the pool's health every STATUS_EVERY_S."""
+        if os.getppid() != self.parent:
+            log.error("the server process %d is gone: the engine stops", self.parent)
+            self.loop.stop()
+            return
         now = time.monotonic()
         sched = self.core.scheduler
         loop = self.loop

@@ -135,3 +135,41 @@ def test_a_killed_engine_process_fails_its_requests(moe_model):
 def test_bad_options_are_the_start_s_value_error(moe_model):
     with pytest.raises(ValueError, match="block_size"):
         EngineClient(str(moe_model), EngineConfig(**(OPTS | {"block_size": 7})))
+
+
+def test_an_engine_process_does_not_outlive_its_server(moe_model, tmp_path):
+    """A server killed with SIGKILL runs no cleanup: its engine process sees it gone and exits
+    (else it would hold its GPU memory until someone found it)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import sys, time\n"
+        "from kvtier.engine.client import EngineClient\n"
+        "from kvtier.engine.config import EngineConfig\n"
+        "if __name__ == '__main__':\n"
+        f"    c = EngineClient({str(moe_model)!r}, EngineConfig(block_size=8, num_device_blocks=16, max_model_len=64))\n"
+        "    print(c._proc.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(server.stdout.readline())
+        server.kill()
+        server.wait(30)
+        for _ in range(600):  # polled: the engine notices within one idle wait
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                return
+            try:  # a zombie (exited, not yet reaped by init) counts as gone
+                if open(f"/proc/{engine_pid}/stat").read().split()[2] == "Z":
+                    return
+            except OSError:
+                return
+            time.sleep(0.1)
+        pytest.fail(f"engine process {engine_pid} still runs 60 s after its server was killed")
+    finally:
+        server.kill()
