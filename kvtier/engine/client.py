@@ -175,6 +175,11 @@ class EngineClient:
         rid = request_id or f"req-{secrets.token_hex(8)}"
         req = self.intake.request(prompt, params, cache_salt, rid, handoff=manifest is not None, **handoff)
         req.handoff = manifest
+        if isinstance(manifest, dict):  # D of a hand-off: P's first token is its first output (the engine checks it)
+            first = manifest.get("first_token")
+            if isinstance(first, int) and not isinstance(first, bool):
+                req.all_token_ids.append(first)
+                req.output_token_ids.append(first)
         req.generator = None  # the engine draws with its own
         check_n(req)
         return req
