@@ -1,9 +1,10 @@
-"""Pure ASGI layers in front of the server's and the router's apps: API key, body size cap.
+"""Pure ASGI layers in front of the server's and the router's apps: health checks, API key,
+body size cap.
 
 ::
 
-    uvicorn ─► ApiKeyAuth ─► BodyLimit ─► FastAPI app
-                 401          413
+    uvicorn ─► FastGet ─► ApiKeyAuth ─► BodyLimit ─► FastAPI app
+               /health      401          413
 
 Both are plain ``async __call__(scope, receive, send)`` classes, not Starlette's
 ``BaseHTTPMiddleware``: that one runs the endpoint in a task of its own behind a wrapped
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Any, Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -133,6 +135,21 @@ async def _drain(receive: Receive, max_bytes: int) -> None:
         await asyncio.wait_for(drain(), DRAIN_MAX_S)
     except asyncio.TimeoutError:
         pass
+
+
+class FastGet:
+    """``GET path`` answered by ``handler()`` (a Starlette response) before the app's routing and
+    middleware: a load balancer's health checks, or a flood of them, cost the interpreter that
+    streams every client's tokens as little as an answer can."""
+
+    def __init__(self, app: ASGIApp, path: str, handler: Callable[[], Any]) -> None:
+        self.app, self.path, self.handler = app, path, handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == self.path and scope["method"] in ("GET", "HEAD"):
+            await self.handler()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def wrap(app: ASGIApp, api_key: str | None, key_prefixes: tuple[str, ...], max_body_bytes: int | None) -> ASGIApp:
