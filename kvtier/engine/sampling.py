@@ -205,6 +205,10 @@ def draw(
     idx = to_device(sampled, device)
     rows = clean[idx].double()
     rows = (rows - rows.max(dim=-1, keepdim=True).values) / _column([p.temperature for p in sp], rows)
+    # a -inf logit (a token masked out, e.g. by min_tokens) stays -inf, not the dtype's lowest
+    # finite value: its processed logprob is -inf, as a top-k or top-p cut's is
+    finite = torch.isfinite(logits[idx]).any(dim=-1)  # else: the argmax of the cleaned row
+    rows = rows.masked_fill(torch.isneginf(logits[idx]) & finite[:, None], float("-inf"))
     if any(p.top_k for p in sp):
         vocab = rows.shape[-1]
         ks = [min(p.top_k, vocab) for p in sp]
@@ -236,7 +240,6 @@ def draw(
             picks.append(order_j[torch.multinomial(p_sorted, 1, generator=generators[sampled[j]])])
         else:
             picks.append(torch.multinomial(probs[j], 1, generator=generators[sampled[j]]))
-    finite = torch.isfinite(logits[idx]).any(dim=-1)  # else: the argmax of the cleaned row
     tokens[idx] = torch.where(finite, torch.cat(picks), tokens[idx])
     if processed is not None:
         where = {row: n for n, row in enumerate(processed_rows)}

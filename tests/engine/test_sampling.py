@@ -85,3 +85,15 @@ def test_two_pass_topk_equals_torch_topk(vocab):
     got = topk(x, 5)
     assert torch.equal(got.values, torch.topk(x, 5, dim=-1).values) and bool((got.indices < vocab).all())
     assert set(got.indices[1, :3].tolist()) == {0, 1, 2}
+
+
+def test_a_masked_token_s_processed_logprob_is_minus_inf():
+    """A token whose logit is -inf (min_tokens masks EOS and stop ids so) has the processed
+    logprob -inf, not the dtype's lowest finite value (-3.4e38 in float32)."""
+    from kvtier.engine.sampling import draw
+
+    logits = torch.tensor([[2.0, 1.0, float("-inf"), 0.5]])
+    params = [SamplingParams(temperature=1.5, logprobs=2, logprobs_mode="processed")]
+    tokens, processed = draw(logits, params, [torch.Generator().manual_seed(0)], processed_rows=[0])
+    assert processed[0, 2].item() == float("-inf")
+    assert torch.isfinite(processed[0, [0, 1, 3]]).all() and tokens[0].item() != 2
