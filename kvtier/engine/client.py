@@ -20,6 +20,7 @@ said it stopped.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import logging
 import multiprocessing
@@ -89,6 +90,7 @@ class EngineClient:
 
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        model_config = ModelConfig.from_hf_dir(model)  # a missing or bad checkpoint fails here, not in a child
         self.max_queue = max_queue
         self.on_dead = on_dead
         self.startup = startup if startup is not None else Startup()
@@ -127,7 +129,7 @@ class EngineClient:
         self.intake = Intake(
             self.core.path,  # type: ignore[arg-type]
             self.core.tokenizer,
-            ModelConfig.from_hf_dir(model),
+            model_config,
             info["max_model_len"],
             info["block_size"],
             info["num_device_blocks"],
@@ -159,9 +161,7 @@ class EngineClient:
             elif msg[0] == "failed":
                 _, phase, kind, message = msg
                 self.startup.phase = phase
-                raise (ValueError if kind == "ValueError" else RuntimeError)(
-                    message if kind == "ValueError" else f"{kind}: {message}"
-                )
+                raise _rebuilt(kind, message)
 
     # ------------------------------------------------------------------ callers (asyncio)
     def make_request(
@@ -343,6 +343,15 @@ class EngineClient:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
+
+
+def _rebuilt(kind: str, message: str) -> Exception:
+    """The engine process's start error as its type where that is a built-in one (a ValueError
+    or an OSError is the command's error, exit status 2), else a RuntimeError naming it."""
+    cls = getattr(builtins, kind, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        return cls(message)
+    return RuntimeError(f"{kind}: {message}")
 
 
 def _engine_main(*args: Any) -> None:

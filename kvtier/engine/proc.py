@@ -62,7 +62,7 @@ def main(model: str, config: EngineConfig, inbox: str, outbox: str, stats_interv
     import zmq
 
     from kvtier.engine.core import EngineCore
-    from kvtier.serve.server import setup_logging
+    from kvtier.log_setup import setup_logging
 
     setup_logging(log_level)
     ctx = zmq.Context()

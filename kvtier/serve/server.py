@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.config import EngineConfig
+from kvtier.log_setup import setup_logging
 
 API_KEY_ENV = "KVTIER_API_KEY"
 BACKEND_API_KEY_ENV = "KVTIER_BACKEND_API_KEY"
@@ -32,19 +33,6 @@ def resolve_key(flag_value: str | None, env_name: str, flag_name: str) -> str | 
     if not value:
         raise ValueError(f"{env_name} is set but empty: give a key (or unset it for no authentication)")
     return value
-
-
-def setup_logging(level: str) -> None:
-    """kvtier's own log lines (the engine's stats line, warnings of the router and the pools) to
-    stderr at ``level``, as uvicorn's are. Only where nobody configured logging: an application
-    that set up handlers (on ``kvtier`` or the root logger) keeps its own, and its levels."""
-    logger = logging.getLogger("kvtier")
-    if logger.hasHandlers():
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
 
 
 def role_defaults(role: str, config: EngineConfig) -> EngineConfig:
