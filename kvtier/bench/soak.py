@@ -3,10 +3,11 @@ storage tiers, then the checks a hostile day must leave true.
 
 ::
 
-    this process                                   client process (its own interpreter: the load it
+    engine process                                 client process (its own interpreter: the load it
     ───────────────────────────────────────        makes never steals the server's GIL)
     EngineCore (small device tier, host tier,      N workers ─ POST /v1/... ─►  normal, streaming,
-      file:// pool) ─ AsyncEngine ─ Server ◄─────    chat, odd (1e-300, nulls), bad (4xx), huge (413),
+      file:// pool), as `kvtier serve` runs it       chat, odd (1e-300, nulls), bad (4xx), huge (413),
+    this process: EngineClient ─ Server ◄──────
       (uvicorn on 127.0.0.1, real sockets)           hung up, aborted mid-stream / mid-prefetch,
                                                      fresh cache_salt on a known prompt
                                                    one poller ─ GET /health every 50 ms
@@ -327,16 +328,17 @@ def _client_process(conn: Any, *args: Any) -> None:
 
 
 # ---------------------------------------------------------------------- server side
-def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, Any, threading.Thread, str]:
+def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, threading.Thread, str]:
+    """The server as `kvtier serve` runs it (the engine in a process of its own, engine/client.py),
+    its HTTP side on a thread of this process."""
     import uvicorn
 
-    from kvtier.engine.async_engine import AsyncEngine
-    from kvtier.engine.core import EngineCore
+    from kvtier.engine.client import EngineClient
+    from kvtier.engine.config import EngineConfig
     from kvtier.serve.api import Server
     from kvtier.serve.launch import free_port
 
-    core = EngineCore(
-        model,
+    config = EngineConfig(
         device=args.device,
         num_device_blocks=args.device_blocks,
         num_host_blocks=args.host_blocks,
@@ -347,7 +349,7 @@ def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, 
         storage_fetch="always",
         overlap_schedule=args.overlap_schedule,
     )
-    engine = AsyncEngine(core, max_queue=4096)
+    engine = EngineClient(str(model), config, max_queue=4096, log_level="warning")
     server = Server(engine, MODEL_NAME)
     port = free_port()
     userver = uvicorn.Server(
@@ -360,40 +362,19 @@ def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, 
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the soak server did not start")
         time.sleep(0.05)
-    return core, engine, userver, thread, f"http://127.0.0.1:{port}"
+    return engine, userver, thread, f"http://127.0.0.1:{port}"
 
 
 def _quiesce_and_check(engine: Any, timeout: float = 60.0) -> dict:
-    """Wait until no request is in the engine, land every copy, then DESIGN §5 on the whole cache."""
-
-    def state(core: Any) -> tuple[int, int]:
-        return len(core.scheduler.running) + len(core.scheduler.waiting), engine.num_streams
-
+    """Wait until no request is in the engine, land every copy, then DESIGN §5 on the whole cache
+    (engine/loop.py's ``leak_check``, run by the engine process)."""
     deadline = time.monotonic() + timeout
     while True:
-        busy, sinks = _call(engine, state)
-        if (busy == 0 and sinks == 0) or time.monotonic() > deadline:
+        busy = _call(engine, "requests")
+        if (busy == 0 and engine.num_streams == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-
-    def check(core: Any) -> dict:
-        core.drain()
-        out = {
-            "requests_left": len(core.scheduler.running) + len(core.scheduler.waiting),
-            "sinks_left": engine.num_streams,
-            "copies_in_flight": core.transfer.num_in_flight,
-            "storage_in_flight": core.storage.num_in_flight if core.storage is not None else 0,
-            "device_blocks_used": core.cache.device_pool.num_used,
-            "host_blocks_used": core.cache.host_pool.num_used,
-        }
-        try:
-            core.cache.assert_invariants()  # no live request: every block is free or the tree's
-            out["invariants"] = "ok"
-        except AssertionError as e:
-            out["invariants"] = f"violated: {e}"
-        return out
-
-    return _call(engine, check)
+    return _call(engine, "leak_check") | {"sinks_left": engine.num_streams}
 
 
 def _call(engine: Any, fn: Any) -> Any:
@@ -467,7 +448,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:
         model = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / "model", seed=0)
         pool = f"file://{tmp}/pool?capacity=64MiB"
-        core, engine, userver, thread, url = _serve(model, pool, args)
+        engine, userver, thread, url = _serve(model, pool, args)
         try:
             ctx = mp.get_context("spawn")
             parent, child = ctx.Pipe(duplex=False)
@@ -479,7 +460,7 @@ def run(args: argparse.Namespace) -> dict:
                     args.requests,
                     args.concurrency,
                     args.seed,
-                    core.max_model_len,
+                    engine.core.max_model_len,
                     args.huge_bytes,
                     not args.no_progress,
                 ),
@@ -493,7 +474,7 @@ def run(args: argparse.Namespace) -> dict:
             engine_error = repr(engine.error) if engine.error is not None else None
             if engine_error is None:
                 leaks = _quiesce_and_check(engine)
-                stats = _call(engine, lambda c: c.cache_stats())
+                stats = _call(engine, "cache_stats")
             else:  # a stopped engine cannot be inspected
                 leaks, stats = {"invariants": "not checked: the engine stopped", "requests_left": -1}, None
             metrics = _scrape(url)

@@ -52,8 +52,33 @@ def metrics_snapshot(core: EngineCore) -> dict:
     }
 
 
+def leak_check(core: EngineCore) -> dict:
+    """Land every copy, then count what is left and check the cache's invariants (DESIGN §5): with
+    no request in the engine, every block is free or the tree's (the soak's last check)."""
+    core.drain()
+    cache = core.cache
+    out: dict[str, Any] = {
+        "requests_left": len(core.scheduler.running) + len(core.scheduler.waiting),
+        "copies_in_flight": core.transfer.num_in_flight,
+        "storage_in_flight": core.storage.num_in_flight if core.storage is not None else 0,
+        "device_blocks_used": cache.device_pool.num_used,
+        "host_blocks_used": cache.host_pool.num_used,
+    }
+    try:
+        cache.assert_invariants()
+        out["invariants"] = "ok"
+    except AssertionError as e:
+        out["invariants"] = f"violated: {e}"
+    return out
+
+
 # what a caller may ask of the engine by name (the only calls an engine process answers)
-CALLS: dict[str, Callable[[EngineCore], Any]] = {"cache_stats": lambda core: core.cache_stats(), "metrics": metrics_snapshot}
+CALLS: dict[str, Callable[[EngineCore], Any]] = {
+    "cache_stats": lambda core: core.cache_stats(),
+    "metrics": metrics_snapshot,
+    "requests": lambda core: len(core.scheduler.running) + len(core.scheduler.waiting),
+    "leak_check": leak_check,
+}
 
 
 class QueueFull(RuntimeError):

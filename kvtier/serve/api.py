@@ -55,6 +55,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
+from kvtier.engine.client import EngineClient
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve import asgi
 from kvtier.serve.body import body_schema, parse, with_schemas
@@ -151,7 +152,7 @@ class Server:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | EngineClient,
         model_name: str,
         role: str = "colocated",
         api_key: str | None = None,
