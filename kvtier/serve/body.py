@@ -57,7 +57,7 @@ def parse(model: type[_M], raw: bytes, max_model_len: int) -> _M:
         # field it is in, from Python's parse of a body small enough to parse twice
         if len(raw) > _REPARSE_MAX_BYTES:
             raise APIError(400, "the request body has text with a lone surrogate (e.g. \\ud800): not valid Unicode") from None
-        return _validate(model, json.loads(raw))
+        return _validate(model, json.loads(raw), utf8=False)
     data: dict[str, Any] = {}
     for name, value in fields.items():
         try:
@@ -68,12 +68,13 @@ def parse(model: type[_M], raw: bytes, max_model_len: int) -> _M:
             raise APIError(400, f"{name}: {e}", name) from None
         except msgspec.DecodeError as e:  # (the top-level scan found it whole: not expected)
             raise APIError(400, invalid_json_message(f"{name}: {e}")) from None
-    return _validate(model, data)
+    return _validate(model, data, utf8=True)
 
 
-def _validate(model: type[_M], data: Any) -> _M:
+def _validate(model: type[_M], data: Any, utf8: bool) -> _M:
+    """``utf8``: msgspec decoded ``data``, so its text has no lone surrogate (it refuses them)."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"utf8": utf8})
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False)[:1], body=None) from None
     except RecursionError:
