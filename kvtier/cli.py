@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=positive_int,
         default=1024,
-        help="requests waiting for admission before new ones get 503 (default 1024)",
+        help="samples (each prompt's n) waiting for admission before new requests get 503; "
+        "a request asking for more samples than this gets 400 (default 1024)",
     )
     p.add_argument(
         "--log-level",
