@@ -291,7 +291,12 @@ class EngineClient:
                         self._died(f"the engine process exited (exit code {self._proc.exitcode})")
                         return
                     continue
-                self._dispatch(decode(await sock.recv()))
+                while True:  # every message there is, without a future each (pyzmq's asyncio recv costs)
+                    try:
+                        data = self._pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._dispatch(decode(data))
                 if self._error is not None:
                     return
         except asyncio.CancelledError:
@@ -302,7 +307,10 @@ class EngineClient:
 
     def _dispatch(self, msg: list) -> None:
         kind = msg[0]
-        if kind == "delta":
+        if kind == "batch":  # what one engine iteration said
+            for m in msg[1]:
+                self._dispatch(m)
+        elif kind == "delta":
             _, rid, index, token_ids, finish, logprobs, export, out = msg
             q = self._sinks.get(rid)
             if q is not None:

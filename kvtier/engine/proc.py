@@ -102,8 +102,9 @@ def main(model: str, config: EngineConfig, inbox: str, outbox: str, stats_interv
     )
     engine = _Engine(core, pull, send, stats_interval)
     try:
-        engine.loop.run(after_iteration=engine.status)
+        engine.loop.run(after_iteration=engine.after_iteration)
     finally:
+        engine.flush()  # the failed requests' errors, the word that the engine stopped
         try:
             core.close()
         finally:
@@ -118,11 +119,14 @@ class _Engine:
     def __init__(self, core: Any, pull: Any, send: Any, stats_interval: float) -> None:
         import zmq
 
-        self.core, self.pull, self.send = core, pull, send
+        # what an iteration says goes out as one message at its end (flush): a step of 64 streams
+        # is one message, not 64 (each costs the server a wake-up of its event loop)
+        self.out: list[list] = []
+        self.core, self.pull, self.send, self._send_now = core, pull, self.out.append, send
         self.poller = zmq.Poller()
         self.poller.register(pull, zmq.POLLIN)
         self.loop = EngineLoop(core, self.next_command, stats_interval=stats_interval)
-        self.loop.on_dead = lambda e: send(["dead", f"{type(e).__name__}: {e}"])
+        self.loop.on_dead = lambda e: self.send(["dead", f"{type(e).__name__}: {e}"])
         self.refused_samples = 0  # samples of adds refused here (never reached the loop)
         self.last: tuple = ()
         self.last_at = self.pool_at = 0.0
@@ -197,3 +201,12 @@ class _Engine:
             self.pool_at = now
         self.last = counts
         self.send(["status", *counts, pool])
+
+    def after_iteration(self) -> None:
+        self.status()
+        self.flush()
+
+    def flush(self) -> None:
+        if self.out:
+            self._send_now(["batch", self.out])  # encoded here, so the list can be emptied (the sinks append to it)
+            self.out.clear()

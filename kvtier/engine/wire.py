@@ -9,6 +9,7 @@ names it::
                        ["error", request_id, kind, message]      kind: value | queue | dead | internal
                        ["result", call_id, error, value]
                        ["status", running, waiting, waiting_samples, samples_taken, pool_health]
+                       ["batch", [message, ...]]   what one iteration of the engine loop said
 
 Arrays (MoE routing in an output) travel as ``["ndarray", dtype, shape, bytes]``; other objects a
 result holds that msgpack has no type for are sent as their ``str``.
