@@ -25,7 +25,7 @@ reason other than the one under test; MoE is a flag away (``--preset qwen3-moe-t
 MoE models, routed experts included, is tested where batches are controlled (tests/engine,
 tests/storage, tests/serve/test_pd.py).
 
-Goals (issue 14): 0 5xx, 0 engine stops, 0 leaked blocks or pins, 0 mismatched answers, 0
+Goals: 0 5xx, 0 engine stops, 0 leaked blocks or pins, 0 mismatched answers, 0
 cross-salt hits, ``/health`` p99 < 100 ms. Prints one JSON object (``--json PATH`` writes it too);
 exit status 1 if a goal is missed.
 """
