@@ -78,6 +78,7 @@ def test_a_request_left_early_returns_its_blocks(client):
     assert stats["tier_blocks"]["device"][0] == 0 and client.num_streams == 0
 
 
+@pytest.mark.slow  # an engine process of its own (~10 s on a 2-core x86 VM)
 def test_a_request_the_engine_refuses_is_a_value_error_and_leaves_the_queue_count_alone(moe_model):
     """A hand-off whose manifest names other blocks passes the server's checks (it cannot know
     the engine's block names) and is refused by the engine: the caller gets a ValueError, and
@@ -113,6 +114,7 @@ def test_the_queue_bound_counts_samples(client):
     asyncio.run(main())
 
 
+@pytest.mark.slow  # an engine process of its own (~10 s on a 2-core x86 VM)
 def test_a_killed_engine_process_fails_its_requests(moe_model):
     dead: list[BaseException] = []
     c = EngineClient(str(moe_model), EngineConfig(**OPTS), on_dead=dead.append)
@@ -137,6 +139,7 @@ def test_bad_options_are_the_start_s_value_error(moe_model):
         EngineClient(str(moe_model), EngineConfig(**(OPTS | {"block_size": 7})))
 
 
+@pytest.mark.slow  # an engine process of its own (~10 s on a 2-core x86 VM)
 def test_an_engine_process_does_not_outlive_its_server(moe_model, tmp_path):
     """A server killed with SIGKILL runs no cleanup: its engine process sees it gone and exits
     (else it would hold its GPU memory until someone found it)."""
