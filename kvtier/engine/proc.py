@@ -65,6 +65,13 @@ def main(model: str, config: EngineConfig, inbox: str, outbox: str, stats_interv
     from kvtier.log_setup import setup_logging
 
     setup_logging(log_level)
+    if str(config.device).startswith("cpu"):
+        # on a CPU host the model's threads would take every core: leave one to the server
+        # process, which answers /health and streams every client's tokens (as vLLM's CPU
+        # backend reserves cores for its front end)
+        import torch
+
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(inbox)
