@@ -57,7 +57,14 @@ def test_the_same_tokens_as_the_engine_on_a_thread(client, moe_model):
         want = asyncio.run(run(local))
     finally:
         local.shutdown()
-    assert got == want
+    # the same tokens; logprobs to float rounding (the engine process may run the model on fewer
+    # CPU threads than this one: it leaves a core to the server, so sums reduce in another order)
+    assert [[(t, f) for t, f, _ in o] for o in got] == [[(t, f) for t, f, _ in o] for o in want]
+    for o_got, o_want in zip(got, want):
+        for (_, _, lp_got), (_, _, lp_want) in zip(o_got, o_want):
+            assert (lp_got is None) == (lp_want is None)
+            for a, b in zip(lp_got or (), lp_want or ()):
+                assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
     assert any(len(o) == 3 for o in got) and all(t for o in got for t, _, _ in o)
 
 
