@@ -246,13 +246,17 @@ class EngineClient:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Ask the engine process to stop, wait for it (``timeout`` s, then kill it), clean up."""
+        import zmq
+
         self._stopping = True
         if self._proc.is_alive():
-            try:
-                self._send(["stop"])
-            except Exception:  # noqa: BLE001 - a socket already closed: the process goes below
+            try:  # never wait on a peer that is gone (a PUSH with no peer blocks)
+                with self._send_lock:
+                    self._push.send(encode(["stop"]), zmq.NOBLOCK)
+            except Exception:  # noqa: BLE001 - a socket already closed or no peer: the process goes below
                 pass
-        self._close_process(timeout)
+        # an engine that said it stopped has nothing left to finish: a short grace, then a kill
+        self._close_process(min(timeout, 5.0) if self._error is not None else timeout)
 
     # ------------------------------------------------------------------ inside
     def _send(self, msg: list) -> None:
