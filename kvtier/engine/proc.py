@@ -136,7 +136,7 @@ class _Engine:
         self.loop.on_dead = lambda e: self.send(["dead", f"{type(e).__name__}: {e}"])
         self.refused_samples = 0  # samples of adds refused here (never reached the loop)
         self.last: tuple = ()
-        self.last_at = self.pool_at = 0.0
+        self.pool_at = 0.0
         # the server that started us: if it dies (killed, crashed), so do we. (PR_SET_PDEATHSIG
         # cannot be used: it fires when the server's *thread* that started us ends, and a server
         # starts its engine from a thread that ends once the engine is ready.)
