@@ -5,14 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
-from kvtier.flags import block_size as _block_size
-from kvtier.flags import capacity as _capacity
 from kvtier.flags import non_negative_float as _non_negative_float
 from kvtier.flags import non_negative_int, positive_int
 from kvtier.flags import port as _port
 from kvtier.flags import positive_float as _positive_float
-from kvtier.flags import tier_blocks as _tier_blocks
 
 # kvtier.model.presets.PRESETS, named here so that `kvtier --help` does not import torch
 # (tests/test_cli.py keeps the two equal).
@@ -29,10 +25,10 @@ PRESET_NAMES = (
     "qwen3-moe-small",
     "llama3-8b-shape",
 )
-# Every `kvtier bench NAME`: the module whose main(argv) parses its own flags (None: `cache`, whose
-# flags are the `bench` subparser's own), and its line in `kvtier bench --help`.
+# Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
+# `kvtier bench --help`.
 BENCHES = {
-    "cache": (None, "CPU: cost of the cache manager per request (match, allocate, commit, free); flags below"),
+    "cache": ("kvtier.bench.cache_bench", "CPU: cost of the cache manager per request (match, allocate, commit, free)"),
     "peers": (
         "kvtier.bench.peers",
         "CPU: the same per request, kvtier vs vLLM's and SGLang's prefix caches (pip install 'kvtier[peers]')",
@@ -82,25 +78,6 @@ BENCHES = {
         "server with every tier; checks 5xx, leaks, answers, /health latency",
     ),
 }
-_GPU_BENCHES = {name: module for name, (module, _) in BENCHES.items() if module is not None}
-
-
-def _add_cache_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block (power of two; default 16)")
-    p.add_argument(
-        "--write-policy",
-        choices=WRITE_POLICIES,
-        default="write_through_selective",
-        help="when blocks are copied down a tier (default write_through_selective)",
-    )
-    p.add_argument(
-        "--write-through-threshold",
-        type=positive_int,
-        default=2,
-        help="hits before write_through_selective copies a block down (default 2)",
-    )
-    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")
-    p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="block key digest (default sha256)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,59 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"kvtier {__import__('kvtier').__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser(
+    sub.add_parser(
         "sim",
         help="replay a request trace through the cache manager (no model)",
-        description="Replay a JSONL trace through the real CacheManager and print hits, evictions and bytes moved per tier.",
+        add_help=False,  # `kvtier sim --help`: kvtier/bench/sim.py's parser
     )
-    p.add_argument(
-        "trace",
-        help="JSONL trace: {timestamp, input_ids, output_length} or the Mooncake "
-        "format {timestamp, input_length, output_length, hash_ids}",
-    )
-    _add_cache_flags(p)
-    p.add_argument(
-        "--device-blocks", type=_tier_blocks, default=8192, help="device tier size in blocks; inf = unbounded (default 8192)"
-    )
-    p.add_argument(
-        "--host-blocks",
-        type=_capacity,
-        default=32768,
-        help="host tier size in blocks; 0 = no host tier, inf = unbounded (default 32768)",
-    )
-    p.add_argument(
-        "--storage-blocks", type=_capacity, default=0, help="storage tier size in blocks; 0 = none, inf = unbounded (default 0)"
-    )
-    p.add_argument(
-        "--trace-block-tokens", type=positive_int, default=512, help="tokens per hash id in Mooncake-format traces (default 512)"
-    )
-    p.add_argument(
-        "--kv-bytes-per-token",
-        type=positive_int,
-        default=131072,
-        help="KV bytes per token, all layers, for bytes moved (default 131072)",
-    )
-    p.add_argument("--max-running", type=positive_int, default=16, help="requests holding blocks at once (default 16)")
-    p.add_argument(
-        "--storage-gbps",
-        type=_positive_float,
-        default=2.0,
-        help="storage read bandwidth per call, GB/s, for the fetch-vs-recompute decision (default 2.0)",
-    )
-    p.add_argument(
-        "--storage-latency-ms", type=_non_negative_float, default=0.5, help="storage latency per call, ms (default 0.5)"
-    )
-    p.add_argument(
-        "--prefill-tokens-per-s",
-        type=_non_negative_float,
-        default=0.0,
-        help="recompute rate; storage hits are fetched only when that is faster than "
-        "recomputing them at this rate; 0 = fetch every hit (default 0)",
-    )
-    p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
-
     p = sub.add_parser(
         "bench",
         help="benchmarks: " + ", ".join(BENCHES),
@@ -169,12 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
         + "\n".join(f"  {name:<11} {line}" for name, (_, line) in BENCHES.items()),
     )
     p.add_argument("name", choices=tuple(BENCHES), help="which benchmark")
-    p.add_argument("--requests", type=positive_int, default=2000, help="requests in the trace (default 2000)")
-    p.add_argument("--prompts", type=positive_int, default=200, help="shared prefixes (default 200)")
-    p.add_argument("--prompt-tokens", type=positive_int, default=4096, help="tokens per prompt (default 4096)")
-    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the best is reported (default 5)")
-    p.add_argument("--block-size", type=_block_size, default=16, help="tokens per block (default 16)")
-    p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser(
         "init-model",
         help="write a small random HF-format checkpoint",
@@ -489,11 +412,18 @@ def _generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _GPU_BENCHES:  # they parse their own flags
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:  # each parses its own flags
         import importlib
 
-        importlib.import_module(_GPU_BENCHES[argv[1]]).main(argv[2:])
-        return 0
+        return importlib.import_module(BENCHES[argv[1]][0]).main(argv[2:]) or 0
+    if argv and argv[0] == "sim":
+        from kvtier.bench import sim
+
+        try:
+            return sim.main(argv[1:])
+        except (ValueError, FileNotFoundError) as e:
+            print(f"kvtier sim: error: {e}", file=sys.stderr)
+            return 2
     if len(argv) >= 2 and argv[0] == "pool" and argv[1] == "mooncake":
         from kvtier.storage import mooncake_pool
 
@@ -504,10 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     try:
-        if args.command == "sim":
-            from kvtier.bench import sim
-
-            return sim.main(args)
         if args.command == "init-model":
             from kvtier.model import init_model
 
@@ -561,10 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
             )
             return 0
-        if args.command == "bench":
-            from kvtier.bench import cache_bench
-
-            return cache_bench.main(args)
+        if args.command == "bench":  # (a bench name is handled above)
+            ap.parse_args(["bench", "--help"])
     except (ValueError, FileNotFoundError) as e:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2

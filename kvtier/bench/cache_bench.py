@@ -16,6 +16,7 @@ allocate, commit, free, eviction).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import random
@@ -23,6 +24,7 @@ import time
 from collections import deque
 
 from kvtier.cache import CacheManager
+from kvtier.flags import block_size, positive_int
 
 WINDOW = 32
 HASHES = ("sha256", "xxh3_128")
@@ -146,7 +148,21 @@ def format_row(r: dict) -> str:
     )
 
 
-def main(args) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvtier bench cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--requests", type=positive_int, default=2000, help="requests in the trace (default 2000)")
+    p.add_argument("--prompts", type=positive_int, default=200, help="shared prefixes (default 200)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=4096, help="tokens per prompt (default 4096)")
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the best is reported (default 5)")
+    p.add_argument("--block-size", type=block_size, default=16, help="tokens per block (default 16)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = run(args.requests, args.prompts, args.prompt_tokens, args.block_size, args.repeat)
     for r in rows:
         print(json.dumps(r) if args.json else format_row(r))

@@ -19,6 +19,7 @@ nodes churn by the million cost a third of the wall time.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -27,9 +28,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvtier import flags
 from kvtier.bench.traces import TraceRequest, read_trace
 from kvtier.cache import CacheManager, SimulatedStorage
 from kvtier.cache.cost import FetchCostModel
+from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
 
 TIERS = ("device", "host", "storage")
 
@@ -176,7 +179,88 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=flags.block_size, default=16, help="tokens per KV block (power of two; default 16)")
+    p.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_through_selective",
+        help="when blocks are copied down a tier (default write_through_selective)",
+    )
+    p.add_argument(
+        "--write-through-threshold",
+        type=flags.positive_int,
+        default=2,
+        help="hits before write_through_selective copies a block down (default 2)",
+    )
+    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")
+    p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="block key digest (default sha256)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvtier sim",
+        description="Replay a JSONL trace through the real CacheManager and print hits, evictions and bytes moved per tier.",
+    )
+    p.add_argument(
+        "trace",
+        help="JSONL trace: {timestamp, input_ids, output_length} or the Mooncake "
+        "format {timestamp, input_length, output_length, hash_ids}",
+    )
+    add_cache_flags(p)
+    p.add_argument(
+        "--device-blocks", type=flags.tier_blocks, default=8192, help="device tier size in blocks; inf = unbounded (default 8192)"
+    )
+    p.add_argument(
+        "--host-blocks",
+        type=flags.capacity,
+        default=32768,
+        help="host tier size in blocks; 0 = no host tier, inf = unbounded (default 32768)",
+    )
+    p.add_argument(
+        "--storage-blocks",
+        type=flags.capacity,
+        default=0,
+        help="storage tier size in blocks; 0 = none, inf = unbounded (default 0)",
+    )
+    p.add_argument(
+        "--trace-block-tokens",
+        type=flags.positive_int,
+        default=512,
+        help="tokens per hash id in Mooncake-format traces (default 512)",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=flags.positive_int,
+        default=131072,
+        help="KV bytes per token, all layers, for bytes moved (default 131072)",
+    )
+    p.add_argument("--max-running", type=flags.positive_int, default=16, help="requests holding blocks at once (default 16)")
+    p.add_argument(
+        "--storage-gbps",
+        type=flags.positive_float,
+        default=2.0,
+        help="storage read bandwidth per call, GB/s, for the fetch-vs-recompute decision (default 2.0)",
+    )
+    p.add_argument(
+        "--storage-latency-ms", type=flags.non_negative_float, default=0.5, help="storage latency per call, ms (default 0.5)"
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=flags.non_negative_float,
+        default=0.0,
+        help="recompute rate; storage hits are fetched only when that is faster than "
+        "recomputing them at this rate; 0 = fetch every hit (default 0)",
+    )
+    p.add_argument("--limit", type=flags.positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
+
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
     cfg = SimConfig(
         block_size=args.block_size,
