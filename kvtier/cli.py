@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvtier.flags import add_json_flag, non_negative_int, positive_int, write_json
 from kvtier.flags import non_negative_float as _non_negative_float
-from kvtier.flags import non_negative_int, positive_int
 from kvtier.flags import port as _port
 from kvtier.flags import positive_float as _positive_float
 
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate from a prompt with the offline engine",
         description="Run kvtier.LLM(MODEL, ...).generate on one prompt and print the result.",
     )
-    p.add_argument("model", help="Hugging Face model directory")
+    _add_model_arg(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in the model directory)")
     g.add_argument("--prompt-ids", help="prompt token ids, comma separated, e.g. 1,2,3")
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--return-routed-experts", action="store_true", help="print the routed experts' shape (MoE)")
     p.add_argument("--repeat", type=positive_int, default=1, help="run the prompt N times (shows prefix hits)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_json_flag(p, "each run's result (one object per --repeat)")
 
     p = sub.add_parser(
         "serve",
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--role prefill|decode with a shared --storage pool runs one side of "
         "prefill/decode disaggregation (put `kvtier router` in front).",
     )
-    p.add_argument("model", help="Hugging Face model directory")
+    _add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000)")
     p.add_argument(
@@ -221,7 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse requests without cache_salt (400): cached_tokens would tell a client whether "
         "another tenant sent the same prefix (docs/SERVING.md)",
     )
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model directory's name)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists (default: the hub id as given, or the model "
+        "directory's name); the model's path and hub id are accepted too",
+    )
     p.add_argument(
         "--max-queue",
         type=positive_int,
@@ -298,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "through device, host and storage tiers, print hits per tier and TTFT "
         "against recompute.",
     )
-    p.add_argument("--model", default=None, help="use this model directory instead of a fresh random one")
+    p.add_argument("--model", default=None, help="use this model (a directory or a hub id) instead of a fresh random one")
     p.add_argument("--clients", type=positive_int, default=4, help="concurrent conversations (default 4)")
     p.add_argument("--turns", type=positive_int, default=4, help="turns per conversation (default 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -321,6 +326,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("kind", choices=("mooncake",), help="which pool")
     return ap
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    """MODEL as a positional argument or as ``--model`` (vLLM takes both)."""
+    what = "a checkpoint directory or a Hugging Face hub id (e.g. Qwen/Qwen3-0.6B; --revision picks its version)"
+    p.add_argument("model", nargs="?", metavar="MODEL", help=what)
+    p.add_argument(
+        "--model",
+        "--model-path",
+        dest="model_flag",
+        default=None,
+        metavar="MODEL",
+        help="MODEL given as a flag (vLLM's, SGLang's)",
+    )
+
+
+def _model(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.model`` from the positional argument or ``--model``; a usage error without either
+    or with two different ones."""
+    flag = args.__dict__.pop("model_flag", None)
+    if args.model is not None and flag is not None and args.model != flag:
+        ap.error(f"{args.command}: MODEL given twice, as {args.model!r} and --model {flag!r}")
+    args.model = args.model or flag
+    if args.model is None:
+        ap.error(f"{args.command}: give MODEL (a checkpoint directory or a hub id), as an argument or --model")
 
 
 def _add_llm_flags(p: argparse.ArgumentParser) -> None:
@@ -366,6 +396,7 @@ def _generate(args) -> int:
         min_tokens=args.min_tokens,
         stop=tuple(args.stop),
     )
+    results: list[dict] = []
     with kvtier.LLM(args.model, _engine_config(args)) as llm:
         for _ in range(args.repeat):
             o = llm.generate([prompt], sp)[0]
@@ -391,7 +422,8 @@ def _generate(args) -> int:
                 if sp.logprobs is not None:
                     for sample, c in zip(res["samples"], o.outputs):
                         sample["logprobs"] = c.logprobs
-            if args.json:
+            results.append(res)
+            if args.json == "-":
                 print(json.dumps(res))
             else:
                 if o.text is not None:
@@ -407,6 +439,8 @@ def _generate(args) -> int:
                     if c.text is not None:
                         print(c.text)
                     print(f"sample {c.index}: token_ids={c.token_ids} finish={c.finish_reason}")
+    if args.json != "-":
+        write_json(args.json, results)
     return 0
 
 
@@ -430,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         return mooncake_pool.main(argv[2:])
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.command in ("serve", "generate"):
+        _model(ap, args)
     if args.command is None:
         ap.print_help()
         return 0

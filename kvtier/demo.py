@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import kvtier
 from kvtier.model import init_model
+from kvtier.model.hub import is_hub_id, resolve_model
 
 if TYPE_CHECKING:
     from kvtier.engine.llm import RequestOutput
@@ -84,6 +85,8 @@ def run_demo(
         tmp = tempfile.TemporaryDirectory(prefix="kvtier-demo-")
         model_dir = tmp.name
     path = Path(model_dir)
+    if not path.exists() and is_hub_id(model_dir):  # a hub id, not a folder to write a checkpoint to
+        path = resolve_model(model_dir)
     if not (path / "config.json").is_file():
         if cuda:
             out(f"writing a qwen3-moe-small config to {path} (random weights are made on the GPU) ...")

@@ -69,6 +69,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1] (``--gpu-memory-utilization 0.9``)."""
+    value = non_negative_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def timeout_pair(text: str) -> tuple[float, float]:
     parts = text.split(",")
     if len(parts) != 2:
@@ -81,6 +89,46 @@ def capacity(text: str) -> int | float:
         return parse_capacity(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def json_dest(text: str) -> str:
+    """argparse type of ``--json``: ``-`` (standard output) or a path ending in ``.json`` (so that
+    ``--json`` put before a positional argument does not take it for its path)."""
+    if text != "-" and not text.endswith(".json"):
+        raise argparse.ArgumentTypeError(
+            f"--json takes a path ending in .json, or - for standard output; got {text!r} "
+            "(a bare --json goes after the positional arguments)"
+        )
+    return text
+
+
+def add_json_flag(parser: argparse.ArgumentParser, what: str = "the results") -> None:
+    """``--json [PATH]``, one meaning in every command: write ``what`` as JSON to PATH (the
+    table is printed too); bare ``--json`` (or ``--json -``): print the JSON instead of the table."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        type=json_dest,
+        metavar="PATH",
+        help=f"write {what} as JSON to PATH (.json); bare --json or --json -: print the JSON instead of the table",
+    )
+
+
+def write_json(dest: str | None, payload: object) -> bool:
+    """Write ``payload`` where ``--json`` says; True when it went to standard output (the
+    caller prints no table then)."""
+    import json
+
+    if dest is None:
+        return False
+    if dest == "-":
+        print(json.dumps(payload), flush=True)
+        return True
+    with open(dest, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    return False
 
 
 def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU: the GPU tests, then the engine benchmarks; logs and JSON under $OUT.
-#   tests       tests/engine/test_gpu.py and tests/engine/test_overlap.py
+#   tests       tests/engine/test_gpu.py, test_gpu_memory.py and test_overlap.py
 #   throughput  kvtier bench throughput, overlap scheduling on and off, with the HBM roofline
 #   hf          kvtier bench throughput against HF transformers generate (needs transformers)
 #   decode      steady decode under torch.profiler: ms/step, GPU busy, kernels/step vs the roofline
@@ -18,7 +18,7 @@ f() { grep -v "Loading weights\|Writing model\|hashing weights"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 for step in "${@:-tests throughput routing attention}"; do for s in $step; do
   case $s in
-    tests) python -m pytest -q -x -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_overlap.py 2>&1 \
+    tests) python -m pytest -q -x -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_gpu_memory.py tests/engine/test_overlap.py 2>&1 \
              | tail -5 | tee "$OUT/gpu_tests.log" ;;
     throughput) python -m kvtier.bench.throughput --compare-overlap --hf-requests 0 --json "$OUT/throughput.json" 2>&1 \
              | f | tee "$OUT/throughput.log" ;;

@@ -81,7 +81,7 @@ def test_bench_pd_sweeps_rates_with_repeats_end_to_end(tmp_path, capsys):
     (CPU, fp32): per rate each metric's median and spread, ratios, and identical token streams."""
     out = tmp_path / "pd.json"
     assert pd_bench.main(["--requests", "3", "--rate", "0,50", "--repeat", "2", "--prompt-tokens", "24,40",
-                          "--output-tokens", "4,6", "--num-host-blocks", "64", "--out", str(out)]) == 0
+                          "--output-tokens", "4,6", "--num-host-blocks", "64", "--json", str(out)]) == 0
     import json
     res = json.loads(out.read_text())
     assert res["rates"] == [0.0, 50.0] and res["repeat"] == 2 and len(res["points"]) == 2

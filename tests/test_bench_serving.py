@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import pytest
 
 from kvtier.bench import longdoc, multiturn, serving, trace_replay
+from kvtier.model import ModelConfig
 from kvtier.serve.launch import ServerProcess
 
 TINY = ["--model", "qwen3-tiny", "--max-model-len", "512", "--no-progress"]
@@ -98,15 +100,25 @@ def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path, capsys):
 
 
 def test_url_measures_a_running_server(tmp_path, capsys, checkpoint):
-    server = ServerProcess(["serve", checkpoint("qwen3-tiny"), "--max-model-len", "512"], tmp_path / "s.log")
+    """--url as the openai client takes it (with /v1); the vocabulary and the context come from
+    the server's /v1/models (vocab_size, max_model_len, as vLLM's fields root, parent, permission)."""
+    model = checkpoint("qwen3-tiny")
+    server = ServerProcess(["serve", model, "--max-model-len", "384"], tmp_path / "s.log")
     try:
         server.wait_ready(timeout=300)
+        entry = httpx.get(server.url + "/v1/models").json()["data"][0]
         out = tmp_path / "r.json"
-        assert longdoc.main(["--url", server.url, "--documents", "2", "--document-length", "40", "--questions", "2",
-                             "--max-inflight", "1", "--vocab", "256", "--no-progress", "--json", str(out)]) == 0
+        assert longdoc.main(["--url", server.url + "/v1/", "--documents", "2", "--document-length", "40",
+                             "--questions", "2", "--max-inflight", "1", "--no-progress", "--json", str(out)]) == 0
+        with pytest.raises(SystemExit, match="1040 prompt .* > max_model_len 384 of the served model"):
+            longdoc.main(["--url", server.url, "--no-progress"])
     finally:
         server.stop()
-    res = json.loads(out.read_text())["results"]
+    assert (entry["max_model_len"], entry["vocab_size"]) == (384, ModelConfig.from_hf_dir(model).vocab_size)
+    assert (entry["root"], entry["parent"], entry["permission"]) == (str(model), None, [])
+    res = json.loads(out.read_text())
+    assert res["args"]["vocab"] == 320 and res["args"]["served_max_model_len"] == 384
+    res = res["results"]
     assert list(res) == ["url"] and res["url"]["failed"] == 0 and res["url"]["cached_tokens"] == 2 * 32
 
 

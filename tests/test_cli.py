@@ -70,3 +70,27 @@ def test_bad_storage_flags_are_named(tmp_path, capsys, flag, value, msg):
     except SystemExit:
         pass
     assert msg in capsys.readouterr().err
+
+
+def _sim_trace(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i, "input_ids": list(range(40))}) + "\n" for i in range(2)))
+    return path
+
+
+def test_sim_takes_the_engines_tier_flag_names_too(tmp_path, capsys):
+    assert main(["sim", str(_sim_trace(tmp_path)), "--num-device-blocks", "16", "--num-host-blocks", "0", "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert config["device_blocks"] == 16 and config["host_blocks"] == 0
+
+
+def test_sim_json_before_the_trace_does_not_take_the_trace_as_its_file(tmp_path, capsys):
+    trace = _sim_trace(tmp_path)
+    before = trace.read_text()
+    with pytest.raises(SystemExit):
+        main(["sim", "--json", str(trace)])
+    assert "ending in .json" in capsys.readouterr().err and trace.read_text() == before
+    assert main(["sim", "--json", "-", str(trace)]) == 0                  # '-' or a .json path may come first
+    assert json.loads(capsys.readouterr().out)["requests"] == 2
+    assert main(["sim", "--json", str(tmp_path / "r.json"), str(trace)]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["requests"] == 2

@@ -24,7 +24,7 @@ import time
 from collections import deque
 
 from kvtier.cache import CacheManager
-from kvtier.flags import block_size, positive_int
+from kvtier.flags import add_json_flag, block_size, positive_int, write_json
 
 WINDOW = 32
 HASHES = ("sha256", "xxh3_128")
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=positive_int, default=4096, help="tokens per prompt (default 4096)")
     p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the best is reported (default 5)")
     p.add_argument("--block-size", type=block_size, default=16, help="tokens per block (default 16)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_json_flag(p, "the rows (printed: one object per line)")
     return p
 
 
@@ -165,5 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rows = run(args.requests, args.prompts, args.prompt_tokens, args.block_size, args.repeat)
     for r in rows:
-        print(json.dumps(r) if args.json else format_row(r))
+        print(json.dumps(r) if args.json == "-" else format_row(r))
+    if args.json != "-":
+        write_json(args.json, rows)
     return 0

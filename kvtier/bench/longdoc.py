@@ -70,6 +70,19 @@ def workload(args: argparse.Namespace) -> serving.Workload:
     return run
 
 
+def plan(args: argparse.Namespace, max_model_len: int | None) -> serving.Plan:
+    """The workload's shape, once a question (document + question + answer) fits
+    ``max_model_len`` (None: not checked); else an error naming the sizes."""
+    prompt = args.document_length + args.question_length
+    if max_model_len is not None and prompt + args.output_length > max_model_len:
+        raise SystemExit(
+            f"longdoc: a question is {prompt} prompt ({args.document_length} document + {args.question_length} "
+            f"question) + {args.output_length} output tokens > max_model_len {max_model_len} of the served model; "
+            f"lower --document-length/--question-length/--output-length or serve a longer --max-model-len"
+        )
+    return serving.Plan(args.documents * args.questions, (min(args.documents, args.max_inflight), prompt))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvtier bench longdoc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -92,13 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving.run(
-        args,
-        "longdoc",
-        workload(args),
-        args.documents * args.questions,
-        start=(min(args.documents, args.max_inflight), args.document_length + args.question_length),
-    )
+    serving.run(args, "longdoc", workload(args), lambda max_model_len: plan(args, max_model_len))
     return 0
 
 

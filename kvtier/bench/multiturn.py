@@ -10,6 +10,8 @@ client's next round is sent once its last answer arrived; requests start at Pois
 client finishes round r before any starts round r+1. Per round: mean TTFT and cached tokens. A
 client's questions come from its own generator (``--seed`` and the client), so its prompts are
 the same in every configuration that gives the same answers, whatever order requests finish in.
+The last round, ``rounds x (request + output)`` tokens with its answer, must fit the served
+model's ``max_model_len``. SGLang's names ``--num-clients`` and ``--num-rounds`` are taken too.
 
 The working set is ``clients x history`` tokens: against a device tier of ``--device-blocks``, a
 working set 4x the device tier is the regime where the host and storage tiers pay off::
@@ -65,10 +67,35 @@ def workload(args: argparse.Namespace) -> serving.Workload:
     return run
 
 
+def plan(args: argparse.Namespace, max_model_len: int | None) -> serving.Plan:
+    """The workload's shape, once its longest request, a conversation's last round, fits
+    ``max_model_len`` (None: not checked); else an error naming the sizes."""
+    turn = args.request_length + args.output_length
+    longest = args.rounds * turn - args.output_length  # the history of rounds - 1 turns + a question
+    if max_model_len is not None and longest + args.output_length > max_model_len:
+        fit = f" ({max_model_len // turn} rounds fit)" if max_model_len >= turn else ""
+        raise SystemExit(
+            f"multiturn: round {args.rounds} of a conversation is {longest} prompt + {args.output_length} output "
+            f"tokens > max_model_len {max_model_len} of the served model{fit}; lower --rounds/--request-length/"
+            f"--output-length or serve a longer --max-model-len"
+        )
+    return serving.Plan(args.clients * args.rounds, (min(args.clients, args.max_parallel), args.request_length))
+
+
 def add_workload_flags(ap: argparse.ArgumentParser) -> None:
-    """The workload's flags (``kvtier bench pd-soak`` takes them too, with its own defaults)."""
-    ap.add_argument("--clients", type=positive_int, default=8, help="conversations (default %(default)s)")
-    ap.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default %(default)s)")
+    """The workload's flags (``kvtier bench pd-soak`` takes them too, with its own defaults). Where
+    SGLang's ``bench_multiturn.py`` names a flag of the same meaning otherwise, its name is taken too."""
+    ap.add_argument(
+        "--clients", "--num-clients", dest="clients", type=positive_int, default=8, help="conversations (default %(default)s)"
+    )
+    ap.add_argument(
+        "--rounds",
+        "--num-rounds",
+        dest="rounds",
+        type=positive_int,
+        default=4,
+        help="rounds per conversation (default %(default)s)",
+    )
     ap.add_argument("--request-length", type=positive_int, default=256, help="tokens of each new question (default %(default)s)")
     ap.add_argument("--output-length", type=positive_int, default=32, help="tokens of each answer (default %(default)s)")
     ap.add_argument(
@@ -89,13 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving.run(
-        args,
-        "multiturn",
-        workload(args),
-        args.clients * args.rounds,
-        start=(min(args.clients, args.max_parallel), args.request_length),
-    )
+    serving.run(args, "multiturn", workload(args), lambda max_model_len: plan(args, max_model_len))
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.flags import add_json_flag, write_json
 from kvtier.serve.launch import ServerProcess
 from kvtier.storage.client import default_storage_workers
 
@@ -360,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         help="every server's early_loads: D's hand-off blocks go on to the device chunk by chunk as they land (default on)",
     )
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_json_flag(ap, "the result")
     a = ap.parse_args(argv)
     if a.repeat < 1 or a.requests < 1:
         ap.error(f"--requests and --repeat must be >= 1, got {a.requests} and {a.repeat}")
@@ -410,10 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, on_term)
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    if a.json:
-        print(json.dumps(res))
+    if write_json(a.json, res):
         return 0
     print(
         f"kvtier bench pd: {a.requests} requests per run, {a.repeat} run(s) per rate, prompts "

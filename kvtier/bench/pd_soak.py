@@ -241,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-pd-soak-") as tmp_name:
         model, args.vocab = serving.resolve_model(args, Path(tmp_name))
         assert model is not None  # (no --url: the soak starts its own servers)
-        from kvtier.model import ModelConfig
-
-        limit = args.max_model_len = args.max_model_len or ModelConfig.from_hf_dir(model).max_position_embeddings
+        limit = args.max_model_len = args.served_max_model_len = serving.served_max_model_len(args, model)
         if args.rounds * (args.request_length + args.output_length) > limit:
             raise SystemExit(
                 f"a conversation grows to {args.rounds * (args.request_length + args.output_length)} "

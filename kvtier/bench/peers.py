@@ -35,7 +35,7 @@ from typing import Any, Callable, Protocol
 from kvtier.bench import peer_caches
 from kvtier.bench.peer_caches import Admitted
 from kvtier.cache import CacheManager, CacheRequest
-from kvtier.flags import positive_int
+from kvtier.flags import add_json_flag, positive_int, write_json
 
 INSTALL_HINT = "pip install 'kvtier[peers]'"
 # peer -> (package it needs, variants: the keyword its adapter takes for the key digest)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         ap.add_argument(flag, type=positive_int, default=default, help=f"{what} (default {default})")
     ap.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object per peer")
+    add_json_flag(ap, "one object per peer")
     ap.add_argument("--one", choices=sorted(PEERS), default=None, help=argparse.SUPPRESS)  # the child's side
     args = ap.parse_args(argv)
     trace = make_trace(args.requests, args.prompts, seed=args.seed)
@@ -249,11 +249,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
         return 0
 
-    child_argv = [a for a in argv if a != "--json"]
+    child_argv = [a for a in argv if a != "--json" and not a.startswith("--json=")]
+    if args.json is not None and args.json != "-" and args.json in child_argv:  # --json PATH: the path too
+        child_argv.remove(args.json)
     peer_flags = [i for i, a in enumerate(child_argv) if a == "--peer" or a.startswith("--peer=")]
     for i in reversed(peer_flags):  # the child runs one peer, named by --one
         del child_argv[i : i + (1 if "=" in child_argv[i] else 2)]
-    if not args.json:
+    rows: list[dict] = []
+    if args.json != "-":
         print(
             f"trace: {len(trace)} requests ({sum(map(len, trace))} tokens), {args.prompts} shared prompts "
             f"of 1-4K tokens + 32-512 unique ones; block {args.block_size}, {args.num_blocks} blocks, "
@@ -261,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name in args.peer or list(PEERS):
         why = missing_package(name)
-        rows = [{"peer": name, "skipped": why}] if why else _in_child(name, args, child_argv)
-        for r in rows:
-            print(json.dumps(r) if args.json else format_row(r), flush=True)
+        got = [{"peer": name, "skipped": why}] if why else _in_child(name, args, child_argv)
+        for r in got:
+            print(json.dumps(r) if args.json == "-" else format_row(r), flush=True)
+        rows += got
+    if args.json not in (None, "-"):
+        write_json(args.json, rows)
     return 0
 
 

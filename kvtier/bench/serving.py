@@ -23,6 +23,14 @@ identical); ``http_5xx`` apart from the other failures; ``deaths``, each started
 exited by the end of the workload, with its log's tail. ``--expect-identical`` makes any of these
 an exit with the first one named. The PD configuration's prefill and decode servers run on
 ``--prefill-device`` and ``--decode-device`` (each default ``--device``).
+
+Never a misleading figure: before anything is sent, the workload's longest request must fit the
+served model's ``max_model_len`` (``GET /v1/models``; a started server's: ``--max-model-len`` or
+the model's config), and token ids are drawn below the served vocabulary (``vocab_size`` in
+``/v1/models``, else ``--tokenizer``'s length, else ``--vocab``: never a guess). A failed request
+counts in no mean, and a round without an answer is a gap in the plot, not 0 ms. A configuration
+with failed requests (timed or warm-up) or a server that died prints its first errors to stderr
+and makes the bench exit 1 (``--allow-failures``: exit 0, the errors still printed).
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import contextlib
 import json
 import math
 import random
+import re
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -69,6 +79,47 @@ def devices(args: Any) -> dict[str, str]:
     return {"server": args.device, "prefill": args.prefill_device or args.device, "decode": args.decode_device or args.device}
 
 
+def base_url(url: str) -> str:
+    """The server's root, where ``/v1/...``, ``/metrics`` and ``/health`` go: ``url`` without a
+    trailing ``/`` or ``/v1`` (the base URL the ``openai`` client takes)."""
+    root = url.strip().rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")].rstrip("/")
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", root):
+        raise SystemExit(f"--url {url!r}: give the server's http:// or https:// URL, e.g. http://127.0.0.1:8000/v1")
+    return root
+
+
+def model_entry(url: str) -> dict:
+    """The first model of ``url``'s ``GET /v1/models`` (its ``id``, and where the server says
+    them its ``max_model_len`` and ``vocab_size``); an error naming the URL and what came back
+    if it is not an OpenAI model list."""
+    import httpx
+
+    where = f"{url}/v1/models"
+    try:
+        r = httpx.get(where, timeout=30)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"{where}: no answer ({e!r}); is an OpenAI-compatible server running there?") from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    data = body.get("data") if isinstance(body, dict) else None
+    if r.status_code != 200 or not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
+        raise SystemExit(
+            f"{where} answered HTTP {r.status_code} with {r.text[:300]!r}, not an OpenAI model list (a "
+            f"'data' list of models, each with its 'id'); give --url the server's base URL, e.g. http://127.0.0.1:8000/v1"
+        )
+    return data[0]
+
+
+def said_int(entry: dict, key: str) -> int | None:
+    """``entry[key]`` if it is a positive int (what a server says of its model), else None."""
+    value = entry.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 class Server:
     """Where the requests go: ``url`` as given, or a kvtier server started with ``flags``, or
     with ``pd`` a prefill and a decode server started with ``flags`` (which name their pool)
@@ -89,11 +140,16 @@ class Server:
         devices: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.url, self.model, self.flags, self.log_dir, self.pd = url, model, flags, log_dir, pd
+        self.model, self.flags, self.log_dir, self.pd = model, flags, log_dir, pd
         self.config, self.log_level, self.devices, self.env = name, log_level, devices or {}, env
+        self.url = base_url(url) if url is not None else None
         self.procs: dict[str, Any] = {}  # role (server, prefill, decode, router) -> ServerProcess
         self.metric_urls: list[str] = []  # kvtier servers whose /metrics count (the first: cached tokens)
         self.token_ids = True  # does it take return_token_ids (kvtier, recent vLLM)?
+        # what its /v1/models says (None: not said)
+        self.name = ""
+        self.max_model_len: int | None = None
+        self.vocab_size: int | None = None
 
     def __enter__(self) -> "Server":
         try:
@@ -101,11 +157,10 @@ class Server:
                 self._start()
             else:
                 self.metric_urls = [self.url]
-            import httpx
-
             assert self.url is not None  # (started above)
-            models = httpx.get(self.url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
-            self.name = models[0]["id"]
+            entry = model_entry(self.url)
+            self.name = entry["id"]
+            self.max_model_len, self.vocab_size = said_int(entry, "max_model_len"), said_int(entry, "vocab_size")
         except BaseException:
             self.__exit__()
             raise
@@ -258,7 +313,7 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
                 return await send(client, server, rec, prompt)
             rec.status = r.status_code
             if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                rec.error = f"HTTP {r.status_code}: {error_message(await r.aread())}"
                 return rec
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -269,8 +324,8 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
                     rec.status = err["code"] if isinstance(err.get("code"), int) else 500
                     rec.error = f"HTTP {rec.status} in the stream: {str(err.get('message'))[:200]!r}"
                     break
-                if chunk.get("usage"):
-                    rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                if usage := chunk.get("usage"):
+                    rec.cached_tokens = cached_prompt_tokens(usage)
                 for choice in chunk.get("choices") or ():
                     got = choice.get("token_ids") or []
                     if not (choice.get("text") or got):
@@ -285,9 +340,35 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
                     rec.output_tokens += max(1, len(got))
     except Exception as e:  # noqa: BLE001 - counted as a failed request, the run goes on
         rec.error = repr(e)
+    if rec.error is None and rec.ttft is None:
+        rec.error = f"HTTP {rec.status}: the answer ended without a token"
     rec.end = time.perf_counter()
     rec.output_ids = ids if server.token_ids and len(ids) == rec.output_tokens else None
     return rec
+
+
+def cached_prompt_tokens(usage: dict) -> int | None:
+    """The prompt tokens a server found cached: ``usage.prompt_tokens_details.cached_tokens``;
+    through kvtier's router, P's (``usage.kvtier.prefill``): D's count every handed-off token."""
+    prefill = (usage.get("kvtier") or {}).get("prefill")
+    if isinstance(prefill, dict) and "cached_tokens" in prefill:
+        return prefill["cached_tokens"]
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+def error_message(body: bytes) -> str:
+    """An error answer's message (OpenAI's ``{"error": {"message": ...}}``, or FastAPI's
+    ``{"detail": ...}``), else its first bytes."""
+    try:
+        got = json.loads(body)
+    except ValueError:
+        return repr(body[:200])
+    if isinstance(got, dict):
+        err = got.get("error")
+        msg = err.get("message") if isinstance(err, dict) else err if err is not None else got.get("detail")
+        if msg is not None:
+            return str(msg)[:200]
+    return repr(body[:200])
 
 
 def answer_ids(rec: Record, rng: random.Random, vocab: int) -> list[int]:
@@ -331,6 +412,8 @@ def http_5xx(records: list[Record]) -> int:
 
 
 def summarize(records: list[Record], wall: float) -> dict:
+    """The run's figures, of its answered requests only (a failed request is counted in
+    ``failed``, never as a 0 in a mean)."""
     ok = [r for r in records if r.error is None and r.ttft is not None]
     ttft = [r.ttft for r in ok if r.ttft is not None]  # (every one of ok)
     itl = [g for r in ok for g in r.itl]
@@ -358,9 +441,11 @@ def summarize(records: list[Record], wall: float) -> dict:
         "requests_per_s": len(ok) / wall if wall else None,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "cached_tokens": sum(cached) if cached else None,
+        # per round, of its answered requests (None: none answered, never a 0 that reads as a hit or a miss)
         "ttft_by_round": [mean([r.ttft for r in by_round[k] if r.ttft is not None]) for k in rounds],
-        "cached_by_round": [sum(r.cached_tokens or 0 for r in by_round[k]) for k in rounds],
-        "prompt_by_round": [sum(r.prompt_tokens for r in by_round[k]) for k in rounds],
+        "cached_by_round": [sum(r.cached_tokens or 0 for r in by_round[k]) if by_round[k] else None for k in rounds],
+        "prompt_by_round": [sum(r.prompt_tokens for r in by_round[k]) if by_round[k] else None for k in rounds],
+        "failed_by_round": [sum(1 for r in records if r.round == k) - len(by_round[k]) for k in rounds],
         "ttfts": ttft,
     }
 
@@ -419,7 +504,21 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
         ap.add_argument(
             "--url",
             default=None,
-            help="an OpenAI-compatible server to measure (default: start kvtier servers, one per --compare configuration)",
+            help="an OpenAI-compatible server to measure, its base URL with or without /v1, e.g. "
+            "http://127.0.0.1:8000/v1 (default: start kvtier servers, one per --compare configuration)",
+        )
+        ap.add_argument(
+            "--tokenizer",
+            default=None,
+            metavar="NAME_OR_PATH",
+            help="with --url: the served model's Hugging Face tokenizer (hub id or directory); token ids "
+            "are drawn below its length, for a server whose /v1/models does not say vocab_size (vLLM, SGLang)",
+        )
+        ap.add_argument(
+            "--allow-failures",
+            action="store_true",
+            help="exit 0 even if requests failed or a started server died (they are still printed to "
+            "stderr, and left out of every figure); default: exit 1, naming the configuration",
         )
         ap.add_argument(
             "--compare",
@@ -440,7 +539,8 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
     ap.add_argument(
         "--model",
         default=None,
-        help="what the started kvtier server serves: a checkpoint directory or a preset name (written to a temporary folder)",
+        help="what the started kvtier server serves: a checkpoint directory, a Hugging Face hub id, or a "
+        "preset name (written to a temporary folder)",
     )
     ap.add_argument("--device", default="cpu", help="the started server's device (default cpu)")
     ap.add_argument(
@@ -501,9 +601,10 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
     )
     ap.add_argument(
         "--vocab",
-        type=int,
+        type=positive_int,
         default=None,
-        help="token ids are drawn below this (default: the served model's vocab, 32000 with --url)",
+        help="token ids are drawn below this (default: the served model's vocab_size; with --url, "
+        "as its /v1/models says it, else give --vocab or --tokenizer)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH", help="write every result here")
@@ -536,34 +637,102 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
     )
 
 
-def resolve_model(args: Any, tmp: Path) -> tuple[str | None, int]:
-    """(the started server's model directory, the vocabulary token ids are drawn from)."""
-    if args.url is not None:
-        return None, args.vocab or 32000
+def resolve_model(args: Any, tmp: Path) -> tuple[str, int]:
+    """(the started server's model directory, the vocabulary token ids are drawn from: the
+    model's, or --vocab if lower). For --url, :func:`resolve_url` asks the server."""
     if args.model is None:
         raise SystemExit("give --model (a checkpoint or preset to serve) or --url (a running server)")
     from kvtier.model import ModelConfig, init_model
+    from kvtier.model.hub import is_hub_id
+    from kvtier.model.hub import resolve_model as resolve_hub_model
     from kvtier.model.presets import PRESETS
 
     path = Path(args.model)
-    if not path.exists():
-        if args.model not in PRESETS:
-            raise SystemExit(f"--model {args.model!r}: no such directory and not a preset ({', '.join(PRESETS)})")
+    if not path.exists() and args.model in PRESETS:
         args.load_format = args.load_format or "dummy"  # a preset: random weights from its config
         path = init_model(args.model, tmp / "model", config_only=args.load_format == "dummy")
+    elif not path.exists() and is_hub_id(args.model):  # fetched once here; the servers get the directory
+        try:
+            path = resolve_hub_model(args.model, load_format=args.load_format or "auto")
+        except FileNotFoundError as e:
+            raise SystemExit(f"--model: {e} (presets: {', '.join(PRESETS)})") from None
+    elif not path.exists():
+        raise SystemExit(f"--model {args.model!r}: no such directory, preset ({', '.join(PRESETS)}) or hub id")
     vocab = ModelConfig.from_hf_dir(path).vocab_size
     return str(path), min(args.vocab or vocab, vocab)
+
+
+def served_max_model_len(args: Any, model: str) -> int:
+    """The started servers' context: --max-model-len, at most the model's (as the engine takes it)."""
+    from kvtier.model import ModelConfig
+
+    longest = ModelConfig.from_hf_dir(model).max_position_embeddings
+    return min(args.max_model_len or longest, longest)
+
+
+def resolve_url(args: Any) -> tuple[int, int | None]:
+    """(the vocabulary token ids are drawn from, the model's max_model_len or None) of the
+    --url server, as its ``/v1/models`` says them; the vocabulary from ``--tokenizer`` or
+    ``--vocab`` where it does not say it (the lowest of those given), else an error."""
+    url = base_url(args.url)
+    entry = model_entry(url)
+    bounds: dict[str, int] = {}
+    if (said := said_int(entry, "vocab_size")) is not None:
+        bounds[f"the vocab_size {url}/v1/models says"] = said
+    if args.tokenizer:
+        bounds[f"--tokenizer {args.tokenizer}"] = tokenizer_vocab(args.tokenizer)
+    if not bounds and not args.vocab:
+        raise SystemExit(
+            f"{url}/v1/models does not say its model's vocabulary (vocab_size): pass --vocab N (token ids "
+            f"are drawn below N) or --tokenizer NAME_OR_PATH (the served model's Hugging Face tokenizer)"
+        )
+    if args.vocab:
+        for what, vocab in bounds.items():
+            if args.vocab > vocab:
+                print(f"--vocab {args.vocab} is over {what} ({vocab}): token ids are drawn below {vocab}", file=sys.stderr)
+        bounds["--vocab"] = args.vocab
+    max_model_len = said_int(entry, "max_model_len")
+    if max_model_len is None:
+        print(
+            f"{url}/v1/models does not say its model's max_model_len: prompts are not checked against its context",
+            file=sys.stderr,
+        )
+    return min(bounds.values()), max_model_len
+
+
+def tokenizer_vocab(name: str) -> int:
+    """len() of the Hugging Face tokenizer ``name`` (a hub id or a directory): every id below
+    it is one of the model's."""
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(name))
+    except Exception as e:  # noqa: BLE001 - any load failure is a bad --tokenizer
+        raise SystemExit(f"--tokenizer {name!r}: cannot load it as a Hugging Face tokenizer ({e})") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a bench will send, its prompts known to fit the served context: its number of
+    requests (the progress bar's total) and (requests in flight, prompt tokens) at its start
+    (the warm-up's default shape)."""
+
+    requests: int
+    start: tuple[int, int]
 
 
 Workload = Callable[[Server, Any, Callable[[], None]], Awaitable[list[Record]]]
 
 
-def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, int]) -> dict:
+def run(args: Any, name: str, workload: Workload, plan: Callable[[int | None], Plan]) -> dict:
     """Run ``workload`` once per configuration (or once against --url), each after a warm-up
     (:func:`_warmup`); compare every configuration's answers with the first's; print the table;
-    write --json and --plot; with --expect-identical exit naming the first problem. ``count``:
-    its number of requests (the progress bar's total); ``start``: (requests in flight, prompt
-    tokens) at its start, the warm-up's default shape."""
+    write --json and --plot; print what failed to stderr and exit 1 (unless --allow-failures);
+    with --expect-identical exit naming the first problem. ``plan(max_model_len)``, called
+    before any server starts with the served context (None: the server does not say it), checks
+    that the workload fits it (an error naming the sizes if not) and says its shape.
+
+    Sets ``args.vocab`` (token ids are drawn below it) and ``args.served_max_model_len``."""
     started = time.perf_counter()
     configs = ["url"] if args.url else [c.strip() for c in args.compare.split(",") if c.strip()]
     if args.expect_identical and len(configs) < 2:
@@ -572,24 +741,36 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
     records: dict[str, list[Record]] = {}
     with tempfile.TemporaryDirectory(prefix=f"kvtier-bench-{name}-") as tmp_name:
         tmp = Path(tmp_name)
-        model, args.vocab = resolve_model(args, tmp)
+        model: str | None = None
+        if args.url is not None:
+            args.vocab, args.served_max_model_len = resolve_url(args)
+        else:
+            model, args.vocab = resolve_model(args, tmp)
+            args.served_max_model_len = served_max_model_len(args, model)
+        shape = plan(args.served_max_model_len)
         log_dir = tmp
         if args.log_dir:  # kept: each server's log at info (its stats lines)
             log_dir = Path(args.log_dir)
             log_dir.mkdir(parents=True, exist_ok=True)
         for config in configs:
             flags = [] if args.url else server_flags(config, args, tmp)
-            with Server(
-                args.url,
-                model,
-                flags,
-                log_dir,
-                pd=config == "pd",
-                name=config,
-                log_level="info" if args.log_dir else "warning",
-                devices=devices(args),
-            ) as server:
-                res, records[config] = measure(args, server, f"{name} [{config}]", workload, count, start)
+            with contextlib.ExitStack() as stack:
+                try:
+                    server = stack.enter_context(
+                        Server(
+                            args.url,
+                            model,
+                            flags,
+                            log_dir,
+                            pd=config == "pd",
+                            name=config,
+                            log_level="info" if args.log_dir else "warning",
+                            devices=devices(args),
+                        )
+                    )
+                except RuntimeError as e:  # ServerProcess.wait_ready: it exited, or is not ready
+                    raise SystemExit(f"kvtier bench {name} [{config}]: the server did not start: {e}") from None
+                res, records[config] = measure(args, server, f"{name} [{config}]", workload, shape.requests, shape.start)
                 died = server.deaths()
             res["deaths"], res["died"] = len(died), died
             results[config] = res
@@ -602,9 +783,39 @@ def run(args: Any, name: str, workload: Workload, count: int, start: tuple[int, 
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     if args.plot:
         plot(results, args.plot, name)
+    if report := failures(name, results):
+        print("\n".join(report), file=sys.stderr)
     if args.expect_identical and (problem := first_problem(results)):
         raise SystemExit(f"--expect-identical: {problem}")
+    if report and not args.allow_failures:
+        bad = [c for c, r in results.items() if r["failed"] or r["warmup"]["failed"] or r.get("deaths")]
+        raise SystemExit(
+            f"kvtier bench {name}: {', '.join(bad)}: failed requests or a server that died (above); "
+            f"the figures leave them out (--allow-failures: exit 0 all the same)"
+        )
     return out
+
+
+def failures(name: str, results: dict[str, dict]) -> list[str]:
+    """What went wrong, per configuration: its failed requests (timed run and warm-up) with the
+    first distinct errors, and each started server that died with its log's tail."""
+    lines = []
+    for config, r in results.items():
+        label, warm = f"{name} [{config}]", r["warmup"]
+        failed = [
+            f"{n} of {total} {what}requests failed ({fivexx} with a 5xx)"
+            for n, total, fivexx, what in (
+                (r["failed"], r["requests"], r["http_5xx"], ""),
+                (warm["failed"], warm["requests"], warm["http_5xx"], "warm-up "),
+            )
+            if n
+        ]
+        if failed:
+            lines.append(f"{label}: {'; '.join(failed)}; the first errors:")
+            lines += [f"  {e}" for e in r["errors"]] or ["  (none said)"]
+        for d in r.get("died", []):
+            lines.append(f"{label}: the {d['role']} server exited with {d['returncode']} ({d['log']}):\n{d['tail']}")
+    return lines
 
 
 def measure(
@@ -627,7 +838,8 @@ def measure(
     res = summarize(records, wall)
     res["server_stats"] = server.cache_stats()  # each kvtier server's /kvtier/stats at the end
     res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
-    res["errors"] = sorted({r.error for r in records + warm if r.error})[:5]
+    sent = sorted(warm + records, key=lambda r: r.start)
+    res["errors"] = list(dict.fromkeys(r.error for r in sent if r.error))[:5]  # distinct, the first sent first
     res["warmup"] = {
         "requests": len(warm),
         "failed": sum(1 for r in warm if r.error),
@@ -712,13 +924,14 @@ def _warmup(args: Any, start: tuple[int, int]) -> Workload:
     """Untimed requests before the timed run, in two waves of ``--warmup`` at once on random
     prompts: the bench's first requests' shape (``--warmup-tokens`` each), then twice as long
     (lengths a token apart, so kernels specialized on a length's divisibility are compiled too),
-    at most half ``--max-model-len``. A server's first requests pay one-time costs (Triton
+    at most half the served ``max_model_len``. A server's first requests pay one-time costs (Triton
     compiles kernels on first use and caches them on disk for the next server) that would
     otherwise land on the first configuration alone."""
 
     async def go(server: Server, client: Any, tick: Callable[[], None]) -> list[Record]:
         rng = random.Random(args.seed + 7919)
-        cap = max(1, args.max_model_len // 2) if args.max_model_len else None  # a 400 is no warm-up
+        context = server.max_model_len or args.max_model_len
+        cap = max(1, context // 2) if context else None  # a 400 is no warm-up
         n, tokens = warmup_shape(args, start)
         recs = []
         for wave in ([tokens] * n, [2 * tokens + i for i in range(n)]):
@@ -781,7 +994,8 @@ def table(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path: str, name: str) -> None:
-    """Mean TTFT per round (left) and the TTFT CDF (right), one line per configuration."""
+    """Mean TTFT per round (left) and the TTFT CDF (right), one line per configuration, of its
+    answered requests (a round with none is a gap; the legend says how many failed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -789,9 +1003,12 @@ def plot(results: dict[str, dict], path: str, name: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for config, r in results.items():
-        a.plot(range(len(r["ttft_by_round"])), [1e3 * (x or 0) for x in r["ttft_by_round"]], marker="o", label=config)
-        xs = sorted(r["ttfts"])
-        b.plot([1e3 * x for x in xs], [(i + 1) / len(xs) for i in range(len(xs))], label=config)
+        label = f"{config} ({r['failed']} of {r['requests']} failed)" if r["failed"] else config
+        # a round without an answer is a gap (NaN), not 0 ms
+        ys = [math.nan if x is None else 1e3 * x for x in r["ttft_by_round"]]
+        a.plot(range(len(ys)), ys, marker="o", label=label)
+        xs = sorted(r["ttfts"])  # (the answered requests')
+        b.plot([1e3 * x for x in xs], [(i + 1) / len(xs) for i in range(len(xs))], label=label)
     a.set(xlabel="round", ylabel="mean TTFT (ms)", title=f"{name}: TTFT per round")
     a.xaxis.get_major_locator().set_params(integer=True)
     b.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")

@@ -12,6 +12,11 @@ fetched only when the fetch-vs-recompute cost model says they pay, with a pool o
 ``storage_gbps`` / ``storage_latency_ms`` per call against a prefill rate of
 ``prefill_tokens_per_s`` (0: fetch every hit); the decisions are reported.
 
+The write policy defaults to the engine's (``default_write_policy``): ``write_through`` with a
+host or storage tier, so every computed block is copied down and each configured tier is
+filled; ``write_through_selective`` copies a block down only after its second hit. The report
+names the policy that ran and says why a lower tier got no hits.
+
 The cyclic garbage collector is paused during the replay: the manager frees its objects by
 reference counting (removed nodes form no cycles), and a full collection over a tree whose
 nodes churn by the million cost a third of the wall time.
@@ -21,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier import flags
 from kvtier.bench.traces import TraceRequest, read_trace
 from kvtier.cache import CacheManager, SimulatedStorage
 from kvtier.cache.cost import FetchCostModel
-from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
+from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES, default_write_policy
 
 TIERS = ("device", "host", "storage")
 
@@ -43,7 +47,7 @@ class SimConfig:
     device_blocks: int | float = 8192
     host_blocks: int | float = 32768
     storage_blocks: int | float = 0
-    write_policy: str = "write_through_selective"
+    write_policy: str | None = None  # None: default_write_policy (write_through with a host or storage tier)
     write_through_threshold: int = 2
     eviction: str = "lru"
     hash_name: str = "sha256"
@@ -52,6 +56,17 @@ class SimConfig:
     storage_gbps: float = 2.0  # storage read bandwidth of one call (GB/s)
     storage_latency_ms: float = 0.5  # per call
     prefill_tokens_per_s: float = 0.0  # recompute rate; 0: fetch every storage hit
+    write_policy_is_default: bool = field(init=False)  # write_policy was resolved from None
+
+    def __post_init__(self) -> None:
+        if self.storage_blocks and not self.host_blocks:
+            raise ValueError(
+                f"a storage tier needs a host tier (storage I/O goes through it): --storage-blocks "
+                f"{self.storage_blocks} with --host-blocks 0; set --host-blocks > 0"
+            )
+        self.write_policy_is_default = self.write_policy is None
+        if self.write_policy is None:
+            self.write_policy = default_write_policy(self.host_blocks > 0, self.storage_blocks > 0)
 
 
 def _tier_size(size: int | float, trace: list[TraceRequest], block_size: int) -> int:
@@ -62,6 +77,7 @@ def _tier_size(size: int | float, trace: list[TraceRequest], block_size: int) ->
 
 
 def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) -> dict:
+    assert cfg.write_policy is not None  # SimConfig.__post_init__ resolves None
     storage = None if cfg.storage_blocks == 0 else SimulatedStorage(cfg.storage_blocks)
     block_nbytes = cfg.kv_bytes_per_token * cfg.block_size
     cost = None
@@ -106,9 +122,13 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storag
     prompt_tokens = skipped = 0
     running: deque = deque()
 
-    def step() -> None:
+    def step() -> bool:
+        """Run the staged copies to completion; False if there were none."""
+        ran = False
         while plan := mgr.take_plan():
             mgr.complete_plan(plan)
+            ran = True
+        return ran
 
     t0 = time.perf_counter()
     for i, tr in enumerate(trace):
@@ -129,10 +149,11 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storag
                 step()
                 m = mgr.match_prefix(req)
         while not mgr.allocate(req, len(tokens)):
-            if not running:
+            if running:
+                mgr.free(running.popleft())
+                step()
+            elif not step():  # no copy in flight (write_back) whose landing frees blocks
                 break
-            mgr.free(running.popleft())
-            step()
         else:
             step()  # loads land, then the prefill ran
             mgr.commit(req, len(tokens))
@@ -148,7 +169,7 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storag
         bar.close()
     evictions = dict(mgr.stats.evictions)
     evictions["storage"] = storage.evictions if storage is not None else 0
-    return {
+    res = {
         "requests": len(trace),
         "prompt_tokens": prompt_tokens,
         "hit_tokens": hits,
@@ -161,6 +182,54 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storag
         "wall_s": round(time.perf_counter() - t0, 3),
         "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(cfg).items()},
     }
+    res["notes"] = [write_policy_note(cfg), *zero_hit_notes(res, cfg)]
+    return res
+
+
+def write_policy_note(cfg: SimConfig) -> str:
+    """Which write policy ran, what it does, and why it was the one."""
+    does = {
+        "write_through": "every computed block is copied down",
+        "write_through_selective": f"a block is copied down after {cfg.write_through_threshold} hits",
+        "write_back": "a block is copied down when evicted",
+    }[cfg.write_policy or ""]
+    if not cfg.write_policy_is_default:
+        return f"write policy: {cfg.write_policy}, {does} (--write-policy)"
+    tiers = "with" if cfg.write_policy == "write_through" else "without"
+    return f"write policy: {cfg.write_policy}, {does} (the default {tiers} a host or storage tier; --write-policy to change)"
+
+
+def zero_hit_notes(res: dict, cfg: SimConfig) -> list[str]:
+    """One line for each lower tier without hits, saying why (the first reason that holds)."""
+    evicted, moved, hits = res["evictions"], res["bytes_moved"], res["hit_tokens"]
+    decisions = res["fetch_decisions"] or {}
+    notes = []
+    never_copied = f"no block was copied down to it (write policy {cfg.write_policy})"
+    if hits["host"] == 0:
+        if not cfg.host_blocks:
+            why = "no host tier (--host-blocks 0)"
+        elif evicted["device"] == 0:
+            why = "the device tier never evicted"
+        elif moved["device_to_host"] == 0:
+            why = never_copied
+        else:
+            why = "no prompt asked again for a block the device tier evicted while the host tier held it"
+        notes.append(f"host: 0 hits — {why}")
+    if hits["storage"] == 0:
+        if not cfg.storage_blocks:
+            why = "no storage tier (--storage-blocks to add one)"
+        elif evicted["device"] == 0:
+            why = "the device tier never evicted"
+        elif moved["host_to_storage"] == 0:
+            why = never_copied
+        elif evicted["host"] == 0:
+            why = "the host tier never evicted"
+        elif decisions.get("recompute") and not decisions.get("fetch") and not decisions.get("partial"):
+            why = "every storage hit was cheaper to recompute (--prefill-tokens-per-s, --storage-gbps)"
+        else:
+            why = "no prompt asked again for a block the host tier evicted"
+        notes.append(f"storage: 0 hits — {why}")
+    return notes
 
 
 def format_report(res: dict) -> str:
@@ -176,6 +245,7 @@ def format_report(res: dict) -> str:
     lines.append("bytes moved: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in res["bytes_moved"].items()))
     if res.get("fetch_decisions"):
         lines.append("storage fetch decisions: " + ", ".join(f"{k} {v:,}" for k, v in res["fetch_decisions"].items()))
+    lines.extend(res["notes"])
     return "\n".join(lines)
 
 
@@ -184,8 +254,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--write-policy",
         choices=WRITE_POLICIES,
-        default="write_through_selective",
-        help="when blocks are copied down a tier (default write_through_selective)",
+        default=None,
+        help="when blocks are copied down a tier (default: write_through with a host or storage tier, "
+        "so every computed block reaches them; else write_through_selective)",
     )
     p.add_argument(
         "--write-through-threshold",
@@ -209,10 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_cache_flags(p)
     p.add_argument(
-        "--device-blocks", type=flags.tier_blocks, default=8192, help="device tier size in blocks; inf = unbounded (default 8192)"
+        "--device-blocks",
+        "--num-device-blocks",
+        type=flags.tier_blocks,
+        default=8192,
+        help="device tier size in blocks; inf = unbounded (default 8192)",
     )
     p.add_argument(
         "--host-blocks",
+        "--num-host-blocks",
         type=flags.capacity,
         default=32768,
         help="host tier size in blocks; 0 = no host tier, inf = unbounded (default 32768)",
@@ -221,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage-blocks",
         type=flags.capacity,
         default=0,
-        help="storage tier size in blocks; 0 = none, inf = unbounded (default 0)",
+        help="storage tier size in blocks (its I/O goes through the host tier); 0 = none, inf = unbounded (default 0)",
     )
     p.add_argument(
         "--trace-block-tokens",
@@ -253,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         "recomputing them at this rate; 0 = fetch every hit (default 0)",
     )
     p.add_argument("--limit", type=flags.positive_int, default=None, help="replay only the first N requests")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    flags.add_json_flag(p, "the result (one object)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 
     return p
@@ -261,7 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
     cfg = SimConfig(
         block_size=args.block_size,
         device_blocks=args.device_blocks,
@@ -277,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         storage_latency_ms=args.storage_latency_ms,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
     )
-    res = simulate(trace, cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
-    print(json.dumps(res) if args.json else format_report(res))
+    trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
+    res = simulate(trace, cfg, progress=args.json != "-" and sys.stderr.isatty() or args.progress)
+    if not flags.write_json(args.json, res):
+        print(format_report(res))
     return 0

@@ -547,8 +547,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="preset when --model is not given (default qwen3-tiny: dense; see the module docstring)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--device-blocks", type=int, default=96, help="device tier, blocks of 16 tokens (default 96)")
-    p.add_argument("--host-blocks", type=int, default=192, help="host tier, blocks (default 192)")
+    p.add_argument(
+        "--num-device-blocks",
+        "--device-blocks",
+        dest="device_blocks",
+        type=int,
+        default=96,
+        help="device tier, blocks of 16 tokens (default 96)",
+    )
+    p.add_argument(
+        "--num-host-blocks", "--host-blocks", dest="host_blocks", type=int, default=192, help="host tier, blocks (default 192)"
+    )
     p.add_argument("--huge-bytes", type=int, default=40 << 20, help="size of the oversized bodies (default 40 MiB)")
     p.add_argument(
         "--overlap-schedule",

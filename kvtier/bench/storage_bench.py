@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from kvtier.cache.plan import TransferOp
+from kvtier.flags import add_json_flag, write_json
 from kvtier.storage import StorageClient, open_backend
 from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, namespace_digest
 from kvtier.storage.client import default_storage_workers, start_pool_threads
@@ -379,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         help="--ttft: the reader engine's early_loads (storage hits go on to the device chunk by "
         "chunk as they land); both: also a row with them off, same pool and prompt (default on)",
     )
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_json_flag(ap, "the result")
     args = ap.parse_args(argv)
     for name in ("objects", "workers", "batch", "repeat"):
         if getattr(args, name) < 1:
@@ -395,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     for url in urls:
         r = bench_bytes(url, args.objects, object_bytes, args.workers, args.batch, args.repeat)
         result["bytes"].append(r)
-        if not args.json:
+        if args.json != "-":
             line = f"{r['url']:<40} kvtier put {r['kvtier_put_gbps']:.2f} get {r['kvtier_get_gbps']:.2f} GB/s"
             if "raw_put_gbps" in r:
                 line += (
@@ -432,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             args.early_loads,
         )
         result["ttft"] = res
-        if not args.json:
+        if args.json != "-":
             for name in ("storage", "storage_late_loads", "slow_auto", "slow_always"):
                 run = res.get(name)
                 if run is None:
@@ -446,9 +445,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"  outputs equal: {run['outputs_equal']}",
                     flush=True,
                 )
-    if args.json:
-        print(json.dumps(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     tmp.cleanup()
     return 0

@@ -6,7 +6,8 @@ prefixes) plus an input and output length. Its tokens are made from the hash ids
 share exactly the prefixes the trace says. ``--block-tokens`` shrinks every block (and the input
 length with it) to fit a small model: 512 is the trace as published. Timestamps (ms) are honoured,
 scaled by ``--time-scale`` (0.5 = twice as fast; 0 = all at once); ``--requests`` replays the
-first N, ``--max-output-tokens`` caps the answers. A record's group is the request's index in the
+first N, ``--max-output-tokens`` caps the answers. A request whose prompt and answer do not fit
+the served model's ``max_model_len`` is left out (their number is printed). A record's group is the request's index in the
 replay; a round is a tenth of the replay, in order::
 
     kvtier bench trace traces/mooncake_conversation_1k.jsonl --model qwen3-0.6b-shape --device cuda \\
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import sys
 import time
 from typing import Any, Callable
 
@@ -26,9 +28,9 @@ from kvtier.bench.traces import TraceError, read_trace, tokens_of_hashes
 from kvtier.flags import positive_int
 
 
-def prompts(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
-    """(seconds after the start, prompt ids, output tokens) of each request to replay (those over
-    ``--max-input-tokens`` left out)."""
+def prompts(args: argparse.Namespace, vocab: int, max_model_len: int | None = None) -> list[tuple[float, list[int], int]]:
+    """(seconds after the start, prompt ids, output tokens) of each request to replay: those over
+    ``--max-input-tokens``, or whose prompt and output do not fit ``max_model_len``, left out."""
     try:
         reqs = read_trace(args.file, 512, vocab, args.requests)
     except TraceError as e:
@@ -45,13 +47,39 @@ def prompts(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int]
             ids = [t % vocab for t in r.input_ids]
         if args.max_input_tokens is not None and len(ids) > args.max_input_tokens:
             continue
-        out.append(((r.timestamp - t0) / 1e3 * args.time_scale, ids, max(1, min(r.output_length or 1, args.max_output_tokens))))
+        output_tokens = max(1, min(r.output_length or 1, args.max_output_tokens))
+        if max_model_len is not None and len(ids) + output_tokens > max_model_len:
+            continue
+        out.append(((r.timestamp - t0) / 1e3 * args.time_scale, ids, output_tokens))
     return out
+
+
+def plan(args: argparse.Namespace, max_model_len: int | None) -> serving.Plan:
+    """The replay's shape; the requests that do not fit ``max_model_len`` (None: not checked)
+    are left out, and said (an error if none is left)."""
+    wanted = prompts(args, 1 << 20)
+    if not wanted:
+        raise SystemExit(f"{args.file}: every request is over --max-input-tokens {args.max_input_tokens}")
+    fit = prompts(args, 1 << 20, max_model_len)
+    if len(fit) < len(wanted):
+        longest = max(len(ids) + out for _, ids, out in wanted)
+        print(
+            f"trace: {len(wanted) - len(fit)} of {len(wanted)} requests left out: prompt + output over max_model_len "
+            f"{max_model_len} of the served model (the longest: {longest} tokens; --block-tokens shrinks prompts)",
+            file=sys.stderr,
+        )
+    if not fit:
+        raise SystemExit(
+            f"trace: no request of {args.file} fits max_model_len {max_model_len} of the served model; "
+            f"lower --block-tokens or serve a longer --max-model-len"
+        )
+    first = [len(ids) for _, ids, _ in fit[: min(8, args.max_parallel)]]
+    return serving.Plan(len(fit), (len(first), round(sum(first) / len(first))))
 
 
 def workload(args: argparse.Namespace) -> serving.Workload:
     async def run(server: serving.Server, client: Any, tick: Callable[[], None]) -> list[serving.Record]:
-        todo = prompts(args, args.vocab)
+        todo = prompts(args, args.vocab, args.served_max_model_len)
         per_round = max(1, math.ceil(len(todo) / 10))
         records: list[serving.Record] = []
         start = time.perf_counter()
@@ -100,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.time_scale < 0:
         raise SystemExit(f"--time-scale must be >= 0, got {args.time_scale}")
-    reqs = prompts(args, 1 << 20)
-    if not reqs:
-        raise SystemExit(f"{args.file}: every request is over --max-input-tokens {args.max_input_tokens}")
-    first = [len(ids) for _, ids, _ in reqs[: min(8, args.max_parallel)]]
-    serving.run(args, "trace", workload(args), len(reqs), start=(len(first), round(sum(first) / len(first))))
+    serving.run(args, "trace", workload(args), lambda max_model_len: plan(args, max_model_len))
     return 0
 
 

@@ -46,6 +46,14 @@ class WritePolicy:
         return self.name == "write_back"
 
 
+def default_write_policy(has_host_tier: bool, has_storage: bool) -> str:
+    """The write policy when none is chosen: ``write_through`` with a host tier or a storage pool
+    (every computed block is copied down, so a history evicted from the device comes back from the
+    host tier and the pool serves the next engine), else ``write_through_selective``. The engine
+    and ``kvtier sim`` both resolve ``write_policy=None`` here."""
+    return "write_through" if has_host_tier or has_storage else "write_through_selective"
+
+
 # An eviction key orders candidates: the smallest key is evicted first.
 EvictionKey = Callable[[object], tuple]
 

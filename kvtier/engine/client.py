@@ -29,6 +29,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+from dataclasses import replace
 from typing import Any, AsyncGenerator, Callable
 
 import torch
@@ -43,6 +44,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.startup import Startup
 from kvtier.engine.wire import decode, encode, output_from_wire, params_to_wire
 from kvtier.model import ModelConfig
+from kvtier.model.hub import resolve_model
 from kvtier.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,9 @@ class PoolView:
 class CoreView:
     """What the server reads of the engine (``AsyncEngine.core``'s attributes it uses)."""
 
-    def __init__(self, path: str, config: EngineConfig, startup: Startup, info: dict) -> None:
+    def __init__(self, path: str, config: EngineConfig, startup: Startup, info: dict, model_config: ModelConfig) -> None:
         self.path = path
+        self.config = model_config  # the checkpoint's (vocab_size: what prompt ids must be below)
         self.engine_config = config
         self.startup = startup
         self.max_model_len: int = info["max_model_len"]
@@ -90,7 +93,10 @@ class EngineClient:
 
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        model_config = ModelConfig.from_hf_dir(model)  # a missing or bad checkpoint fails here, not in a child
+        # a hub id is fetched here, once; a missing or bad checkpoint fails here, not in a child
+        model = str(resolve_model(model, config.revision, config.load_format))
+        config = replace(config, revision=None)  # (the engine process gets the directory)
+        model_config = ModelConfig.from_hf_dir(model)
         self.max_queue = max_queue
         self.on_dead = on_dead
         self.startup = startup if startup is not None else Startup()
@@ -125,7 +131,7 @@ class EngineClient:
         except BaseException:
             self._close_process()
             raise
-        self.core = CoreView(model, config, self.startup, info)
+        self.core = CoreView(model, config, self.startup, info, model_config)
         self.intake = Intake(
             self.core.path,  # type: ignore[arg-type]
             self.core.tokenizer,

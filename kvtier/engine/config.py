@@ -14,6 +14,9 @@ engine (``EngineCore.__init__``, engine/sizing.py):
 
 - ``num_device_blocks=None``: sized from free memory (90% of free GPU memory after weights,
   less 1 GiB; 20% of available RAM on CPU), capped at ``max_num_seqs`` full-length sequences;
+  with ``gpu_memory_utilization=u`` (vLLM's option), ``u`` x the GPU's total memory less what is
+  in use after loading the weights (this engine's and other processes') and an activation
+  reserve (engine/sizing.py), and not capped;
 - ``num_host_blocks=None``: no host tier (0), unless ``storage`` is set: then a host tier of
   twice the device tier, at most a quarter of the available RAM, since storage I/O goes
   through it;
@@ -59,13 +62,26 @@ def _opt(
     flag: str | None = None,
     switch: str | None = None,
     metavar: str | None = None,
+    aliases: tuple[str, ...] = (),
+    off: tuple[str, ...] = (),
 ) -> Any:
     """A field with its command-line form: ``flag`` (default ``--name-with-dashes``); ``switch``:
     a bool set by one flag (``--no-prefix-caching``); a bool or None default without ``switch``
-    and without ``type``: ``--x/--no-x``."""
+    and without ``type``: ``--x/--no-x``. ``aliases``: the same flag under the names vLLM and
+    SGLang users type (``--num-gpu-blocks-override``); ``off``: their flags that turn a bool
+    option off (``--enforce-eager``)."""
     return field(
         default=default,
-        metadata={"help": help, "type": type, "choices": choices, "flag": flag, "switch": switch, "metavar": metavar},
+        metadata={
+            "help": help,
+            "type": type,
+            "choices": choices,
+            "flag": flag,
+            "switch": switch,
+            "metavar": metavar,
+            "aliases": aliases,
+            "off": off,
+        },
     )
 
 
@@ -77,9 +93,21 @@ class EngineConfig:
         "compute dtype; auto = the checkpoint's on cuda, float32 on cpu (default auto)",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
-    block_size: int = _opt(16, "tokens per KV block, a power of two (default 16)", type=types.block_size)
+    block_size: int = _opt(
+        16, "tokens per KV block, a power of two (default 16)", type=types.block_size, aliases=("--page-size",)
+    )
     num_device_blocks: int | None = _opt(
-        None, "device tier size in blocks (default: sized from free memory)", type=types.positive_int
+        None,
+        "device tier size in blocks (default: sized from free memory)",
+        type=types.positive_int,
+        aliases=("--num-gpu-blocks-override",),
+    )
+    gpu_memory_utilization: float | None = _opt(
+        None,
+        "cuda: the fraction of the GPU's total memory this engine may use (weights, activations and "
+        "the device tier; memory other processes hold counts against it): the device tier gets what "
+        "is left (default: 90% of the memory free after the weights, less 1 GiB)",
+        type=types.fraction,
     )
     num_host_blocks: int | None = _opt(
         None,
@@ -100,15 +128,22 @@ class EngineConfig:
         "when blocks are copied down a tier (default: write_through with --storage, so every computed block "
         "reaches the pool, and with a host tier; else write_through_selective)",
         choices=tuple(WRITE_POLICIES),
+        aliases=("--hicache-write-policy",),
     )
     write_through_threshold: int = _opt(2, "hits before write_through_selective copies down (default 2)", type=types.positive_int)
-    enable_prefix_caching: bool = _opt(True, "disable prefix caching", switch="--no-prefix-caching")
+    enable_prefix_caching: bool = _opt(
+        True,
+        "disable prefix caching",
+        switch="--no-prefix-caching",
+        aliases=("--no-enable-prefix-caching", "--disable-radix-cache"),
+    )
     prefetch_policy: str = _opt(
         "best_effort",
         "when a request with storage hits starts: best_effort = after the time the fetch was "
         "expected to take, with what landed; wait_complete = when all landed; timeout = after "
         "--prefetch-timeout (default best_effort)",
         choices=("best_effort", "wait_complete", "timeout"),
+        aliases=("--hicache-storage-prefetch-policy",),
     )
     prefetch_timeout: tuple[float, float] = _opt(
         (0.1, 0.05),
@@ -132,7 +167,9 @@ class EngineConfig:
         "copied on to the device meanwhile, so it starts with device hits (default on; --no-early-loads "
         "loads them when it starts)",
     )
-    tensor_parallel_size: int = _opt(1, "tensor parallel ranks (default 1; only 1 so far)", type=types.positive_int)
+    tensor_parallel_size: int = _opt(
+        1, "tensor parallel ranks (default 1; only 1 so far)", type=types.positive_int, aliases=("-tp", "--tp-size")
+    )
     preemption_mode: str | None = _opt(
         None,
         "when the device tier is full: swap a request's KV to the host tier and load it back, or "
@@ -142,23 +179,34 @@ class EngineConfig:
     load_format: str = _opt(
         "auto",
         "auto: the checkpoint's safetensors; dummy: random weights in device memory "
-        "from config.json alone (benchmarks) (default auto)",
+        "from config.json alone (benchmarks; a hub id then fetches no weights) (default auto)",
         choices=("auto", "dummy"),
     )
-    seed: int = _opt(0, "engine seed (default 0)", type=int)
+    revision: str | None = _opt(None, "a hub id's branch, tag or commit (default: its main branch)", type=str, metavar="REV")
+    seed: int = _opt(0, "engine seed (default 0)", type=int, aliases=("--random-seed",))
     max_num_batched_tokens: int = _opt(2048, "token budget per step (default 2048)", type=types.positive_int)
-    max_num_seqs: int = _opt(256, "running requests at most (default 256)", type=types.positive_int)
-    max_model_len: int | None = _opt(None, "context length (default: the model's)", type=types.positive_int)
+    max_num_seqs: int = _opt(
+        256, "running requests at most (default 256)", type=types.positive_int, aliases=("--max-running-requests",)
+    )
+    max_model_len: int | None = _opt(
+        None, "context length (default: the model's)", type=types.positive_int, aliases=("--context-length",)
+    )
     attention_backend: str | None = _opt(
         None, "attention kernels (default: triton on cuda, torch on cpu)", choices=("torch", "triton")
     )
-    eviction: str = _opt("lru", "eviction order (default lru)", choices=tuple(sorted(EVICTION_POLICIES)))
+    eviction: str = _opt(
+        "lru", "eviction order (default lru)", choices=tuple(sorted(EVICTION_POLICIES)), aliases=("--radix-eviction-policy",)
+    )
     capture_routing: bool = _opt(True, "MoE: do not capture routed experts (R3)", switch="--no-routing-capture")
     cuda_graphs: bool | None = _opt(
-        None, "replay decode steps and other steps of up to 256 tokens from CUDA graphs captured at start (default: on for cuda)"
+        None,
+        "replay decode steps and other steps of up to 256 tokens from CUDA graphs captured at start (default: on for cuda)",
+        off=("--enforce-eager", "--disable-cuda-graph"),
     )
     overlap_schedule: bool | None = _opt(
-        None, "schedule step N+1 on the CPU while the GPU runs step N (default: on for cuda; --no-overlap-schedule turns it off)"
+        None,
+        "schedule step N+1 on the CPU while the GPU runs step N (default: on for cuda; --no-overlap-schedule turns it off)",
+        off=("--disable-overlap-schedule",),
     )
     pd_on_miss: str = _opt(
         "recompute",
@@ -213,6 +261,19 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
         if not (isinstance(self.export_timeout, int | float) and self.export_timeout > 0):
             raise ValueError(f"export_timeout must be > 0 seconds, got {self.export_timeout!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ValueError(f"revision must be a branch, tag or commit name, got {self.revision!r}")
+        if self.gpu_memory_utilization is not None:
+            u = self.gpu_memory_utilization
+            if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+                raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+            if self.num_device_blocks is not None:
+                raise ValueError("give num_device_blocks or gpu_memory_utilization, not both")
+            if not str(self.device).startswith("cuda"):
+                raise ValueError(
+                    "gpu_memory_utilization is for cuda devices; on cpu the device tier is 20% of the "
+                    "available memory unless num_device_blocks says otherwise"
+                )
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (only 1)")
         device = str(self.device)
@@ -226,9 +287,12 @@ class EngineConfig:
     def add_flags(cls, parser: argparse.ArgumentParser | Any) -> None:
         """Every field as a flag of ``parser`` (dest = the field's name)."""
         for f in fields(cls):
-            meta, name = f.metadata, f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            meta = {**f.metadata, "help": f.metadata["help"].replace("%", "%%")}  # argparse formats help with %
+            if meta["off"]:
+                meta["help"] += " (also " + ", ".join(meta["off"]) + ": off)"
             if meta["switch"]:
-                parser.add_argument(meta["switch"], dest=f.name, action="store_false", help=meta["help"])
+                parser.add_argument(meta["switch"], *meta["aliases"], dest=f.name, action="store_false", help=meta["help"])
             elif meta["type"] is None and meta["choices"] is None:  # --x / --no-x
                 parser.add_argument(
                     name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"]
@@ -236,6 +300,7 @@ class EngineConfig:
             else:
                 parser.add_argument(
                     name,
+                    *meta["aliases"],
                     dest=f.name,
                     type=meta["type"],
                     choices=meta["choices"],
@@ -243,6 +308,8 @@ class EngineConfig:
                     metavar=meta["metavar"],
                     help=meta["help"],
                 )
+            for flag in meta["off"]:
+                parser.add_argument(flag, dest=f.name, action="store_const", const=False, help=argparse.SUPPRESS)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -50,13 +50,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from kvtier.cache import CacheManager, ModelFingerprint
+from kvtier.cache.policy import default_write_policy
 from kvtier.engine.cache_stats import cache_stats
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.copies import CopyPump
@@ -76,6 +76,7 @@ from kvtier.engine.sizing import check_host_blocks, resolve_dtype, size_device_b
 from kvtier.engine.startup import Startup
 from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
+from kvtier.model.hub import resolve_model
 from kvtier.model.tokenizer import load_tokenizer
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
@@ -116,11 +117,11 @@ class EngineCore:
         preemption_mode, attention_backend, cuda_graphs = c.preemption_mode, c.attention_backend, c.cuda_graphs
         max_num_seqs, max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
         if write_policy is None:
-            write_policy = "write_through" if storage is not None or num_host_blocks else "write_through_selective"
+            write_policy = default_write_policy(bool(num_host_blocks), storage is not None)
         self.pd_on_miss = c.pd_on_miss
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' asked for, but torch sees no CUDA device")
-        self.path = Path(model)
+        self.path = resolve_model(model, c.revision, c.load_format)
         self.device = torch.device(device)
         if self.device.type == "cuda":
             # the GPU is this thread's current device from here on (AsyncEngine's thread sets it
@@ -145,7 +146,9 @@ class EngineCore:
             self.tokenizer = load_tokenizer(self.path)
 
         if num_device_blocks is None:
-            num_device_blocks = size_device_blocks(self.device, bytes_per_block, block_size, max_num_seqs, self.max_model_len)
+            num_device_blocks = size_device_blocks(
+                self.device, bytes_per_block, block_size, max_num_seqs, self.max_model_len, c.gpu_memory_utilization
+            )
         if num_host_blocks is None:
             num_host_blocks = (
                 size_host_blocks(bytes_per_block, block_size, num_device_blocks, self.max_model_len) if storage is not None else 0

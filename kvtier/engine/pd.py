@@ -118,7 +118,8 @@ class Exports:
 
     def names(self, request_id: str) -> dict | None:
         """The manifest's names of ``request_id``'s export in flight (``namespace``, ``keys``,
-        ``num_tokens``, and the prompt tokens P found cached), or None if it is not exporting."""
+        ``num_tokens``, and the prompt tokens P found cached: ``cached_tokens``, and per tier
+        ``cached_tokens_by_tier``), or None if it is not exporting."""
         entry = self._pending.get(request_id)
         if entry is None:
             return None
@@ -128,6 +129,7 @@ class Exports:
             "keys": list(exp.keys),
             "num_tokens": exp.num_tokens,
             "cached_tokens": output.num_cached_tokens,
+            "cached_tokens_by_tier": dict(output.cached_tokens_by_tier),
         }
 
     def finished(self) -> list[RequestOutput]:

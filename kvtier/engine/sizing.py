@@ -28,21 +28,49 @@ def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 
 
-def size_device_blocks(device: torch.device, bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    """Blocks that fit in free memory (90% of free GPU memory after weights, less 1 GiB for
-    activations; 20% of available RAM on CPU), capped at what max_num_seqs full-length
-    sequences could use."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * 0.9) - (1 << 30)
-    else:
-        budget = int(available_ram() * 0.2)
+ACTIVATION_RESERVE = 1 << 30  # bytes left to a step's activations, CUDA graphs and kernel workspaces
+
+
+def device_budget(free: int, total: int, gpu_memory_utilization: float | None) -> int:
+    """Bytes the device tier may take on a GPU with ``free`` of ``total`` bytes free, measured
+    after the weights loaded: 90% of the free memory, or with ``gpu_memory_utilization`` that
+    fraction of the total less what is in use (weights, other processes); less the activation
+    reserve either way."""
+    if gpu_memory_utilization is None:
+        return int(free * 0.9) - ACTIVATION_RESERVE
+    return int(total * gpu_memory_utilization) - (total - free) - ACTIVATION_RESERVE
+
+
+def size_device_blocks(
+    device: torch.device,
+    bytes_per_block: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    gpu_memory_utilization: float | None = None,
+) -> int:
+    """Blocks that fit in free memory (:func:`device_budget` on a GPU; 20% of available RAM on
+    CPU), capped at what max_num_seqs full-length sequences could use unless
+    ``gpu_memory_utilization`` says how much to take."""
     need = blocks_per_sequence(max_model_len, block_size)
-    n = min(budget // bytes_per_block, max_num_seqs * need)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = device_budget(free, total, gpu_memory_utilization)
+        where = (
+            f"{gpu_memory_utilization} of the GPU's {total / 2**30:.1f} GiB, of which "
+            f"{(total - free) / 2**30:.1f} GiB are in use (weights, other processes),"
+            if gpu_memory_utilization is not None
+            else "free memory"
+        )
+    else:
+        budget, where = int(available_ram() * 0.2), "free memory"
+    n = max(0, budget // bytes_per_block)
+    if gpu_memory_utilization is None:
+        n = min(n, max_num_seqs * need)
     if n < need:
         raise ValueError(
-            f"only {n} KV blocks fit in free memory, but one {max_model_len}-token "
-            f"sequence needs {need}; lower max_model_len or free memory"
+            f"only {n} KV blocks fit in {where} less {ACTIVATION_RESERVE >> 30} GiB for activations, but one "
+            f"{max_model_len}-token sequence needs {need}; lower max_model_len, raise gpu_memory_utilization or free memory"
         )
     return int(n)
 

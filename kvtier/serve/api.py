@@ -24,10 +24,11 @@ matcher on the same tokens (its text is the engine's) and holds back text that m
 string, so no stop-string text is ever sent. Logprobs are shaped by
 ``logprobs.py``; completions' ``echo`` puts the prompt's text (and with logprobs, its tokens'
 logprobs from ``prompt_logprobs``) before each choice's. ``usage`` counts each prompt once and the
-tokens of every choice. A ``kvtier_handoff`` field (role=decode, sent by the router) starts the
-request from P's first token: its chunks were already sent by the router, so D's stream continues
-after them; a hand-off carries one prompt and one sample without logprobs (P answers 501 to
-others, and the router runs them colocated).
+tokens of every choice; its ``cached_tokens`` are the prompt tokens this engine did not compute,
+and ``usage.kvtier`` has them per tier (on D of a hand-off, P's too). A ``kvtier_handoff`` field
+(role=decode, sent by the router) starts the request from P's first token: its chunks were
+already sent by the router, so D's stream continues after them; a hand-off carries one prompt
+and one sample without logprobs (P answers 501 to others, and the router runs them colocated).
 
 Errors (OpenAI's ``{"error": {...}}``, ``errors.py``): 400 bad field (named), prompt over the
 context, invalid JSON or an engine ValueError; 401 wrong ``--api-key``; 404 unknown model or route;
@@ -49,11 +50,12 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Iterator
+from typing import Any, AsyncGenerator, AsyncIterator, Iterable, Iterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvtier.cache.manager import TIERS
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.engine.client import EngineClient
 from kvtier.engine.sampling import SamplingParams
@@ -158,13 +160,19 @@ class Server:
         api_key: str | None = None,
         max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES,
         require_cache_salt: bool = False,
+        aliases: tuple[str, ...] = (),
     ) -> None:
+        """``model_name``: the name /v1/models lists; requests may also name the model by one of
+        ``aliases`` (the path or hub id it was started with, its directory), as vLLM users do."""
         core = engine.core
         check_role(role, core.storage is not None)
         self.engine, self.model_name, self.role = engine, model_name, role
+        self.model_names = frozenset((model_name, *aliases))
         self.require_cache_salt = require_cache_salt
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
+        self.vocab_size = core.config.vocab_size  # prompt ids must be below it
+        self.model_path = str(core.path)
         self.prompts = PromptTokenizer(core.tokenizer, core.max_model_len)
         self.strings = TokenStrings(core.tokenizer)
         self.metrics = ServerMetrics()
@@ -203,7 +211,11 @@ class Server:
                         "object": "model",
                         "created": 0,
                         "owned_by": "kvtier",
+                        "root": server.model_path,
+                        "parent": None,
+                        "permission": [],
                         "max_model_len": server.max_model_len,
+                        "vocab_size": server.vocab_size,
                         "kvtier_role": server.role,
                     }
                 ],
@@ -320,7 +332,7 @@ class Server:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
     async def _start(self, kind: str, body: Any, export: bool = False) -> _Call:
-        if body.model != self.model_name:
+        if body.model not in self.model_names:
             raise APIError(404, f"model {body.model!r} is not served here (this server serves {self.model_name!r})", "model")
         handoff = body.kvtier_handoff
         prompts = body.prompts
@@ -646,19 +658,26 @@ class Server:
             }
 
     def _usage(self, call: _Call) -> dict:
+        """OpenAI's ``usage``, each prompt counted once (not per sample): ``cached_tokens`` are the
+        prompt tokens this engine did not compute (hits in its device or host tier, or read from
+        the pool: a hand-off's included). kvtier's own part, ``usage.kvtier``: those per tier, and
+        on D of a hand-off P's (``prefill``, as the router got them from P)."""
         n_prompt = sum(len(g.req.prompt_token_ids) for g in call.gens)  # once per prompt, not per sample
         n_out = sum(len(c.token_ids) for g in call.gens for c in g.choices)
+        outs = [g.output for g in call.gens if g.output is not None]
+        kvtier: dict[str, Any] = {"cached_tokens_by_tier": _by_tier(o.cached_tokens_by_tier for o in outs)}
         h = call.body.kvtier_handoff
-        cached = (
-            h.prefill_cached_tokens
-            if h is not None
-            else sum(g.output.num_cached_tokens for g in call.gens if g.output is not None)
-        )
+        if h is not None:
+            kvtier["prefill"] = {
+                "cached_tokens": h.prefill.cached_tokens,
+                "cached_tokens_by_tier": _by_tier([h.prefill.cached_tokens_by_tier]),
+            }
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
             "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+            "kvtier": kvtier,
         }
 
     def _first_chunks(self, call: _Call) -> list[dict]:
@@ -827,7 +846,10 @@ class Server:
             if body.return_token_ids:
                 c["choices"][0]["token_ids"] = [token]
             chunks.append(c)
+        # what P found cached of the prompt (with the export's names, else the output's): the
+        # router hands it to D, whose usage reports it as P's part
         cached = names.pop("cached_tokens", out.num_cached_tokens if out is not None else 0)
+        by_tier = names.pop("cached_tokens_by_tier", out.cached_tokens_by_tier if out is not None else {})
         if not names:  # no export's names on the first delta: the output's
             assert out is not None
             names = _names(out.handoff)
@@ -838,6 +860,7 @@ class Server:
             "prompt_token_ids": list(gen.req.prompt_token_ids),
             "first_token": token,
             "cached_tokens": cached,
+            "cached_tokens_by_tier": _by_tier([by_tier]),
             "manifest": names,
         }
 
@@ -873,6 +896,12 @@ def _names(handoff: dict | None) -> dict:
     """The manifest's names (what D checks) of a finished export's hand-off."""
     h = handoff or {}
     return {k: h[k] for k in ("namespace", "keys", "num_tokens") if k in h}
+
+
+def _by_tier(tiers: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Cached tokens per tier (``device``, ``host``, ``storage``), summed over ``tiers``."""
+    tiers = list(tiers)
+    return {t: sum(d.get(t, 0) for d in tiers) for t in TIERS}
 
 
 def _reason(out: Any, choice: _Choice) -> str:

@@ -22,7 +22,7 @@ Booleans are JSON ``true``/``false`` only (``"yes"`` or ``1`` for ``stream`` is 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator, model_validator
 
@@ -72,6 +72,14 @@ class StreamOptions(_Body):
     include_usage: Optional[StrictBool] = False
 
 
+class PrefillCached(BaseModel):
+    """What P found cached of the prompt: D reports it as ``usage.kvtier.prefill``."""
+
+    model_config = ConfigDict(extra="forbid")
+    cached_tokens: StrictInt = Field(default=0, ge=0)
+    cached_tokens_by_tier: dict[str, Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=dict)
+
+
 class Handoff(BaseModel):
     """D's half of a PD hand-off (sent by the router): P's manifest and first token."""
 
@@ -81,7 +89,7 @@ class Handoff(BaseModel):
     num_tokens: int = Field(ge=1)
     first_token: int = Field(ge=0)
     prompt_token_ids: list[StrictInt] = Field(min_length=1, fail_fast=True)
-    prefill_cached_tokens: int = Field(0, ge=0)
+    prefill: PrefillCached = Field(default_factory=PrefillCached)
     response_id: Optional[str] = None
     created: Optional[int] = None
 

@@ -8,7 +8,9 @@
                 └─────► D /v1/...  + kvtier_handoff   D loads the blocks from the pool and decodes;
                                                       its stream continues after P's chunks
 
-P and D never talk to each other: the pool carries the KV. Backends are picked round robin among
+P and D never talk to each other: the pool carries the KV. D's answer goes to the client as D
+sent it: its usage reports D's cached tokens, and P's (``usage.kvtier.prefill``) from what P's
+first line said, which the hand-off carries to D. Backends are picked round robin among
 the healthy ones (``GET /health`` every ``health_interval`` seconds; a backend that fails a
 request is marked down at once; a /health that is not a JSON object, or over
 ``MAX_HEALTH_BYTES``, or late past ``HEALTH_TIMEOUT_S``, marks it down; a field of it that makes
@@ -434,7 +436,6 @@ _HEAD_TYPES = {
     "num_tokens": int,
     "first_token": int,
     "prompt_token_ids": list,
-    "prefill_cached_tokens": int,
     "response_id": str,
     "created": int,
 }
@@ -470,13 +471,19 @@ class _Prefill:
             "num_tokens": names["num_tokens"],
             "first_token": head["first_token"],
             "prompt_token_ids": head["prompt_token_ids"],
-            "prefill_cached_tokens": head.get("cached_tokens", 0),
             "response_id": head["id"],
             "created": head["created"],
         }
         wrong = [k for k, t in _HEAD_TYPES.items() if not isinstance(self.head[k], t) or isinstance(self.head[k], bool)]
+        # what P found cached of the prompt: D reports it in its usage (``usage.kvtier.prefill``)
+        cached, by_tier = head.get("cached_tokens", 0), head.get("cached_tokens_by_tier", {})
+        if not _is_count(cached):
+            wrong.append("cached_tokens")
+        if not isinstance(by_tier, dict) or not all(map(_is_count, by_tier.values())):
+            wrong.append("cached_tokens_by_tier")
         if wrong:
             raise BadJSON(f"prefill server {self.url}'s first line has a {', '.join(wrong)} of the wrong type")
+        self.head["prefill"] = {"cached_tokens": cached, "cached_tokens_by_tier": by_tier}
         self.chunks = chunks
         loop = asyncio.get_running_loop()
         self.deadline = min(self.deadline, loop.time() + self.ack_timeout)
@@ -528,6 +535,10 @@ class _Prefill:
 
     async def close(self) -> None:
         await self.response.aclose()
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 async def _relay(first_chunks: list | None, r: httpx.Response) -> AsyncIterator[bytes]:

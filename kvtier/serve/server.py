@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from kvtier.engine.config import EngineConfig
 from kvtier.log_setup import setup_logging
+from kvtier.model.hub import default_served_name
 
 API_KEY_ENV = "KVTIER_API_KEY"
 BACKEND_API_KEY_ENV = "KVTIER_BACKEND_API_KEY"
@@ -176,11 +176,12 @@ def _build_server(
     )
     built["server"] = Server(
         built["engine"],
-        served_model_name or Path(model).name,
+        served_model_name or default_served_name(model),
         role,
         api_key,
         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         require_cache_salt=require_cache_salt,
+        aliases=(model, str(built["engine"].core.path), os.path.abspath(built["engine"].core.path)),
     )
 
 

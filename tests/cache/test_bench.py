@@ -21,9 +21,12 @@ def test_bench_cache_prints_one_line_per_digest(capsys):
     assert all("us/req" in line and "us/block" in line and "hit" in line for line in lines)
 
 
-def test_bench_cache_json_has_the_figures(capsys):
+def test_bench_cache_json_has_the_figures(capsys, tmp_path):
     assert main(TINY + ["--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(TINY + ["--json", str(tmp_path / "rows.json")]) == 0     # a path: the table, and the file
+    assert capsys.readouterr().out.splitlines()[0].startswith("sha256 ")
+    assert [r["hash"] for r in json.loads((tmp_path / "rows.json").read_text())] == ["sha256", "xxh3_128"]
     assert [r["hash"] for r in rows] == ["sha256", "xxh3_128"]
     for r in rows:
         assert r["requests"] == 12 and r["prompt_tokens"] == 12 * 64

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.traces import TraceError, _tokens_of_hash, read_trace, tokens_of_hashes
+from kvtier.cache.policy import default_write_policy
 from kvtier.cli import main
 
 TIERS = {"device", "host", "storage"}
@@ -144,7 +145,94 @@ def test_shipped_samples_are_mooncake_traces_with_shared_prefixes(name, requests
 
 
 def test_sim_on_the_shipped_sample_hits_the_cache(capsys):
-    res = run_json(capsys, ["sim", str(SAMPLES / "mooncake_conversation_1k.jsonl"), "--limit", "200",
-                            "--storage-blocks", "inf", "--json"])
+    res = run_json(capsys, ["sim", str(SAMPLES / "mooncake_conversation_1k.jsonl"), "--limit", "200", "--block-size",
+                            "64", "--device-blocks", "2048", "--host-blocks", "4096", "--storage-blocks", "inf",
+                            "--json"])
     assert res["requests"] == 200 and res["skipped_requests"] == 0
-    assert res["hit_tokens"]["device"] > 0 and res["prompt_tokens"] > sum(res["hit_tokens"].values())
+    assert res["hit_tokens"]["device"] > 0 and res["hit_tokens"]["storage"] > 0
+    assert res["prompt_tokens"] > sum(res["hit_tokens"].values())
+
+
+# --- the write policy: the engine's default, so every configured tier is filled ---------------
+
+SYNTHETIC_SMALL_TIERS = [str(SAMPLES / "mooncake_synthetic_500.jsonl"), "--limit", "100", "--block-size", "64",
+                         "--device-blocks", "1024", "--host-blocks", "2048", "--storage-blocks", "inf"]
+
+
+def test_by_default_every_configured_tier_takes_hits_on_the_shipped_sample(capsys):
+    res = run_json(capsys, ["sim", *SYNTHETIC_SMALL_TIERS, "--json"])
+    assert all(res["hit_tokens"][t] > 0 for t in TIERS), res["hit_tokens"]
+    assert res["config"]["write_policy"] == "write_through" and res["config"]["write_policy_is_default"]
+    assert res["notes"] == ["write policy: write_through, every computed block is copied down (the default with a "
+                            "host or storage tier; --write-policy to change)"]
+
+
+def test_explicit_write_through_selective_keeps_blocks_hit_once_off_the_lower_tiers(capsys):
+    res = run_json(capsys, ["sim", *SYNTHETIC_SMALL_TIERS, "--write-policy", "write_through_selective", "--json"])
+    assert res["hit_tokens"]["host"] == 0 and res["hit_tokens"]["storage"] == 0
+    assert res["config"]["write_policy"] == "write_through_selective" and not res["config"]["write_policy_is_default"]
+    assert res["notes"][0] == "write policy: write_through_selective, a block is copied down after 2 hits (--write-policy)"
+
+
+@pytest.mark.parametrize("tiers,policy", [
+    ([], "write_through"),                                                   # the default host tier
+    (["--host-blocks", "0"], "write_through_selective"),                     # the device tier alone
+    (["--host-blocks", "64", "--storage-blocks", "inf"], "write_through"),
+])
+def test_default_write_policy_is_the_engines(trace, capsys, tiers, policy):
+    res = run_json(capsys, ["sim", str(trace), "--trace-block-tokens", "16", *tiers, "--json"])
+    host, storage = res["config"]["host_blocks"], res["config"]["storage_blocks"]
+    assert res["config"]["write_policy"] == policy == default_write_policy(host != 0, storage != 0)
+
+
+@pytest.mark.parametrize("policy,storage_hits", [(None, 128), ("write_through_selective", 0)])
+def test_a_prompt_evicted_from_device_and_host_comes_back_from_storage(tmp_path, capsys, policy, storage_hits):
+    chosen = ["--write-policy", policy] if policy else []
+    res = run_json(capsys, ["sim", str(_storage_only_trace(tmp_path)), "--block-size", "16", "--device-blocks", "16",
+                            "--host-blocks", "16", "--storage-blocks", "inf", *chosen, "--json"])
+    assert res["hit_tokens"]["storage"] == storage_hits
+
+
+@pytest.mark.parametrize("policy,host_hits", [(None, 128), ("write_through_selective", 0)])
+def test_a_prompt_evicted_from_device_comes_back_from_the_host_tier(tmp_path, capsys, policy, host_hits):
+    chosen = ["--write-policy", policy] if policy else []
+    res = run_json(capsys, ["sim", str(_storage_only_trace(tmp_path)), "--block-size", "16", "--device-blocks", "16",
+                            "--host-blocks", "inf", *chosen, "--json"])
+    assert res["hit_tokens"]["host"] == host_hits
+
+
+def test_storage_without_a_host_tier_is_an_error_naming_both_flags(trace, capsys):
+    assert main(["sim", str(trace), "--host-blocks", "0", "--storage-blocks", "inf"]) == 2
+    err = capsys.readouterr().err
+    assert "--storage-blocks inf with --host-blocks 0" in err and "needs a host tier" in err
+
+
+@pytest.mark.parametrize("flags,notes", [
+    (["--device-blocks", "inf", "--storage-blocks", "inf"],
+     ["host: 0 hits — the device tier never evicted",
+      "storage: 0 hits — the device tier never evicted"]),
+    (["--device-blocks", "16", "--host-blocks", "0"],
+     ["host: 0 hits — no host tier (--host-blocks 0)", "storage: 0 hits — no storage tier (--storage-blocks to add one)"]),
+    (["--device-blocks", "16", "--host-blocks", "16", "--storage-blocks", "inf", "--write-policy", "write_through_selective"],
+     ["host: 0 hits — no block was copied down to it (write policy write_through_selective)",
+      "storage: 0 hits — no block was copied down to it (write policy write_through_selective)"]),
+    (["--device-blocks", "16", "--host-blocks", "inf", "--storage-blocks", "inf"],
+     ["storage: 0 hits — the host tier never evicted"]),
+])
+def test_a_tier_without_hits_is_explained_in_one_line(tmp_path, capsys, flags, notes):
+    trace = str(_storage_only_trace(tmp_path))
+    res = run_json(capsys, ["sim", trace, "--block-size", "16", *flags, "--json"])
+    assert res["notes"][1:] == notes                        # after the write policy's line
+    assert main(["sim", trace, "--block-size", "16", *flags]) == 0
+    assert capsys.readouterr().out.splitlines()[-len(res["notes"]):] == res["notes"]   # the table ends with them
+
+
+def test_json_path_writes_the_file_that_bare_json_prints_and_the_table_too(trace, tmp_path, capsys):
+    argv = ["sim", str(trace), "--trace-block-tokens", "16", "--storage-blocks", "inf"]
+    printed = run_json(capsys, [*argv, "--json"])
+    assert run_json(capsys, [*argv, "--json", "-"]).keys() == printed.keys()
+    out = tmp_path / "res.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("requests 4")      # the table still prints
+    written = json.loads(out.read_text())
+    assert {**written, "wall_s": 0} == {**printed, "wall_s": 0}

@@ -40,7 +40,8 @@ def test_a_config_survives_the_trip_to_flags_and_back():
     EngineConfig.add_flags(ap)
     config = EngineConfig(device="cuda:1", num_host_blocks=0, enable_prefix_caching=False, cuda_graphs=False,
                           overlap_schedule=True, prefetch_timeout=(0.2, 0.1), write_policy="write_back",
-                          capture_routing=False, early_loads=False, max_model_len=4096, export_timeout=12.5)
+                          capture_routing=False, early_loads=False, max_model_len=4096, export_timeout=12.5,
+                          gpu_memory_utilization=0.8, revision="v1.0")
     flags = config.to_flags()
     assert EngineConfig.from_args(ap.parse_args(flags)) == config
     assert EngineConfig().to_flags() == [] and EngineConfig.from_args(ap.parse_args([])) == EngineConfig()
@@ -54,6 +55,11 @@ def test_a_config_survives_the_trip_to_flags_and_back():
     ({"prefetch_timeout": (0.1,)}, "prefetch_timeout must be two numbers"),
     ({"preemption_mode": "swap"}, "preemption_mode='swap' needs a host tier"),
     ({"export_timeout": 0}, "export_timeout must be > 0 seconds, got 0"),
+    ({"device": "cuda", "gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be a fraction in (0, 1], got 1.5"),
+    ({"device": "cuda", "gpu_memory_utilization": 0.5, "num_device_blocks": 10},
+     "give num_device_blocks or gpu_memory_utilization, not both"),
+    ({"gpu_memory_utilization": 0.5}, "gpu_memory_utilization is for cuda devices"),
+    ({"revision": ""}, "revision must be a branch, tag or commit name, got ''"),
 ])
 def test_a_bad_option_is_named(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -71,3 +77,45 @@ def test_keywords_go_over_a_config(checkpoint):
     with kvtier.LLM(checkpoint("qwen3-tiny"), base, num_device_blocks=24) as llm:
         assert llm.engine_config == EngineConfig(num_device_blocks=24, block_size=8)
         assert llm.cache.device_pool.num_blocks == 24 and llm.block_size == 8
+
+
+def test_gpu_memory_utilization_counts_what_is_in_use_against_the_fraction():
+    from kvtier.engine.sizing import ACTIVATION_RESERVE, device_budget
+    gib = 1 << 30
+    # an 80 GiB GPU, 16 GiB of weights loaded, 6 GiB held by another process: 58 GiB free
+    assert device_budget(58 * gib, 80 * gib, 0.9) == int(72 * gib) - 22 * gib - ACTIVATION_RESERVE
+    assert device_budget(58 * gib, 80 * gib, 0.5) == 40 * gib - 22 * gib - ACTIVATION_RESERVE
+    # without it: 90% of the free memory
+    assert device_budget(58 * gib, 80 * gib, None) == int(58 * gib * 0.9) - ACTIVATION_RESERVE
+
+
+def test_gpu_memory_utilization_flag_takes_a_fraction():
+    from kvtier.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "m", "--gpu-memory-utilization", "90"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_every_flag_of_the_server_commands_is_in_the_serving_guide(command):
+    guide = (DOCS / "SERVING.md").read_text()
+    flags = {s for a in _subparser(command)._actions for s in a.option_strings if s not in ("-h", "--help")}
+    flags |= {"--enforce-eager", "--disable-cuda-graph", "--disable-overlap-schedule"}  # (hidden: named in help)
+    assert sorted(f for f in flags if f"`{f}`" not in guide and f"`{f} " not in guide) == []
+
+
+@pytest.mark.parametrize("flags, options", [
+    (["--num-gpu-blocks-override", "64"], {"num_device_blocks": 64}),         # vLLM
+    (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
+    (["--disable-radix-cache"], {"enable_prefix_caching": False}),            # SGLang
+    (["--enforce-eager"], {"cuda_graphs": False}),
+    (["--disable-cuda-graph"], {"cuda_graphs": False}),
+    (["--disable-overlap-schedule"], {"overlap_schedule": False}),
+    (["--page-size", "32", "--context-length", "4096", "--max-running-requests", "8"],
+     {"block_size": 32, "max_model_len": 4096, "max_num_seqs": 8}),
+    (["--hicache-write-policy", "write_back", "--radix-eviction-policy", "lfu"], {"write_policy": "write_back", "eviction": "lfu"}),
+])
+def test_vllm_and_sglang_flag_names_give_the_same_options(flags, options):
+    ap = argparse.ArgumentParser()
+    EngineConfig.add_flags(ap)
+    assert EngineConfig.from_args(ap.parse_args(flags)) == EngineConfig(**options)

@@ -297,8 +297,16 @@ def test_streamed_choices_reassemble_to_the_whole_answer(server, n, logprobs):
         if logprobs is None:
             assert lps == [] and want["logprobs"] is None
             continue
-        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        for key in ("tokens", "text_offset"):
             assert sum((lp[key] for lp in lps), []) == want["logprobs"][key]
+        # the same tokens, their logprobs to float rounding: the second request's prompt is a
+        # cache hit, so its last position is computed in a prefill of another length
+        got = sum((lp["token_logprobs"] for lp in lps), [])
+        assert got == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
+        tops = sum((lp["top_logprobs"] for lp in lps), [])
+        assert [list(t) for t in tops] == [list(t) for t in want["logprobs"]["top_logprobs"]]
+        flat = [v for t in tops for v in t.values()]
+        assert flat == pytest.approx([v for t in want["logprobs"]["top_logprobs"] for v in t.values()], abs=1e-5)
 
 
 @pytest.mark.parametrize("logprobs", [False, True])
@@ -347,7 +355,10 @@ def test_usage_counts_each_prompt_once_and_every_choice(server, offline, n):
     assert r["usage"]["prompt_tokens"] == n_prompt and r["usage"]["completion_tokens"] == 3 * n * 5
     assert all(len(c["text"]) > 0 for c in r["choices"])
     again = post(server, "/v1/completions", {"prompt": PROMPTS, "n": n, "max_tokens": 5, "ignore_eos": True})
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # each prompt's whole blocks (16 tokens; its last token is computed), once whatever n: on device
+    hits = sum((len(offline.tokenizer.encode(p, add_special_tokens=False)) - 1) // 16 * 16 for p in PROMPTS)
+    assert hits > 0 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == hits
+    assert again["usage"]["kvtier"] == {"cached_tokens_by_tier": {"device": hits, "host": 0, "storage": 0}}
 
 
 # ---------------------------------------------------------------- nulls and bad values
@@ -435,8 +446,9 @@ class _Pool:
 
 def _fake_server(role: str) -> Server:
     """A server of ``role`` over an engine that must not be reached (the refusals come first)."""
-    engine = SimpleNamespace(core=SimpleNamespace(storage=_Pool(), tokenizer=None, max_model_len=CTX),
-                             check_alive=lambda: None)
+    core = SimpleNamespace(storage=_Pool(), tokenizer=None, max_model_len=CTX, path="moe",
+                           config=SimpleNamespace(vocab_size=BYTE_VOCAB_SIZE))
+    engine = SimpleNamespace(core=core, check_alive=lambda: None)
     return Server(engine, "moe", role=role)          # type: ignore[arg-type]
 
 

@@ -88,6 +88,11 @@ def test_pd_outputs_and_routed_experts_equal_colocated(pd, offline):
         got = completion(router.url, prompt, stream=bool(i % 2))
         assert got["text"] == want.text and got["finish_reason"] == "length"
         np.testing.assert_array_equal(experts(got), want.routed_experts)
+        if "usage" in got:             # D's: it computed none of the prompt, P's hits are apart
+            u = got["usage"]
+            assert u["prompt_tokens_details"]["cached_tokens"] == u["prompt_tokens"] == len(want.prompt_token_ids)
+            assert sum(u["kvtier"]["cached_tokens_by_tier"].values()) == u["prompt_tokens"]
+            assert set(u["kvtier"]["prefill"]) == {"cached_tokens", "cached_tokens_by_tier"}
     assert metric(d, "kvtier_pd_handoffs_total", '{result="ok"}') - ok0 == 4       # every prompt token loaded
     assert metric(p, "kvtier_pd_export_seconds_count", "") >= 4     # P's wait for the pool, per prompt
     assert metric(router, "kvtier_router_requests_total", '{route="pd"}') >= 4

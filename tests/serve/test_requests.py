@@ -246,8 +246,8 @@ class Pool:
 
 
 def health_of(role: str, pool: Pool) -> tuple[int, dict]:
-    engine = SimpleNamespace(core=SimpleNamespace(storage=pool, tokenizer=None, max_model_len=CTX,
-                                                  pd_on_miss="recompute", engine_config=SimpleNamespace(export_timeout=7.0),
+    engine = SimpleNamespace(core=SimpleNamespace(storage=pool, tokenizer=None, max_model_len=CTX, path="moe",
+                                                  config=SimpleNamespace(vocab_size=320), pd_on_miss="recompute", engine_config=SimpleNamespace(export_timeout=7.0),
                                                   startup=SimpleNamespace(total_s=1.5)),
                              check_alive=lambda: None, error=None)
     server = Server(engine, "moe", role=role)          # type: ignore[arg-type]

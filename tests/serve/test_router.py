@@ -168,8 +168,8 @@ def test_bad_ports_and_empty_keys_stop_the_command_with_a_message(args, env, mes
 
 
 HEAD = {"chunks": [{"choices": [{"index": 0, "text": "P"}]}], "first_token": 5, "prompt_token_ids": [1, 2],
-        "manifest": {"namespace": "ns", "keys": ["k"], "num_tokens": 2}, "cached_tokens": 0, "id": "cmpl-1",
-        "created": 1}
+        "manifest": {"namespace": "ns", "keys": ["k"], "num_tokens": 2}, "cached_tokens": 0,
+        "cached_tokens_by_tier": {"device": 0, "host": 0, "storage": 0}, "id": "cmpl-1", "created": 1}
 ACK = {"manifest": {"complete": True, "namespace": "ns", "keys": ["k"], "num_tokens": 2, "failed_blocks": 0}}
 
 
@@ -191,6 +191,18 @@ def p_answer(ack: dict | None = ACK, ack_after: float = 0.0, head: dict | None =
 class DStream(httpx.AsyncByteStream):
     async def __aiter__(self):
         yield b'data: {"choices":[{"index":0,"text":"D"}]}\n\ndata: [DONE]\n\n'
+
+
+class Events(httpx.AsyncByteStream):
+    """An SSE stream of ``events``, then ``[DONE]``."""
+
+    def __init__(self, *events: dict) -> None:
+        self.events = events
+
+    async def __aiter__(self):
+        for e in self.events:
+            yield f"data: {json.dumps(e)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
 
 
 def d_recording(seen: list, delay: float = 0.0, stream: bool = True):
@@ -351,3 +363,47 @@ def test_a_p_silent_after_its_first_token_is_given_up_after_its_export_timeout(r
     assert first["choices"][0]["text"] == "P" and rest[-1] == "[DONE]"
     assert 1.0 <= time.monotonic() - t0 < 10, "D came neither after the deadline nor before the 30 s ack"
     assert "kvtier_handoff" in seen[0] and incomplete(c) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_d_gets_what_p_found_cached_with_the_hand_off_and_its_answer_goes_back_as_it_is(routed, stream):
+    """P's hits travel in the hand-off (D reports them as ``usage.kvtier.prefill``); D's usage,
+    its own cached tokens, reaches the client unchanged: the router adds nothing up."""
+    c, router, backends = routed
+    by_tier = {"device": 16, "host": 0, "storage": 32}
+    backends.prefill = p_answer(head=HEAD | {"cached_tokens": 48, "cached_tokens_by_tier": by_tier})
+    seen: list = []
+    d_usage = {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": 50},
+               "kvtier": {"cached_tokens_by_tier": {"device": 0, "host": 0, "storage": 50},
+                          "prefill": {"cached_tokens": 48, "cached_tokens_by_tier": by_tier}}}
+
+    async def d(req):
+        seen.append(json.loads(req.content))
+        if not stream:
+            return httpx.Response(200, json={"choices": [{"text": "from D"}], "usage": d_usage})
+        return httpx.Response(200, stream=Events({"choices": [], "usage": d_usage}),
+                              headers={"content-type": "text/event-stream"})
+    backends.decode = d
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
+    r = c.post("/v1/completions", json=BODY | {"stream": stream})
+    assert seen[0]["kvtier_handoff"]["prefill"] == {"cached_tokens": 48, "cached_tokens_by_tier": by_tier}
+    if stream:
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(events[-2])["usage"] == d_usage and events[-1] == "[DONE]"
+    else:
+        assert r.json()["usage"] == d_usage
+
+
+@pytest.mark.parametrize("cached", [{"cached_tokens": -1}, {"cached_tokens": "3"}, {"cached_tokens": True},
+                                    {"cached_tokens_by_tier": [1]}, {"cached_tokens_by_tier": {"device": -16}},
+                                    {"cached_tokens_by_tier": {"device": 1.5}}],
+                         ids=["negative", "string", "bool", "not-a-dict", "negative-tier", "float-tier"])
+def test_a_first_line_whose_cached_tokens_are_no_counts_is_a_failed_p(routed, cached):
+    """D would refuse such a hand-off (a 400 the client did not cause): the request runs colocated."""
+    c, router, backends = routed
+    backends.prefill = p_answer(head=HEAD | cached)
+    seen: list = []
+    backends.decode = d_recording(seen, stream=False)
+    r = c.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "from D"
+    assert len(seen) == 1 and "kvtier_handoff" not in seen[0] and fallbacks(c) == 1

@@ -10,8 +10,8 @@ from kvtier.cli import main
 def test_bench_storage_bytes_and_ttft(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["bench", "storage", "--url", f"file://{tmp_path}/pool", "--objects", "16", "--object-mib", "0.25",
-                 "--repeat", "1", "--workers", "2", "--ttft", "--prompt-tokens", "200", "--early-loads", "both", "--json",
-                 "--out", str(out)]) in (0, None)
+                 "--repeat", "1", "--workers", "2", "--ttft", "--prompt-tokens", "200", "--early-loads", "both",
+                 "--json", str(out)]) in (0, None)
     res = json.loads(out.read_text())
     (b,) = res["bytes"]
     assert b["objects"] == 16 and b["kvtier_get_gbps"] > 0 and b["raw_get_gbps"] > 0 and "get_ratio" in b
