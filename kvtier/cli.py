@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k best tokens; 0 = off (default 0)")
     p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than MIN_P x the likeliest (after temperature); 0 = off (default 0)",
+    )
+    p.add_argument(
         "--sampling-seed", type=int, default=None, help="per-request sampling seed (sample i of --n draws with seed + i)"
     )
     p.add_argument(
@@ -383,6 +389,7 @@ def _generate(args) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
         return_routed_experts=args.return_routed_experts,

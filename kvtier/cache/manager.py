@@ -499,9 +499,22 @@ class CacheManager:
         return pool.allocate(n)
 
     # ------------------------------------------------------------------ eviction
-    def _evict_device(self, num_blocks: int) -> None:
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Drop every cached block that no request holds and no copy uses from the device and
+        host tiers, as eviction does but without copying any down (vLLM's reset_prefix_cache,
+        SGLang's flush_cache; the storage pool is untouched). Safe between any two steps: the
+        blocks of running and waiting requests stay. Returns the blocks dropped per tier."""
+        before = dict(self.stats.evictions)
+        self._evict_device(self.device_pool.num_blocks, drop=True)
+        if self.has_host:
+            self._evict_host(self.host_pool.num_blocks, drop=True)
+        return {tier: self.stats.evictions[tier] - before.get(tier, 0) for tier in ("device", "host")}
+
+    def _evict_device(self, num_blocks: int, drop: bool = False) -> None:
+        """Free ``num_blocks`` device blocks, least valuable first (``drop``: no copy down first,
+        whatever the write policy)."""
         tree, pool, freed, deferred = self.tree, self.device_pool, 0, 0
-        write_back = self.policy.copy_on_evict and self.has_host
+        write_back = self.policy.copy_on_evict and self.has_host and not drop
         v = tree.pop_device_victim() if num_blocks > 0 else None
         while v is not None:
             if v.host_block is None:
@@ -526,14 +539,15 @@ class CacheManager:
                 v = tree.pop_device_victim() if freed + deferred < num_blocks else None
         self.stats.evictions["device"] += freed
 
-    def _evict_host(self, num_blocks: int) -> None:
+    def _evict_host(self, num_blocks: int, drop: bool = False) -> None:
         tree, freed, deferred = self.tree, 0, 0
         while freed + deferred < num_blocks:
             v = tree.pop_host_victim()
             if v is None:
                 return
             if (
-                v.device_block is None
+                not drop
+                and v.device_block is None
                 and self.policy.copy_on_evict
                 and self.storage is not None
                 and not self.storage.contains(v.key)

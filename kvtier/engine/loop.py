@@ -78,6 +78,7 @@ CALLS: dict[str, Callable[[EngineCore], Any]] = {
     "metrics": metrics_snapshot,
     "requests": lambda core: len(core.scheduler.running) + len(core.scheduler.waiting),
     "leak_check": leak_check,
+    "reset_prefix_cache": lambda core: core.cache.reset_prefix_cache(),
 }
 
 

@@ -1,4 +1,4 @@
-"""SamplingParams (DESIGN §6) and the sampler: greedy, temperature, top-k, top-p, per-request seed;
+"""SamplingParams (DESIGN §6) and the sampler: greedy, temperature, top-k, min-p, top-p, per-request seed;
 never fails on valid params, whatever the logits (NaN, +-inf, huge).
 
 What the fields mean (the OpenAI / vLLM meanings):
@@ -49,6 +49,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest (after temperature); 0 = off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -75,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         try:
@@ -177,7 +180,7 @@ def draw(
     """One token id per row of ``logits`` [n, vocab], as a device tensor [n] (no host sync: the
     caller moves it with whatever else the step returns), and for ``processed_rows`` the log of
     the distribution each row was drawn from ([len(processed_rows), vocab] float32: after
-    temperature, top-k, top-p; a greedy row's is ``log_softmax`` of its logits). Never raises on
+    temperature, top-k, min-p, top-p; a greedy row's is ``log_softmax`` of its logits). Never raises on
     valid params, whatever the logits.
 
     The model's logits may hold NaN or +-inf (e.g. a bf16 overflow): NaN counts as the lowest
@@ -216,6 +219,11 @@ def draw(
         kth = top.gather(1, to_device([max(k - 1, 0) for k in ks], device)[:, None])
         kth = kth.masked_fill(to_device([k == 0 for k in ks], device)[:, None], float("-inf"))
         rows = rows.masked_fill(rows < kth, float("-inf"))
+    if any(p.min_p for p in sp):
+        # each row's max is 0 (above): a token's probability over the likeliest's is exp(row),
+        # so min_p keeps row >= log(min_p) (vLLM's order: after temperature, before top-p)
+        floor = [math.log(p.min_p) if p.min_p else float("-inf") for p in sp]
+        rows = rows.masked_fill(rows < _column(floor, rows), float("-inf"))
     logp = torch.log_softmax(rows, dim=-1)
     nucleus = [j for j, p in enumerate(sp) if p.top_p < 1.0]
     sorted_probs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -59,7 +59,7 @@ from kvtier.cache.manager import TIERS
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.engine.client import EngineClient
 from kvtier.engine.sampling import SamplingParams
-from kvtier.serve import asgi
+from kvtier.serve import asgi, tokenize
 from kvtier.serve.body import body_schema, parse, with_schemas
 from kvtier.serve.choice_text import ChoiceText
 from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
@@ -177,7 +177,9 @@ class Server:
         self.strings = TokenStrings(core.tokenizer)
         self.metrics = ServerMetrics()
         self.api = self._build()
-        self.app = asgi.FastGet(asgi.wrap(self.api, api_key, ("/v1/", "/kvtier/"), max_body_bytes), "/health", self.health)
+        self.app = asgi.FastGet(
+            asgi.wrap(self.api, api_key, ("/v1/", "/kvtier/", *tokenize.KEY_PATHS), max_body_bytes), "/health", self.health
+        )
 
     def close(self) -> None:
         self.prompts.close()
@@ -251,7 +253,30 @@ class Server:
         async def prefill_chat(request: Request, body: ChatCompletionRequest = Depends(chat_body)) -> Response:
             return await server.prefill("chat", body, request)
 
-        with_schemas(app, CompletionRequest, ChatCompletionRequest)
+        tokenize_body, detokenize_body = server._body(tokenize.TokenizeRequest), server._body(tokenize.DetokenizeRequest)
+
+        @app.post("/tokenize", openapi_extra=body_schema(tokenize.TokenizeRequest))
+        async def tokenize_(body: tokenize.TokenizeRequest = Depends(tokenize_body)) -> dict:
+            return await tokenize.tokenize(server, body)
+
+        @app.post("/detokenize", openapi_extra=body_schema(tokenize.DetokenizeRequest))
+        async def detokenize_(body: tokenize.DetokenizeRequest = Depends(detokenize_body)) -> dict:
+            return await tokenize.detokenize(server, body)
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict:
+            return tokenize.tokenizer_info(server)
+
+        @app.post("/reset_prefix_cache")
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
+        async def reset_prefix_cache() -> dict:
+            return await tokenize.reset_prefix_cache(server)
+
+        @app.get("/server_info")
+        async def server_info() -> dict:
+            return tokenize.server_info(server)
+
+        with_schemas(app, CompletionRequest, ChatCompletionRequest, tokenize.TokenizeRequest, tokenize.DetokenizeRequest)
         return app
 
     def _body(self, model: Any) -> Any:
@@ -474,6 +499,19 @@ class Server:
             choice.finish_reason = "stop"
         return _Piece(choice, text, toks, lps)
 
+    def _push_each(self, call: _Call, choice: _Choice, toks: list[int], lps: list | None) -> list[_Piece]:
+        """:meth:`_push` token by token: a piece per token (a stream's chunk per token, as vLLM
+        and SGLang send them, whatever number of tokens one engine delta carried), up to the
+        token that ends the choice."""
+        if len(toks) <= 1:
+            return [self._push(call, choice, toks, lps)]
+        pieces = []
+        for i, t in enumerate(toks):
+            pieces.append(self._push(call, choice, [t], lps[i : i + 1] if lps is not None else None))
+            if choice.done:
+                break
+        return pieces
+
     @staticmethod
     def _end(call: _Call, choice: _Choice, reason: str) -> str:
         """``choice`` ended with ``reason``: the text its stream held back."""
@@ -492,6 +530,7 @@ class Server:
         choice has met a stop string, and when this is closed early (a client that went away);
         every request that reached the engine is counted once."""
         defer = call.body.return_routed_experts  # choices' ends wait for the output (their routing)
+        per_token = bool(call.body.stream)  # a stream's chunk per token
         held: list[_Choice] = []
 
         def ended(p: _Piece) -> _Piece:
@@ -544,14 +583,13 @@ class Server:
                     if toks:
                         t_prev = now
                     gen.output = out
-                    pieces = []  # at most one per choice: its end comes last
+                    pieces = []  # the choice's end comes last
                     choice = gen.choices[delta.index]
                     if not choice.done:
-                        piece = self._push(call, choice, toks, lps)
+                        pieces = self._push_each(call, choice, toks, lps) if per_token else [self._push(call, choice, toks, lps)]
                         reason = delta.finish_reason or (_reason(out, choice) if out is not None else None)
                         if not choice.done and reason is not None:
-                            piece.text += self._end(call, choice, reason)
-                        pieces.append(piece)
+                            pieces[-1].text += self._end(call, choice, reason)
                     if out is not None:  # the request's end: every choice ends
                         pieces += [_Piece(c, self._end(call, c, _reason(out, c)), [], None) for c in gen.choices if not c.done]
                     for piece in pieces:
@@ -696,18 +734,19 @@ class Server:
                 if piece is None:
                     continue
                 choice = piece.choice
-                if piece.text or ((body.return_token_ids or call.logprobs) and piece.token_ids):
-                    c = self._chunk(call, choice, {"content": piece.text}, piece.text)
+                # a chunk per token (its text "" if it adds none yet), as vLLM and SGLang send
+                # them; the last one carries the finish_reason
+                if piece.text or piece.token_ids or piece.end:
+                    delta = {"content": piece.text} if piece.text or piece.token_ids else {}
+                    c = self._chunk(call, choice, delta, piece.text, choice.finish_reason if piece.end else None)
                     shape = c["choices"][0]
-                    if body.return_token_ids:
+                    if body.return_token_ids and piece.token_ids:
                         shape["token_ids"] = piece.token_ids
-                    if call.logprobs:
+                    if call.logprobs and piece.token_ids:
                         shape["logprobs"] = self._logprobs(call, piece.token_ids, piece.logprobs or [], choice)
+                    if piece.end:
+                        self._extras(call, call.gen_of(choice), choice, shape)
                     yield _data(c)
-                if piece.end:
-                    last = self._chunk(call, choice, {}, "", choice.finish_reason)
-                    self._extras(call, call.gen_of(choice), choice, last["choices"][0])
-                    yield _data(last)
             so = body.stream_options
             if so is not None and so.include_usage:
                 yield _data(
@@ -841,11 +880,10 @@ class Server:
             token = out.token_ids[0]
         names = first.export or {}
         piece = self._push(call, choice, [token], None)
-        if piece.text or body.return_token_ids:
-            c = self._chunk(call, choice, {"content": piece.text}, piece.text)
-            if body.return_token_ids:
-                c["choices"][0]["token_ids"] = [token]
-            chunks.append(c)
+        c = self._chunk(call, choice, {"content": piece.text}, piece.text)  # the first token's chunk, "" or not
+        if body.return_token_ids:
+            c["choices"][0]["token_ids"] = [token]
+        chunks.append(c)
         # what P found cached of the prompt (with the export's names, else the output's): the
         # router hands it to D, whose usage reports it as P's part
         cached = names.pop("cached_tokens", out.num_cached_tokens if out is not None else 0)

@@ -94,6 +94,36 @@ class Handoff(BaseModel):
     created: Optional[int] = None
 
 
+# Fields vLLM's or SGLang's servers take that kvtier does not implement. Their clients send some
+# with their no-op value (``"use_beam_search": false``): that value is accepted (and dropped); any
+# other is a 400 naming the field, never a silently different answer.
+_STRUCTURED = "structured output (JSON schema, regex, grammar, choice)"
+PEER_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search"),
+    "length_penalty": ((1.0,), "beam search's length penalty"),
+    "include_stop_str_in_output": ((False,), "keeping the stop string in the output"),
+    "no_stop_trim": ((False,), "keeping the stop string in the output"),
+    "spaces_between_special_tokens": ((True,), "detokenizing without spaces between special tokens"),
+    "truncate_prompt_tokens": ((None,), "truncating the prompt"),
+    "allowed_token_ids": ((None, []), "allowed_token_ids"),
+    "bad_words": ((None, []), "bad_words"),
+    "prompt_logprobs": ((None,), "prompt_logprobs (completions: echo=true with logprobs gives the prompt's)"),
+    "typical_p": ((None, 1.0), "typical sampling"),
+    "priority": ((None, 0), "request priorities"),
+    "lora_path": ((None,), "LoRA adapters"),
+    "lora_request": ((None,), "LoRA adapters"),
+    "custom_logit_processor": ((None,), "custom logit processors"),
+    "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED),
+    "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "structured_outputs": ((None,), _STRUCTURED),
+    "regex": ((None,), _STRUCTURED),
+    "json_schema": ((None,), _STRUCTURED),
+    "ebnf": ((None,), _STRUCTURED),
+}
+
+
 class _Sampling(_Body):
     NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # null: the rest of the context
 
@@ -102,6 +132,9 @@ class _Sampling(_Body):
     temperature: Optional[float] = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: Optional[float] = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(0, ge=-1)
+    min_p: Optional[float] = Field(
+        0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="drop tokens less likely than min_p x the likeliest; 0: off"
+    )
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[StrictInt]] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)
@@ -127,6 +160,22 @@ class _Sampling(_Body):
         False, description="each choice (each stream chunk) also carries its token ids"
     )
     kvtier_handoff: Optional[Handoff] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _peer_fields(cls, data: Any) -> Any:
+        """vLLM's and SGLang's fields kvtier does not implement (:data:`PEER_FIELDS`): dropped at
+        their no-op value, else a 400 that names them as unsupported."""
+        if not isinstance(data, dict) or not PEER_FIELDS.keys() & data.keys():
+            return data
+        data = dict(data)
+        for name in PEER_FIELDS.keys() & data.keys():
+            noop, what = PEER_FIELDS[name]
+            value = data.pop(name)
+            # (a bool is not a number here: priority=false is refused, length_penalty=1 is not)
+            if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noop):
+                raise FieldError(name, f"{name}={value!r}: {what} is not supported by kvtier")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -189,6 +238,7 @@ class _Sampling(_Body):
             temperature=_given(self.temperature),
             top_p=_given(self.top_p),
             top_k=max(_given(self.top_k), 0),
+            min_p=_given(self.min_p),
             seed=self.seed,
             stop_token_ids=tuple(_given(self.stop_token_ids)),
             ignore_eos=_given(self.ignore_eos),

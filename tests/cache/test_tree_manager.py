@@ -533,3 +533,34 @@ def test_the_invariant_checker_catches_a_leaked_block_and_a_lock_with_no_holder(
     node.lock_ref += 1                                   # a lock nobody holds
     with pytest.raises(AssertionError, match="lock_ref 1 != holders"):
         mgr.assert_invariants()
+
+
+# ------------------------------------------------------------------ reset (POST /reset_prefix_cache)
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_reset_drops_every_block_no_request_holds_and_leaves_the_pool(policy):
+    storage = SimulatedStorage()
+    mgr = CacheManager(block_size=BS, num_device_blocks=16, num_host_blocks=16, storage=storage, write_policy=policy)
+    a, b = blocks(100, 3), blocks(200, 2)
+    serve(mgr, "a", a)
+    held = mgr.new_request("b", b)                       # running: its blocks must stay
+    mgr.match_prefix(held)
+    assert mgr.allocate(held, len(b))
+    run_plans(mgr)
+    mgr.commit(held, len(b))
+    run_plans(mgr)
+    moved = dict(mgr.stats.bytes_moved)
+    dropped = mgr.reset_prefix_cache()
+    assert not mgr.take_plan()                           # nothing copied down on the way out
+    assert dict(mgr.stats.bytes_moved) == moved
+    # write_through: a's host copies and b's (b needs its device blocks only); write_back: none made
+    assert dropped == {"device": 3, "host": 5 if policy == "write_through" else 0}
+    mgr.assert_invariants([held])
+    m = mgr.match_prefix(mgr.new_request("a2", a))       # a: gone from device and host, still in the pool
+    assert (m.num_device_blocks, m.num_host_blocks, m.num_storage_blocks) == (0, 0, 3 if policy == "write_through" else 0)
+    m = mgr.match_prefix(mgr.new_request("b2", b))       # b: held, so still on the device
+    assert m.num_device_blocks == 2
+    mgr.free(held)
+    run_plans(mgr)
+    assert mgr.reset_prefix_cache()["device"] == 2
+    assert mgr.device_pool.num_used == 0 and mgr.host_pool.num_used == 0
+    mgr.assert_invariants()

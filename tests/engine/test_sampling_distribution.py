@@ -65,12 +65,15 @@ CHI2_CRITICAL_0001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 
                       7: 24.322, 8: 26.124, 9: 27.877}
 
 
-def reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution to draw from, by hand, in float64: temperature, then top-k, then top-p
-    (over the top-k distribution, renormalized), token by token in order of logit."""
+def reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+              min_p: float = 0.0) -> torch.Tensor:
+    """The distribution to draw from, by hand, in float64: temperature, then top-k, then min-p
+    (a token at least min_p x as likely as the likeliest), then top-p (over what is left,
+    renormalized), token by token in order of logit."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     order = sorted(range(len(logits)), key=lambda i: -float(logits[i]))
     kept = order[:top_k] if top_k else order
+    kept = [i for i in kept if float(probs[i]) >= min_p * float(probs.max())]
     mass = sum(float(probs[i]) for i in kept)
     if top_p < 1.0:
         nucleus, before = [], 0.0
@@ -184,6 +187,25 @@ def test_top_k_samples_the_k_most_likely_tokens_in_their_softmax_proportions():
              "no temperature": reference(LOGITS, 1.0, top_k=3),
              "top-k of the smallest": reference(-LOGITS, 0.7, top_k=3)}
     check(SamplingParams(temperature=0.7, top_k=3), want, {1, 6, 3}, wrong)
+
+
+def test_min_p_drops_tokens_less_likely_than_min_p_times_the_likeliest_after_temperature():
+    """At T=0.7 the tokens by logit are exp((l - 2) / 0.7) = 1, .49, .32, .18 ... as likely as
+    the first: min_p=0.4 keeps two. Applied before the temperature (T=1: 1, .61, .45, .30) it
+    would keep three; as an absolute probability floor (p >= 0.4) one."""
+    want = reference(LOGITS, 0.7, min_p=0.4)
+    absolute = torch.zeros(VOCAB, dtype=torch.float64)
+    absolute[ARGMAX] = 1.0
+    wrong = {"min-p ignored": reference(LOGITS, 0.7),
+             "min-p before temperature": reference(LOGITS, 0.7, top_k=3),
+             "min-p as an absolute floor": absolute}
+    check(SamplingParams(temperature=0.7, min_p=0.4), want, {1, 6}, wrong)
+    # top-p after it, over what min-p kept, renormalized: min_p=0.25 keeps 1, .49, .32 (.55, .27,
+    # .18 of their sum), so top_p=0.8 drops the third (.82 before it); top-p first would keep it
+    # (.67 of the whole distribution before it)
+    both = reference(LOGITS, 0.7, min_p=0.25, top_p=0.8)
+    check(SamplingParams(temperature=0.7, min_p=0.25, top_p=0.8), both, {1, 6},
+          {"top-p before min-p": reference(LOGITS, 0.7, top_p=0.8), "top-p ignored": reference(LOGITS, 0.7, min_p=0.25)})
 
 
 @pytest.mark.parametrize("temperature,support", [(1.0, {1, 6, 3, 9}), (0.7, {1, 6, 3})])

@@ -268,6 +268,29 @@ def test_echo_with_logprobs_scores_the_prompt(server, offline):
                               full.prompt_logprobs + full.outputs[0].logprobs, 2)
 
 
+# ---------------------------------------------------------------- a chunk per token
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_sends_one_chunk_per_generated_token(server, path):
+    """As vLLM and SGLang do, and as their benches count (a chunk is a token): a token whose bytes
+    do not complete a character yet gets a chunk with "" (its text comes with the token that
+    completes it), and the last token's chunk carries the finish_reason."""
+    chat = "chat" in path
+    body = {"max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    body |= {"messages": [{"role": "user", "content": PROMPTS[2]}]} if chat else {"prompt": PROMPTS[2]}
+    chunks = stream(server, path, body | {"stream_options": {"include_usage": True}})
+    usage = chunks[-1]["usage"]
+    tokens = [c["choices"][0] for c in chunks[:-1]]
+    if chat:
+        assert tokens[0]["delta"] == {"role": "assistant", "content": ""}
+        tokens = tokens[1:]
+    texts = [t["delta"].get("content") if chat else t["text"] for t in tokens]
+    assert len(tokens) == usage["completion_tokens"] == 40
+    assert [t["finish_reason"] for t in tokens] == [None] * 39 + ["length"]
+    whole = post(server, path, body)["choices"][0]
+    assert "".join(texts) == (whole["message"]["content"] if chat else whole["text"])
+    assert "" in texts          # (this model's bytes: some tokens complete no character on their own)
+
+
 # ---------------------------------------------------------------- streaming several choices
 def by_choice(chunks: list[dict]) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
@@ -404,6 +427,12 @@ def test_null_new_fields_mean_their_default(server):
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format.type"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"regex": "[0-9]+"}, "regex"),
+    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {"priority": False}, "priority"),
 ])
 def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
     body = {"model": "moe", "max_tokens": 4, **({"prompt": "hi"} if "completions" == path[4:] else
@@ -411,6 +440,28 @@ def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
     r = httpx.post(server.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_peers_fields_at_their_no_op_value_are_accepted_and_others_named_unsupported(server):
+    """vLLM's and SGLang's clients send some fields kvtier does not implement at their defaults."""
+    noop = {"use_beam_search": False, "length_penalty": 1, "include_stop_str_in_output": False,
+            "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": [],
+            "priority": 0, "lora_path": None, "regex": None}
+    base = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert post(server, "/v1/completions", base | noop)["choices"][0]["text"] == \
+        post(server, "/v1/completions", base)["choices"][0]["text"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "moe", **base, "use_beam_search": True}, timeout=60)
+    assert r.status_code == 400 and "beam search is not supported by kvtier" in r.json()["error"]["message"]
+
+
+def test_min_p_one_keeps_only_the_likeliest_token(server):
+    """min_p=1 at temperature 1: every draw is the argmax (greedy's tokens); without it the same
+    seed samples other tokens (a min_p that does nothing fails here)."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 10, "ignore_eos": True, "return_token_ids": True}
+    greedy = post(server, "/v1/completions", body | {"temperature": 0})["choices"][0]["token_ids"]
+    capped = post(server, "/v1/completions", body | {"temperature": 1.0, "seed": 5, "min_p": 1.0})["choices"][0]["token_ids"]
+    plain = post(server, "/v1/completions", body | {"temperature": 1.0, "seed": 5})["choices"][0]["token_ids"]
+    assert capped == greedy and plain != greedy
 
 
 # ---------------------------------------------------------------- disconnects

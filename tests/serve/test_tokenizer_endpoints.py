@@ -1,0 +1,116 @@
+"""The endpoints vLLM's and SGLang's clients call besides the OpenAI API, in vLLM's shapes:
+/tokenize gives the ids the completions and chat endpoints feed the engine (their usage counts
+them), /detokenize inverts it, /tokenizer_info is the checkpoint's tokenizer,
+/reset_prefix_cache and /flush_cache empty the device and host tiers (the next identical prompt
+is a miss, the one after a hit again), /server_info the engine's configuration; every one of them
+behind --api-key."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+CTX = 512
+KEY = "tok-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TEXT = "A tiered KV cache keeps a prompt's blocks on the device, the host and a pool. "
+
+
+@pytest.fixture(scope="module")
+def server(procs, moe_model):
+    return procs(["serve", moe_model, "--max-model-len", CTX, "--served-model-name", "moe", "--num-host-blocks", 64,
+                  "--api-key", KEY], "tokenize").wait_ready()
+
+
+def call(server, method: str, path: str, body: dict | None = None, status: int = 200) -> dict:
+    r = httpx.request(method, server.url + path, json=body, headers=AUTH, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def completion(server, prompt, **kw) -> dict:
+    body = {"model": "moe", "prompt": prompt, "max_tokens": 2, "temperature": 0, **kw}
+    return call(server, "POST", "/v1/completions", body)
+
+
+def test_tokenize_gives_the_ids_a_completion_feeds_the_engine(server, moe_model):
+    got = call(server, "POST", "/tokenize", {"model": "moe", "prompt": TEXT, "return_token_strs": True})
+    tok = AutoTokenizer.from_pretrained(moe_model)
+    want = tok.encode(TEXT, add_special_tokens=False)
+    assert got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] == CTX
+    assert got["token_strs"] == tok.convert_ids_to_tokens(want)
+    assert completion(server, TEXT)["usage"]["prompt_tokens"] == got["count"]
+    # a token-id prompt of those ids is the same prompt: the same greedy answer
+    assert completion(server, got["tokens"])["choices"][0]["text"] == completion(server, TEXT)["choices"][0]["text"]
+
+
+def test_tokenize_a_chat_counts_what_the_chat_endpoint_counts(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+    got = call(server, "POST", "/tokenize", {"model": "moe", "messages": messages})
+    chat = call(server, "POST", "/v1/chat/completions", {"model": "moe", "messages": messages, "max_tokens": 2})
+    assert got["count"] == chat["usage"]["prompt_tokens"] > len(TEXT)   # the template's tokens too
+    plain = call(server, "POST", "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert plain["count"] < got["count"]
+
+
+def test_detokenize_inverts_tokenize_and_refuses_ids_outside_the_vocabulary(server):
+    ids = call(server, "POST", "/tokenize", {"prompt": TEXT})["tokens"]
+    assert call(server, "POST", "/detokenize", {"model": "moe", "tokens": ids}) == {"prompt": TEXT}
+    vocab = call(server, "GET", "/v1/models")["data"][0]["vocab_size"]
+    err = call(server, "POST", "/detokenize", {"tokens": [1, vocab]}, status=400)["error"]
+    assert err["param"] == "tokens" and str(vocab) in err["message"]
+    err = call(server, "POST", "/tokenize", {"model": "other", "prompt": "x"}, status=404)["error"]
+    assert err["param"] == "model"
+    call(server, "POST", "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, status=400)
+
+
+def test_tokenizer_info_is_the_checkpoints_tokenizer(server, moe_model):
+    info = call(server, "GET", "/tokenizer_info")
+    tok = AutoTokenizer.from_pretrained(moe_model)
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert info["chat_template"] == tok.chat_template and info["eos_token"] == tok.eos_token
+    assert info["vocab_size"] == len(tok) and info["model_max_length"] == CTX
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/reset_prefix_cache"), ("POST", "/flush_cache"), ("GET", "/flush_cache")])
+def test_reset_empties_the_device_and_host_tiers(server, method, path):
+    prompt = [7 + i % 200 for i in range(100)]     # six whole 16-token blocks
+    completion(server, prompt)
+    assert completion(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    dropped = call(server, method, path)["dropped_blocks"]
+    assert dropped["device"] >= 6 and dropped["host"] >= 6   # (and whatever earlier tests left)
+    assert completion(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert completion(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
+def test_server_info_has_the_engine_configuration(server, moe_model):
+    info = call(server, "GET", "/server_info")
+    assert info["model"] == "moe" and info["max_model_len"] == CTX and info["role"] == "colocated"
+    assert info["engine_config"]["num_host_blocks"] == 64 and info["engine_config"]["max_model_len"] == CTX
+    assert moe_model.name in info["model_path"]
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+                                          ("POST", "/reset_prefix_cache"), ("GET", "/flush_cache"), ("GET", "/server_info")])
+def test_every_one_needs_the_api_key(server, method, path):
+    r = httpx.request(method, server.url + path, json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 401, r.text
+
+
+def test_lm_evals_remote_tokenizer_finds_what_it_reads(server, moe_model):
+    """lm-eval 0.4.13's local-completions (tokenizer_backend "auto") uses the server's tokenizer
+    when GET /tokenizer_info has "eos_token" and POST /tokenize {"prompt", "add_special_tokens":
+    false} answers "tokens"; its eos_token_id is the first id of the EOS text tokenized, and it
+    renders chats with the template it was given (lm_eval/utils.py RemoteTokenizer)."""
+    from jinja2 import Environment
+
+    tok = AutoTokenizer.from_pretrained(moe_model)
+    info = call(server, "GET", "/tokenizer_info")
+    assert "eos_token" in info
+    assert isinstance(call(server, "POST", "/tokenize", {"prompt": "test", "add_special_tokens": False})["tokens"], list)
+    eos = call(server, "POST", "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})["tokens"]
+    assert eos[0] == tok.eos_token_id
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = Environment().from_string(info["chat_template"]).render(messages=chat, add_generation_prompt=True)
+    assert rendered == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
