@@ -1,4 +1,7 @@
-"""The endpoints vLLM's and SGLang's clients call besides the OpenAI API, in vLLM's shapes:
+"""What the field's clients send and read, recorded from their sources, against `kvtier serve`:
+`vllm bench serve` (vLLM 0.33 vllm/benchmarks/lib/endpoint_request_func.py: openai and
+openai-chat), SGLang 0.5.23's bench_serving (sglang-oai), lm-eval 0.4.13's remote tokenizer; and
+the endpoints vLLM's and SGLang's clients call besides the OpenAI API, in vLLM's shapes:
 /tokenize gives the ids the completions and chat endpoints feed the engine (their usage counts
 them), /detokenize inverts it, /tokenizer_info is the checkpoint's tokenizer,
 /reset_prefix_cache and /flush_cache empty the device and host tiers (the next identical prompt
@@ -6,6 +9,8 @@ is a miss, the one after a hit again), /server_info the engine's configuration; 
 behind --api-key."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -114,3 +119,54 @@ def test_lm_evals_remote_tokenizer_finds_what_it_reads(server, moe_model):
     chat = [{"role": "user", "content": "hi"}]
     rendered = Environment().from_string(info["chat_template"]).render(messages=chat, add_generation_prompt=True)
     assert rendered == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+# ---------------------------------------------------------------- the peers' benchmark clients
+def sse(server, path: str, payload: dict) -> list[dict]:
+    """The data events of a stream, as the clients split them (``[DONE]`` left out)."""
+    events = []
+    with httpx.stream("POST", server.url + path, json=payload, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_vllm_bench_serve_finds_the_model_and_its_root_without_model(server, moe_model):
+    entry = call(server, "GET", "/v1/models")["data"][0]       # `vllm bench serve` without --model
+    assert entry["id"] == "moe" and entry["root"] == str(moe_model)
+    assert entry["max_model_len"] == CTX and entry["parent"] is None and entry["permission"] == []
+
+
+def test_vllm_bench_serve_openai_times_a_chunk_per_token(server):
+    payload = {"model": "moe", "prompt": TEXT, "repetition_penalty": 1.0, "max_tokens": 24, "logprobs": None,
+               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+               "temperature": 0.0}   # (--ignore-eos --temperature 0: extra_body)
+    events = sse(server, "/v1/completions", payload)
+    token_chunks = [e for e in events if e.get("choices")]       # each timed as a token (text may be "")
+    usage = next(e["usage"] for e in events if not e.get("choices") and e.get("usage"))
+    assert len(token_chunks) == usage["completion_tokens"] == 24 and usage["prompt_tokens"] > 0
+    text = "".join(e["choices"][0].get("text") or "" for e in token_chunks)
+    assert text == completion(server, TEXT, max_tokens=24, ignore_eos=True)["choices"][0]["text"]
+
+
+def test_vllm_bench_serve_openai_chat_times_the_role_chunk_then_a_chunk_per_token(server):
+    payload = {"model": "moe", "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}],
+               "max_completion_tokens": 16, "stream": True, "stream_options": {"include_usage": True},
+               "ignore_eos": True}
+    events = sse(server, "/v1/chat/completions", payload)
+    token_chunks = [e for e in events if e.get("choices")]
+    usage = next(e["usage"] for e in events if not e.get("choices") and e.get("usage"))
+    assert token_chunks[0]["choices"][0]["delta"]["role"] == "assistant"     # as vLLM's server sends it
+    assert len(token_chunks) == 1 + usage["completion_tokens"] == 17
+
+
+def test_sglang_bench_serving_oai_reads_text_chunks_and_generated_text(server):
+    payload = {"model": "moe", "prompt": TEXT, "temperature": 0.0, "best_of": 1, "max_tokens": 24,
+               "stream": True, "ignore_eos": True}
+    events = sse(server, "/v1/completions", payload)
+    assert all(e["choices"] for e in events)                     # it indexes choices[0] of every event
+    texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["text"]]
+    assert "".join(texts) == completion(server, TEXT, max_tokens=24, ignore_eos=True)["choices"][0]["text"]
+    assert len(events) == 24
