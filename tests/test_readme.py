@@ -102,6 +102,7 @@ def test_every_file_a_command_names_is_in_the_repository():
     assert not missing, f"README commands name files the repository does not have: {missing}"
 
 
+@pytest.mark.slow  # ~100 s on 2 cores (the soak, the multi-turn bench, the sim): CI runs it with -m slow
 def test_the_cpu_commands_run_as_written(tmp_path):
     ran = []
     for command in COMMANDS:
@@ -119,6 +120,7 @@ def test_the_cpu_commands_run_as_written(tmp_path):
 
 @pytest.mark.skipif(not POOL_DEFAULTS_LANDED, reason="`--storage URL` alone does not yet give a host tier that "
                                                       "writes through (flip POOL_DEFAULTS_LANDED when it does)")
+@pytest.mark.slow  # (tests/engine/test_engine_inputs.py runs the same two generates in the default run)
 def test_persistent_pool_example_is_served_from_storage_by_a_second_run(tmp_path):
     command = next(c for c in COMMANDS if POOL_EXAMPLE in c)
     run_kvtier("kvtier init-model qwen3-moe-tiny /tmp/m", tmp_path)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -34,7 +35,10 @@ from kvtier.cache import CacheManager, SimulatedStorage
 BS = 4
 PREFIXES = [[(p * 7 + i) % 11 for i in range(24)] for p in range(4)]
 GARBAGE = b"garbage"
-EXAMPLES = int(os.environ.get("KVTIER_SM_EXAMPLES", "700"))
+# examples per machine: 250 in the default run (~10 s each on 2 cores), 1,500 in the slow pass
+# (the Deep classes below); KVTIER_SM_EXAMPLES sets the default run's
+EXAMPLES = int(os.environ.get("KVTIER_SM_EXAMPLES", "250"))
+DEEP_EXAMPLES = 1500
 
 
 class Req:
@@ -396,9 +400,25 @@ class WriteBack(CacheMachine):
     policy = "write_back"
 
 
+DEEP = settings(SETTINGS, max_examples=DEEP_EXAMPLES)
 TestWriteThroughSelective = WriteThroughSelective.TestCase
 TestWriteThroughSelective.settings = SETTINGS
 TestWriteThrough = WriteThrough.TestCase
 TestWriteThrough.settings = SETTINGS
 TestWriteBack = WriteBack.TestCase
 TestWriteBack.settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestWriteThroughSelectiveDeep(WriteThroughSelective.TestCase):
+    settings = DEEP
+
+
+@pytest.mark.slow
+class TestWriteThroughDeep(WriteThrough.TestCase):
+    settings = DEEP
+
+
+@pytest.mark.slow
+class TestWriteBackDeep(WriteBack.TestCase):
+    settings = DEEP

@@ -33,7 +33,8 @@ def ref(offline, prompt, n=10):
     return offline.generate([prompt], kvtier.SamplingParams(max_tokens=n, return_routed_experts=True))[0]
 
 
-@pytest.fixture(scope="module", params=["valkey", "mooncake"])
+# Valkey in the default run; Mooncake (its master and a node start in ~30 s on 2 cores) with -m slow
+@pytest.fixture(scope="module", params=["valkey", pytest.param("mooncake", marks=pytest.mark.slow)])
 def pd(request, procs, moe_model):
     """(pool handle, P, D, D under --pd-on-miss error, router)."""
     pool = request.getfixturevalue("valkey_server" if request.param == "valkey" else "mooncake_pool")
