@@ -26,8 +26,10 @@ MoE models, routed experts included, is tested where batches are controlled (tes
 tests/storage, tests/serve/test_pd.py).
 
 Goals: 0 5xx, 0 engine stops, 0 leaked blocks or pins, 0 mismatched answers, 0
-cross-salt hits, ``/health`` p99 < 100 ms. Prints one JSON object (``--json PATH`` writes it too);
-exit status 1 if a goal is missed.
+cross-salt hits, every status expected: exit status 1 if one is missed. The latency goal,
+``/health`` p99 < 100 ms, is a figure of the machine and its load: a miss is reported (stderr,
+and ``latency_goals`` in the JSON), and is an exit status 1 with ``--strict``. Prints one JSON
+object (``--json PATH`` writes it too).
 """
 
 from __future__ import annotations
@@ -529,9 +531,9 @@ def run(args: argparse.Namespace) -> dict:
         "no_leaks": leaks["invariants"] == "ok" and leaks["requests_left"] == 0,
         "answers_equal_offline": not mismatches and compared > 0,
         "no_cross_salt_hits": not cross_salt,
-        "health_p99_under_100ms": summary["health_p99_ms"] < 100,
         "every_status_expected": not unexpected,
     }
+    summary["latency_goals"] = {"health_p99_under_100ms": summary["health_p99_ms"] < 100}
     return summary
 
 
@@ -567,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--strict", action="store_true", help="a missed latency goal (/health p99 < 100 ms) is an exit status 1 too")
     return p
 
 
@@ -580,7 +583,14 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
-    missed = [g for g, ok in summary["goals"].items() if not ok]
+    slow = [g for g, ok in summary["latency_goals"].items() if not ok]
+    if slow:
+        print(
+            f"kvtier bench soak: latency goals missed: {', '.join(slow)} (/health p99 "
+            f"{summary['health_p99_ms']:.0f} ms){'' if args.strict else '; --strict makes that an exit status 1'}",
+            file=sys.stderr,
+        )
+    missed = [g for g, ok in summary["goals"].items() if not ok] + (slow if args.strict else [])
     if missed:
         print(f"kvtier bench soak: goals missed: {', '.join(missed)}", file=sys.stderr)
         raise SystemExit(1)
