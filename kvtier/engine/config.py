@@ -168,7 +168,18 @@ class EngineConfig:
         "loads them when it starts)",
     )
     tensor_parallel_size: int = _opt(
-        1, "tensor parallel ranks (default 1; only 1 so far)", type=types.positive_int, aliases=("-tp", "--tp-size")
+        1,
+        "tensor parallel ranks: the model's heads and MLPs split over this many GPUs of the host (cuda:N.."
+        "cuda:N+size-1 from --device), or processes on cpu; one process per rank (default 1)",
+        type=types.positive_int,
+        aliases=("-tp", "--tp-size"),
+    )
+    tp_timeout: float = _opt(
+        60.0,
+        "tensor parallel: seconds a rank may take to join a collective or answer rank 0; past it, or "
+        "when a rank process dies, the engine stops with an error naming the rank (default 60)",
+        type=types.positive_float,
+        metavar="S",
     )
     preemption_mode: str | None = _opt(
         None,
@@ -274,8 +285,13 @@ class EngineConfig:
                     "gpu_memory_utilization is for cuda devices; on cpu the device tier is 20% of the "
                     "available memory unless num_device_blocks says otherwise"
                 )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (only 1)")
+        if not (isinstance(self.tp_timeout, int | float) and self.tp_timeout > 0):
+            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
+        if self.tensor_parallel_size > 1 and self.storage is not None:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with a storage pool is not supported yet: "
+                "each rank's shard would need its own objects; use the device and host tiers"
+            )
         device = str(self.device)
         if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

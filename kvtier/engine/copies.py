@@ -6,13 +6,18 @@ waits in :attr:`CopyPump.rewinds` for the step that loaded, which applies it."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvtier.cache import CacheManager
 from kvtier.storage.client import StorageClient
 from kvtier.transfer.engine import TransferEngine
 
+if TYPE_CHECKING:
+    from kvtier.engine.tp.transfer import TPTransfer
+
 
 class CopyPump:
-    def __init__(self, cache: CacheManager, transfer: TransferEngine, storage: StorageClient | None) -> None:
+    def __init__(self, cache: CacheManager, transfer: TransferEngine | TPTransfer, storage: StorageClient | None) -> None:
         self.cache = cache
         self.transfer = transfer
         self.storage = storage

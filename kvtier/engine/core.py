@@ -74,9 +74,12 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sizing import check_host_blocks, resolve_dtype, size_device_blocks, size_host_blocks
 from kvtier.engine.startup import Startup
+from kvtier.engine.tp.ranks import RankLost, Ranks, backend_for, destroy_group, init_group
+from kvtier.engine.tp.transfer import TPTransfer
 from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
 from kvtier.model.hub import resolve_model
+from kvtier.model.shard import TPShard, check_divisible
 from kvtier.model.tokenizer import load_tokenizer
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
@@ -113,9 +116,7 @@ class EngineCore:
         c = self.engine_config = replace(config, **options) if config is not None else EngineConfig(**options)
         device, dtype, block_size = c.device, c.dtype, c.block_size
         num_device_blocks, num_host_blocks, storage = c.num_device_blocks, c.num_host_blocks, c.storage
-        write_policy, write_through_threshold = c.write_policy, c.write_through_threshold
-        preemption_mode, attention_backend, cuda_graphs = c.preemption_mode, c.attention_backend, c.cuda_graphs
-        max_num_seqs, max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
+        write_policy, attention_backend = c.write_policy, c.attention_backend
         if write_policy is None:
             write_policy = default_write_policy(bool(num_host_blocks), storage is not None)
         self.pd_on_miss = c.pd_on_miss
@@ -140,15 +141,50 @@ class EngineCore:
         if num_host_blocks is not None:
             check_host_blocks(num_host_blocks, bytes_per_block)
         self.startup = startup = startup if startup is not None else Startup()
+        self.ranks: Ranks | None = None  # tensor parallel: ranks 1.. (engine/tp)
+        tp = c.tensor_parallel_size
+        shard = None
+        if tp > 1:
+            check_divisible(cfg, tp)
+            if self.device.type == "cuda" and self.device.index + tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={tp} from {self.device} needs GPUs {self.device.index}.."
+                    f"{self.device.index + tp - 1}; torch sees {torch.cuda.device_count()}"
+                )
+            # the other ranks start now and load their shards while this one loads its own
+            self.ranks = Ranks.start(tp, str(self.path), replace(c, revision=None), self.device, c.tp_timeout)
+            try:
+                shard = TPShard(0, tp, init_group(backend_for(self.device), self.ranks.store, 0, tp, c.tp_timeout, self.device))
+            except BaseException:
+                self.ranks.close()
+                raise
+        try:
+            self._build(c, cfg, shard, bytes_per_block, attention_backend, num_device_blocks, num_host_blocks, write_policy)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+                destroy_group()
+            raise
+
+    def _build(self, c, cfg, shard, bytes_per_block, attention_backend, num_device_blocks, num_host_blocks, write_policy) -> None:
+        """The rest of the start, after the checks (and, tensor parallel, after the other ranks
+        were started: a failure here ends them)."""
+        startup, storage, block_size = self.startup, c.storage, c.block_size
+        write_through_threshold, preemption_mode, cuda_graphs = c.write_through_threshold, c.preemption_mode, c.cuda_graphs
+        max_num_seqs, max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
+        tp = c.tensor_parallel_size
         with startup("loading weights"):
-            self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=c.load_format)
+            self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=c.load_format, tp=shard)
+        rcfg = self.model.config  # this rank's KV heads (the model's, without tensor parallelism)
         with startup("loading tokenizer"):
             self.tokenizer = load_tokenizer(self.path)
 
         if num_device_blocks is None:
             num_device_blocks = size_device_blocks(
-                self.device, bytes_per_block, block_size, max_num_seqs, self.max_model_len, c.gpu_memory_utilization
+                self.device, bytes_per_block // tp, block_size, max_num_seqs, self.max_model_len, c.gpu_memory_utilization
             )
+        if self.ranks is not None:  # every rank holds as many blocks as the tightest one fits
+            num_device_blocks = min(num_device_blocks, *self.ranks.gather_sizes())
         if num_host_blocks is None:
             num_host_blocks = (
                 size_host_blocks(bytes_per_block, block_size, num_device_blocks, self.max_model_len) if storage is not None else 0
@@ -184,13 +220,23 @@ class EngineCore:
             fetch_cost=self.fetch_cost,
             early_loads=bool(c.early_loads),
         )
+        if cuda_graphs is None:  # default: on for CUDA, where launches bound decode speed
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and self.device.type == "cuda" and attention_backend != "triton":
+            # a captured graph keeps the host lengths the torch reference read at capture
+            log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly", attention_backend)
+            cuda_graphs = False
+        if self.ranks is not None:  # the others allocate, compile and capture beside this one
+            self.ranks.send(("build", num_device_blocks, num_host_blocks, bool(cuda_graphs)))
         with startup("allocating KV tiers"):
             # one block more than the pool hands out: the scratch block padded CUDA-graph rows
             # (and the start's kernel warm-up) write to
-            self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, block_size, self.device, self.dtype)
+            self.kv_caches = allocate_kv_caches(rcfg, num_device_blocks + 1, block_size, self.device, self.dtype)
             # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
             self._host = (
-                HostKV((num_host_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), self.dtype, self.device)
+                HostKV(
+                    (num_host_blocks, rcfg.num_layers, 2, block_size, rcfg.num_kv_heads, rcfg.head_dim), self.dtype, self.device
+                )
                 if num_host_blocks
                 else None
             )
@@ -202,17 +248,12 @@ class EngineCore:
             if cfg.is_moe and c.capture_routing
             else None
         )
-        self.transfer = TransferEngine(self.kv_caches, self.host_kv, self.routing)
+        local = TransferEngine(self.kv_caches, self.host_kv, self.routing)
+        self.transfer = local if self.ranks is None else TPTransfer(local, self.ranks)
         self.copies = CopyPump(self.cache, self.transfer, self.storage)
         if self.storage is not None:
             assert self.host_kv is not None  # a pool always gets a host tier (config, sizing)
             bind_pool(self.storage, self.fetch_cost, self.host_kv, self.routing, fingerprint)
-        if cuda_graphs is None:  # default: on for CUDA, where launches bound decode speed
-            cuda_graphs = self.device.type == "cuda"
-        if cuda_graphs and self.device.type == "cuda" and attention_backend != "triton":
-            # a captured graph keeps the host lengths the torch reference read at capture
-            log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly", attention_backend)
-            cuda_graphs = False
         if self.device.type == "cuda":
             with startup("compiling kernels"):
                 startup.kernels_compiled = compile_kernels(
@@ -234,6 +275,10 @@ class EngineCore:
                     self.transfer.gates,
                 )
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs, step_graphs)
+        if self.ranks is not None:
+            with startup("waiting for the other tensor-parallel ranks"):
+                self.ranks.wait_ready()
+            self.runner.peers = self.ranks
         self.scheduler = Scheduler(
             self.cache,
             max_num_batched_tokens,
@@ -443,6 +488,8 @@ class EngineCore:
         try:
             return self.runner.execute(out, start_loads)
         except Exception as e:  # noqa: BLE001
+            if self.ranks is not None:  # the other ranks are inside this step's collectives
+                raise self.ranks.explain(e) from e
             raise_if_device_lost(e)  # nothing more runs on this GPU: no retry
             if len(out.scheduled) == 1:
                 raise
@@ -501,7 +548,10 @@ class EngineCore:
 
     def _blame(self, out: SchedulerOutput, results: list[RequestOutput], exc: BaseException) -> None:
         """Fail the requests of ``out`` without an output yet (the step raised ``exc``); an
-        error after which the GPU can run nothing more stops the engine instead (engine/fatal.py)."""
+        error after which the GPU can run nothing more stops the engine instead (engine/fatal.py),
+        as does any under tensor parallelism (the ranks could no longer be kept in step)."""
+        if self.ranks is not None:
+            raise self.ranks.explain(exc) from exc
         raise_if_device_lost(exc)
         answered = {o.request_id for o in results} | self._exports.ids()
         blamed = [s.request for s in out.scheduled if s.request.request_id not in answered and not s.request.is_finished]
@@ -575,10 +625,16 @@ class EngineCore:
         """Wait for copies in flight, then release device and (pinned) host memory."""
         if self._closed:
             return
-        self.drain()
+        try:
+            self.drain()
+        except RankLost:
+            pass  # a rank is gone: nothing more to wait for
         if self.routing is not None:
             self.routing.flush(wait=True)
         self._closed = True
+        if self.ranks is not None:
+            self.ranks.close()
+            destroy_group()
         self.kv_caches.clear()
         self.host_kv = None
         if self.storage is not None:

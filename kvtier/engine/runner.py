@@ -24,7 +24,7 @@ blocking ``torch.tensor(..., device=cuda)`` would wait for the step in flight.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.staging import HostCopy, PinnedRing
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
+from kvtier.model.shard import broadcast_from_first
 
 if TYPE_CHECKING:
     from kvtier.transfer.engine import LoadWaits
@@ -66,6 +67,8 @@ class ModelRunner:
         self._feed: StepResult | None = None  # ... as of this step's start: its tokens feed this one
         self._up, self._down = PinnedRing(device), PinnedRing(device)  # a step's inputs, its results
         self.graph_steps_after_loads = 0  # graph replays that waited for host->device loads
+        # tensor parallel, rank 0: the other ranks (engine/tp/ranks.py), told of each forward
+        self.peers: Peers | None = None
 
     def start_step(self) -> None:
         """A new step begins (its forwards, several if a batch is retried request by request,
@@ -78,7 +81,8 @@ class ModelRunner:
             layer_hook(len(self.kv_caches) - 1)
             self.graph_steps_after_loads += 1
 
-    def build_inputs(self, out: SchedulerOutput) -> StepInputs:
+    def build_inputs(self, out: SchedulerOutput) -> HostInputs:
+        """The step's inputs as host lists (what every tensor-parallel rank uploads alike)."""
         ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
@@ -106,19 +110,13 @@ class ModelRunner:
             tables.append(req.cache_req.block_table[: -(-end // self.block_size)])
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, "cpu")
-        return self._upload(ids, positions, meta, sample_rows, pending_at, pending_rows)
+        return HostInputs(ids, positions, query_lens, seq_lens, tables, sample_rows, pending_at, pending_rows)
 
-    def _upload(
-        self,
-        ids: list[int],
-        positions: list[int],
-        meta: AttentionMetadata,
-        sample_rows: list[int],
-        pending_at: list[int],
-        pending_rows: list[int],
-    ) -> StepInputs:
+    def _upload(self, host: HostInputs) -> StepInputs:
         """The step's inputs on the device, in two non-blocking copies (the module docstring)."""
+        ids, positions, sample_rows = host.ids, host.positions, host.sample_rows
+        pending_at, pending_rows = host.pending_at, host.pending_rows
+        meta = AttentionMetadata.build(host.query_lens, host.seq_lens, host.tables, self.block_size, "cpu")
         n = len(ids)
         wide = np.concatenate(
             [
@@ -161,27 +159,15 @@ class ModelRunner:
             input_ids.index_copy_(0, at, last.tokens.index_select(0, rows))
         return StepInputs(input_ids, wide_d[n : 2 * n], dev, sample_rows, tail[:ns])
 
-    def execute(self, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None = None) -> StepResult:
-        """Queue the step's forward and sampling; returns at once (:class:`StepResult`).
-
-        ``start_loads(mode)`` is called once the step's inputs are uploaded, before the first
-        layer: it queues the step's host->device loads in ``mode`` (TransferEngine.load_mode) and
-        returns the hook ``layer_hook(l)`` that runs before attention of layer ``l`` reads the KV
-        cache (a wait for that layer's loads; :class:`~kvtier.transfer.engine.LoadWaits`), or
-        None if the step loads nothing.
-        Inputs go first because the small input uploads share the host->device copy engine (FIFO)
-        with the loads' DMA: queued after a GiB of KV, they would hold the whole forward back
-        until the loads were done.
-
-        - a step replayed from a step graph captured with layer gates loads ``gated``: the graph
-          waits for each layer's gate, so one launch overlaps loads and layers;
-        - a decode graph (or a step graph without gates) loads ``whole`` and waits for the last
-          layer (so for all of them) before the replay;
-        - an eager forward loads ``layers`` and waits per layer through the hook. Short steps are
-          not run eagerly because of their loads: the eager forward's ~250 launches from Python
-          cost more CPU than such a step's loads and compute take on the GPU
-          (docs/BENCHMARKS.md)."""
-        inputs = self.build_inputs(out)
+    def forward(
+        self, host: HostInputs, start_loads: Callable[[str], LoadWaits | None] | None = None
+    ) -> tuple[StepInputs, torch.Tensor]:
+        """Upload ``host``, take the step's loads and queue the forward (a replayed graph or the
+        eager model); (the inputs on the device, the hidden states). Every tensor-parallel rank
+        runs this on the same ``host`` (engine/tp): rank 0 tells the others through
+        :attr:`peers` once its loads are queued, then all of them meet in the forward's
+        all-reduces."""
+        inputs = self._upload(host)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         graphs, steps = self.decode_graphs, self.step_graphs
         decode_graph = graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None
@@ -191,6 +177,8 @@ class ModelRunner:
         else:
             mode = "layers"
         layer_hook = start_loads(mode) if start_loads is not None else None
+        if self.peers is not None:
+            self.peers.forward(host)
         if decode_graph:
             assert graphs is not None
             self._wait_all_loads(layer_hook)
@@ -211,6 +199,29 @@ class ModelRunner:
         if self.routing is not None:  # (the buffers and the host slots come with routing)
             assert routing_out is not None and meta.slot_mapping_cpu is not None
             self.routing.record(routing_out, meta.slot_mapping_cpu)
+        return inputs, hidden
+
+    def execute(self, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None = None) -> StepResult:
+        """Queue the step's forward and sampling; returns at once (:class:`StepResult`).
+
+        ``start_loads(mode)`` is called once the step's inputs are uploaded, before the first
+        layer: it queues the step's host->device loads in ``mode`` (TransferEngine.load_mode) and
+        returns the hook ``layer_hook(l)`` that runs before attention of layer ``l`` reads the KV
+        cache (a wait for that layer's loads; :class:`~kvtier.transfer.engine.LoadWaits`), or
+        None if the step loads nothing.
+        Inputs go first because the small input uploads share the host->device copy engine (FIFO)
+        with the loads' DMA: queued after a GiB of KV, they would hold the whole forward back
+        until the loads were done.
+
+        - a step replayed from a step graph captured with layer gates loads ``gated``: the graph
+          waits for each layer's gate, so one launch overlaps loads and layers;
+        - a decode graph (or a step graph without gates) loads ``whole`` and waits for the last
+          layer (so for all of them) before the replay;
+        - an eager forward loads ``layers`` and waits per layer through the hook. Short steps are
+          not run eagerly because of their loads: the eager forward's ~250 launches from Python
+          cost more CPU than such a step's loads and compute take on the GPU
+          (docs/BENCHMARKS.md)."""
+        inputs, hidden = self.forward(self.build_inputs(out), start_loads)
         samplers = [s.request for s in out.scheduled if s.samples]
         prompt_rows = self._prompt_logprob_rows(out)
         result = StepResult(samplers)
@@ -230,6 +241,8 @@ class ModelRunner:
             if penalized:
                 self.penalties.apply(logits, penalized, [samplers[i] for i in penalized])
             tokens, processed = draw(logits, params, [r.generator for r in samplers], proc_rows)
+            if self.peers is not None:  # the next step's inputs on every rank may read them
+                broadcast_from_first(tokens, self.model.tp)
         else:
             tokens, processed = torch.zeros(0, dtype=torch.long, device=self.device), None
         # everything the host needs from this step in one transfer (one sync): the tokens, then
@@ -252,6 +265,21 @@ class ModelRunner:
         result.host = self._down.download(pack.vector())
         self._last = result
         return result
+
+    def follow(self, host: HostInputs, start_loads: Callable[[str], LoadWaits | None] | None) -> None:
+        """A tensor-parallel rank other than 0 (engine/tp/worker.py): rank 0's step on this
+        rank's shard, without sampling; the tokens rank 0 samples arrive by broadcast, for the
+        next step's inputs (overlap scheduling reads them on the device)."""
+        self.start_step()
+        self.forward(host, start_loads)
+        if host.sample_rows:
+            tokens = torch.empty(len(host.sample_rows), dtype=torch.long, device=self.device)
+            broadcast_from_first(tokens, self.model.tp)
+            last = StepResult([])
+            last.tokens = tokens
+            self._last = last
+        else:
+            self._last = None
 
     def _prompt_logprob_rows(self, out: SchedulerOutput) -> list[_PromptSpan]:
         """The positions of this step whose logits score a prompt token, per request that asked
@@ -294,6 +322,8 @@ class ModelRunner:
 
         cfg = self.model.config
         n = len(token_ids) - 1  # every token but the last goes through the model
+        if self.peers is not None:  # the other ranks run the same forward
+            self.peers.score(token_ids, routing_in)
         num_blocks = -(-n // self.block_size)
         kv = allocate_kv_caches(cfg, num_blocks, self.block_size, self.device, self.kv_caches[0].dtype)
         meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], self.block_size, self.device)
@@ -304,6 +334,30 @@ class ModelRunner:
         hidden = self.model(ids[:-1], torch.arange(n, device=self.device), kv, meta, routing_in=forced)
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
         return logprobs.gather(1, ids[1:, None]).squeeze(1).cpu().numpy()
+
+
+@dataclass(slots=True)
+class HostInputs:
+    """A step's inputs as the host builds them: the flattened token ids and positions, per
+    request its query and sequence lengths and block table, the rows that sample, and the places
+    of tokens still on the device with their rows in the last step's tokens."""
+
+    ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    sample_rows: list[int]
+    pending_at: list[int]
+    pending_rows: list[int]
+
+
+class Peers(Protocol):
+    """Tensor parallel, rank 0: how the other ranks learn of a forward (engine/tp/ranks.py)."""
+
+    def forward(self, host: HostInputs) -> None: ...
+
+    def score(self, token_ids: list[int], routing_in: np.ndarray | None) -> None: ...
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from kvtier.model.backends import get_backend
 from kvtier.model.config import ModelConfig
 from kvtier.model.layers import MLP, RMSNorm, RotaryEmbedding, SelfAttention
 from kvtier.model.moe import SparseMoE
+from kvtier.model.shard import TPShard, all_reduce, shard_config
 
 
 class DecoderLayer(nn.Module):
@@ -38,6 +39,7 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp_group = None  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
 
     def forward(self, h, residual, positions, rotary, kv_cache, meta, attn_fn, layer_hook, routing_out, routing_in):
         """(out, residual): the layer's input is ``h + residual`` (the previous layer's residual
@@ -47,10 +49,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(h, residual)
         attn = self.self_attn(x, positions, rotary, kv_cache, meta, attn_fn, layer_hook)
+        if self.tp_group is not None:
+            all_reduce(attn, self.tp_group)
         x, residual = self.post_attention_layernorm(attn, residual)
-        if isinstance(self.mlp, SparseMoE):
-            return self.mlp(x, routing_out, routing_in), residual
-        return self.mlp(x), residual
+        out = self.mlp(x, routing_out, routing_in) if isinstance(self.mlp, SparseMoE) else self.mlp(x)
+        if self.tp_group is not None:
+            all_reduce(out, self.tp_group)
+        return out, residual
 
 
 class Decoder(nn.Module):
@@ -62,8 +67,14 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch"):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch", tp: TPShard | None = None):
+        """``cfg``: the model's config; ``tp``: the slice this process holds (model/shard.py),
+        whose sizes :attr:`config` then has (``num_kv_heads / tp`` heads: this rank's KV shape)."""
         super().__init__()
+        self.full_config = cfg
+        self.tp = tp
+        if tp is not None and tp.size > 1:
+            cfg = shard_config(cfg, tp.size)
         self.config = cfg
         self.attn_fn = get_backend(attention_backend)
         self.model = Decoder(cfg)
@@ -71,6 +82,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if tp is not None and tp.size > 1:
+            for layer in self.model.layers:
+                layer.tp_group = tp.group
 
     @torch.inference_mode()
     def forward(

@@ -32,6 +32,7 @@ from kvtier.model.config import ModelConfig
 from kvtier.model.digest_cache import DigestCache, file_stamp
 from kvtier.model.families import CausalLM
 from kvtier.model.layers import RMSNorm, RotaryEmbedding
+from kvtier.model.shard import TPShard, full_shape, take_shard
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -99,23 +100,26 @@ def load_model(
     attention_backend: str = "torch",
     fuse: bool = True,
     load_format: str = "auto",
+    tp: TPShard | None = None,
 ) -> CausalLM:
     """Build the family named by config.json and fill it. ``dtype=None``: config's.
 
     ``load_format``: "auto" reads the safetensors checkpoint; "dummy" draws random weights (see
-    :func:`_dummy_weights`) and reads nothing but config.json."""
+    :func:`_dummy_weights`) and reads nothing but config.json. ``tp``: load only this rank's
+    slice of every sharded tensor (model/shard.py); dummy weights are drawn whole and sliced, so
+    every tensor-parallel size holds the same model."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path)
     dtype = dtype or cfg.torch_dtype
     with torch.device("meta"):
-        model = CausalLM(cfg, attention_backend)
+        model = CausalLM(cfg, attention_backend, tp)
     if load_format == "dummy":
         std = json.loads((path / "config.json").read_text()).get("initializer_range") or 0.02
-        loaded = _dummy_weights(model, device, dtype, std)
+        loaded = _dummy_weights(model, device, dtype, std, tp)
     else:
-        loaded = _checkpoint_weights(model, path, device, dtype)
+        loaded = _checkpoint_weights(model, path, device, dtype, tp)
     model.load_state_dict(loaded, strict=False, assign=True)
     del loaded  # else fuse_projections keeps both copies alive
     if cfg.tie_word_embeddings:
@@ -126,16 +130,21 @@ def load_model(
     return model.eval()
 
 
-def _checkpoint_weights(model: CausalLM, path: Path, device: str | torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every parameter of ``model`` (on meta) from the checkpoint at ``path``."""
+def _checkpoint_weights(
+    model: CausalLM, path: Path, device: str | torch.device, dtype: torch.dtype, tp: TPShard | None = None
+) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` (on meta) from the checkpoint at ``path`` (``tp``: this
+    rank's slice of each)."""
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    size = tp.size if tp is not None else 1
     loaded: dict[str, torch.Tensor] = {}
     for name, tensor in _checkpoint_tensors(safetensors_files(path)):
         if name not in params:
             continue  # e.g. rotary inv_freq, tied lm_head copies
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-        loaded[name] = tensor.to(device=device, dtype=dtype).contiguous()
+        expected = full_shape(name, tuple(params[name].shape), size)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        loaded[name] = take_shard(name, tensor, tp).to(device=device, dtype=dtype).contiguous()
     missing = [name for name in params if name not in loaded]
     if missing:
         raise KeyError(
@@ -145,24 +154,29 @@ def _checkpoint_weights(model: CausalLM, path: Path, device: str | torch.device,
     return loaded
 
 
-def _dummy_weights(model: CausalLM, device: str | torch.device, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
+def _dummy_weights(
+    model: CausalLM, device: str | torch.device, dtype: torch.dtype, std: float, tp: TPShard | None = None
+) -> dict[str, torch.Tensor]:
     """Random weights for every parameter of ``model`` (on meta), allocated and drawn on ``device``
     (nothing passes through host memory) from a generator seeded with DUMMY_SEED, in parameter
     order, so two loads on one device are equal. As transformers initializes: Linear / Embedding
-    weights (experts and router gates too) ~ N(0, std), RMSNorm weights 1, biases 0."""
+    weights (experts and router gates too) ~ N(0, std), RMSNorm weights 1, biases 0. With
+    ``tp``, each tensor is drawn whole and this rank's slice kept (the same numbers at every
+    tensor-parallel size)."""
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     norms = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm)}
     loaded: dict[str, torch.Tensor] = {}
+    size = tp.size if tp is not None else 1
     for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens
-        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        tensor = torch.empty(full_shape(name, tuple(param.shape), size), device=device, dtype=dtype)
         if name in norms:
             tensor.fill_(1.0)
         elif name.endswith(".bias"):
             tensor.zero_()
         else:
             tensor.normal_(0.0, std, generator=generator)
-        loaded[name] = tensor
+        loaded[name] = take_shard(name, tensor, tp).contiguous()
     return loaded
 
 

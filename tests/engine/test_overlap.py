@@ -78,9 +78,9 @@ def count_placeholder_steps(core: EngineCore) -> list[int]:
     seen = [0]
     real = core.runner._upload
 
-    def upload(ids, positions, meta, sample_rows, pending_at, pending_rows):  # type: ignore[no-untyped-def]
-        seen[0] += bool(pending_at)
-        return real(ids, positions, meta, sample_rows, pending_at, pending_rows)
+    def upload(host):  # type: ignore[no-untyped-def]
+        seen[0] += bool(host.pending_at)
+        return real(host)
     core.runner._upload = upload
     return seen
 

@@ -1,0 +1,168 @@
+"""A tensor-parallel rank r > 0: its shard of the model, its KV and host tiers and transfer
+engine, running what rank 0 sends in the order it sends it (engine/tp/ranks.py lists the
+messages). Nothing is decided here.
+
+Started by rank 0 as ``python -m kvtier.engine.tp.worker FD`` (FD: its end of a socket pair).
+It exits when told to, when rank 0's end closes, when its parent process is gone, or after
+sending ("error", text) when anything it runs raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+log = logging.getLogger("kvtier.tp")
+
+
+def main(fd: int) -> int:
+    conn = Connection(fd)
+    parent = os.getppid()
+    try:
+        msg = conn.recv()
+    except EOFError:
+        return 0
+    _, rank, size, store, model, config = msg
+    logging.basicConfig(
+        level=os.environ.get("KVTIER_LOG_LEVEL", "WARNING").upper(), format=f"%(asctime)s rank {rank} %(levelname)s %(message)s"
+    )
+    try:
+        rank_state = _Rank(conn, rank, size, store, model, config)
+        rank_state.serve(parent)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # rank 0 is gone
+    except BaseException as e:  # noqa: BLE001 - told to rank 0, which stops the engine
+        text = f"{e!r}\n{traceback.format_exc(limit=8)}"
+        log.error("rank %d failed: %s", rank, text)
+        try:
+            conn.send(("error", f"{e!r}"))
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+class _Rank:
+    def __init__(self, conn: Connection, rank: int, size: int, store: str, model: str, config) -> None:
+        from kvtier.engine.sizing import resolve_dtype, size_device_blocks
+        from kvtier.engine.tp.ranks import backend_for, init_group, rank_device
+        from kvtier.model import ModelConfig, load_model
+        from kvtier.model.shard import TPShard
+
+        self.conn = conn
+        self.config = config
+        device = rank_device(torch.device(config.device), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.device = device
+        group = init_group(backend_for(device), store, rank, size, config.tp_timeout, device)
+        cfg = ModelConfig.from_hf_dir(model)
+        self.dtype = resolve_dtype(config.dtype, cfg, device)
+        self.attention_backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        self.model = load_model(
+            model, device, self.dtype, self.attention_backend, load_format=config.load_format, tp=TPShard(rank, size, group)
+        )
+        rcfg = self.model.config  # this rank's heads
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        bytes_per_block = 2 * config.block_size * rcfg.num_kv_heads * rcfg.head_dim * rcfg.num_layers * self.dtype.itemsize
+        fits = config.num_device_blocks or size_device_blocks(
+            device, bytes_per_block, config.block_size, config.max_num_seqs, self.max_model_len, config.gpu_memory_utilization
+        )
+        conn.send(("sized", int(fits)))
+        msg = conn.recv()
+        assert msg[0] == "build", msg
+        self._build(*msg[1:])
+        conn.send(("ready",))
+
+    def _build(self, num_device_blocks: int, num_host_blocks: int, cuda_graphs: bool) -> None:
+        from kvtier.engine.cuda_graph import capture_graphs
+        from kvtier.engine.runner import ModelRunner
+        from kvtier.engine.warmup import compile_kernels
+        from kvtier.model import allocate_kv_caches
+        from kvtier.transfer.engine import TransferEngine
+        from kvtier.transfer.host_pool import HostKV
+
+        c, cfg, device = self.config, self.model.config, self.device
+        self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, c.block_size, device, self.dtype)
+        shape = (num_host_blocks, cfg.num_layers, 2, c.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.host = HostKV(shape, self.dtype, device) if num_host_blocks else None
+        host_kv = self.host.tensor if self.host is not None else None
+        self.transfer = TransferEngine(self.kv_caches, host_kv, None)
+        if device.type == "cuda":
+            compile_kernels(
+                self.model, self.kv_caches, host_kv, num_device_blocks, c.block_size, self.max_model_len, self.attention_backend
+            )
+        graphs = steps = None
+        if cuda_graphs:
+            graphs, steps = capture_graphs(
+                self.model,
+                self.kv_caches,
+                c.block_size,
+                self.max_model_len,
+                c.max_num_seqs,
+                c.max_num_batched_tokens,
+                num_device_blocks,
+                device,
+                None,
+                self.transfer.gates,
+            )
+        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, device, None, graphs, steps)
+
+    def serve(self, parent: int) -> None:
+        conn, transfer = self.conn, self.transfer
+        held: list[tuple] = []  # loads (op, mode): submitted when the forward that reads them is
+
+        def submit_held() -> None:
+            try:
+                for op, mode in held:
+                    transfer.load_mode = mode
+                    transfer.submit(op)
+            finally:
+                transfer.load_mode = "whole"
+                held.clear()
+
+        def start_loads(mode: str):
+            submit_held()
+            return transfer.layer_hook()
+
+        while True:
+            if not conn.poll(0.001 if transfer.num_in_flight else 1.0):
+                if os.getppid() != parent:
+                    return  # rank 0's process is gone
+                self._report(transfer.poll())
+                continue
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "ops":
+                for op, mode in msg[1]:
+                    if op.kind == "load":
+                        held.append((op, mode))
+                    else:
+                        transfer.submit(op)
+            elif kind == "forward":
+                self.runner.follow(msg[1], start_loads)
+            elif kind == "wait":
+                submit_held()
+                self._report(transfer.wait_loads() if msg[1] == "wait_loads" else transfer.drain())
+                conn.send(("ack", msg[2]))
+                continue
+            elif kind == "score":
+                self.runner.score(msg[1], msg[2])
+            elif kind == "close":
+                return
+            else:
+                raise ValueError(f"unknown message {kind!r} from rank 0")
+            self._report(transfer.poll())
+
+    def _report(self, landed: list) -> None:
+        if landed:
+            self.conn.send(("landed", landed))
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

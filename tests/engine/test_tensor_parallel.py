@@ -1,0 +1,141 @@
+"""Tensor parallelism on CPU (gloo, one process per rank): TP=2 gives the tokens, routed experts,
+cache decisions and logprobs of TP=1 on the same checkpoint, through device hits, host hits and
+swap preemption; a rank that dies ends the engine with an error naming it, within the timeout."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier.engine.tp import RankLost
+from kvtier.model import ModelConfig, load_model
+from kvtier.model.shard import TPShard, full_shape, shard_config, shard_dim, take_shard
+from tests.engine.test_generate_vs_hf import prompts_for
+
+# a device tier small enough that the workload evicts to the host tier and preempts by swap
+TIERS = dict(num_device_blocks=20, block_size=8, num_host_blocks=96, write_policy="write_back", max_num_seqs=4)
+
+
+def workload(llm: kvtier.LLM, moe: bool) -> list:
+    """Prompts sharing a prefix, run twice with other prompts between (device and host hits),
+    four at once with long outputs on 20 blocks (swap preemption); greedy and seeded sampling,
+    logprobs; every output's tokens, experts, hits per tier and logprobs."""
+    shared = prompts_for(31, lengths=(40,))[0]
+    prompts = [shared + p for p in prompts_for(32, lengths=(9, 17, 23, 30))]
+    greedy = kvtier.SamplingParams(max_tokens=24, ignore_eos=True, return_routed_experts=moe, logprobs=2)
+    sampled = kvtier.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    outs = []
+    outs += llm.generate(prompts, greedy)                     # 4 at once, 20 blocks: preempts
+    outs += llm.generate(prompts_for(33, lengths=(90, 70)), greedy)  # pushes the first ones off the device
+    outs += llm.generate(prompts[:2], greedy)                 # hits: host (and device)
+    outs += llm.generate(prompts[2:3], sampled)
+    return [
+        (
+            o.token_ids,
+            None if o.routed_experts is None else o.routed_experts.tolist(),
+            dict(o.cached_tokens_by_tier),
+            [sorted(d) for d in o.outputs[0].logprobs] if o.outputs[0].logprobs else None,
+            [d[t] for d, t in zip(o.outputs[0].logprobs, o.token_ids)] if o.outputs[0].logprobs else None,
+        )
+        for o in outs
+    ]
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-moe-tiny"])
+def test_two_ranks_give_what_one_gives_through_every_tier(preset, checkpoint):
+    """Dense (Llama) and MoE with a shared expert and a dense layer (Qwen2-MoE)."""
+    moe = preset.endswith("moe-tiny")
+    runs = {}
+    for tp in (1, 2):
+        with kvtier.LLM(checkpoint(preset), tensor_parallel_size=tp, **TIERS) as llm:
+            runs[tp] = workload(llm, moe)
+            stats = llm.cache_stats()
+            assert llm.scheduler.num_preemptions > 0 and llm.cache.stats.swapped_out_blocks > 0, tp
+            assert stats["host"]["hit_tokens"] > 0 and stats["device"]["hit_tokens"] > 0, stats
+            assert llm.transfer.num_in_flight == 0
+            llm.cache.assert_invariants()
+            scored = llm.score(runs[tp][0][0])
+            runs[tp].append(scored)
+    one, two = runs[1], runs[2]
+    for a, b in zip(one[:-1], two[:-1]):
+        assert a[0] == b[0]                                   # tokens
+        assert a[1] == b[1]                                   # routed experts (captured once, on rank 0)
+        assert a[2] == b[2]                                   # hits per tier: the same decisions
+        assert a[3] == b[3]                                   # the same top-k token ids
+        if a[4] is not None:
+            np.testing.assert_allclose(a[4], b[4], atol=2e-5)  # partial sums add in another order
+    np.testing.assert_allclose(one[-1], two[-1], atol=2e-5)
+    if moe:
+        assert one[0][1] is not None and len(one[0][1]) > 0
+
+
+def test_a_rank_killed_mid_run_ends_the_engine_naming_it(checkpoint):
+    path = checkpoint("llama-tiny")
+    llm = kvtier.LLM(path, tensor_parallel_size=2, num_device_blocks=64, block_size=8, tp_timeout=10)
+    try:
+        llm.generate(prompts_for(34, lengths=(20,)), kvtier.SamplingParams(max_tokens=4))
+        rank1 = llm.ranks.procs[0]
+        os.kill(rank1.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=r"rank 1 (was killed by signal 9|closed its connection)"):
+            llm.generate(prompts_for(35, lengths=(20, 30)), kvtier.SamplingParams(max_tokens=50, ignore_eos=True))
+        assert time.monotonic() - t0 < 10
+    finally:
+        llm.close()
+    assert rank1.poll() is not None
+
+
+def test_a_rank_that_fails_names_its_error(checkpoint, monkeypatch):
+    """A rank whose step raises sends its error before it exits; rank 0 stops with it."""
+    llm = kvtier.LLM(checkpoint("llama-tiny"), tensor_parallel_size=2, num_device_blocks=64, block_size=8, tp_timeout=10)
+    try:
+        llm.ranks.send(("no such message",))
+        with pytest.raises(RankLost, match="rank 1 (failed: ValueError.*no such message|exited with status 1)"):
+            llm.generate(prompts_for(36, lengths=(20,)), kvtier.SamplingParams(max_tokens=8))
+    finally:
+        llm.close()
+
+
+def test_sizes_the_ranks_cannot_split_are_refused_by_name(checkpoint):
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(1\)"):       # mistral-tiny: one KV head
+        kvtier.LLM(checkpoint("mistral-tiny"), tensor_parallel_size=2, num_device_blocks=16)
+    with pytest.raises(ValueError, match="storage pool is not supported yet"):
+        kvtier.EngineConfig(tensor_parallel_size=2, storage="memory://")
+    with pytest.raises(ValueError, match="tp_timeout"):
+        kvtier.EngineConfig(tp_timeout=0)
+
+
+def test_each_rank_holds_its_slice_of_every_sharded_tensor(checkpoint):
+    """The slices of two ranks put together are the whole model's tensors; replicated ones equal."""
+    path = checkpoint("qwen2-moe-tiny")   # q/k/v bias, shared expert, a dense layer
+    whole = dict(load_model(path, fuse=False).named_parameters())
+    parts = [dict(load_model(path, fuse=False, tp=TPShard(r, 2)).named_parameters()) for r in range(2)]
+    cfg = ModelConfig.from_hf_dir(path)
+    assert shard_config(cfg, 2).num_kv_heads == cfg.num_kv_heads // 2
+    kinds = set()
+    for name, w in whole.items():
+        dim = shard_dim(name)
+        kinds.add(dim)
+        if isinstance(dim, int):
+            assert full_shape(name, tuple(parts[0][name].shape), 2) == tuple(w.shape)
+            assert torch.equal(torch.cat([p[name] for p in parts], dim=dim), w), name
+        elif dim == "once":
+            assert torch.equal(parts[0][name], w) and not parts[1][name].any(), name
+        else:
+            assert all(torch.equal(p[name], w) for p in parts), name
+    assert {0, 1, None} <= kinds
+    with pytest.raises(ValueError, match="does not split"):
+        take_shard("model.layers.0.mlp.up_proj.weight", torch.zeros(5, 3), TPShard(0, 2))
+
+
+def test_dummy_weights_are_the_same_model_at_every_size(checkpoint):
+    path = checkpoint("llama-tiny")
+    whole = dict(load_model(path, fuse=False, load_format="dummy").named_parameters())
+    parts = [dict(load_model(path, fuse=False, load_format="dummy", tp=TPShard(r, 2)).named_parameters()) for r in range(2)]
+    name = "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([parts[0][name], parts[1][name]], dim=1), whole[name])
