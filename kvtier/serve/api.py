@@ -563,6 +563,10 @@ class Server:
                     return
             t_prev = None
             started = False
+            # TTFT counts from here, the request handed to the engine, to its first token here: the
+            # engine's own clock starts when it takes the request, between steps, and leaves out
+            # the wait for the step in progress (a prefill's, tens of ms) that every client sees
+            t_sent = time.monotonic()
             agen = self.engine.generate(gen.req)
             try:
                 async for delta in agen:
@@ -580,6 +584,8 @@ class Server:
                     now = time.monotonic()
                     if toks and t_prev is not None:
                         self.metrics.itl.observe((now - t_prev) / len(toks))
+                    elif toks and not replay:  # (D of a hand-off: its first token was P's)
+                        self.metrics.ttft.observe(now - t_sent)
                     if toks:
                         t_prev = now
                     gen.output = out
@@ -607,9 +613,6 @@ class Server:
                 await agen.aclose()
             out = gen.output
             gen.finish_reason = out.finish_reason
-            m = out.metrics or {}
-            if "first_token" in m and not replay:
-                self.metrics.ttft.observe(m["first_token"] - m["arrival"])
 
     async def _events(
         self, call: _Call, replay: bool = False, emit_replayed: bool = False

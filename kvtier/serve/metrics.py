@@ -61,7 +61,12 @@ class ServerMetrics:
         self.cached_tokens = Counter("kvtier_cached_tokens", "prompt tokens served from cache, per tier", ["tier"], registry=r)
         self.running = Gauge("kvtier_requests_running", "requests in the running batch", registry=r)
         self.waiting = Gauge("kvtier_requests_waiting", "requests waiting for admission", registry=r)
-        self.ttft = Histogram("kvtier_time_to_first_token_seconds", "arrival to first token", buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "kvtier_time_to_first_token_seconds",
+            "request handed to the engine to its first token back at the server (the wait for the engine included)",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "kvtier_inter_token_latency_seconds", "time between tokens of a request", buckets=_ITL_BUCKETS, registry=r
         )
