@@ -24,6 +24,7 @@ PRESET_NAMES = (
     "qwen3-0.6b-shape",
     "qwen3-moe-small",
     "llama3-8b-shape",
+    "llama3-70b-shape",
 )
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
 # `kvtier bench --help`.

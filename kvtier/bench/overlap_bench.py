@@ -13,10 +13,14 @@ the prefix's KV bytes), giving the bound a perfect overlap reaches: ``max(device
 bytes / link)``. Then decode throughput (``--decode-requests`` sequences) with write_through
 backups running vs with no host tier.
 
-Goals (issue 7): host TTFT <= 1.1 x max(device TTFT, bytes / link); host <= 0.3 x recompute on the
-8B shape; decode with backups >= 0.97 x decode without.
+Goals: host TTFT <= 1.1 x max(device TTFT, bytes / link); host <= 0.3 x recompute on the 8B
+shape; decode with backups >= 0.97 x decode without.
 
-    kvtier bench overlap [--models llama3-8b-shape,qwen3-0.6b-shape] [--json out.json]
+``--tensor-parallel-sizes 1,2`` runs each case at each size (GPUs 0..N-1): with N ranks each
+loads its 1/N of the prefix over its own link, so the bound is ``max(device TTFT, bytes / N /
+link)``; the decode lines add the step time against the first size's.
+
+    kvtier bench overlap [--models llama3-8b-shape,qwen3-0.6b-shape] [--tensor-parallel-sizes 1,2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ def _link_gbps(nbytes: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16, cuda_graphs: bool = True) -> dict:
+def ttft_case(
+    path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16, cuda_graphs: bool = True, tp: int = 1
+) -> dict:
     import kvtier
 
     cfg = kvtier.model.ModelConfig.from_hf_dir(path)
@@ -87,6 +93,7 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
         max_num_batched_tokens=prefix_len + new_len + 64,
         max_model_len=prefix_len + new_len + 64,
         cuda_graphs=cuda_graphs,
+        tensor_parallel_size=tp,
     )
     try:
         prefix = tokens(prefix_len)
@@ -124,8 +131,9 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
         prefix_bytes = min(host_tokens) * kv_bytes_per_token  # what the host hit loaded
         link = _link_gbps(prefix_bytes)
         med = {k: statistics.median(v) for k, v in res.items()}
-        bound = max(med["device"], prefix_bytes / (link * 1e9))
+        bound = max(med["device"], prefix_bytes / tp / (link * 1e9))  # each rank loads its heads' share
         return {
+            "tensor_parallel_size": tp,
             "prefix_tokens": prefix_len,
             "new_tokens": new_len,
             "prefix_kv_bytes": prefix_bytes,
@@ -142,7 +150,12 @@ def ttft_case(path: Path, prefix_len: int, new_len: int, repeat: int, block_size
 
 
 def decode_case(
-    path: Path, num_requests: int, prompt_len: int, max_tokens: int, order: tuple[str, ...] = ("without", "with_backups")
+    path: Path,
+    num_requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    order: tuple[str, ...] = ("without", "with_backups"),
+    tp: int = 1,
 ) -> dict:
     import kvtier
 
@@ -163,6 +176,7 @@ def decode_case(
             write_policy="write_through",
             max_model_len=prompt_len + max_tokens + 16,
             max_num_seqs=num_requests,
+            tensor_parallel_size=tp,
         )
         try:
             params = kvtier.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -179,6 +193,7 @@ def decode_case(
             stats = llm.cache_stats()
             out[name] = {
                 "tokens_per_s": toks / dt,
+                "step_s": dt / max_tokens,  # every step decodes the whole batch
                 "seconds": dt,
                 "bytes_backed_up": stats["host"]["bytes_in"],
                 "preemptions": llm.scheduler.num_preemptions,
@@ -187,6 +202,34 @@ def decode_case(
             llm.close()
     out["ratio"] = out["with_backups"]["tokens_per_s"] / out["without"]["tokens_per_s"]
     return out
+
+
+def one_size(path: Path, name: str, tp: int, args: argparse.Namespace, first: dict | None) -> dict:
+    """Both cases at one tensor-parallel size, printed as they finish."""
+    r: dict[str, Any] = {"ttft": ttft_case(path, args.prefix, args.new, args.repeat, cuda_graphs=not args.eager, tp=tp)}
+    t = r["ttft"]
+    print(
+        f"{name} TP={tp}: TTFT device {t['ttft_s']['device'] * 1e3:.1f} ms, host {t['ttft_s']['host'] * 1e3:.1f} ms, "
+        f"recompute {t['ttft_s']['recompute'] * 1e3:.1f} ms; link {t['link_GBps']:.1f} GB/s, "
+        f"bound {t['overlap_bound_s'] * 1e3:.1f} ms; host/bound {t['host_vs_bound']:.2f} (goal <= 1.1), "
+        f"host/recompute {t['host_vs_recompute']:.2f}",
+        flush=True,
+    )
+    if not args.skip_decode:
+        r["decode"] = d = decode_case(path, args.decode_requests, args.decode_prompt, args.decode_tokens, tp=tp)
+        vs = ""
+        if first is not None and "decode" in first:
+            r["decode"]["step_vs_first_size"] = ratio = d["without"]["step_s"] / first["decode"]["without"]["step_s"]
+            vs = f"; step time {ratio:.2f}x the first size's"
+        print(
+            f"{name} TP={tp}: decode {d['without']['tokens_per_s']:.0f} tok/s without backups "
+            f"({d['without']['step_s'] * 1e3:.2f} ms/step at batch {args.decode_requests}), "
+            f"{d['with_backups']['tokens_per_s']:.0f} with write_through backups "
+            f"({d['with_backups']['bytes_backed_up'] / 2**20:.0f} MiB backed up): ratio {d['ratio']:.3f} "
+            f"(goal >= 0.97){vs}",
+            flush=True,
+        )
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,10 +254,23 @@ def main(argv: list[str] | None = None) -> int:
         "its host loads behind layer gates, as the engine runs it)",
     )
     ap.add_argument("--skip-decode", action="store_true", help="only the TTFT cases")
+    ap.add_argument(
+        "--tensor-parallel-sizes",
+        default="1",
+        help="comma-separated tensor-parallel sizes; each case runs at each (default 1)",
+    )
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.tensor_parallel_sizes.split(",")]
+    except ValueError:
+        ap.error(f"--tensor-parallel-sizes must be integers separated by commas, got {args.tensor_parallel_sizes!r}")
+    if any(n < 1 for n in sizes):
+        ap.error(f"--tensor-parallel-sizes must be >= 1, got {args.tensor_parallel_sizes!r}")
     if not torch.cuda.is_available():
         raise SystemExit("kvtier bench overlap needs a CUDA GPU (torch sees none)")
+    if max(sizes) > torch.cuda.device_count():
+        raise SystemExit(f"--tensor-parallel-sizes {max(sizes)} needs as many GPUs; torch sees {torch.cuda.device_count()}")
     from kvtier.model import PRESETS, init_model
 
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
@@ -223,25 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(name)
             if name in PRESETS:
                 path = init_model(name, Path(tmp) / name, config_only=True)
-            r = {"ttft": ttft_case(path, args.prefix, args.new, args.repeat, cuda_graphs=not args.eager)}
-            t = r["ttft"]
-            print(
-                f"{name}: TTFT device {t['ttft_s']['device'] * 1e3:.1f} ms, host {t['ttft_s']['host'] * 1e3:.1f} ms, "
-                f"recompute {t['ttft_s']['recompute'] * 1e3:.1f} ms; link {t['link_GBps']:.1f} GB/s, "
-                f"bound {t['overlap_bound_s'] * 1e3:.1f} ms; host/bound {t['host_vs_bound']:.2f} (goal <= 1.1), "
-                f"host/recompute {t['host_vs_recompute']:.2f}",
-                flush=True,
-            )
-            if not args.skip_decode:
-                r["decode"] = decode_case(path, args.decode_requests, args.decode_prompt, args.decode_tokens)
-                d = r["decode"]
-                print(
-                    f"{name}: decode {d['without']['tokens_per_s']:.0f} tok/s without backups, "
-                    f"{d['with_backups']['tokens_per_s']:.0f} with write_through backups "
-                    f"({d['with_backups']['bytes_backed_up'] / 2**20:.0f} MiB backed up): ratio {d['ratio']:.3f} "
-                    f"(goal >= 0.97)",
-                    flush=True,
-                )
+            r: dict[str, Any] = {}
+            for tp in sizes:
+                r[f"tp{tp}"] = one_size(path, name, tp, args, r.get(f"tp{sizes[0]}"))
             results["models"][name] = r
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -74,7 +74,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sizing import check_host_blocks, resolve_dtype, size_device_blocks, size_host_blocks
 from kvtier.engine.startup import Startup
-from kvtier.engine.tp.ranks import RankLost, Ranks, backend_for, destroy_group, init_group
+from kvtier.engine.tp.ranks import RankLost, Ranks, backend_for, init_group
 from kvtier.engine.tp.transfer import TPTransfer
 from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
@@ -155,7 +155,8 @@ class EngineCore:
             self.ranks = Ranks.start(tp, str(self.path), replace(c, revision=None), self.device, c.tp_timeout)
             try:
                 shard = TPShard(0, tp, init_group(backend_for(self.device), self.ranks.store, 0, tp, c.tp_timeout, self.device))
-            except BaseException:
+            except BaseException as e:
+                self.ranks.lost(f"the tensor-parallel process group did not form: {e!r}")
                 self.ranks.close()
                 raise
         try:
@@ -163,7 +164,6 @@ class EngineCore:
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()
-                destroy_group()
             raise
 
     def _build(self, c, cfg, shard, bytes_per_block, attention_backend, num_device_blocks, num_host_blocks, write_policy) -> None:
@@ -633,8 +633,8 @@ class EngineCore:
             self.routing.flush(wait=True)
         self._closed = True
         if self.ranks is not None:
-            self.ranks.close()
-            destroy_group()
+            self.runner.release_graphs()  # (NCCL's teardown waits for graphs that hold its kernels)
+            self.ranks.close()  # (and leaves the process group)
         self.kv_caches.clear()
         self.host_kv = None
         if self.storage is not None:

@@ -70,6 +70,16 @@ class ModelRunner:
         # tensor parallel, rank 0: the other ranks (engine/tp/ranks.py), told of each forward
         self.peers: Peers | None = None
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (closing): under tensor parallelism they hold NCCL kernels, and
+        the communicator's teardown waits until no graph holds one."""
+        self.decode_graphs = self.step_graphs = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+
     def start_step(self) -> None:
         """A new step begins (its forwards, several if a batch is retried request by request,
         read the tokens still in flight from the step launched before it)."""

@@ -7,6 +7,7 @@ import transformers
 
 from paged_helpers import TINY_PRESETS
 from kvtier.model import PRESETS, ModelConfig, init_model
+from kvtier.model.shard import shard_config
 from kvtier.model.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 
@@ -38,7 +39,7 @@ def test_greedy_tokens_of_random_checkpoint_are_not_constant(checkpoint, hf_mode
     assert len(set(greedy.tolist())) > 5
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-moe-small"])
+@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-moe-small", "llama3-70b-shape"])
 def test_benchmark_preset_shapes(preset):
     spec = PRESETS[preset]
     hf_config = getattr(transformers, spec["config_class"])(**spec["kwargs"])
@@ -49,6 +50,10 @@ def test_benchmark_preset_shapes(preset):
         assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                 cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == \
                (1024, 28, 16, 8, 128, 3072, 151936, True)
+    elif preset == "llama3-70b-shape":  # Llama-3.1-70B; split over 2, 4 or 8 ranks
+        assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == \
+               (80, 8192, 64, 8, 28672)
+        assert shard_config(cfg, 8).num_kv_heads == 1
     else:
         assert cfg.is_moe and (cfg.num_experts, cfg.top_k, cfg.num_moe_layers) == (32, 4, 8)
 

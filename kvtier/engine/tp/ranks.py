@@ -74,20 +74,33 @@ def init_group(backend: str, store: str, rank: int, size: int, timeout: float, d
     return dist.group.WORLD
 
 
-def destroy_group() -> None:
-    """Leave the process group (rank 0's engine closed; a later engine makes its own)."""
+def destroy_group(timeout: float = 30.0) -> None:
+    """Leave the process group (an engine closed; a later engine makes its own). The teardown
+    runs on a thread of its own: if it has not returned within ``timeout`` s (a rank that never
+    joins it), the close goes on without it, saying so (the group then stays, and this process
+    cannot start another tensor-parallel engine)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="kvtier-tp-teardown", daemon=True).start()
+    if not done.wait(timeout):
+        log.warning("the tensor-parallel process group's teardown did not finish within %g s: left behind", timeout)
 
 
 class Ranks:
     """Ranks 1..size-1, as rank 0 talks to them. :meth:`start` spawns them and returns at once
     (they load their shards while rank 0 loads its own)."""
 
-    def __init__(self, size: int, timeout: float) -> None:
+    def __init__(self, size: int, timeout: float, backend: str = "gloo") -> None:
         self.size = size
+        self.backend = backend
         self.timeout = timeout
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []  # conns[i] talks to rank i + 1
@@ -104,7 +117,7 @@ class Ranks:
 
     @classmethod
     def start(cls, size: int, model: str, config: Any, device: torch.device, timeout: float) -> "Ranks":
-        self = cls(size, timeout)
+        self = cls(size, timeout, backend_for(device))
         env = dict(os.environ)
         if device.type == "cpu":  # the ranks share the cores: each takes its part
             threads = max(1, torch.get_num_threads() // size)
@@ -269,7 +282,10 @@ class Ranks:
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        """Tell every rank to exit; those that do not within 10 s are killed."""
+        """Tell every rank to exit, leave the process group beside them (NCCL's teardown waits for
+        every rank's), and wait for them; those that do not exit within 10 s are killed. After a
+        lost rank an NCCL group is left as it is: tearing it down would wait for the missing rank
+        (this process cannot start another tensor-parallel engine then)."""
         if self._closed:
             return
         self._closed = True
@@ -278,6 +294,10 @@ class Ranks:
                 conn.send(("close",))
             except OSError:
                 pass
+        if self._lost is None or self.backend == "gloo":
+            destroy_group()
+        else:
+            log.warning("the tensor-parallel process group is left as it is (%s)", self._lost)
         deadline = time.monotonic() + 10.0
         for proc in self.procs:
             try:

@@ -154,6 +154,12 @@ class _Rank:
             elif kind == "score":
                 self.runner.score(msg[1], msg[2])
             elif kind == "close":
+                from kvtier.engine.tp.ranks import destroy_group
+
+                self.runner.release_graphs()  # (NCCL's teardown waits for graphs that hold its kernels)
+                destroy_group()  # beside rank 0's (NCCL's teardown waits for every rank)
+                if self.host is not None:
+                    self.host.release()
                 return
             else:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
