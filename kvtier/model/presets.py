@@ -224,37 +224,19 @@ PRESETS: dict[str, dict[str, Any]] = {
             pad_token_id=None,
         ),
     ),
-    # Llama-3.1-70B's shape: ~141 GB of bf16 weights, more than one 80 GB GPU holds: served with
-    # tensor_parallel_size 2 (H200s) or 4 (H100s), from config_only=True and load_format="dummy".
-    "llama3-70b-shape": dict(
-        config_class="LlamaConfig",
-        dtype="bfloat16",
-        kwargs=dict(
-            vocab_size=128256,
-            hidden_size=8192,
-            num_hidden_layers=80,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=28672,
-            tie_word_embeddings=False,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            initializer_range=0.02,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=500000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            bos_token_id=None,
-            eos_token_id=EOS_TOKEN_ID,
-            pad_token_id=None,
-        ),
-    ),
 }
+# Llama-3.1-70B's shape: ~141 GB of bf16 weights, more than one 80 GB GPU holds: served with
+# tensor_parallel_size 2 (H200s) or 4 (H100s), from config_only=True and load_format="dummy".
+PRESETS["llama3-70b-shape"] = dict(
+    PRESETS["llama3-8b-shape"],
+    kwargs=dict(
+        PRESETS["llama3-8b-shape"]["kwargs"],
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        intermediate_size=28672,
+    ),
+)
 
 
 def init_model(
