@@ -287,10 +287,10 @@ class EngineConfig:
                 )
         if not (isinstance(self.tp_timeout, int | float) and self.tp_timeout > 0):
             raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
-        if self.tensor_parallel_size > 1 and self.storage is not None:
+        if self.tensor_parallel_size > 1 and isinstance(self.storage, str) and self.storage.startswith("memory:"):
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} with a storage pool is not supported yet: "
-                "each rank's shard would need its own objects; use the device and host tiers"
+                f"tensor_parallel_size={self.tensor_parallel_size} needs a pool every rank's process reaches "
+                f"(file://, redis://, mooncake://), not {self.storage!r}: a memory:// pool lives in one process"
             )
         device = str(self.device)
         if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):

@@ -75,7 +75,7 @@ from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sizing import check_host_blocks, resolve_dtype, size_device_blocks, size_host_blocks
 from kvtier.engine.startup import Startup
 from kvtier.engine.tp.ranks import RankLost, Ranks, backend_for, init_group
-from kvtier.engine.tp.transfer import TPTransfer
+from kvtier.engine.tp.transfer import RankOps, TPStorage, TPTransfer
 from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
 from kvtier.model.hub import resolve_model
@@ -206,6 +206,12 @@ class EngineCore:
             payload=routing_payload,
         )
         self.storage, self.fetch_cost = open_pool(c)
+        rank_ops = None
+        if self.ranks is not None:  # every rank copies its shard of each op (engine/tp/transfer.py)
+            rank_ops = RankOps(self.ranks)
+            if self.storage is not None:
+                self.storage.shard(0, tp)
+                self.storage = TPStorage(self.storage, rank_ops)  # type: ignore[assignment]  # a StorageClient to the engine
         self.cache = CacheManager(
             block_size=block_size,
             num_device_blocks=num_device_blocks,
@@ -227,7 +233,8 @@ class EngineCore:
             log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly", attention_backend)
             cuda_graphs = False
         if self.ranks is not None:  # the others allocate, compile and capture beside this one
-            self.ranks.send(("build", num_device_blocks, num_host_blocks, bool(cuda_graphs)))
+            pool = (self.storage.namespace, fingerprint) if self.storage is not None else None
+            self.ranks.send(("build", num_device_blocks, num_host_blocks, bool(cuda_graphs), pool))
         with startup("allocating KV tiers"):
             # one block more than the pool hands out: the scratch block padded CUDA-graph rows
             # (and the start's kernel warm-up) write to
@@ -249,7 +256,7 @@ class EngineCore:
             else None
         )
         local = TransferEngine(self.kv_caches, self.host_kv, self.routing)
-        self.transfer = local if self.ranks is None else TPTransfer(local, self.ranks)
+        self.transfer = local if rank_ops is None else TPTransfer(local, rank_ops)
         self.copies = CopyPump(self.cache, self.transfer, self.storage)
         if self.storage is not None:
             assert self.host_kv is not None  # a pool always gets a host tier (config, sizing)
@@ -291,7 +298,9 @@ class EngineCore:
         )
         self.block_size = block_size
         # P: outputs waiting for the pool's acks (engine/pd.py)
-        self._exports = Exports(self.cache, self.storage.namespace if self.storage is not None else "", float(c.export_timeout))
+        self._exports = Exports(
+            self.cache, self.storage.namespace if self.storage is not None else "", float(c.export_timeout), tp
+        )
         self._groups = SampleGroups(self.scheduler, self._make_sample)  # n > 1 (engine/group.py)
         self.intake = Intake(
             self.path,
@@ -388,7 +397,15 @@ class EngineCore:
         req = self.intake.request(prompt, params, cache_salt, request_id, handoff=handoff is not None, export=export)
         if handoff is not None:
             assert self.storage is not None  # (intake checked)
-            accept_handoff(req, handoff, self.config.vocab_size, self.storage.namespace, self.cache, self.scheduler)
+            accept_handoff(
+                req,
+                handoff,
+                self.config.vocab_size,
+                self.storage.namespace,
+                self.cache,
+                self.scheduler,
+                self.engine_config.tensor_parallel_size,
+            )
         return req
 
     def step(self) -> list[RequestOutput]:

@@ -6,7 +6,7 @@ until the pool acked them (or ``export_timeout`` passed), then hands it out with
 ``RequestOutput.handoff``::
 
     {"namespace", "keys", "num_tokens", "first_token", "complete", "failed_blocks",
-     "stored_before", "seconds"}
+     "stored_before", "seconds", "tensor_parallel_size"}
 
 D (``add_request(..., handoff=manifest)``): :func:`accept_handoff` checks the manifest names the
 blocks this engine would read and starts the request from P's first token; after its first step
@@ -32,10 +32,17 @@ ErrorOutput = Callable[[Request, str, str], RequestOutput]
 
 
 def accept_handoff(
-    req: Request, manifest: object, vocab_size: int, namespace: str, cache: CacheManager, scheduler: Scheduler
+    req: Request,
+    manifest: object,
+    vocab_size: int,
+    namespace: str,
+    cache: CacheManager,
+    scheduler: Scheduler,
+    tensor_parallel_size: int = 1,
 ) -> None:
     """D: start ``req`` from P's first token; ValueError (naming the field) unless P's manifest
-    names the blocks this engine would read for this prompt."""
+    names the blocks this engine would read for this prompt, split as this engine splits them
+    (P and D at the same tensor-parallel size: each rank reads the shard its peer wrote)."""
     if not isinstance(manifest, dict):
         raise ValueError(f"handoff must be a manifest object, got {type(manifest).__name__}")
     first, n = manifest.get("first_token"), manifest.get("num_tokens")
@@ -43,6 +50,12 @@ def accept_handoff(
         raise ValueError(f"handoff.first_token must be a token id in 0..{vocab_size - 1}, got {first!r}")
     if n != req.num_prompt_tokens:
         raise ValueError(f"handoff.num_tokens is {n!r}, but the prompt has {req.num_prompt_tokens} tokens")
+    tp = manifest.get("tensor_parallel_size", 1)
+    if tp != tensor_parallel_size:
+        raise ValueError(
+            f"handoff.tensor_parallel_size is {tp!r}, but this engine runs {tensor_parallel_size}: the prefill "
+            f"and decode engines must run the same tensor-parallel size (each rank reads its own shard)"
+        )
     ns = manifest.get("namespace")
     if ns != namespace:
         raise ValueError(f"handoff.namespace is {ns!r}, but this engine's pool namespace is {namespace!r}")
@@ -90,10 +103,11 @@ def check_handoffs(
 class Exports:
     """P: finished prefills whose prompt blocks are on their way to the pool, by request id."""
 
-    def __init__(self, cache: CacheManager, namespace: str, timeout_s: float) -> None:
+    def __init__(self, cache: CacheManager, namespace: str, timeout_s: float, tensor_parallel_size: int = 1) -> None:
         self.cache = cache
         self.namespace = namespace
         self.timeout_s = timeout_s
+        self.tensor_parallel_size = tensor_parallel_size  # (D must run the same: the manifest says it)
         self._pending: dict[str, tuple[RequestOutput, Export, float]] = {}
 
     def __len__(self) -> int:
@@ -150,6 +164,7 @@ class Exports:
                 "failed_blocks": exp.failed + (exp.num_waiting if late else 0),
                 "stored_before": exp.skipped,
                 "seconds": now - output.metrics["first_token"] if output.metrics else None,
+                "tensor_parallel_size": self.tensor_parallel_size,
             }
             done.append(output)
         return done

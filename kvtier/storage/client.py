@@ -217,6 +217,8 @@ class StorageClient:
         self._slots: SimpleQueue[np.ndarray] = SimpleQueue()
         self._inflight: deque[_Op] = deque()
         self._known: OrderedDict[bytes | str, None] = OrderedDict()  # keys stored (a hint for skipping puts)
+        self.tp_rank: int | None = None  # tensor parallel: whose shards this client moves (shard())
+        self.tp_size = 1
         self._lock = threading.Lock()
         self.counters: dict[str, float] = {
             k: 0
@@ -281,8 +283,23 @@ class StorageClient:
         start_pool_threads(self._pool, self.workers)
         start_pool_threads(self._put_pool, self.put_workers)
 
+    def shard(self, rank: int, size: int) -> None:
+        """Tensor parallel: this client reads and writes rank ``rank``'s shard of each block
+        (``:tp<rank>of<size>`` names), and a block counts as stored only when every rank's shard
+        is (:meth:`lookup_prefix` asks for all of them)."""
+        object_name(b"", self.namespace, rank, size)  # (checks the pair)
+        self.tp_rank, self.tp_size = rank, size
+
     def name(self, key: bytes | str) -> str:
-        return object_name(key, self.namespace)
+        return object_name(key, self.namespace, self.tp_rank, self.tp_size)
+
+    def _all_names(self, key: bytes | str) -> list[str]:
+        """Every rank's name of ``key`` (one name without tensor parallelism)."""
+        return (
+            [object_name(key, self.namespace, r, self.tp_size) for r in range(self.tp_size)]
+            if self.tp_size > 1
+            else [self.name(key)]
+        )
 
     # ------------------------------------------------------------------ what the manager asks
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
@@ -292,11 +309,12 @@ class StorageClient:
         token = self.breaker.allow()
         if token is None:
             return 0
-        names = [self.name(k) for k in keys]
+        per = self.tp_size  # names per key: every rank's shard
+        names = [n for k in keys for n in self._all_names(k)]
         try:
             # a prefix is usable only from its first block: a prompt the pool has never seen (the
             # usual cold request) is answered by one name, not one stat or key per block
-            if len(names) > 1 and keys[0] not in self._known and not self.backend.exists(names[:1])[0]:
+            if len(keys) > 1 and keys[0] not in self._known and not all(self.backend.exists(names[:per])):
                 present = [False]
             elif len(names) > 2 * _LOOKUP_SLICE and self._lookup_pool is not None:
                 # a long prompt: slices looked up at once on the lookup threads (a file pool
@@ -311,6 +329,8 @@ class StorageClient:
         finally:
             self.breaker.release(token)
         self._succeeded()
+        if per > 1:  # a block is there when every rank's shard is
+            present = [all(present[i : i + per]) for i in range(0, len(present), per)]
         n = 0
         for p in present:
             if not p:
@@ -339,6 +359,12 @@ class StorageClient:
     def contains(self, key: bytes) -> bool:
         """Known to be stored (written or seen by this client): no I/O. Used to skip puts."""
         return key in self._known
+
+    def forget(self, keys: Sequence[bytes | str]) -> None:
+        """Not known to be stored after all (tensor parallel: another rank's shard failed)."""
+        with self._lock:
+            for k in keys:
+                self._known.pop(k, None)
 
     def add(self, key: bytes) -> None:
         """The manager's ack of a put: already recorded when the put returned (``_put_batch``)."""

@@ -74,6 +74,69 @@ def test_two_ranks_give_what_one_gives_through_every_tier(preset, checkpoint):
         assert one[0][1] is not None and len(one[0][1]) > 0
 
 
+def pool_run(path, pool: str, tp: int, prompts: list[list[int]], moe: bool, write: bool = True) -> list:
+    """One engine writes ``prompts``' blocks to the pool (``write``); a second, with empty device
+    and host tiers, reads them back. The second engine's outputs (tokens, experts, hits per tier)."""
+    sp = kvtier.SamplingParams(max_tokens=10, ignore_eos=True, return_routed_experts=moe)
+    kw = dict(tensor_parallel_size=tp, num_device_blocks=64, block_size=8, num_host_blocks=128, storage=pool,
+              prefetch_policy="wait_complete", storage_fetch="always")  # (hits that do not depend on timing)
+    if write:
+        with kvtier.LLM(path, **kw) as llm:
+            llm.generate(prompts, sp)
+    with kvtier.LLM(path, **kw) as llm:
+        outs = llm.generate(prompts, sp)
+        assert llm.transfer.num_in_flight == 0
+    return [(o.token_ids, None if o.routed_experts is None else o.routed_experts.tolist(), dict(o.cached_tokens_by_tier))
+            for o in outs]
+
+
+def test_storage_hits_through_two_ranks_equal_one_and_a_missing_shard_is_a_miss(checkpoint, tmp_path):
+    """Each rank writes and reads its own shard of a block (``:tp<rank>of2`` objects); a block
+    counts as stored only when every rank's shard is, so one rank's missing shard costs a
+    recompute on both, never a block half read."""
+    path = checkpoint("qwen3-moe-tiny")
+    prompts = prompts_for(37, lengths=(48, 64))
+    one = pool_run(path, f"file://{tmp_path / 'one'}", 1, prompts, True)
+    two = pool_run(path, f"file://{tmp_path / 'two'}", 2, prompts, True)
+    assert one == two
+    assert all(hits["storage"] >= 40 for _, _, hits in two), two
+    names = sorted(p.name for p in (tmp_path / "two").rglob("*") if p.is_file())
+    rank1 = [n for n in names if n.endswith("tp1of2")]
+    assert rank1 and len(rank1) == len([n for n in names if n.endswith("tp0of2")])
+    # rank 1 loses its shard of every block: both ranks recompute, the outputs stay
+    for p in (tmp_path / "two").rglob("*tp1of2"):
+        p.unlink()
+    again = pool_run(path, f"file://{tmp_path / 'two'}", 2, prompts, True, write=False)
+    assert [(t, e) for t, e, _ in again] == [(t, e) for t, e, _ in one]
+    assert all(hits["storage"] == 0 for _, _, hits in again), again
+
+
+def test_a_pd_hand_off_between_two_engines_of_two_ranks(checkpoint, tmp_path):
+    """P (two ranks) exports a prompt (full blocks and the partial last one) to a file pool; D (two
+    ranks) starts from P's first token and reads every rank's shard: the tokens and experts of a
+    colocated run. A D of another size refuses the manifest by name."""
+    from tests.engine.test_handoff import run
+
+    path = checkpoint("qwen3-moe-tiny")
+    prompt = prompts_for(38, lengths=(37,))[0]
+    params = kvtier.SamplingParams(max_tokens=6, ignore_eos=True, return_routed_experts=True)
+    with kvtier.LLM(path, block_size=8) as colo:
+        ref = colo.generate([prompt], params)[0]
+    kw = dict(storage=f"file://{tmp_path}", num_host_blocks=64, block_size=8, tensor_parallel_size=2)
+    with kvtier.LLM(path, **kw) as p:
+        first = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True)
+    h = first.handoff
+    assert h["complete"] and h["failed_blocks"] == 0 and h["tensor_parallel_size"] == 2
+    with kvtier.LLM(path, **kw) as d:
+        out = run(d, prompt=prompt, params=params, handoff=h)
+    assert out.token_ids == ref.token_ids
+    np.testing.assert_array_equal(out.routed_experts, ref.routed_experts)
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": 37}
+    with kvtier.LLM(path, **dict(kw, tensor_parallel_size=1)) as d:
+        with pytest.raises(ValueError, match="handoff.tensor_parallel_size is 2, but this engine runs 1"):
+            d.add_request(prompt, params, handoff=h)
+
+
 def test_a_rank_killed_mid_run_ends_the_engine_naming_it(checkpoint):
     path = checkpoint("llama-tiny")
     llm = kvtier.LLM(path, tensor_parallel_size=2, num_device_blocks=64, block_size=8, tp_timeout=10)
@@ -104,7 +167,7 @@ def test_a_rank_that_fails_names_its_error(checkpoint, monkeypatch):
 def test_sizes_the_ranks_cannot_split_are_refused_by_name(checkpoint):
     with pytest.raises(ValueError, match=r"num_key_value_heads \(1\)"):       # mistral-tiny: one KV head
         kvtier.LLM(checkpoint("mistral-tiny"), tensor_parallel_size=2, num_device_blocks=16)
-    with pytest.raises(ValueError, match="storage pool is not supported yet"):
+    with pytest.raises(ValueError, match="a memory:// pool lives in one process"):
         kvtier.EngineConfig(tensor_parallel_size=2, storage="memory://")
     with pytest.raises(ValueError, match="tp_timeout"):
         kvtier.EngineConfig(tp_timeout=0)

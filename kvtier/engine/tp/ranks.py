@@ -160,8 +160,11 @@ class Ranks:
         self.send(("score", token_ids, routing_in))
 
     # ------------------------------------------------------------------ receiving
-    def poll(self) -> None:
-        """Take whatever the ranks have sent, without waiting."""
+    def poll(self, timeout: float = 0.0) -> None:
+        """Take whatever the ranks have sent (waiting up to ``timeout`` s for something)."""
+        if timeout > 0:
+            self.check()
+            wait(self.conns, timeout)
         for rank, conn in enumerate(self.conns, 1):
             while self._readable(conn, rank, 0):
                 self._take(rank, conn)

@@ -1,19 +1,24 @@
-"""Rank 0's transfer engine under tensor parallelism: its own copies, and the same ops sent to
-every other rank, each of which copies its own shard of the blocks. An op is reported landed
-only once every rank's copy has landed; an item that failed on any rank failed on all (its
-blocks are a miss everywhere, never a block some ranks hold and others do not).
+"""Rank 0's copies under tensor parallelism: its own, and the same ops sent to every other rank,
+each of which moves its own shard of the blocks (between its device and host tiers, and between
+its host tier and the pool, under ``:tp<rank>of<size>`` names). An op is reported landed only
+once every rank's part has landed; an item that failed on any rank failed on all (its block is a
+miss everywhere, never a block some ranks hold and others do not).
 
-The engine talks to it as to a :class:`~kvtier.transfer.engine.TransferEngine` (the copy pump
-submits and polls; the step sets ``load_mode`` and takes ``layer_hook``).
+The engine talks to :class:`TPTransfer` as to a :class:`~kvtier.transfer.engine.TransferEngine`
+(the copy pump submits and polls; the step sets ``load_mode`` and takes ``layer_hook``), and to
+:class:`TPStorage` as to a :class:`~kvtier.storage.client.StorageClient`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvtier.cache.plan import TransferOp
 from kvtier.engine.tp.ranks import Ranks
+from kvtier.storage.client import StorageClient
 from kvtier.transfer.engine import LoadWaits, TransferEngine
 
-_ORDERED = ("backup", "preload")
+_ORDERED = ("backup", "preload")  # reported in submission order, as one transfer engine does
 
 
 class _Pending:
@@ -21,18 +26,62 @@ class _Pending:
 
     def __init__(self, op: TransferOp, ranks: int) -> None:
         self.op = op
-        self.waiting = ranks  # ranks whose copy has not landed (rank 0 included)
+        self.waiting = ranks  # ranks whose part has not landed (rank 0 included)
         self.failed: set[int] = set()
 
 
-class TPTransfer:
-    def __init__(self, local: TransferEngine, ranks: Ranks) -> None:
-        self.local = local
+class RankOps:
+    """The ops in flight on the ranks, each until every rank reported it."""
+
+    def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
+        self.pending: dict[int, _Pending] = {}
+        self.landed: list[tuple[tuple[int, list[int]], TransferOp]] = []  # on every rank, not yet reported
+        ranks.on_landed = self.rank_landed
+
+    def add(self, op: TransferOp) -> None:
+        self.pending[op.op_id] = _Pending(op, self.ranks.size)
+
+    def rank_landed(self, rank: int, landed: list[tuple[int, list[int]]]) -> None:
+        for op_id, failed in landed:
+            p = self.pending.get(op_id)
+            if p is None:
+                raise self.ranks.lost(f"tensor-parallel rank {rank} reported copy {op_id}, which is not in flight")
+            p.failed.update(failed)
+            p.waiting -= 1
+            if p.waiting == 0:
+                del self.pending[op_id]
+                self.landed.append(((op_id, sorted(p.failed)), p.op))
+
+    def take(self, kinds: tuple[str, ...]) -> list[tuple[tuple[int, list[int]], TransferOp]]:
+        """The landed ops of ``kinds`` ((op id, failed items), op); backups and preloads in
+        submission order (an op waits for the earlier ones of its kind)."""
+        first_pending: dict[str, int] = {}
+        for op_id, p in self.pending.items():
+            kind = p.op.kind
+            if kind in _ORDERED and op_id < first_pending.get(kind, op_id + 1):
+                first_pending[kind] = op_id
+        out: list = []
+        keep: list = []
+        for entry, op in sorted(self.landed, key=lambda landed: landed[0][0]):
+            kind = op.kind
+            mine = kind in kinds and not (kind in first_pending and entry[0] > first_pending[kind])
+            (out if mine else keep).append((entry, op))
+        self.landed = keep
+        return out
+
+    def count(self, kinds: tuple[str, ...]) -> int:
+        return sum(1 for p in self.pending.values() if p.op.kind in kinds)
+
+
+class TPTransfer:
+    KINDS = ("load", "preload", "backup")
+
+    def __init__(self, local: TransferEngine, ops: RankOps) -> None:
+        self.local = local
+        self.ops = ops
+        self.ranks = ops.ranks
         self.gates = local.gates
-        self._pending: dict[int, _Pending] = {}
-        self._landed: list[tuple[tuple[int, list[int]], str]] = []  # on every rank, not yet reported
-        ranks.on_landed = self._rank_landed
 
     @property
     def load_mode(self) -> str:
@@ -43,7 +92,7 @@ class TPTransfer:
         self.local.load_mode = mode
 
     def submit(self, op: TransferOp) -> None:
-        self._pending[op.op_id] = _Pending(op, self.ranks.size)
+        self.ops.add(op)
         self.ranks.send(("ops", [(op, self.local.load_mode)]))
         self.local.submit(op)
 
@@ -51,51 +100,75 @@ class TPTransfer:
         return self.local.layer_hook()
 
     def poll(self) -> list[tuple[int, list[int]]]:
-        self._take(self.local.poll())
+        self.ops.rank_landed(0, self.local.poll())
         self.ranks.poll()
         return self._report()
 
     def wait_loads(self) -> list[tuple[int, list[int]]]:
-        self._take(self.local.wait_loads())
+        self.ops.rank_landed(0, self.local.wait_loads())
         self.ranks.wait_all("wait_loads")
         return self._report()
 
     def drain(self) -> list[tuple[int, list[int]]]:
-        self._take(self.local.drain())
+        self.ops.rank_landed(0, self.local.drain())
         self.ranks.wait_all("drain")
         return self._report()
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending)
-
-    def _take(self, landed: list[tuple[int, list[int]]]) -> None:
-        self._rank_landed(0, landed)
-
-    def _rank_landed(self, rank: int, landed: list[tuple[int, list[int]]]) -> None:
-        for op_id, failed in landed:
-            p = self._pending.get(op_id)
-            if p is None:
-                raise self.ranks.lost(f"tensor-parallel rank {rank} reported copy {op_id}, which is not in flight")
-            p.failed.update(failed)
-            p.waiting -= 1
-            if p.waiting == 0:
-                del self._pending[op_id]
-                self._landed.append(((op_id, sorted(p.failed)), p.op.kind))
+        return self.ops.count(self.KINDS)
 
     def _report(self) -> list[tuple[int, list[int]]]:
-        """The ops landed on every rank; backups and preloads in submission order, as one
-        transfer engine reports them (an op waits for the earlier ones of its kind)."""
-        if not self._landed:
-            return []
-        first_pending: dict[str, int] = {}
-        for op_id, p in self._pending.items():
-            kind = p.op.kind
-            if kind in _ORDERED and op_id < first_pending.get(kind, op_id + 1):
-                first_pending[kind] = op_id
-        out: list = []
-        keep: list = []
-        for entry, kind in sorted(self._landed):
-            (keep if kind in first_pending and entry[0] > first_pending[kind] else out).append((entry, kind))
-        self._landed = keep
-        return [entry for entry, _ in out]
+        return [entry for entry, _ in self.ops.take(self.KINDS)]
+
+
+class TPStorage:
+    """Rank 0's pool client: fetches and puts of rank 0's shards here, the same ops on every
+    other rank; lookups ask for every rank's shard (StorageClient.shard). Everything else is the
+    local client's."""
+
+    KINDS = ("fetch", "put")
+
+    def __init__(self, local: StorageClient, ops: RankOps) -> None:
+        self.local = local
+        self.ops = ops
+        self.ranks = ops.ranks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+    def submit(self, op: TransferOp) -> None:
+        self.ops.add(op)
+        self.ranks.send(("ops", [(op, "whole")]))
+        self.local.submit(op)
+
+    def poll(self) -> list[tuple[int, list[int]]]:
+        self.ops.rank_landed(0, self.local.poll())
+        self.ranks.poll()
+        return self._report()
+
+    def wait(self, timeout: float | None = None) -> list[tuple[int, list[int]]]:
+        """Until an op can be reported or ``timeout`` (this rank's part, then the others')."""
+        if self.local.num_in_flight:
+            self.ops.rank_landed(0, self.local.wait(timeout))
+            self.ranks.poll()
+        else:
+            self.ranks.poll(0.05 if timeout is None else timeout)
+        return self._report()
+
+    def drain(self) -> list[tuple[int, list[int]]]:
+        self.ops.rank_landed(0, self.local.drain())
+        self.ranks.wait_all("storage_drain")
+        return self._report()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.ops.count(self.KINDS)
+
+    def _report(self) -> list[tuple[int, list[int]]]:
+        out = []
+        for (op_id, failed), op in self.ops.take(self.KINDS):
+            if op.kind == "put" and failed:  # stored on some ranks only: put again next time
+                self.local.forget([op.keys[i] for i in failed])
+            out.append((op_id, failed))
+        return out

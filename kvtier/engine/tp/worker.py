@@ -56,6 +56,7 @@ class _Rank:
 
         self.conn = conn
         self.config = config
+        self.rank, self.size = rank, size
         device = rank_device(torch.device(config.device), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -79,7 +80,9 @@ class _Rank:
         self._build(*msg[1:])
         conn.send(("ready",))
 
-    def _build(self, num_device_blocks: int, num_host_blocks: int, cuda_graphs: bool) -> None:
+    def _build(self, num_device_blocks: int, num_host_blocks: int, cuda_graphs: bool, pool: tuple | None) -> None:
+        """The tiers (``pool``: rank 0's storage namespace and model fingerprint, when there is a
+        pool), kernels and graphs, as rank 0 builds its own."""
         from kvtier.engine.cuda_graph import capture_graphs
         from kvtier.engine.runner import ModelRunner
         from kvtier.engine.warmup import compile_kernels
@@ -93,6 +96,21 @@ class _Rank:
         self.host = HostKV(shape, self.dtype, device) if num_host_blocks else None
         host_kv = self.host.tensor if self.host is not None else None
         self.transfer = TransferEngine(self.kv_caches, host_kv, None)
+        self.storage = None
+        if pool is not None:
+            from kvtier.engine.pool import bind_pool
+            from kvtier.storage import open_storage
+            from kvtier.storage.client import default_storage_workers
+
+            namespace, fingerprint = pool
+            self.storage = open_storage(
+                c.storage, workers=c.storage_workers or default_storage_workers(), put_workers=c.storage_put_workers or 1
+            )
+            assert self.storage is not None and host_kv is not None  # (a pool always comes with a host tier)
+            if self.storage.namespace != namespace:
+                raise ValueError(f"rank {self.rank}: pool namespace {self.storage.namespace!r}, rank 0's {namespace!r}")
+            self.storage.shard(self.rank, self.size)
+            bind_pool(self.storage, None, host_kv, None, fingerprint)
         if device.type == "cuda":
             compile_kernels(
                 self.model, self.kv_caches, host_kv, num_device_blocks, c.block_size, self.max_model_len, self.attention_backend
@@ -114,7 +132,7 @@ class _Rank:
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, device, None, graphs, steps)
 
     def serve(self, parent: int) -> None:
-        conn, transfer = self.conn, self.transfer
+        conn, transfer, storage = self.conn, self.transfer, self.storage
         held: list[tuple] = []  # loads (op, mode): submitted when the forward that reads them is
 
         def submit_held() -> None:
@@ -131,10 +149,11 @@ class _Rank:
             return transfer.layer_hook()
 
         while True:
-            if not conn.poll(0.001 if transfer.num_in_flight else 1.0):
+            busy = transfer.num_in_flight or (storage is not None and storage.num_in_flight)
+            if not conn.poll(0.001 if busy else 1.0):
                 if os.getppid() != parent:
                     return  # rank 0's process is gone
-                self._report(transfer.poll())
+                self._report(self._poll())
                 continue
             msg = conn.recv()
             kind = msg[0]
@@ -142,13 +161,20 @@ class _Rank:
                 for op, mode in msg[1]:
                     if op.kind == "load":
                         held.append((op, mode))
+                    elif op.kind in ("fetch", "put"):
+                        assert storage is not None  # (rank 0 has a pool only if every rank has)
+                        storage.submit(op)
                     else:
                         transfer.submit(op)
             elif kind == "forward":
                 self.runner.follow(msg[1], start_loads)
             elif kind == "wait":
                 submit_held()
-                self._report(transfer.wait_loads() if msg[1] == "wait_loads" else transfer.drain())
+                if msg[1] == "storage_drain":
+                    assert storage is not None
+                    self._report(storage.drain())
+                else:
+                    self._report(transfer.wait_loads() if msg[1] == "wait_loads" else transfer.drain())
                 conn.send(("ack", msg[2]))
                 continue
             elif kind == "score":
@@ -158,12 +184,21 @@ class _Rank:
 
                 self.runner.release_graphs()  # (NCCL's teardown waits for graphs that hold its kernels)
                 destroy_group()  # beside rank 0's (NCCL's teardown waits for every rank)
+                if storage is not None:
+                    storage.drain()
+                    storage.close()
                 if self.host is not None:
                     self.host.release()
                 return
             else:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
-            self._report(transfer.poll())
+            self._report(self._poll())
+
+    def _poll(self) -> list:
+        landed = self.transfer.poll()
+        if self.storage is not None:
+            landed += self.storage.poll()
+        return landed
 
     def _report(self, landed: list) -> None:
         if landed:
