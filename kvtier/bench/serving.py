@@ -481,6 +481,7 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
         "load_format": args.load_format or "auto",
         "max_model_len": args.max_model_len,
         "num_device_blocks": args.device_blocks,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     if config == "recompute":
         options |= {"enable_prefix_caching": False, "num_host_blocks": 0}
@@ -544,6 +545,13 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
     )
     ap.add_argument("--device", default="cpu", help="the started server's device (default cpu)")
     ap.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="the started server's tensor-parallel ranks: GPUs --device.. --device+N-1 (default 1)",
+    )
+    ap.add_argument(
         "--prefill-device",
         default=None,
         metavar="DEV",
@@ -557,7 +565,7 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
     )
     # the engine's options under the names `kvtier serve` gives them (kvtier/engine/config.py);
     # --device-blocks / --host-blocks: the names these benches had
-    from kvtier.flags import block_size
+    from kvtier.flags import block_size, positive_int
 
     ap.add_argument(
         "--dtype",

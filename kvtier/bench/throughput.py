@@ -74,9 +74,11 @@ def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False,
 
 def _count_bytes_read(llm) -> dict:
     """Wraps the runner to count, per step, the weights (once) and the KV of every sequence of
-    the batch (its whole context, K and V, every layer): what the step must read from HBM."""
+    the batch (its whole context, K and V, every layer): what the step must read from HBM. Under
+    tensor parallelism, what rank 0's GPU must read (its shard of the weights, its KV heads):
+    every rank reads as much at once, so the roofline is one GPU's."""
     weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
-    cfg = llm.config
+    cfg = llm.model.config  # (this rank's KV heads)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * llm.dtype.itemsize
     counts = {"steps": 0, "weights": 0, "kv": 0}
     real = llm.runner.execute
@@ -150,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvtier bench throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=None, help="model directory (default: write qwen3-0.6b-shape to a temp dir)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model directory, or a preset written to a temp dir (config only, dummy weights: e.g. llama3-70b-shape); "
+        "default: qwen3-0.6b-shape with random weights",
+    )
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel ranks: GPUs 0..N-1 (default 1)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=64, help="requests HF generates (the first N of the same)")
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -171,13 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kvtier bench throughput needs a CUDA GPU (--device cuda); none is visible")
+    from kvtier.model import PRESETS, init_model
+
     tmp = None
     path = Path(args.model) if args.model else None
+    load_format = "auto"
     if path is None:
-        from kvtier.model import init_model
-
         tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-")
         path = init_model("qwen3-0.6b-shape", tmp.name)
+    elif args.model in PRESETS and not path.exists():
+        tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-")
+        path = init_model(args.model, tmp.name, config_only=True)
+        load_format = "dummy"
+        if args.hf_requests:
+            print("a preset's dummy weights: no HF transformers comparison (--hf-requests 0)", flush=True)
+            args.hf_requests = 0
     from kvtier.model import ModelConfig
 
     vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
@@ -201,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             cuda_graphs=args.cuda_graphs,
             overlap_schedule=overlap,
+            tensor_parallel_size=args.tensor_parallel_size,
+            load_format=load_format,
         )
         run.update(roofline(run, bandwidth))
         print(
