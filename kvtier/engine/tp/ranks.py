@@ -114,13 +114,15 @@ class Ranks:
         self._lost: str | None = None  # why the ranks cannot go on (the watchdog or a reader)
         self._closed = False
         self._watchdog: threading.Thread | None = None
+        self._threads: int | None = None  # rank 0's torch threads before the ranks shared the cores
 
     @classmethod
     def start(cls, size: int, model: str, config: Any, device: torch.device, timeout: float) -> "Ranks":
         self = cls(size, timeout, backend_for(device))
         env = dict(os.environ)
-        if device.type == "cpu":  # the ranks share the cores: each takes its part
-            threads = max(1, torch.get_num_threads() // size)
+        if device.type == "cpu":  # the ranks share the cores: each takes its part (until close)
+            self._threads = torch.get_num_threads()
+            threads = max(1, self._threads // size)
             env["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
         try:
@@ -318,3 +320,5 @@ class Ranks:
             os.rmdir(self._dir)
         except OSError:
             pass
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
