@@ -46,7 +46,9 @@ def workload(llm: kvtier.LLM, moe: bool) -> list:
     ]
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-moe-tiny"])
+@pytest.mark.parametrize(
+    "preset", ["llama-tiny", pytest.param("qwen2-moe-tiny", marks=pytest.mark.slow)]  # (the slow pass: CI runs it)
+)
 def test_two_ranks_give_what_one_gives_through_every_tier(preset, checkpoint):
     """Dense (Llama) and MoE with a shared expert and a dense layer (Qwen2-MoE)."""
     moe = preset.endswith("moe-tiny")
@@ -90,6 +92,7 @@ def pool_run(path, pool: str, tp: int, prompts: list[list[int]], moe: bool, writ
             for o in outs]
 
 
+@pytest.mark.slow  # five engines, three of two ranks (~25 s on 2 cores): CI runs it with -m slow
 def test_storage_hits_through_two_ranks_equal_one_and_a_missing_shard_is_a_miss(checkpoint, tmp_path):
     """Each rank writes and reads its own shard of a block (``:tp<rank>of2`` objects); a block
     counts as stored only when every rank's shard is, so one rank's missing shard costs a
@@ -153,7 +156,8 @@ def test_a_rank_killed_mid_run_ends_the_engine_naming_it(checkpoint):
     assert rank1.poll() is not None
 
 
-def test_a_rank_that_fails_names_its_error(checkpoint, monkeypatch):
+@pytest.mark.slow
+def test_a_rank_that_fails_names_its_error(checkpoint):
     """A rank whose step raises sends its error before it exits; rank 0 stops with it."""
     llm = kvtier.LLM(checkpoint("llama-tiny"), tensor_parallel_size=2, num_device_blocks=64, block_size=8, tp_timeout=10)
     try:
