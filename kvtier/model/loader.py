@@ -32,7 +32,7 @@ from kvtier.model.config import ModelConfig
 from kvtier.model.digest_cache import DigestCache, file_stamp
 from kvtier.model.families import CausalLM
 from kvtier.model.layers import RMSNorm, RotaryEmbedding
-from kvtier.model.shard import TPShard, full_shape, take_shard
+from kvtier.model.shard import TPShard, full_shape, shard_dim, take_shard, take_slice
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -73,24 +73,35 @@ def _rename(name: str) -> str:
     return name
 
 
-def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) pairs; 3D fused expert tensors are split into per-expert weights."""
+def _checkpoint_tensors(files: list[Path], tp: TPShard | None = None) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """(our name, tensor, the whole tensor's shape) triples; 3D fused expert tensors are split
+    into per-expert weights. With ``tp``, a sharded tensor is read as this rank's slice only
+    (safetensors reads just those bytes: a rank of a 70B model does not read every rank's)."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 name = _rename(key)
                 fused = _FUSED_EXPERTS.match(name)
                 if not fused:
-                    yield name, f.get_tensor(key)
+                    dim = shard_dim(name) if tp is not None and tp.size > 1 else None
+                    if isinstance(dim, int):
+                        assert tp is not None  # (dim is set only with tp)
+                        part = f.get_slice(key)
+                        shape = tuple(part.get_shape())
+                        yield name, take_slice(part, shape, dim, tp, name), shape
+                    else:
+                        tensor = f.get_tensor(key)
+                        yield name, take_shard(name, tensor, tp), tuple(tensor.shape)
                     continue
                 stacked = f.get_tensor(key)  # gate_up_proj [E, 2I, H]; down_proj [E, H, I]
                 for e, w in enumerate(stacked):
                     if fused[2] == "down_proj":
-                        yield f"{fused[1]}.{e}.down_proj.weight", w
+                        down = f"{fused[1]}.{e}.down_proj.weight"
+                        yield down, take_shard(down, w, tp), tuple(w.shape)
                     else:
-                        gate, up = w.chunk(2, dim=0)
-                        yield f"{fused[1]}.{e}.gate_proj.weight", gate
-                        yield f"{fused[1]}.{e}.up_proj.weight", up
+                        for half, part_name in zip(w.chunk(2, dim=0), ("gate_proj", "up_proj")):
+                            proj = f"{fused[1]}.{e}.{part_name}.weight"
+                            yield proj, take_shard(proj, half, tp), tuple(half.shape)
 
 
 def load_model(
@@ -138,13 +149,13 @@ def _checkpoint_weights(
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     size = tp.size if tp is not None else 1
     loaded: dict[str, torch.Tensor] = {}
-    for name, tensor in _checkpoint_tensors(safetensors_files(path)):
+    for name, tensor, whole in _checkpoint_tensors(safetensors_files(path), tp):
         if name not in params:
             continue  # e.g. rotary inv_freq, tied lm_head copies
         expected = full_shape(name, tuple(params[name].shape), size)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        loaded[name] = take_shard(name, tensor, tp).to(device=device, dtype=dtype).contiguous()
+        if whole != expected:
+            raise ValueError(f"tensor {name!r} has shape {whole}, expected {expected}")
+        loaded[name] = tensor.to(device=device, dtype=dtype).contiguous()
     missing = [name for name in params if name not in loaded]
     if missing:
         raise KeyError(

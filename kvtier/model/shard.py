@@ -116,6 +116,18 @@ def take_shard(name: str, tensor: torch.Tensor, shard: TPShard | None) -> torch.
     return tensor.narrow(dim, shard.rank * step, step)
 
 
+def take_slice(part: Any, shape: tuple[int, ...], dim: int, shard: TPShard, name: str) -> torch.Tensor:
+    """Rank ``shard.rank``'s slice of a safetensors tensor ``part`` (``safe_open(...).get_slice``)
+    of ``shape``, read alone."""
+    n = shape[dim]
+    if n % shard.size:
+        raise ValueError(f"tensor {name!r} dim {dim} ({n}) does not split into {shard.size} tensor-parallel slices")
+    step = n // shard.size
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(shard.rank * step, (shard.rank + 1) * step)
+    return part[tuple(index)]
+
+
 def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``group`` in place (the row-parallel layers' partial sums)."""
     import torch.distributed as dist
