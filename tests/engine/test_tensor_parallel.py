@@ -114,6 +114,7 @@ def test_storage_hits_through_two_ranks_equal_one_and_a_missing_shard_is_a_miss(
     assert all(hits["storage"] == 0 for _, _, hits in again), again
 
 
+@pytest.mark.slow  # four engines, two of two ranks: CI runs it with -m slow
 def test_a_pd_hand_off_between_two_engines_of_two_ranks(checkpoint, tmp_path):
     """P (two ranks) exports a prompt (full blocks and the partial last one) to a file pool; D (two
     ranks) starts from P's first token and reads every rank's shard: the tokens and experts of a

@@ -48,6 +48,7 @@ DEVICES = [
 ]
 
 
+@pytest.mark.slow  # a server of two ranks (~20 s on 2 cores): CI runs it with -m slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_dies(device, procs, checkpoint):
     path = checkpoint("qwen3-moe-tiny")
