@@ -42,7 +42,7 @@ DEVICES = [
         "cuda",
         marks=pytest.mark.skipif(
             not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-            reason="needs two CUDA GPUs (2x H100 80GB run it: python -m pytest tests/serve/test_tensor_parallel_serve.py)",
+            reason="needs two CUDA GPUs (2x H100 80GB run it: python -m pytest -m slow tests/serve/test_tensor_parallel_serve.py)",
         ),
     ),
 ]
