@@ -112,6 +112,7 @@ class Ranks:
         self._ready: set[int] = set()
         self._seq = 0
         self._lost: str | None = None  # why the ranks cannot go on (the watchdog or a reader)
+        self._told = False  # a RankLost was raised to the engine (the watchdog need not end the process)
         self._closed = False
         self._watchdog: threading.Thread | None = None
         self._threads: int | None = None  # rank 0's torch threads before the ranks shared the cores
@@ -240,18 +241,18 @@ class Ranks:
     def _watch(self) -> None:
         """A rank process that exits while the engine runs: rank 0 may be inside a collective
         with it, which gloo ends with an error but NCCL only after its timeout; the reason is
-        kept for the error rank 0 raises (:meth:`check`), and on a GPU, if rank 0 is still
-        running ``tp_timeout`` seconds later (stuck in a collective), the process ends, naming
-        the rank, instead of hanging."""
+        kept for the error rank 0 raises (:meth:`check`), and if rank 0 has neither raised it
+        nor closed ``tp_timeout`` seconds later (stuck in an NCCL collective), the process
+        ends, naming the rank, instead of hanging."""
         while not self._closed:
             for rank, proc in enumerate(self.procs, 1):
                 if proc.poll() is not None and not self._closed:
                     self._lost = self._lost or f"tensor-parallel rank {rank} {self._exit_text(rank)}"
                     log.error("%s; the engine stops", self._lost)
                     deadline = time.monotonic() + self.timeout
-                    while not self._closed and time.monotonic() < deadline:
+                    while not (self._closed or self._told) and time.monotonic() < deadline:
                         time.sleep(0.1)
-                    if not self._closed:
+                    if not (self._closed or self._told) and self.backend == "nccl":  # (gloo raises)
                         log.critical("%s and rank 0 did not stop within %g s: exiting", self._lost, self.timeout)
                         os._exit(70)
                     return
@@ -259,11 +260,13 @@ class Ranks:
 
     def check(self) -> None:
         if self._lost is not None:
+            self._told = True
             raise RankLost(self._lost)
 
     def lost(self, why: str) -> RankLost:
-        """The error that stops the engine (the first reason found wins)."""
+        """The error that stops the engine (the first reason found wins; the caller raises it)."""
         self._lost = self._lost or why
+        self._told = True
         return RankLost(self._lost)
 
     def explain(self, exc: BaseException) -> RankLost:
