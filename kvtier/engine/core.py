@@ -72,7 +72,7 @@ from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner, StepResult
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
-from kvtier.engine.sizing import check_host_blocks, resolve_dtype, size_device_blocks, size_host_blocks
+from kvtier.engine.sizing import block_nbytes, check_host_blocks, resolve_dtype, size_device_blocks, size_host_blocks
 from kvtier.engine.startup import Startup
 from kvtier.engine.tp.ranks import RankLost, Ranks, backend_for, init_group
 from kvtier.engine.tp.transfer import RankOps, TPStorage, TPTransfer
@@ -137,7 +137,7 @@ class EngineCore:
         if attention_backend is None:
             attention_backend = "triton" if self.device.type == "cuda" else "torch"
         self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        bytes_per_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * self.dtype.itemsize
+        bytes_per_block = block_nbytes(cfg, block_size, self.dtype)
         if num_host_blocks is not None:
             check_host_blocks(num_host_blocks, bytes_per_block)
         self.startup = startup = startup if startup is not None else Startup()
@@ -152,7 +152,15 @@ class EngineCore:
                     f"{self.device.index + tp - 1}; torch sees {torch.cuda.device_count()}"
                 )
             # the other ranks start now and load their shards while this one loads its own
-            self.ranks = Ranks.start(tp, str(self.path), replace(c, revision=None), self.device, c.tp_timeout)
+            # (the options as resolved here: every rank takes them as they are)
+            resolved = replace(
+                c,
+                revision=None,
+                dtype=str(self.dtype).removeprefix("torch."),
+                attention_backend=attention_backend,
+                max_model_len=self.max_model_len,
+            )
+            self.ranks = Ranks.start(tp, str(self.path), resolved, self.device, c.tp_timeout)
             try:
                 shard = TPShard(0, tp, init_group(backend_for(self.device), self.ranks.store, 0, tp, c.tp_timeout, self.device))
             except BaseException as e:

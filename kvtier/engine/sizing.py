@@ -24,6 +24,12 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
     return DTYPES[dtype]
 
 
+def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over every layer (K and V) of ``cfg``'s KV heads (under tensor
+    parallelism, a rank's config: its share)."""
+    return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * dtype.itemsize
+
+
 def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 

@@ -71,7 +71,6 @@ class CausalLM(nn.Module):
         """``cfg``: the model's config; ``tp``: the slice this process holds (model/shard.py),
         whose sizes :attr:`config` then has (``num_kv_heads / tp`` heads: this rank's KV shape)."""
         super().__init__()
-        self.full_config = cfg
         self.tp = tp
         if tp is not None and tp.size > 1:
             cfg = shard_config(cfg, tp.size)

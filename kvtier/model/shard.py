@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kvtier.model.config import ModelConfig
 
@@ -109,16 +110,12 @@ def take_shard(name: str, tensor: torch.Tensor, shard: TPShard | None) -> torch.
     if dim == "once":
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)
     assert isinstance(dim, int)
-    n = tensor.shape[dim]
-    if n % shard.size:
-        raise ValueError(f"tensor {name!r} dim {dim} ({n}) does not split into {shard.size} tensor-parallel slices")
-    step = n // shard.size
-    return tensor.narrow(dim, shard.rank * step, step)
+    return take_slice(tensor, tuple(tensor.shape), dim, shard, name)
 
 
 def take_slice(part: Any, shape: tuple[int, ...], dim: int, shard: TPShard, name: str) -> torch.Tensor:
-    """Rank ``shard.rank``'s slice of a safetensors tensor ``part`` (``safe_open(...).get_slice``)
-    of ``shape``, read alone."""
+    """Rank ``shard.rank``'s slice along ``dim`` of ``part`` (of ``shape``): a tensor, or a
+    safetensors slice (``safe_open(...).get_slice``), which then reads those bytes alone."""
     n = shape[dim]
     if n % shard.size:
         raise ValueError(f"tensor {name!r} dim {dim} ({n}) does not split into {shard.size} tensor-parallel slices")
@@ -130,16 +127,12 @@ def take_slice(part: Any, shape: tuple[int, ...], dim: int, shard: TPShard, name
 
 def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``group`` in place (the row-parallel layers' partial sums)."""
-    import torch.distributed as dist
-
     dist.all_reduce(x, group=group)
     return x
 
 
 def broadcast_from_first(x: torch.Tensor, shard: TPShard | None) -> torch.Tensor:
     """Rank 0's ``x`` onto every rank of ``shard``'s group, in place (the tokens rank 0 sampled)."""
-    import torch.distributed as dist
-
     assert shard is not None and shard.group is not None
     dist.broadcast(x, group_src=0, group=shard.group)
     return x

@@ -295,11 +295,7 @@ class StorageClient:
 
     def _all_names(self, key: bytes | str) -> list[str]:
         """Every rank's name of ``key`` (one name without tensor parallelism)."""
-        return (
-            [object_name(key, self.namespace, r, self.tp_size) for r in range(self.tp_size)]
-            if self.tp_size > 1
-            else [self.name(key)]
-        )
+        return [object_name(key, self.namespace, r, self.tp_size) for r in range(self.tp_size)]
 
     # ------------------------------------------------------------------ what the manager asks
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:

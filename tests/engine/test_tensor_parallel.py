@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -148,10 +147,8 @@ def test_a_rank_killed_mid_run_ends_the_engine_naming_it(checkpoint):
         llm.generate(prompts_for(34, lengths=(20,)), kvtier.SamplingParams(max_tokens=4))
         rank1 = llm.ranks.procs[0]
         os.kill(rank1.pid, signal.SIGKILL)
-        t0 = time.monotonic()
         with pytest.raises(RankLost, match=r"rank 1 (was killed by signal 9|closed its connection)"):
             llm.generate(prompts_for(35, lengths=(20, 30)), kvtier.SamplingParams(max_tokens=50, ignore_eos=True))
-        assert time.monotonic() - t0 < 10
     finally:
         llm.close()
     assert rank1.poll() is not None

@@ -211,4 +211,4 @@ def test_metrics_ttft_counts_the_wait_for_the_engine_as_the_clients_do(moe_model
         engine.shutdown()
     seconds = float(re.search(r"^kvtier_time_to_first_token_seconds_sum (\S+)$", text, re.M).group(1))
     count = float(re.search(r"^kvtier_time_to_first_token_seconds_count (\S+)$", text, re.M).group(1))
-    assert count == 2 and seconds >= 0.6
+    assert count == 2 and seconds >= 0.6  # each of the 2 includes the 0.3 s the engine was made to wait (a floor, not a speed)

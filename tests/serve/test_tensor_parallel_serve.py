@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -69,12 +68,10 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_dies(device, proc
     ranks = rank_processes(server.popen.pid)
     assert len(ranks) == 1, ranks
     os.kill(ranks[0], signal.SIGKILL)
-    t0 = time.monotonic()
     try:
         httpx.post(server.url + "/v1/completions", json=dict(body, max_tokens=200), timeout=TIMEOUT + 10)
     except httpx.HTTPError:
         pass  # the server may close the connection as it goes down
-    status = server.popen.wait(timeout=TIMEOUT + 15)
+    status = server.popen.wait(timeout=TIMEOUT + 15)  # (TimeoutExpired: the server hung)
     assert status != 0
-    assert time.monotonic() - t0 < TIMEOUT + 15
     assert "tensor-parallel rank 1" in server.tail(60), server.tail(60)

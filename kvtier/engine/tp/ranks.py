@@ -6,11 +6,13 @@ end of a socket pair; messages are pickled tuples (``multiprocessing.connection`
 order. To a rank::
 
     ("init", rank, size, store, model, config)   join the process group, load the shard
-    ("build", num_device_blocks, num_host_blocks)  allocate the tiers, compile, capture
-    ("ops", [TransferOp, ...])                      submit (loads wait for the next forward)
+    ("build", num_device_blocks, num_host_blocks, cuda_graphs, pool)
+                                                    allocate the tiers (pool: namespace and model
+                                                    fingerprint), compile, capture
+    ("ops", [(TransferOp, load_mode), ...])         submit (loads wait for the next forward)
     ("forward", HostInputs)                         runner.follow
     ("score", token_ids, routing)                   the same forward on scratch blocks
-    ("wait", kind, seq)                             wait_loads / drain, then ("ack", seq)
+    ("wait", kind, seq)                             wait_loads / drain / storage_drain, then ("ack", seq)
     ("close",)
 
 From a rank: ("sized", n) (the device blocks that fit it), ("ready",), ("landed", [(op_id,

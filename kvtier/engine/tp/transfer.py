@@ -74,13 +74,53 @@ class RankOps:
         return sum(1 for p in self.pending.values() if p.op.kind in kinds)
 
 
-class TPTransfer:
-    KINDS = ("load", "preload", "backup")
+class _OnEveryRank:
+    """What both sides share: an op goes to every other rank, then runs here; completions are
+    this rank's merged with theirs (:class:`RankOps`)."""
 
-    def __init__(self, local: TransferEngine, ops: RankOps) -> None:
+    KINDS: tuple[str, ...] = ()
+    DRAIN = ""  # the rank message that drains the ops of these kinds
+
+    def __init__(self, local: Any, ops: RankOps) -> None:
         self.local = local
         self.ops = ops
         self.ranks = ops.ranks
+
+    def _submit(self, op: TransferOp, mode: str) -> None:
+        self.ops.add(op)
+        self.ranks.send(("ops", [(op, mode)]))
+        self.local.submit(op)
+
+    def _merged(self, landed_here: list[tuple[int, list[int]]], wait: str | None = None) -> list[tuple[int, list[int]]]:
+        """The ops landed on every rank, after this rank's ``landed_here`` and what the others
+        sent (``wait``: after every rank ran that message and acked)."""
+        self.ops.rank_landed(0, landed_here)
+        if wait is None:
+            self.ranks.poll()
+        else:
+            self.ranks.wait_all(wait)
+        return self._report()
+
+    def poll(self) -> list[tuple[int, list[int]]]:
+        return self._merged(self.local.poll())
+
+    def drain(self) -> list[tuple[int, list[int]]]:
+        return self._merged(self.local.drain(), self.DRAIN)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.ops.count(self.KINDS)
+
+    def _report(self) -> list[tuple[int, list[int]]]:
+        return [entry for entry, _ in self.ops.take(self.KINDS)]
+
+
+class TPTransfer(_OnEveryRank):
+    KINDS = ("load", "preload", "backup")
+    DRAIN = "drain"
+
+    def __init__(self, local: TransferEngine, ops: RankOps) -> None:
+        super().__init__(local, ops)
         self.gates = local.gates
 
     @property
@@ -92,78 +132,36 @@ class TPTransfer:
         self.local.load_mode = mode
 
     def submit(self, op: TransferOp) -> None:
-        self.ops.add(op)
-        self.ranks.send(("ops", [(op, self.local.load_mode)]))
-        self.local.submit(op)
+        self._submit(op, self.local.load_mode)
 
     def layer_hook(self) -> LoadWaits | None:
         return self.local.layer_hook()
 
-    def poll(self) -> list[tuple[int, list[int]]]:
-        self.ops.rank_landed(0, self.local.poll())
-        self.ranks.poll()
-        return self._report()
-
     def wait_loads(self) -> list[tuple[int, list[int]]]:
-        self.ops.rank_landed(0, self.local.wait_loads())
-        self.ranks.wait_all("wait_loads")
-        return self._report()
-
-    def drain(self) -> list[tuple[int, list[int]]]:
-        self.ops.rank_landed(0, self.local.drain())
-        self.ranks.wait_all("drain")
-        return self._report()
-
-    @property
-    def num_in_flight(self) -> int:
-        return self.ops.count(self.KINDS)
-
-    def _report(self) -> list[tuple[int, list[int]]]:
-        return [entry for entry, _ in self.ops.take(self.KINDS)]
+        return self._merged(self.local.wait_loads(), "wait_loads")
 
 
-class TPStorage:
+class TPStorage(_OnEveryRank):
     """Rank 0's pool client: fetches and puts of rank 0's shards here, the same ops on every
     other rank; lookups ask for every rank's shard (StorageClient.shard). Everything else is the
     local client's."""
 
     KINDS = ("fetch", "put")
-
-    def __init__(self, local: StorageClient, ops: RankOps) -> None:
-        self.local = local
-        self.ops = ops
-        self.ranks = ops.ranks
+    DRAIN = "storage_drain"
+    local: StorageClient
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
 
     def submit(self, op: TransferOp) -> None:
-        self.ops.add(op)
-        self.ranks.send(("ops", [(op, "whole")]))
-        self.local.submit(op)
-
-    def poll(self) -> list[tuple[int, list[int]]]:
-        self.ops.rank_landed(0, self.local.poll())
-        self.ranks.poll()
-        return self._report()
+        self._submit(op, "whole")
 
     def wait(self, timeout: float | None = None) -> list[tuple[int, list[int]]]:
         """Until an op can be reported or ``timeout`` (this rank's part, then the others')."""
         if self.local.num_in_flight:
-            self.ops.rank_landed(0, self.local.wait(timeout))
-            self.ranks.poll()
-        else:
-            self.ranks.poll(0.05 if timeout is None else timeout)
+            return self._merged(self.local.wait(timeout))
+        self.ranks.poll(0.05 if timeout is None else timeout)
         return self._report()
-
-    def drain(self) -> list[tuple[int, list[int]]]:
-        self.ops.rank_landed(0, self.local.drain())
-        self.ranks.wait_all("storage_drain")
-        return self._report()
-
-    @property
-    def num_in_flight(self) -> int:
-        return self.ops.count(self.KINDS)
 
     def _report(self) -> list[tuple[int, list[int]]]:
         out = []

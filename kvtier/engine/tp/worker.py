@@ -49,11 +49,12 @@ def main(fd: int) -> int:
 
 class _Rank:
     def __init__(self, conn: Connection, rank: int, size: int, store: str, model: str, config) -> None:
-        from kvtier.engine.sizing import resolve_dtype, size_device_blocks
+        from kvtier.engine.sizing import block_nbytes, size_device_blocks
         from kvtier.engine.tp.ranks import backend_for, init_group, rank_device
-        from kvtier.model import ModelConfig, load_model
+        from kvtier.model import load_model
         from kvtier.model.shard import TPShard
 
+        # ``config``: rank 0's, with its dtype, attention backend and context length resolved
         self.conn = conn
         self.config = config
         self.rank, self.size = rank, size
@@ -62,17 +63,17 @@ class _Rank:
             torch.cuda.set_device(device)
         self.device = device
         group = init_group(backend_for(device), store, rank, size, config.tp_timeout, device)
-        cfg = ModelConfig.from_hf_dir(model)
-        self.dtype = resolve_dtype(config.dtype, cfg, device)
-        self.attention_backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        self.dtype = getattr(torch, config.dtype)
         self.model = load_model(
-            model, device, self.dtype, self.attention_backend, load_format=config.load_format, tp=TPShard(rank, size, group)
+            model, device, self.dtype, config.attention_backend, load_format=config.load_format, tp=TPShard(rank, size, group)
         )
-        rcfg = self.model.config  # this rank's heads
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        bytes_per_block = 2 * config.block_size * rcfg.num_kv_heads * rcfg.head_dim * rcfg.num_layers * self.dtype.itemsize
         fits = config.num_device_blocks or size_device_blocks(
-            device, bytes_per_block, config.block_size, config.max_num_seqs, self.max_model_len, config.gpu_memory_utilization
+            device,
+            block_nbytes(self.model.config, config.block_size, self.dtype),  # (this rank's heads)
+            config.block_size,
+            config.max_num_seqs,
+            config.max_model_len,
+            config.gpu_memory_utilization,
         )
         conn.send(("sized", int(fits)))
         msg = conn.recv()
@@ -98,14 +99,10 @@ class _Rank:
         self.transfer = TransferEngine(self.kv_caches, host_kv, None)
         self.storage = None
         if pool is not None:
-            from kvtier.engine.pool import bind_pool
-            from kvtier.storage import open_storage
-            from kvtier.storage.client import default_storage_workers
+            from kvtier.engine.pool import bind_pool, open_pool
 
             namespace, fingerprint = pool
-            self.storage = open_storage(
-                c.storage, workers=c.storage_workers or default_storage_workers(), put_workers=c.storage_put_workers or 1
-            )
+            self.storage, _ = open_pool(c)  # (rank 0's cost model decides for every rank)
             assert self.storage is not None and host_kv is not None  # (a pool always comes with a host tier)
             if self.storage.namespace != namespace:
                 raise ValueError(f"rank {self.rank}: pool namespace {self.storage.namespace!r}, rank 0's {namespace!r}")
@@ -113,7 +110,7 @@ class _Rank:
             bind_pool(self.storage, None, host_kv, None, fingerprint)
         if device.type == "cuda":
             compile_kernels(
-                self.model, self.kv_caches, host_kv, num_device_blocks, c.block_size, self.max_model_len, self.attention_backend
+                self.model, self.kv_caches, host_kv, num_device_blocks, c.block_size, c.max_model_len, c.attention_backend
             )
         graphs = steps = None
         if cuda_graphs:
@@ -121,7 +118,7 @@ class _Rank:
                 self.model,
                 self.kv_caches,
                 c.block_size,
-                self.max_model_len,
+                c.max_model_len,
                 c.max_num_seqs,
                 c.max_num_batched_tokens,
                 num_device_blocks,
