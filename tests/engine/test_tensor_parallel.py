@@ -75,12 +75,13 @@ def test_two_ranks_give_what_one_gives_through_every_tier(preset, checkpoint):
         assert one[0][1] is not None and len(one[0][1]) > 0
 
 
-def pool_run(path, pool: str, tp: int, prompts: list[list[int]], moe: bool, write: bool = True) -> list:
+def pool_run(path, pool: str, tp: int, prompts: list[list[int]], moe: bool, write: bool = True, **engine) -> list:
     """One engine writes ``prompts``' blocks to the pool (``write``); a second, with empty device
-    and host tiers, reads them back. The second engine's outputs (tokens, experts, hits per tier)."""
+    and host tiers, reads them back. The second engine's outputs (tokens, experts, hits per tier).
+    ``engine``: more LLM options (the GPU twin's device and dtype)."""
     sp = kvtier.SamplingParams(max_tokens=10, ignore_eos=True, return_routed_experts=moe)
     kw = dict(tensor_parallel_size=tp, num_device_blocks=64, block_size=8, num_host_blocks=128, storage=pool,
-              prefetch_policy="wait_complete", storage_fetch="always")  # (hits that do not depend on timing)
+              prefetch_policy="wait_complete", storage_fetch="always", **engine)  # (hits that do not depend on timing)
     if write:
         with kvtier.LLM(path, **kw) as llm:
             llm.generate(prompts, sp)
