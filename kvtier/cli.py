@@ -24,6 +24,9 @@ PRESET_NAMES = (
     "qwen3-0.6b-shape",
     "qwen3-moe-small",
     "llama3-8b-shape",
+    "qwen3-mtp-tiny",
+    "qwen3-moe-mtp-tiny",
+    "llama3-8b-mtp-shape",
     "llama3-70b-shape",
 )
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
@@ -36,6 +39,10 @@ BENCHES = {
     ),
     "throughput": ("kvtier.bench.throughput", "GPU: engine tokens/s vs HF transformers generate"),
     "routing": ("kvtier.bench.routing_bench", "GPU: tokens/s with R3 routing capture on vs off"),
+    "speculative": (
+        "kvtier.bench.spec_bench",
+        "decode tokens/s with MTP speculative decoding vs without, drafts of a controlled acceptance (--device cpu: tiny)",
+    ),
     "attention": (
         "kvtier.bench.attention_bench",
         "GPU: paged attention, Triton vs torch reference vs SDPA (--smoke: tiny shapes on CPU)",

@@ -37,7 +37,7 @@ NOT_RUN = {
     r"python -m pytest": "the test suite itself",
     r"^apt-get install ": "system packages: .ci/run installs them",
     r"--device cuda": "needs a GPU",
-    r"^kvtier bench (transfer|overlap|rollout)\b": "GPU benchmark",
+    r"^kvtier bench (transfer|overlap|rollout|speculative)\b": "GPU benchmark",
     r"^kvtier bench storage --ttft\b": "two engines on a 1 GiB prompt: minutes on a CPU",
     r"^kvtier (serve|router) ": "a server: tests/serve start the same ones",
     r"^kvtier bench \w+ .*--url ": "needs a running server: tests/test_bench_serving.py runs --url against one",

@@ -219,6 +219,16 @@ class EngineConfig:
         "schedule step N+1 on the CPU while the GPU runs step N (default: on for cuda; --no-overlap-schedule turns it off)",
         off=("--disable-overlap-schedule",),
     )
+    num_speculative_tokens: int = _opt(
+        0,
+        "speculative decoding: tokens the model's MTP block drafts per step, verified by one target forward "
+        "(greedy: the same tokens as without; sampled: the same distribution); 0 = off. Runs without "
+        "CUDA graphs, overlap scheduling and tensor parallelism (default 0)",
+        type=types.non_negative_int,
+        flag="--speculative-tokens",
+        aliases=("--num-speculative-tokens",),
+        metavar="K",
+    )
     pd_on_miss: str = _opt(
         "recompute",
         "PD decode side: blocks missing, corrupt or late in the pool are "
@@ -255,6 +265,7 @@ class EngineConfig:
             ("storage_put_workers", 1),
             ("max_model_len", 1),
             ("tensor_parallel_size", 1),
+            ("num_speculative_tokens", 0),
         ):
             types.check_int(name, getattr(self, name), lo, optional=getattr(EngineConfig, name, 0) is None)
         from kvtier.cache.manager import check_block_size
@@ -292,6 +303,17 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} needs a pool every rank's process reaches "
                 f"(file://, redis://, mooncake://), not {self.storage!r}: a memory:// pool lives in one process"
             )
+        if self.num_speculative_tokens:
+            k = self.num_speculative_tokens
+            if k > 8:
+                raise ValueError(f"num_speculative_tokens must be at most 8, got {k}")
+            for name, on in (("cuda_graphs", self.cuda_graphs), ("overlap_schedule", self.overlap_schedule)):
+                if on:
+                    raise ValueError(f"num_speculative_tokens={k} runs without {name}: leave {name} unset or off")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"num_speculative_tokens={k} runs on one rank: tensor_parallel_size is {self.tensor_parallel_size}"
+                )
         device = str(self.device)
         if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

@@ -73,6 +73,7 @@ from kvtier.engine.runner import ModelRunner, StepResult
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sizing import block_nbytes, check_host_blocks, resolve_dtype, size_device_blocks, size_host_blocks
+from kvtier.engine.spec import Speculator
 from kvtier.engine.startup import Startup
 from kvtier.engine.tp.ranks import RankLost, Ranks, backend_for, init_group
 from kvtier.engine.tp.transfer import RankOps, TPStorage, TPTransfer
@@ -132,7 +133,7 @@ class EngineCore:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        self.config = cfg = ModelConfig.from_hf_dir(self.path)
+        self.config = cfg = ModelConfig.from_hf_dir(self.path).with_mtp(c.num_speculative_tokens > 0)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         if attention_backend is None:
             attention_backend = "triton" if self.device.type == "cuda" else "torch"
@@ -182,7 +183,15 @@ class EngineCore:
         max_num_seqs, max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
         tp = c.tensor_parallel_size
         with startup("loading weights"):
-            self.model = load_model(self.path, self.device, self.dtype, attention_backend, load_format=c.load_format, tp=shard)
+            self.model = load_model(
+                self.path,
+                self.device,
+                self.dtype,
+                attention_backend,
+                load_format=c.load_format,
+                tp=shard,
+                mtp=c.num_speculative_tokens > 0,
+            )
         rcfg = self.model.config  # this rank's KV heads (the model's, without tensor parallelism)
         with startup("loading tokenizer"):
             self.tokenizer = load_tokenizer(self.path)
@@ -200,9 +209,11 @@ class EngineCore:
         if preemption_mode is None:
             preemption_mode = "swap" if num_host_blocks else "recompute"
         self.preemption_mode = preemption_mode
-        routing_payload = ""
-        if cfg.is_moe and c.capture_routing:  # stored blocks carry routing: not the same objects
-            routing_payload = f"routing:{cfg.num_moe_layers}x{cfg.top_k}:{cfg.num_experts}"
+        payload = []  # what stored blocks carry besides the decoder's KV: not the same objects
+        if cfg.is_moe and c.capture_routing:
+            payload.append(f"routing:{cfg.num_moe_layers}x{cfg.top_k}:{cfg.num_experts}")
+        if cfg.num_mtp_layers:  # the MTP block's KV, layer num_layers of every block
+            payload.append(f"mtp:{cfg.num_mtp_layers}")
         fingerprint = ModelFingerprint(
             cfg.architecture,
             cfg.num_layers,
@@ -211,7 +222,7 @@ class EngineCore:
             str(self.dtype).removeprefix("torch."),
             block_size,
             weights=weights_digest(self.path, c.load_format, self.device),
-            payload=routing_payload,
+            payload=";".join(payload),
         )
         self.storage, self.fetch_cost = open_pool(c)
         rank_ops = None
@@ -235,7 +246,7 @@ class EngineCore:
             early_loads=bool(c.early_loads),
         )
         if cuda_graphs is None:  # default: on for CUDA, where launches bound decode speed
-            cuda_graphs = self.device.type == "cuda"
+            cuda_graphs = self.device.type == "cuda" and not c.num_speculative_tokens
         if cuda_graphs and self.device.type == "cuda" and attention_backend != "triton":
             # a captured graph keeps the host lengths the torch reference read at capture
             log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly", attention_backend)
@@ -250,7 +261,9 @@ class EngineCore:
             # pinned (on CUDA) and on the GPU's NUMA node; one storage object per host block
             self._host = (
                 HostKV(
-                    (num_host_blocks, rcfg.num_layers, 2, block_size, rcfg.num_kv_heads, rcfg.head_dim), self.dtype, self.device
+                    (num_host_blocks, rcfg.num_kv_layers, 2, block_size, rcfg.num_kv_heads, rcfg.head_dim),
+                    self.dtype,
+                    self.device,
                 )
                 if num_host_blocks
                 else None
@@ -290,6 +303,8 @@ class EngineCore:
                     self.transfer.gates,
                 )
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs, step_graphs)
+        self.spec = Speculator(c.num_speculative_tokens) if c.num_speculative_tokens else None
+        self.runner.spec = self.spec
         if self.ranks is not None:
             with startup("waiting for the other tensor-parallel ranks"):
                 self.ranks.wait_ready()
@@ -303,6 +318,7 @@ class EngineCore:
             preemption_mode,
             c.prefetch_policy,
             c.prefetch_timeout,
+            c.num_speculative_tokens,
         )
         self.block_size = block_size
         # P: outputs waiting for the pool's acks (engine/pd.py)
@@ -323,7 +339,11 @@ class EngineCore:
             torch.Generator(self.device).manual_seed(c.seed),  # unseeded requests draw from it
         )
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
-        self.overlap_schedule = self.device.type == "cuda" if c.overlap_schedule is None else bool(c.overlap_schedule)
+        self.overlap_schedule = (
+            self.device.type == "cuda" and not c.num_speculative_tokens
+            if c.overlap_schedule is None
+            else bool(c.overlap_schedule)
+        )
         self._inflight: _Launched | None = None  # overlap: the step on the GPU, results not taken
         self._closed = False
         startup.done()
@@ -644,7 +664,10 @@ class EngineCore:
 
     def cache_stats(self) -> dict:
         """Hits, evictions, bytes moved and blocks used per tier; failures; the start's phases."""
-        return cache_stats(self.cache, self.storage, self.fetch_cost, self.num_failed_requests, self.startup)
+        stats = cache_stats(self.cache, self.storage, self.fetch_cost, self.num_failed_requests, self.startup)
+        if self.spec is not None:  # speculative decoding: drafts, acceptance, MTP rows run
+            stats["speculative"] = self.spec.stats()
+        return stats
 
     def close(self) -> None:
         """Wait for copies in flight, then release device and (pinned) host memory."""

@@ -62,6 +62,10 @@ class Request:
     # work is kept (a rewound step's token and logprobs are dropped together)
     step_logprobs: dict[int, float] | None = None
     step_prompt_logprobs: tuple[int, list[dict[int, float] | None]] | None = None  # (first prompt index, entries)
+    # speculative decoding (engine/spec.py): the MTP block's drafts for the next step, and the
+    # drafts the last step accepted (taken by Scheduler.update, like step_logprobs)
+    draft_tokens: list[int] = field(default_factory=list)
+    step_accepted: list[int] | None = None
     stop_strings: StopStrings | None = None  # params.stop, matched on the incremental text
     metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
     # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first

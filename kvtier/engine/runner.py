@@ -41,6 +41,7 @@ from kvtier.model.families import CausalLM
 from kvtier.model.shard import broadcast_from_first
 
 if TYPE_CHECKING:
+    from kvtier.engine.spec import Speculator
     from kvtier.transfer.engine import LoadWaits
 
 
@@ -69,6 +70,7 @@ class ModelRunner:
         self.graph_steps_after_loads = 0  # graph replays that waited for host->device loads
         # tensor parallel, rank 0: the other ranks (engine/tp/ranks.py), told of each forward
         self.peers: Peers | None = None
+        self.spec: Speculator | None = None  # speculative decoding: it runs the steps (engine/spec.py)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (closing): under tensor parallelism they hold NCCL kernels, and
@@ -104,7 +106,9 @@ class ModelRunner:
             end = start + s.num_tokens
             known = req.all_token_ids[start:end]
             ids.extend(known)
-            if len(known) < s.num_tokens:  # the last one was sampled by the step in flight
+            if s.num_drafts:  # speculative: the drafts after the last token (engine/spec.py)
+                ids.extend(req.draft_tokens[: s.num_drafts])
+            elif len(known) < s.num_tokens:  # the last one was sampled by the step in flight
                 last = self._feed
                 if len(known) != s.num_tokens - 1 or last is None or req not in last.rows:
                     raise RuntimeError(
@@ -231,6 +235,8 @@ class ModelRunner:
           not run eagerly because of their loads: the eager forward's ~250 launches from Python
           cost more CPU than such a step's loads and compute take on the GPU
           (docs/BENCHMARKS.md)."""
+        if self.spec is not None:
+            return self.spec.execute(self, out, start_loads)
         inputs, hidden = self.forward(self.build_inputs(out), start_loads)
         samplers = [s.request for s in out.scheduled if s.samples]
         prompt_rows = self._prompt_logprob_rows(out)

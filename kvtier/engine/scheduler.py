@@ -52,6 +52,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step, from request.num_computed_tokens
     samples: bool  # this chunk reaches the end: its last logits give the next token
+    num_drafts: int = 0  # speculative decoding: drafts after the last token, verified by this step
 
 
 @dataclass(slots=True)
@@ -77,6 +78,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         prefetch_policy: str = "best_effort",
         prefetch_timeout: tuple[float, float] = (0.1, 0.05),
+        num_speculative_tokens: int = 0,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -89,6 +91,7 @@ class Scheduler:
         if len(prefetch_timeout) != 2 or min(prefetch_timeout) < 0:
             raise ValueError(f"prefetch_timeout must be (base seconds, seconds per 1K tokens) >= 0, got {prefetch_timeout!r}")
         self.preemption_mode = preemption_mode
+        self.num_speculative_tokens = num_speculative_tokens
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout = prefetch_timeout
         self.cache = cache
@@ -132,7 +135,8 @@ class Scheduler:
             if n <= 0 or (req.num_pending and self._ends_in_flight(req)):
                 i += 1  # nothing to compute until its token lands
                 continue
-            while not cache.allocate(req.cache_req, req.num_computed_tokens + n):
+            drafts = self._num_drafts(req, n, budget)
+            while not cache.allocate(req.cache_req, self._table_len(req, n + drafts)):
                 if cache.wait_would_fit(req.cache_req, req.num_computed_tokens + n):  # copies landing free
                     # enough blocks (backups, early loads): wait for them rather than preempt
                     out.stalled = True
@@ -146,8 +150,11 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(self._scheduled(req, n))
-                budget -= n
+                if drafts:
+                    out.scheduled.append(ScheduledRequest(req, n + drafts, True, drafts))
+                else:
+                    out.scheduled.append(self._scheduled(req, n))
+                budget -= n + drafts
                 i += 1
             if out.stalled:
                 break
@@ -202,6 +209,27 @@ class Scheduler:
             budget -= n
             seats -= 1
         return out
+
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Drafts a decode step of ``req`` verifies (engine/spec.py): those it holds, as many as
+        the budget, its max_tokens and the context leave room for (the last one is the bonus)."""
+        if not req.draft_tokens or n != 1 or req.num_pending:
+            return 0
+        room = min(
+            len(req.draft_tokens),
+            budget - 1,
+            req.params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return max(0, room)
+
+    def _table_len(self, req: Request, n: int) -> int:
+        """Positions ``req``'s block table must cover for a step of ``n`` tokens: with speculative
+        decoding, k - 1 more, where the MTP block drafts past the last one (engine/spec.py)."""
+        end = req.num_computed_tokens + n
+        if self.num_speculative_tokens > 1:
+            return min(end + self.num_speculative_tokens - 1, max(end, self.max_model_len))
+        return end
 
     def _prefetch_budget(self, req: Request, num_blocks: int) -> float:
         if self.prefetch_policy == "wait_complete":
@@ -284,6 +312,22 @@ class Scheduler:
                     tiers["storage"] = valid - tiers["device"] - tiers["host"]
                 req.step_logprobs = req.step_prompt_logprobs = None
                 continue
+            if s.num_drafts:  # speculative: keep the accepted drafts' positions, rewind the rest
+                accepted, req.step_accepted = req.step_accepted or [], None
+                cut = s.num_drafts - len(accepted)
+                req.num_computed_tokens -= cut
+                end -= cut
+                reason = None
+                for token in accepted:  # their KV is the step's: tokens first, then the commit
+                    reason = self._append(req, token)
+                    if reason is not None:
+                        break
+                if reason is not None:
+                    self.cache.commit(req.cache_req, min(end, req.num_tokens))
+                    req.status = Status.FINISHED
+                    req.finish_reason = reason
+                    finished.append(req)
+                    continue
             self.cache.commit(req.cache_req, end)
             if req.step_prompt_logprobs is not None:
                 _take_prompt_logprobs(req)
@@ -294,17 +338,7 @@ class Scheduler:
                 req.finish_reason = req.handoff_stop
                 finished.append(req)
                 continue
-            token = sampled[req.request_id]
-            if not req.output_token_ids:
-                req.metrics["first_token"] = time.monotonic()
-            req.all_token_ids.append(token)
-            req.output_token_ids.append(token)
-            self.num_generated_tokens += 1
-            if req.logprobs is not None:
-                assert req.step_logprobs is not None  # the step computed them (params.logprobs)
-                req.logprobs.append(req.step_logprobs)
-                req.step_logprobs = None
-            reason = self._stop_reason(req, token)
+            reason = self._append(req, sampled[req.request_id])
             if reason is not None:
                 req.status = Status.FINISHED
                 req.finish_reason = reason
@@ -315,6 +349,19 @@ class Scheduler:
         if self.draining:
             self._free_drained()
         return finished
+
+    def _append(self, req: Request, token: int) -> str | None:
+        """A token the step gave ``req``: appended (with its logprobs); why it ends, if it does."""
+        if not req.output_token_ids:
+            req.metrics["first_token"] = time.monotonic()
+        req.all_token_ids.append(token)
+        req.output_token_ids.append(token)
+        self.num_generated_tokens += 1
+        if req.logprobs is not None:
+            assert req.step_logprobs is not None  # the step computed them (params.logprobs)
+            req.logprobs.append(req.step_logprobs)
+            req.step_logprobs = None
+        return self._stop_reason(req, token)
 
     def drop(self, out: SchedulerOutput) -> None:
         """A launched step whose results will never come (it failed): nothing of it is pending."""

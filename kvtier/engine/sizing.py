@@ -25,9 +25,9 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
 
 
 def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over every layer (K and V) of ``cfg``'s KV heads (under tensor
+    """Bytes of one KV block over every layer with KV (the MTP blocks' too; K and V) of ``cfg``'s KV heads (under tensor
     parallelism, a rank's config: its share)."""
-    return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * dtype.itemsize
+    return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_kv_layers * dtype.itemsize
 
 
 def blocks_per_sequence(max_model_len: int, block_size: int) -> int:

@@ -33,9 +33,10 @@ __all__ = [
 def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (DESIGN §4).
+    """One zeroed tensor per layer with KV (the decoder's, then any MTP block's, ModelConfig.num_kv_layers):
+    [2, num_blocks, block_size, num_kv_heads, head_dim] (DESIGN §4).
 
     The layers are views of one buffer, so a copy of all layers of a block (a backup to the host
     tier) is one kernel launch: layer l starts at a fixed stride from layer 0."""
-    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_kv_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return list(torch.zeros(shape, device=device, dtype=dtype).unbind(0))

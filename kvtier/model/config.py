@@ -9,7 +9,7 @@ only its fields.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,25 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layer_ids: tuple[int, ...] = ()
+    # multi-token prediction (DeepSeek-V3's layout): MTP blocks after the last decoder layer, held
+    # (and given KV) only when the engine drafts with them (engine: num_speculative_tokens)
+    num_mtp_layers: int = 0
+
+    def with_mtp(self, drafting: bool) -> "ModelConfig":
+        """The config an engine builds: one MTP block when it drafts with MTP (more in the
+        checkpoint draft with the first, as vLLM and SGLang do for DeepSeek-V3), none otherwise
+        (its weights are not read and its layers have no KV)."""
+        if drafting and self.num_mtp_layers == 0:
+            raise ValueError(
+                "num_speculative_tokens > 0 drafts with the model's MTP layers, but its config.json has none "
+                "(num_nextn_predict_layers is 0 or absent); e.g. `kvtier init-model qwen3-mtp-tiny DIR` writes one"
+            )
+        return replace(self, num_mtp_layers=1 if drafting else 0)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with KV in every block: the decoder's and the MTP blocks'."""
+        return self.num_layers + self.num_mtp_layers
 
     @property
     def is_moe(self) -> bool:
@@ -116,6 +135,7 @@ class ModelConfig:
             sliding_window=sliding or None,
             eos_token_ids=_eos_ids(hf, generation_config or {}),
             torch_dtype=_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32),
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),  # DeepSeek-V3, GLM-4.5, MiMo
             **moe,
         )
 

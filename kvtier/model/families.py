@@ -8,6 +8,15 @@ All six are one pre-norm decoder; the config chooses the variations (see config.
                   (each residual add is fused into the norm after it: model/fused.py)
     hidden = norm(h);  logits = lm_head(hidden)      (lm_head tied to embed when tie_word_embeddings)
 
+Multi-token prediction (DeepSeek-V3's MTP block, built when the engine drafts: ModelConfig.with_mtp):
+the block at position i reads the target's ``hidden`` at i and the token at i+1 and predicts the
+token at i+2, with a decoder layer of its own (its own KV, layer ``num_layers`` of every block)::
+
+    x = eh_proj(cat(enorm(embed(token[i+1])), hnorm(hidden[i])));  m = layer(x)
+    draft logits = lm_head(shared_head.norm(m))     (embed and lm_head shared with the target)
+
+Drafting k > 1 tokens feeds ``m`` back as the next position's hidden state, as vLLM and SGLang do.
+
 Parameter names equal the Hugging Face names of the Llama/Qwen layout, so the loader only renames
 Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``. Sliding-window attention (old Mistral configs) is
 not applied: outputs are exact only while sequences stay shorter than ``cfg.sliding_window``.
@@ -15,7 +24,7 @@ not applied: outputs are exact only while sequences stay shorter than ``cfg.slid
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 from torch import nn
@@ -35,6 +44,8 @@ class DecoderLayer(nn.Module):
         self.mlp: SparseMoE | MLP
         if layer_idx in cfg.moe_layer_ids:
             self.mlp = SparseMoE(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
+        elif layer_idx >= cfg.num_layers and cfg.is_moe:  # an MTP block of a MoE model: MoE (DeepSeek-V3)
+            self.mlp = SparseMoE(cfg, moe_index=-1)  # (its routing is neither captured nor replayed)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -58,6 +69,35 @@ class DecoderLayer(nn.Module):
         return out, residual
 
 
+class SharedHead(nn.Module):
+    """An MTP block's final norm (its head is the target's ``lm_head``)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(size, eps)
+
+
+class MTPLayer(DecoderLayer):
+    """A multi-token-prediction block (module docstring): a decoder layer (same parameter names,
+    so DeepSeek-V3's ``model.layers.{num_layers}.*`` load into it) with ``enorm``, ``hnorm``,
+    ``eh_proj`` and ``shared_head.norm``."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(h, cfg.rms_norm_eps)
+
+    def draft(self, embeds, hidden, positions, rope, kv_cache, meta, attn_fn, layer_hook):
+        """The block's output ``m`` (before ``shared_head.norm``) at each row: ``embeds`` of the
+        next tokens, ``hidden`` the target's (or the previous draft's) state at these positions."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        out, residual = self(x, None, positions, rope, kv_cache, meta, attn_fn, layer_hook, None, None)
+        return out + residual
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -79,10 +119,11 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.num_mtp_layers))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if tp is not None and tp.size > 1:
-            for layer in self.model.layers:
+            for layer in [*self.model.layers, *self.mtp]:
                 layer.tp_group = tp.group
 
     @torch.inference_mode()
@@ -101,14 +142,37 @@ class CausalLM(nn.Module):
         input_ids, positions: [T]; kv_caches[l]: [2, num_blocks, block_size, num_kv_heads, head_dim];
         routing_out / routing_in: [T, num_moe_layers, top_k] (see moe.py).
         """
-        if len(kv_caches) != self.config.num_layers:
-            raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
+        if len(kv_caches) != self.config.num_kv_layers:
+            raise ValueError(f"expected {self.config.num_kv_layers} kv caches, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, h.dtype)  # once per step, shared by all layers
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers, kv_caches):  # (the MTP blocks' KV follows)
             h, residual = layer(h, residual, positions, rope, kv_cache, meta, self.attn_fn, layer_hook, routing_out, routing_in)
         return self.model.norm(h, residual)[0]
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The MTP block over the step's rows (module docstring): ``next_ids[r]`` is the token
+        after row ``r``'s, ``hidden`` [T, hidden] the target's states (or the last draft's); its KV
+        goes to ``kv_caches[num_layers]`` at ``meta``'s slots. Returns the block's output (for
+        :meth:`draft_logits`, and as the next draft position's ``hidden``)."""
+        block = cast(MTPLayer, self.mtp[0])
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        kv = kv_caches[self.config.num_layers]
+        return block.draft(self.model.embed_tokens(next_ids), hidden, positions, rope, kv, meta, self.attn_fn, layer_hook)
+
+    @torch.inference_mode()
+    def draft_logits(self, m: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(cast(MTPLayer, self.mtp[0]).shared_head.norm(m)).float()
 
     def fuse_projections(self) -> None:
         """After loading: q/k/v and gate/up projections become one GEMM each."""

@@ -35,6 +35,7 @@ from kvtier.model.layers import RMSNorm, RotaryEmbedding
 from kvtier.model.shard import TPShard, full_shape, shard_dim, take_shard, take_slice
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)$")
 _FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
@@ -64,23 +65,29 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _rename(name: str) -> str:
-    """Checkpoint name -> our parameter name (Mixtral's MoE block uses other names)."""
+def _rename(name: str, num_layers: int) -> str:
+    """Checkpoint name -> our parameter name (Mixtral's MoE block uses other names; DeepSeek-V3's
+    MTP blocks are ``model.layers.{num_layers + i}``: ours are ``mtp.{i}``)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")
+    layer = _LAYER.match(name)
+    if layer and int(layer[1]) >= num_layers:
+        name = f"mtp.{int(layer[1]) - num_layers}.{layer[2]}"
     m = re.match(r"(.*\.mlp\.experts\.\d+)\.(w[123])\.(weight)$", name)
     if m:
         name = f"{m[1]}.{_MIXTRAL_EXPERT[m[2]]}.{m[3]}"
     return name
 
 
-def _checkpoint_tensors(files: list[Path], tp: TPShard | None = None) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+def _checkpoint_tensors(
+    files: list[Path], num_layers: int, tp: TPShard | None = None
+) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(our name, tensor, the whole tensor's shape) triples; 3D fused expert tensors are split
     into per-expert weights. With ``tp``, a sharded tensor is read as this rank's slice only
     (safetensors reads just those bytes: a rank of a 70B model does not read every rank's)."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                name = _rename(key)
+                name = _rename(key, num_layers)
                 fused = _FUSED_EXPERTS.match(name)
                 if not fused:
                     dim = shard_dim(name) if tp is not None and tp.size > 1 else None
@@ -112,8 +119,10 @@ def load_model(
     fuse: bool = True,
     load_format: str = "auto",
     tp: TPShard | None = None,
+    mtp: bool = False,
 ) -> CausalLM:
-    """Build the family named by config.json and fill it. ``dtype=None``: config's.
+    """Build the family named by config.json and fill it. ``dtype=None``: config's. ``mtp``: with
+    the first MTP block (for drafting; ModelConfig.with_mtp), else without any.
 
     ``load_format``: "auto" reads the safetensors checkpoint; "dummy" draws random weights (see
     :func:`_dummy_weights`) and reads nothing but config.json. ``tp``: load only this rank's
@@ -122,7 +131,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     path = Path(path)
-    cfg = ModelConfig.from_hf_dir(path)
+    cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
     dtype = dtype or cfg.torch_dtype
     with torch.device("meta"):
         model = CausalLM(cfg, attention_backend, tp)
@@ -149,9 +158,11 @@ def _checkpoint_weights(
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     size = tp.size if tp is not None else 1
     loaded: dict[str, torch.Tensor] = {}
-    for name, tensor, whole in _checkpoint_tensors(safetensors_files(path), tp):
+    for name, tensor, whole in _checkpoint_tensors(safetensors_files(path), model.config.num_layers, tp):
         if name not in params:
-            continue  # e.g. rotary inv_freq, tied lm_head copies
+            # e.g. rotary inv_freq, tied lm_head copies, an MTP block's copies of the embedding
+            # and head it shares with the target, MTP blocks of a model that does not draft
+            continue
         expected = full_shape(name, tuple(params[name].shape), size)
         if whole != expected:
             raise ValueError(f"tensor {name!r} has shape {whole}, expected {expected}")

@@ -225,6 +225,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
 }
+# Multi-token prediction (DeepSeek-V3's layout: one MTP block as model.layers.{num_hidden_layers},
+# written by init_model beside the decoder's weights): models that draft their own next tokens
+# (engine: num_speculative_tokens).
+PRESETS["qwen3-mtp-tiny"] = dict(PRESETS["qwen3-tiny"], kwargs=dict(PRESETS["qwen3-tiny"]["kwargs"], num_nextn_predict_layers=1))
+PRESETS["qwen3-moe-mtp-tiny"] = dict(
+    PRESETS["qwen3-moe-tiny"], kwargs=dict(PRESETS["qwen3-moe-tiny"]["kwargs"], num_nextn_predict_layers=1)
+)
+PRESETS["llama3-8b-mtp-shape"] = dict(
+    PRESETS["llama3-8b-shape"], kwargs=dict(PRESETS["llama3-8b-shape"]["kwargs"], num_nextn_predict_layers=1)
+)
 # Llama-3.1-70B's shape: ~141 GB of bf16 weights, more than one 80 GB GPU holds: served with
 # tensor_parallel_size 2 (H200s) or 4 (H100s), from config_only=True and load_format="dummy".
 PRESETS["llama3-70b-shape"] = dict(
@@ -266,5 +276,41 @@ def init_model(
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.generation_config = generation_config
         model.save_pretrained(out_dir, safe_serialization=True)
+        if getattr(config, "num_nextn_predict_layers", 0):
+            _add_mtp_weights(config, model, out_dir, dtype, seed)
     save_byte_tokenizer(out_dir, model_max_length=config.max_position_embeddings)
     return out_dir
+
+
+def _add_mtp_weights(config: Any, model: Any, out_dir: Path, dtype: torch.dtype, seed: int) -> None:
+    """Random MTP blocks in DeepSeek-V3's layout, added to ``model.safetensors``: for block i,
+    ``model.layers.{L+i}.`` + a decoder layer's tensors (a fresh one-layer model of the same
+    config, initialized as transformers does), ``enorm``, ``hnorm``, ``shared_head.norm`` (ones),
+    ``eh_proj`` [hidden, 2 hidden] ~ N(0, initializer_range), and copies of the embedding and
+    head the block shares with the target (``embed_tokens``, ``shared_head.head``)."""
+    import copy
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    h, L = config.hidden_size, config.num_hidden_layers
+    std = getattr(config, "initializer_range", 0.02)
+    embed = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    for i in range(config.num_nextn_predict_layers):
+        torch.manual_seed(seed + 1 + i)
+        block = transformers.AutoModelForCausalLM.from_config(one, dtype=dtype)
+        prefix = f"model.layers.{L + i}."
+        for name, t in block.state_dict().items():
+            if name.startswith("model.layers.0."):
+                tensors[prefix + name.removeprefix("model.layers.0.")] = t.contiguous()
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.ones(h, dtype=dtype)
+        tensors[f"{prefix}eh_proj.weight"] = (torch.randn(h, 2 * h) * std).to(dtype)
+        tensors[f"{prefix}embed_tokens.weight"] = embed.clone().contiguous()
+        tensors[f"{prefix}shared_head.head.weight"] = head.clone().contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})

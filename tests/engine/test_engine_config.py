@@ -111,6 +111,7 @@ def test_every_flag_of_the_server_commands_is_in_the_serving_guide(command):
     (["--enforce-eager"], {"cuda_graphs": False}),
     (["--disable-cuda-graph"], {"cuda_graphs": False}),
     (["--disable-overlap-schedule"], {"overlap_schedule": False}),
+    (["--num-speculative-tokens", "3"], {"num_speculative_tokens": 3}),
     (["--page-size", "32", "--context-length", "4096", "--max-running-requests", "8"],
      {"block_size": 32, "max_model_len": 4096, "max_num_seqs": 8}),
     (["--hicache-write-policy", "write_back", "--radix-eviction-policy", "lfu"], {"write_policy": "write_back", "eviction": "lfu"}),

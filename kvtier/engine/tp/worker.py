@@ -93,7 +93,7 @@ class _Rank:
 
         c, cfg, device = self.config, self.model.config, self.device
         self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, c.block_size, device, self.dtype)
-        shape = (num_host_blocks, cfg.num_layers, 2, c.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_host_blocks, cfg.num_kv_layers, 2, c.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.host = HostKV(shape, self.dtype, device) if num_host_blocks else None
         host_kv = self.host.tensor if self.host is not None else None
         self.transfer = TransferEngine(self.kv_caches, host_kv, None)

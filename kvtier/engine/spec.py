@@ -1,0 +1,218 @@
+"""Speculative decoding with the model's MTP block (``num_speculative_tokens=k``).
+
+A request in decode that holds drafts ``d1..dk'`` (k' <= k, fewer near its end) is scheduled with
+``1 + k'`` tokens: its last token and the drafts. One target forward scores all of them; row j's
+logits give the target's distribution ``p_j`` at the position after row j::
+
+    rows        last   d1    d2   ...  dk'
+    verify      d1?    d2?   ...       (bonus)
+    greedy      accept d_j while argmax p_{j-1} == d_j; then the target's own token
+    sampled     accept d_j with probability p_{j-1}(d_j); on the first rejection draw from p_{j-1}
+                without d_j (renormalized); if all are accepted, draw the bonus from p_k'
+
+The drafts are deterministic (the MTP block's argmax), so the rejection rule above is exact: every
+emitted token has the target's distribution (speculative sampling with a one-hot draft). Greedy
+requests emit exactly the tokens they emit without drafts. ``p`` is the processed distribution
+(temperature, top-k, top-p, min-p): the one the request samples from without drafts.
+
+After the verification (one host sync), the MTP block runs over every row of the step (its KV at
+each position: ``hidden[i]`` of the target and the token at ``i+1``; module docstring of
+model/families.py) and drafts the next token of each request that goes on from its last accepted
+row; for k > 1 it runs k-1 more single-row passes, each on its own last output. Those passes write
+the MTP layer's KV at positions past the accepted ones: the next step's target forward and MTP
+pass rewrite them before anything reads them, and the scheduler rewinds ``num_computed_tokens``
+to the accepted positions, so no rejected token's KV is ever committed to the prefix tree.
+
+Requests that apply penalties or ``min_tokens`` (which depend on each earlier token) or ask for
+logprobs decode without drafts; their MTP KV is written all the same. A prefix hit brings the MTP
+KV of its blocks (layer ``num_layers`` of every block, on every tier): nothing of it is
+recomputed (:attr:`Speculator.num_mtp_rows` counts the rows the MTP block ran). The MTP KV at a
+block's last position was written with the token that followed it in the request that computed
+it; a request that hits the block and continues otherwise drafts with that one key from another
+continuation: a draft may be worse, an output never differs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from kvtier.engine.request import Request
+from kvtier.engine.sampling import draw, to_device
+from kvtier.model.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvtier.engine.runner import ModelRunner, StepResult
+    from kvtier.engine.scheduler import SchedulerOutput
+    from kvtier.transfer.engine import LoadWaits
+
+# (request, position of the draft, the MTP block's proposal) -> the token proposed instead: a
+# benchmark's controlled drafter (kvtier bench speculative); None: the MTP block's argmax
+Drafter = Callable[[Request, int, int], int]
+
+
+def drafts_allowed(req: Request) -> bool:
+    """May ``req`` decode with drafts? Not when each token's distribution depends on the tokens
+    before it in ways the verify rows do not see (penalties, min_tokens), nor with logprobs."""
+    p = req.params
+    return not p.has_penalties and p.logprobs is None
+
+
+class Speculator:
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+        self.drafter: Drafter | None = None
+        self.num_drafted = 0  # drafts verified
+        self.num_accepted = 0  # of which accepted
+        self.accepted_at = [0] * num_speculative_tokens  # accepted drafts by place (1st, 2nd, ...)
+        self.num_mtp_rows = 0  # positions the MTP block ran over (draft passes included)
+        self.num_mtp_prompt_rows = 0  # of which prompt positions (0 for a prompt's cached prefix)
+
+    def stats(self) -> dict:
+        return {
+            "num_speculative_tokens": self.k,
+            "drafted": self.num_drafted,
+            "accepted": self.num_accepted,
+            "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else None,
+            "accepted_at": list(self.accepted_at),
+            "mtp_rows": self.num_mtp_rows,
+            "mtp_prompt_rows": self.num_mtp_prompt_rows,
+        }
+
+    def execute(
+        self, runner: ModelRunner, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None
+    ) -> StepResult:
+        """The step: target forward, verification, MTP passes; its results are on the host when
+        this returns (``StepResult.done``), each request's accepted drafts in ``step_accepted``."""
+        from kvtier.engine.runner import StepResult
+
+        model, device = runner.model, runner.device
+        host = runner.build_inputs(out)
+        inputs, hidden = runner.forward(host, start_loads)
+        # the verify rows: each sampling request's last 1 + num_drafts rows
+        spans: list[tuple[Request, int, int, list[int]]] = []  # (request, first row, rows, drafts)
+        row = 0
+        for s in out.scheduled:
+            row += s.num_tokens
+            if s.samples:
+                n = 1 + s.num_drafts
+                spans.append((s.request, row - n, n, s.request.draft_tokens[: s.num_drafts]))
+        sampled: dict[str, int] = {}
+        last_row: dict[int, int] = {}  # id(request) -> the row of its last accepted position
+        if spans:
+            rows = [first + j for _, first, n, _ in spans for j in range(n)]
+            logits = model.compute_logits(hidden.index_select(0, to_device(rows, device)))
+            params = [req.params for req, _, n, _ in spans for _ in range(n)]
+            gens = [req.generator for req, _, n, _ in spans for _ in range(n)]
+            sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+            tokens, processed = draw(logits, params, gens, processed_rows=sampled_rows)
+            tokens_host = tokens.tolist()
+            where = {r: i for i, r in enumerate(sampled_rows)}
+            at = 0
+            for req, first, n, drafts in spans:
+                a, token = self._verify(req, drafts, tokens_host[at : at + n], processed, [where.get(at + j) for j in range(n)])
+                at += n
+                req.step_accepted = drafts[:a]
+                sampled[req.request_id] = token
+                last_row[id(req)] = first + a
+                if drafts:
+                    self.num_drafted += len(drafts)
+                    self.num_accepted += a
+                    for j in range(a):
+                        self.accepted_at[j] += 1
+        self._draft(runner, out, inputs, hidden, sampled, last_row, start_loads)
+        return StepResult.done(sampled)
+
+    def _verify(
+        self, req: Request, drafts: list[int], tokens: list[int], processed: torch.Tensor | None, prow: list[int | None]
+    ) -> tuple[int, int]:
+        """(drafts accepted, the token after them) for one request (module docstring)."""
+        if req.params.greedy:
+            a = 0
+            while a < len(drafts) and tokens[a] == drafts[a]:
+                a += 1
+            return a, tokens[a]
+        assert processed is not None
+        gen = req.generator
+        dev = processed.device
+        for j, d in enumerate(drafts):
+            i = prow[j]
+            assert i is not None
+            p = processed[i].double().exp()
+            u = torch.rand((), generator=gen, device=dev, dtype=torch.float64)
+            if float(u) < float(p[d]):
+                continue
+            p[d] = 0.0  # the draft's share goes to the others
+            if float(p.sum()) <= 0.0:  # (the draft held all the mass: it could not be rejected)
+                continue
+            return j, int(torch.multinomial(p / p.sum(), 1, generator=gen).item())
+        return len(drafts), tokens[len(drafts)]
+
+    def _draft(self, runner, out, inputs, hidden, sampled: dict[str, int], last_row: dict[int, int], start_loads) -> None:
+        """The MTP passes: over every row of the step, then k-1 single rows per drafting request;
+        sets ``draft_tokens`` of every request that sampled."""
+        model, device, bs = runner.model, runner.device, runner.block_size
+        next_ids: list[int] = []
+        go: list[tuple[Request, int, int]] = []  # drafting: (request, row, position of that row)
+        row = 0
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens  # (before advance(): this step's first position)
+            known = req.all_token_ids
+            accepted = req.step_accepted if s.num_drafts else None
+            for j in range(s.num_tokens):
+                pos = start + j
+                if accepted is not None:  # a verify row: the token after it, if it was kept
+                    a = len(accepted)
+                    nxt = accepted[j] if j < a else (sampled[req.request_id] if j == a else 0)
+                elif pos + 1 < len(known):
+                    nxt = known[pos + 1]
+                else:  # the last row of a chunk that sampled
+                    nxt = sampled[req.request_id]
+                next_ids.append(nxt)
+                self.num_mtp_prompt_rows += pos < req.num_prompt_tokens
+            if s.samples:
+                req.draft_tokens = []
+                r = last_row[id(req)]
+                if drafts_allowed(req) and not req.export:
+                    go.append((req, r, start + r - row))
+            row += s.num_tokens
+        self.num_mtp_rows += len(next_ids)
+        hook = start_loads("layers") if start_loads is not None else None  # (the step's loads, layer num_layers too)
+        kv = runner.kv_caches
+        m = model.draft(to_device(next_ids, device), inputs.positions, hidden, kv, inputs.meta, hook)
+        if not go or not self.k:
+            return
+        cur = m.index_select(0, to_device([r for _, r, _ in go], device))
+        toks = model.draft_logits(cur).argmax(dim=-1).tolist()
+        alive = list(range(len(go)))  # indices into go, in the order of cur's rows
+        for step in range(self.k):
+            for n, i in enumerate(alive):
+                req, _, q = go[i]
+                t = toks[n]
+                if self.drafter is not None:
+                    t = self.drafter(req, q + 2 + step, t)
+                req.draft_tokens.append(t)
+            if step == self.k - 1:
+                break
+            # the next draft: the MTP block at position q + 1 + step, fed its own last output
+            # (its KV slot must be in the request's table: the scheduler allocates k - 1 ahead)
+            keep = [n for n, i in enumerate(alive) if go[i][2] + 1 + step < len(go[i][0].cache_req.block_table) * bs]
+            if not keep:
+                break
+            if len(keep) != len(alive):
+                cur = cur.index_select(0, to_device(keep, device))
+                alive = [alive[n] for n in keep]
+            pos = [go[i][2] + 1 + step for i in alive]
+            meta = AttentionMetadata.build(
+                [1] * len(alive),
+                [p + 1 for p in pos],
+                [go[i][0].cache_req.block_table[: -(-(p + 1) // bs)] for i, p in zip(alive, pos)],
+                bs,
+                device,
+            )
+            ids = to_device([go[i][0].draft_tokens[-1] for i in alive], device)
+            cur = model.draft(ids, to_device(pos, device), cur, kv, meta, None)
+            self.num_mtp_rows += len(alive)
+            toks = model.draft_logits(cur).argmax(dim=-1).tolist()

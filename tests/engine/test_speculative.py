@@ -1,0 +1,299 @@
+"""Speculative decoding with the model's MTP block (``num_speculative_tokens``), fp32 on CPU.
+
+The references: the same engine without drafts (greedy tokens, routed experts and hits per tier
+must not change, whatever the drafts), and for sampling the target's distribution itself (the
+verification rule draws every emitted token from it: a chi-square test, which a verifier that
+always keeps the draft, or that resamples without removing it, fails).
+
+Random MTP weights draft almost nothing the target accepts, so most tests use a controlled
+drafter (``Speculator.drafter``): the target's own greedy continuation with probability alpha,
+else a wrong token, which exercises every number of accepted drafts.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.engine.request import Request
+from kvtier.engine.sampling import SamplingParams, draw
+from kvtier.engine.spec import Speculator
+from kvtier.model import ModelConfig
+from tests.engine.test_generate_vs_hf import prompts_for
+from tests.engine.test_sampling_distribution import LOGITS, reference, rejection
+
+TIERS = dict(num_device_blocks=24, block_size=8, num_host_blocks=96, max_num_seqs=4)
+VOCAB = 320  # the tiny presets'
+
+
+@pytest.fixture(scope="module")
+def mtp_model(checkpoint):
+    return checkpoint("qwen3-mtp-tiny")
+
+
+def oracle_drafter(reference_outputs: dict[tuple[int, ...], list[int]], alpha: float, seed: int = 0):
+    """Propose the token the target gives without drafts with probability ``alpha``, else another."""
+    rng = random.Random(seed)
+
+    def drafter(req: Request, position: int, proposal: int) -> int:
+        out = reference_outputs.get(tuple(req.prompt_token_ids), [])
+        i = position - req.num_prompt_tokens
+        right = out[i] if 0 <= i < len(out) else proposal
+        return right if rng.random() < alpha else (right + 1 + rng.randrange(VOCAB - 1)) % VOCAB
+
+    return drafter
+
+
+def workload() -> tuple[list[list[int]], list[list[int]]]:
+    shared = prompts_for(41, lengths=(40,))[0]
+    first = [shared + p for p in prompts_for(42, lengths=(9, 17, 23, 30))]
+    return first, prompts_for(43, lengths=(90, 70))
+
+
+def run(llm: kvtier.LLM, params: kvtier.SamplingParams) -> list:
+    """Four at once on a small device tier (preemption), then others (evictions to the host
+    tier), then the first two again (device and host hits)."""
+    first, other = workload()
+    outs = llm.generate(first, params) + llm.generate(other, params) + llm.generate(first[:2], params)
+    return [(o.token_ids, o.finish_reason, dict(o.cached_tokens_by_tier),
+             None if o.routed_experts is None else o.routed_experts.tolist()) for o in outs]
+
+
+@pytest.mark.parametrize("k, alpha", [(1, 0.7), (3, 0.7), (3, 0.0), (2, None)])
+def test_greedy_tokens_with_drafts_equal_those_without(mtp_model, k, alpha):
+    """Through device hits, host hits and swap preemption, stop tokens and max_tokens that end a
+    step's accepted drafts midway; alpha None: the MTP block's own drafts."""
+    params = kvtier.SamplingParams(max_tokens=23, ignore_eos=True)
+    first, other = workload()
+    with kvtier.LLM(mtp_model, **TIERS) as llm:
+        ref = run(llm, params)
+        out = ref[3][0]  # a stop token first seen past the 5th output token: a step ends midway
+        token = next(t for i, t in enumerate(out) if i >= 5 and t not in out[:i])
+        stop = kvtier.SamplingParams(max_tokens=23, ignore_eos=True, stop_token_ids=[token])
+        ref_stopped = llm.generate([first[3]], stop)[0]
+    outputs = {tuple(p): r[0] for p, r in zip(first + other, ref)}
+    with kvtier.LLM(mtp_model, num_speculative_tokens=k, **TIERS) as llm:
+        if alpha is not None:
+            llm.spec.drafter = oracle_drafter(outputs, alpha)
+        got = run(llm, params)
+        stopped = llm.generate([first[3]], stop)[0]
+        stats = llm.cache_stats()
+        spec = stats["speculative"]
+        assert llm.scheduler.num_preemptions > 0 and stats["host"]["hit_tokens"] > 0
+        llm.cache.assert_invariants()  # (no live request: every block free or the tree's, no pin left)
+    assert got == ref
+    assert stopped.token_ids == ref_stopped.token_ids and stopped.finish_reason == ref_stopped.finish_reason == "stop"
+    assert len(stopped.token_ids) < 23
+    assert spec["drafted"] > 0
+    if alpha:
+        assert spec["accepted"] > 0 and spec["accepted_at"][-1] > 0  # every place accepted at times
+    if alpha == 0.0:
+        assert spec["accepted"] == 0
+
+
+def test_routed_experts_are_those_of_the_accepted_tokens(checkpoint):
+    """MoE (R3): the experts returned for each position are the target's for the tokens kept."""
+    path = checkpoint("qwen3-moe-mtp-tiny")
+    params = kvtier.SamplingParams(max_tokens=17, ignore_eos=True, return_routed_experts=True)
+    prompts = prompts_for(44, lengths=(21, 33))
+    with kvtier.LLM(path, num_device_blocks=64, block_size=8) as llm:
+        ref = llm.generate(prompts, params)
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    with kvtier.LLM(path, num_device_blocks=64, block_size=8, num_speculative_tokens=3) as llm:
+        llm.spec.drafter = oracle_drafter(outputs, 0.6)
+        got = llm.generate(prompts, params)
+        assert llm.cache_stats()["speculative"]["accepted"] > 0
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        assert a.routed_experts.tolist() == b.routed_experts.tolist()
+
+
+def test_a_prefix_hit_runs_no_mtp_row_over_the_cached_prompt(mtp_model):
+    prompt = prompts_for(45, lengths=(64,))[0]
+    params = kvtier.SamplingParams(max_tokens=4, ignore_eos=True)
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=2) as llm:
+        llm.generate([prompt], params)
+        before = llm.cache_stats()["speculative"]["mtp_prompt_rows"]
+        assert before == 64  # cold: every prompt position once
+        out = llm.generate([prompt], params)[0]
+        rows = llm.cache_stats()["speculative"]["mtp_prompt_rows"] - before
+    assert out.cached_tokens_by_tier["device"] == 56
+    assert rows == 64 - 56  # only the positions the target computed
+
+
+def test_the_mtp_kv_travels_through_the_pool_and_its_namespace_says_so(mtp_model, tmp_path):
+    """A block stored by a drafting engine carries the MTP layer's KV: a second drafting engine
+    with empty tiers drafts from the pool's bytes exactly what a cold engine drafts; an engine
+    that does not draft (no MTP KV in its blocks) never reads those objects."""
+    prompts = prompts_for(46, lengths=(48, 40))
+    params = kvtier.SamplingParams(max_tokens=8, ignore_eos=True)
+    pool = dict(storage=f"file://{tmp_path}", num_host_blocks=64, block_size=8, num_device_blocks=64,
+                prefetch_policy="wait_complete", storage_fetch="always")
+
+    def drafts_of(llm) -> list[tuple[int, int, int]]:
+        seen: list[tuple[int, int, int]] = []  # (prompt length, position, draft)
+        llm.spec.drafter = lambda req, pos, t: (seen.append((req.num_prompt_tokens, pos, t)), t)[1]
+        llm.generate(prompts, params)
+        llm.spec.drafter = None
+        return sorted(seen)
+
+    with kvtier.LLM(mtp_model, num_speculative_tokens=2, num_device_blocks=64, block_size=8) as llm:
+        cold = drafts_of(llm)
+    with kvtier.LLM(mtp_model, num_speculative_tokens=2, **pool) as llm:
+        llm.generate(prompts, params)  # writes every full block (with its MTP KV) to the pool
+    with kvtier.LLM(mtp_model, num_speculative_tokens=2, **pool) as llm:
+        warm = drafts_of(llm)
+        assert llm.cache_stats()["speculative"]["mtp_prompt_rows"] == 8 + 8  # the tails only
+        storage = llm.generate(prompts, params)
+    assert warm == cold
+    with kvtier.LLM(mtp_model, **pool) as llm:
+        plain = llm.generate(prompts, params)
+    assert all(o.cached_tokens_by_tier["storage"] == 0 for o in plain)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in storage]
+
+
+def test_the_host_tier_and_blocks_are_sized_with_the_mtp_layer(mtp_model):
+    cfg = ModelConfig.from_hf_dir(mtp_model)
+    with kvtier.LLM(mtp_model, num_device_blocks=16, block_size=8, num_host_blocks=8, num_speculative_tokens=1) as llm:
+        assert len(llm.kv_caches) == cfg.num_layers + 1
+        assert llm.host_kv.shape[1] == cfg.num_layers + 1
+    with kvtier.LLM(mtp_model, num_device_blocks=16, block_size=8, num_host_blocks=8) as llm:
+        assert len(llm.kv_caches) == cfg.num_layers  # no drafts: no MTP KV, no MTP weights
+        assert len(llm.model.mtp) == 0
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(num_speculative_tokens=2, cuda_graphs=True), "without cuda_graphs"),
+        (dict(num_speculative_tokens=2, overlap_schedule=True), "without overlap_schedule"),
+        (dict(num_speculative_tokens=2, tensor_parallel_size=2), "tensor_parallel_size is 2"),
+        (dict(num_speculative_tokens=9), "at most 8, got 9"),
+        (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    ],
+)
+def test_options_it_cannot_run_with_are_refused_by_name(mtp_model, options, match):
+    with pytest.raises(ValueError, match=match):
+        kvtier.LLM(mtp_model, **options)
+
+
+def test_a_model_without_mtp_layers_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        kvtier.LLM(checkpoint("qwen3-tiny"), num_speculative_tokens=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the verification rule, sampled: every emitted token follows the target's distribution
+
+
+def verify_counts(params: SamplingParams, draft: int, trials: int = 4000, wrong: str | None = None):
+    """Counts of the first token the verification emits after a one-token draft ``draft``, the
+    target's rows being LOGITS and LOGITS reversed; and of the bonus token when it was accepted."""
+    spec = Speculator(1)
+    gen = torch.Generator().manual_seed(1)
+    req = Request("r", [1, 2, 3], params)
+    req.generator = gen
+    rows = torch.stack([LOGITS, LOGITS.flip(0)]).repeat(trials, 1)  # trial i: rows 2i, 2i + 1
+    tokens, processed = draw(rows, [params] * len(rows), [gen] * len(rows), processed_rows=list(range(len(rows))))
+    tokens = tokens.tolist()
+    first = torch.zeros(len(LOGITS))
+    bonus = torch.zeros(len(LOGITS))
+    for i in range(trials):
+        pair = tokens[2 * i : 2 * i + 2]
+        if wrong == "keep":  # a verifier that always keeps the draft
+            a, token = 1, pair[1]
+        else:
+            a, token = spec._verify(req, [draft], pair, processed, [2 * i, 2 * i + 1])
+            if a == 0 and wrong == "resample":  # one that redraws from p on a rejection, draft and all
+                token = pair[0]
+        if a == 1:
+            first[draft] += 1
+            bonus[token] += 1
+        else:
+            first[token] += 1
+    return first, bonus
+
+
+@pytest.mark.parametrize("draft", [1, 3, 4])  # the likeliest, a middling token, one outside the top-k
+def test_sampled_tokens_follow_the_target_distribution_whatever_the_draft(draft):
+    params = SamplingParams(temperature=0.8, top_k=8)
+    want = reference(LOGITS, 0.8, top_k=8)
+    first, bonus = verify_counts(params, draft)
+    assert rejection(first, want) is None
+    if want[draft] > 0:  # the bonus after a kept draft: drawn from the next row
+        assert rejection(bonus, reference(LOGITS.flip(0), 0.8, top_k=8)) is None
+    # the check's power: the wrong verifiers' counts are rejected
+    if want[draft] == 0:  # a draft outside the top-k is never kept, but the wrong one keeps it
+        assert first[draft] == 0
+        assert verify_counts(params, draft, wrong="keep")[0][draft] > 0
+    else:
+        assert rejection(verify_counts(params, draft, wrong="keep")[0], want) is not None
+        assert rejection(verify_counts(params, draft, wrong="resample")[0], want) is not None
+
+
+def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
+    spec = Speculator(3)
+    req = Request("r", [1], SamplingParams())
+    assert spec._verify(req, [5, 6, 7], [5, 6, 9, 4], None, [None] * 4) == (2, 9)
+    assert spec._verify(req, [5, 6, 7], [5, 6, 7, 4], None, [None] * 4) == (3, 4)
+    assert spec._verify(req, [5, 6, 7], [8, 6, 7, 4], None, [None] * 4) == (0, 8)
+
+
+def test_sampled_requests_and_n_samples_decode_with_drafts(mtp_model):
+    """Temperature, top-p, seeds and n > 1 with drafts: every sample reaches max_tokens, a seeded
+    request repeats itself, and drafts are verified and accepted."""
+    prompts = prompts_for(47, lengths=(12, 30))
+    params = kvtier.SamplingParams(max_tokens=15, ignore_eos=True, temperature=0.8, top_p=0.95, seed=3, n=3)
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8) as llm:
+        ref = llm.generate(prompts, kvtier.SamplingParams(max_tokens=15, ignore_eos=True))
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3) as llm:
+        llm.spec.drafter = oracle_drafter(outputs, 0.8)
+        one = llm.generate(prompts, params)
+        two = llm.generate(prompts, params)
+        spec = llm.cache_stats()["speculative"]
+        llm.cache.assert_invariants()
+    assert all(len(c.token_ids) == 15 for o in one for c in o.outputs)
+    assert [[c.token_ids for c in o.outputs] for o in one] == [[c.token_ids for c in o.outputs] for o in two]
+    assert spec["drafted"] > 0 and spec["accepted"] > 0
+
+
+def test_the_benchmark_measures_the_acceptance_it_controls(tmp_path):
+    """``kvtier bench speculative --device cpu``: alpha 1 drafts are all accepted, alpha 0 ones
+    never, and the tokens are those of the run without drafts."""
+    import json
+
+    from kvtier.bench.spec_bench import main
+
+    out = tmp_path / "spec.json"
+    assert main(["--device", "cpu", "--batch-sizes", "2", "--alphas", "0,1", "--input", "12", "--output", "10",
+                 "--repeat", "1", "--json", str(out)]) == 0
+    runs = {r["alpha"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs[0.0]["acceptance"] == 0.0 and runs[1.0]["acceptance"] == 1.0
+    assert all(r["same_tokens"] == "2 of 2" and r["tokens_per_s"] > 0 for r in runs.values())
+
+
+def test_a_pd_hand_off_carries_the_mtp_kv(mtp_model, tmp_path):
+    """P (drafting) exports a prompt to a file pool; D (drafting) starts from P's first token
+    with every prompt position from the pool, the MTP layer's KV with it: no MTP row over the
+    prompt, the tokens of a colocated engine without drafts."""
+    from tests.engine.test_handoff import run as run_one
+
+    prompt = prompts_for(48, lengths=(37,))[0]
+    params = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)
+    with kvtier.LLM(mtp_model, block_size=8) as colo:
+        ref = colo.generate([prompt], params)[0]
+    kw = dict(storage=f"file://{tmp_path}", num_host_blocks=64, block_size=8, num_speculative_tokens=2)
+    with kvtier.LLM(mtp_model, **kw) as p:
+        first = run_one(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True)
+    h = first.handoff
+    assert h["complete"] and h["failed_blocks"] == 0
+    with kvtier.LLM(mtp_model, **kw) as d:
+        d.spec.drafter = oracle_drafter({tuple(prompt): ref.token_ids}, 0.7)
+        out = run_one(d, prompt=prompt, params=params, handoff=h)
+        spec = d.cache_stats()["speculative"]
+    assert out.token_ids == ref.token_ids
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": 37}
+    assert spec["mtp_prompt_rows"] == 0 and spec["accepted"] > 0
