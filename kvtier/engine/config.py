@@ -223,7 +223,7 @@ class EngineConfig:
         0,
         "speculative decoding: tokens the model's MTP block drafts per step, verified by one target forward "
         "(greedy: the same tokens as without; sampled: the same distribution); 0 = off. Runs without "
-        "CUDA graphs, overlap scheduling and tensor parallelism (default 0)",
+        "overlap scheduling and tensor parallelism (default 0)",
         type=types.non_negative_int,
         flag="--speculative-tokens",
         aliases=("--num-speculative-tokens",),
@@ -307,9 +307,8 @@ class EngineConfig:
             k = self.num_speculative_tokens
             if k > 8:
                 raise ValueError(f"num_speculative_tokens must be at most 8, got {k}")
-            for name, on in (("cuda_graphs", self.cuda_graphs), ("overlap_schedule", self.overlap_schedule)):
-                if on:
-                    raise ValueError(f"num_speculative_tokens={k} runs without {name}: leave {name} unset or off")
+            if self.overlap_schedule:
+                raise ValueError(f"num_speculative_tokens={k} runs without overlap_schedule: leave it unset or off")
             if self.tensor_parallel_size > 1:
                 raise ValueError(
                     f"num_speculative_tokens={k} runs on one rank: tensor_parallel_size is {self.tensor_parallel_size}"

@@ -246,7 +246,7 @@ class EngineCore:
             early_loads=bool(c.early_loads),
         )
         if cuda_graphs is None:  # default: on for CUDA, where launches bound decode speed
-            cuda_graphs = self.device.type == "cuda" and not c.num_speculative_tokens
+            cuda_graphs = self.device.type == "cuda"
         if cuda_graphs and self.device.type == "cuda" and attention_backend != "triton":
             # a captured graph keeps the host lengths the torch reference read at capture
             log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly", attention_backend)

@@ -6,7 +6,8 @@ kernels runs. Either, in the middle of serving, is an engine step of seconds for
 in it (H100: 1.6-2.6 s steps in a fresh server's first minute). So at start, on the GPU:
 
 1. the model's own kernels: eager forwards of a decode row, a short extend and a prefill chunk
-   in one step, then its logits and sampling (greedy and sampled rows, top-k for logprobs);
+   in one step (and of the MTP block, when the engine drafts), then its logits and sampling
+   (greedy and sampled rows, top-k for logprobs);
 2. attention in every variant a step can take (``triton_attention.compile_variants``: both tile
    kinds times every split count);
 3. every copy path of the host tier (``kernels.compile_variants``).
@@ -56,6 +57,8 @@ def compile_kernels(
     ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(q, device=device) for q in query_lens])
     hidden = model(ids, positions, kv_caches, meta)
+    if len(model.mtp):  # speculative decoding: the MTP block's pass and its draft logits
+        model.draft_logits(model.draft(ids, positions, hidden, kv_caches, meta)[:2]).argmax(dim=-1)
     logits = model.compute_logits(hidden[:2])
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
     tokens, _ = draw(logits, [greedy, sampled], [None, None], processed_rows=[0, 1])

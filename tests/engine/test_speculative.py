@@ -167,7 +167,6 @@ def test_the_host_tier_and_blocks_are_sized_with_the_mtp_layer(mtp_model):
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(num_speculative_tokens=2, cuda_graphs=True), "without cuda_graphs"),
         (dict(num_speculative_tokens=2, overlap_schedule=True), "without overlap_schedule"),
         (dict(num_speculative_tokens=2, tensor_parallel_size=2), "tensor_parallel_size is 2"),
         (dict(num_speculative_tokens=9), "at most 8, got 9"),
