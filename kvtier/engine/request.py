@@ -66,6 +66,7 @@ class Request:
     # drafts the last step accepted (taken by Scheduler.update, like step_logprobs)
     draft_tokens: list[int] = field(default_factory=list)
     step_accepted: list[int] | None = None
+    step_accepted_logprobs: list[dict[int, float]] | None = None  # their logprobs entries (params.logprobs)
     stop_strings: StopStrings | None = None  # params.stop, matched on the incremental text
     metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
     # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first

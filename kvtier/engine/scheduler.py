@@ -314,12 +314,13 @@ class Scheduler:
                 continue
             if s.num_drafts:  # speculative: keep the accepted drafts' positions, rewind the rest
                 accepted, req.step_accepted = req.step_accepted or [], None
+                entries, req.step_accepted_logprobs = req.step_accepted_logprobs, None
                 cut = s.num_drafts - len(accepted)
                 req.num_computed_tokens -= cut
                 end -= cut
                 reason = None
-                for token in accepted:  # their KV is the step's: tokens first, then the commit
-                    reason = self._append(req, token)
+                for i, token in enumerate(accepted):  # their KV is the step's: tokens first, then the commit
+                    reason = self._append(req, token, entries[i] if entries is not None else None)
                     if reason is not None:
                         break
                 if reason is not None:
@@ -350,17 +351,19 @@ class Scheduler:
             self._free_drained()
         return finished
 
-    def _append(self, req: Request, token: int) -> str | None:
-        """A token the step gave ``req``: appended (with its logprobs); why it ends, if it does."""
+    def _append(self, req: Request, token: int, entry: dict[int, float] | None = None) -> str | None:
+        """A token the step gave ``req``: appended with its logprobs (``entry``, else the step's
+        last); why it ends, if it does."""
         if not req.output_token_ids:
             req.metrics["first_token"] = time.monotonic()
         req.all_token_ids.append(token)
         req.output_token_ids.append(token)
         self.num_generated_tokens += 1
         if req.logprobs is not None:
-            assert req.step_logprobs is not None  # the step computed them (params.logprobs)
-            req.logprobs.append(req.step_logprobs)
-            req.step_logprobs = None
+            if entry is None:
+                entry, req.step_logprobs = req.step_logprobs, None
+            assert entry is not None  # the step computed them (params.logprobs)
+            req.logprobs.append(entry)
         return self._stop_reason(req, token)
 
     def drop(self, out: SchedulerOutput) -> None:

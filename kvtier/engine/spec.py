@@ -23,8 +23,9 @@ the MTP layer's KV at positions past the accepted ones: the next step's target f
 pass rewrite them before anything reads them, and the scheduler rewinds ``num_computed_tokens``
 to the accepted positions, so no rejected token's KV is ever committed to the prefix tree.
 
-Requests that apply penalties or ``min_tokens`` (which depend on each earlier token) or ask for
-logprobs decode without drafts; their MTP KV is written all the same. A prefix hit brings the MTP
+Requests that apply penalties or ``min_tokens`` (which depend on each earlier token) decode
+without drafts; their MTP KV is written all the same. Logprobs are the target's: each emitted
+token's verify row, raw or processed as the request asks. A prefix hit brings the MTP
 KV of its blocks (layer ``num_layers`` of every block, on every tier): nothing of it is
 recomputed (:attr:`Speculator.num_mtp_rows` counts the rows the MTP block ran). The MTP KV at a
 block's last position was written with the token that followed it in the request that computed
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import draw, to_device
+from kvtier.engine.sampling import draw, to_device, topk
 from kvtier.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -54,9 +55,24 @@ Drafter = Callable[[Request, int, int], int]
 
 def drafts_allowed(req: Request) -> bool:
     """May ``req`` decode with drafts? Not when each token's distribution depends on the tokens
-    before it in ways the verify rows do not see (penalties, min_tokens), nor with logprobs."""
+    before it in ways the verify rows do not see (penalties, min_tokens)."""
+    return not req.params.has_penalties
+
+
+def _entry(logits: torch.Tensor, processed: torch.Tensor | None, prow: int | None, req: Request, token: int) -> dict[int, float]:
+    """A logprobs entry (outputs.py) from a verify row: the emitted token's logprob, then the
+    row's top-k, of the raw distribution or, ``logprobs_mode="processed"``, the one sampled from."""
     p = req.params
-    return not p.has_penalties and p.logprobs is None
+    if p.logprobs_mode == "processed" and prow is not None:
+        assert processed is not None
+        lp = processed[prow]
+    else:  # raw, or a greedy row (whose processed distribution is its log-softmax)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+    entry = {token: float(lp[token])}
+    if p.logprobs:
+        top = topk(lp[None], p.logprobs)
+        entry.update(zip(top.indices[0].tolist(), top.values[0].tolist()))
+    return entry
 
 
 class Speculator:
@@ -112,6 +128,11 @@ class Speculator:
             at = 0
             for req, first, n, drafts in spans:
                 a, token = self._verify(req, drafts, tokens_host[at : at + n], processed, [where.get(at + j) for j in range(n)])
+                if req.params.logprobs is not None:  # the target's, for every token it emits
+                    entries = [
+                        _entry(logits[at + j], processed, where.get(at + j), req, t) for j, t in enumerate([*drafts[:a], token])
+                    ]
+                    req.step_accepted_logprobs, req.step_logprobs = entries[:a], entries[a]
                 at += n
                 req.step_accepted = drafts[:a]
                 sampled[req.request_id] = token

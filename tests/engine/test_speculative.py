@@ -296,3 +296,26 @@ def test_a_pd_hand_off_carries_the_mtp_kv(mtp_model, tmp_path):
     assert out.token_ids == ref.token_ids
     assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": 37}
     assert spec["mtp_prompt_rows"] == 0 and spec["accepted"] > 0
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_of_drafted_tokens_are_the_targets(mtp_model, mode):
+    """Each emitted token's logprob and top-k come from its verify row: the entries of plain
+    decoding (the same ids; values within float32 noise of another batch shape)."""
+    import numpy as np
+
+    prompts = prompts_for(49, lengths=(14, 27))
+    params = kvtier.SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3, logprobs_mode=mode)
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8) as llm:
+        ref = llm.generate(prompts, params)
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3) as llm:
+        llm.spec.drafter = oracle_drafter(outputs, 0.8)
+        got = llm.generate(prompts, params)
+        assert llm.cache_stats()["speculative"]["accepted"] > 0
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert len(la) == len(lb) == 16
+        assert [sorted(d) for d in la] == [sorted(d) for d in lb]
+        np.testing.assert_allclose([d[t] for d, t in zip(la, a.token_ids)], [d[t] for d, t in zip(lb, b.token_ids)], atol=2e-5)
