@@ -319,3 +319,64 @@ def test_logprobs_of_drafted_tokens_are_the_targets(mtp_model, mode):
         assert len(la) == len(lb) == 16
         assert [sorted(d) for d in la] == [sorted(d) for d in lb]
         np.testing.assert_allclose([d[t] for d, t in zip(la, a.token_ids)], [d[t] for d, t in zip(lb, b.token_ids)], atol=2e-5)
+
+
+def test_chunked_prefill_and_a_tight_token_budget_trim_the_drafts_not_the_tokens(mtp_model):
+    """A budget of 10 tokens a step: prompts prefill in chunks beside drafted decodes, and a
+    decode gets only the drafts the budget has room for."""
+    prompts = prompts_for(50, lengths=(37, 45, 29))
+    params = kvtier.SamplingParams(max_tokens=14, ignore_eos=True)
+    kw = dict(num_device_blocks=64, block_size=8, max_num_batched_tokens=10)
+    with kvtier.LLM(mtp_model, **kw) as llm:
+        ref = llm.generate(prompts, params)
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    with kvtier.LLM(mtp_model, num_speculative_tokens=3, **kw) as llm:
+        llm.spec.drafter = oracle_drafter(outputs, 1.0)
+        got = llm.generate(prompts, params)
+        spec = llm.cache_stats()["speculative"]
+        llm.cache.assert_invariants()
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert spec["accepted"] == spec["drafted"] > 0  # alpha 1: every draft kept
+
+
+def test_a_soak_of_drafted_requests_leaks_no_block_and_keeps_greedy_exact(mtp_model):
+    """40 requests over a small device tier with a host tier (evictions, swap preemption): greedy
+    ones with stop tokens, sampled ones, n = 2, aborts mid-run, each step's drafts kept at a
+    random rate; the cache's invariants (no block leaked, double-owned or pinned by a dead
+    request) after every step, and every greedy request's tokens equal to plain decoding."""
+    rng = random.Random(5)
+    prompts = [prompts_for(60 + i, lengths=(rng.randrange(3, 50),))[0] for i in range(40)]
+    greedy = [kvtier.SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True,
+                                    stop_token_ids=[rng.randrange(VOCAB)]) for _ in prompts]
+    kw = dict(num_device_blocks=20, block_size=8, num_host_blocks=64, max_num_seqs=8)
+    with kvtier.LLM(mtp_model, **kw) as llm:
+        ref = llm.generate(prompts, greedy)
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    with kvtier.LLM(mtp_model, num_speculative_tokens=3, **kw) as llm:
+        drafter = oracle_drafter(outputs, 0.5, seed=6)
+        llm.spec.drafter = drafter
+        reqs, aborted, done = {}, set(), {}
+        for i, p in enumerate(prompts):
+            kind = i % 4
+            params = greedy[i] if kind < 2 else (
+                kvtier.SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True, n=2 if kind == 3 else 1))
+            reqs[llm.add_request(p, params).request_id] = i
+        steps = 0
+        while llm.has_unfinished():
+            for o in llm.step():
+                done[o.request_id] = o
+            steps += 1
+            if steps % 7 == 0:
+                live = [r for r in reqs if r not in done and r not in aborted]
+                if live:
+                    victim = rng.choice(live)
+                    if llm.abort(victim):
+                        aborted.add(victim)
+            llm.cache.assert_invariants([r.cache_req for r in llm.scheduler.running])
+        spec = llm.cache_stats()["speculative"]
+        llm.cache.assert_invariants()
+    assert aborted and spec["accepted"] > 0 and llm.scheduler.num_preemptions > 0
+    for rid, i in reqs.items():
+        if rid in aborted or i % 4 >= 2:
+            continue
+        assert done[rid].token_ids == ref[i].token_ids, i
