@@ -150,8 +150,13 @@ class MMItem:
 
 def namespace_seed(fingerprint: ModelFingerprint | None, cache_salt: str | None = None, hash_name: str = "sha256") -> bytes:
     """Root of every key chain: format version, model fingerprint and the request's cache_salt."""
+    return encoded_seed(fingerprint.encode() if fingerprint is not None else b"", cache_salt, hash_name)
+
+
+def encoded_seed(fp: bytes, cache_salt: str | None = None, hash_name: str = "sha256") -> bytes:
+    """:func:`namespace_seed` from an encoded fingerprint (``ModelFingerprint.encode()``: what an
+    engine's KV snapshot gives a router, which keys tokens without the model)."""
     digest = get_digest(hash_name)
-    fp = fingerprint.encode() if fingerprint is not None else b""
     salt = b"" if cache_salt is None else _field(b"salt") + _field(cache_salt.encode())
     return digest(b"kvtier-ns" + struct.pack("<I", FORMAT_VERSION) + _field(fp) + salt)
 

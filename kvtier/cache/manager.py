@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 from kvtier.cache.cost import FetchCostModel
+from kvtier.cache.events import KVEvents
 from kvtier.cache.handoff import Export, Handoff, TailBlock
 from kvtier.cache.keys import BlockHasher, MMItem, ModelFingerprint, namespace_seed
 from kvtier.cache.plan import MatchResult, StepPlan, TransferOp
@@ -174,6 +175,7 @@ class CacheManager:
         self.storage = storage
         self.policy = WritePolicy(write_policy, write_through_threshold)
         self.tree = RadixTree(get_eviction_key(eviction))
+        self.events = self.tree.events = KVEvents()  # off until a router asks (cache/events.py)
         self.hash_name = hash_name
         namespace_seed(None, None, hash_name)  # validates hash_name early
         self.fingerprint = fingerprint
@@ -847,7 +849,7 @@ class CacheManager:
                 if id(node) in self.handoff.exporting:
                     self.handoff.node_done(node, False)
             else:
-                node.host_ready = True
+                tree.host_landed(node)
                 self.prefetcher.anchor_landed(node)  # fetched blocks hang below: it stays
                 if self.storage is not None and (self.policy.copy_on_land(node.hit_count) or id(node) in self.handoff.exporting):
                     self.put_to_storage(node)

@@ -39,6 +39,8 @@ import heapq
 from itertools import count
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from kvtier.cache.events import DEVICE, HOST, REMOVED, STORED, KVEvents
+
 if TYPE_CHECKING:
     from kvtier.cache.keys import BlockHasher
 
@@ -178,6 +180,7 @@ class RadixTree:
         self.num_host_copies = 0
         self.num_device_unlocked = 0  # device copies no running request holds (evictable in time)
         self.epoch = 0  # bumped whenever a copy or node goes away (stale matches)
+        self.events: KVEvents | None = None  # blocks stored / removed per tier, once enabled (cache/events.py)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -291,6 +294,7 @@ class RadixTree:
         append = created.append
         if device_blocks:
             assert len(device_blocks) == len(keys), (len(device_blocks), len(keys))
+            ev = self.events if self.events is not None and self.events.enabled else None
             for idx, key, block in zip(range(base, base + len(keys)), keys, device_blocks):
                 assert key not in nodes, "duplicate block key"
                 node = nodes[key] = Node(key, prev, target, idx)
@@ -298,6 +302,8 @@ class RadixTree:
                 node.device_block = block
                 node.lock_ref = node.hit_count = 1
                 node.last_access = tick
+                if ev is not None:
+                    ev.emit(STORED, DEVICE, key)
                 append(node)
                 prev = node
             prev.num_device_children = 0
@@ -405,9 +411,20 @@ class RadixTree:
         assert seen == len(self.nodes), "a node outside the segments"
 
     # ------------------------------------------------------------------ copies
+    def _emit(self, kind: str, tier: str, node: Node) -> None:
+        ev = self.events
+        if ev is not None and ev.enabled:
+            ev.emit(kind, tier, node.key)
+
+    def host_landed(self, node: Node) -> None:
+        """A device->host copy of ``node`` landed: its host copy is readable."""
+        node.host_ready = True
+        self._emit(STORED, HOST, node)
+
     def set_device(self, node: Node, block: int) -> None:
         assert node.device_block is None and not node.is_root
         node.device_block = block
+        self._emit(STORED, DEVICE, node)
         self.num_device_copies += 1
         assert node.parent is not None
         node.parent.num_device_children += 1
@@ -422,6 +439,7 @@ class RadixTree:
         block = node.device_block
         assert block is not None and node.lock_ref == 0 and node.device_reads == 0, node
         node.device_block = None
+        self._emit(REMOVED, DEVICE, node)
         node.evict_device_after_copy = False
         node.preloaded = None
         self.epoch += 1
@@ -481,11 +499,14 @@ class RadixTree:
         run = nodes[j:]
         index = self.nodes
         blocks: list[int] = []
+        ev = self.events if self.events is not None and self.events.enabled else None
         for n in run:
             del index[n.key]
             assert n.device_block is not None
             blocks.append(n.device_block)
             n.device_block = None
+            if ev is not None:
+                ev.emit(REMOVED, DEVICE, n.key)
         del nodes[j:], seg.keys[j:], seg.ends[j:]  # data is cut later (trimmed)
         above = nodes[j - 1]
         above.num_children = above.num_device_children = 0
@@ -498,6 +519,8 @@ class RadixTree:
         assert node.host_block is None and not node.is_root
         node.host_block = block
         node.host_ready = ready
+        if ready:
+            self._emit(STORED, HOST, node)
         self.num_host_copies += 1
         assert node.parent is not None
         node.parent.num_host_children += 1
@@ -506,6 +529,8 @@ class RadixTree:
     def drop_host(self, node: Node) -> int:
         block = node.host_block
         assert block is not None and node.host_reads == 0 and not node.putting
+        if node.host_ready:
+            self._emit(REMOVED, HOST, node)
         node.host_block = None
         node.host_ready = False
         self.epoch += 1

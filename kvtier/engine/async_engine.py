@@ -139,12 +139,12 @@ class AsyncEngine:
             if not done:
                 self._inbox.put(("abort", req.request_id))
 
-    async def call(self, fn: Callable[[EngineCore], Any] | str) -> Any:
-        """Run ``fn(core)`` on the engine thread between steps (stats, cache inspection); ``fn``
-        may name one of engine/loop.py's ``CALLS``."""
+    async def call(self, fn: Callable[..., Any] | str, *args: Any) -> Any:
+        """Run ``fn(core, *args)`` on the engine thread between steps (stats, cache inspection);
+        ``fn`` may name one of engine/loop.py's ``CALLS``."""
         self.check_alive()
         fut = asyncio.get_running_loop().create_future()
-        self._inbox.put(("call", fn, _resolver(fut)))
+        self._inbox.put(("call", fn, _resolver(fut), args))
         return await fut
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -223,14 +223,14 @@ class EngineClient:
             if not done and self._error is None:
                 self._send(["abort", rid])
 
-    async def call(self, name: str) -> Any:
-        """Run the engine's call ``name`` (engine/loop.py's ``CALLS``) between steps."""
+    async def call(self, name: str, *args: Any) -> Any:
+        """Run the engine's call ``name`` (engine/loop.py's ``CALLS``) with ``args`` between steps."""
         self.check_alive()
         self._ensure_reader()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send(["call", call_id, name])
+        self._send(["call", call_id, name, list(args)])
         try:
             return await fut
         finally:

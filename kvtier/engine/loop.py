@@ -72,13 +72,38 @@ def leak_check(core: EngineCore) -> dict:
     return out
 
 
+def kv_events(core: EngineCore, since: int) -> dict:
+    """The engine's KV events after number ``since`` (cache/events.py), the first call turning
+    them on: ``{"seq", "events"}``, or ``{"seq", "gap": true}`` when some are no longer kept
+    (or ``since`` is past the last: another engine's numbers): the reader takes a snapshot."""
+    ev = core.cache.events
+    ev.enable()
+    if not isinstance(since, int) or since < 0:
+        raise ValueError(f"since must be an event number >= 0, got {since!r}")
+    got = ev.since(since) if since <= ev.seq else None
+    return {"seq": ev.seq, "gap": True} if got is None else {"seq": ev.seq, "events": got}
+
+
+def kv_snapshot(core: EngineCore) -> dict:
+    """Every block the engine holds per tier now, the number of the last event it includes, and
+    what a router needs to key tokens as this engine does (cache/keys.py)."""
+    cache = core.cache
+    cache.events.enable()
+    out = cache.events.snapshot(cache.tree)
+    fp = cache.fingerprint
+    out.update(block_size=cache.block_size, hash=cache.hash_name, fingerprint=fp.encode().hex() if fp is not None else "")
+    return out
+
+
 # what a caller may ask of the engine by name (the only calls an engine process answers)
-CALLS: dict[str, Callable[[EngineCore], Any]] = {
+CALLS: dict[str, Callable[..., Any]] = {
     "cache_stats": lambda core: core.cache_stats(),
     "metrics": metrics_snapshot,
     "requests": lambda core: len(core.scheduler.running) + len(core.scheduler.waiting),
     "leak_check": leak_check,
     "reset_prefix_cache": lambda core: core.cache.reset_prefix_cache(),
+    "kv_events": kv_events,
+    "kv_snapshot": kv_snapshot,
 }
 
 
@@ -254,9 +279,9 @@ class EngineLoop:
                 if self.sinks.pop(cmd[1], None) is not None:
                     self.core.abort(cmd[1])
             elif kind == "call":
-                fn, reply = cmd[1], cmd[2]
+                fn, reply, args = cmd[1], cmd[2], cmd[3] if len(cmd) > 3 else ()
                 try:
-                    result = (CALLS[fn] if isinstance(fn, str) else fn)(self.core)
+                    result = (CALLS[fn] if isinstance(fn, str) else fn)(self.core, *args)
                 except Exception as e:  # noqa: BLE001 - the caller gets it
                     reply(None, e)
                 else:

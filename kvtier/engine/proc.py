@@ -176,7 +176,7 @@ class _Engine:
             def reply(result: Any, exc: BaseException | None) -> None:
                 self.send(["result", call_id, None if exc is None else f"{type(exc).__name__}: {exc}", result])
 
-            return ("call", msg[2], reply)
+            return ("call", msg[2], reply, tuple(msg[3]) if len(msg) > 3 else ())
         if kind == "stop":
             self.loop.stop()
             return ("wake",)

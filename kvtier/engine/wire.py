@@ -3,7 +3,7 @@ msgpack (msgspec) over two ZeroMQ sockets, one each way. Each message is a list 
 names it::
 
     server -> engine   ["add", request_id, prompt_token_ids, params, cache_salt, handoff, export]
-                       ["abort", request_id]    ["call", call_id, name]    ["stop"]
+                       ["abort", request_id]    ["call", call_id, name, args]    ["stop"]
     engine -> server   ["phase", startup]  ["ready", info]  ["failed", phase, error_type, message]
                        ["delta", request_id, index, token_ids, finish_reason, logprobs, export, output]
                        ["error", request_id, kind, message]      kind: value | queue | dead | internal

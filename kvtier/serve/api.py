@@ -235,6 +235,18 @@ class Server:
             s = await server.engine.call("cache_stats")
             return Response(json.dumps(s, default=str), media_type="application/json")
 
+        @app.get("/kvtier/kv_events")
+        async def kv_events(since: int = 0) -> Response:
+            """KV events after number ``since`` (cache/events.py; docs/SERVING.md, "KV events")."""
+            if since < 0:
+                return error_response(400, f"since must be an event number >= 0, got {since}", "since")
+            return JSONResponse(await server.engine.call("kv_events", since))
+
+        @app.get("/kvtier/kv_events/snapshot")
+        async def kv_snapshot() -> Response:
+            """Every block held per tier, the last event number it includes, and the keying."""
+            return JSONResponse(await server.engine.call("kv_snapshot"))
+
         completion_body, chat_body = server._body(CompletionRequest), server._body(ChatCompletionRequest)
 
         @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
@@ -331,6 +343,8 @@ class Server:
             "pd_on_miss": core.pd_on_miss,
             "export_timeout": core.engine_config.export_timeout,
             "startup_s": core.startup.total_s,
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
         }
         if pool is None or pool.get("ok", True):
             return JSONResponse(body)
