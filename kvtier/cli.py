@@ -267,11 +267,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "router",
-        help="OpenAI-compatible front of prefill and decode servers (PD)",
-        description="Route each request to a prefill server (which writes the prompt's KV to "
-        "the shared pool) and then to a decode server (which reads it from there); "
-        "round robin among healthy servers; a failed prefill side runs the request "
-        "colocated on a decode server.",
+        help="OpenAI-compatible front of several instances (--workers) or of prefill and decode servers (PD)",
+        description="With --workers: route each request to one of several colocated kvtier "
+        "servers, by --policy (cache_aware: where its prefix is cached, fed by each server's KV "
+        "events; least_load; round_robin). With --prefill/--decode: route each request to a "
+        "prefill server (which writes the prompt's KV to the shared pool) and then to a decode "
+        "server (which reads it from there); a failed prefill side runs the request colocated "
+        "on a decode server.",
+    )
+    p.add_argument(
+        "--workers",
+        action="append",
+        default=[],
+        metavar="URL,URL",
+        help="colocated kvtier servers, comma-separated or repeated, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("cache_aware", "least_load", "round_robin"),
+        default=None,
+        help="which instance takes a request: cache_aware (the longest cached prefix, device hits "
+        "first, among instances not overloaded), least_load (fewest tokens in flight) or "
+        "round_robin (default: cache_aware with --workers, round_robin for the decode servers of PD)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="cache_aware: the served model's tokenizer, to key text prompts as the servers do "
+        "(default: the model directory the servers' /health names)",
+    )
+    p.add_argument(
+        "--events-interval",
+        type=_positive_float,
+        default=0.1,
+        help="cache_aware: seconds between polls of each server's KV events (default 0.1)",
     )
     p.add_argument(
         "--prefill",
@@ -280,9 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a prefill server, e.g. http://127.0.0.1:8100 (repeat for several)",
     )
-    p.add_argument(
-        "--decode", action="append", default=[], metavar="URL", required=True, help="a decode server (repeat for several)"
-    )
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode server (repeat for several)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000)")
     p.add_argument(
@@ -301,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds a request to P or D may take (default 600)")
     p.add_argument(
-        "--health-interval", type=_positive_float, default=2.0, help="seconds between health checks of every server (default 2)"
+        "--health-interval",
+        type=_positive_float,
+        default=None,
+        help="seconds between health checks of every server (default 2; 0.5 with --workers)",
     )
     p.add_argument(
         "--log-level",
@@ -513,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "router":
             from kvtier.serve.server import route
 
+            workers = [u.strip() for w in args.workers for u in w.split(",") if u.strip()]
+            if not workers and not args.decode:
+                raise ValueError("kvtier router needs --workers URL,... (colocated instances) or --decode URL (PD)")
             route(
                 args.prefill,
                 args.decode,
@@ -522,8 +556,12 @@ def main(argv: list[str] | None = None) -> int:
                 api_key=args.api_key,
                 backend_api_key=args.backend_api_key,
                 timeout=args.timeout,
-                health_interval=args.health_interval,
+                health_interval=args.health_interval or (0.5 if workers else 2.0),
                 max_body_bytes=args.max_body_bytes,
+                workers=workers,
+                policy=args.policy or ("cache_aware" if workers else "round_robin"),
+                tokenizer=args.tokenizer,
+                events_interval=args.events_interval,
             )
             return 0
         if args.command == "demo":

@@ -343,6 +343,7 @@ class Server:
             "pd_on_miss": core.pd_on_miss,
             "export_timeout": core.engine_config.export_timeout,
             "startup_s": core.startup.total_s,
+            "model_root": self.model_path,
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
         }

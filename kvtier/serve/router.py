@@ -54,8 +54,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.requests import ClientDisconnect
 
+from kvtier.cache.route import Candidate, Picker, PrefixIndex
 from kvtier.serve import asgi
 from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error, until_disconnect
+from kvtier.serve.workers import CacheView
 
 log = logging.getLogger(__name__)
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -82,6 +84,13 @@ class Backend:
         self.healthy = True
         self.info: dict = {}
         self._warned: set[str] = set()
+        # --policy: tokens of the requests in flight on it; its cache as its KV events say
+        # (serve/workers.py): None until a snapshot put the index in step
+        self.inflight = 0
+        self.index = PrefixIndex()
+        self.seq: int | None = None
+        self.keying: tuple[int, str, bytes] | None = None  # block size, hash, fingerprint
+        self.synced_once = False
 
     def warn_once(self, message: str) -> None:
         """Log ``message`` as a warning the first time it comes (each health check would repeat it)."""
@@ -104,11 +113,21 @@ class Router:
         connect_timeout: float = 3.0,
         health_interval: float = 2.0,
         max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES,
+        workers: list[str] = (),  # type: ignore[assignment]
+        policy: str = "round_robin",
+        tokenizer: str | None = None,
+        events_interval: float = 0.1,
     ) -> None:
-        if not decode:
-            raise ValueError("the router needs at least one --decode server")
+        if workers and (prefill or decode):
+            raise ValueError("give --workers (colocated instances) or --prefill/--decode (PD), not both")
+        if not decode and not workers:
+            raise ValueError("the router needs at least one --decode server or --workers instance")
+        self.picker = Picker(policy)  # how a D (or a worker) is chosen (cache/route.py)
+        self.policy = policy
         self.prefill = [Backend(u, "prefill") for u in prefill]
-        self.decode = [Backend(u, "decode") for u in decode]
+        self.decode = [Backend(u, "decode") for u in decode] or [Backend(u, "worker") for u in workers]
+        self.cache_view = CacheView(events_interval, tokenizer) if policy == "cache_aware" else None
+        self._events_task: asyncio.Task | None = None
         if backend_api_key == "":
             raise ValueError("the backend API key is empty: give a key, or none if the servers need none")
         self.headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
@@ -132,6 +151,13 @@ class Router:
             registry=r,
         )
         self.prefill_seconds = Histogram("kvtier_router_prefill_seconds", "P's answer time (prefill + pool writes)", registry=r)
+        self.routed = Counter("kvtier_router_routed", "requests sent, by instance", ["instance"], registry=r)
+        self.predicted_hits = Counter(
+            "kvtier_router_predicted_hit_tokens",
+            "prompt tokens the chosen instance held when it was chosen (cache_aware), by tier",
+            ["tier"],
+            registry=r,
+        )
         for route in ("pd", "colocated"):
             self.routes.labels(route)
         self.api = self._build()
@@ -152,6 +178,27 @@ class Router:
         i = self._rr[role] % len(cands)
         self._rr[role] += 1
         return cands[i]
+
+    async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str]) -> Backend | None:
+        """The D (or worker) for a request, by ``--policy`` (cache/route.py)."""
+        cands = [b for b in self.decode if b.healthy and b.url not in exclude]
+        if not cands:
+            return None
+        if self.cache_view is None:
+            return cands[self.picker.pick([Candidate(load=b.inflight) for b in cands])]
+        scored, keys = await self.cache_view.candidates(cands, kind, body)
+        i = self.picker.pick(scored)
+        self.predicted_hits.labels("device").inc(scored[i].device_hit)
+        self.predicted_hits.labels("host").inc(scored[i].host_hit)
+        self.cache_view.sent(cands[i], keys)
+        return cands[i]
+
+    async def _events_loop(self) -> None:
+        view = self.cache_view
+        assert view is not None
+        while True:
+            await asyncio.gather(*(view.poll(self._http, b) for b in self.decode))
+            await asyncio.sleep(view.interval)
 
     async def _check(self, b: Backend) -> None:
         try:
@@ -197,11 +244,14 @@ class Router:
             )
             await asyncio.gather(*(router._check(b) for b in router.prefill + router.decode))
             router._health_task = asyncio.create_task(router._health_loop())
+            if router.cache_view is not None:
+                router._events_task = asyncio.create_task(router._events_loop())
 
         @app.on_event("shutdown")
         async def _stop() -> None:
-            if router._health_task is not None:
-                router._health_task.cancel()
+            for task in (router._health_task, router._events_task):
+                if task is not None:
+                    task.cancel()
             if router.client is not None:
                 await router.client.aclose()
 
@@ -262,6 +312,9 @@ class Router:
 
     async def _route(self, kind: str, body: dict) -> Response:
         stream = body.get("stream") is True
+        if not self.prefill and self.decode and self.decode[0].role == "worker":  # --workers: colocated
+            self.routes.labels("colocated").inc()
+            return await self._decode(kind, body, stream, None)
         pre, reason = await self._prefill(kind, body)
         if isinstance(pre, Response):
             return pre  # the client's error (4xx), from P
@@ -303,10 +356,11 @@ class Router:
             raise
         if not await pre.acked("D recomputes what is missing"):
             self.incomplete.inc()
-        r = await self._open_decode(kind, dict(body, kvtier_handoff=pre.handoff()))
-        if isinstance(r, APIError):
-            yield (sse_error(r) + "data: [DONE]\n\n").encode()
+        opened = await self._open_decode(kind, dict(body, kvtier_handoff=pre.handoff()))
+        if isinstance(opened, APIError):
+            yield (sse_error(opened) + "data: [DONE]\n\n").encode()
             return
+        r = opened[0]
         if r.status_code != 200:
             try:
                 detail = (await r.aread()).decode(errors="replace")[:300]
@@ -384,13 +438,13 @@ class Router:
             raise
         return pre, ""
 
-    async def _open_decode(self, kind: str, body: dict) -> httpx.Response | APIError:
+    async def _open_decode(self, kind: str, body: dict) -> tuple[httpx.Response, Backend] | APIError:
         """D's response, headers read and body streaming (a D that fails to connect or is busy:
-        the next one), or the router's error when none answers."""
+        the next one), and that D; or the router's error when none answers."""
         tried: set[str] = set()
         last_error = "no decode server is up"
         while True:
-            d = self._pick("decode", tried)
+            d = await self._choose(kind, body, tried)
             if d is None:
                 return APIError(503, last_error)
             tried.add(d.url)
@@ -399,31 +453,47 @@ class Router:
                 r = await self._http.send(req, stream=True)
             except httpx.TimeoutException as e:
                 # not retried on the next D: the request may still be running on this one
-                return APIError(504, f"decode server {d.url} did not answer in time: {_describe(e)}")
+                return APIError(504, f"{d.role} server {d.url} did not answer in time: {_describe(e)}")
             except httpx.HTTPError as e:
-                log.warning("decode server %s failed (%s); trying the next one", d.url, e)
+                # nothing was sent back yet: the next one takes the request
+                log.warning("%s server %s failed (%s); trying the next one", d.role, d.url, e)
                 d.healthy = False
-                last_error = f"decode server {d.url} failed: {_describe(e)}"
+                if self.cache_view is not None:
+                    self.cache_view.drop(d)
+                last_error = f"{d.role} server {d.url} failed: {_describe(e)}"
                 continue
             if r.status_code == 503 and len(tried) < len(self.decode):
                 await r.aclose()
                 continue
-            return r
+            self.routed.labels(d.url).inc()
+            return r, d
 
     async def _decode(self, kind: str, body: dict, stream: bool, first_chunks: list | None) -> Response:
-        r = await self._open_decode(kind, body)
-        if isinstance(r, APIError):
-            return error_response(r.status, r.message)
+        cost = _request_tokens(body)
+        opened = await self._open_decode(kind, body)
+        if isinstance(opened, APIError):
+            return error_response(opened.status, opened.message)
+        r, d = opened
+        d.inflight += cost  # its load until the answer ends (cache/route.py)
         if r.status_code != 200 or not stream:
             try:
                 content = await r.aread()
             except httpx.HTTPError as e:
-                return error_response(502, f"decode server failed while answering: {_describe(e)}")
+                return error_response(502, f"{d.role} server failed while answering: {_describe(e)}")
             finally:
+                d.inflight -= cost
                 await r.aclose()
             return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json"))
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in _relay(first_chunks, r):
+                    yield chunk
+            finally:
+                d.inflight -= cost
+
         return StreamingResponse(
-            _relay(first_chunks, r),
+            relay(),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -535,6 +605,18 @@ class _Prefill:
 
     async def close(self) -> None:
         await self.response.aclose()
+
+
+def _request_tokens(body: dict) -> int:
+    """A request's weight in an instance's load: its prompt's tokens (characters / 4 for text),
+    plus its max_tokens (default 16)."""
+    prompt = body.get("prompt", body.get("messages"))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        n = len(prompt)
+    else:
+        n = len(json.dumps(prompt, default=str)) // 4 if prompt is not None else 0
+    m = body.get("max_tokens", body.get("max_completion_tokens"))
+    return n + (m if isinstance(m, int) and not isinstance(m, bool) and m > 0 else 16)
 
 
 def _is_count(v: Any) -> bool:

@@ -1,0 +1,166 @@
+"""The router's view of its instances' caches (``kvtier router --workers --policy cache_aware``).
+
+Per instance, a :class:`~kvtier.cache.route.PrefixIndex` fed by its KV events: the router takes
+``GET /kvtier/kv_events/snapshot`` once (and again after a gap, a restart of the instance or of
+the router), then polls ``GET /kvtier/kv_events?since=N`` every ``interval`` seconds and applies
+what came. An instance that does not answer the poll within :data:`POLL_TIMEOUT_S` is taken out
+of the rotation at once (the health checks bring it back) and its index is dropped: it rejoins
+with a snapshot, its overlap counting 0 until then.
+
+A request's keys are the instance's own (cache/keys.py): the router tokenizes the request as the
+server does (``serve/prompts.py``; only the tokenizer is loaded, from ``--tokenizer`` or the
+directory the instances' ``/v1/models`` name) and chains the block keys with the salt and the
+model fingerprint the snapshot gave. A request it cannot tokenize is routed by load alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from kvtier.cache.keys import BlockHasher, encoded_seed
+from kvtier.cache.route import Candidate
+
+if TYPE_CHECKING:
+    from kvtier.serve.router import Backend
+
+log = logging.getLogger(__name__)
+POLL_TIMEOUT_S = 1.0  # a poll or snapshot, call to last byte: past it the instance is down
+MAX_EVENTS_BYTES = 64 * 1024 * 1024  # one poll's answer (10,000 events at most, ~80 bytes each)
+
+
+class CacheView:
+    """Every instance's index and the keying of requests (module docstring)."""
+
+    def __init__(self, interval: float = 0.1, tokenizer: str | None = None) -> None:
+        self.interval = interval
+        self.tokenizer_path = tokenizer
+        self._prompts: Any = None  # serve/prompts.PromptTokenizer, loaded at first need
+        self._tokenizer_tried = False
+        self.resyncs = 0  # snapshots taken after the first one of an instance (gaps, rejoins)
+
+    # ------------------------------------------------------------------ events
+    async def poll(self, client: httpx.AsyncClient, b: Backend) -> None:
+        """One round for ``b``: a snapshot if its index is not in step, else the new events."""
+        if not b.healthy:
+            self.drop(b)
+            return
+        try:
+            if b.seq is None:
+                snap = await self._get(client, b, "/kvtier/kv_events/snapshot")
+                b.index.reset((bytes.fromhex(k) for k in snap["device"]), (bytes.fromhex(k) for k in snap["host"]))
+                b.keying = (int(snap["block_size"]), str(snap["hash"]), bytes.fromhex(snap["fingerprint"]))
+                if b.synced_once:
+                    self.resyncs += 1
+                b.synced_once = True
+                b.seq = int(snap["seq"])
+                return
+            got = await self._get(client, b, f"/kvtier/kv_events?since={b.seq}")
+            if got.get("gap"):
+                log.info("instance %s: KV events were lost (a gap after %d): taking a snapshot", b.url, b.seq)
+                b.seq = None
+                return
+            for _seq, kind, tier, key in got["events"]:
+                b.index.apply(kind, tier, bytes.fromhex(key))
+            b.seq = int(got["events"][-1][0]) if got["events"] else b.seq
+        except (httpx.HTTPError, asyncio.TimeoutError) as e:
+            log.warning("instance %s did not answer its KV events (%s): out of the rotation", b.url, e)
+            b.healthy = False
+            self.drop(b)
+        except (KeyError, TypeError, ValueError) as e:  # not a kvtier instance's answer
+            b.warn_once(f"instance {b.url}: KV events unreadable ({e!r}): routed by load only")
+            self.drop(b)
+
+    async def _get(self, client: httpx.AsyncClient, b: Backend, path: str) -> dict:
+        async def go() -> dict:
+            r = await client.get(b.url + path, timeout=httpx.Timeout(POLL_TIMEOUT_S))
+            r.raise_for_status()
+            if len(r.content) > MAX_EVENTS_BYTES:
+                raise ValueError(f"answer of {len(r.content)} bytes")
+            out = r.json()
+            if not isinstance(out, dict):
+                raise TypeError("not a JSON object")
+            return out
+
+        return await asyncio.wait_for(go(), POLL_TIMEOUT_S)
+
+    def drop(self, b: Backend) -> None:
+        b.seq = None
+        b.index.reset()
+
+    # ------------------------------------------------------------------ requests
+    async def candidates(self, backends: list[Backend], kind: str, body: dict) -> tuple[list[Candidate], dict]:
+        """What each of ``backends`` holds of the request, and its load; and the request's keys
+        per keying (for :meth:`sent`)."""
+        keys: dict[tuple, list[bytes]] = {}
+        now = time.monotonic()
+        ids = None
+        out = []
+        for b in backends:
+            if b.seq is None or b.keying is None:
+                out.append(Candidate(load=b.inflight))
+                continue
+            if ids is None:
+                ids = await self.token_ids(kind, body, b)
+            if not ids:
+                out.append(Candidate(load=b.inflight))
+                continue
+            if b.keying not in keys:
+                bs, hash_name, fp = b.keying
+                salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+                keys[b.keying] = BlockHasher(bs, encoded_seed(fp, salt, hash_name), hash_name).extend(ids)
+            out.append(b.index.candidate(keys[b.keying], b.keying[0], b.inflight, now))
+        return out, keys
+
+    def sent(self, b: Backend, keys: dict) -> None:
+        """The request went to ``b``: its prompt's blocks are taken as held there (PrefixIndex)."""
+        if b.keying in keys:
+            b.index.predict(keys[b.keying], time.monotonic())
+
+    async def token_ids(self, kind: str, body: dict, b: Backend) -> list[int]:
+        """The request's prompt token ids as the server will see them; [] if unknown."""
+        try:
+            if kind == "completion":
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+                    prompt = prompt[0]  # a batch: the first prompt's prefix decides
+                if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                    return list(prompt)
+                if not isinstance(prompt, str):
+                    return []
+                prompts = await self._tokenizer(b)
+                return [] if prompts is None else await prompts.completion_ids(prompt, 1 << 30)
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return []
+            prompts = await self._tokenizer(b)
+            if prompts is None:
+                return []
+            return await prompts.chat_ids(messages, body.get("add_generation_prompt", True) is not False, 1 << 30)
+        except Exception as e:  # noqa: BLE001 - a request the router cannot key goes by load
+            log.debug("could not tokenize a request for routing: %r", e)
+            return []
+
+    async def _tokenizer(self, b: Backend) -> Any:
+        if self._tokenizer_tried:
+            return self._prompts
+        self._tokenizer_tried = True
+        path = self.tokenizer_path or b.info.get("model_root")
+        if not path:
+            log.warning("no tokenizer for cache-aware routing (give --tokenizer): text prompts are routed by load")
+            return None
+        from kvtier.model.tokenizer import load_tokenizer
+        from kvtier.serve.prompts import PromptTokenizer
+
+        if not Path(path).is_dir():
+            from kvtier.model.hub import resolve_model
+
+            path = str(resolve_model(path, None, "dummy"))
+        tok = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, path)
+        self._prompts = PromptTokenizer(tok, 1 << 30) if tok is not None else None
+        return self._prompts

@@ -1,0 +1,108 @@
+"""`kvtier router --workers A,B,C --policy cache_aware` in front of three `kvtier serve` processes
+(CPU): each conversation's later turns go where its earlier turns' blocks are (device-tier hits,
+as each server's usage reports them), new conversations spread over the instances, a killed
+instance leaves the rotation and its conversations go on elsewhere; the index resynchronizes
+from a snapshot after lost events. The routing policies themselves: tests/cache/test_route.py."""
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+
+import httpx
+import pytest
+
+from kvtier.cache.route import PrefixIndex
+from kvtier.serve.router import Backend
+from kvtier.serve.workers import CacheView
+
+ENGINE = ["--served-model-name", "m", "--num-device-blocks", "96", "--block-size", "8", "--max-model-len", "512", "--max-num-seqs", "4"]
+
+
+@pytest.fixture(scope="module")
+def fleet(procs, checkpoint):
+    model = checkpoint("llama-tiny")
+    workers = [procs(["serve", model, *ENGINE], f"worker{i}") for i in range(3)]
+    for w in workers:
+        w.wait_ready()
+    router = procs(["router", "--workers", ",".join(w.url for w in workers), "--policy", "cache_aware"], "router")
+    return workers, router.wait_ready()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 6) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                                                 "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def routed(router) -> dict[str, float]:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return {m[0]: float(m[1]) for m in re.findall(r'^kvtier_router_routed_total\{instance="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def test_turns_go_where_their_prefix_is_and_a_killed_instance_leaves(fleet):
+    workers, router = fleet
+    rng = random.Random(0)
+    convs = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(5)]  # (5: round robin would scatter turns)
+    before = routed(router)
+    for turn in range(3):
+        for c, prompt in enumerate(convs):
+            out = complete(router.url, prompt)
+            cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if turn:  # the whole earlier history (full blocks) was a device hit where it went
+                assert cached >= (len(prompt) - 6 - 12) // 8 * 8, (turn, c, out["usage"])
+                assert out["usage"]["kvtier"]["cached_tokens_by_tier"]["device"] == cached
+            answer = out["choices"][0]["token_ids"]
+            convs[c] = prompt + answer + [rng.randrange(3, 250) for _ in range(12)]
+    after = routed(router)
+    spread = {u: after.get(u, 0) - before.get(u, 0) for u in after}
+    assert sum(spread.values()) == 15 and sum(1 for n in spread.values() if n > 0) >= 2, spread
+
+    # one instance dies: within a second the router stops sending to it; every request answers
+    victim = workers[0]
+    victim.kill()
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        up = httpx.get(router.url + "/health", timeout=5).json()["decode_up"]
+        if victim.url not in up:
+            break
+        time.sleep(0.1)
+    assert victim.url not in up and len(up) == 2
+    for prompt in convs:
+        complete(router.url, prompt)
+    assert routed(router).get(victim.url, 0) == after.get(victim.url, 0)
+
+
+def test_lost_events_are_recovered_from_a_snapshot():
+    """A poll answered with a gap drops the index; the next takes a snapshot (counted)."""
+    answers = iter([
+        {"seq": 2, "device": ["aa"], "host": [], "block_size": 8, "hash": "sha256", "fingerprint": ""},
+        {"seq": 3, "events": [[3, "stored", "device", "bb"]]},
+        {"seq": 9, "gap": True},
+        {"seq": 9, "device": ["cc"], "host": ["dd"], "block_size": 8, "hash": "sha256", "fingerprint": ""},
+    ])
+    paths = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        paths.append(req.url.path + ("?" + req.url.query.decode() if req.url.query else ""))
+        return httpx.Response(200, json=next(answers))
+
+    async def run() -> PrefixIndex:
+        view, b = CacheView(), Backend("http://w.test", "worker")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for _ in range(2):
+                await view.poll(client, b)
+            assert b.index.device == {b"\xaa", b"\xbb"} and b.seq == 3
+            await view.poll(client, b)  # the gap
+            assert b.seq is None  # out of step: routed by load until the snapshot
+            await view.poll(client, b)
+        assert view.resyncs == 1 and b.seq == 9
+        return b.index
+
+    index = asyncio.run(run())
+    assert index.device == {b"\xcc"} and index.host == {b"\xdd"}
+    assert paths == ["/kvtier/kv_events/snapshot", "/kvtier/kv_events?since=2", "/kvtier/kv_events?since=3",
+                     "/kvtier/kv_events/snapshot"]
