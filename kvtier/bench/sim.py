@@ -76,6 +76,22 @@ def _tier_size(size: int | float, trace: list[TraceRequest], block_size: int) ->
     return max(1, sum(-(-len(tr.input_ids) // block_size) for tr in trace))
 
 
+def make_manager(trace: list[TraceRequest], cfg: SimConfig, storage: SimulatedStorage | None, cost=None) -> CacheManager:
+    assert cfg.write_policy is not None  # SimConfig.__post_init__ resolves None
+    return CacheManager(
+        block_size=cfg.block_size,
+        num_device_blocks=_tier_size(cfg.device_blocks, trace, cfg.block_size),
+        num_host_blocks=_tier_size(cfg.host_blocks, trace, cfg.block_size),
+        storage=storage,
+        write_policy=cfg.write_policy,
+        write_through_threshold=cfg.write_through_threshold,
+        eviction=cfg.eviction,
+        hash_name=cfg.hash_name,
+        block_nbytes=cfg.kv_bytes_per_token * cfg.block_size,
+        fetch_cost=cost,
+    )
+
+
 def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) -> dict:
     assert cfg.write_policy is not None  # SimConfig.__post_init__ resolves None
     storage = None if cfg.storage_blocks == 0 else SimulatedStorage(cfg.storage_blocks)
@@ -91,18 +107,7 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) 
             prior=(cfg.storage_latency_ms / 1e3, cfg.storage_gbps * 1e9),
         )
         cost.observe_prefill(int(cfg.prefill_tokens_per_s), 1.0)
-    mgr = CacheManager(
-        block_size=cfg.block_size,
-        num_device_blocks=_tier_size(cfg.device_blocks, trace, cfg.block_size),
-        num_host_blocks=_tier_size(cfg.host_blocks, trace, cfg.block_size),
-        storage=storage,
-        write_policy=cfg.write_policy,
-        write_through_threshold=cfg.write_through_threshold,
-        eviction=cfg.eviction,
-        hash_name=cfg.hash_name,
-        block_nbytes=block_nbytes,
-        fetch_cost=cost,
-    )
+    mgr = make_manager(trace, cfg, storage, cost)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -117,54 +122,60 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) 
             gc.enable()
 
 
+def run_copies(mgr: CacheManager) -> bool:
+    """Run the staged copies to completion; False if there were none."""
+    ran = False
+    while plan := mgr.take_plan():
+        mgr.complete_plan(plan)
+        ran = True
+    return ran
+
+
+def serve_one(mgr: CacheManager, running: deque, rid: int, tokens: list[int], cfg: SimConfig, hits: dict) -> bool:
+    """One request through ``mgr`` (module docstring), its hits added to ``hits``; False if it
+    is larger than the whole device tier (skipped)."""
+    while len(running) >= cfg.max_running:
+        mgr.free(running.popleft())
+    req = mgr.new_request(rid, tokens)
+    m = mgr.match_prefix(req)
+    hits["device"] += m.num_device_blocks * cfg.block_size
+    hits["host"] += m.num_host_blocks * cfg.block_size
+    if m.num_storage_blocks:
+        fetched = mgr.prefetch(req)  # as many as pay (all without a cost model) and fit
+        hits["storage"] += fetched * cfg.block_size
+        if fetched:
+            run_copies(mgr)
+            m = mgr.match_prefix(req)
+    while not mgr.allocate(req, len(tokens)):
+        if running:
+            mgr.free(running.popleft())
+            run_copies(mgr)
+        elif not run_copies(mgr):  # no copy in flight (write_back) whose landing frees blocks
+            break
+    else:
+        run_copies(mgr)  # loads land, then the prefill ran
+        mgr.commit(req, len(tokens))
+        run_copies(mgr)  # backups / puts of the new blocks
+        running.append(req)
+        return True
+    mgr.free(req)
+    return False
+
+
 def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storage: SimulatedStorage | None, bar) -> dict:
     hits = dict.fromkeys(TIERS, 0)
     prompt_tokens = skipped = 0
     running: deque = deque()
-
-    def step() -> bool:
-        """Run the staged copies to completion; False if there were none."""
-        ran = False
-        while plan := mgr.take_plan():
-            mgr.complete_plan(plan)
-            ran = True
-        return ran
-
     t0 = time.perf_counter()
     for i, tr in enumerate(trace):
         if bar is not None:
             bar.update(1)
         tokens = tr.input_ids
         prompt_tokens += len(tokens)
-        while len(running) >= cfg.max_running:
-            mgr.free(running.popleft())
-        req = mgr.new_request(i, tokens)
-        m = mgr.match_prefix(req)
-        hits["device"] += m.num_device_blocks * cfg.block_size
-        hits["host"] += m.num_host_blocks * cfg.block_size
-        if m.num_storage_blocks:
-            fetched = mgr.prefetch(req)  # as many as pay (all without a cost model) and fit
-            hits["storage"] += fetched * cfg.block_size
-            if fetched:
-                step()
-                m = mgr.match_prefix(req)
-        while not mgr.allocate(req, len(tokens)):
-            if running:
-                mgr.free(running.popleft())
-                step()
-            elif not step():  # no copy in flight (write_back) whose landing frees blocks
-                break
-        else:
-            step()  # loads land, then the prefill ran
-            mgr.commit(req, len(tokens))
-            step()  # backups / puts of the new blocks
-            running.append(req)
-            continue
-        skipped += 1  # larger than the whole device tier
-        mgr.free(req)
+        skipped += not serve_one(mgr, running, i, tokens, cfg, hits)
     while running:
         mgr.free(running.popleft())
-    step()
+    run_copies(mgr)
     if bar is not None:
         bar.close()
     evictions = dict(mgr.stats.evictions)
@@ -328,6 +339,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="recompute rate; storage hits are fetched only when that is faster than "
         "recomputing them at this rate; 0 = fetch every hit (default 0)",
     )
+    p.add_argument(
+        "--instances",
+        type=flags.positive_int,
+        default=1,
+        help="instances behind a router, each with the tier sizes above (default 1: one engine)",
+    )
+    p.add_argument(
+        "--route",
+        choices=("cache_aware", "least_load", "round_robin"),
+        default="cache_aware",
+        help="--instances > 1: the router's policy, as kvtier router --policy (default cache_aware)",
+    )
+    p.add_argument(
+        "--drop-events",
+        type=flags.non_negative_float,
+        default=0.0,
+        help="--instances > 1: probability that a KV event is lost on its way to the router (default 0)",
+    )
     p.add_argument("--limit", type=flags.positive_int, default=None, help="replay only the first N requests")
     flags.add_json_flag(p, "the result (one object)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
@@ -353,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         prefill_tokens_per_s=args.prefill_tokens_per_s,
     )
     trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
+    if args.instances > 1:
+        from kvtier.bench.fleet import format_fleet, simulate_fleet
+
+        res = simulate_fleet(trace, cfg, args.instances, args.route, drop_events=args.drop_events)
+        if not flags.write_json(args.json, res):
+            print(format_fleet(res))
+        return 0
     res = simulate(trace, cfg, progress=args.json != "-" and sys.stderr.isatty() or args.progress)
     if not flags.write_json(args.json, res):
         print(format_report(res))

@@ -16,6 +16,7 @@ older than the oldest kept gets ``None`` (a gap) and resynchronizes from :meth:`
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,11 +53,8 @@ class KVEvents:
         if not buf or buf[0][0] > seq + 1:
             return None
         start = seq + 1 - buf[0][0]
-        out = []
-        for i in range(start, min(len(buf), start + limit)):
-            s, kind, tier, key = buf[i]
-            out.append([s, kind, tier, key.hex()])
-        return out
+        # islice walks the deque once (an index into its middle walks it each time)
+        return [[s, kind, tier, key.hex()] for s, kind, tier, key in islice(buf, start, start + limit)]
 
     def snapshot(self, tree: RadixTree) -> dict:
         """Every readable copy now, and the number of the last event it includes."""

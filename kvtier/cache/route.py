@@ -12,9 +12,15 @@ of the requests in flight on it.
   :data:`HOST_WEIGHT` (a host hit is a load over PCIe, not free), among the instances whose load
   is within :data:`BALANCE_REL` x the least loaded one's plus :data:`BALANCE_ABS` tokens (a busy
   instance that holds the prefix loses to an idle one that must recompute it: the recompute
-  costs less than the queue); with no overlap anywhere, the least loaded (a new conversation
-  goes where there is room). Sticky sessions are not the mechanism: the overlap is, so a
-  conversation follows its blocks (and a shared system prompt draws its users together).
+  costs less than the queue); when the best overlap is under :data:`CACHE_THRESHOLD` of the
+  prompt, the least loaded (a new conversation goes where there is room, and a system prompt
+  that every request shares does not draw them all to one instance). Sticky sessions are not
+  the mechanism: the overlap is, so a conversation follows its blocks.
+
+The constants were chosen with ``kvtier sim --instances 4|8`` on the shipped Mooncake traces
+(docs/BENCHMARKS.md, "Several instances"): a smaller BALANCE_ABS (4,096) left 0.65-0.74 of the
+hit rate of one instance with the fleet's whole cache; no threshold sent every request of the
+conversation trace to one instance (its requests share their first block).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Iterable, Sequence
 POLICIES = ("cache_aware", "least_load", "round_robin")
 HOST_WEIGHT = 0.5
 BALANCE_REL = 1.5
-BALANCE_ABS = 4096
+BALANCE_ABS = 65536
+CACHE_THRESHOLD = 0.2
 PREDICTED_S = 10.0  # a routed prompt's blocks count as held this long before their events
 PREDICTED_MAX = 100_000  # predicted keys kept before the expired ones are swept
 
@@ -50,8 +57,9 @@ class Picker:
         self.policy = policy
         self._turn = 0
 
-    def pick(self, cands: Sequence[Candidate]) -> int:
-        """The index of the chosen candidate (``cands`` not empty)."""
+    def pick(self, cands: Sequence[Candidate], prompt_tokens: int = 0) -> int:
+        """The index of the chosen candidate (``cands`` not empty) for a prompt of
+        ``prompt_tokens`` tokens."""
         n = len(cands)
         if not n:
             raise ValueError("no candidate to route to")
@@ -71,7 +79,7 @@ class Picker:
             (i for i in range(n) if cands[i].load <= limit),
             key=lambda i: (cands[i].score, -cands[i].load, -rotation(i)),
         )
-        return best if cands[best].score > 0 else least
+        return best if cands[best].score > max(0.0, CACHE_THRESHOLD * prompt_tokens) else least
 
 
 class PrefixIndex:

@@ -186,8 +186,8 @@ class Router:
             return None
         if self.cache_view is None:
             return cands[self.picker.pick([Candidate(load=b.inflight) for b in cands])]
-        scored, keys = await self.cache_view.candidates(cands, kind, body)
-        i = self.picker.pick(scored)
+        scored, keys, n = await self.cache_view.candidates(cands, kind, body)
+        i = self.picker.pick(scored, n)
         self.predicted_hits.labels("device").inc(scored[i].device_hit)
         self.predicted_hits.labels("host").inc(scored[i].host_hit)
         self.cache_view.sent(cands[i], keys)

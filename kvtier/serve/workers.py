@@ -94,9 +94,9 @@ class CacheView:
         b.index.reset()
 
     # ------------------------------------------------------------------ requests
-    async def candidates(self, backends: list[Backend], kind: str, body: dict) -> tuple[list[Candidate], dict]:
-        """What each of ``backends`` holds of the request, and its load; and the request's keys
-        per keying (for :meth:`sent`)."""
+    async def candidates(self, backends: list[Backend], kind: str, body: dict) -> tuple[list[Candidate], dict, int]:
+        """What each of ``backends`` holds of the request, and its load; the request's keys per
+        keying (for :meth:`sent`); its prompt tokens (0 if unknown)."""
         keys: dict[tuple, list[bytes]] = {}
         now = time.monotonic()
         ids = None
@@ -115,7 +115,7 @@ class CacheView:
                 salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
                 keys[b.keying] = BlockHasher(bs, encoded_seed(fp, salt, hash_name), hash_name).extend(ids)
             out.append(b.index.candidate(keys[b.keying], b.keying[0], b.inflight, now))
-        return out, keys
+        return out, keys, len(ids or ())
 
     def sent(self, b: Backend, keys: dict) -> None:
         """The request went to ``b``: its prompt's blocks are taken as held there (PrefixIndex)."""

@@ -37,6 +37,9 @@ def test_cache_aware_leaves_an_overloaded_holder_for_an_idle_instance():
 def test_cache_aware_sends_a_new_conversation_where_there_is_room():
     p = Picker("cache_aware")
     assert p.pick([Candidate(load=900), Candidate(load=100), Candidate(load=400)]) == 1
+    # a shared system prompt (a small part of the prompt) does not draw the request to its holder
+    assert p.pick([Candidate(device_hit=64, load=900), Candidate(load=100)], prompt_tokens=1000) == 1
+    assert p.pick([Candidate(device_hit=640, load=900), Candidate(load=100)], prompt_tokens=1000) == 0
 
 
 def test_an_unknown_policy_is_refused_by_name():

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.traces import TraceError, _tokens_of_hash, read_trace, tokens_of_hashes
+from kvtier.bench.sim import SimConfig
 from kvtier.cache.policy import default_write_policy
 from kvtier.cli import main
 
@@ -236,3 +237,51 @@ def test_json_path_writes_the_file_that_bare_json_prints_and_the_table_too(trace
     assert capsys.readouterr().out.startswith("requests 4")      # the table still prints
     written = json.loads(out.read_text())
     assert {**written, "wall_s": 0} == {**printed, "wall_s": 0}
+
+
+# ------------------------------------------------------------------ --instances (bench/fleet.py)
+
+
+def FLEET() -> SimConfig:  # noqa: N802 - a config factory, used like the class
+    """Blocks of 128 tokens and tiers to match: the trace's blocks 8x fewer, the test 8x faster."""
+    return SimConfig(block_size=128, device_blocks=1024, host_blocks=4096)
+
+
+def test_a_cache_aware_fleet_keeps_conversations_where_their_blocks_are():
+    """Four instances on the shipped conversation trace: the router's policy over indexes fed by
+    the instances' KV events keeps most of what one instance with the fleet's whole cache hits,
+    round robin much less, and no instance takes much more than its share."""
+    from kvtier.bench.fleet import simulate_fleet
+
+    trace = read_trace(SAMPLES / "mooncake_conversation_1k.jsonl", block_tokens=512, limit=500)
+    aware = simulate_fleet(trace, FLEET(), 4, "cache_aware")
+    rr = simulate_fleet(trace, FLEET(), 4, "round_robin", baseline=False)
+    assert aware["hit_rate_vs_one_big_instance"] >= 0.9, aware
+    assert aware["hit_rate"] > 1.2 * rr["hit_rate"], (aware["hit_rate"], rr["hit_rate"])
+    assert aware["max_load_vs_mean"] <= 1.5
+    assert aware["ttft_model_s"]["mean"] < rr["ttft_model_s"]["mean"]
+    assert sum(p["requests"] for p in aware["per_instance"]) == 500
+
+
+def test_lost_events_resync_the_router_and_cost_little():
+    from kvtier.bench.fleet import simulate_fleet
+
+    trace = read_trace(SAMPLES / "mooncake_conversation_1k.jsonl", block_tokens=512, limit=300)
+    clean = simulate_fleet(trace, FLEET(), 4, "cache_aware", baseline=False)
+    lossy = simulate_fleet(trace, FLEET(), 4, "cache_aware", drop_events=0.01, baseline=False)
+    assert lossy["events_dropped"] > 0 and lossy["resyncs"] >= lossy["events_dropped"] - 4
+    assert lossy["hit_rate"] >= 0.95 * clean["hit_rate"]
+
+
+def test_the_fleet_is_a_cli_flag_and_bad_values_are_named(capsys):
+    from kvtier.bench.fleet import simulate_fleet
+
+    assert main(["sim", str(SAMPLES / "mooncake_synthetic_500.jsonl"), "--instances", "3", "--route", "least_load",
+                 "--limit", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "3 instances, route least_load" in out and "modelled TTFT" in out
+    trace = read_trace(SAMPLES / "mooncake_synthetic_500.jsonl", block_tokens=512, limit=5)
+    with pytest.raises(ValueError, match="drop_events must be a probability in \\[0, 1\\), got 1.5"):
+        simulate_fleet(trace, SimConfig(), 2, "cache_aware", drop_events=1.5)
+    with pytest.raises(ValueError, match="unknown routing policy 'sticky'"):
+        simulate_fleet(trace, SimConfig(), 2, "sticky")
