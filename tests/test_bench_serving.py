@@ -83,6 +83,19 @@ def test_multiturn_through_pd_answers_every_round_as_colocated_does(tmp_path, ca
     assert sum(res["pd"]["cached_tokens_by_tier"].values()) == res["pd"]["cached_tokens"]
 
 
+@pytest.mark.slow  # seven servers (three, three, a router each): CI runs it with -m slow
+def test_multiturn_behind_the_router_keeps_conversations_where_their_history_is(tmp_path, capsys):
+    """--compare round_robin,cache_aware --instances 3: five conversations over three servers;
+    behind the cache-aware router every later round finds its whole history (as the servers'
+    /metrics count it), behind round robin most miss."""
+    res = run_bench(multiturn, ["--clients", "5", "--rounds", "3", "--request-length", "24", "--output-length", "4",
+                                "--compare", "round_robin,cache_aware", "--instances", "3"], tmp_path, capsys)["results"]
+    rr, aware = res["round_robin"], res["cache_aware"]
+    assert set(aware["server_stats"]) == {"server0", "server1", "server2"}
+    assert aware["cached_by_round"][1] >= 5 * 24 and aware["cached_by_round"][2] >= 5 * 48  # every history, in full blocks
+    assert aware["cached_tokens"] > rr["cached_tokens"]
+
+
 def test_longdoc_tile_asks_every_document_again_from_the_cache(tmp_path, capsys):
     res = run_bench(longdoc, ["--documents", "3", "--document-length", "64", "--questions", "2",
                               "--order", "tile", "--max-inflight", "1", "--compare", "device"], tmp_path, capsys)["results"]["device"]

@@ -51,7 +51,10 @@ from typing import Any, Awaitable, Callable, Iterator
 
 # kvtier serve flags per --compare configuration (the device and host sizes come from the bench);
 # pd: a prefill and a decode server (each the storage configuration) behind `kvtier router`
-CONFIGS = ("recompute", "device", "host", "storage", "pd")
+# cache_aware, least_load, round_robin: --instances servers (each the host configuration) behind
+# `kvtier router --workers --policy` of that name
+POLICY_CONFIGS = ("cache_aware", "least_load", "round_robin")
+CONFIGS = ("recompute", "device", "host", "storage", "pd", *POLICY_CONFIGS)
 
 
 @dataclass
@@ -139,8 +142,12 @@ class Server:
         log_level: str = "warning",
         devices: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
+        instances: int = 0,
+        policy: str | None = None,
     ) -> None:
         self.model, self.flags, self.log_dir, self.pd = model, flags, log_dir, pd
+        # a fleet: ``instances`` servers behind `kvtier router --workers --policy policy`
+        self.instances, self.policy = instances, policy
         self.config, self.log_level, self.devices, self.env = name, log_level, devices or {}, env
         self.url = base_url(url) if url is not None else None
         self.procs: dict[str, Any] = {}  # role (server, prefill, decode, router) -> ServerProcess
@@ -166,11 +173,15 @@ class Server:
             raise
         return self
 
-    def command(self, role: str) -> list[str]:
-        """The ``kvtier`` arguments of the ``server``, ``prefill`` or ``decode`` server."""
+    def command(self, role: str, instance: int = 0) -> list[str]:
+        """The ``kvtier`` arguments of the ``server``, ``prefill`` or ``decode`` server (of a
+        fleet: the ``instance``-th server, on GPU N+instance when --device is cuda[:N])."""
         if self.model is None:
             raise ValueError("give --model (a checkpoint or preset to serve) or --url (a running server)")
         device = ["--device", self.devices[role]] if role in self.devices else []
+        if self.policy is not None and device and device[1].startswith("cuda"):
+            first = int(device[1].partition(":")[2] or 0)
+            device = ["--device", f"cuda:{first + instance}"]
         # D loads what P handed off whatever its cost model says (as `kvtier bench pd`'s D does)
         extra = {"server": [], "prefill": ["--role", "prefill"], "decode": ["--role", "decode", "--storage-fetch", "always"]}[
             role
@@ -190,6 +201,14 @@ class Server:
             self.procs[role] = proc
             return proc
 
+        if self.policy is not None:
+            servers = [start(self.command("server", i), f"server{i}") for i in range(self.instances)]
+            for s in servers:
+                s.wait_ready()
+            self.metric_urls = [s.url for s in servers]
+            workers = ",".join(self.metric_urls)
+            self.url = start(["router", "--workers", workers, "--policy", self.policy], "router").wait_ready().url
+            return
         if not self.pd:
             self.url = start(self.command("server"), "server").wait_ready().url
             self.metric_urls = [self.url]
@@ -216,8 +235,10 @@ class Server:
         ]
 
     def metrics(self) -> dict[str, float]:
-        """kvtier's cached prompt tokens per tier so far (empty for other servers)."""
-        return {k: v for k, v in self._scrape(self.metric_urls[:1]).items() if k != "pending"}
+        """kvtier's cached prompt tokens per tier so far (empty for other servers): the server's,
+        PD's prefill server's, or a fleet's sum."""
+        urls = self.metric_urls if self.policy is not None else self.metric_urls[:1]
+        return {k: v for k, v in self._scrape(urls).items() if k != "pending"}
 
     def _scrape(self, urls: list[str]) -> dict[str, float]:
         """Cached tokens per tier and ``pending`` (copies not landed), summed over ``urls``;
@@ -261,7 +282,7 @@ class Server:
 
         if self.url is None or not self.procs:
             return {}
-        roles = ["prefill", "decode"] if self.pd else ["server"]
+        roles = ["prefill", "decode"] if self.pd else [f"server{i}" for i in range(self.instances)] if self.policy else ["server"]
         out = {}
         for role, url in zip(roles, self.metric_urls):
             try:
@@ -487,6 +508,8 @@ def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
         options |= {"enable_prefix_caching": False, "num_host_blocks": 0}
     elif config == "device":
         options["num_host_blocks"] = 0
+    elif config in POLICY_CONFIGS:  # each instance: the host configuration
+        options["num_host_blocks"] = args.host_blocks
     else:
         options["num_host_blocks"] = args.host_blocks
         if config in ("storage", "pd"):  # (one pool each: no hit across)
@@ -527,8 +550,16 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
             help="comma-separated configurations of the started server, "
             "the first the baseline of the ratios and of the answers: recompute, device (prefix cache "
             "on the GPU only), host (+ host tier), storage (+ file:// pool, or --storage URL), pd (a "
-            "prefill and a decode server, each the storage configuration, behind kvtier router) "
-            "(default host)",
+            "prefill and a decode server, each the storage configuration, behind kvtier router), "
+            "cache_aware, least_load, round_robin (--instances servers, each the host configuration, "
+            "behind kvtier router --workers --policy of that name) (default host)",
+        )
+        ap.add_argument(
+            "--instances",
+            type=positive_int,
+            default=2,
+            help="servers of a cache_aware, least_load or round_robin configuration; with --device "
+            "cuda[:N], one per GPU from N (default 2)",
         )
         ap.add_argument(
             "--expect-identical",
@@ -774,6 +805,8 @@ def run(args: Any, name: str, workload: Workload, plan: Callable[[int | None], P
                             name=config,
                             log_level="info" if args.log_dir else "warning",
                             devices=devices(args),
+                            instances=args.instances,
+                            policy=config if config in POLICY_CONFIGS else None,
                         )
                     )
                 except RuntimeError as e:  # ServerProcess.wait_ready: it exited, or is not ready
