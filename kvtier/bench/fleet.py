@@ -24,7 +24,7 @@ import random
 import time
 from collections import deque
 
-from kvtier.bench.sim import TIERS, SimConfig, make_manager, run_copies, serve_one, simulate
+from kvtier.bench.replay import TIERS, SimConfig, make_manager, run_copies, serve_one, simulate
 from kvtier.bench.traces import TraceRequest
 from kvtier.cache.keys import BlockHasher, namespace_seed
 from kvtier.cache.route import Picker, PrefixIndex

@@ -238,7 +238,7 @@ class Server:
         @app.get("/kvtier/kv_events")
         async def kv_events(since: int = 0) -> Response:
             """KV events after number ``since`` (cache/events.py; docs/SERVING.md, "KV events")."""
-            if since < 0:
+            if not 0 <= since < 2**62:
                 return error_response(400, f"since must be an event number >= 0, got {since}", "since")
             return JSONResponse(await server.engine.call("kv_events", since))
 

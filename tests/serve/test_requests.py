@@ -249,7 +249,7 @@ def health_of(role: str, pool: Pool) -> tuple[int, dict]:
     engine = SimpleNamespace(core=SimpleNamespace(storage=pool, tokenizer=None, max_model_len=CTX, path="moe",
                                                   config=SimpleNamespace(vocab_size=320), pd_on_miss="recompute", engine_config=SimpleNamespace(export_timeout=7.0),
                                                   startup=SimpleNamespace(total_s=1.5)),
-                             check_alive=lambda: None, error=None)
+                             check_alive=lambda: None, error=None, num_running=2, num_waiting=1)
     server = Server(engine, "moe", role=role)          # type: ignore[arg-type]
     with TestClient(server.app) as c:
         r = c.get("/health")
@@ -263,6 +263,7 @@ def test_health_reports_the_pool(role):
     assert status == 200 and body["status"] == "ok" and body["pool"]["ok"] is True
     assert body["pd_on_miss"] == "recompute"           # the router relays P's token early on it
     assert body["export_timeout"] == 7.0               # ... and gives P's ack this long (+ a margin)
+    assert (body["running"], body["waiting"]) == (2, 1)   # what a router's load reads
     status, body = health_of(role, Pool(ok=False))
     if role == "colocated":                  # it still serves, recomputing what the pool would give
         assert status == 200 and body["status"] == "degraded"
