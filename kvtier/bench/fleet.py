@@ -149,7 +149,7 @@ def format_fleet(res: dict) -> str:
     lines = [
         f"{res['instances']} instances, route {res['route']}: {res['requests']} requests, "
         f"{res['prompt_tokens']:,} prompt tokens; hit rate {res['hit_rate']:.3f} "
-        f"(device {res['hit_tokens']['device']:,}, host {res['hit_tokens']['host']:,} tokens)"
+        f"(hit tokens: device {res['hit_tokens']['device']:,}, host {res['hit_tokens']['host']:,})"
     ]
     if res.get("one_big_instance_hit_rate") is not None:
         ratio = res["hit_rate_vs_one_big_instance"]

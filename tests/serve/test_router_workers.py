@@ -43,6 +43,7 @@ def routed(router) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r'^kvtier_router_routed_total\{instance="([^"]+)"\} (\S+)$', text, re.M)}
 
 
+@pytest.mark.slow  # four servers (~40 s on 2 cores): CI runs it with -m slow
 def test_turns_go_where_their_prefix_is_and_a_killed_instance_leaves(fleet):
     workers, router = fleet
     rng = random.Random(0)
