@@ -247,6 +247,7 @@ def FLEET() -> SimConfig:  # noqa: N802 - a config factory, used like the class
     return SimConfig(block_size=128, device_blocks=1024, host_blocks=4096)
 
 
+@pytest.mark.slow  # (~6 s on 2 cores: CI runs it with -m slow)
 def test_a_cache_aware_fleet_keeps_conversations_where_their_blocks_are():
     """Four instances on the shipped conversation trace: the router's policy over indexes fed by
     the instances' KV events keeps most of what one instance with the fleet's whole cache hits,

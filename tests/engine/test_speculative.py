@@ -61,7 +61,10 @@ def run(llm: kvtier.LLM, params: kvtier.SamplingParams) -> list:
              None if o.routed_experts is None else o.routed_experts.tolist()) for o in outs]
 
 
-@pytest.mark.parametrize("k, alpha", [(1, 0.7), (3, 0.7), (3, 0.0), (2, None)])
+@pytest.mark.parametrize(
+    "k, alpha",
+    [(1, 0.7), (3, 0.7), pytest.param(3, 0.0, marks=pytest.mark.slow), pytest.param(2, None, marks=pytest.mark.slow)],
+)  # (the slow pass: CI runs it)
 def test_greedy_tokens_with_drafts_equal_those_without(mtp_model, k, alpha):
     """Through device hits, host hits and swap preemption, stop tokens and max_tokens that end a
     step's accepted drafts midway; alpha None: the MTP block's own drafts."""
@@ -339,6 +342,7 @@ def test_chunked_prefill_and_a_tight_token_budget_trim_the_drafts_not_the_tokens
     assert spec["accepted"] == spec["drafted"] > 0  # alpha 1: every draft kept
 
 
+@pytest.mark.slow  # (CI runs it with -m slow)
 def test_a_soak_of_drafted_requests_leaks_no_block_and_keeps_greedy_exact(mtp_model):
     """40 requests over a small device tier with a host tier (evictions, swap preemption): greedy
     ones with stop tokens, sampled ones, n = 2, aborts mid-run, each step's drafts kept at a
