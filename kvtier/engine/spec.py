@@ -155,19 +155,23 @@ class Speculator:
                 a += 1
             return a, tokens[a]
         assert processed is not None
+        if not drafts:
+            return 0, tokens[0]
         gen = req.generator
         dev = processed.device
-        for j, d in enumerate(drafts):
-            i = prow[j]
-            assert i is not None
-            p = processed[i].double().exp()
-            u = torch.rand((), generator=gen, device=dev, dtype=torch.float64)
-            if float(u) < float(p[d]):
+        rows = [prow[j] for j in range(len(drafts))]
+        assert None not in rows
+        p = processed[torch.tensor(rows, device=dev)].double().exp()  # [k', vocab]
+        kept = p.gather(1, torch.tensor(drafts, device=dev)[:, None])[:, 0]
+        u = torch.rand(len(drafts), generator=gen, device=dev, dtype=torch.float64)
+        for j, ok in enumerate((u < kept).tolist()):  # (one sync for all of the request's drafts)
+            if ok:
                 continue
-            p[d] = 0.0  # the draft's share goes to the others
-            if float(p.sum()) <= 0.0:  # (the draft held all the mass: it could not be rejected)
+            r = p[j]
+            r[drafts[j]] = 0.0  # the draft's share goes to the others
+            if float(r.sum()) <= 0.0:  # (the draft held all the mass: it could not be rejected)
                 continue
-            return j, int(torch.multinomial(p / p.sum(), 1, generator=gen).item())
+            return j, int(torch.multinomial(r / r.sum(), 1, generator=gen).item())
         return len(drafts), tokens[len(drafts)]
 
     def _draft(self, runner, out, inputs, hidden, sampled: dict[str, int], last_row: dict[int, int], start_loads) -> None:

@@ -134,7 +134,7 @@ class Router:
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self.timeout_s = timeout  # P's first line, and its whole answer through the ack
         self.health_interval = health_interval
-        self._rr = {"prefill": 0, "decode": 0}
+        self._rr = {"prefill": 0}  # (decode servers and workers: self.picker)
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         r = self.registry = CollectorRegistry()

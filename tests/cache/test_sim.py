@@ -260,7 +260,7 @@ def test_a_cache_aware_fleet_keeps_conversations_where_their_blocks_are():
     assert aware["hit_rate_vs_one_big_instance"] >= 0.9, aware
     assert aware["hit_rate"] > 1.2 * rr["hit_rate"], (aware["hit_rate"], rr["hit_rate"])
     assert aware["max_load_vs_mean"] <= 1.5
-    assert aware["ttft_model_s"]["mean"] < rr["ttft_model_s"]["mean"]
+    assert aware["ttft_model_s"]["mean"] < rr["ttft_model_s"]["mean"]  # modelled from the hits: no clock read
     assert sum(p["requests"] for p in aware["per_instance"]) == 500
 
 
