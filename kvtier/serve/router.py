@@ -134,7 +134,7 @@ class Router:
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self.timeout_s = timeout  # P's first line, and its whole answer through the ack
         self.health_interval = health_interval
-        self._rr = {"prefill": 0}  # (decode servers and workers: self.picker)
+        self._rr_prefill = 0  # (decode servers and workers: self.picker)
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         r = self.registry = CollectorRegistry()
@@ -170,13 +170,13 @@ class Router:
         return self.client
 
     # ------------------------------------------------------------------ backends
-    def _pick(self, role: str, exclude: AbstractSet[str] = frozenset()) -> Backend | None:
-        pool = self.prefill if role == "prefill" else self.decode
-        cands = [b for b in pool if b.healthy and b.url not in exclude]
+    def _pick_prefill(self, exclude: AbstractSet[str] = frozenset()) -> Backend | None:
+        """The next healthy P, round robin (a P's cache is read through the pool, not chosen for)."""
+        cands = [b for b in self.prefill if b.healthy and b.url not in exclude]
         if not cands:
             return None
-        i = self._rr[role] % len(cands)
-        self._rr[role] += 1
+        i = self._rr_prefill % len(cands)
+        self._rr_prefill += 1
         return cands[i]
 
     async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str]) -> Backend | None:
@@ -272,7 +272,8 @@ class Router:
 
         @app.get("/v1/models")
         async def models() -> Response:
-            d = router._pick("decode")
+            # every D serves the same model: the first healthy one answers
+            d = next((b for b in router.decode if b.healthy), None)
             if d is None:
                 return error_response(503, "no decode server is up")
             try:
@@ -379,7 +380,7 @@ class Router:
         tried: set[str] = set()
         reason = "no_prefill_server"
         while True:
-            p = self._pick("prefill", tried)
+            p = self._pick_prefill(tried)
             if p is None:
                 return None, reason
             tried.add(p.url)

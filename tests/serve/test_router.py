@@ -101,6 +101,14 @@ def test_invalid_json_is_an_openai_error(routed):
     assert err["param"] is None and err["message"].startswith("the request body is not valid JSON")
 
 
+def test_the_model_list_comes_from_a_healthy_decode_server(routed):
+    c, _, backends = routed
+    backends.decode = lambda req: httpx.Response(200, json={"object": "list", "data": [{"id": "moe"}]})
+    r = c.get("/v1/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "moe"
+    assert "d.test/v1/models" in backends.calls
+
+
 def test_no_decode_server_up_is_an_openai_503(routed):
     c, router, _ = routed
     router.decode[0].healthy = False
