@@ -97,6 +97,7 @@ def test_multiturn_behind_the_router_keeps_conversations_where_their_history_is(
     assert aware["cached_tokens"] > rr["cached_tokens"]
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_longdoc_tile_asks_every_document_again_from_the_cache(tmp_path, capsys):
     res = run_bench(longdoc, ["--documents", "3", "--document-length", "64", "--questions", "2",
                               "--order", "tile", "--max-inflight", "1", "--compare", "device"], tmp_path, capsys)["results"]["device"]
@@ -104,6 +105,7 @@ def test_longdoc_tile_asks_every_document_again_from_the_cache(tmp_path, capsys)
     assert res["cached_by_round"][1] == 3 * 64            # every document, whole blocks: a hit
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path, capsys):
     # one request at a time: each finds the blocks of the ones before it (the trace's first hash
     # id is shared by its conversations: 32 tokens here, two full blocks)
@@ -113,6 +115,7 @@ def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path, capsys):
     assert 2 <= res["requests"] <= 40 and res["cached_tokens"] >= 32 * (res["requests"] - 1)
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_url_measures_a_running_server(tmp_path, capsys, checkpoint):
     """--url as the openai client takes it (with /v1); the vocabulary and the context come from
     the server's /v1/models (vocab_size, max_model_len, as vLLM's fields root, parent, permission)."""

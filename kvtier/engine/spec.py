@@ -18,7 +18,9 @@ requests emit exactly the tokens they emit without drafts. ``p`` is the processe
 After the verification (one host sync), the MTP block runs over every row of the step (its KV at
 each position: ``hidden[i]`` of the target and the token at ``i+1``; module docstring of
 model/families.py) and drafts the next token of each request that goes on from its last accepted
-row; for k > 1 it runs k-1 more single-row passes, each on its own last output. Those passes write
+row; for k > 1 it runs k-1 more single-row passes, each on its own last output, chained on the
+device and replayed from a CUDA graph (engine/draft_graphs.py; one host sync reads every draft
+of the step, after the last pass). Those passes write
 the MTP layer's KV at positions past the accepted ones: the next step's target forward and MTP
 pass rewrite them before anything reads them, and the scheduler rewinds ``num_computed_tokens``
 to the accepted positions, so no rejected token's KV is ever committed to the prefix tree.
@@ -41,15 +43,17 @@ import torch
 
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import draw, to_device, topk
-from kvtier.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
+    from kvtier.engine.draft_graphs import DraftGraphs
     from kvtier.engine.runner import ModelRunner, StepResult
     from kvtier.engine.scheduler import SchedulerOutput
     from kvtier.transfer.engine import LoadWaits
 
 # (request, position of the draft, the MTP block's proposal) -> the token proposed instead: a
-# benchmark's controlled drafter (kvtier bench speculative); None: the MTP block's argmax
+# benchmark's controlled drafter (kvtier bench speculative); None: the MTP block's argmax. The
+# chained passes run on the device with the block's own proposals: a drafter replaces what they
+# propose, not what they are fed.
 Drafter = Callable[[Request, int, int], int]
 
 
@@ -79,6 +83,7 @@ class Speculator:
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
         self.drafter: Drafter | None = None
+        self.chain: DraftGraphs | None = None  # drafts 2..k (the engine builds it when k > 1)
         self.num_drafted = 0  # drafts verified
         self.num_accepted = 0  # of which accepted
         self.accepted_at = [0] * num_speculative_tokens  # accepted drafts by place (1st, 2nd, ...)
@@ -210,34 +215,31 @@ class Speculator:
         if not go or not self.k:
             return
         cur = m.index_select(0, to_device([r for _, r, _ in go], device))
-        toks = model.draft_logits(cur).argmax(dim=-1).tolist()
-        alive = list(range(len(go)))  # indices into go, in the order of cur's rows
-        for step in range(self.k):
-            for n, i in enumerate(alive):
-                req, _, q = go[i]
-                t = toks[n]
+        first = model.draft_logits(cur).argmax(dim=-1)
+        chain = self.chain
+        if chain is None or self.k == 1:
+            toks = [first.tolist()]
+        else:  # drafts 2..k: the chained passes (engine/draft_graphs.py), read with the first
+            cap = chain.buckets[-1]
+            parts = [
+                chain.run(
+                    first[i : i + cap],
+                    [q + 1 for _, _, q in go[i : i + cap]],
+                    cur[i : i + cap],
+                    [req.cache_req.block_table for req, _, _ in go[i : i + cap]],
+                ).clone()
+                for i in range(0, len(go), cap)
+            ]
+            toks = torch.cat([first[None], torch.cat(parts, dim=1)]).tolist()
+        for n, (req, _, q) in enumerate(go):
+            # draft t (t >= 1) came from the pass at position q + t: kept while that position's
+            # slot is in the request's table (the scheduler allocates k - 1 ahead where it can)
+            room = len(req.cache_req.block_table) * bs
+            for t in range(self.k):
+                if t and q + t >= room:
+                    break
+                self.num_mtp_rows += t > 0
+                tok = toks[t][n]
                 if self.drafter is not None:
-                    t = self.drafter(req, q + 2 + step, t)
-                req.draft_tokens.append(t)
-            if step == self.k - 1:
-                break
-            # the next draft: the MTP block at position q + 1 + step, fed its own last output
-            # (its KV slot must be in the request's table: the scheduler allocates k - 1 ahead)
-            keep = [n for n, i in enumerate(alive) if go[i][2] + 1 + step < len(go[i][0].cache_req.block_table) * bs]
-            if not keep:
-                break
-            if len(keep) != len(alive):
-                cur = cur.index_select(0, to_device(keep, device))
-                alive = [alive[n] for n in keep]
-            pos = [go[i][2] + 1 + step for i in alive]
-            meta = AttentionMetadata.build(
-                [1] * len(alive),
-                [p + 1 for p in pos],
-                [go[i][0].cache_req.block_table[: -(-(p + 1) // bs)] for i, p in zip(alive, pos)],
-                bs,
-                device,
-            )
-            ids = to_device([go[i][0].draft_tokens[-1] for i in alive], device)
-            cur = model.draft(ids, to_device(pos, device), cur, kv, meta, None)
-            self.num_mtp_rows += len(alive)
-            toks = model.draft_logits(cur).argmax(dim=-1).tolist()
+                    tok = self.drafter(req, q + 2 + t, tok)
+                req.draft_tokens.append(tok)

@@ -59,17 +59,18 @@ class PromptTokenizer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------ completions
-    async def completion_ids(self, prompt: str | list[int], budget: int) -> list[int]:
-        """Ids of a completion prompt; ``budget``: the most tokens it may have."""
+    async def completion_ids(self, prompt: str | list[int], budget: int, add_special_tokens: bool = False) -> list[int]:
+        """Ids of a completion prompt; ``budget``: the most tokens it may have;
+        ``add_special_tokens``: with the tokenizer's own (a BOS), as ``/tokenize`` may ask."""
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-        return await self._run(self._encode_text, prompt, budget)
+        return await self._run(self._encode_text, prompt, budget, add_special_tokens)
 
-    def _encode_text(self, text: str, budget: int) -> list[int]:
+    def _encode_text(self, text: str, budget: int, add_special_tokens: bool) -> list[int]:
         self._check_bound(text, budget, "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_bound(self, text: str, budget: int, param: str) -> None:
         at_least = len(text) // (2 * self._longest_token)

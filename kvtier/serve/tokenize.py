@@ -70,9 +70,7 @@ async def tokenize(server: Server, body: TokenizeRequest) -> dict:
     tok = _tokenizer(server)
     if body.prompt is not None:
         # no bound but the body's size (--max-body-bytes): a count past the context is an answer here
-        ids = await server.prompts.completion_ids(body.prompt, NO_BOUND)
-        if body.add_special_tokens:
-            ids = tok.build_inputs_with_special_tokens(ids)
+        ids = await server.prompts.completion_ids(body.prompt, NO_BOUND, bool(body.add_special_tokens))
     else:
         assert body.messages is not None  # (one of the two: checked)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]

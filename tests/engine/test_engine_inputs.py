@@ -121,6 +121,7 @@ def test_without_storage_there_is_no_host_tier_by_default(llm):
     assert llm.preemption_mode == "recompute"
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_the_readme_generate_with_a_pool_shows_storage_hits_on_the_second_run(tmp_path):
     model = tmp_path / "m"
     assert main(["init-model", "qwen3-moe-tiny", str(model)]) == 0

@@ -113,6 +113,7 @@ def test_model_given_twice_differently_is_a_usage_error(offline, capsys):
     assert rc == 2 and "give MODEL" in err
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_serve_a_hub_id_lists_it_and_answers_to_its_id_and_path(hub_cache, tmp_path):
     cache, main_dir, _ = hub_cache
     server = ServerProcess(["serve", "acme/tiny", "--num-device-blocks", "64"], tmp_path / "serve.log", env=offline_env(cache))

@@ -50,6 +50,7 @@ def _env(tmp_path, code: str) -> dict:
     return env
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_health_says_starting_with_its_phase_until_the_engine_is_ready(checkpoint, tmp_path):
     server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log",
                            env=_env(tmp_path, SLOW_LOAD), log_level="info")
@@ -96,6 +97,7 @@ def test_a_request_while_starting_gets_503_with_retry_after(checkpoint, tmp_path
         server.stop()
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_a_device_side_assert_makes_the_server_say_dead_and_exit_non_zero(checkpoint, tmp_path):
     server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log",
                            env=_env(tmp_path, ASSERT_ON_SECOND_STEP))

@@ -49,6 +49,8 @@ def test_tokenize_gives_the_ids_a_completion_feeds_the_engine(server, moe_model)
     want = tok.encode(TEXT, add_special_tokens=False)
     assert got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] == CTX
     assert got["token_strs"] == tok.convert_ids_to_tokens(want)
+    special = call(server, "POST", "/tokenize", {"prompt": TEXT, "add_special_tokens": True})["tokens"]
+    assert special == tok.encode(TEXT, add_special_tokens=True)
     assert completion(server, TEXT)["usage"]["prompt_tokens"] == got["count"]
     # a token-id prompt of those ids is the same prompt: the same greedy answer
     assert completion(server, got["tokens"])["choices"][0]["text"] == completion(server, TEXT)["choices"][0]["text"]

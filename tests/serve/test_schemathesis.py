@@ -6,6 +6,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+pytestmark = pytest.mark.slow  # (a server of its own and ~20 s of fuzzing: CI runs it with -m slow)
+
 
 @pytest.fixture(scope="module")
 def served(procs, moe_model):

@@ -165,6 +165,7 @@ def test_a_pool_that_fills_up_evicts_and_misses(checkpoint, cold, tmp_path):
     assert sum(hits) < 4 * 56, hits
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_objects_are_named_the_same_in_every_process(checkpoint, tmp_path):
     ps = prompts(5, n=1)
     names = []
