@@ -47,7 +47,15 @@ from kvtier.model.attention import AttentionMetadata
 from kvtier.model.moe import SparseMoE
 
 
-class _Graphs:
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes of graphs with one token per sequence: 1, 2, 4, 8, then every 16."""
+    buckets = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
+    if buckets[-1] < max_batch:
+        buckets.append(max_batch)
+    return buckets
+
+
+class Graphs:
     """Captured forwards keyed by padded size, over static buffers of ``rows`` sequences/tokens."""
 
     def __init__(
@@ -115,6 +123,22 @@ class _Graphs:
         """Token rows of the graph of ``key``."""
         return key
 
+    def _meta(self, bp: int, seq_lens_cpu: list[int] | None) -> AttentionMetadata:
+        """One token in each of ``bp`` sequences. Captured: lengths come from device memory, the
+        host only knows their bound. Eager (CPU twin): the reference backend reads the host
+        lengths, so they are exact."""
+        lens = seq_lens_cpu if seq_lens_cpu is not None else [self.max_model_len] * bp
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bp],
+            query_start_loc=self.query_start_loc[: bp + 1],
+            seq_lens=self.seq_lens[:bp],
+            block_tables=self.block_tables[:bp],
+            query_lens_cpu=[1] * bp,
+            seq_lens_cpu=lens,
+            max_query_len=1,
+            max_seq_len=max(lens),
+        )
+
     def _capture_meta(self, bp: int) -> AttentionMetadata:
         raise NotImplementedError
 
@@ -142,7 +166,7 @@ class _Graphs:
         return self._graphs[bp]
 
 
-class StepGraphs(_Graphs):
+class StepGraphs(Graphs):
     """Forwards of steps of up to ``max_tokens`` tokens in any mix of sequences (module docstring).
 
     Two graphs per token bucket Tp, by how many sequences the attention grid covers: ``FEW``
@@ -267,7 +291,7 @@ class StepGraphs(_Graphs):
         return out[:n]
 
 
-class DecodeGraphs(_Graphs):
+class DecodeGraphs(Graphs):
     """Decode steps (one token per sequence) by padded batch size (module docstring)."""
 
     def __init__(
@@ -283,28 +307,11 @@ class DecodeGraphs(_Graphs):
         routing_shape: tuple[int, int] | None = None,
         pool=None,
     ) -> None:
-        buckets = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
-        if buckets[-1] < max_batch:
-            buckets.append(max_batch)
+        buckets = batch_buckets(max_batch)
         super().__init__(
             model, kv_caches, block_size, max_model_len, buckets[-1], scratch_block, device, capture, routing_shape, pool
         )
         self.buckets = self.keys = buckets
-
-    def _meta(self, bp: int, seq_lens_cpu: list[int] | None) -> AttentionMetadata:
-        """Captured: lengths come from device memory, the host only knows their bound. Eager
-        (CPU twin): the reference backend reads the host lengths, so they are exact."""
-        lens = seq_lens_cpu if seq_lens_cpu is not None else [self.max_model_len] * bp
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bp],
-            query_start_loc=self.query_start_loc[: bp + 1],
-            seq_lens=self.seq_lens[:bp],
-            block_tables=self.block_tables[:bp],
-            query_lens_cpu=[1] * bp,
-            seq_lens_cpu=lens,
-            max_query_len=1,
-            max_seq_len=max(lens),
-        )
 
     def _capture_meta(self, bp: int) -> AttentionMetadata:
         return self._meta(bp, None)

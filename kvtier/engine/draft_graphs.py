@@ -28,10 +28,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.engine.cuda_graph import Graphs, batch_buckets
 from kvtier.model.attention import AttentionMetadata
 
 
-class DraftGraphs:
+class DraftGraphs(Graphs):
     """The k-1 chained MTP passes of a decoding batch (module docstring)."""
 
     def __init__(
@@ -47,60 +48,22 @@ class DraftGraphs:
         capture: bool,
         pool=None,
     ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.passes = passes
-        self.scratch_block = scratch_block
-        self.device = device
-        self.capture = capture
-        self.pool = pool
-        buckets = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
-        if buckets[-1] < max_batch:
-            buckets.append(max_batch)
-        self.buckets = buckets
+        buckets = batch_buckets(max_batch)
+        # a chain starts at most at a table's last position and runs passes - 1 past it: its
+        # tables have that many more columns (the kernels' length bound grows with them)
+        width = -(-max_model_len // block_size) + -(-passes // block_size) + 1
         rows = buckets[-1]
-        # a chain starts at most at a table's last position and runs passes - 1 past it
-        self.width = -(-max_model_len // block_size) + -(-passes // block_size) + 1
-        self.max_len = self.width * block_size  # the kernels' length bound (lengths come from the device)
-        i32, i64 = torch.int32, torch.int64
-        cfg = model.config
+        super().__init__(model, kv_caches, block_size, width * block_size, rows, scratch_block, device, capture, None, pool)
+        self.buckets = self.keys = buckets
+        self.passes = passes
         dtype = next(model.parameters()).dtype
-        self.ids = torch.zeros(rows, dtype=i64, device=device)
-        self.positions = torch.zeros(rows, dtype=i64, device=device)
-        self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
-        self.block_tables = torch.full((rows, self.width), scratch_block, dtype=i32, device=device)
-        self.seq_lens = torch.ones(rows, dtype=i32, device=device)
-        self.slot_mapping = torch.zeros(rows, dtype=i64, device=device)
-        self.query_start_loc = torch.arange(rows + 1, dtype=i32, device=device)
-        self.tokens = torch.zeros(passes, rows, dtype=i64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._stream: torch.cuda.Stream | None = None
-        self.runs = 0  # chains run through this path (replayed, or eagerly on a CPU)
+        self.hidden = torch.zeros(buckets[-1], model.config.hidden_size, dtype=dtype, device=device)
+        self.tokens = torch.zeros(passes, buckets[-1], dtype=torch.int64, device=device)
 
-    def bucket(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
-
-    def _meta(self, bp: int, lens: list[int] | None) -> AttentionMetadata:
-        host = lens if lens is not None else [self.max_len] * bp
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bp],
-            query_start_loc=self.query_start_loc[: bp + 1],
-            seq_lens=self.seq_lens[:bp],
-            block_tables=self.block_tables[:bp],
-            query_lens_cpu=[1] * bp,
-            seq_lens_cpu=host,
-            max_query_len=1,
-            max_seq_len=max(host),
-        )
-
-    def _chain(self, bp: int, host_positions: list[int] | None) -> None:
+    def _chain(self, bp: int, host_positions: list[int] | None) -> torch.Tensor:
         """The passes over rows [0, bp) (captured, or eager with ``host_positions``' lengths)."""
         bs = self.block_size
-        ids, pos, cur = self.ids[:bp], self.positions[:bp], self.hidden[:bp]
+        ids, pos, cur = self.input_ids[:bp], self.positions[:bp], self.hidden[:bp]
         table = self.block_tables[:bp]
         for s in range(self.passes):
             self.seq_lens[:bp].copy_(pos + 1)
@@ -111,33 +74,21 @@ class DraftGraphs:
             ids = self.model.draft_logits(cur).argmax(dim=-1)
             self.tokens[s, :bp].copy_(ids)
             pos = pos + 1
+        return self.tokens
 
-    def capture_all(self) -> None:
-        """Capture every bucket now (engine start), not under a step's requests."""
-        if self.capture:
-            for bp in self.buckets:
-                self._graph(bp)
+    def _forward(self, bp: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self._chain(bp, None)  # (each pass makes its own metadata over the buffers)
 
-    def _graph(self, bp: int) -> torch.cuda.CUDAGraph:
-        if bp not in self._graphs:
-            self._pad(0, bp)
-            torch.cuda.synchronize(self.device)
-            self._chain(bp, None)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
-            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
-                self._chain(bp, None)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self._graphs[bp] = graph
-        return self._graphs[bp]
+    def _capture_meta(self, bp: int) -> AttentionMetadata:
+        return self._meta(bp, None)
+
+    def _reset(self, bp: int) -> None:
+        self._pad(0, bp)
 
     def _pad(self, start: int, end: int) -> None:
         """Rows [start, end): one token at position 0 of the scratch block."""
         if end > start:
-            self.ids[start:end].zero_()
+            self.input_ids[start:end].zero_()
             self.positions[start:end].zero_()
             self.hidden[start:end].zero_()
             self.block_tables[start:end].fill_(self.scratch_block)
@@ -149,13 +100,13 @@ class DraftGraphs:
         n = len(positions)
         bp = self.bucket(n)
         assert bp is not None, f"{n} drafting rows exceed the chain's {self.buckets[-1]}"
-        graph = self._graph(bp) if self.capture else None  # capture first: it resets the buffers
-        table = np.full((n, self.width), self.scratch_block, dtype=np.int32)
+        graph, _ = self._graph(bp) if self.capture else (None, None)  # capture first: it resets the buffers
+        table = np.full((n, self.max_blocks), self.scratch_block, dtype=np.int32)
         for row, t in zip(table, tables):
             row[: len(t)] = t
         self.block_tables[:n].copy_(torch.from_numpy(table))
         self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64))
-        self.ids[:n].copy_(ids)
+        self.input_ids[:n].copy_(ids)
         self.hidden[:n].copy_(hidden)
         self._pad(n, bp)
         self.runs += 1
