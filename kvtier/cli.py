@@ -304,6 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cache_aware: seconds between polls of each server's KV events (default 0.1)",
     )
     p.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL",
+        help="cache_aware: the pool the servers share (their --storage), asked how much of each "
+        "prompt it holds: those blocks count for every server, at a quarter of a device hit (default: none)",
+    )
+    p.add_argument(
         "--prefill",
         action="append",
         default=[],
@@ -562,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                 policy=args.policy or ("cache_aware" if workers else "round_robin"),
                 tokenizer=args.tokenizer,
                 events_interval=args.events_interval,
+                storage=args.storage,
             )
             return 0
         if args.command == "demo":

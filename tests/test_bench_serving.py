@@ -95,6 +95,10 @@ def test_multiturn_behind_the_router_keeps_conversations_where_their_history_is(
     # every history in full blocks of 16: 28 tokens before round 2 (one block), 56 before round 3
     assert aware["cached_by_round"][1] >= 5 * 16 and aware["cached_by_round"][2] >= 5 * 48
     assert aware["cached_tokens"] > rr["cached_tokens"]
+    # kvtier sim on the same requests (and answers), each instance with the servers' tiers,
+    # predicts the hit rate each policy measured
+    for res_ in (rr, aware):
+        assert abs(res_["predicted"]["hit_rate"] - res_["hit_rate"]) <= 0.05, (res_["hit_rate"], res_["predicted"])
 
 
 @pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)

@@ -13,8 +13,14 @@ timeline below (the router's "tokens in flight"). Modelled TTFT: an instance pre
 request at a time at ``prefill_tokens_per_s`` (default 20,000 when 0 is given), its uncached
 tokens only, starting at the request's trace time
 or when the instance is free; TTFT = the wait + the prefill. The same run also replays one
-instance with N times every tier (the hit rate a perfect router over the fleet's total cache
-could reach: the goal's reference) unless ``baseline`` is False.
+instance with N times its device and host tiers (the hit rate a perfect router over the
+fleet's total cache could reach: the goal's reference) unless ``baseline`` is False.
+
+With ``storage_blocks``, the fleet shares one pool of that many blocks (every instance writes
+its blocks there and fetches hits from there, as instances on one Redis or Mooncake pool do):
+the router counts the pool's leading blocks for every instance, past what each holds
+(``kvtier router --storage``), and the big instance has that same pool. A storage hit counts as
+cached in the modelled TTFT (its fetch time is not modelled).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ import math
 import random
 import time
 from collections import deque
+from itertools import takewhile
 
-from kvtier.bench.replay import TIERS, SimConfig, make_manager, run_copies, serve_one, simulate
+from kvtier.bench.replay import TIERS, SimConfig, fetch_cost, make_manager, run_copies, serve_one, simulate
 from kvtier.bench.traces import TraceRequest
 from kvtier.cache.keys import BlockHasher, namespace_seed
 from kvtier.cache.route import Picker, PrefixIndex
+from kvtier.cache.storage_index import SimulatedStorage
 
 DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
 
@@ -40,15 +48,21 @@ def simulate_fleet(
     drop_events: float = 0.0,
     seed: int = 0,
     baseline: bool = True,
+    warm: int = 0,
 ) -> dict:
+    """The fleet's run of ``trace`` (module docstring); its first ``warm`` requests fill the
+    caches, as a bench's warm-up does, and are left out of every figure."""
     if instances < 1:
         raise ValueError(f"instances must be >= 1, got {instances}")
     if not 0 <= drop_events < 1:
         raise ValueError(f"drop_events must be a probability in [0, 1), got {drop_events}")
-    if cfg.storage_blocks:
-        raise ValueError("kvtier sim --instances models device and host tiers per instance; --storage-blocks must be 0")
+    if warm and baseline:
+        raise ValueError("warm-up requests are left out of the fleet's figures only: give baseline=False with warm")
     picker = Picker(route)
-    mgrs = [make_manager(trace, cfg, None) for _ in range(instances)]
+    # one pool that every instance writes and reads; the router asks it, as kvtier router --storage does
+    pool = SimulatedStorage(cfg.storage_blocks) if cfg.storage_blocks else None
+    cost = fetch_cost(cfg) if pool is not None else None
+    mgrs = [make_manager(trace, cfg, pool, cost) for _ in range(instances)]
     for m in mgrs:
         m.events.enable()
     indexes = [PrefixIndex() for _ in range(instances)]
@@ -88,15 +102,19 @@ def simulate_fleet(
         keys = BlockHasher(cfg.block_size, key_seed, cfg.hash_name).extend(tokens)
         arrival = tr.timestamp / 1e3  # trace times are ms
         load = [int(max(0.0, f - arrival) * rate) for f in free_at]  # tokens queued, as modelled
-        j = picker.pick([ix.candidate(keys, cfg.block_size, load[k]) for k, ix in enumerate(indexes)], len(tokens))
-        before = sum(hits[j].values())
-        ok = serve_one(mgrs[j], running[j], rid, tokens, cfg, hits[j])
-        skipped += not ok
-        cached = sum(hits[j].values()) - before
-        served[j] += 1
-        tokens_in[j] += len(tokens)
+        pooled = sum(1 for _ in takewhile(pool.contains, keys)) if pool is not None else 0  # (no LRU touch)
+        j = picker.pick([ix.candidate(keys, cfg.block_size, load[k], pooled=pooled) for k, ix in enumerate(indexes)], len(tokens))
+        before = dict(hits[j])
+        ok = serve_one(mgrs[j], running[j], rid, tokens, cfg, hits[j], tr.output_ids)
+        cached = sum(hits[j].values()) - sum(before.values())
         start = max(arrival, free_at[j])
         free_at[j] = start + (len(tokens) - cached) / rate
+        if rid < warm:  # (a warm-up request: its hits are not the run's)
+            hits[j] = before
+            continue
+        skipped += not ok
+        served[j] += 1
+        tokens_in[j] += len(tokens)
         ttfts.append(free_at[j] - arrival)
     for m, q in zip(mgrs, running):
         while q:
@@ -109,7 +127,7 @@ def simulate_fleet(
     res: dict = {
         "instances": instances,
         "route": route,
-        "requests": len(trace),
+        "requests": len(trace) - warm,
         "prompt_tokens": prompt_tokens,
         "hit_tokens": total,
         "hit_rate": sum(total.values()) / prompt_tokens if prompt_tokens else 0.0,
@@ -149,7 +167,8 @@ def format_fleet(res: dict) -> str:
     lines = [
         f"{res['instances']} instances, route {res['route']}: {res['requests']} requests, "
         f"{res['prompt_tokens']:,} prompt tokens; hit rate {res['hit_rate']:.3f} "
-        f"(hit tokens: device {res['hit_tokens']['device']:,}, host {res['hit_tokens']['host']:,})"
+        f"(hit tokens: device {res['hit_tokens']['device']:,}, host {res['hit_tokens']['host']:,}, "
+        f"storage {res['hit_tokens']['storage']:,})"
     ]
     if res.get("one_big_instance_hit_rate") is not None:
         ratio = res["hit_rate_vs_one_big_instance"]

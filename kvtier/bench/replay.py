@@ -70,22 +70,27 @@ def make_manager(trace: list[TraceRequest], cfg: SimConfig, storage: SimulatedSt
     )
 
 
+def fetch_cost(cfg: SimConfig) -> FetchCostModel | None:
+    """The storage tier's cost model at the configured speeds (None: fetch every storage hit,
+    ``prefill_tokens_per_s`` 0)."""
+    if cfg.prefill_tokens_per_s <= 0:
+        return None
+    cost = FetchCostModel(
+        "sim",
+        workers=1,
+        batch=1 << 30,
+        block_nbytes=cfg.kv_bytes_per_token * cfg.block_size,
+        block_size=cfg.block_size,
+        prior=(cfg.storage_latency_ms / 1e3, cfg.storage_gbps * 1e9),
+    )
+    cost.observe_prefill(int(cfg.prefill_tokens_per_s), 1.0)
+    return cost
+
+
 def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) -> dict:
     assert cfg.write_policy is not None  # SimConfig.__post_init__ resolves None
     storage = None if cfg.storage_blocks == 0 else SimulatedStorage(cfg.storage_blocks)
-    block_nbytes = cfg.kv_bytes_per_token * cfg.block_size
-    cost = None
-    if storage is not None and cfg.prefill_tokens_per_s > 0:
-        cost = FetchCostModel(
-            "sim",
-            workers=1,
-            batch=1 << 30,
-            block_nbytes=block_nbytes,
-            block_size=cfg.block_size,
-            prior=(cfg.storage_latency_ms / 1e3, cfg.storage_gbps * 1e9),
-        )
-        cost.observe_prefill(int(cfg.prefill_tokens_per_s), 1.0)
-    mgr = make_manager(trace, cfg, storage, cost)
+    mgr = make_manager(trace, cfg, storage, fetch_cost(cfg) if storage is not None else None)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -109,12 +114,15 @@ def run_copies(mgr: CacheManager) -> bool:
     return ran
 
 
-def serve_one(mgr: CacheManager, running: deque, rid: int, tokens: list[int], cfg: SimConfig, hits: dict) -> bool:
+def serve_one(
+    mgr: CacheManager, running: deque, rid: int, tokens: list[int], cfg: SimConfig, hits: dict, output: list[int] | None = None
+) -> bool:
     """One request through ``mgr`` (module docstring), its hits added to ``hits``; False if it
-    is larger than the whole device tier (skipped)."""
+    is larger than the whole device tier (skipped). ``output``: its answer, whose positions but
+    the last the engine computes and caches as it decodes (where the device tier has room)."""
     while len(running) >= cfg.max_running:
         mgr.free(running.popleft())
-    req = mgr.new_request(rid, tokens)
+    req = mgr.new_request(rid, list(tokens) if output else tokens)
     m = mgr.match_prefix(req)
     hits["device"] += m.num_device_blocks * cfg.block_size
     hits["host"] += m.num_host_blocks * cfg.block_size
@@ -134,6 +142,11 @@ def serve_one(mgr: CacheManager, running: deque, rid: int, tokens: list[int], cf
         run_copies(mgr)  # loads land, then the prefill ran
         mgr.commit(req, len(tokens))
         run_copies(mgr)  # backups / puts of the new blocks
+        if output and len(output) > 1:
+            req.token_ids.extend(output[:-1])
+            if mgr.allocate(req, len(req.token_ids)):
+                mgr.commit(req, len(req.token_ids))
+                run_copies(mgr)
         running.append(req)
         return True
     mgr.free(req)
@@ -150,7 +163,7 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storag
             bar.update(1)
         tokens = tr.input_ids
         prompt_tokens += len(tokens)
-        skipped += not serve_one(mgr, running, i, tokens, cfg, hits)
+        skipped += not serve_one(mgr, running, i, tokens, cfg, hits, tr.output_ids)
     while running:
         mgr.free(running.popleft())
     run_copies(mgr)

@@ -72,6 +72,7 @@ class Record:
     output_tokens: int = 0
     output_ids: list[int] | None = None
     cached_tokens: int | None = None
+    prompt_ids: list[int] | None = None  # what was sent (a fleet's prediction replays it)
     status: int | None = None  # the HTTP status (an error inside the stream: its code); None: no answer
     error: str | None = None
 
@@ -324,6 +325,7 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
     if server.token_ids:
         body["return_token_ids"] = True
     assert server.url is not None  # (a server entered)
+    rec.prompt_ids = prompt
     rec.start = last = time.perf_counter()
     ids: list[int] = []
     try:
@@ -819,6 +821,12 @@ def run(args: Any, name: str, workload: Workload, plan: Callable[[int | None], P
         results[config].update(compare_outputs(records[configs[0]], records[config]))
     out = {"bench": name, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     print(table(results))
+    for config, r in results.items():
+        if r.get("predicted"):
+            print(
+                f"{config}: hit rate {r['hit_rate']:.3f} measured, {r['predicted']['hit_rate']:.3f} predicted by "
+                f"kvtier sim --instances {args.instances} --route {config} on the same requests"
+            )
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
@@ -881,6 +889,9 @@ def measure(
     res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
     sent = sorted(warm + records, key=lambda r: r.start)
     res["errors"] = list(dict.fromkeys(r.error for r in sent if r.error))[:5]  # distinct, the first sent first
+    if server.policy is not None and res["prompt_tokens"]:
+        res["hit_rate"] = (res["cached_tokens"] or 0) / res["prompt_tokens"]
+        res["predicted"] = predict_fleet(args, server, warm, records, res["server_stats"])
     res["warmup"] = {
         "requests": len(warm),
         "failed": sum(1 for r in warm if r.error),
@@ -888,6 +899,43 @@ def measure(
         "settle": settled,
     }
     return res, records
+
+
+def predict_fleet(args: Any, server: Server, warm: list[Record], records: list[Record], stats: dict) -> dict | None:
+    """What ``kvtier sim --instances N --route POLICY`` predicts for the requests this fleet was
+    just sent (the warm-up's, then the run's, in the order sent, with their answers), each
+    instance with the tiers its /kvtier/stats says; None if no instance said them. The sim
+    serves one request at a time, as many held at once as were in flight at most here."""
+    from kvtier.bench.fleet import simulate_fleet
+    from kvtier.bench.replay import SimConfig
+    from kvtier.bench.traces import TraceRequest
+
+    tiers = next(iter(stats.values()), None)
+    if tiers is None or "blocks" not in tiers.get("device", {}):
+        return None
+    warm_ok = sorted((r for r in warm if r.error is None and r.prompt_ids), key=lambda r: r.start)
+    run_ok = sorted((r for r in records if r.error is None and r.prompt_ids), key=lambda r: r.start)
+    sent = warm_ok + run_ok
+    if not run_ok:
+        return None
+    edges = sorted([(r.start, 1) for r in sent] + [(r.end, -1) for r in sent])
+    inflight = most = 0
+    for _, d in edges:
+        inflight += d
+        most = max(most, inflight)
+    t0 = sent[0].start
+    trace = [
+        TraceRequest((r.start - t0) * 1e3, list(r.prompt_ids or ()), r.output_tokens, i, output_ids=r.output_ids)
+        for i, r in enumerate(sent)
+    ]
+    cfg = SimConfig(
+        block_size=args.block_size,
+        device_blocks=tiers["device"]["blocks"],
+        host_blocks=tiers["host"]["blocks"],
+        max_running=max(1, most),
+    )
+    sim = simulate_fleet(trace, cfg, server.instances, server.policy or "round_robin", baseline=False, warm=len(warm_ok))
+    return {k: sim[k] for k in ("hit_rate", "hit_tokens", "max_load_vs_mean", "requests")}
 
 
 def compare_outputs(base: list[Record], other: list[Record], keep: int = 5) -> dict:

@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--instances",
         type=flags.positive_int,
         default=1,
-        help="instances behind a router, each with the tier sizes above (default 1: one engine)",
+        help="instances behind a router, each with the device and host tier sizes above, all on "
+        "one shared pool of --storage-blocks (default 1: one engine)",
     )
     p.add_argument(
         "--route",

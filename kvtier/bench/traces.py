@@ -26,9 +26,21 @@ _MASK = 0xFFFFFFFF
 
 
 class TraceRequest:
-    """One request of a trace: ``input_ids`` given, or made from Mooncake ``hash_ids``."""
+    """One request of a trace: ``input_ids`` given, or made from Mooncake ``hash_ids``;
+    ``output_ids``: the answer, where it is known (a serving bench's requests), whose KV the
+    engine caches as it decodes (a later turn that repeats it finds it)."""
 
-    __slots__ = ("timestamp", "_input_ids", "output_length", "line", "hash_ids", "input_length", "block_tokens", "vocab")
+    __slots__ = (
+        "timestamp",
+        "_input_ids",
+        "output_length",
+        "line",
+        "hash_ids",
+        "input_length",
+        "block_tokens",
+        "vocab",
+        "output_ids",
+    )
 
     def __init__(
         self,
@@ -40,6 +52,7 @@ class TraceRequest:
         input_length: int = 0,
         block_tokens: int = 512,
         vocab: int = 1 << 30,
+        output_ids: list[int] | None = None,
     ) -> None:
         if input_ids is None and hash_ids is None:
             raise ValueError("a trace request needs input_ids or hash_ids")
@@ -51,6 +64,7 @@ class TraceRequest:
         self.input_length = len(input_ids) if input_ids is not None else input_length
         self.block_tokens = block_tokens
         self.vocab = vocab
+        self.output_ids = output_ids
 
     @property
     def input_ids(self) -> list[int]:

@@ -3,13 +3,16 @@
 
 Each candidate instance is described by what the router knows of it (:class:`Candidate`): how
 many of the request's leading tokens its device tier and its host tier hold (a
-:class:`PrefixIndex` fed by the instance's KV events, cache/events.py) and its load, the tokens
-of the requests in flight on it.
+:class:`PrefixIndex` fed by the instance's KV events, cache/events.py), how many more after
+those the shared pool holds (asked of the pool itself: it is the same for every instance, so it
+counts for everyone, after what each holds), and its load, the tokens of the requests in flight
+on it.
 
 - ``round_robin``: in turn, whatever they hold.
 - ``least_load``: the fewest tokens in flight.
-- ``cache_aware``: the longest prefix, device hits counting in full and host hits at
-  :data:`HOST_WEIGHT` (a host hit is a load over PCIe, not free), among the instances whose load
+- ``cache_aware``: the longest prefix, device hits counting in full, host hits at
+  :data:`HOST_WEIGHT` (a host hit is a load over PCIe, not free) and pool hits at
+  :data:`STORAGE_WEIGHT` (a fetch over the network, then that load), among the instances whose load
   is within :data:`BALANCE_REL` x the least loaded one's plus :data:`BALANCE_ABS` tokens (a busy
   instance that holds the prefix loses to an idle one that must recompute it: the recompute
   costs less than the queue); when the best overlap is under :data:`CACHE_THRESHOLD` of the
@@ -30,6 +33,7 @@ from typing import Iterable, Sequence
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 HOST_WEIGHT = 0.5
+STORAGE_WEIGHT = 0.25
 BALANCE_REL = 1.5
 BALANCE_ABS = 65536
 CACHE_THRESHOLD = 0.2
@@ -42,10 +46,11 @@ class Candidate:
     device_hit: int = 0  # leading tokens of the request in its device tier
     host_hit: int = 0  # ... then in its host tier
     load: int = 0  # tokens of requests in flight on it
+    storage_hit: int = 0  # ... then in the shared pool
 
     @property
     def score(self) -> float:
-        return self.device_hit + HOST_WEIGHT * self.host_hit
+        return self.device_hit + HOST_WEIGHT * self.host_hit + STORAGE_WEIGHT * self.storage_hit
 
 
 class Picker:
@@ -130,6 +135,8 @@ class PrefixIndex:
                 break
         return held, on_host
 
-    def candidate(self, keys: Sequence[bytes], block_size: int, load: int, now: float = 0.0) -> Candidate:
+    def candidate(self, keys: Sequence[bytes], block_size: int, load: int, now: float = 0.0, pooled: int = 0) -> Candidate:
+        """``pooled``: how many leading ``keys`` the shared pool holds (those past what this
+        instance holds count as its storage hits)."""
         held, on_host = self.overlap(keys, now)
-        return Candidate((held - on_host) * block_size, on_host * block_size, load)
+        return Candidate((held - on_host) * block_size, on_host * block_size, load, max(0, pooled - held) * block_size)

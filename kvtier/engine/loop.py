@@ -92,6 +92,8 @@ def kv_snapshot(core: EngineCore) -> dict:
     out = cache.events.snapshot(cache.tree)
     fp = cache.fingerprint
     out.update(block_size=cache.block_size, hash=cache.hash_name, fingerprint=fp.encode().hex() if fp is not None else "")
+    # its pool objects' names (storage/client.py): one per tensor-parallel rank of each block
+    out["storage_shards"] = core.storage.tp_size if core.storage is not None else None
     return out
 
 

@@ -117,6 +117,7 @@ class Router:
         policy: str = "round_robin",
         tokenizer: str | None = None,
         events_interval: float = 0.1,
+        storage: str | None = None,
     ) -> None:
         if workers and (prefill or decode):
             raise ValueError("give --workers (colocated instances) or --prefill/--decode (PD), not both")
@@ -126,7 +127,14 @@ class Router:
         self.policy = policy
         self.prefill = [Backend(u, "prefill") for u in prefill]
         self.decode = [Backend(u, "decode") for u in decode] or [Backend(u, "worker") for u in workers]
-        self.cache_view = CacheView(events_interval, tokenizer) if policy == "cache_aware" else None
+        if storage is not None and policy != "cache_aware":
+            raise ValueError(f"--storage is read by --policy cache_aware only, not {policy}")
+        pool = None
+        if storage is not None:
+            from kvtier.storage import open_storage
+
+            pool = open_storage(storage)
+        self.cache_view = CacheView(events_interval, tokenizer, pool) if policy == "cache_aware" else None
         self._events_task: asyncio.Task | None = None
         if backend_api_key == "":
             raise ValueError("the backend API key is empty: give a key, or none if the servers need none")
@@ -190,6 +198,7 @@ class Router:
         i = self.picker.pick(scored, n)
         self.predicted_hits.labels("device").inc(scored[i].device_hit)
         self.predicted_hits.labels("host").inc(scored[i].host_hit)
+        self.predicted_hits.labels("storage").inc(scored[i].storage_hit)
         self.cache_view.sent(cands[i], keys)
         return cands[i]
 
@@ -254,6 +263,8 @@ class Router:
                     task.cancel()
             if router.client is not None:
                 await router.client.aclose()
+            if router.cache_view is not None and router.cache_view.pool is not None:
+                router.cache_view.pool.close()
 
         add_error_handlers(app)
 

@@ -7,6 +7,11 @@ what came. An instance that does not answer the poll within :data:`POLL_TIMEOUT_
 of the rotation at once (the health checks bring it back) and its index is dropped: it rejoins
 with a snapshot, its overlap counting 0 until then.
 
+With ``--storage URL`` (the pool the instances share) the router also asks the pool how many of
+a request's leading blocks it holds (one lookup per request; a cold prompt is one name, as the
+engines ask): those past what an instance holds count for it as storage hits
+(cache/route.py). Nothing of the pool is indexed: it is shared, so it is asked.
+
 A request's keys are the instance's own (cache/keys.py): the router tokenizes the request as the
 server does (``serve/prompts.py``; only the tokenizer is loaded, from ``--tokenizer`` or the
 directory the instances' ``/v1/models`` name) and chains the block keys with the salt and the
@@ -28,6 +33,7 @@ from kvtier.cache.route import Candidate
 
 if TYPE_CHECKING:
     from kvtier.serve.router import Backend
+    from kvtier.storage.client import StorageClient
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 1.0  # a poll or snapshot, call to last byte: past it the instance is down
@@ -37,9 +43,10 @@ MAX_EVENTS_BYTES = 64 * 1024 * 1024  # one poll's answer (10,000 events at most,
 class CacheView:
     """Every instance's index and the keying of requests (module docstring)."""
 
-    def __init__(self, interval: float = 0.1, tokenizer: str | None = None) -> None:
+    def __init__(self, interval: float = 0.1, tokenizer: str | None = None, pool: StorageClient | None = None) -> None:
         self.interval = interval
         self.tokenizer_path = tokenizer
+        self.pool = pool  # the instances' shared pool (--storage): asked how much of a prompt it holds
         self._prompts: Any = None  # serve/prompts.PromptTokenizer, loaded at first need
         self._tokenizer_tried = False
         self.resyncs = 0  # snapshots taken after the first one of an instance (gaps, rejoins)
@@ -55,6 +62,9 @@ class CacheView:
                 snap = await self._get(client, b, "/kvtier/kv_events/snapshot")
                 b.index.reset((bytes.fromhex(k) for k in snap["device"]), (bytes.fromhex(k) for k in snap["host"]))
                 b.keying = (int(snap["block_size"]), str(snap["hash"]), bytes.fromhex(snap["fingerprint"]))
+                shards = snap.get("storage_shards")
+                if self.pool is not None and isinstance(shards, int) and shards != self.pool.tp_size:
+                    self.pool.shard(0, shards)  # (names every rank's shard of a block)
                 if b.synced_once:
                     self.resyncs += 1
                 b.synced_once = True
@@ -98,6 +108,7 @@ class CacheView:
         """What each of ``backends`` holds of the request, and its load; the request's keys per
         keying (for :meth:`sent`); its prompt tokens (0 if unknown)."""
         keys: dict[tuple, list[bytes]] = {}
+        pooled: dict[tuple, int] = {}  # leading keys the shared pool holds, per keying
         now = time.monotonic()
         ids = None
         out = []
@@ -114,7 +125,9 @@ class CacheView:
                 bs, hash_name, fp = b.keying
                 salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
                 keys[b.keying] = BlockHasher(bs, encoded_seed(fp, salt, hash_name), hash_name).extend(ids)
-            out.append(b.index.candidate(keys[b.keying], b.keying[0], b.inflight, now))
+                # (a dead pool answers 0 at once: StorageClient's breaker)
+                pooled[b.keying] = await asyncio.to_thread(self.pool.lookup_prefix, keys[b.keying]) if self.pool else 0
+            out.append(b.index.candidate(keys[b.keying], b.keying[0], b.inflight, now, pooled[b.keying]))
         return out, keys, len(ids or ())
 
     def sent(self, b: Backend, keys: dict) -> None:

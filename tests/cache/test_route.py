@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.cache.route import BALANCE_ABS, PREDICTED_S, Candidate, Picker, PrefixIndex
+from kvtier.cache.route import BALANCE_ABS, PREDICTED_S, STORAGE_WEIGHT, Candidate, Picker, PrefixIndex
 
 
 def test_round_robin_goes_in_turn_whatever_is_cached():
@@ -67,3 +67,18 @@ def test_a_prompt_just_sent_counts_as_held_until_its_prediction_expires():
     assert ix.overlap([b"a", b"b"], now=100.0 + PREDICTED_S + 1) == (0, 0)
     ix.reset()
     assert ix.overlap([b"a"], now=100.5) == (0, 0)
+
+
+def test_the_shared_pool_counts_for_every_instance_past_what_each_holds():
+    """A prompt of 10 blocks of 16: instance A holds its first block, B none, the pool all ten.
+    Without the pool A's one block is under the overlap threshold (the least loaded B takes it);
+    with it A's prefix and the pool's rest outscore B's pool hits alone."""
+    keys = [bytes([i]) for i in range(10)]
+    a, b = PrefixIndex(), PrefixIndex()
+    a.apply("stored", "device", keys[0])
+    ca, cb = a.candidate(keys, 16, load=500, pooled=10), b.candidate(keys, 16, load=0, pooled=10)
+    assert (ca.device_hit, ca.storage_hit, cb.storage_hit) == (16, 144, 160)
+    assert ca.score == 16 + STORAGE_WEIGHT * 144 and cb.score == STORAGE_WEIGHT * 160
+    assert a.candidate(keys, 16, load=0, pooled=0).storage_hit == 0  # (a pool that holds less: nothing past A)
+    assert Picker("cache_aware").pick([a.candidate(keys, 16, load=500), b.candidate(keys, 16, load=0)], 160) == 1
+    assert Picker("cache_aware").pick([ca, cb], 160) == 0

@@ -286,3 +286,45 @@ def test_the_fleet_is_a_cli_flag_and_bad_values_are_named(capsys):
         simulate_fleet(trace, SimConfig(), 2, "cache_aware", drop_events=1.5)
     with pytest.raises(ValueError, match="unknown routing policy 'sticky'"):
         simulate_fleet(trace, SimConfig(), 2, "sticky")
+
+
+def test_a_turn_finds_the_answer_before_it_when_the_trace_knows_the_answer():
+    """A conversation's second turn repeats the first prompt and its answer: the engine cached
+    the answer's KV as it decoded (all but its last token), so the sim with the recorded answer
+    hits those blocks too, and without it only the first prompt's. Warm-up requests fill the
+    caches and are left out of the figures."""
+    from kvtier.bench.fleet import simulate_fleet
+    from kvtier.bench.traces import TraceRequest
+
+    first, answer, question = list(range(1, 33)), list(range(100, 133)), list(range(200, 216))
+    second = first + answer + question  # 32 + 33 + 16 tokens
+    cfg = SimConfig(block_size=16, device_blocks=64, host_blocks=0)
+
+    def run(out, warm=0, extra=()):
+        trace = [*extra, TraceRequest(0.0, first, len(answer), 0, output_ids=out),
+                 TraceRequest(1.0, second, 4, 1)]
+        return simulate_fleet(trace, cfg, 1, "round_robin", baseline=False, warm=warm)
+
+    assert run(answer)["hit_tokens"]["device"] == 64  # the prompt's 2 blocks and the answer's 2 full ones
+    assert run(None)["hit_tokens"]["device"] == 32
+    warm = TraceRequest(0.0, list(range(500, 540)), 2, 0)
+    with_warm = run(answer, warm=1, extra=[warm])
+    assert with_warm["requests"] == 2 and with_warm["prompt_tokens"] == len(first) + len(second)
+    assert with_warm["hit_tokens"]["device"] == 64
+    with pytest.raises(ValueError, match="baseline=False with warm"):
+        simulate_fleet([warm], cfg, 1, "round_robin", warm=1)
+
+
+def test_a_fleet_on_one_pool_finds_another_instances_blocks_there():
+    """Round robin sends a conversation's second turn to the other instance: without a pool it
+    recomputes the history, with the shared pool (written by the first instance) it fetches it."""
+    from kvtier.bench.fleet import simulate_fleet
+    from kvtier.bench.traces import TraceRequest
+
+    first = list(range(1, 65))
+    trace = [TraceRequest(0.0, first, 2, 0), TraceRequest(1.0, first + list(range(300, 332)), 2, 1)]
+    alone = simulate_fleet(trace, SimConfig(block_size=16, device_blocks=64, host_blocks=64), 2, "round_robin", baseline=False)
+    pooled = simulate_fleet(trace, SimConfig(block_size=16, device_blocks=64, host_blocks=64, storage_blocks=256), 2,
+                            "round_robin", baseline=False)
+    assert alone["hit_tokens"] == {"device": 0, "host": 0, "storage": 0}
+    assert pooled["hit_tokens"]["storage"] == 64 and pooled["per_instance"][1]["hit_tokens"]["storage"] == 64

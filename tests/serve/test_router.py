@@ -415,3 +415,9 @@ def test_a_first_line_whose_cached_tokens_are_no_counts_is_a_failed_p(routed, ca
     r = c.post("/v1/completions", json=BODY)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "from D"
     assert len(seen) == 1 and "kvtier_handoff" not in seen[0] and fallbacks(c) == 1
+
+
+def test_a_pool_given_to_a_router_that_does_not_read_it_is_refused():
+    with pytest.raises(ValueError, match="--storage is read by --policy cache_aware only, not round_robin"):
+        Router([], [], workers=["http://w.test"], policy="round_robin", storage="memory://")
+    Router([], [], workers=["http://w.test"], policy="cache_aware", storage="memory://")  # (accepted)

@@ -107,3 +107,34 @@ def test_lost_events_are_recovered_from_a_snapshot():
     assert index.device == {b"\xcc"} and index.host == {b"\xdd"}
     assert paths == ["/kvtier/kv_events/snapshot", "/kvtier/kv_events?since=2", "/kvtier/kv_events?since=3",
                      "/kvtier/kv_events/snapshot"]
+
+
+def test_the_pool_the_instances_share_counts_past_what_each_holds():
+    """kvtier router --storage: the router asks the pool how many of a prompt's leading blocks it
+    holds (the names the instances write: the same keys, cache/keys.py); an instance holding the
+    first block gets the pool's rest as storage hits; a pool that fails counts nothing."""
+    from kvtier.cache.keys import BlockHasher, encoded_seed, object_name
+    from kvtier.storage import StorageClient
+    from kvtier.storage.memory import MemoryBackend
+
+    prompt = list(range(100, 132))  # 4 blocks of 8
+    keys = BlockHasher(8, encoded_seed(b"", None, "sha256"), "sha256").extend(prompt)
+    backend = MemoryBackend()
+    assert all(backend.put_from([object_name(k) for k in keys[:3]], [memoryview(b"x")] * 3))
+    b = Backend("http://w.test", "worker")
+    b.seq, b.keying = 0, (8, "sha256", b"")
+    b.index.apply("stored", "device", keys[0])
+
+    def score(pool):
+        cands, _, n = asyncio.run(CacheView(pool=pool).candidates([b], "completion", {"prompt": prompt}))
+        return cands[0], n
+
+    c, n = score(StorageClient(backend))
+    assert (c.device_hit, c.host_hit, c.storage_hit, n) == (8, 0, 16, 32)
+    assert score(None)[0].storage_hit == 0
+
+    class Dead(MemoryBackend):
+        def exists(self, names):
+            raise ConnectionError("the pool is down")
+
+    assert score(StorageClient(Dead()))[0].storage_hit == 0
