@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="which instance takes a request: cache_aware (the longest cached prefix, device hits "
         "first, among instances not overloaded), least_load (fewest tokens in flight) or "
-        "round_robin (default: cache_aware with --workers, round_robin for the decode servers of PD)",
+        "round_robin; under PD it picks the prefill server and the decode server (default: "
+        "cache_aware with --workers, round_robin for PD)",
     )
     p.add_argument(
         "--tokenizer",

@@ -124,6 +124,7 @@ class Router:
         if not decode and not workers:
             raise ValueError("the router needs at least one --decode server or --workers instance")
         self.picker = Picker(policy)  # how a D (or a worker) is chosen (cache/route.py)
+        self.prefill_picker = Picker(policy)  # ... and a P
         self.policy = policy
         self.prefill = [Backend(u, "prefill") for u in prefill]
         self.decode = [Backend(u, "decode") for u in decode] or [Backend(u, "worker") for u in workers]
@@ -142,7 +143,6 @@ class Router:
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self.timeout_s = timeout  # P's first line, and its whole answer through the ack
         self.health_interval = health_interval
-        self._rr_prefill = 0  # (decode servers and workers: self.picker)
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         r = self.registry = CollectorRegistry()
@@ -178,24 +178,18 @@ class Router:
         return self.client
 
     # ------------------------------------------------------------------ backends
-    def _pick_prefill(self, exclude: AbstractSet[str] = frozenset()) -> Backend | None:
-        """The next healthy P, round robin (a P's cache is read through the pool, not chosen for)."""
-        cands = [b for b in self.prefill if b.healthy and b.url not in exclude]
-        if not cands:
-            return None
-        i = self._rr_prefill % len(cands)
-        self._rr_prefill += 1
-        return cands[i]
-
-    async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str]) -> Backend | None:
-        """The D (or worker) for a request, by ``--policy`` (cache/route.py)."""
-        cands = [b for b in self.decode if b.healthy and b.url not in exclude]
+    async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str], role: str = "decode") -> Backend | None:
+        """The D (or worker), or with ``role="prefill"`` the P, for a request, by ``--policy``
+        (cache/route.py): under cache_aware a P is chosen for the prefix its tiers hold (what it
+        holds it does not prefill), a D for what it holds (what it holds it does not load)."""
+        pool, picker = (self.prefill, self.prefill_picker) if role == "prefill" else (self.decode, self.picker)
+        cands = [b for b in pool if b.healthy and b.url not in exclude]
         if not cands:
             return None
         if self.cache_view is None:
-            return cands[self.picker.pick([Candidate(load=b.inflight) for b in cands])]
+            return cands[picker.pick([Candidate(load=b.inflight) for b in cands])]
         scored, keys, n = await self.cache_view.candidates(cands, kind, body)
-        i = self.picker.pick(scored, n)
+        i = picker.pick(scored, n)
         self.predicted_hits.labels("device").inc(scored[i].device_hit)
         self.predicted_hits.labels("host").inc(scored[i].host_hit)
         self.predicted_hits.labels("storage").inc(scored[i].storage_hit)
@@ -206,7 +200,7 @@ class Router:
         view = self.cache_view
         assert view is not None
         while True:
-            await asyncio.gather(*(view.poll(self._http, b) for b in self.decode))
+            await asyncio.gather(*(view.poll(self._http, b) for b in [*self.prefill, *self.decode]))
             await asyncio.sleep(view.interval)
 
     async def _check(self, b: Backend) -> None:
@@ -391,13 +385,15 @@ class Router:
         tried: set[str] = set()
         reason = "no_prefill_server"
         while True:
-            p = self._pick_prefill(tried)
+            p = await self._choose(kind, body, tried, "prefill")
             if p is None:
                 return None, reason
             tried.add(p.url)
             # one deadline for P's first line, however slowly its bytes come (httpx's timeouts
             # are per read); the same one bounds P's ack (_Prefill.ack)
             deadline = asyncio.get_running_loop().time() + self.timeout_s
+            cost = _request_tokens(body)
+            p.inflight += cost  # its load until its first line (the prefill)
             try:
                 pre, reason = await asyncio.wait_for(self._prefill_on(p, kind, body, deadline), self.timeout_s)
             except asyncio.TimeoutError:
@@ -407,7 +403,10 @@ class Router:
                 p.healthy = False
                 reason = "prefill_timeout"
                 continue
+            finally:
+                p.inflight -= cost
             if pre is not None:
+                self.routed.labels(p.url).inc()
                 return pre, ""
 
     async def _prefill_on(self, p: Backend, kind: str, body: dict, deadline: float) -> tuple[Any, str]:

@@ -138,3 +138,26 @@ def test_the_pool_the_instances_share_counts_past_what_each_holds():
             raise ConnectionError("the pool is down")
 
     assert score(StorageClient(Dead()))[0].storage_hit == 0
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_a_pd_router_sends_a_prompt_to_the_prefill_server_that_holds_its_prefix(policy):
+    """Several --prefill servers: under cache_aware the P whose tiers hold the prompt's prefix
+    prefills it (what it holds it does not compute), each time; round robin takes them in turn."""
+    from kvtier.cache.keys import BlockHasher, encoded_seed
+    from kvtier.serve.router import Router
+
+    prompt = list(range(100, 132))
+    keys = BlockHasher(8, encoded_seed(b"", None, "sha256"), "sha256").extend(prompt)
+    router = Router(["http://p0.test", "http://p1.test"], ["http://d.test"], policy=policy)
+    for b in router.prefill + router.decode:
+        b.seq, b.keying = 0, (8, "sha256", b"")
+    for k in keys[:3]:
+        router.prefill[1].index.apply("stored", "device", k)
+
+    async def chosen() -> list[str]:
+        return [(await router._choose("completion", {"prompt": prompt}, set(), "prefill")).url for _ in range(4)]
+
+    got = asyncio.run(chosen())
+    want = ["http://p1.test"] * 4 if policy == "cache_aware" else ["http://p0.test", "http://p1.test"] * 2
+    assert got == want
