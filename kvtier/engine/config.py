@@ -309,10 +309,6 @@ class EngineConfig:
                 raise ValueError(f"num_speculative_tokens must be at most 8, got {k}")
             if self.overlap_schedule:
                 raise ValueError(f"num_speculative_tokens={k} runs without overlap_schedule: leave it unset or off")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(
-                    f"num_speculative_tokens={k} runs on one rank: tensor_parallel_size is {self.tensor_parallel_size}"
-                )
         device = str(self.device)
         if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

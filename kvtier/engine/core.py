@@ -61,7 +61,7 @@ from kvtier.engine.cache_stats import cache_stats
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.copies import CopyPump
 from kvtier.engine.cuda_graph import capture_graphs
-from kvtier.engine.draft_graphs import DraftGraphs
+from kvtier.engine.draft_graphs import build_chain
 from kvtier.engine.fatal import raise_if_device_lost
 from kvtier.engine.group import SampleGroup, SampleGroups, check_n
 from kvtier.engine.intake import AUTO_ID, Intake, check_token_ids
@@ -307,19 +307,18 @@ class EngineCore:
         self.spec = Speculator(c.num_speculative_tokens) if c.num_speculative_tokens else None
         if self.spec is not None and self.spec.k > 1:
             with startup("capturing the draft chain's CUDA graphs" if cuda_graphs else "building the draft chain"):
-                self.spec.chain = DraftGraphs(
+                self.spec.chain = build_chain(
                     self.model,
                     self.kv_caches,
                     block_size,
                     self.max_model_len,
-                    min(max_num_seqs, 256),
-                    self.spec.k - 1,
+                    max_num_seqs,
+                    self.spec.k,
                     num_device_blocks,
                     self.device,
-                    capture=cuda_graphs and self.device.type == "cuda",
-                    pool=graphs.pool() if graphs is not None else None,
+                    bool(cuda_graphs),
+                    graphs.pool() if graphs is not None else None,
                 )
-                self.spec.chain.capture_all()
         self.runner.spec = self.spec
         if self.ranks is not None:
             with startup("waiting for the other tensor-parallel ranks"):

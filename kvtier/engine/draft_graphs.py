@@ -115,3 +115,35 @@ class DraftGraphs(Graphs):
         else:
             graph.replay()
         return self.tokens[:, :n]
+
+
+def build_chain(
+    model,
+    kv_caches: list[torch.Tensor],
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_speculative_tokens: int,
+    num_device_blocks: int,
+    device: torch.device,
+    cuda_graphs: bool,
+    pool=None,
+) -> DraftGraphs | None:
+    """An engine's draft chain (every tensor-parallel rank builds the same), captured on CUDA
+    with ``cuda_graphs``; None for one draft (no chain)."""
+    if num_speculative_tokens <= 1:
+        return None
+    chain = DraftGraphs(
+        model,
+        kv_caches,
+        block_size,
+        max_model_len,
+        min(max_num_seqs, 256),
+        num_speculative_tokens - 1,
+        num_device_blocks,  # the scratch block
+        device,
+        capture=cuda_graphs and device.type == "cuda",
+        pool=pool,
+    )
+    chain.capture_all()
+    return chain

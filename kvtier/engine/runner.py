@@ -71,6 +71,8 @@ class ModelRunner:
         # tensor parallel, rank 0: the other ranks (engine/tp/ranks.py), told of each forward
         self.peers: Peers | None = None
         self.spec: Speculator | None = None  # speculative decoding: it runs the steps (engine/spec.py)
+        # a tensor-parallel rank > 0 with drafts: the last forward's (inputs, hidden, load waits)
+        self.followed: tuple[StepInputs, torch.Tensor, LoadWaits | None] | None = None
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (closing): under tensor parallelism they hold NCCL kernels, and
@@ -287,7 +289,17 @@ class ModelRunner:
         rank's shard, without sampling; the tokens rank 0 samples arrive by broadcast, for the
         next step's inputs (overlap scheduling reads them on the device)."""
         self.start_step()
-        self.forward(host, start_loads)
+        hooks: list = []
+
+        def keep(mode: str) -> LoadWaits | None:
+            hooks.append(start_loads(mode) if start_loads is not None else None)
+            return hooks[-1]
+
+        inputs, hidden = self.forward(host, keep)
+        if self.spec is not None:  # the MTP passes come next (engine/spec.py draft_passes)
+            self.followed = (inputs, hidden, hooks[0] if hooks else None)
+            self._last = None  # (rank 0 samples and verifies: no token is broadcast with drafts)
+            return
         if host.sample_rows:
             tokens = torch.empty(len(host.sample_rows), dtype=torch.long, device=self.device)
             broadcast_from_first(tokens, self.model.tp)
@@ -374,6 +386,8 @@ class Peers(Protocol):
     def forward(self, host: HostInputs) -> None: ...
 
     def score(self, token_ids: list[int], routing_in: np.ndarray | None) -> None: ...
+
+    def draft(self, next_ids: list[int], rows: list[int], positions: list[int], tables: list[list[int]]) -> None: ...
 
 
 @dataclass(slots=True)

@@ -46,7 +46,7 @@ from kvtier.engine.sampling import draw, to_device, topk
 
 if TYPE_CHECKING:
     from kvtier.engine.draft_graphs import DraftGraphs
-    from kvtier.engine.runner import ModelRunner, StepResult
+    from kvtier.engine.runner import ModelRunner, StepInputs, StepResult
     from kvtier.engine.scheduler import SchedulerOutput
     from kvtier.transfer.engine import LoadWaits
 
@@ -182,7 +182,7 @@ class Speculator:
     def _draft(self, runner, out, inputs, hidden, sampled: dict[str, int], last_row: dict[int, int], start_loads) -> None:
         """The MTP passes: over every row of the step, then k-1 single rows per drafting request;
         sets ``draft_tokens`` of every request that sampled."""
-        model, device, bs = runner.model, runner.device, runner.block_size
+        bs = runner.block_size
         next_ids: list[int] = []
         go: list[tuple[Request, int, int]] = []  # drafting: (request, row, position of that row)
         row = 0
@@ -210,27 +210,12 @@ class Speculator:
             row += s.num_tokens
         self.num_mtp_rows += len(next_ids)
         hook = start_loads("layers") if start_loads is not None else None  # (the step's loads, layer num_layers too)
-        kv = runner.kv_caches
-        m = model.draft(to_device(next_ids, device), inputs.positions, hidden, kv, inputs.meta, hook)
-        if not go or not self.k:
-            return
-        cur = m.index_select(0, to_device([r for _, r, _ in go], device))
-        first = model.draft_logits(cur).argmax(dim=-1)
-        chain = self.chain
-        if chain is None or self.k == 1:
-            toks = [first.tolist()]
-        else:  # drafts 2..k: the chained passes (engine/draft_graphs.py), read with the first
-            cap = chain.buckets[-1]
-            parts = [
-                chain.run(
-                    first[i : i + cap],
-                    [q + 1 for _, _, q in go[i : i + cap]],
-                    cur[i : i + cap],
-                    [req.cache_req.block_table for req, _, _ in go[i : i + cap]],
-                ).clone()
-                for i in range(0, len(go), cap)
-            ]
-            toks = torch.cat([first[None], torch.cat(parts, dim=1)]).tolist()
+        rows = [r for _, r, _ in go] if self.k else []
+        positions = [q + 1 for _, _, q in go] if self.k else []
+        tables = [req.cache_req.block_table for req, _, _ in go] if self.k > 1 else []
+        if runner.peers is not None:  # every rank runs the same passes (engine/tp)
+            runner.peers.draft(next_ids, rows, positions, tables)
+        toks = draft_passes(runner, self.chain, inputs, hidden, hook, next_ids, rows, positions, tables)
         for n, (req, _, q) in enumerate(go):
             # draft t (t >= 1) came from the pass at position q + t: kept while that position's
             # slot is in the request's table (the scheduler allocates k - 1 ahead where it can)
@@ -243,3 +228,36 @@ class Speculator:
                 if self.drafter is not None:
                     tok = self.drafter(req, q + 2 + t, tok)
                 req.draft_tokens.append(tok)
+
+
+def draft_passes(
+    runner: ModelRunner,
+    chain: DraftGraphs | None,
+    inputs: StepInputs,
+    hidden: torch.Tensor,
+    hook: LoadWaits | None,
+    next_ids: list[int],
+    rows: list[int],
+    positions: list[int],
+    tables: list[list[int]],
+) -> list[list[int]]:
+    """The MTP block's passes of a step, on this rank's shard (the same on every
+    tensor-parallel rank: rank 0 plans them, :meth:`Speculator._draft`): over every row of the
+    step (``next_ids``: the token after each), then for the drafting ``rows`` the first draft
+    and, with ``tables``, the chain (``positions``: where its first pass writes). The drafts
+    ``[k][len(rows)]`` (one host sync)."""
+    model, device = runner.model, runner.device
+    m = model.draft(to_device(next_ids, device), inputs.positions, hidden, runner.kv_caches, inputs.meta, hook)
+    if not rows:
+        return []
+    cur = m.index_select(0, to_device(rows, device))
+    first = model.draft_logits(cur).argmax(dim=-1)
+    if chain is None or not tables:
+        return [first.tolist()]
+    # drafts 2..k: the chained passes (engine/draft_graphs.py), read with the first
+    cap = chain.buckets[-1]
+    parts = [
+        chain.run(first[i : i + cap], positions[i : i + cap], cur[i : i + cap], tables[i : i + cap]).clone()
+        for i in range(0, len(rows), cap)
+    ]
+    return torch.cat([first[None], torch.cat(parts, dim=1)]).tolist()

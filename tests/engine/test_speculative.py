@@ -171,7 +171,6 @@ def test_the_host_tier_and_blocks_are_sized_with_the_mtp_layer(mtp_model):
     "options, match",
     [
         (dict(num_speculative_tokens=2, overlap_schedule=True), "without overlap_schedule"),
-        (dict(num_speculative_tokens=2, tensor_parallel_size=2), "tensor_parallel_size is 2"),
         (dict(num_speculative_tokens=9), "at most 8, got 9"),
         (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
     ],

@@ -205,3 +205,39 @@ def test_dummy_weights_are_the_same_model_at_every_size(checkpoint):
     parts = [dict(load_model(path, fuse=False, load_format="dummy", tp=TPShard(r, 2)).named_parameters()) for r in range(2)]
     name = "model.layers.1.self_attn.o_proj.weight"
     assert torch.equal(torch.cat([parts[0][name], parts[1][name]], dim=1), whole[name])
+
+
+@pytest.mark.parametrize("preset,k", [("qwen3-mtp-tiny", 3), pytest.param("qwen3-moe-mtp-tiny", 1, marks=pytest.mark.slow)])
+def test_two_ranks_draft_and_verify_as_one_does(preset, k, checkpoint):
+    """Speculative decoding over two ranks: the MTP block (sharded like a decoder layer) runs
+    its passes on every rank, rank 0 verifies; the greedy tokens, experts and hits per tier equal
+    one rank's without drafts, and everything (the seeded sampled request, the drafts accepted,
+    the MTP rows run) equals one rank's with drafts. The drafts are the controlled drafter's
+    (tests/engine/test_speculative.py) so that many are accepted: a random MTP block's rarely are."""
+    from tests.engine.test_speculative import oracle_drafter
+
+    moe = "moe" in preset
+    runs, spec, seen = {}, {}, {}
+    for tp, drafts in ((1, 0), (1, k), (2, k)):
+        with kvtier.LLM(checkpoint(preset), tensor_parallel_size=tp, num_speculative_tokens=drafts, **TIERS) as llm:
+            generate = llm.generate
+
+            def record(prompts, params, generate=generate):  # the reference continuations
+                outs = generate(prompts, params)
+                seen.update({tuple(p): o.token_ids for p, o in zip(prompts, outs)} if not drafts else {})
+                return outs
+
+            llm.generate = record
+            if drafts:
+                llm.spec.drafter = oracle_drafter(dict(seen), 0.7)
+            runs[tp, drafts] = [r[:3] for r in workload(llm, moe)]
+            if drafts:
+                spec[tp] = llm.cache_stats()["speculative"]
+            assert llm.transfer.num_in_flight == 0
+            llm.cache.assert_invariants()
+    # the seeded sampled request (the last) draws through the verification's rejection sampling:
+    # with drafts it equals itself across ranks, not the run without drafts
+    assert runs[1, k][:-1] == runs[1, 0][:-1] and runs[2, k] == runs[1, k]
+    assert spec[2]["accepted"] > spec[2]["drafted"] / 5 and spec[2]["accepted_at"][-1] > 0  # (the last place too)
+    keys = ("drafted", "accepted", "accepted_at", "mtp_rows")
+    assert {n: spec[2][n] for n in keys} == {n: spec[1][n] for n in keys}

@@ -12,6 +12,8 @@ order. To a rank::
     ("ops", [(TransferOp, load_mode), ...])         submit (loads wait for the next forward)
     ("forward", HostInputs)                         runner.follow
     ("score", token_ids, routing)                   the same forward on scratch blocks
+    ("draft", next_ids, rows, positions, tables)    the MTP passes after the last forward
+                                                    (speculative decoding: engine/spec.py)
     ("wait", kind, seq)                             wait_loads / drain / storage_drain, then ("ack", seq)
     ("close",)
 
@@ -163,6 +165,10 @@ class Ranks:
 
     def score(self, token_ids: list[int], routing_in: Any) -> None:
         self.send(("score", token_ids, routing_in))
+
+    def draft(self, next_ids: list[int], rows: list[int], positions: list[int], tables: list[list[int]]) -> None:
+        """Speculative decoding: the MTP passes after the forward just sent (engine/spec.py)."""
+        self.send(("draft", next_ids, rows, positions, tables))
 
     # ------------------------------------------------------------------ receiving
     def poll(self, timeout: float = 0.0) -> None:

@@ -65,7 +65,13 @@ class _Rank:
         group = init_group(backend_for(device), store, rank, size, config.tp_timeout, device)
         self.dtype = getattr(torch, config.dtype)
         self.model = load_model(
-            model, device, self.dtype, config.attention_backend, load_format=config.load_format, tp=TPShard(rank, size, group)
+            model,
+            device,
+            self.dtype,
+            config.attention_backend,
+            load_format=config.load_format,
+            tp=TPShard(rank, size, group),
+            mtp=config.num_speculative_tokens > 0,
         )
         fits = config.num_device_blocks or size_device_blocks(
             device,
@@ -127,6 +133,23 @@ class _Rank:
                 self.transfer.gates,
             )
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, device, None, graphs, steps)
+        if c.num_speculative_tokens:  # the same MTP passes as rank 0's (engine/spec.py draft_passes)
+            from kvtier.engine.draft_graphs import build_chain
+            from kvtier.engine.spec import Speculator
+
+            self.runner.spec = Speculator(c.num_speculative_tokens)
+            self.runner.spec.chain = build_chain(
+                self.model,
+                self.kv_caches,
+                c.block_size,
+                c.max_model_len,
+                c.max_num_seqs,
+                c.num_speculative_tokens,
+                num_device_blocks,
+                device,
+                cuda_graphs,
+                graphs.pool() if graphs is not None else None,
+            )
 
     def serve(self, parent: int) -> None:
         conn, transfer, storage = self.conn, self.transfer, self.storage
@@ -176,6 +199,14 @@ class _Rank:
                 continue
             elif kind == "score":
                 self.runner.score(msg[1], msg[2])
+            elif kind == "draft":
+                from kvtier.engine.spec import draft_passes
+
+                runner = self.runner
+                assert runner.spec is not None and runner.followed is not None, "drafts without a drafting forward"
+                inputs, hidden, hook = runner.followed
+                runner.followed = None
+                draft_passes(runner, runner.spec.chain, inputs, hidden, hook, *msg[1:])
             elif kind == "close":
                 from kvtier.engine.tp.ranks import destroy_group
 
