@@ -1,9 +1,12 @@
 """`kvtier demo` (the README's first command) runs on embedded defaults: hits on every tier and,
 in float32 on CPU, every output identical to recompute."""
+import pytest
+
 from kvtier.cli import main
 from kvtier.demo import run_demo
 
 
+@pytest.mark.slow  # (~9 s on 2 cores: CI runs it with -m slow)
 def test_demo_hits_all_three_tiers_and_matches_recompute_in_fp32(tmp_path):
     lines = []
     res = run_demo(model_dir=str(tmp_path / "m"), out=lines.append)

@@ -79,6 +79,7 @@ def test_health_says_starting_with_its_phase_until_the_engine_is_ready(checkpoin
         server.stop()
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_a_request_while_starting_gets_503_with_retry_after(checkpoint, tmp_path):
     server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log",
                            env=_env(tmp_path, SLOW_LOAD))

@@ -255,6 +255,7 @@ def test_a_client_that_sends_an_oversized_body_reads_the_413(server):
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_a_chunked_body_is_413_once_it_passes_the_cap(server):
     mib = 1024 * 1024
     chunks = [b'{"model": "moe", "prompt": "']

@@ -162,6 +162,7 @@ def test_the_router_key_comes_from_the_environment(procs):
     openai_error(r, 503)                       # past the key: no decode server is up
 
 
+@pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 @pytest.mark.parametrize("args,env,message", [
     (["router", "--decode", "http://127.0.0.1:9", "--port", "99999"], {}, "a port is 1..65535"),
     (["serve", "no-model", "--port", "0"], {}, "a port is 1..65535"),
