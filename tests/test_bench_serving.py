@@ -87,9 +87,12 @@ def test_multiturn_through_pd_answers_every_round_as_colocated_does(tmp_path, ca
 def test_multiturn_behind_the_router_keeps_conversations_where_their_history_is(tmp_path, capsys):
     """--compare round_robin,cache_aware --instances 3: five conversations over three servers;
     behind the cache-aware router every later round finds its whole history (as the servers'
-    /metrics count it), behind round robin most miss."""
+    /metrics count it), behind round robin most miss. One request at a time, so that the order
+    the router sees is the order sent (round robin's choices follow it) and each prefill ends
+    before the next request arrives, as the simulator has them."""
     res = run_bench(multiturn, ["--clients", "5", "--rounds", "3", "--request-length", "24", "--output-length", "4",
-                                "--compare", "round_robin,cache_aware", "--instances", "3"], tmp_path, capsys)["results"]
+                                "--max-parallel", "1", "--compare", "round_robin,cache_aware", "--instances", "3"],
+                    tmp_path, capsys)["results"]
     rr, aware = res["round_robin"], res["cache_aware"]
     assert set(aware["server_stats"]) == {"server0", "server1", "server2"}
     # every history in full blocks of 16: 28 tokens before round 2 (one block), 56 before round 3

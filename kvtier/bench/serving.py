@@ -935,7 +935,7 @@ def predict_fleet(args: Any, server: Server, warm: list[Record], records: list[R
         max_running=max(1, most),
     )
     sim = simulate_fleet(trace, cfg, server.instances, server.policy or "round_robin", baseline=False, warm=len(warm_ok))
-    return {k: sim[k] for k in ("hit_rate", "hit_tokens", "max_load_vs_mean", "requests")}
+    return {k: sim[k] for k in ("hit_rate", "hit_tokens", "max_load_vs_mean", "requests", "per_instance")}
 
 
 def compare_outputs(base: list[Record], other: list[Record], keep: int = 5) -> dict:
