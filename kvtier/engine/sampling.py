@@ -325,8 +325,11 @@ class Penalties:
         return slot
 
     @torch.inference_mode()  # the logits are an inference tensor (compute_logits)
-    def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-        """Penalize ``logits[rows]`` (of ``reqs``) in place."""
+    def apply(
+        self, logits: torch.Tensor, rows: list[int], reqs: list[Request], ahead: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        """Penalize ``logits[rows]`` (of ``reqs``) in place. ``ahead[n]``: tokens taken as generated
+        after the request's output before row n (a speculative verify row: the drafts before it)."""
         slots = [self._slot(r) for r in reqs]
         new_slots: list[int] = []
         new_tokens: list[int] = []
@@ -347,13 +350,22 @@ class Penalties:
         ridx = torch.tensor(rows, device=self.device)
         x = logits[ridx]
         # min_tokens: what would end the request, masked (its slot's row: O(1) host work per row)
-        under = [n for n, req in enumerate(reqs) if len(req.output_token_ids) < req.params.min_tokens]
+        extra = [len(a) for a in ahead] if ahead is not None else [0] * len(reqs)
+        under = [n for n, req in enumerate(reqs) if len(req.output_token_ids) + extra[n] < req.params.min_tokens]
         if under:
             rows_under = torch.tensor(under, device=self.device)
             mask = self.ends[torch.tensor([slots[n] for n in under], device=self.device)]
             x[rows_under] = x[rows_under].masked_fill(mask, float("-inf"))
         sidx = torch.tensor(slots, device=self.device)
-        counts = self.counts[sidx]
+        counts = self.counts[sidx]  # (a copy: the rows' own counts)
+        if any(extra):
+            assert ahead is not None
+            at = [n for n, a in enumerate(ahead) for _ in a]
+            counts.index_put_(
+                (torch.tensor(at, device=self.device), torch.tensor([t for a in ahead for t in a], device=self.device)),
+                torch.ones(len(at), dtype=torch.int32, device=self.device),
+                accumulate=True,
+            )
         if any(r.params.repetition_penalty != 1.0 for r in reqs):
             rep = _column([r.params.repetition_penalty for r in reqs], x)
             seen = self.in_prompt[sidx] | (counts > 0)  # HF / CTRL: prompt and output

@@ -25,8 +25,10 @@ the MTP layer's KV at positions past the accepted ones: the next step's target f
 pass rewrite them before anything reads them, and the scheduler rewinds ``num_computed_tokens``
 to the accepted positions, so no rejected token's KV is ever committed to the prefix tree.
 
-Requests that apply penalties or ``min_tokens`` (which depend on each earlier token) decode
-without drafts; their MTP KV is written all the same. Logprobs are the target's: each emitted
+Penalties and ``min_tokens`` (which depend on each earlier token) apply to verify row j as if
+the drafts before it had been generated (Penalties ``ahead``): row j's distribution is the one
+the request would sample from after those tokens, so greedy and sampled verification stay exact
+for them too. Logprobs are the target's: each emitted
 token's verify row, raw or processed as the request asks. A prefix hit brings the MTP
 KV of its blocks (layer ``num_layers`` of every block, on every tier): nothing of it is
 recomputed (:attr:`Speculator.num_mtp_rows` counts the rows the MTP block ran). The MTP KV at a
@@ -57,21 +59,21 @@ if TYPE_CHECKING:
 Drafter = Callable[[Request, int, int], int]
 
 
-def drafts_allowed(req: Request) -> bool:
-    """May ``req`` decode with drafts? Not when each token's distribution depends on the tokens
-    before it in ways the verify rows do not see (penalties, min_tokens)."""
-    return not req.params.has_penalties
-
-
-def _entry(logits: torch.Tensor, processed: torch.Tensor | None, prow: int | None, req: Request, token: int) -> dict[int, float]:
+def _entry(
+    raw: torch.Tensor, penalized: torch.Tensor, processed: torch.Tensor | None, prow: int | None, req: Request, token: int
+) -> dict[int, float]:
     """A logprobs entry (outputs.py) from a verify row: the emitted token's logprob, then the
-    row's top-k, of the raw distribution or, ``logprobs_mode="processed"``, the one sampled from."""
+    row's top-k, of the raw distribution (``raw``: the model's logits) or,
+    ``logprobs_mode="processed"``, the one sampled from (a greedy row's: the log-softmax of its
+    ``penalized`` logits)."""
     p = req.params
-    if p.logprobs_mode == "processed" and prow is not None:
+    if p.logprobs_mode != "processed":
+        lp = torch.log_softmax(raw.float(), dim=-1)
+    elif prow is not None:
         assert processed is not None
         lp = processed[prow]
-    else:  # raw, or a greedy row (whose processed distribution is its log-softmax)
-        lp = torch.log_softmax(logits.float(), dim=-1)
+    else:
+        lp = torch.log_softmax(penalized.float(), dim=-1)
     entry = {token: float(lp[token])}
     if p.logprobs:
         top = topk(lp[None], p.logprobs)
@@ -127,6 +129,13 @@ class Speculator:
             params = [req.params for req, _, n, _ in spans for _ in range(n)]
             gens = [req.generator for req, _, n, _ in spans for _ in range(n)]
             sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+            raw = logits  # (raw logprobs are before penalties)
+            penalized = [i for i, p in enumerate(params) if p.has_penalties]
+            if penalized:  # row j of a request: as if its drafts before it were generated
+                if any(params[i].logprobs is not None for i in penalized):
+                    raw = logits.clone()
+                ahead = [(req, drafts[:j]) for req, _, n, drafts in spans for j in range(n)]
+                runner.penalties.apply(logits, penalized, [ahead[i][0] for i in penalized], [ahead[i][1] for i in penalized])
             tokens, processed = draw(logits, params, gens, processed_rows=sampled_rows)
             tokens_host = tokens.tolist()
             where = {r: i for i, r in enumerate(sampled_rows)}
@@ -135,7 +144,8 @@ class Speculator:
                 a, token = self._verify(req, drafts, tokens_host[at : at + n], processed, [where.get(at + j) for j in range(n)])
                 if req.params.logprobs is not None:  # the target's, for every token it emits
                     entries = [
-                        _entry(logits[at + j], processed, where.get(at + j), req, t) for j, t in enumerate([*drafts[:a], token])
+                        _entry(raw[at + j], logits[at + j], processed, where.get(at + j), req, t)
+                        for j, t in enumerate([*drafts[:a], token])
                     ]
                     req.step_accepted_logprobs, req.step_logprobs = entries[:a], entries[a]
                 at += n
@@ -205,7 +215,7 @@ class Speculator:
             if s.samples:
                 req.draft_tokens = []
                 r = last_row[id(req)]
-                if drafts_allowed(req) and not req.export:
+                if not req.export:
                     go.append((req, r, start + r - row))
             row += s.num_tokens
         self.num_mtp_rows += len(next_ids)

@@ -304,23 +304,50 @@ def test_a_pd_hand_off_carries_the_mtp_kv(mtp_model, tmp_path):
 def test_logprobs_of_drafted_tokens_are_the_targets(mtp_model, mode):
     """Each emitted token's logprob and top-k come from its verify row: the entries of plain
     decoding (the same ids; values within float32 noise of another batch shape)."""
-    import numpy as np
-
     prompts = prompts_for(49, lengths=(14, 27))
     params = kvtier.SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3, logprobs_mode=mode)
-    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8) as llm:
+    ref, got, spec = plain_and_drafted(mtp_model, prompts, params, 0.8)
+    assert spec["accepted"] > 0
+    assert_same_outputs(ref, got)
+    assert all(len(o.outputs[0].logprobs) == 16 for o in got)
+
+
+def plain_and_drafted(model, prompts, params, alpha: float):
+    """The outputs without drafts, with k = 3 drafts of the controlled drafter at ``alpha``
+    (proposing the outputs without drafts), and the drafted engine's speculative counters."""
+    with kvtier.LLM(model, num_device_blocks=64, block_size=8) as llm:
         ref = llm.generate(prompts, params)
     outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
-    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3) as llm:
-        llm.spec.drafter = oracle_drafter(outputs, 0.8)
+    with kvtier.LLM(model, num_device_blocks=64, block_size=8, num_speculative_tokens=3) as llm:
+        llm.spec.drafter = oracle_drafter(outputs, alpha)
         got = llm.generate(prompts, params)
-        assert llm.cache_stats()["speculative"]["accepted"] > 0
+        return ref, got, llm.cache_stats()["speculative"]
+
+
+def assert_same_outputs(ref, got) -> None:
+    """The same tokens, finish reasons and top-k ids; logprobs within float32 noise of another
+    batch shape."""
+    import numpy as np
+
     for a, b in zip(ref, got):
-        assert a.token_ids == b.token_ids
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
-        assert len(la) == len(lb) == 16
         assert [sorted(d) for d in la] == [sorted(d) for d in lb]
         np.testing.assert_allclose([d[t] for d, t in zip(la, a.token_ids)], [d[t] for d, t in zip(lb, b.token_ids)], atol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_penalties_and_min_tokens_see_the_drafts_before_each_verify_row(mtp_model, mode):
+    """Repetition, frequency and presence penalties and min_tokens with drafts: verify row j is
+    penalized as if the drafts before it had been generated, so greedy tokens (EOS allowed, held
+    back by min_tokens), raw and processed logprobs equal plain decoding's. Without the drafts
+    counted, a repeated draft goes unpenalized at the rows after it and the tokens part."""
+    prompts = prompts_for(50, lengths=(14, 27, 9))
+    params = kvtier.SamplingParams(max_tokens=20, min_tokens=12, repetition_penalty=1.3, frequency_penalty=0.9,
+                                   presence_penalty=0.4, logprobs=2, logprobs_mode=mode)
+    ref, got, spec = plain_and_drafted(mtp_model, prompts, params, 0.85)
+    assert spec["accepted"] > 0 and spec["accepted_at"][-1] > 0
+    assert_same_outputs(ref, got)
 
 
 def test_chunked_prefill_and_a_tight_token_budget_trim_the_drafts_not_the_tokens(mtp_model):
