@@ -40,6 +40,7 @@ failed export can still run the request colocated and D's 502 can be the answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -231,15 +232,10 @@ class Router:
 
     # ------------------------------------------------------------------ app
     def _build(self) -> FastAPI:
-        app = FastAPI(
-            title="kvtier router",
-            version=__import__("kvtier").__version__,
-            description="OpenAI-compatible front of kvtier prefill and decode servers.",
-        )
         router = self
 
-        @app.on_event("startup")
-        async def _start() -> None:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             router.client = httpx.AsyncClient(
                 timeout=router.timeout,
                 headers=router.headers,
@@ -249,16 +245,22 @@ class Router:
             router._health_task = asyncio.create_task(router._health_loop())
             if router.cache_view is not None:
                 router._events_task = asyncio.create_task(router._events_loop())
-
-        @app.on_event("shutdown")
-        async def _stop() -> None:
-            for task in (router._health_task, router._events_task):
-                if task is not None:
-                    task.cancel()
-            if router.client is not None:
+            try:
+                yield
+            finally:
+                for task in (router._health_task, router._events_task):
+                    if task is not None:
+                        task.cancel()
                 await router.client.aclose()
-            if router.cache_view is not None and router.cache_view.pool is not None:
-                router.cache_view.pool.close()
+                if router.cache_view is not None and router.cache_view.pool is not None:
+                    router.cache_view.pool.close()
+
+        app = FastAPI(
+            title="kvtier router",
+            version=__import__("kvtier").__version__,
+            description="OpenAI-compatible front of kvtier prefill and decode servers.",
+            lifespan=lifespan,
+        )
 
         add_error_handlers(app)
 
