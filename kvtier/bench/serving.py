@@ -905,7 +905,8 @@ def predict_fleet(args: Any, server: Server, warm: list[Record], records: list[R
     """What ``kvtier sim --instances N --route POLICY`` predicts for the requests this fleet was
     just sent (the warm-up's, then the run's, in the order sent, with their answers), each
     instance with the tiers its /kvtier/stats says; None if no instance said them. The sim
-    serves one request at a time, as many held at once as were in flight at most here."""
+    serves one request at a time; each instance holds the blocks of as many running requests
+    as were in flight here at most, shared out over the instances."""
     from kvtier.bench.fleet import simulate_fleet
     from kvtier.bench.replay import SimConfig
     from kvtier.bench.traces import TraceRequest
@@ -932,7 +933,7 @@ def predict_fleet(args: Any, server: Server, warm: list[Record], records: list[R
         block_size=args.block_size,
         device_blocks=tiers["device"]["blocks"],
         host_blocks=tiers["host"]["blocks"],
-        max_running=max(1, most),
+        max_running=max(1, -(-most // server.instances)),  # (per instance: the peak shared out)
     )
     sim = simulate_fleet(trace, cfg, server.instances, server.policy or "round_robin", baseline=False, warm=len(warm_ok))
     return {k: sim[k] for k in ("hit_rate", "hit_tokens", "max_load_vs_mean", "requests", "per_instance")}

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvtier.engine.cuda_graph import Graphs, batch_buckets
+from kvtier.engine.sampling import to_device
 from kvtier.model.attention import AttentionMetadata
 
 
@@ -104,8 +105,9 @@ class DraftGraphs(Graphs):
         table = np.full((n, self.max_blocks), self.scratch_block, dtype=np.int32)
         for row, t in zip(table, tables):
             row[: len(t)] = t
-        self.block_tables[:n].copy_(torch.from_numpy(table))
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64))
+        # (through pinned memory: a copy from pageable memory would wait for the step's forward)
+        self.block_tables[:n].copy_(to_device(table, self.device))
+        self.positions[:n].copy_(to_device(positions, self.device, torch.int64))
         self.input_ids[:n].copy_(ids)
         self.hidden[:n].copy_(hidden)
         self._pad(n, bp)

@@ -78,6 +78,8 @@ class ModelRunner:
         """Drop the CUDA graphs (closing): under tensor parallelism they hold NCCL kernels, and
         the communicator's teardown waits until no graph holds one."""
         self.decode_graphs = self.step_graphs = None
+        if self.spec is not None:
+            self.spec.chain = None  # (the draft chain's graphs: the MTP layer's all-reduces)
         if self.device.type == "cuda":
             import gc
 

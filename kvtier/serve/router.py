@@ -91,6 +91,7 @@ class Backend:
         self.index = PrefixIndex()
         self.seq: int | None = None
         self.keying: tuple[int, str, bytes] | None = None  # block size, hash, fingerprint
+        self.storage_shards = 1  # pool objects per block (its tensor-parallel ranks)
         self.synced_once = False
 
     def warn_once(self, message: str) -> None:
@@ -131,12 +132,7 @@ class Router:
         self.decode = [Backend(u, "decode") for u in decode] or [Backend(u, "worker") for u in workers]
         if storage is not None and policy != "cache_aware":
             raise ValueError(f"--storage is read by --policy cache_aware only, not {policy}")
-        pool = None
-        if storage is not None:
-            from kvtier.storage import open_storage
-
-            pool = open_storage(storage)
-        self.cache_view = CacheView(events_interval, tokenizer, pool) if policy == "cache_aware" else None
+        self.cache_view = CacheView(events_interval, tokenizer, storage) if policy == "cache_aware" else None
         self._events_task: asyncio.Task | None = None
         if backend_api_key == "":
             raise ValueError("the backend API key is empty: give a key, or none if the servers need none")
@@ -163,8 +159,9 @@ class Router:
         self.routed = Counter("kvtier_router_routed", "requests sent, by instance", ["instance"], registry=r)
         self.predicted_hits = Counter(
             "kvtier_router_predicted_hit_tokens",
-            "prompt tokens the chosen instance held when it was chosen (cache_aware), by tier",
-            ["tier"],
+            "prompt tokens the chosen server held when it was chosen (cache_aware), by its role "
+            "(worker; under PD prefill and decode) and tier",
+            ["role", "tier"],
             registry=r,
         )
         for route in ("pd", "colocated"):
@@ -191,9 +188,10 @@ class Router:
             return cands[picker.pick([Candidate(load=b.inflight) for b in cands])]
         scored, keys, n = await self.cache_view.candidates(cands, kind, body)
         i = picker.pick(scored, n)
-        self.predicted_hits.labels("device").inc(scored[i].device_hit)
-        self.predicted_hits.labels("host").inc(scored[i].host_hit)
-        self.predicted_hits.labels("storage").inc(scored[i].storage_hit)
+        chosen = cands[i]
+        self.predicted_hits.labels(chosen.role, "device").inc(scored[i].device_hit)
+        self.predicted_hits.labels(chosen.role, "host").inc(scored[i].host_hit)
+        self.predicted_hits.labels(chosen.role, "storage").inc(scored[i].storage_hit)
         self.cache_view.sent(cands[i], keys)
         return cands[i]
 
@@ -252,8 +250,8 @@ class Router:
                     if task is not None:
                         task.cancel()
                 await router.client.aclose()
-                if router.cache_view is not None and router.cache_view.pool is not None:
-                    router.cache_view.pool.close()
+                if router.cache_view is not None:
+                    router.cache_view.close()
 
         app = FastAPI(
             title="kvtier router",

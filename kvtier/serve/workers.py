@@ -8,7 +8,7 @@ of the rotation at once (the health checks bring it back) and its index is dropp
 with a snapshot, its overlap counting 0 until then.
 
 With ``--storage URL`` (the pool the instances share) the router also asks the pool how many of
-a request's leading blocks it holds (one lookup per request; a cold prompt is one name, as the
+a request's leading blocks it holds (one lookup per choice; a cold prompt is one name, as the
 engines ask): those past what an instance holds count for it as storage hits
 (cache/route.py). Nothing of the pool is indexed: it is shared, so it is asked.
 
@@ -43,10 +43,15 @@ MAX_EVENTS_BYTES = 64 * 1024 * 1024  # one poll's answer (10,000 events at most,
 class CacheView:
     """Every instance's index and the keying of requests (module docstring)."""
 
-    def __init__(self, interval: float = 0.1, tokenizer: str | None = None, pool: StorageClient | None = None) -> None:
+    def __init__(self, interval: float = 0.1, tokenizer: str | None = None, storage: str | None = None) -> None:
         self.interval = interval
         self.tokenizer_path = tokenizer
-        self.pool = pool  # the instances' shared pool (--storage): asked how much of a prompt it holds
+        # the instances' shared pool (--storage), asked how much of a prompt it holds: one client
+        # per shard count (instances of N tensor-parallel ranks name N objects per block)
+        self.storage = storage
+        self.pools: dict[int, StorageClient] = {}
+        if storage is not None:
+            self._pool(1)  # (a bad URL is named now, not at the first request)
         self._prompts: Any = None  # serve/prompts.PromptTokenizer, loaded at first need
         self._tokenizer_tried = False
         self.resyncs = 0  # snapshots taken after the first one of an instance (gaps, rejoins)
@@ -63,8 +68,7 @@ class CacheView:
                 b.index.reset((bytes.fromhex(k) for k in snap["device"]), (bytes.fromhex(k) for k in snap["host"]))
                 b.keying = (int(snap["block_size"]), str(snap["hash"]), bytes.fromhex(snap["fingerprint"]))
                 shards = snap.get("storage_shards")
-                if self.pool is not None and isinstance(shards, int) and shards != self.pool.tp_size:
-                    self.pool.shard(0, shards)  # (names every rank's shard of a block)
+                b.storage_shards = shards if isinstance(shards, int) and shards >= 1 else 1
                 if b.synced_once:
                     self.resyncs += 1
                 b.synced_once = True
@@ -108,7 +112,7 @@ class CacheView:
         """What each of ``backends`` holds of the request, and its load; the request's keys per
         keying (for :meth:`sent`); its prompt tokens (0 if unknown)."""
         keys: dict[tuple, list[bytes]] = {}
-        pooled: dict[tuple, int] = {}  # leading keys the shared pool holds, per keying
+        pooled: dict[tuple, int] = {}  # leading keys the shared pool holds, per keying and shard count
         now = time.monotonic()
         ids = None
         out = []
@@ -125,10 +129,28 @@ class CacheView:
                 bs, hash_name, fp = b.keying
                 salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
                 keys[b.keying] = BlockHasher(bs, encoded_seed(fp, salt, hash_name), hash_name).extend(ids)
-                # (a dead pool answers 0 at once: StorageClient's breaker)
-                pooled[b.keying] = await asyncio.to_thread(self.pool.lookup_prefix, keys[b.keying]) if self.pool else 0
-            out.append(b.index.candidate(keys[b.keying], b.keying[0], b.inflight, now, pooled[b.keying]))
+            where = (b.keying, b.storage_shards)
+            if where not in pooled:  # (a dead pool answers 0 at once: StorageClient's breaker)
+                pool = self._pool(b.storage_shards) if self.storage is not None else None
+                pooled[where] = await asyncio.to_thread(pool.lookup_prefix, keys[b.keying]) if pool is not None else 0
+            out.append(b.index.candidate(keys[b.keying], b.keying[0], b.inflight, now, pooled[where]))
         return out, keys, len(ids or ())
+
+    def _pool(self, shards: int) -> StorageClient:
+        pool = self.pools.get(shards)
+        if pool is None:
+            from kvtier.storage import open_storage
+
+            pool = open_storage(self.storage)
+            assert pool is not None  # (a URL was given)
+            if shards > 1:
+                pool.shard(0, shards)  # (looks up every rank's object of a block)
+            self.pools[shards] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
 
     def sent(self, b: Backend, keys: dict) -> None:
         """The request went to ``b``: its prompt's blocks are taken as held there (PrefixIndex)."""

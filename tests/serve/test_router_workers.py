@@ -126,7 +126,10 @@ def test_the_pool_the_instances_share_counts_past_what_each_holds():
     b.index.apply("stored", "device", keys[0])
 
     def score(pool):
-        cands, _, n = asyncio.run(CacheView(pool=pool).candidates([b], "completion", {"prompt": prompt}))
+        view = CacheView()
+        if pool is not None:  # (the router opens its clients from --storage; here one in process)
+            view.storage, view.pools[1] = "memory://", pool
+        cands, _, n = asyncio.run(view.candidates([b], "completion", {"prompt": prompt}))
         return cands[0], n
 
     c, n = score(StorageClient(backend))
@@ -138,6 +141,16 @@ def test_the_pool_the_instances_share_counts_past_what_each_holds():
             raise ConnectionError("the pool is down")
 
     assert score(StorageClient(Dead()))[0].storage_hit == 0
+    # an instance of two tensor-parallel ranks: a block is there when both ranks' objects are
+    b.storage_shards = 2
+    two = StorageClient(backend)
+    two.shard(0, 2)
+    assert score(two)[0].storage_hit == 0  # (only unsharded names stored)
+    view = CacheView()
+    view.storage, view.pools[2] = "memory://", two
+    assert all(backend.put_from([object_name(k, tp_rank=r, tp_size=2) for k in keys[:2] for r in (0, 1)],
+                                [memoryview(b"x")] * 4))
+    assert asyncio.run(view.candidates([b], "completion", {"prompt": prompt}))[0][0].storage_hit == 8
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
