@@ -53,6 +53,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from kvtier.cache.route import Candidate, Picker, PrefixIndex
@@ -366,7 +367,7 @@ class Router:
         if isinstance(opened, APIError):
             yield (sse_error(opened) + "data: [DONE]\n\n").encode()
             return
-        r = opened[0]
+        r, d = opened
         if r.status_code != 200:
             try:
                 detail = (await r.aread()).decode(errors="replace")[:300]
@@ -376,8 +377,13 @@ class Router:
                 await r.aclose()
             yield (sse_error(APIError(502, f"decode server answered {r.status_code}: {detail}")) + "data: [DONE]\n\n").encode()
             return
-        async for b in _relay(None, r):
-            yield b
+        cost = _request_tokens(body)
+        d.inflight += cost  # D's load until its stream ends (cache/route.py)
+        try:
+            async for b in _relay(None, r):
+                yield b
+        finally:
+            d.inflight -= cost
 
     async def _prefill(self, kind: str, body: dict) -> tuple[Any, str]:
         """P's half: (its answer's first part, "") or (None, why the request runs colocated) or
@@ -485,8 +491,8 @@ class Router:
         if isinstance(opened, APIError):
             return error_response(opened.status, opened.message)
         r, d = opened
-        d.inflight += cost  # its load until the answer ends (cache/route.py)
         if r.status_code != 200 or not stream:
+            d.inflight += cost  # its load until the answer ends (cache/route.py)
             try:
                 content = await r.aread()
             except httpx.HTTPError as e:
@@ -497,6 +503,9 @@ class Router:
             return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json"))
 
         async def relay() -> AsyncIterator[bytes]:
+            # counted from the stream's start: a client gone before it starts never runs this
+            # body (nor its finally), so nothing is counted that would stay
+            d.inflight += cost
             try:
                 async for chunk in _relay(first_chunks, r):
                     yield chunk
@@ -507,6 +516,7 @@ class Router:
             relay(),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(r.aclose),  # (D's stream closed if the body never ran)
         )
 
 

@@ -126,7 +126,7 @@ def test_a_decode_timeout_is_an_openai_504(routed):
 
 
 def test_a_decode_server_failing_mid_stream_ends_the_stream_with_an_openai_error(routed):
-    c, _, backends = routed
+    c, router, backends = routed
 
     class Dying(httpx.AsyncByteStream):
         async def __aiter__(self):
@@ -138,6 +138,25 @@ def test_a_decode_server_failing_mid_stream_ends_the_stream_with_an_openai_error
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == 502
+    assert [b.inflight for b in router.prefill + router.decode] == [0, 0]  # (the load it counted, given back)
+
+
+def test_the_load_a_request_puts_on_its_servers_is_given_back_on_every_ending(routed):
+    """The tokens in flight the policies read (cache/route.py): counted while P prefills and D
+    answers, back to 0 after a streamed answer, a whole one, a P error and a D error."""
+    c, router, backends = routed
+
+    class Events(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n'
+
+    assert c.post("/v1/completions", json=BODY).status_code == 200
+    backends.decode = lambda req: httpx.Response(200, stream=Events(), headers={"content-type": "text/event-stream"})
+    assert c.post("/v1/completions", json=BODY | {"stream": True}).text.endswith("data: [DONE]\n\n")
+    backends.decode = lambda req: httpx.Response(500, json={"error": {"message": "boom"}})
+    assert c.post("/v1/completions", json=BODY).status_code == 500
+    assert c.post("/v1/completions", json=BODY | {"stream": True}).status_code == 500
+    assert [b.inflight for b in router.prefill + router.decode] == [0, 0]
 
 
 def test_an_unknown_route_is_an_openai_404(routed):
