@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvtier.cache.route import POLICIES
 from kvtier.flags import add_json_flag, non_negative_int, positive_int, write_json
 from kvtier.flags import non_negative_float as _non_negative_float
 from kvtier.flags import port as _port
@@ -284,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--policy",
-        choices=("cache_aware", "least_load", "round_robin"),
+        choices=POLICIES,
         default=None,
         help="which instance takes a request: cache_aware (the longest cached prefix, device hits "
         "first, among instances not overloaded), least_load (fewest tokens in flight) or "

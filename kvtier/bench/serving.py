@@ -49,11 +49,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
+from kvtier.cache.route import POLICIES
+
 # kvtier serve flags per --compare configuration (the device and host sizes come from the bench);
 # pd: a prefill and a decode server (each the storage configuration) behind `kvtier router`
 # cache_aware, least_load, round_robin: --instances servers (each the host configuration) behind
 # `kvtier router --workers --policy` of that name
-POLICY_CONFIGS = ("cache_aware", "least_load", "round_robin")
+POLICY_CONFIGS = POLICIES
 CONFIGS = ("recompute", "device", "host", "storage", "pd", *POLICY_CONFIGS)
 
 

@@ -31,6 +31,7 @@ from kvtier import flags
 from kvtier.bench.replay import TIERS, SimConfig, simulate
 from kvtier.bench.traces import read_trace
 from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
+from kvtier.cache.route import POLICIES
 
 
 def format_report(res: dict) -> str:
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--route",
-        choices=("cache_aware", "least_load", "round_robin"),
+        choices=POLICIES,
         default="cache_aware",
         help="--instances > 1: the router's policy, as kvtier router --policy (default cache_aware)",
     )

@@ -58,8 +58,8 @@ class DraftGraphs(Graphs):
         self.buckets = self.keys = buckets
         self.passes = passes
         dtype = next(model.parameters()).dtype
-        self.hidden = torch.zeros(buckets[-1], model.config.hidden_size, dtype=dtype, device=device)
-        self.tokens = torch.zeros(passes, buckets[-1], dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=dtype, device=device)
+        self.tokens = torch.zeros(passes, rows, dtype=torch.int64, device=device)
 
     def _chain(self, bp: int, host_positions: list[int] | None) -> torch.Tensor:
         """The passes over rows [0, bp) (captured, or eager with ``host_positions``' lengths)."""

@@ -220,9 +220,9 @@ class Speculator:
             row += s.num_tokens
         self.num_mtp_rows += len(next_ids)
         hook = start_loads("layers") if start_loads is not None else None  # (the step's loads, layer num_layers too)
-        rows = [r for _, r, _ in go] if self.k else []
-        positions = [q + 1 for _, _, q in go] if self.k else []
-        tables = [req.cache_req.block_table for req, _, _ in go] if self.k > 1 else []
+        rows = [r for _, r, _ in go]
+        positions = [q + 1 for _, _, q in go]
+        tables = [req.cache_req.block_table for req, _, _ in go] if self.chain is not None else []
         if runner.peers is not None:  # every rank runs the same passes (engine/tp)
             runner.peers.draft(next_ids, rows, positions, tables)
         toks = draft_passes(runner, self.chain, inputs, hidden, hook, next_ids, rows, positions, tables)
