@@ -94,11 +94,12 @@ class DraftGraphs(Graphs):
             self.hidden[start:end].zero_()
             self.block_tables[start:end].fill_(self.scratch_block)
 
-    def run(self, ids: torch.Tensor, positions: list[int], hidden: torch.Tensor, tables: list[list[int]]) -> torch.Tensor:
-        """Drafts 2..passes+1 [passes, B] of B rows: ``ids`` the first drafts (on the device),
-        ``positions`` where the chain's first pass writes (the row after the last accepted
-        position), ``hidden`` the MTP block's output there, ``tables`` the requests' block tables."""
-        n = len(positions)
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, tables: list[list[int]]) -> torch.Tensor:
+        """Drafts 2..passes+1 [passes, B] of B rows: ``ids`` the first drafts, ``positions``
+        where the chain's first pass writes (the row after the last accepted position; both on
+        the device, so a verification there needs no host sync before the chain), ``hidden``
+        the MTP block's output there, ``tables`` the requests' block tables."""
+        n = len(tables)
         bp = self.bucket(n)
         assert bp is not None, f"{n} drafting rows exceed the chain's {self.buckets[-1]}"
         graph, _ = self._graph(bp) if self.capture else (None, None)  # capture first: it resets the buffers
@@ -107,13 +108,13 @@ class DraftGraphs(Graphs):
             row[: len(t)] = t
         # (through pinned memory: a copy from pageable memory would wait for the step's forward)
         self.block_tables[:n].copy_(to_device(table, self.device))
-        self.positions[:n].copy_(to_device(positions, self.device, torch.int64))
+        self.positions[:n].copy_(positions)
         self.input_ids[:n].copy_(ids)
         self.hidden[:n].copy_(hidden)
         self._pad(n, bp)
         self.runs += 1
         if graph is None:
-            self._chain(bp, list(positions) + [0] * (bp - n))
+            self._chain(bp, positions.tolist() + [0] * (bp - n))  # (exact lengths for eager attention)
         else:
             graph.replay()
         return self.tokens[:, :n]

@@ -107,25 +107,23 @@ class Speculator:
         self, runner: ModelRunner, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None
     ) -> StepResult:
         """The step: target forward, verification, MTP passes; its results are on the host when
-        this returns (``StepResult.done``), each request's accepted drafts in ``step_accepted``."""
+        this returns (``StepResult.done``), each request's accepted drafts in ``step_accepted``.
+
+        When every verifying request is greedy (and the engine is one rank), verification runs on
+        the device too: the step's work is queued back to back and read with one host sync at
+        its end. Otherwise the sampled tokens come to the host for the rejection rule first
+        (:meth:`_verify`), and under tensor parallelism rank 0 sends the passes' plan to the others."""
         from kvtier.engine.runner import StepResult
 
         model, device = runner.model, runner.device
         host = runner.build_inputs(out)
         inputs, hidden = runner.forward(host, start_loads)
-        # the verify rows: each sampling request's last 1 + num_drafts rows
-        spans: list[tuple[Request, int, int, list[int]]] = []  # (request, first row, rows, drafts)
-        row = 0
-        for s in out.scheduled:
-            row += s.num_tokens
-            if s.samples:
-                n = 1 + s.num_drafts
-                spans.append((s.request, row - n, n, s.request.draft_tokens[: s.num_drafts]))
-        sampled: dict[str, int] = {}
-        last_row: dict[int, int] = {}  # id(request) -> the row of its last accepted position
+        plan = _Plan(out, runner.block_size)
+        spans = plan.spans
+        logits = raw = processed = None
+        where: dict[int, int] = {}
         if spans:
-            rows = [first + j for _, first, n, _ in spans for j in range(n)]
-            logits = model.compute_logits(hidden.index_select(0, to_device(rows, device)))
+            logits = model.compute_logits(hidden.index_select(0, to_device(plan.verify_rows, device, torch.long)))
             params = [req.params for req, _, n, _ in spans for _ in range(n)]
             gens = [req.generator for req, _, n, _ in spans for _ in range(n)]
             sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -137,27 +135,54 @@ class Speculator:
                 ahead = [(req, drafts[:j]) for req, _, n, drafts in spans for j in range(n)]
                 runner.penalties.apply(logits, penalized, [ahead[i][0] for i in penalized], [ahead[i][1] for i in penalized])
             tokens, processed = draw(logits, params, gens, processed_rows=sampled_rows)
-            tokens_host = tokens.tolist()
             where = {r: i for i, r in enumerate(sampled_rows)}
-            at = 0
-            for req, first, n, drafts in spans:
-                a, token = self._verify(req, drafts, tokens_host[at : at + n], processed, [where.get(at + j) for j in range(n)])
-                if req.params.logprobs is not None:  # the target's, for every token it emits
-                    entries = [
-                        _entry(raw[at + j], logits[at + j], processed, where.get(at + j), req, t)
-                        for j, t in enumerate([*drafts[:a], token])
-                    ]
-                    req.step_accepted_logprobs, req.step_logprobs = entries[:a], entries[a]
-                at += n
-                req.step_accepted = drafts[:a]
-                sampled[req.request_id] = token
-                last_row[id(req)] = first + a
-                if drafts:
-                    self.num_drafted += len(drafts)
-                    self.num_accepted += a
-                    for j in range(a):
-                        self.accepted_at[j] += 1
-        self._draft(runner, out, inputs, hidden, sampled, last_row, start_loads)
+            on_device = not sampled_rows and runner.peers is None
+        else:
+            tokens, on_device = torch.zeros(0, dtype=torch.long, device=device), runner.peers is None
+        hook = start_loads("layers") if start_loads is not None else None  # (the step's loads, layer num_layers too)
+        if on_device:
+            accepted, after = plan.accept_on_device(tokens, device)
+            next_ids, rows, positions = plan.draft_inputs_on_device(tokens, accepted, device)
+            drafts = draft_passes(runner, self.chain, inputs, hidden, hook, next_ids, rows, positions, plan.tables(self.chain))
+            n = len(spans)
+            got = torch.cat([accepted, after, drafts.flatten()]).tolist()  # (the step's one host sync)
+            results = list(zip(got[:n], got[n : 2 * n]))
+            draft_rows = [got[2 * n + t * len(plan.go) : 2 * n + (t + 1) * len(plan.go)] for t in range(drafts.shape[0])]
+        else:
+            tokens_host = tokens.tolist()
+            results = []
+            for req, first, n, drafts_of in spans:
+                at = plan.at[id(req)]
+                prow = [where.get(at + j) for j in range(n)]
+                results.append(self._verify(req, drafts_of, tokens_host[at : at + n], processed, prow))
+            next_ids_h, rows_h, positions_h = plan.draft_inputs_on_host(results)
+            tables = plan.tables(self.chain)
+            if runner.peers is not None:  # every rank runs the same passes (engine/tp)
+                runner.peers.draft(next_ids_h, rows_h, positions_h, tables)
+            next_ids, rows, positions = (to_device(v, device, torch.long) for v in (next_ids_h, rows_h, positions_h))
+            drafts = draft_passes(runner, self.chain, inputs, hidden, hook, next_ids, rows, positions, tables)
+            draft_rows = drafts.tolist()
+        self.num_mtp_rows += plan.num_rows
+        self.num_mtp_prompt_rows += plan.num_prompt_rows
+        sampled: dict[str, int] = {}
+        for (req, _, n, drafts_of), (a, token) in zip(spans, results):
+            at = plan.at[id(req)]
+            if req.params.logprobs is not None:  # the target's, for every token it emits
+                assert raw is not None and logits is not None
+                entries = [
+                    _entry(raw[at + j], logits[at + j], processed, where.get(at + j), req, t)
+                    for j, t in enumerate([*drafts_of[:a], token])
+                ]
+                req.step_accepted_logprobs, req.step_logprobs = entries[:a], entries[a]
+            req.step_accepted = drafts_of[:a]
+            sampled[req.request_id] = token
+            req.draft_tokens = []
+            if drafts_of:
+                self.num_drafted += len(drafts_of)
+                self.num_accepted += a
+                for j in range(a):
+                    self.accepted_at[j] += 1
+        self._keep_drafts(runner, plan, results, draft_rows)
         return StepResult.done(sampled)
 
     def _verify(
@@ -189,55 +214,108 @@ class Speculator:
             return j, int(torch.multinomial(r / r.sum(), 1, generator=gen).item())
         return len(drafts), tokens[len(drafts)]
 
-    def _draft(self, runner, out, inputs, hidden, sampled: dict[str, int], last_row: dict[int, int], start_loads) -> None:
-        """The MTP passes: over every row of the step, then k-1 single rows per drafting request;
-        sets ``draft_tokens`` of every request that sampled."""
+    def _keep_drafts(self, runner, plan: _Plan, results: list[tuple[int, int]], draft_rows: list[list[int]]) -> None:
+        """Each drafting request's ``draft_tokens`` from the passes' drafts ``[k][drafting]``."""
         bs = runner.block_size
-        next_ids: list[int] = []
-        go: list[tuple[Request, int, int]] = []  # drafting: (request, row, position of that row)
+        for n, (req, i) in enumerate(plan.go):
+            q = plan.first_pos[i] + results[i][0]  # its last accepted position
+            # draft t (t >= 1) came from the pass at position q + t: kept while that position's
+            # slot is in the request's table (the scheduler allocates k - 1 ahead where it can)
+            room = len(req.cache_req.block_table) * bs
+            for t in range(len(draft_rows)):
+                if t and q + t >= room:
+                    break
+                self.num_mtp_rows += t > 0
+                tok = draft_rows[t][n]
+                if self.drafter is not None:
+                    tok = self.drafter(req, q + 2 + t, tok)
+                req.draft_tokens.append(tok)
+
+
+class _Plan:
+    """What a step's verification and MTP passes need from the host, known before the forward
+    ends: each sampling request's verify span (its last 1 + drafts rows), and for every row of
+    the step the token after it where the prompt already says (verified rows get theirs from
+    the verification: a kept draft, then the emitted token; rows past it are rewritten before
+    anything reads them)."""
+
+    def __init__(self, out: SchedulerOutput, block_size: int) -> None:
+        self.spans: list[tuple[Request, int, int, list[int]]] = []  # (request, first row, rows, drafts)
+        self.at: dict[int, int] = {}  # id(request) -> its first verify row among all verify rows
+        self.verify_rows: list[int] = []  # the verify rows' rows in the step
+        self.first_pos: list[int] = []  # per span: the position of its first row
+        self.go: list[tuple[Request, int]] = []  # drafting requests: (request, its span)
+        self.next_known: list[int] = []  # per step row: the token after it (0 on verify rows)
+        self.num_rows = 0
+        self.num_prompt_rows = 0
         row = 0
         for s in out.scheduled:
             req = s.request
             start = req.num_computed_tokens  # (before advance(): this step's first position)
             known = req.all_token_ids
-            accepted = req.step_accepted if s.num_drafts else None
+            n = 1 + s.num_drafts if s.samples else 0
             for j in range(s.num_tokens):
                 pos = start + j
-                if accepted is not None:  # a verify row: the token after it, if it was kept
-                    a = len(accepted)
-                    nxt = accepted[j] if j < a else (sampled[req.request_id] if j == a else 0)
-                elif pos + 1 < len(known):
-                    nxt = known[pos + 1]
-                else:  # the last row of a chunk that sampled
-                    nxt = sampled[req.request_id]
-                next_ids.append(nxt)
-                self.num_mtp_prompt_rows += pos < req.num_prompt_tokens
-            if s.samples:
-                req.draft_tokens = []
-                r = last_row[id(req)]
+                self.next_known.append(known[pos + 1] if j < s.num_tokens - n else 0)
+                self.num_prompt_rows += pos < req.num_prompt_tokens
+            if n:
+                first = row + s.num_tokens - n
+                self.at[id(req)] = len(self.verify_rows)
+                self.verify_rows.extend(range(first, first + n))
+                self.first_pos.append(start + s.num_tokens - n)
                 if not req.export:
-                    go.append((req, r, start + r - row))
+                    self.go.append((req, len(self.spans)))
+                self.spans.append((req, first, n, req.draft_tokens[: s.num_drafts]))
             row += s.num_tokens
-        self.num_mtp_rows += len(next_ids)
-        hook = start_loads("layers") if start_loads is not None else None  # (the step's loads, layer num_layers too)
-        rows = [r for _, r, _ in go]
-        positions = [q + 1 for _, _, q in go]
-        tables = [req.cache_req.block_table for req, _, _ in go] if self.chain is not None else []
-        if runner.peers is not None:  # every rank runs the same passes (engine/tp)
-            runner.peers.draft(next_ids, rows, positions, tables)
-        toks = draft_passes(runner, self.chain, inputs, hidden, hook, next_ids, rows, positions, tables)
-        for n, (req, _, q) in enumerate(go):
-            # draft t (t >= 1) came from the pass at position q + t: kept while that position's
-            # slot is in the request's table (the scheduler allocates k - 1 ahead where it can)
-            room = len(req.cache_req.block_table) * bs
-            for t in range(self.k):
-                if t and q + t >= room:
-                    break
-                self.num_mtp_rows += t > 0
-                tok = toks[t][n]
-                if self.drafter is not None:
-                    tok = self.drafter(req, q + 2 + t, tok)
-                req.draft_tokens.append(tok)
+        self.num_rows = row
+        self.block_size = block_size
+
+    def tables(self, chain: DraftGraphs | None) -> list[list[int]]:
+        return [req.cache_req.block_table for req, _ in self.go] if chain is not None else []
+
+    def accept_on_device(self, tokens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy verification on the device: per span, the drafts accepted (while the target's
+        argmax at row j equals draft j+1) and the token after them (the argmax there)."""
+        if not self.spans:
+            return torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
+        width = max(n for _, _, n, _ in self.spans)
+        want = [[-1] * width for _ in self.spans]  # the draft row j must have produced; -1 never matches
+        index = [[0] * width for _ in self.spans]
+        for i, (req, _, n, drafts) in enumerate(self.spans):
+            at = self.at[id(req)]
+            want[i][: len(drafts)] = drafts
+            index[i] = [at + min(j, n - 1) for j in range(width)]
+        idx = to_device(index, device, torch.long)
+        match = tokens[idx] == to_device(want, device, torch.long)
+        accepted = match.long().cumprod(dim=1).sum(dim=1)
+        after = tokens.gather(0, idx[:, 0] + accepted)
+        return accepted, after
+
+    def draft_inputs_on_device(
+        self, tokens: torch.Tensor, accepted: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MTP passes' inputs (as :meth:`draft_inputs_on_host`) from a greedy verification
+        on the device: a verify row's next token is the target's argmax there (row j < a: the
+        draft it kept, which equals it; row a: the emitted token; past a: rewritten later)."""
+        next_ids = to_device(self.next_known, device, torch.long)
+        if self.verify_rows:
+            next_ids[to_device(self.verify_rows, device, torch.long)] = tokens
+        spans = to_device([i for _, i in self.go], device, torch.long)
+        kept = accepted[spans]
+        rows = to_device([self.spans[i][1] for _, i in self.go], device, torch.long) + kept
+        positions = to_device([self.first_pos[i] for _, i in self.go], device, torch.long) + kept + 1
+        return next_ids, rows, positions
+
+    def draft_inputs_on_host(self, results: list[tuple[int, int]]) -> tuple[list[int], list[int], list[int]]:
+        """The MTP passes' inputs from the verification's ``(accepted, token)`` per span: the
+        token after every row of the step, and per drafting request its last accepted row and
+        the position after it (where the chain's first pass writes)."""
+        next_ids = list(self.next_known)
+        for (_, first, n, drafts), (a, token) in zip(self.spans, results):
+            next_ids[first : first + n] = [*drafts[:a], token] + [0] * (n - a - 1)
+        rows = [self.spans[i][1] + results[i][0] for _, i in self.go]
+        positions = [self.first_pos[i] + results[i][0] + 1 for _, i in self.go]
+        return next_ids, rows, positions
 
 
 def draft_passes(
@@ -246,28 +324,28 @@ def draft_passes(
     inputs: StepInputs,
     hidden: torch.Tensor,
     hook: LoadWaits | None,
-    next_ids: list[int],
-    rows: list[int],
-    positions: list[int],
+    next_ids: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
     tables: list[list[int]],
-) -> list[list[int]]:
+) -> torch.Tensor:
     """The MTP block's passes of a step, on this rank's shard (the same on every
-    tensor-parallel rank: rank 0 plans them, :meth:`Speculator._draft`): over every row of the
+    tensor-parallel rank: rank 0 plans them, :meth:`Speculator.execute`): over every row of the
     step (``next_ids``: the token after each), then for the drafting ``rows`` the first draft
     and, with ``tables``, the chain (``positions``: where its first pass writes). The drafts
-    ``[k][len(rows)]`` (one host sync)."""
-    model, device = runner.model, runner.device
-    m = model.draft(to_device(next_ids, device), inputs.positions, hidden, runner.kv_caches, inputs.meta, hook)
-    if not rows:
-        return []
-    cur = m.index_select(0, to_device(rows, device))
+    ``[k, len(rows)]``, on the device (no host sync: the caller reads them with the rest)."""
+    model = runner.model
+    m = model.draft(next_ids, inputs.positions, hidden, runner.kv_caches, inputs.meta, hook)
+    if not rows.numel():
+        return rows.new_zeros(1, 0)
+    cur = m.index_select(0, rows)
     first = model.draft_logits(cur).argmax(dim=-1)
     if chain is None or not tables:
-        return [first.tolist()]
-    # drafts 2..k: the chained passes (engine/draft_graphs.py), read with the first
+        return first[None]
+    # drafts 2..k: the chained passes (engine/draft_graphs.py)
     cap = chain.buckets[-1]
     parts = [
         chain.run(first[i : i + cap], positions[i : i + cap], cur[i : i + cap], tables[i : i + cap]).clone()
-        for i in range(0, len(rows), cap)
+        for i in range(0, len(tables), cap)
     ]
-    return torch.cat([first[None], torch.cat(parts, dim=1)]).tolist()
+    return torch.cat([first[None], torch.cat(parts, dim=1)])

@@ -64,7 +64,7 @@ def test_the_chain_drafts_what_one_pass_at_a_time_drafts(checkpoint, device):
     chain.capture_all()  # (on CUDA: every bucket's graph, each capture writing the scratch block only)
     kv_captured = [t.clone() for t in kv]
     assert all(torch.equal(a[:, :BLOCKS], b[:, :BLOCKS]) for a, b in zip(kv_captured, before))
-    got = chain.run(torch.tensor(first, device=dev), starts, torch.stack(cur), [t for _, t in seqs]).tolist()
+    got = chain.run(torch.tensor(first, device=dev), torch.tensor(starts, device=dev), torch.stack(cur), [t for _, t in seqs]).tolist()
     assert chain.bucket(len(seqs)) == 4  # one padding row
     assert chain.seq_lens[: len(seqs)].tolist() == [n + PASSES for n in starts]  # the last pass's lengths
     for i, toks in enumerate(want):

@@ -20,7 +20,7 @@ import kvtier
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams, draw
 from kvtier.engine.spec import Speculator
-from kvtier.model import ModelConfig
+from kvtier.model import AttentionMetadata, ModelConfig, allocate_kv_caches, load_model
 from tests.engine.test_generate_vs_hf import prompts_for
 from tests.engine.test_sampling_distribution import LOGITS, reference, rejection
 
@@ -240,6 +240,85 @@ def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
     assert spec._verify(req, [5, 6, 7], [5, 6, 9, 4], None, [None] * 4) == (2, 9)
     assert spec._verify(req, [5, 6, 7], [5, 6, 7, 4], None, [None] * 4) == (3, 4)
     assert spec._verify(req, [5, 6, 7], [8, 6, 7, 4], None, [None] * 4) == (0, 8)
+
+
+def mtp_reference(model, seq: list[int], q: int, k: int) -> list[tuple[int, float]]:
+    """The MTP block's k drafts after ``seq[: q + 2]``, from scratch with one request's own
+    KV: the target over every position, the MTP block over positions 0..q (row j fed the
+    target's state at j and token j+1), then k-1 single-row passes each fed its own last draft
+    and output. Each draft with its logit margin over the runner-up (a near tie may go either
+    way between two numerically different but correct computations)."""
+    cfg, bs = model.config, 8
+    n = q + 2
+    blocks = -(-(n + k) // bs)
+    kv = allocate_kv_caches(cfg, blocks, bs, torch.device("cpu"))
+    table = list(range(blocks))
+    ids = torch.tensor(seq[:n])
+    pos = torch.arange(n - 1)
+    meta = AttentionMetadata.build([n], [n], [table], bs, "cpu")
+    hidden = model(ids, torch.arange(n), kv, meta)
+    meta = AttentionMetadata.build([n - 1], [n - 1], [table], bs, "cpu")
+    m = model.draft(ids[1:], pos, hidden[:-1], kv, meta)[-1:]
+    out = []
+    for t in range(k):
+        top = model.draft_logits(m)[0].topk(2)
+        tok = int(top.indices[0])
+        out.append((tok, float(top.values[0] - top.values[1])))
+        if t + 1 < k:
+            p = q + 1 + t
+            meta = AttentionMetadata.build([1], [p + 1], [table], bs, "cpu")
+            m = model.draft(torch.tensor([tok]), torch.tensor([p]), m, kv, meta)
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_drafts_are_the_mtp_blocks_over_the_whole_sequence(mtp_model, sampled):
+    """Every draft the engine proposes (the MTP block's own, before a controlled drafter
+    replaces some so that drafts are accepted) equals a from-scratch run of the MTP block over
+    the request's tokens so far. Verification keeps outputs exact whatever the drafts, so only
+    this catches an MTP row fed the wrong token or state, or a chain started at the wrong
+    position. All greedy: verification runs on the device; with a sampled request in the
+    batch: on the host."""
+    k = 3
+    prompts = prompts_for(53, lengths=(13, 22, 31))
+    greedy = kvtier.SamplingParams(max_tokens=18, ignore_eos=True)
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, enable_prefix_caching=False) as llm:
+        ref = llm.generate(prompts, greedy)
+    oracle = oracle_drafter({tuple(p): o.token_ids for p, o in zip(prompts, ref)}, 0.7)
+    proposals: list[tuple[tuple[int, ...], int, int]] = []  # (prompt, position, the MTP block's draft)
+
+    def drafter(req: Request, position: int, proposal: int) -> int:
+        proposals.append((tuple(req.prompt_token_ids), position, proposal))
+        return oracle(req, position, proposal)
+
+    params = [greedy] * len(prompts)
+    if sampled:
+        params[1] = kvtier.SamplingParams(max_tokens=18, ignore_eos=True, temperature=0.9, seed=5)
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, enable_prefix_caching=False,
+                    num_speculative_tokens=k) as llm:
+        llm.spec.drafter = drafter
+        outs = llm.generate(prompts, params)
+        spec = llm.cache_stats()["speculative"]
+    assert spec["accepted"] > 0 and spec["accepted_at"][-1] > 0
+    seqs = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, outs)}
+    model = load_model(mtp_model, mtp=True)
+    checked = 0
+    i = 0
+    while i < len(proposals):  # a request's drafts of one step: consecutive positions
+        key, start, _ = proposals[i]
+        group = [proposals[i]]
+        while i + len(group) < len(proposals) and proposals[i + len(group)][:2] == (key, start + len(group)):
+            group.append(proposals[i + len(group)])
+        i += len(group)
+        q = start - 2  # the last accepted position: the step emitted the token at q + 1
+        if q + 1 >= len(seqs[key]):  # (past max_tokens: the output was cut there)
+            continue
+        for (_, _, got), (want, margin) in zip(group, mtp_reference(model, seqs[key], q, len(group))):
+            if margin < 1e-4:
+                break  # (a near tie; the chain past it is fed either token)
+            assert got == want, (key[:3], start, group)
+            checked += 1
+    assert checked > 40
 
 
 def test_sampled_requests_and_n_samples_decode_with_drafts(mtp_model):

@@ -200,13 +200,17 @@ class _Rank:
             elif kind == "score":
                 self.runner.score(msg[1], msg[2])
             elif kind == "draft":
+                from kvtier.engine.sampling import to_device
                 from kvtier.engine.spec import draft_passes
 
                 runner = self.runner
                 assert runner.spec is not None and runner.followed is not None, "drafts without a drafting forward"
                 inputs, hidden, hook = runner.followed
                 runner.followed = None
-                draft_passes(runner, runner.spec.chain, inputs, hidden, hook, *msg[1:])
+                next_ids, rows, positions, tables = msg[1:]
+                dev = runner.device
+                ids, rows, positions = (to_device(v, dev, torch.long) for v in (next_ids, rows, positions))
+                draft_passes(runner, runner.spec.chain, inputs, hidden, hook, ids, rows, positions, tables)
             elif kind == "close":
                 from kvtier.engine.tp.ranks import destroy_group
 
