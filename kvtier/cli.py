@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=POLICIES,
         default=None,
         help="which instance takes a request: cache_aware (the longest cached prefix, device hits "
-        "first, among instances not overloaded), least_load (fewest tokens in flight) or "
+        "first, among instances not overloaded), least_load (the least uncached work in flight) or "
         "round_robin; under PD it picks the prefill server and the decode server (default: "
         "cache_aware with --workers, round_robin for PD)",
     )

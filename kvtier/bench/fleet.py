@@ -9,7 +9,7 @@ reader sees the gap in the numbering, skips the rest of that poll and takes a sn
 next one (one request later), as the router does.
 
 Load: the tokens an instance has yet to prefill when the request arrives, on the modelled
-timeline below (the router's "tokens in flight"). Modelled TTFT: an instance prefills one
+timeline below (the router's load: the uncached tokens of the requests in flight). Modelled TTFT: an instance prefills one
 request at a time at ``prefill_tokens_per_s`` (default 20,000 when 0 is given), its uncached
 tokens only, starting at the request's trace time
 or when the instance is free; TTFT = the wait + the prefill. The same run also replays one

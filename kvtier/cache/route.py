@@ -5,11 +5,12 @@ Each candidate instance is described by what the router knows of it (:class:`Can
 many of the request's leading tokens its device tier and its host tier hold (a
 :class:`PrefixIndex` fed by the instance's KV events, cache/events.py), how many more after
 those the shared pool holds (asked of the pool itself: it is the same for every instance, so it
-counts for everyone, after what each holds), and its load, the tokens of the requests in flight
-on it.
+counts for everyone, after what each holds), and its load, the work of the requests in flight
+on it: their tokens but those it was predicted to hold when each was sent (a cached prompt costs
+it little; ``kvtier sim`` models the same, the uncached tokens it has yet to compute).
 
 - ``round_robin``: in turn, whatever they hold.
-- ``least_load``: the fewest tokens in flight.
+- ``least_load``: the least load.
 - ``cache_aware``: the longest prefix, device hits counting in full, host hits at
   :data:`HOST_WEIGHT` (a host hit is a load over PCIe, not free) and pool hits at
   :data:`STORAGE_WEIGHT` (a fetch over the network, then that load), among the instances whose load
@@ -45,7 +46,7 @@ PREDICTED_MAX = 100_000  # predicted keys kept before the expired ones are swept
 class Candidate:
     device_hit: int = 0  # leading tokens of the request in its device tier
     host_hit: int = 0  # ... then in its host tier
-    load: int = 0  # tokens of requests in flight on it
+    load: int = 0  # the uncached tokens of the requests in flight on it (module docstring)
     storage_hit: int = 0  # ... then in the shared pool
 
     @property

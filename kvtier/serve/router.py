@@ -86,7 +86,7 @@ class Backend:
         self.healthy = True
         self.info: dict = {}
         self._warned: set[str] = set()
-        # --policy: tokens of the requests in flight on it; its cache as its KV events say
+        # --policy: the uncached tokens of the requests in flight on it (_load); its cache as its KV events say
         # (serve/workers.py): None until a snapshot put the index in step
         self.inflight = 0
         self.index = PrefixIndex()
@@ -177,16 +177,18 @@ class Router:
         return self.client
 
     # ------------------------------------------------------------------ backends
-    async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str], role: str = "decode") -> Backend | None:
+    async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str], role: str = "decode") -> tuple[Backend, int] | None:
         """The D (or worker), or with ``role="prefill"`` the P, for a request, by ``--policy``
         (cache/route.py): under cache_aware a P is chosen for the prefix its tiers hold (what it
-        holds it does not prefill), a D for what it holds (what it holds it does not load)."""
+        holds it does not prefill), a D for what it holds (what it holds it does not load).
+        With it the prompt tokens the chosen one is predicted to hold (0 without
+        ``cache_aware``): they are not its work (:meth:`_load`)."""
         pool, picker = (self.prefill, self.prefill_picker) if role == "prefill" else (self.decode, self.picker)
         cands = [b for b in pool if b.healthy and b.url not in exclude]
         if not cands:
             return None
         if self.cache_view is None:
-            return cands[picker.pick([Candidate(load=b.inflight) for b in cands])]
+            return cands[picker.pick([Candidate(load=b.inflight) for b in cands])], 0
         scored, keys, n = await self.cache_view.candidates(cands, kind, body)
         i = picker.pick(scored, n)
         chosen = cands[i]
@@ -194,7 +196,8 @@ class Router:
         self.predicted_hits.labels(chosen.role, "host").inc(scored[i].host_hit)
         self.predicted_hits.labels(chosen.role, "storage").inc(scored[i].storage_hit)
         self.cache_view.sent(cands[i], keys)
-        return cands[i]
+        c = scored[i]
+        return chosen, c.device_hit + c.host_hit + c.storage_hit
 
     async def _events_loop(self) -> None:
         view = self.cache_view
@@ -367,7 +370,7 @@ class Router:
         if isinstance(opened, APIError):
             yield (sse_error(opened) + "data: [DONE]\n\n").encode()
             return
-        r, d = opened
+        r, d, cached = opened
         if r.status_code != 200:
             try:
                 detail = (await r.aread()).decode(errors="replace")[:300]
@@ -377,7 +380,7 @@ class Router:
                 await r.aclose()
             yield (sse_error(APIError(502, f"decode server answered {r.status_code}: {detail}")) + "data: [DONE]\n\n").encode()
             return
-        cost = _request_tokens(body)
+        cost = _load(body, cached)
         d.inflight += cost  # D's load until its stream ends (cache/route.py)
         try:
             async for b in _relay(None, r):
@@ -391,14 +394,15 @@ class Router:
         tried: set[str] = set()
         reason = "no_prefill_server"
         while True:
-            p = await self._choose(kind, body, tried, "prefill")
-            if p is None:
+            chosen = await self._choose(kind, body, tried, "prefill")
+            if chosen is None:
                 return None, reason
+            p, cached = chosen
             tried.add(p.url)
             # one deadline for P's first line, however slowly its bytes come (httpx's timeouts
             # are per read); the same one bounds P's ack (_Prefill.ack)
             deadline = asyncio.get_running_loop().time() + self.timeout_s
-            cost = _request_tokens(body)
+            cost = _load(body, cached)
             p.inflight += cost  # its load until its first line (the prefill)
             try:
                 pre, reason = await asyncio.wait_for(self._prefill_on(p, kind, body, deadline), self.timeout_s)
@@ -455,15 +459,17 @@ class Router:
             raise
         return pre, ""
 
-    async def _open_decode(self, kind: str, body: dict) -> tuple[httpx.Response, Backend] | APIError:
+    async def _open_decode(self, kind: str, body: dict) -> tuple[httpx.Response, Backend, int] | APIError:
         """D's response, headers read and body streaming (a D that fails to connect or is busy:
-        the next one), and that D; or the router's error when none answers."""
+        the next one), that D and the prompt tokens it was predicted to hold; or the router's
+        error when none answers."""
         tried: set[str] = set()
         last_error = "no decode server is up"
         while True:
-            d = await self._choose(kind, body, tried)
-            if d is None:
+            chosen = await self._choose(kind, body, tried)
+            if chosen is None:
                 return APIError(503, last_error)
+            d, cached = chosen
             tried.add(d.url)
             req = self._http.build_request("POST", d.url + _PATHS[kind], json=body)
             try:
@@ -483,14 +489,14 @@ class Router:
                 await r.aclose()
                 continue
             self.routed.labels(d.url).inc()
-            return r, d
+            return r, d, cached
 
     async def _decode(self, kind: str, body: dict, stream: bool, first_chunks: list | None) -> Response:
-        cost = _request_tokens(body)
         opened = await self._open_decode(kind, body)
         if isinstance(opened, APIError):
             return error_response(opened.status, opened.message)
-        r, d = opened
+        r, d, cached = opened
+        cost = _load(body, cached)
         if r.status_code != 200 or not stream:
             d.inflight += cost  # its load until the answer ends (cache/route.py)
             try:
@@ -628,9 +634,18 @@ class _Prefill:
         await self.response.aclose()
 
 
+def _load(body: dict, cached: int) -> int:
+    """A request's weight in an instance's load, the work it brings: its prompt's tokens
+    (characters / 4 for text) but the ``cached`` ones the instance holds, plus its max_tokens
+    (default 16). ``kvtier sim`` counts an instance's load the same way: the uncached tokens it
+    has yet to compute. (A cached prompt is not work: counted in full, a long conversation that
+    is mostly a hit would weigh as if recomputed, and the balance rule would move it away from
+    its blocks.)"""
+    return max(0, _request_tokens(body) - cached)
+
+
 def _request_tokens(body: dict) -> int:
-    """A request's weight in an instance's load: its prompt's tokens (characters / 4 for text),
-    plus its max_tokens (default 16)."""
+    """A request's tokens: its prompt's (characters / 4 for text) plus its max_tokens (default 16)."""
     prompt = body.get("prompt", body.get("messages"))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         n = len(prompt)

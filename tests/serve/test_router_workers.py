@@ -168,9 +168,25 @@ def test_a_pd_router_sends_a_prompt_to_the_prefill_server_that_holds_its_prefix(
     for k in keys[:3]:
         router.prefill[1].index.apply("stored", "device", k)
 
-    async def chosen() -> list[str]:
-        return [(await router._choose("completion", {"prompt": prompt}, set(), "prefill")).url for _ in range(4)]
+    async def chosen() -> list[tuple[str, int]]:
+        got = [await router._choose("completion", {"prompt": prompt}, set(), "prefill") for _ in range(4)]
+        return [(b.url, cached) for b, cached in got]
 
     got = asyncio.run(chosen())
     want = ["http://p1.test"] * 4 if policy == "cache_aware" else ["http://p0.test", "http://p1.test"] * 2
-    assert got == want
+    assert [url for url, _ in got] == want
+    # the prompt tokens the chosen one holds, not its work (the load the router counts): three
+    # blocks, then the whole prompt (a prompt just sent counts as held there)
+    assert [cached for _, cached in got] == ([24, 32, 32, 32] if policy == "cache_aware" else [0] * 4)
+
+
+def test_an_instances_load_is_the_work_it_was_sent():
+    """A request weighs its prompt and max_tokens less what the instance holds of the prompt:
+    a long conversation that is mostly a hit must not weigh as if it were recomputed, or the
+    balance rule moves it away from its blocks."""
+    from kvtier.serve.router import _load
+
+    body = {"prompt": list(range(1000)), "max_tokens": 16}
+    assert _load(body, 0) == 1016
+    assert _load(body, 992) == 24
+    assert _load({"prompt": "x" * 400}, 0) == 100 + 16  # (text: characters / 4; max_tokens 16)
