@@ -69,6 +69,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def unit_interval(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    value = non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in (0, 1] (``--gpu-memory-utilization 0.9``)."""
     value = non_negative_float(text)

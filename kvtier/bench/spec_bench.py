@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from kvtier.flags import unit_interval
+
 
 def _timed(llm: Any, prompts: list[list[int]], params: Any, repeat: int, device: str) -> tuple[float, list]:
     """(best tokens/s over ``repeat`` runs, the last run's outputs)."""
@@ -59,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input", type=int, default=128, help="prompt tokens (default 128)")
     ap.add_argument("--output", type=int, default=128, help="tokens generated per request (default 128)")
     ap.add_argument("--max-model-len", type=int, default=4096, help="context length of both engines (default 4096)")
+    ap.add_argument(
+        "--speculative-min-acceptance",
+        type=unit_interval,
+        default=None,
+        metavar="RATE",
+        help="as kvtier serve's: a request whose drafts are accepted under this rate rests from drafting; "
+        "0 = always draft (default: the engine's, 0.1)",
+    )
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "speculative_tokens": args.speculative_tokens,
+        "speculative_min_acceptance": args.speculative_min_acceptance,
         "runs": [],
     }
     for batch in batches:
@@ -103,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             base, outs = _timed(llm, prompts, params, args.repeat, args.device)
         oracle = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
         print(f"batch {batch}: without drafts {base:.0f} tok/s", flush=True)
-        with kvtier.LLM(path, max_num_seqs=batch, num_speculative_tokens=args.speculative_tokens, **common) as llm:
+        spec = dict(num_speculative_tokens=args.speculative_tokens)
+        if args.speculative_min_acceptance is not None:
+            spec["speculative_min_acceptance"] = args.speculative_min_acceptance
+        with kvtier.LLM(path, max_num_seqs=batch, **spec, **common) as llm:
             llm.generate(prompts[:2], kvtier.SamplingParams(max_tokens=4, ignore_eos=True))
             for alpha in alphas:
                 draw = random.Random(args.seed + 1)
@@ -120,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 after = llm.spec.stats()
                 drafted = after["drafted"] - before["drafted"]
                 accepted = after["accepted"] - before["accepted"]
+                rested = after["rested_steps"] - before["rested_steps"]
                 same = sum(a.token_ids == b.token_ids for a, b in zip(outs, spec_outs))
                 run = {
                     "batch": batch,
@@ -128,13 +143,15 @@ def main(argv: list[str] | None = None) -> int:
                     "baseline_tokens_per_s": base,
                     "speedup": tps / base,
                     "acceptance": accepted / drafted if drafted else None,
+                    "rested_steps": rested,
                     "same_tokens": f"{same} of {len(outs)}",
                 }
                 results["runs"].append(run)
                 acc = f"{run['acceptance']:.2f}" if drafted else "-"
                 print(
                     f"batch {batch}, alpha {alpha}: {tps:.0f} tok/s = {tps / base:.2f}x without drafts "
-                    f"(acceptance measured {acc}; same tokens as without: {same} of {len(outs)})",
+                    f"(acceptance measured {acc}; request steps resting from drafts {rested}; "
+                    f"same tokens as without: {same} of {len(outs)})",
                     flush=True,
                 )
     if args.json:

@@ -223,11 +223,19 @@ class EngineConfig:
         0,
         "speculative decoding: tokens the model's MTP block drafts per step, verified by one target forward "
         "(greedy: the same tokens as without; sampled: the same distribution); 0 = off. Runs without "
-        "overlap scheduling and tensor parallelism (default 0)",
+        "overlap scheduling (default 0)",
         type=types.non_negative_int,
         flag="--speculative-tokens",
         aliases=("--num-speculative-tokens",),
         metavar="K",
+    )
+    speculative_min_acceptance: float = _opt(
+        0.1,
+        "speculative decoding: a request whose drafts are accepted at a rate under this (a running mean "
+        "over its last steps) stops drafting, and drafts again every 16 steps to see whether it should "
+        "go on (its tokens never depend on it); 0 = always draft (default 0.1)",
+        type=types.unit_interval,
+        metavar="RATE",
     )
     pd_on_miss: str = _opt(
         "recompute",
@@ -307,6 +315,8 @@ class EngineConfig:
             k = self.num_speculative_tokens
             if k > 8:
                 raise ValueError(f"num_speculative_tokens must be at most 8, got {k}")
+            if not 0 <= self.speculative_min_acceptance <= 1:
+                raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {self.speculative_min_acceptance!r}")
             if self.overlap_schedule:
                 raise ValueError(f"num_speculative_tokens={k} runs without overlap_schedule: leave it unset or off")
         device = str(self.device)

@@ -304,7 +304,7 @@ class EngineCore:
                     self.transfer.gates,
                 )
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device, self.routing, graphs, step_graphs)
-        self.spec = Speculator(c.num_speculative_tokens) if c.num_speculative_tokens else None
+        self.spec = Speculator(c.num_speculative_tokens, c.speculative_min_acceptance) if c.num_speculative_tokens else None
         if self.spec is not None and self.spec.k > 1:
             with startup("capturing the draft chain's CUDA graphs" if cuda_graphs else "building the draft chain"):
                 self.spec.chain = build_chain(

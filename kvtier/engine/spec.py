@@ -15,12 +15,14 @@ emitted token has the target's distribution (speculative sampling with a one-hot
 requests emit exactly the tokens they emit without drafts. ``p`` is the processed distribution
 (temperature, top-k, top-p, min-p): the one the request samples from without drafts.
 
-After the verification (one host sync), the MTP block runs over every row of the step (its KV at
-each position: ``hidden[i]`` of the target and the token at ``i+1``; module docstring of
+After the verification, the MTP block runs over every row of the step (its KV at each
+position: ``hidden[i]`` of the target and the token at ``i+1``; module docstring of
 model/families.py) and drafts the next token of each request that goes on from its last accepted
 row; for k > 1 it runs k-1 more single-row passes, each on its own last output, chained on the
-device and replayed from a CUDA graph (engine/draft_graphs.py; one host sync reads every draft
-of the step, after the last pass). Those passes write
+device and replayed from a CUDA graph (engine/draft_graphs.py). When every verifying request is
+greedy the verification runs on the device too, and one host sync at the step's end reads the
+acceptance and every draft; a sampled request's tokens are read first (its rejection rule).
+Those passes write
 the MTP layer's KV at positions past the accepted ones: the next step's target forward and MTP
 pass rewrite them before anything reads them, and the scheduler rewinds ``num_computed_tokens``
 to the accepted positions, so no rejected token's KV is ever committed to the prefix tree.
@@ -35,6 +37,12 @@ recomputed (:attr:`Speculator.num_mtp_rows` counts the rows the MTP block ran). 
 block's last position was written with the token that followed it in the request that computed
 it; a request that hits the block and continues otherwise drafts with that one key from another
 continuation: a draft may be worse, an output never differs.
+
+A request whose drafts are rarely accepted stops drafting (``min_acceptance``: its running
+acceptance, halved toward each step's accepted share, under it) and drafts again every
+:data:`REST_STEPS` steps to see whether it should go on: its drafts cost a draft head and the
+chain every step, worth it only if some are kept. Its steps without drafts still run the MTP
+block over its row (the KV later drafts read).
 """
 
 from __future__ import annotations
@@ -81,9 +89,13 @@ def _entry(
     return entry
 
 
+REST_STEPS = 16  # steps a request with too few drafts accepted decodes without, between tries
+
+
 class Speculator:
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, min_acceptance: float = 0.0) -> None:
         self.k = num_speculative_tokens
+        self.min_acceptance = min_acceptance  # (module docstring: when a request stops drafting)
         self.drafter: Drafter | None = None
         self.chain: DraftGraphs | None = None  # drafts 2..k (the engine builds it when k > 1)
         self.num_drafted = 0  # drafts verified
@@ -91,6 +103,7 @@ class Speculator:
         self.accepted_at = [0] * num_speculative_tokens  # accepted drafts by place (1st, 2nd, ...)
         self.num_mtp_rows = 0  # positions the MTP block ran over (draft passes included)
         self.num_mtp_prompt_rows = 0  # of which prompt positions (0 for a prompt's cached prefix)
+        self.num_rested = 0  # a request's steps without drafts: its acceptance was under the minimum
 
     def stats(self) -> dict:
         return {
@@ -101,6 +114,7 @@ class Speculator:
             "accepted_at": list(self.accepted_at),
             "mtp_rows": self.num_mtp_rows,
             "mtp_prompt_rows": self.num_mtp_prompt_rows,
+            "rested_steps": self.num_rested,
         }
 
     def execute(
@@ -118,7 +132,7 @@ class Speculator:
         model, device = runner.model, runner.device
         host = runner.build_inputs(out)
         inputs, hidden = runner.forward(host, start_loads)
-        plan = _Plan(out, runner.block_size)
+        plan = _Plan(out, self._drafts_now)
         spans = plan.spans
         logits = raw = processed = None
         where: dict[int, int] = {}
@@ -178,6 +192,7 @@ class Speculator:
             sampled[req.request_id] = token
             req.draft_tokens = []
             if drafts_of:
+                req.draft_acceptance = 0.5 * req.draft_acceptance + 0.5 * a / len(drafts_of)
                 self.num_drafted += len(drafts_of)
                 self.num_accepted += a
                 for j in range(a):
@@ -214,6 +229,20 @@ class Speculator:
             return j, int(torch.multinomial(r / r.sum(), 1, generator=gen).item())
         return len(drafts), tokens[len(drafts)]
 
+    def _drafts_now(self, req: Request) -> bool:
+        """Whether ``req`` drafts at this step: while its drafts' running acceptance is at least
+        ``min_acceptance``; under it, once every :data:`REST_STEPS` steps (to see whether it rose).
+        A step without drafts still runs the MTP block over the request's row (its KV, for the
+        drafts to come), but not the draft head nor the chain."""
+        if req.draft_acceptance >= self.min_acceptance:
+            return True
+        if req.draft_rest > 0:
+            req.draft_rest -= 1
+            self.num_rested += 1
+            return False
+        req.draft_rest = REST_STEPS
+        return True
+
     def _keep_drafts(self, runner, plan: _Plan, results: list[tuple[int, int]], draft_rows: list[list[int]]) -> None:
         """Each drafting request's ``draft_tokens`` from the passes' drafts ``[k][drafting]``."""
         bs = runner.block_size
@@ -239,7 +268,7 @@ class _Plan:
     the verification: a kept draft, then the emitted token; rows past it are rewritten before
     anything reads them)."""
 
-    def __init__(self, out: SchedulerOutput, block_size: int) -> None:
+    def __init__(self, out: SchedulerOutput, drafts_now: Callable[[Request], bool]) -> None:
         self.spans: list[tuple[Request, int, int, list[int]]] = []  # (request, first row, rows, drafts)
         self.at: dict[int, int] = {}  # id(request) -> its first verify row among all verify rows
         self.verify_rows: list[int] = []  # the verify rows' rows in the step
@@ -263,12 +292,11 @@ class _Plan:
                 self.at[id(req)] = len(self.verify_rows)
                 self.verify_rows.extend(range(first, first + n))
                 self.first_pos.append(start + s.num_tokens - n)
-                if not req.export:
+                if not req.export and drafts_now(req):
                     self.go.append((req, len(self.spans)))
                 self.spans.append((req, first, n, req.draft_tokens[: s.num_drafts]))
             row += s.num_tokens
         self.num_rows = row
-        self.block_size = block_size
 
     def tables(self, chain: DraftGraphs | None) -> list[list[int]]:
         return [req.cache_req.block_table for req, _ in self.go] if chain is not None else []

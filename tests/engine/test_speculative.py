@@ -321,6 +321,35 @@ def test_the_drafts_are_the_mtp_blocks_over_the_whole_sequence(mtp_model, sample
     assert checked > 40
 
 
+def test_a_request_whose_drafts_are_never_accepted_rests_from_drafting(mtp_model):
+    """At acceptance 0 a request stops drafting after a few steps (its running acceptance
+    halves each step: under 0.1 after four) and drafts again once every REST_STEPS steps to see
+    whether it should go on; at acceptance 1 it never rests; its tokens are the same either way
+    and with always drafting (``speculative_min_acceptance=0``)."""
+    from kvtier.engine.spec import REST_STEPS
+
+    prompts = prompts_for(59, lengths=(12, 20))
+    params = kvtier.SamplingParams(max_tokens=60, ignore_eos=True)
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8) as llm:
+        ref = llm.generate(prompts, params)
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    stats = {}
+    for alpha, minimum in [(0.0, 0.1), (0.0, 0.0), (1.0, 0.1)]:
+        with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3,
+                        speculative_min_acceptance=minimum) as llm:
+            llm.spec.drafter = oracle_drafter(outputs, alpha)
+            outs = llm.generate(prompts, params)
+            stats[alpha, minimum] = llm.cache_stats()["speculative"]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    rested, always, kept = stats[0.0, 0.1], stats[0.0, 0.0], stats[1.0, 0.1]
+    assert always["rested_steps"] == 0 and always["drafted"] >= 2 * 3 * 55  # every decode step drafts
+    # 59 decode steps per request: four drafting, then rests of REST_STEPS, each followed by one
+    # try (three fit); the last steps' drafts are cut to max_tokens
+    assert 2 * 3 * (4 + 2) <= rested["drafted"] <= always["drafted"] / 5
+    assert rested["rested_steps"] >= 2 * 3 * REST_STEPS
+    assert kept["rested_steps"] == 0 and kept["acceptance_rate"] == 1.0
+
+
 def test_sampled_requests_and_n_samples_decode_with_drafts(mtp_model):
     """Temperature, top-p, seeds and n > 1 with drafts: every sample reaches max_tokens, a seeded
     request repeats itself, and drafts are verified and accepted."""
@@ -329,7 +358,10 @@ def test_sampled_requests_and_n_samples_decode_with_drafts(mtp_model):
     with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8) as llm:
         ref = llm.generate(prompts, kvtier.SamplingParams(max_tokens=15, ignore_eos=True))
     outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
-    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3) as llm:
+    # (every step drafts: sampled tokens part from the greedy ones the drafter proposes, and
+    # with few drafts accepted a request would rest from drafting)
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3,
+                    speculative_min_acceptance=0) as llm:
         llm.spec.drafter = oracle_drafter(outputs, 0.8)
         one = llm.generate(prompts, params)
         two = llm.generate(prompts, params)
