@@ -94,6 +94,12 @@ class Backend:
         self.keying: tuple[int, str, bytes] | None = None  # block size, hash, fingerprint
         self.storage_shards = 1  # pool objects per block (its tensor-parallel ranks)
         self.synced_once = False
+        self.stalled = False  # its last KV-event poll went unanswered: out of the rotation (serve/workers.py)
+
+    @property
+    def up(self) -> bool:
+        """In the rotation: healthy, and answering its KV events (when the router polls them)."""
+        return self.healthy and not self.stalled
 
     def warn_once(self, message: str) -> None:
         """Log ``message`` as a warning the first time it comes (each health check would repeat it)."""
@@ -102,7 +108,7 @@ class Backend:
             log.warning("%s", message)
 
     def __repr__(self) -> str:
-        return f"{self.role}:{self.url}{'' if self.healthy else ' (down)'}"
+        return f"{self.role}:{self.url}{'' if self.healthy else ' (down)'}{' (stalled)' if self.stalled else ''}"
 
 
 class Router:
@@ -184,7 +190,8 @@ class Router:
         With it the prompt tokens the chosen one is predicted to hold (0 without
         ``cache_aware``): they are not its work (:meth:`_load`)."""
         pool, picker = (self.prefill, self.prefill_picker) if role == "prefill" else (self.decode, self.picker)
-        cands = [b for b in pool if b.healthy and b.url not in exclude]
+        # (a stalled one only when every other is down: a stall is not a death)
+        cands = [b for b in pool if b.up and b.url not in exclude] or [b for b in pool if b.healthy and b.url not in exclude]
         if not cands:
             return None
         if self.cache_view is None:
@@ -271,9 +278,9 @@ class Router:
             up = [b.url for b in router.decode if b.healthy]
             if not up:
                 return error_response(503, "no decode server is up")
-            return JSONResponse(
-                {"status": "ok", "role": "router", "decode_up": up, "prefill_up": [b.url for b in router.prefill if b.healthy]}
-            )
+            stalled = [b.url for b in router.prefill + router.decode if b.healthy and b.stalled]
+            prefill_up = [b.url for b in router.prefill if b.healthy]
+            return JSONResponse({"status": "ok", "role": "router", "decode_up": up, "prefill_up": prefill_up, "stalled": stalled})
 
         @app.get("/metrics")
         async def metrics() -> Response:

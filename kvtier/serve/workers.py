@@ -3,9 +3,13 @@
 Per instance, a :class:`~kvtier.cache.route.PrefixIndex` fed by its KV events: the router takes
 ``GET /kvtier/kv_events/snapshot`` once (and again after a gap, a restart of the instance or of
 the router), then polls ``GET /kvtier/kv_events?since=N`` every ``interval`` seconds and applies
-what came. An instance that does not answer the poll within :data:`POLL_TIMEOUT_S` is taken out
-of the rotation at once (the health checks bring it back) and its index is dropped: it rejoins
-with a snapshot, its overlap counting 0 until then.
+what came. An instance that does not answer a poll within :data:`POLL_TIMEOUT_S` is stalled: out
+of the rotation at once, its index kept, polled on; its next answer brings it back with the events
+it missed (its numbering says whether any were lost: then a snapshot). One that cannot be reached,
+or that fails its health check (a stall that lasts), is down: its index is dropped, and it rejoins
+with a snapshot, its overlap counting 0 until then. (A busy engine answers its events between
+steps: on four 8B instances under load, one step past a second would otherwise cost the index of
+every conversation the instance held, and send their next turns elsewhere.)
 
 With ``--storage URL`` (the pool the instances share) the router also asks the pool how many of
 a request's leading blocks it holds (one lookup per choice; a cold prompt is one name, as the
@@ -82,7 +86,18 @@ class CacheView:
             for _seq, kind, tier, key in got["events"]:
                 b.index.apply(kind, tier, bytes.fromhex(key))
             b.seq = int(got["events"][-1][0]) if got["events"] else b.seq
-        except (httpx.HTTPError, asyncio.TimeoutError) as e:
+            if b.stalled:
+                log.info("instance %s answers its KV events again: back in the rotation", b.url)
+                b.stalled = False
+        except (httpx.TimeoutException, asyncio.TimeoutError):
+            if not b.stalled:
+                log.warning(
+                    "instance %s did not answer its KV events within %g s: out of the rotation until it does",
+                    b.url,
+                    POLL_TIMEOUT_S,
+                )
+            b.stalled = True
+        except httpx.HTTPError as e:
             log.warning("instance %s did not answer its KV events (%s): out of the rotation", b.url, e)
             b.healthy = False
             self.drop(b)
@@ -105,6 +120,7 @@ class CacheView:
 
     def drop(self, b: Backend) -> None:
         b.seq = None
+        b.stalled = False
         b.index.reset()
 
     # ------------------------------------------------------------------ requests

@@ -109,6 +109,50 @@ def test_lost_events_are_recovered_from_a_snapshot():
                      "/kvtier/kv_events/snapshot"]
 
 
+def test_a_stalled_instance_leaves_the_rotation_with_its_index_and_comes_back_when_it_answers():
+    """A poll past the timeout (a busy engine answers between steps) takes the instance out of
+    the rotation but keeps its index: its next answer brings it back with the events it missed,
+    no snapshot. One that cannot be reached is down: its index is dropped."""
+    from kvtier.serve.router import Router
+
+    answers = iter([
+        {"seq": 2, "device": ["aa"], "host": [], "block_size": 8, "hash": "sha256", "fingerprint": ""},
+        httpx.ReadTimeout("slow"),
+        {"seq": 3, "events": [[3, "stored", "device", "bb"]]},
+        httpx.ConnectError("refused"),
+    ])
+    paths = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        paths.append(req.url.path + ("?" + req.url.query.decode() if req.url.query else ""))
+        got = next(answers)
+        if isinstance(got, Exception):
+            raise got
+        return httpx.Response(200, json=got)
+
+    router = Router([], ["http://w0.test", "http://w1.test"], policy="cache_aware")
+    b, other = router.decode
+
+    async def run() -> None:
+        view = CacheView()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await view.poll(client, b)
+            await view.poll(client, b)  # no answer in time
+            assert b.stalled and b.healthy and not b.up
+            assert b.index.device == {b"\xaa"} and b.seq == 2  # kept
+            assert [c.url for c in router.decode if c.up] == [other.url]
+            other.healthy = False  # (every other one down: a stalled one still takes requests)
+            assert (await router._choose("completion", {"prompt": [1, 2, 3]}, set()))[0] is b
+            await view.poll(client, b)  # it answers: back, with the events it missed
+            assert b.up and b.index.device == {b"\xaa", b"\xbb"} and b.seq == 3
+            await view.poll(client, b)  # unreachable: down, its index dropped
+            assert not b.healthy and b.seq is None and not b.index.device
+
+    asyncio.run(run())
+    assert paths == ["/kvtier/kv_events/snapshot", "/kvtier/kv_events?since=2", "/kvtier/kv_events?since=2",
+                     "/kvtier/kv_events?since=3"]
+
+
 def test_the_pool_the_instances_share_counts_past_what_each_holds():
     """kvtier router --storage: the router asks the pool how many of a prompt's leading blocks it
     holds (the names the instances write: the same keys, cache/keys.py); an instance holding the
