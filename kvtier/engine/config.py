@@ -222,8 +222,8 @@ class EngineConfig:
     num_speculative_tokens: int = _opt(
         0,
         "speculative decoding: tokens the model's MTP block drafts per step, verified by one target forward "
-        "(greedy: the same tokens as without; sampled: the same distribution); 0 = off. Runs without "
-        "overlap scheduling (default 0)",
+        "(greedy: the same tokens as without; sampled: the same distribution); 0 = off. A step that verifies "
+        "or makes drafts is not overlapped; the others are (default 0)",
         type=types.non_negative_int,
         flag="--speculative-tokens",
         aliases=("--num-speculative-tokens",),
@@ -317,8 +317,6 @@ class EngineConfig:
                 raise ValueError(f"num_speculative_tokens must be at most 8, got {k}")
             if not 0 <= self.speculative_min_acceptance <= 1:
                 raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {self.speculative_min_acceptance!r}")
-            if self.overlap_schedule:
-                raise ValueError(f"num_speculative_tokens={k} runs without overlap_schedule: leave it unset or off")
         device = str(self.device)
         if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

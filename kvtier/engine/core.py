@@ -354,11 +354,7 @@ class EngineCore:
             torch.Generator(self.device).manual_seed(c.seed),  # unseeded requests draw from it
         )
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
-        self.overlap_schedule = (
-            self.device.type == "cuda" and not c.num_speculative_tokens
-            if c.overlap_schedule is None
-            else bool(c.overlap_schedule)
-        )
+        self.overlap_schedule = self.device.type == "cuda" if c.overlap_schedule is None else bool(c.overlap_schedule)
         self._inflight: _Launched | None = None  # overlap: the step on the GPU, results not taken
         self._closed = False
         startup.done()

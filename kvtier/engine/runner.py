@@ -240,12 +240,20 @@ class ModelRunner:
           cost more CPU than such a step's loads and compute take on the GPU
           (docs/BENCHMARKS.md)."""
         if self.spec is not None:
-            return self.spec.execute(self, out, start_loads)
+            # a step that verifies or makes drafts is the speculator's (its results on the host
+            # when it returns); one with neither (every request resting from drafts, a PD
+            # export) runs here, overlapped, and the MTP block runs over its rows after sampling
+            drafting = self.spec.drafting(out)
+            if drafting or self.peers is not None or any(s.num_drafts for s in out.scheduled):
+                return self.spec.execute(self, out, start_loads, drafting)
         inputs, hidden = self.forward(self.build_inputs(out), start_loads)
         samplers = [s.request for s in out.scheduled if s.samples]
         prompt_rows = self._prompt_logprob_rows(out)
         result = StepResult(samplers)
         if not samplers and not prompt_rows:
+            if self.spec is not None:
+                hook = start_loads("layers") if start_loads is not None else None
+                self.spec.mtp_rows(self, out, inputs, hidden, torch.zeros(0, dtype=torch.long, device=self.device), hook)
             self._last = None
             return result
         params = [r.params for r in samplers]
@@ -265,6 +273,8 @@ class ModelRunner:
                 broadcast_from_first(tokens, self.model.tp)
         else:
             tokens, processed = torch.zeros(0, dtype=torch.long, device=self.device), None
+        if self.spec is not None:
+            self.spec.mtp_rows(self, out, inputs, hidden, tokens, start_loads("layers") if start_loads is not None else None)
         # everything the host needs from this step in one transfer (one sync): the tokens, then
         # per logprobs row the sampled token's logprob and its top-k, then the prompt's
         pack = _Pack(tokens)

@@ -42,7 +42,9 @@ A request whose drafts are rarely accepted stops drafting (``min_acceptance``: i
 acceptance, halved toward each step's accepted share, under it) and drafts again every
 :data:`REST_STEPS` steps to see whether it should go on: its drafts cost a draft head and the
 chain every step, worth it only if some are kept. Its steps without drafts still run the MTP
-block over its row (the KV later drafts read).
+block over its row (the KV later drafts read). A step where no request verifies or makes drafts
+is the runner's own (overlapped) step, with the MTP block over its rows after sampling
+(:meth:`Speculator.mtp_rows`); the others run here, their results on the host when they return.
 """
 
 from __future__ import annotations
@@ -117,8 +119,16 @@ class Speculator:
             "rested_steps": self.num_rested,
         }
 
+    def drafting(self, out: SchedulerOutput) -> set[int]:
+        """The requests (ids) that draft at this step (once per step: it counts their rests)."""
+        return {id(s.request) for s in out.scheduled if s.samples and not s.request.export and self._drafts_now(s.request)}
+
     def execute(
-        self, runner: ModelRunner, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None
+        self,
+        runner: ModelRunner,
+        out: SchedulerOutput,
+        start_loads: Callable[[str], LoadWaits | None] | None,
+        drafting: set[int],
     ) -> StepResult:
         """The step: target forward, verification, MTP passes; its results are on the host when
         this returns (``StepResult.done``), each request's accepted drafts in ``step_accepted``.
@@ -132,7 +142,7 @@ class Speculator:
         model, device = runner.model, runner.device
         host = runner.build_inputs(out)
         inputs, hidden = runner.forward(host, start_loads)
-        plan = _Plan(out, self._drafts_now)
+        plan = _Plan(out, drafting)
         spans = plan.spans
         logits = raw = processed = None
         where: dict[int, int] = {}
@@ -229,6 +239,18 @@ class Speculator:
             return j, int(torch.multinomial(r / r.sum(), 1, generator=gen).item())
         return len(drafts), tokens[len(drafts)]
 
+    def mtp_rows(
+        self, runner: ModelRunner, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor, tokens: torch.Tensor, hook
+    ) -> None:
+        """A step with no draft to verify or make (runner.execute's own path, overlapped): the MTP
+        block over its rows only, for the KV later drafts read, fed on the device (a sampling
+        row's next token is the one just sampled, ``tokens`` in scheduled order)."""
+        plan = _Plan(out, set())
+        next_ids, rows, positions = plan.draft_inputs_on_device(tokens, tokens[:0], runner.device)
+        draft_passes(runner, None, inputs, hidden, hook, next_ids, rows, positions, [])
+        self.num_mtp_rows += plan.num_rows
+        self.num_mtp_prompt_rows += plan.num_prompt_rows
+
     def _drafts_now(self, req: Request) -> bool:
         """Whether ``req`` drafts at this step: while its drafts' running acceptance is at least
         ``min_acceptance``; under it, once every :data:`REST_STEPS` steps (to see whether it rose).
@@ -268,7 +290,7 @@ class _Plan:
     the verification: a kept draft, then the emitted token; rows past it are rewritten before
     anything reads them)."""
 
-    def __init__(self, out: SchedulerOutput, drafts_now: Callable[[Request], bool]) -> None:
+    def __init__(self, out: SchedulerOutput, drafting: set[int]) -> None:
         self.spans: list[tuple[Request, int, int, list[int]]] = []  # (request, first row, rows, drafts)
         self.at: dict[int, int] = {}  # id(request) -> its first verify row among all verify rows
         self.verify_rows: list[int] = []  # the verify rows' rows in the step
@@ -292,7 +314,7 @@ class _Plan:
                 self.at[id(req)] = len(self.verify_rows)
                 self.verify_rows.extend(range(first, first + n))
                 self.first_pos.append(start + s.num_tokens - n)
-                if not req.export and drafts_now(req):
+                if id(req) in drafting:
                     self.go.append((req, len(self.spans)))
                 self.spans.append((req, first, n, req.draft_tokens[: s.num_drafts]))
             row += s.num_tokens
