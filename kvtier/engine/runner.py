@@ -245,6 +245,7 @@ class ModelRunner:
             # export) runs here, overlapped, and the MTP block runs over its rows after sampling
             drafting = self.spec.drafting(out)
             if drafting or self.peers is not None or any(s.num_drafts for s in out.scheduled):
+                self._last = None  # (its tokens reach the host before the next step is scheduled)
                 return self.spec.execute(self, out, start_loads, drafting)
         inputs, hidden = self.forward(self.build_inputs(out), start_loads)
         samplers = [s.request for s in out.scheduled if s.samples]
