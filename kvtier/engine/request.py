@@ -68,7 +68,6 @@ class Request:
     step_accepted: list[int] | None = None
     step_accepted_logprobs: list[dict[int, float]] | None = None  # their logprobs entries (params.logprobs)
     draft_acceptance: float = 1.0  # running mean of the share of its drafts accepted per step
-    draft_rest: int = 0  # steps left without drafts (its acceptance fell under the minimum)
     stop_strings: StopStrings | None = None  # params.stop, matched on the incremental text
     metrics: dict[str, float] = field(default_factory=lambda: {"arrival": time.monotonic()})
     # monotonic seconds: arrival, prefetch_start (storage fetch started), admitted (first

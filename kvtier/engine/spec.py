@@ -39,8 +39,9 @@ it; a request that hits the block and continues otherwise drafts with that one k
 continuation: a draft may be worse, an output never differs.
 
 A request whose drafts are rarely accepted stops drafting (``min_acceptance``: its running
-acceptance, halved toward each step's accepted share, under it) and drafts again every
-:data:`REST_STEPS` steps to see whether it should go on: its drafts cost a draft head and the
+acceptance, halved toward each step's accepted share, under it) and drafts again once every
+:data:`REST_STEPS` + 1 engine steps, the same steps for every resting request, to see whether it
+should go on: its drafts cost a draft head and the
 chain every step, worth it only if some are kept. Its steps without drafts still run the MTP
 block over its row (the KV later drafts read). A step where no request verifies or makes drafts
 is the runner's own (overlapped) step, with the MTP block over its rows after sampling
@@ -106,6 +107,7 @@ class Speculator:
         self.num_mtp_rows = 0  # positions the MTP block ran over (draft passes included)
         self.num_mtp_prompt_rows = 0  # of which prompt positions (0 for a prompt's cached prefix)
         self.num_rested = 0  # a request's steps without drafts: its acceptance was under the minimum
+        self.num_steps = 0  # steps run (the resting requests' tries fall on the same ones)
 
     def stats(self) -> dict:
         return {
@@ -120,7 +122,8 @@ class Speculator:
         }
 
     def drafting(self, out: SchedulerOutput) -> set[int]:
-        """The requests (ids) that draft at this step (once per step: it counts their rests)."""
+        """The requests (ids) that draft at this step (once per step: it counts the steps)."""
+        self.num_steps += 1
         return {id(s.request) for s in out.scheduled if s.samples and not s.request.export and self._drafts_now(s.request)}
 
     def execute(
@@ -253,16 +256,17 @@ class Speculator:
 
     def _drafts_now(self, req: Request) -> bool:
         """Whether ``req`` drafts at this step: while its drafts' running acceptance is at least
-        ``min_acceptance``; under it, once every :data:`REST_STEPS` steps (to see whether it rose).
+        ``min_acceptance``; under it, once every :data:`REST_STEPS` + 1 steps of the engine (to see
+        whether it rose).
         A step without drafts still runs the MTP block over the request's row (its KV, for the
         drafts to come), but not the draft head nor the chain."""
         if req.draft_acceptance >= self.min_acceptance:
             return True
-        if req.draft_rest > 0:
-            req.draft_rest -= 1
+        # every resting request tries at the same steps: a step where one drafts is not
+        # overlapped, so tries spread over the steps would leave few steps overlapped
+        if self.num_steps % (REST_STEPS + 1):
             self.num_rested += 1
             return False
-        req.draft_rest = REST_STEPS
         return True
 
     def _keep_drafts(self, runner, plan: _Plan, results: list[tuple[int, int]], draft_rows: list[list[int]]) -> None:
