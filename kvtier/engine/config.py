@@ -232,7 +232,7 @@ class EngineConfig:
     speculative_min_acceptance: float = _opt(
         0.1,
         "speculative decoding: a request whose drafts are accepted at a rate under this (a running mean "
-        "over its last steps) stops drafting, and drafts again every 16 steps to see whether it should "
+        "over its last steps) stops drafting, and drafts again every 17th engine step to see whether it should "
         "go on (its tokens never depend on it); 0 = always draft (default 0.1)",
         type=types.unit_interval,
         metavar="RATE",
