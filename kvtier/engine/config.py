@@ -223,7 +223,7 @@ class EngineConfig:
         0,
         "speculative decoding: tokens the model's MTP block drafts per step, verified by one target forward "
         "(greedy: the same tokens as without; sampled: the same distribution); 0 = off. A step that verifies "
-        "or makes drafts is not overlapped; the others are (default 0)",
+        "or makes drafts is not overlapped, nor any under tensor parallelism; the others are (default 0)",
         type=types.non_negative_int,
         flag="--speculative-tokens",
         aliases=("--num-speculative-tokens",),

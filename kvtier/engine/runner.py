@@ -297,6 +297,18 @@ class ModelRunner:
         self._last = result
         return result
 
+    def prompt_logprobs_step(self, out: SchedulerOutput, hidden: torch.Tensor) -> StepResult | None:
+        """The prompt logprobs of a step run outside :meth:`execute` (a drafted step: engine/spec.py),
+        on their way to the host; None if no request of it asked for them."""
+        prompt_rows = self._prompt_logprob_rows(out)
+        if not prompt_rows:
+            return None
+        result = StepResult([])
+        pack = _Pack(torch.zeros(0, dtype=torch.long, device=self.device))
+        result.prompt = (prompt_rows, self._prompt_logprobs(hidden, prompt_rows, pack))
+        result.host = self._down.download(pack.vector())
+        return result
+
     def follow(self, host: HostInputs, start_loads: Callable[[str], LoadWaits | None] | None) -> None:
         """A tensor-parallel rank other than 0 (engine/tp/worker.py): rank 0's step on this
         rank's shard, without sampling; the tokens rank 0 samples arrive by broadcast, for the
@@ -424,10 +436,14 @@ class StepResult:
         self.logprobs: tuple[list[int], tuple[int, int, int]] | None = None  # (sampler rows, where in pack)
         self.prompt: tuple[list[_PromptSpan], tuple[int, int, int]] | None = None
         self._sampled: dict[str, int] | None = None
+        self._take: Callable[[], None] | None = None  # (done: sets what Scheduler.update takes)
 
     def collect(self) -> dict[str, int]:
         """Wait for the step's results; the sampled token by request id. Sets each sampler's
         ``step_logprobs`` and ``step_prompt_logprobs`` (taken by Scheduler.update)."""
+        if self._take is not None:
+            take, self._take = self._take, None
+            take()
         if self._sampled is not None:
             return self._sampled
         if self.host is None:
@@ -463,10 +479,13 @@ class StepResult:
         return self._sampled is not None
 
     @classmethod
-    def done(cls, sampled: dict[str, int]) -> "StepResult":
-        """A result the host has already (a step run request by request)."""
+    def done(cls, sampled: dict[str, int], take: Callable[[], None] | None = None) -> "StepResult":
+        """A result the host has already (a step run request by request, a drafted step);
+        ``take``: sets the requests' results for Scheduler.update when they are collected (under
+        overlap scheduling, after the step launched before this one was finished)."""
         r = cls([])
         r._sampled = sampled
+        r._take = take
         return r
 
 

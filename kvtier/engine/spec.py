@@ -192,16 +192,19 @@ class Speculator:
         self.num_mtp_rows += plan.num_rows
         self.num_mtp_prompt_rows += plan.num_prompt_rows
         sampled: dict[str, int] = {}
+        # what Scheduler.update takes from each request, set when the step's results are taken
+        # (StepResult.collect): a step launched under overlap scheduling is finished first
+        taken: list[tuple[Request, list[int], list | None, dict | None]] = []
         for (req, _, n, drafts_of), (a, token) in zip(spans, results):
             at = plan.at[id(req)]
+            entries = None
             if req.params.logprobs is not None:  # the target's, for every token it emits
                 assert raw is not None and logits is not None
                 entries = [
                     _entry(raw[at + j], logits[at + j], processed, where.get(at + j), req, t)
                     for j, t in enumerate([*drafts_of[:a], token])
                 ]
-                req.step_accepted_logprobs, req.step_logprobs = entries[:a], entries[a]
-            req.step_accepted = drafts_of[:a]
+            taken.append((req, drafts_of[:a], entries[:a] if entries else None, entries[a] if entries else None))
             sampled[req.request_id] = token
             req.draft_tokens = []
             if drafts_of:
@@ -211,7 +214,17 @@ class Speculator:
                 for j in range(a):
                     self.accepted_at[j] += 1
         self._keep_drafts(runner, plan, results, draft_rows)
-        return StepResult.done(sampled)
+        prompt = runner.prompt_logprobs_step(out, hidden)  # (requests that asked for them)
+
+        def take() -> None:
+            for req, accepted, accepted_entries, entry in taken:
+                req.step_accepted, req.step_accepted_logprobs = accepted, accepted_entries
+                if entry is not None:
+                    req.step_logprobs = entry
+            if prompt is not None:
+                prompt.collect()
+
+        return StepResult.done(sampled, take)
 
     def _verify(
         self, req: Request, drafts: list[int], tokens: list[int], processed: torch.Tensor | None, prow: list[int | None]
@@ -249,6 +262,9 @@ class Speculator:
         block over its rows only, for the KV later drafts read, fed on the device (a sampling
         row's next token is the one just sampled, ``tokens`` in scheduled order)."""
         plan = _Plan(out, set())
+        for s in out.scheduled:  # (drafts a step scheduled without are not for the next one)
+            if s.samples:
+                s.request.draft_tokens = []
         next_ids, rows, positions = plan.draft_inputs_on_device(tokens, tokens[:0], runner.device)
         draft_passes(runner, None, inputs, hidden, hook, next_ids, rows, positions, [])
         self.num_mtp_rows += plan.num_rows

@@ -648,18 +648,19 @@ def _load(body: dict, cached: int) -> int:
     has yet to compute. (A cached prompt is not work: counted in full, a long conversation that
     is mostly a hit would weigh as if recomputed, and the balance rule would move it away from
     its blocks.)"""
-    return max(0, _request_tokens(body) - cached)
+    prompt, output = _request_tokens(body)
+    return max(0, prompt - cached) + output
 
 
-def _request_tokens(body: dict) -> int:
-    """A request's tokens: its prompt's (characters / 4 for text) plus its max_tokens (default 16)."""
+def _request_tokens(body: dict) -> tuple[int, int]:
+    """A request's prompt tokens (characters / 4 for text) and its max_tokens (default 16)."""
     prompt = body.get("prompt", body.get("messages"))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         n = len(prompt)
     else:
         n = len(json.dumps(prompt, default=str)) // 4 if prompt is not None else 0
     m = body.get("max_tokens", body.get("max_completion_tokens"))
-    return n + (m if isinstance(m, int) and not isinstance(m, bool) and m > 0 else 16)
+    return n, (m if isinstance(m, int) and not isinstance(m, bool) and m > 0 else 16)
 
 
 def _is_count(v: Any) -> bool:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvtier.storage.client import StorageClient
 
 log = logging.getLogger(__name__)
-POLL_TIMEOUT_S = 1.0  # a poll or snapshot, call to last byte: past it the instance is down
+POLL_TIMEOUT_S = 1.0  # a poll or snapshot, call to last byte: past it the instance is stalled (module docstring)
 MAX_EVENTS_BYTES = 64 * 1024 * 1024  # one poll's answer (10,000 events at most, ~80 bytes each)
 
 
@@ -89,6 +89,10 @@ class CacheView:
             if b.stalled:
                 log.info("instance %s answers its KV events again: back in the rotation", b.url)
                 b.stalled = False
+        except httpx.ConnectTimeout as e:  # (not reached: down, as a refused connection)
+            log.warning("instance %s did not answer its KV events (%s): out of the rotation", b.url, e)
+            b.healthy = False
+            self.drop(b)
         except (httpx.TimeoutException, asyncio.TimeoutError):
             if not b.stalled:
                 log.warning(

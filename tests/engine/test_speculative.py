@@ -429,13 +429,30 @@ def test_logprobs_of_drafted_tokens_are_the_targets(mtp_model, mode):
     assert all(len(o.outputs[0].logprobs) == 16 for o in got)
 
 
-def plain_and_drafted(model, prompts, params, alpha: float):
+def test_logprobs_and_prompt_logprobs_with_drafts_under_overlap_scheduling(mtp_model):
+    """At alpha 0 requests rest from drafting: their steps run overlapped, and a step where they
+    try again is launched while the overlapped step before it is still in flight. Each step's
+    logprobs must reach its own tokens (a drafted step's results are taken after the step before
+    it is finished), and prompt logprobs come from drafted steps too."""
+    prompts = prompts_for(61, lengths=(13, 21))
+    params = kvtier.SamplingParams(max_tokens=44, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    ref, got, spec = plain_and_drafted(mtp_model, prompts, params, 0.0, overlap_schedule=True)
+    assert spec["rested_steps"] > 0 and spec["drafted"] > 0
+    assert all(o.finish_reason == "length" for o in got)
+    assert_same_outputs(ref, got)
+    assert all(len(o.outputs[0].logprobs) == 44 for o in got)
+    for a, b in zip(ref, got):
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(a.prompt_token_ids)
+        assert [sorted(d) if d else d for d in a.prompt_logprobs] == [sorted(d) if d else d for d in b.prompt_logprobs]
+
+
+def plain_and_drafted(model, prompts, params, alpha: float, **options):
     """The outputs without drafts, with k = 3 drafts of the controlled drafter at ``alpha``
     (proposing the outputs without drafts), and the drafted engine's speculative counters."""
     with kvtier.LLM(model, num_device_blocks=64, block_size=8) as llm:
         ref = llm.generate(prompts, params)
     outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
-    with kvtier.LLM(model, num_device_blocks=64, block_size=8, num_speculative_tokens=3) as llm:
+    with kvtier.LLM(model, num_device_blocks=64, block_size=8, num_speculative_tokens=3, **options) as llm:
         llm.spec.drafter = oracle_drafter(outputs, alpha)
         got = llm.generate(prompts, params)
         return ref, got, llm.cache_stats()["speculative"]

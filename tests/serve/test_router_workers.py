@@ -233,4 +233,5 @@ def test_an_instances_load_is_the_work_it_was_sent():
     body = {"prompt": list(range(1000)), "max_tokens": 16}
     assert _load(body, 0) == 1016
     assert _load(body, 992) == 24
+    assert _load(body, 1200) == 16  # (a text prompt's estimate under what is held: its answer still counts)
     assert _load({"prompt": "x" * 400}, 0) == 100 + 16  # (text: characters / 4; max_tokens 16)
