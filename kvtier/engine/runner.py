@@ -90,6 +90,8 @@ class ModelRunner:
         """A new step begins (its forwards, several if a batch is retried request by request,
         read the tokens still in flight from the step launched before it)."""
         self._feed = self._last
+        if self.spec is not None:
+            self.spec.new_step()
 
     def _wait_all_loads(self, layer_hook: Callable[[int], None] | None) -> None:
         """Before a replayed graph: the compute stream waits for every layer of the step's loads."""

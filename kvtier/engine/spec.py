@@ -121,9 +121,12 @@ class Speculator:
             "rested_steps": self.num_rested,
         }
 
-    def drafting(self, out: SchedulerOutput) -> set[int]:
-        """The requests (ids) that draft at this step (once per step: it counts the steps)."""
+    def new_step(self) -> None:
+        """An engine step begins (its forwards, several if a batch is retried request by request)."""
         self.num_steps += 1
+
+    def drafting(self, out: SchedulerOutput) -> set[int]:
+        """The requests (ids) that draft at this step (once per step: it counts their rests)."""
         return {id(s.request) for s in out.scheduled if s.samples and not s.request.export and self._drafts_now(s.request)}
 
     def execute(
