@@ -254,9 +254,7 @@ class ModelRunner:
         prompt_rows = self._prompt_logprob_rows(out)
         result = StepResult(samplers)
         if not samplers and not prompt_rows:
-            if self.spec is not None:
-                hook = start_loads("layers") if start_loads is not None else None
-                self.spec.mtp_rows(self, out, inputs, hidden, torch.zeros(0, dtype=torch.long, device=self.device), hook)
+            self._mtp_rows(out, inputs, hidden, None, start_loads)
             self._last = None
             return result
         params = [r.params for r in samplers]
@@ -276,8 +274,7 @@ class ModelRunner:
                 broadcast_from_first(tokens, self.model.tp)
         else:
             tokens, processed = torch.zeros(0, dtype=torch.long, device=self.device), None
-        if self.spec is not None:
-            self.spec.mtp_rows(self, out, inputs, hidden, tokens, start_loads("layers") if start_loads is not None else None)
+        self._mtp_rows(out, inputs, hidden, tokens, start_loads)
         # everything the host needs from this step in one transfer (one sync): the tokens, then
         # per logprobs row the sampled token's logprob and its top-k, then the prompt's
         pack = _Pack(tokens)
@@ -298,6 +295,17 @@ class ModelRunner:
         result.host = self._down.download(pack.vector())
         self._last = result
         return result
+
+    def _mtp_rows(
+        self, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor, tokens: torch.Tensor | None, start_loads
+    ) -> None:
+        """Speculative decoding, a step without drafts: the MTP block over its rows (engine/spec.py),
+        after the step's loads of its layer; ``tokens``: the sampled ones (None: none sampled)."""
+        if self.spec is None:
+            return
+        if tokens is None:
+            tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.spec.mtp_rows(self, out, inputs, hidden, tokens, start_loads("layers") if start_loads is not None else None)
 
     def prompt_logprobs_step(self, out: SchedulerOutput, hidden: torch.Tensor) -> StepResult | None:
         """The prompt logprobs of a step run outside :meth:`execute` (a drafted step: engine/spec.py),

@@ -328,10 +328,10 @@ class _Plan:
             start = req.num_computed_tokens  # (before advance(): this step's first position)
             known = req.all_token_ids
             n = 1 + s.num_drafts if s.samples else 0
-            for j in range(s.num_tokens):
-                pos = start + j
-                self.next_known.append(known[pos + 1] if j < s.num_tokens - n else 0)
-                self.num_prompt_rows += pos < req.num_prompt_tokens
+            self.next_known += known[start + 1 : start + s.num_tokens - n + 1]
+            self.next_known += [0] * n
+            assert len(self.next_known) == row + s.num_tokens, "a chunk's rows past the known tokens"
+            self.num_prompt_rows += max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
             if n:
                 first = row + s.num_tokens - n
                 self.at[id(req)] = len(self.verify_rows)

@@ -89,22 +89,21 @@ class CacheView:
             if b.stalled:
                 log.info("instance %s answers its KV events again: back in the rotation", b.url)
                 b.stalled = False
-        except httpx.ConnectTimeout as e:  # (not reached: down, as a refused connection)
-            log.warning("instance %s did not answer its KV events (%s): out of the rotation", b.url, e)
-            b.healthy = False
-            self.drop(b)
-        except (httpx.TimeoutException, asyncio.TimeoutError):
-            if not b.stalled:
-                log.warning(
-                    "instance %s did not answer its KV events within %g s: out of the rotation until it does",
-                    b.url,
-                    POLL_TIMEOUT_S,
-                )
-            b.stalled = True
-        except httpx.HTTPError as e:
-            log.warning("instance %s did not answer its KV events (%s): out of the rotation", b.url, e)
-            b.healthy = False
-            self.drop(b)
+        except (httpx.HTTPError, asyncio.TimeoutError) as e:
+            # late: stalled; not reached (a connect timeout too) or failed: down
+            late = isinstance(e, (httpx.TimeoutException, asyncio.TimeoutError)) and not isinstance(e, httpx.ConnectTimeout)
+            if late:
+                if not b.stalled:
+                    log.warning(
+                        "instance %s did not answer its KV events within %g s: out of the rotation until it does",
+                        b.url,
+                        POLL_TIMEOUT_S,
+                    )
+                b.stalled = True
+            else:
+                log.warning("instance %s did not answer its KV events (%s): out of the rotation", b.url, e)
+                b.healthy = False
+                self.drop(b)
         except (KeyError, TypeError, ValueError) as e:  # not a kvtier instance's answer
             b.warn_once(f"instance {b.url}: KV events unreadable ({e!r}): routed by load only")
             self.drop(b)
