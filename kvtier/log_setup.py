@@ -5,6 +5,16 @@ from __future__ import annotations
 
 import logging
 
+from kvtier.redact import redact_text
+
+
+class RedactingFormatter(logging.Formatter):
+    """Every line with the credentials of any URL in it (and secret query parameters) masked:
+    a pool's error may quote its URL, password included (kvtier/redact.py)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
+
 
 def setup_logging(level: str) -> None:
     """kvtier's own log lines (the engine's stats line, warnings of the router and the pools) to
@@ -14,6 +24,6 @@ def setup_logging(level: str) -> None:
     if logger.hasHandlers():
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level.upper())

@@ -21,6 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtier.redact import redact_text
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -48,7 +50,8 @@ def error_type(status: int) -> str:
 
 def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> dict[str, Any]:
     e = APIError(status, message, param, type_)
-    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": status}}
+    # (an engine's or a pool's error may quote a URL with its password: kvtier/redact.py)
+    return {"error": {"message": redact_text(e.message), "type": e.type, "param": e.param, "code": status}}
 
 
 def error_response(

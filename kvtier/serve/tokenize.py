@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from kvtier.redact import redact
 from kvtier.serve.errors import APIError
 from kvtier.serve.protocol import ChatMessage
 
@@ -134,5 +135,5 @@ def server_info(server: Server) -> dict:
         "role": server.role,
         "max_model_len": server.max_model_len,
         "vocab_size": server.vocab_size,
-        "engine_config": config,
+        "engine_config": redact(config),
     }

@@ -18,7 +18,7 @@ engines ask): those past what an instance holds count for it as storage hits
 
 A request's keys are the instance's own (cache/keys.py): the router tokenizes the request as the
 server does (``serve/prompts.py``; only the tokenizer is loaded, from ``--tokenizer`` or the
-directory the instances' ``/v1/models`` name) and chains the block keys with the salt and the
+directory the instances' ``/v1/models`` name: its ``root``) and chains the block keys with the salt and the
 model fingerprint the snapshot gave. A request it cannot tokenize is routed by load alone.
 """
 
@@ -58,6 +58,7 @@ class CacheView:
             self._pool(1)  # (a bad URL is named now, not at the first request)
         self._prompts: Any = None  # serve/prompts.PromptTokenizer, loaded at first need
         self._tokenizer_tried = False
+        self._model_root: str | None = None  # the instances' model directory (their /v1/models)
         self.resyncs = 0  # snapshots taken after the first one of an instance (gaps, rejoins)
 
     # ------------------------------------------------------------------ events
@@ -77,6 +78,8 @@ class CacheView:
                     self.resyncs += 1
                 b.synced_once = True
                 b.seq = int(snap["seq"])
+                if self.tokenizer_path is None and self._model_root is None:
+                    await self._find_model_root(client, b)
                 return
             got = await self._get(client, b, f"/kvtier/kv_events?since={b.seq}")
             if got.get("gap"):
@@ -107,6 +110,14 @@ class CacheView:
         except (KeyError, TypeError, ValueError) as e:  # not a kvtier instance's answer
             b.warn_once(f"instance {b.url}: KV events unreadable ({e!r}): routed by load only")
             self.drop(b)
+
+    async def _find_model_root(self, client: httpx.AsyncClient, b: Backend) -> None:
+        """The model directory ``b`` serves (``/v1/models``' root), where the router's tokenizer
+        is loaded from without ``--tokenizer``."""
+        try:
+            self._model_root = str((await self._get(client, b, "/v1/models"))["data"][0]["root"])
+        except (httpx.HTTPError, asyncio.TimeoutError, LookupError, TypeError, ValueError) as e:
+            log.debug("instance %s did not name its model directory: %r", b.url, e)
 
     async def _get(self, client: httpx.AsyncClient, b: Backend, path: str) -> dict:
         async def go() -> dict:
@@ -203,11 +214,10 @@ class CacheView:
     async def _tokenizer(self, b: Backend) -> Any:
         if self._tokenizer_tried:
             return self._prompts
-        self._tokenizer_tried = True
-        path = self.tokenizer_path or b.info.get("model_root")
-        if not path:
-            log.warning("no tokenizer for cache-aware routing (give --tokenizer): text prompts are routed by load")
+        path = self.tokenizer_path or self._model_root
+        if not path:  # (no instance has named its model yet: asked again at the next request)
             return None
+        self._tokenizer_tried = True
         from kvtier.model.tokenizer import load_tokenizer
         from kvtier.serve.prompts import PromptTokenizer
 

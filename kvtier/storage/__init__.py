@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
+from kvtier.redact import redact_url
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
 from kvtier.storage.blob import BlobLayout, namespace_digest
 from kvtier.storage.client import StorageClient
 from kvtier.storage.memory import MemoryBackend, parse_size

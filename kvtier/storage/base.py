@@ -33,33 +33,11 @@ Contract:
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from typing import ClassVar, Sequence
 
 MISSING = -1
 TOO_LARGE = -2
-
-
-# query parameters whose value is a secret (password=, auth_token=, api_key=, ...)
-_SECRET_PARAM = re.compile(r"(?i)([?&;][^=&;#]*(?:pass|pwd|secret|token|auth|key|cred)[^=&;#]*=)[^&;#]*")
-
-
-def redact_url(url: object) -> str:
-    """``url`` fit for an error message, a log line or ``describe()``: the password of
-    ``scheme://[user]:password@host`` (or a bare ``secret@host``) and the values of secret-looking
-    query parameters (``password=``, ``token=``, ...) replaced by ``***``. Everything up to the
-    last ``@`` counts as credentials (a password may hold ``@ / ? #``): a URL with an ``@``
-    elsewhere is shown with too much hidden, never with a secret shown."""
-    text = url if isinstance(url, str) else str(url)
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        scheme, rest = "", text
-    if "@" in rest and not rest.startswith("/"):  # file:///dir@x has no credentials
-        userinfo, _, hosts = rest.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        rest = (f"{user}:***@" if colon and not set(user) & set("/?#&=") else "***@") + hosts
-    return _SECRET_PARAM.sub(r"\1***", scheme + sep + rest)
 
 
 class StorageError(RuntimeError):

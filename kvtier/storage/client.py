@@ -57,7 +57,8 @@ import numpy as np
 
 from kvtier.cache.keys import object_name
 from kvtier.cache.plan import TransferOp
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, redact_url
+from kvtier.redact import redact_url
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend
 from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,8 @@ from urllib.parse import unquote, urlparse
 
 import xxhash
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
+from kvtier.redact import redact_url
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
 from kvtier.storage.memory import parse_size, query_params
 
 log = logging.getLogger(__name__)

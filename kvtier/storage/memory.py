@@ -9,7 +9,8 @@ from collections import OrderedDict
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, redact_url
+from kvtier.redact import redact_url
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend
 
 _UNITS = {
     "": 1,

@@ -96,7 +96,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
+from kvtier.redact import redact_url
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
 from kvtier.storage.memory import parse_size
 from kvtier.storage.mooncake_pool import import_store, start_pool
 

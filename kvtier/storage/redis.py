@@ -64,7 +64,8 @@ import time
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, quote, unquote
 
-from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError, redact_url
+from kvtier.redact import redact_url
+from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
 
 try:  # the optional dependency: pip install redis hiredis (kvtier[redis])
     import redis as _redis

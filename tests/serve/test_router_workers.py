@@ -26,7 +26,8 @@ def fleet(procs, checkpoint):
     workers = [procs(["serve", model, *ENGINE], f"worker{i}") for i in range(3)]
     for w in workers:
         w.wait_ready()
-    router = procs(["router", "--workers", ",".join(w.url for w in workers), "--policy", "cache_aware"], "router")
+    router = procs(["router", "--workers", ",".join(w.url for w in workers), "--policy", "cache_aware", "--expose-config"],
+                   "router")
     return workers, router.wait_ready()
 
 

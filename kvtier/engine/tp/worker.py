@@ -28,9 +28,11 @@ def main(fd: int) -> int:
     except EOFError:
         return 0
     _, rank, size, store, model, config = msg
-    logging.basicConfig(
-        level=os.environ.get("KVTIER_LOG_LEVEL", "WARNING").upper(), format=f"%(asctime)s rank {rank} %(levelname)s %(message)s"
-    )
+    from kvtier.log_setup import RedactingFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(RedactingFormatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s"))
+    logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "WARNING").upper(), handlers=[handler])
     try:
         rank_state = _Rank(conn, rank, size, store, model, config)
         rank_state.serve(parent)
