@@ -26,6 +26,7 @@ import msgspec
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from kvtier.engine.sampling import MAX_STOP_TOKEN_IDS
 from kvtier.serve.errors import APIError, invalid_json_message
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -33,6 +34,9 @@ _ANY_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _REPARSE_MAX_BYTES = 1 << 20
 _BYTE = re.compile(r" \(byte (\d+)\)")
+# fields whose valid values are small (the protocol's bounds): a larger one is refused by its size,
+# never decoded (1.4 million logit_bias entries took 1.3 s to refuse after decoding)
+_MAX_RAW_BYTES = {"logit_bias": 1024, "stop_token_ids": 24 * MAX_STOP_TOKEN_IDS + 64, "cache_salt": 8 * 1024}
 _PROMPT_TYPES: dict[bytes, Any] = {
     b'"': list[str],  # ["a", "b"]: several text prompts
     b"[": list[list[int]],  # [[1, 2], [3]]: several token-id prompts
@@ -60,8 +64,18 @@ def parse(model: type[_M], raw: bytes, max_model_len: int) -> _M:
         return _validate(model, json.loads(raw), utf8=False)
     data: dict[str, Any] = {}
     for name, value in fields.items():
+        cap = _MAX_RAW_BYTES.get(name)
+        if cap is not None and len(value) > cap:
+            raise APIError(400, f"{name} is {len(value)} bytes of JSON: more than any value it may take ({cap} bytes)", name)
         try:
-            data[name] = _prompt(value, max_model_len) if name == "prompt" else msgspec.json.decode(value)
+            if name == "prompt":
+                data[name] = _prompt(value, max_model_len)
+            elif name == "tokens":  # /detokenize: up to a whole context
+                data[name] = _ids(
+                    bytes(value).lstrip(), max_model_len + 1, "tokens", f"ids: more than the model's context of {max_model_len}"
+                )
+            else:
+                data[name] = msgspec.json.decode(value)
         except RecursionError:
             raise APIError(400, f"{name}: JSON nested too deep", name) from None
         except msgspec.ValidationError as e:
@@ -89,16 +103,20 @@ def _prompt(raw: msgspec.Raw, max_model_len: int) -> Any:
         return msgspec.json.decode(b)  # a string (or a wrong type, which pydantic names)
     inner = b[1:].lstrip()[:1]
     kind = _PROMPT_TYPES.get(inner)
-    if kind is None and inner != b"]":  # ids: one comma fewer than entries, none inside an int
+    if kind is None:
+        why = f"tokens; the model's context is {max_model_len} (max_model_len), leaving no room to generate"
+        return _ids(b, max_model_len, "prompt", why)
+    return msgspec.json.decode(b, type=kind)
+
+
+def _ids(b: bytes, limit: int, name: str, what: str) -> list[int]:
+    """A JSON list of ints with fewer than ``limit`` entries, refused (APIError 400) by counting
+    its commas before it is decoded: one fewer than entries, and none inside an int."""
+    if b.startswith(b"[") and b[1:].lstrip()[:1] != b"]":
         n = b.count(b",") + 1
-        if n >= max_model_len:
-            raise APIError(
-                400,
-                f"the prompt has {n} tokens; the model's context is {max_model_len} (max_model_len), leaving no room to generate",
-                "prompt",
-            )
-        kind = list[int]
-    return msgspec.json.decode(b, type=kind if kind is not None else list[int])
+        if n >= limit:
+            raise APIError(400, f"the {name} has {n} {what}", name)
+    return msgspec.json.decode(b, type=list[int])
 
 
 def body_schema(model: type[BaseModel]) -> dict:

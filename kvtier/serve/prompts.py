@@ -2,8 +2,13 @@
 
 ::
 
-    event loop ── await ids(...) ──► tokenizer threads (2): [cheap length bound] ─► render ─► encode
+    event loop ── await ids(..., owner) ──► tokenizer threads (2), round robin over owners:
+        │                                    [cheap length bound] ─► render ─► encode
         │ keeps answering /health, streams, other requests meanwhile
+
+Fairness: every prompt is a task of its owner (the HTTP request it came in); the threads take one
+task of each owner in turn (:class:`FairExecutor`), so a request of 1,024 long prompts delays
+another request's short prompt by one prompt's tokenization, not by its whole batch.
 
 Tokenizing a prompt of megabytes takes seconds; on the event loop it would stall every other
 client (and ``/health``). A text far longer than the context is refused before tokenizing: no
@@ -22,11 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Hashable
 
 from kvtier.serve.errors import APIError
 
+# A text of more characters a token than this (natural text has 3 to 6) is counted in pieces
+# before it is tokenized whole: its cost is then bounded by the budget, not by its length.
+COUNT_PAST_CHARS_PER_TOKEN = 8
+PIECE_CHARS = 16 * 1024
+SLACK_PER_PIECE = 4
 _MARK = "\ue000kvtier-content-{}\ue001"  # private-use characters: never in a template
 _MARK_RE = re.compile("\ue000kvtier-content-(\\d+)\ue001")
 
@@ -35,7 +47,7 @@ class PromptTokenizer:
     def __init__(self, tokenizer: Any, max_model_len: int, workers: int = 2) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-tokenize")
+        self._pool = FairExecutor(workers, "kvtier-tokenize")
         self._longest_token = 1
         self._specials: re.Pattern | None = None
         self._plain: Any = None  # a copy of the fast tokenizer that never matches specials
@@ -53,26 +65,36 @@ class PromptTokenizer:
                 self._plain.encode_special_tokens = True
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
-    async def _run(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def run(self, owner: Hashable, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a tokenizer thread, in turn with other owners' work (a client that
+        goes away cancels what it has not started)."""
+        return await asyncio.wrap_future(self._pool.submit(owner, fn, *args))
 
     # ------------------------------------------------------------------ completions
-    async def completion_ids(self, prompt: str | list[int], budget: int, add_special_tokens: bool = False) -> list[int]:
+    async def completion_ids(
+        self, prompt: str | list[int], budget: int, add_special_tokens: bool = False, owner: Hashable = None
+    ) -> list[int]:
         """Ids of a completion prompt; ``budget``: the most tokens it may have;
-        ``add_special_tokens``: with the tokenizer's own (a BOS), as ``/tokenize`` may ask."""
+        ``add_special_tokens``: with the tokenizer's own (a BOS), as ``/tokenize`` may ask;
+        ``owner``: whose work it is (the request's; None: its own)."""
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-        return await self._run(self._encode_text, prompt, budget, add_special_tokens)
+        return await self.run(_own(owner), self._encode_text, prompt, budget, add_special_tokens)
 
     def _encode_text(self, text: str, budget: int, add_special_tokens: bool) -> list[int]:
         self._check_bound(text, budget, "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_bound(self, text: str, budget: int, param: str) -> None:
+        """APIError(400) if ``text`` has more than ``budget`` tokens for certain, found at a cost
+        bounded by the budget, not by the text: first by its length, then (a text longer than
+        ``COUNT_PAST_CHARS_PER_TOKEN`` characters a token) by counting the tokens of its pieces
+        up to the budget's worth. A piece ends before a space, where the tokenizers split words
+        anyway; ``SLACK_PER_PIECE`` tokens a piece allow for a merge the cut may have prevented."""
         at_least = len(text) // (2 * self._longest_token)
         if at_least > budget:
             raise APIError(
@@ -81,13 +103,33 @@ class PromptTokenizer:
                 f"{budget} tokens the model's context of {self.max_model_len} leaves it",
                 param,
             )
+        if len(text) <= budget * COUNT_PAST_CHARS_PER_TOKEN:
+            return
+        counted = at = pieces = 0
+        step = max(PIECE_CHARS, 2 * self._longest_token)
+        while at < len(text):
+            end = min(len(text), at + step)
+            if end < len(text):
+                space = text.rfind(" ", at + step // 2, end)
+                end = space if space > at else end
+            counted += len(self.tokenizer.encode(text[at:end], add_special_tokens=False))
+            pieces += 1
+            at = end
+            if counted - SLACK_PER_PIECE * pieces > budget:
+                raise APIError(
+                    400,
+                    f"the {param} has over {budget} tokens (more than {counted - SLACK_PER_PIECE * pieces} in its "
+                    f"first {at} of {len(text)} characters): over the {budget} tokens the model's context of "
+                    f"{self.max_model_len} leaves it",
+                    param,
+                )
 
     # ------------------------------------------------------------------ chat
-    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, budget: int) -> list[int]:
+    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, budget: int, owner: Hashable = None) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions", "messages")
-        return await self._run(self._encode_chat, messages, add_generation_prompt, budget)
+        return await self.run(_own(owner), self._encode_chat, messages, add_generation_prompt, budget)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -158,3 +200,62 @@ def _special_tokens(tokenizer: Any) -> set[str]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     found = {t.content for t in added.values() if getattr(t, "special", False)}
     return found | set(getattr(tokenizer, "all_special_tokens", ()) or ())
+
+
+def _own(owner: Hashable) -> Hashable:
+    return object() if owner is None else owner
+
+
+class FairExecutor:
+    """Worker threads that take queued tasks round robin over their owners: each owner's tasks
+    run in the order given, and an owner with one task waits for at most one task of each other
+    owner. (concurrent.futures' pool is one FIFO queue: the first request's 1,024 prompts would
+    all run before the next request's one.)"""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queues: dict[Hashable, deque] = {}  # insertion order is the rotation
+        self._cv = threading.Condition()
+        self._closed = False
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, owner: Hashable, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the tokenizer threads are stopped")
+            self._queues.setdefault(owner, deque()).append((fut, fn, args))
+            self._cv.notify()
+        return fut
+
+    def pending(self) -> int:
+        with self._cv:
+            return sum(map(len, self._queues.values()))
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queues and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                owner = next(iter(self._queues))
+                queue = self._queues.pop(owner)
+                fut, fn, args = queue.popleft()
+                if queue:
+                    self._queues[owner] = queue  # to the back of the rotation
+            if not fut.set_running_or_notify_cancel():
+                continue  # its client went away
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the caller's error, raised where it awaits
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            queued = [t for q in self._queues.values() for t in q]
+            self._queues.clear()
+            self._cv.notify_all()
+        for fut, _, _ in queued:
+            fut.cancel()

@@ -27,7 +27,6 @@ from kvtier.serve.protocol import ChatMessage
 # ``server`` below: the kvtier.serve.api.Server answering (typed Any: that module imports this one)
 Server = Any
 
-NO_BOUND = 1 << 62
 KEY_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/reset_prefix_cache", "/flush_cache", "/server_info")
 
 
@@ -69,13 +68,16 @@ def _tokenizer(server: Server) -> Any:
 async def tokenize(server: Server, body: TokenizeRequest) -> dict:
     _check_model(server, body.model)
     tok = _tokenizer(server)
+    # bounded by the context, as a prompt is: a text far past it is refused before it is tokenized
+    # (a count up to the context is an answer here, the context itself included)
     if body.prompt is not None:
-        # no bound but the body's size (--max-body-bytes): a count past the context is an answer here
-        ids = await server.prompts.completion_ids(body.prompt, NO_BOUND, bool(body.add_special_tokens))
+        ids = await server.prompts.completion_ids(
+            body.prompt, server.max_model_len, bool(body.add_special_tokens), owner=id(body)
+        )
     else:
         assert body.messages is not None  # (one of the two: checked)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await server.prompts.chat_ids(messages, bool(body.add_generation_prompt), NO_BOUND)
+        ids = await server.prompts.chat_ids(messages, bool(body.add_generation_prompt), server.max_model_len, owner=id(body))
     return {
         "count": len(ids),
         "max_model_len": server.max_model_len,
@@ -87,10 +89,11 @@ async def tokenize(server: Server, body: TokenizeRequest) -> dict:
 async def detokenize(server: Server, body: DetokenizeRequest) -> dict:
     _check_model(server, body.model)
     tok = _tokenizer(server)
+    # (at most the context's ids: body.py refuses more before they are parsed)
     bad = next((t for t in body.tokens if not 0 <= t < server.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is not in 0..{server.vocab_size - 1}", "tokens")
-    return {"prompt": tok.decode(body.tokens)}
+    return {"prompt": await server.prompts.run(id(body), tok.decode, body.tokens)}
 
 
 def tokenizer_info(server: Server) -> dict:

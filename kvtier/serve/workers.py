@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 1.0  # a poll or snapshot, call to last byte: past it the instance is stalled (module docstring)
+DEFAULT_CONTEXT = 1 << 20  # tokens a prompt is keyed up to where no instance said its context
 MAX_EVENTS_BYTES = 64 * 1024 * 1024  # one poll's answer (10,000 events at most, ~80 bytes each)
 
 
@@ -59,6 +60,7 @@ class CacheView:
         self._prompts: Any = None  # serve/prompts.PromptTokenizer, loaded at first need
         self._tokenizer_tried = False
         self._model_root: str | None = None  # the instances' model directory (their /v1/models)
+        self._context: int | None = None  # ... and its context: no prompt is tokenized past it
         self.resyncs = 0  # snapshots taken after the first one of an instance (gaps, rejoins)
 
     # ------------------------------------------------------------------ events
@@ -78,8 +80,8 @@ class CacheView:
                     self.resyncs += 1
                 b.synced_once = True
                 b.seq = int(snap["seq"])
-                if self.tokenizer_path is None and self._model_root is None:
-                    await self._find_model_root(client, b)
+                if self._context is None:
+                    await self._find_model(client, b)
                 return
             got = await self._get(client, b, f"/kvtier/kv_events?since={b.seq}")
             if got.get("gap"):
@@ -111,13 +113,14 @@ class CacheView:
             b.warn_once(f"instance {b.url}: KV events unreadable ({e!r}): routed by load only")
             self.drop(b)
 
-    async def _find_model_root(self, client: httpx.AsyncClient, b: Backend) -> None:
-        """The model directory ``b`` serves (``/v1/models``' root), where the router's tokenizer
-        is loaded from without ``--tokenizer``."""
+    async def _find_model(self, client: httpx.AsyncClient, b: Backend) -> None:
+        """The model directory ``b`` serves (``/v1/models``' root: where the router's tokenizer is
+        loaded from without ``--tokenizer``) and its context (what a prompt is tokenized up to)."""
         try:
-            self._model_root = str((await self._get(client, b, "/v1/models"))["data"][0]["root"])
+            model = (await self._get(client, b, "/v1/models"))["data"][0]
+            self._model_root, self._context = str(model["root"]), int(model["max_model_len"])
         except (httpx.HTTPError, asyncio.TimeoutError, LookupError, TypeError, ValueError) as e:
-            log.debug("instance %s did not name its model directory: %r", b.url, e)
+            log.debug("instance %s did not name its model: %r", b.url, e)
 
     async def _get(self, client: httpx.AsyncClient, b: Backend, path: str) -> dict:
         async def go() -> dict:
@@ -199,14 +202,15 @@ class CacheView:
                 if not isinstance(prompt, str):
                     return []
                 prompts = await self._tokenizer(b)
-                return [] if prompts is None else await prompts.completion_ids(prompt, 1 << 30)
+                return [] if prompts is None else await prompts.completion_ids(prompt, prompts.max_model_len, owner=id(body))
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return []
             prompts = await self._tokenizer(b)
             if prompts is None:
                 return []
-            return await prompts.chat_ids(messages, body.get("add_generation_prompt", True) is not False, 1 << 30)
+            add = body.get("add_generation_prompt", True) is not False
+            return await prompts.chat_ids(messages, add, prompts.max_model_len, owner=id(body))
         except Exception as e:  # noqa: BLE001 - a request the router cannot key goes by load
             log.debug("could not tokenize a request for routing: %r", e)
             return []
@@ -226,5 +230,6 @@ class CacheView:
 
             path = str(resolve_model(path, None, "dummy"))
         tok = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, path)
-        self._prompts = PromptTokenizer(tok, 1 << 30) if tok is not None else None
+        # a prompt past the context is not tokenized (the server refuses it): routed by load
+        self._prompts = PromptTokenizer(tok, self._context or DEFAULT_CONTEXT) if tok is not None else None
         return self._prompts
