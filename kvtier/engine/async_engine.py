@@ -107,12 +107,13 @@ class AsyncEngine:
         return self._loop.waiting_samples + self._samples_sent - self._loop.samples_taken
 
     def make_request(
-        self, prompt: Any, params: SamplingParams, cache_salt: str | None = None, request_id: str | None = None, **handoff: Any
+        self, prompt: Any, params: SamplingParams, cache_salt: str | None = None, request_id: str | None = None, **options: Any
     ) -> Request:
-        """Validate (ValueError names the problem) without touching engine state."""
+        """Validate (ValueError names the problem) without touching engine state. ``options``:
+        EngineCore.make_request's (``handoff``, ``export``, ``owner``, ``priority``)."""
         self.check_alive()
         check_samples(params.n, self.max_queue)
-        req = self.core.make_request(prompt, params, cache_salt, request_id, **handoff)
+        req = self.core.make_request(prompt, params, cache_salt, request_id, **options)
         check_n(req)
         return req
 

@@ -42,7 +42,7 @@ from kvtier.engine.loop import Delta, EngineDead, QueueFull
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.startup import Startup
-from kvtier.engine.wire import decode, encode, output_from_wire, params_to_wire
+from kvtier.engine.wire import add_message, decode, encode, output_from_wire
 from kvtier.model import ModelConfig
 from kvtier.model.hub import resolve_model
 from kvtier.model.tokenizer import load_tokenizer
@@ -171,18 +171,29 @@ class EngineClient:
 
     # ------------------------------------------------------------------ callers (asyncio)
     def make_request(
-        self, prompt: Any, params: SamplingParams, cache_salt: str | None = None, request_id: str | None = None, **handoff: Any
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        *,
+        handoff: dict | None = None,
+        export: bool = False,
+        owner: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate (ValueError names the problem); nothing is sent. The engine checks a hand-off's
-        manifest when the request arrives (its refusal is the request's first item)."""
+        manifest when the request arrives (its refusal is the request's first item). ``owner``,
+        ``priority``: as EngineCore.add_request's (they travel with the request)."""
         self.check_alive()
         check_samples(params.n, self.max_queue)
-        manifest = handoff.pop("handoff", None)
         rid = request_id or f"req-{secrets.token_hex(8)}"
-        req = self.intake.request(prompt, params, cache_salt, rid, handoff=manifest is not None, **handoff)
-        req.handoff = manifest
-        if isinstance(manifest, dict):  # D of a hand-off: P's first token is its first output (the engine checks it)
-            first = manifest.get("first_token")
+        req = self.intake.request(
+            prompt, params, cache_salt, rid, handoff=handoff is not None, export=export, owner=owner, priority=priority
+        )
+        req.handoff = handoff
+        if isinstance(handoff, dict):  # D of a hand-off: P's first token is its first output (the engine checks it)
+            first = handoff.get("first_token")
             if isinstance(first, int) and not isinstance(first, bool):
                 req.all_token_ids.append(first)
                 req.output_token_ids.append(first)
@@ -206,7 +217,7 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self._sinks[rid] = q
         self._samples_sent += req.params.n
-        self._send(["add", rid, req.prompt_token_ids, params_to_wire(req.params), req.cache_salt, req.handoff, req.export])
+        self._send(add_message(req))
         done = False
         try:
             while True:

@@ -35,6 +35,8 @@ engine (``EngineCore.__init__``, engine/sizing.py):
   pool). A prefill server of PD, whose product is its writes, takes more (``kvtier serve
   --role prefill``: half the fetch threads);
 - ``preemption_mode=None``: swap with a host tier, else recompute;
+- ``max_num_seqs_per_request=None``: a quarter of ``max_num_seqs``, at least 1
+  (engine/scheduler.py);
 - ``cuda_graphs=None``: on for CUDA (with the triton attention backend);
 - ``overlap_schedule=None``: on for CUDA (the CPU schedules step N+1 while the GPU runs step N),
   off on CPU (where a step runs to its end before the host goes on: nothing to overlap, and a
@@ -199,6 +201,15 @@ class EngineConfig:
     max_num_seqs: int = _opt(
         256, "running requests at most (default 256)", type=types.positive_int, aliases=("--max-running-requests",)
     )
+    max_num_seqs_per_request: int | None = _opt(
+        None,
+        "running sequences one request holds at most: kvtier serve counts every prompt and sample (n) "
+        "of one HTTP call together, kvtier.LLM each prompt's samples; a call of many samples then runs "
+        "beside other callers' requests, not ahead of them. 1..max_num_seqs; max_num_seqs lets one "
+        "request fill the batch (default: a quarter of max_num_seqs, at least 1)",
+        type=types.positive_int,
+        metavar="N",
+    )
     max_model_len: int | None = _opt(
         None, "context length (default: the model's)", type=types.positive_int, aliases=("--context-length",)
     )
@@ -266,6 +277,7 @@ class EngineConfig:
             ("num_device_blocks", 1),
             ("num_host_blocks", 0),
             ("max_num_seqs", 1),
+            ("max_num_seqs_per_request", 1),
             ("max_num_batched_tokens", 1),
             ("write_through_threshold", 1),
             ("seed", None),
@@ -276,6 +288,11 @@ class EngineConfig:
             ("num_speculative_tokens", 0),
         ):
             types.check_int(name, getattr(self, name), lo, optional=getattr(EngineConfig, name, 0) is None)
+        if self.max_num_seqs_per_request is not None and self.max_num_seqs_per_request > self.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs_per_request must be at most max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_seqs_per_request}"
+            )
         from kvtier.cache.manager import check_block_size
         from kvtier.cache.policy import WritePolicy
 

@@ -334,6 +334,7 @@ class EngineCore:
             c.prefetch_policy,
             c.prefetch_timeout,
             c.num_speculative_tokens,
+            c.max_num_seqs_per_request,
         )
         self.block_size = block_size
         # P: outputs waiting for the pool's acks (engine/pd.py)
@@ -369,12 +370,25 @@ class EngineCore:
         *,
         handoff: dict | None = None,
         export: bool = False,
+        owner: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request; it joins the next step. ``export``: P of a PD hand-off;
-        ``handoff``: D of one (``{"first_token", "num_tokens", "keys", "namespace"}``)."""
+        ``handoff``: D of one (``{"first_token", "num_tokens", "keys", "namespace"}``).
+        ``owner``: the call it belongs to (None: itself), whose requests share the running slots
+        of one (``max_num_seqs_per_request``); ``priority``: lower runs first (engine/scheduler.py)."""
         if request_id is not None:
             self._check_new_id(str(request_id))  # before the work of make_request
-        req = self.make_request(prompt, params or SamplingParams(), cache_salt, request_id, handoff=handoff, export=export)
+        req = self.make_request(
+            prompt,
+            params or SamplingParams(),
+            cache_salt,
+            request_id,
+            handoff=handoff,
+            export=export,
+            owner=owner,
+            priority=priority,
+        )
         self.enqueue(req)
         return req
 
@@ -430,10 +444,15 @@ class EngineCore:
         *,
         handoff: dict | None = None,
         export: bool = False,
+        owner: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """A validated :class:`Request` (engine/intake.py; no engine state touched but the id
-        counter); ``handoff``: P's manifest, checked against the blocks this engine would read."""
-        req = self.intake.request(prompt, params, cache_salt, request_id, handoff=handoff is not None, export=export)
+        counter); ``handoff``: P's manifest, checked against the blocks this engine would read;
+        ``owner``, ``priority``: as :meth:`add_request`'s."""
+        req = self.intake.request(
+            prompt, params, cache_salt, request_id, handoff=handoff is not None, export=export, owner=owner, priority=priority
+        )
         if handoff is not None:
             assert self.storage is not None  # (intake checked)
             accept_handoff(
@@ -492,7 +511,8 @@ class EngineCore:
             if self.copies.in_flight:  # nothing to run until copies land: wait for them
                 self.copies.wait_some()
             elif not self.cache.num_pending_ops and self.scheduler.waiting:
-                req = self.scheduler.waiting[0]  # blocks held elsewhere (e.g. exports): it cannot run
+                # the request admission stopped at: blocks held elsewhere (e.g. exports), it cannot run
+                req = self.scheduler.blocked or self.scheduler.waiting[0]
                 results.append(
                     self._fail(
                         req,

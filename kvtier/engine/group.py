@@ -5,7 +5,8 @@
     add_request(prompt, n=4) ─► sample 0: the request itself (its id, generator seed+0)
         prefill ─► first token sampled, the prompt's full blocks committed to the tree
         └─► fork: samples 1..3 queued at the FRONT of the waiting queue (ids
-            "kvtier-auto-<id>#<i>", generators seed+i, same prompt and params)
+            "kvtier-auto-<id>#<i>", generators seed+i, same prompt and params, and the
+            request's owner and priority: they take the request's turns, engine/scheduler.py)
     samples 1..3: the prompt's full blocks match as device hits (locked, shared, never copied);
         each computes only the tokens of the prompt's last partial block (< block_size: that
         recompute is the "copy on write" of the partial block, exact and cheaper than a copy
@@ -151,8 +152,10 @@ class SampleGroups:
 
     def fork(self, group: SampleGroup, front: bool = True) -> None:
         """Queue samples 1..n-1 of ``group``: sample 0 has sampled its first token, so the
-        prompt's full blocks are in the tree. At the front of the queue: admitted next, while
-        those blocks are on device (nothing else allocates before them)."""
+        prompt's full blocks are in the tree. At the front of the queue: first of their owner's
+        waiting requests, admitted as soon as its turns and its ``max_num_seqs_per_request``
+        allow (engine/scheduler.py): while sample 0 runs it holds those blocks on device; once it
+        finished they are cached like any others (an evicted one is a host hit or a recompute)."""
         for i in range(1, group.n):
             req = self.make_sample(group, i)
             group.samples[i] = req

@@ -15,9 +15,11 @@ import torch
 from kvtier.engine.detok import StopStrings
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
+from kvtier.flags import check_int
 from kvtier.model import ModelConfig
 
 AUTO_ID = "kvtier-auto-"  # ids the engine makes; given ids may not start so: never the same
+MAX_PRIORITY = 2**31 - 1  # |priority| at most (vLLM's field is an int; this bounds it to 32 bits)
 
 
 @dataclass
@@ -43,9 +45,15 @@ class Intake:
         *,
         handoff: bool = False,
         export: bool = False,
+        owner: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """A validated Request (``handoff``: the decode side of a PD hand-off; the manifest is
-        checked by engine/pd.py)."""
+        checked by engine/pd.py). ``owner``: the call it belongs to (None: itself) and
+        ``priority`` (lower first): how the scheduler shares its slots (engine/scheduler.py)."""
+        check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
+        if owner is not None and not isinstance(owner, str):
+            raise ValueError(f"owner must be a string (the id of the call a request belongs to), got {owner!r}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"text prompts need a tokenizer, and {self.path} has none; pass token ids")
@@ -96,7 +104,7 @@ class Intake:
             raise ValueError(f"request_id {request_id!r} starts with {AUTO_ID!r}, the prefix of automatic ids")
         else:
             rid = str(request_id)
-        req = Request(rid, ids, params, cache_salt=cache_salt)
+        req = Request(rid, ids, params, cache_salt=cache_salt, owner=owner or "", priority=int(priority))
         if params.stop:
             req.stop_strings = StopStrings(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         req.generator = self._generator_for(params.seed)
@@ -105,9 +113,11 @@ class Intake:
 
     def sample(self, head: Request, index: int, request_id: str) -> Request:
         """Sample ``index`` of ``head``'s n (engine/group.py): its prompt and params, its own id
-        and generator (seed + index). The prompt's logprobs are the request's (sample 0's):
-        computing them again would make every sample recompute the whole prompt."""
-        req = self.request(head.prompt_token_ids, replace(head.params, n=1, prompt_logprobs=None), head.cache_salt)
+        and generator (seed + index), its owner and priority. The prompt's logprobs are the
+        request's (sample 0's): computing them again would make every sample recompute the whole
+        prompt."""
+        params = replace(head.params, n=1, prompt_logprobs=None)
+        req = self.request(head.prompt_token_ids, params, head.cache_salt, owner=head.owner, priority=head.priority)
         req.request_id = request_id
         req.generator = self._generator_for(head.params.sample_seed(index))
         return req

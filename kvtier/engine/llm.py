@@ -30,7 +30,11 @@ class LLM(EngineCore):
         prompts: Sequence[str] | Sequence[Sequence[int]] | str,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. ``priority``: one for every prompt, or one per
+        prompt (as vLLM's); lower is admitted first when prompts wait for a running slot. Each
+        prompt is its own owner: its samples (n) hold at most ``max_num_seqs_per_request`` slots."""
         self._check_open()
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
@@ -41,7 +45,10 @@ class LLM(EngineCore):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        reqs = [self.make_request(p, sp, cache_salt) for p, sp in zip(prompts, params)]
+        priorities = [priority] * len(prompts) if isinstance(priority, (int, np.integer)) else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        reqs = [self.make_request(p, sp, cache_salt, priority=pr) for p, sp, pr in zip(prompts, params, priorities)]
         mine = {r.request_id for r in reqs}
         for r in reqs:
             self.enqueue(r)

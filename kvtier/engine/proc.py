@@ -154,7 +154,7 @@ class _Engine:
         """A loop command from a message (None: answered here already)."""
         kind = msg[0]
         if kind == "add":
-            _, rid, ids, params, cache_salt, handoff, export = msg
+            _, rid, ids, params, cache_salt, handoff, export, owner, priority = msg
             try:
                 p = params_from_wire(params)
             except (TypeError, ValueError) as e:
@@ -162,7 +162,9 @@ class _Engine:
                 self.send(["error", rid, "value", str(e)])
                 return None
             try:
-                req = self.core.make_request(ids, p, cache_salt, rid, handoff=handoff, export=export)
+                req = self.core.make_request(
+                    ids, p, cache_salt, rid, handoff=handoff, export=export, owner=owner, priority=priority
+                )
             except ValueError as e:
                 self.refused_samples += p.n
                 self.send(["error", rid, "value", str(e)])

@@ -37,6 +37,11 @@ class Request:
     params: SamplingParams
     arrival: int = 0
     cache_salt: str | None = None
+    # fair admission (engine/scheduler.py): the call this request belongs to (a server passes its
+    # response id for every prompt of one call; samples inherit their head's), "" = itself; and
+    # its priority, lower first (vLLM's ``priority``)
+    owner: str = ""
+    priority: int = 0
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -75,6 +80,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if not self.owner:
+            self.owner = self.request_id  # a request without an owner is its own
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -3,16 +3,19 @@
 Each step the scheduler spends a token budget (``max_num_batched_tokens``):
 
 1. running requests first, oldest first: a decode token, or the next prefill chunk; if the device
-   tier cannot hold it even after eviction, the newest running request is preempted: under
-   ``preemption_mode="swap"`` its committed blocks are copied to the host tier and come back by a
-   load; under ``"recompute"`` they are just freed (and may still be served from cache). While
-   device blocks are on their way out (a swap's copies in flight), the scheduler waits for them
-   rather than preempting more;
-2. then waiting requests, in arrival order, while the budget, ``max_num_seqs`` and the device tier
-   allow: match the prefix (device, then host hits), admit, schedule the uncached rest (chunked).
+   tier cannot hold it even after eviction, a running request is preempted: the lowest priority
+   (the highest ``priority`` number), the newest of those (vLLM's order; a victim scheduled
+   earlier in the step gives its chunk back). Under ``preemption_mode="swap"`` its committed
+   blocks are copied to the host tier and come back by a load; under ``"recompute"`` they are
+   just freed (and may still be served from cache). While device blocks are on their way out (a
+   swap's copies in flight), the scheduler waits for them rather than preempting more;
+2. then waiting requests, in turns (below), while the budget, ``max_num_seqs`` and the device
+   tier allow: match the prefix (device, then host hits), admit, schedule the uncached rest
+   (chunked). If the device tier cannot hold the one whose turn it is, no one is admitted past it
+   in this step (a large request is not starved by smaller ones behind it).
    A request with storage hits first starts a prefetch into host blocks (as many blocks as the
-   cost model says pay) and steps aside while it lands; requests behind it go on. It is admitted,
-   with the chunks that landed, once its prefetch is done, or under ``prefetch_policy``:
+   cost model says pay) and steps aside while it lands, holding a seat; others go on. It is
+   admitted, with the chunks that landed, once its prefetch is done, or under ``prefetch_policy``:
 
    - ``wait_complete``: only when every chunk completed (each storage call is bounded by the
      backend's timeouts, so this wait is bounded too);
@@ -20,6 +23,26 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
    - ``best_effort``: or once the fetch is late: after 1.5x the time the cost model expected it to
      take (+10 ms), or, if longer, the time recomputing those blocks would take — a late fetch
      costs at most one recompute's worth of waiting; what landed by then is used.
+
+Fairness between callers. Every request has an ``owner`` (the call it belongs to: a server passes
+its response id for every prompt of one HTTP call; samples of ``n > 1`` inherit their head's; a
+request without one is its own) and a ``priority`` (default 0, lower first, as vLLM's field):
+
+- an owner runs at most ``max_num_seqs_per_request`` sequences at once (running, or holding a
+  seat while its prefetch lands), so one call of 8 prompts x n=128 cannot fill every slot;
+- admission takes turns: the next request admitted is the one with the lowest (priority, running
+  sequences of its owner, position in the queue). A new request of another caller thus goes
+  before the next sample of a call that runs many already; with one owner and one priority this
+  is the queue order (preempted requests and forked samples are at its front);
+- the token budget: while another owner has prefill work too (a running prefill, or a waiting
+  request that could be admitted), one owner's prefill chunks take at most half of
+  ``max_num_batched_tokens`` in a step (the rest of its prompts go on in the next steps), so a
+  caller's long prompts leave room for another's. Half, not an equal part per owner: between
+  many callers of similar prompts, prefill stays close to arrival order (which gives a lower
+  mean time to first token than sharing every step between all of them), and a third caller
+  waits at most for two others' prompts, as it would in arrival order. Decode tokens are never
+  held back. Simple rather than work-conserving: with two owners, what one leaves of its half
+  stays unused in that step.
 
 A step's life after schedule()::
 
@@ -39,12 +62,18 @@ in that step for nothing: its token there is dropped.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from kvtier.cache import CacheManager, CacheRequest
 from kvtier.engine.request import Request, Status
+
+
+def default_seqs_per_request(max_num_seqs: int) -> int:
+    """``max_num_seqs_per_request``'s default: a quarter of the running slots, at least one."""
+    return max(1, max_num_seqs // 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +108,16 @@ class Scheduler:
         prefetch_policy: str = "best_effort",
         prefetch_timeout: tuple[float, float] = (0.1, 0.05),
         num_speculative_tokens: int = 0,
+        max_num_seqs_per_request: int | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if max_num_seqs_per_request is None:
+            max_num_seqs_per_request = default_seqs_per_request(max_num_seqs)
+        if not 1 <= max_num_seqs_per_request <= max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs_per_request must be in 1..max_num_seqs ({max_num_seqs}), got {max_num_seqs_per_request}"
+            )
         if preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
         if preemption_mode == "swap" and not cache.has_host:
@@ -97,11 +133,13 @@ class Scheduler:
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_num_seqs_per_request = max_num_seqs_per_request
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.draining: list[Request] = []  # finished, blocks held until their steps in flight land
+        self.blocked: Request | None = None  # the waiting request the last admission stopped at (no blocks)
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens forwarded, hits excluded (stats)
         self.num_generated_tokens = 0  # tokens appended to outputs (stats)
@@ -127,11 +165,18 @@ class Scheduler:
         with ``needs_sync`` set (and nothing admitted): schedule again once it finished."""
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [])
+        self.blocked = None
         cache = self.cache
+        tally = Counter(r.owner for r in self.running)  # each owner's running sequences
+        share = self._prefill_share(tally)
+        spent: Counter[str] = Counter()  # prefill tokens each owner got in this step
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens_ahead - req.num_computed_tokens, budget)
+            prefill = self._is_prefill(req)
+            if prefill:
+                n = min(n, share - spent[req.owner])  # its owner's share spent: the rest next step
             if n <= 0 or (req.num_pending and self._ends_in_flight(req)):
                 i += 1  # nothing to compute until its token lands
                 continue
@@ -144,7 +189,13 @@ class Scheduler:
                 if defer_preempt:
                     out.needs_sync = True
                     return out
-                victim = self.running.pop()  # newest first
+                j = self._victim()
+                victim = self.running[j]
+                if j < i:  # scheduled earlier in this step: its chunk goes back to the budget
+                    budget += self._unschedule(out, victim, spent)
+                    i -= 1
+                del self.running[j]
+                tally[victim.owner] -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -155,20 +206,55 @@ class Scheduler:
                 else:
                     out.scheduled.append(self._scheduled(req, n))
                 budget -= n + drafts
+                if prefill:
+                    spent[req.owner] += n
                 i += 1
             if out.stalled:
                 break
         if out.preempted or out.stalled:
             return out  # no admissions while short of blocks
-        idx = 0
-        # a request whose prefetch is in flight holds a seat: no more prefetches (host blocks
-        # reserved) than requests that could be admitted, and no one admitted ahead of them then
+        self._admit(out, budget, share, spent, tally)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, share: int, spent: Counter[str], tally: Counter[str]) -> None:
+        """Step 2 of the module docstring: waiting requests into ``out``, in turns. ``tally``:
+        each owner's running sequences (and, as they are taken, its seats taken in this step)."""
         seats = self.max_num_seqs - len(self.running)
-        while idx < len(self.waiting) and budget > 0 and seats > 0:
-            req = self.waiting[idx]
+        if not self.waiting or budget <= 0 or seats <= 0:
+            return
+        cache = self.cache
+        cap = self.max_num_seqs_per_request
+        # each owner's waiting requests, its next one last: by priority, then queue position
+        # (preempted requests and forked samples are at the front: first among their owner's)
+        full = {owner for owner, n in tally.items() if n >= cap}
+        queues: dict[str, list[tuple[int, int, Request]]] = {}
+        for pos, req in enumerate(self.waiting):
+            if req.owner not in full:  # (a set lookup: this loop sees every waiting request)
+                queues.setdefault(req.owner, []).append((req.priority, pos, req))
+        turns: list[tuple[int, int, int, str]] = []  # heap of each owner's next turn
+
+        def take_turn(owner: str) -> None:
+            q = queues[owner]
+            if q and tally[owner] < cap:
+                priority, pos, _ = q[-1]
+                heapq.heappush(turns, (priority, tally[owner], pos, owner))
+
+        for owner, q in queues.items():
+            q.sort(reverse=True)  # (positions differ: requests are never compared)
+            take_turn(owner)
+        admitted = False
+        # a request whose prefetch is in flight holds a seat: no more prefetches (host blocks
+        # reserved) than requests that could be admitted
+        while turns and budget > 0 and seats > 0:
+            owner = heapq.heappop(turns)[-1]
+            req = queues[owner].pop()[-1]
+            allow = min(budget, share - spent[owner])
+            if allow <= 0:
+                continue  # its owner's share of this step is spent: its requests wait for the next
             if req.prefetch_deadline is not None and not self._prefetch_settled(req):
-                idx += 1  # its storage hits are landing: step aside
-                seats -= 1
+                seats -= 1  # its storage hits are landing: it steps aside
+                tally[owner] += 1
+                take_turn(owner)
                 continue
             m = cache.match_prefix(req.cache_req)
             cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache_req)
@@ -180,19 +266,20 @@ class Scheduler:
                     if n_fetch:
                         req.metrics["prefetch_start"] = time.monotonic()
                         req.prefetch_deadline = req.metrics["prefetch_start"] + self._prefetch_budget(req, n_fetch)
-                        idx += 1
                         seats -= 1
+                        tally[owner] += 1
+                        take_turn(owner)
                         continue
-            if not cache.allocate(req.cache_req, min(req.num_tokens, cached + budget)):
+            if not cache.allocate(req.cache_req, min(req.num_tokens, cached + allow)):
+                self.blocked = req  # no one admitted past it (it would wait for ever behind smaller ones)
                 break
             match = req.cache_req.match  # allocate re-matches if the tree changed
             assert match is not None
             m = match
             cached = (m.num_device_blocks + m.num_host_blocks) * m.block_size + cache.tail_hit(req.cache_req)
-            n = min(req.num_tokens - cached, budget)
+            n = min(req.num_tokens - cached, allow)
             if not cache.allocate(req.cache_req, cached + n):  # fewer hits than first seen: grow
                 n = len(req.cache_req.block_table) * m.block_size - cached
-            del self.waiting[idx]
             req.metrics.setdefault("admitted", time.monotonic())
             req.status = Status.RUNNING
             req.prefetch_deadline = None
@@ -206,9 +293,50 @@ class Scheduler:
                 req.cached_tokens_by_tier = {"device": device, "host": cached - device - storage, "storage": storage}
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
+            admitted = True
             budget -= n
+            spent[owner] += n
             seats -= 1
-        return out
+            tally[owner] += 1
+            take_turn(owner)
+        if admitted:  # (out of the queue in one pass, not one O(queue) removal each)
+            kept = [r for r in self.waiting if r.status is Status.WAITING]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+
+    def _prefill_share(self, tally: Counter[str]) -> int:
+        """The prefill tokens one owner may take in this step: the whole budget, or half of it
+        while another owner has prefill work too (a running prefill, or a waiting request that
+        could be admitted)."""
+        owners = {r.owner for r in self.running if self._is_prefill(r)}
+        if len(self.running) < self.max_num_seqs:
+            cap = self.max_num_seqs_per_request
+            owners |= {owner for owner in {r.owner for r in self.waiting} if tally.get(owner, 0) < cap}
+        if len(owners) < 2:
+            return self.max_num_batched_tokens
+        return max(1, self.max_num_batched_tokens // 2)
+
+    @staticmethod
+    def _is_prefill(req: Request) -> bool:
+        """Is ``req``'s next chunk more than one token (a prompt, or a recompute after a preemption)?"""
+        return req.num_tokens_ahead - req.num_computed_tokens > 1
+
+    def _victim(self) -> int:
+        """The running request to preempt (its index): the lowest priority (the highest number),
+        the newest of those (vLLM's order)."""
+        running = self.running
+        return max(range(len(running)), key=lambda k: (running[k].priority, k))
+
+    def _unschedule(self, out: SchedulerOutput, req: Request, spent: Counter[str]) -> int:
+        """Take ``req``'s chunk out of ``out`` (it is preempted after it was scheduled); returns
+        its tokens (back to the budget): 0 if it was passed over in this step."""
+        for k, s in enumerate(out.scheduled):
+            if s.request is req:
+                del out.scheduled[k]
+                if self._is_prefill(req):  # (not advanced yet: as when it was scheduled)
+                    spent[req.owner] -= s.num_tokens
+                return s.num_tokens
+        return 0
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Drafts a decode step of ``req`` verifies (engine/spec.py): those it holds, as many as

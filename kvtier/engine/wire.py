@@ -2,7 +2,7 @@
 msgpack (msgspec) over two ZeroMQ sockets, one each way. Each message is a list whose first item
 names it::
 
-    server -> engine   ["add", request_id, prompt_token_ids, params, cache_salt, handoff, export]
+    server -> engine   ["add", request_id, prompt_token_ids, params, cache_salt, handoff, export, owner, priority]
                        ["abort", request_id]    ["call", call_id, name, args]    ["stop"]
     engine -> server   ["phase", startup]  ["ready", info]  ["failed", phase, error_type, message]
                        ["delta", request_id, index, token_ids, finish_reason, logprobs, export, output]
@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 
 from kvtier.engine.outputs import CompletionOutput, RequestOutput
+from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
 
 
@@ -45,6 +46,12 @@ def encode(msg: list) -> bytes:
 
 def decode(data: bytes) -> list:
     return _decoder.decode(data)
+
+
+def add_message(req: Request) -> list:
+    """The "add" message of a request the serving process made (engine/client.py)."""
+    p = params_to_wire(req.params)
+    return ["add", req.request_id, req.prompt_token_ids, p, req.cache_salt, req.handoff, req.export, req.owner, req.priority]
 
 
 def params_to_wire(p: SamplingParams) -> dict:

@@ -8,7 +8,8 @@ too; ``max_tokens: 0`` then scores the prompt alone), ``prompt`` as a string, a 
 list of either (one engine request per prompt), ``stop``, ``seed``, ``presence_penalty`` /
 ``frequency_penalty`` (-2..2), ``best_of`` (null or ``n``). kvtier's own: ``min_tokens``,
 ``repetition_penalty``, ``logprobs_mode`` and those of ``_Sampling`` below. What they mean for
-the engine: ``kvtier/engine/sampling.py``.
+the engine: ``kvtier/engine/sampling.py``. vLLM's ``priority`` (an int, |priority| < 2**31, lower
+first) orders the admission of waiting requests (``kvtier/engine/scheduler.py``).
 
 Fields OpenAI defines that kvtier does not implement are accepted only at their neutral value
 (``suffix`` empty, ``logit_bias`` ``{}``, ``response_format`` text): anything else is a 400 naming
@@ -26,6 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator, model_validator
 
+from kvtier.engine.intake import MAX_PRIORITY
 from kvtier.engine.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_PROMPTS = 1024  # prompts in one completions request
@@ -109,7 +111,6 @@ PEER_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": ((None, []), "bad_words"),
     "prompt_logprobs": ((None,), "prompt_logprobs (completions: echo=true with logprobs gives the prompt's)"),
     "typical_p": ((None, 1.0), "typical sampling"),
-    "priority": ((None, 0), "request priorities"),
     "lora_path": ((None,), "LoRA adapters"),
     "lora_request": ((None,), "LoRA adapters"),
     "custom_logit_processor": ((None,), "custom logit processors"),
@@ -159,6 +160,12 @@ class _Sampling(_Body):
     return_token_ids: Optional[StrictBool] = Field(
         False, description="each choice (each stream chunk) also carries its token ids"
     )
+    priority: Optional[StrictInt] = Field(
+        0,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="vLLM's: lower runs first when requests wait for a running slot (default 0)",
+    )
     kvtier_handoff: Optional[Handoff] = None
 
     @model_validator(mode="before")
@@ -172,7 +179,7 @@ class _Sampling(_Body):
         for name in PEER_FIELDS.keys() & data.keys():
             noop, what = PEER_FIELDS[name]
             value = data.pop(name)
-            # (a bool is not a number here: priority=false is refused, length_penalty=1 is not)
+            # (a bool is not a number here: length_penalty=true is refused, length_penalty=1 is not)
             if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noop):
                 raise FieldError(name, f"{name}={value!r}: {what} is not supported by kvtier")
         return data

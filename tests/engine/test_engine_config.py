@@ -60,10 +60,24 @@ def test_a_config_survives_the_trip_to_flags_and_back():
      "give num_device_blocks or gpu_memory_utilization, not both"),
     ({"gpu_memory_utilization": 0.5}, "gpu_memory_utilization is for cuda devices"),
     ({"revision": ""}, "revision must be a branch, tag or commit name, got ''"),
+    ({"max_num_seqs_per_request": 0}, "max_num_seqs_per_request must be an int >= 1 or None, got 0"),
+    ({"max_num_seqs_per_request": 2.5}, "max_num_seqs_per_request must be an int >= 1 or None, got 2.5"),
+    ({"max_num_seqs": 16, "max_num_seqs_per_request": 17},
+     "max_num_seqs_per_request must be at most max_num_seqs (16), got 17"),
 ])
 def test_a_bad_option_is_named(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(**options)
+
+
+def test_max_num_seqs_per_request_defaults_to_a_quarter_of_the_slots(checkpoint):
+    import kvtier
+    from kvtier.engine.scheduler import default_seqs_per_request
+    assert [default_seqs_per_request(n) for n in (1, 3, 4, 16, 256)] == [1, 1, 1, 4, 64]
+    assert EngineConfig(max_num_seqs=8, max_num_seqs_per_request=8).to_flags() == [
+        "--max-num-seqs", "8", "--max-num-seqs-per-request", "8"]
+    with kvtier.LLM(checkpoint("qwen3-tiny"), num_device_blocks=24, max_num_seqs=16) as llm:
+        assert llm.scheduler.max_num_seqs_per_request == 4
 
 
 def test_an_unknown_option_is_refused_by_name():

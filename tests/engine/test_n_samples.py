@@ -154,7 +154,9 @@ def test_a_prompt_in_a_file_pool_is_fetched_once_by_a_fresh_engine_for_all_sampl
 
 @pytest.mark.parametrize("steps", [0, 1, 3])     # sample 0 queued / the others queued / some running
 def test_abort_drops_every_sample_queued_or_running_and_returns_every_block(checkpoint, steps):
-    with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64, max_num_seqs=3) as llm:
+    # (every slot open to the one request: three of its samples running, three queued)
+    with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64, max_num_seqs=3,
+                    max_num_seqs_per_request=3) as llm:
         llm.add_request(PROMPT, sampled(6, max_tokens=40), request_id="grp")
         for _ in range(steps):
             assert llm.step() == []

@@ -109,6 +109,27 @@ def test_a_request_the_engine_refuses_is_a_value_error_and_leaves_the_queue_coun
         c.shutdown()
 
 
+def test_owner_and_priority_travel_to_the_engine_process(client):
+    """What the server's make_request set arrives in the "add" message the engine process turns
+    into its own request (engine/wire.py, engine/proc.py)."""
+    from types import SimpleNamespace
+
+    from kvtier.engine.proc import _Engine
+    from kvtier.engine.wire import add_message, decode, encode
+    req = client.make_request([1, 2, 3], GREEDY, "salt", "r-7", owner="cmpl-abc", priority=-4)
+    assert (req.owner, req.priority) == ("cmpl-abc", -4)
+    got = []
+    core = SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw)) or req)
+    engine = SimpleNamespace(core=core, send=None, refused_samples=0)
+    assert _Engine.command(engine, decode(encode(add_message(req))))[0] == "add"   # type: ignore[arg-type]
+    (args, kw), = got
+    assert args[2:] == ("salt", "r-7") and (kw["owner"], kw["priority"]) == ("cmpl-abc", -4)
+    mine = client.make_request([1, 2, 3], GREEDY)                # no owner: its own
+    assert mine.owner == mine.request_id and mine.priority == 0
+    with pytest.raises(ValueError, match="priority must be an int in"):
+        client.make_request([1, 2, 3], GREEDY, priority=2**31)
+
+
 def test_the_queue_bound_counts_samples(client):
     async def main():
         first = client.generate(client.make_request([1, 2, 3], kvtier.SamplingParams(max_tokens=100, n=6, ignore_eos=True)))

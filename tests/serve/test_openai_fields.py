@@ -433,6 +433,8 @@ def test_null_new_fields_mean_their_default(server):
     ("/v1/completions", {"regex": "[0-9]+"}, "regex"),
     ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ("/v1/completions", {"priority": False}, "priority"),
+    ("/v1/completions", {"priority": "x"}, "priority"),
+    ("/v1/chat/completions", {"priority": 2**40}, "priority"),
 ])
 def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
     body = {"model": "moe", "max_tokens": 4, **({"prompt": "hi"} if "completions" == path[4:] else
@@ -452,6 +454,16 @@ def test_peers_fields_at_their_no_op_value_are_accepted_and_others_named_unsuppo
         post(server, "/v1/completions", base)["choices"][0]["text"]
     r = httpx.post(server.url + "/v1/completions", json={"model": "moe", **base, "use_beam_search": True}, timeout=60)
     assert r.status_code == 400 and "beam search is not supported by kvtier" in r.json()["error"]["message"]
+
+
+def test_a_priority_is_accepted_and_changes_no_answer(server):
+    """vLLM's ``priority`` orders admission only (tests/engine/test_fair_admission.py)."""
+    base = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = post(server, "/v1/completions", base)["choices"][0]["text"]
+    for priority in (-5, 3, 2**31 - 1):
+        assert post(server, "/v1/completions", base | {"priority": priority})["choices"][0]["text"] == want
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -1}
+    assert post(server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"] is not None
 
 
 def test_min_p_one_keeps_only_the_likeliest_token(server):

@@ -108,6 +108,34 @@ def test_invalid_json_is_a_400_saying_what_and_where(client):
     assert err["message"] == "the request body is not valid JSON: invalid character at line 2, column 12"
 
 
+# ---------------------------------------------------------------- fair admission
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_every_request_of_a_call_has_the_call_as_owner_and_its_priority(client, engine, monkeypatch, path):
+    """The engine shares its running slots between calls (engine/scheduler.py): every prompt of
+    one call is owned by the call's id, and carries the body's priority (0 when absent or null)."""
+    made = []
+    real = engine.make_request
+
+    def spy(*args, **kw):
+        req = real(*args, **kw)
+        made.append(req)
+        return req
+    monkeypatch.setattr(engine, "make_request", spy)
+    body = {"model": "moe", "prompt": ["one", "two"], "max_tokens": 2} if path == "/v1/completions" else chat_body("hi")
+    for priority, want in ((-7, -7), (None, 0), (2**31 - 1, 2**31 - 1)):
+        made.clear()
+        r = post(client, path, body | {"priority": priority})
+        assert r.status_code == 200, r.text
+        assert {(q.owner, q.priority) for q in made} == {(r.json()["id"], want)}
+        assert len(made) == (2 if path == "/v1/completions" else 1)
+
+
+@pytest.mark.parametrize("priority", ["x", 2**40, -(2**31), 1.5, True])
+def test_a_bad_priority_is_a_400_naming_it(client, priority):
+    body = {"model": "moe", "prompt": "hi", "max_tokens": 2, "priority": priority}
+    assert error(post(client, "/v1/completions", body), 400)["param"] == "priority"
+
+
 # ---------------------------------------------------------------- engine errors
 def test_a_valueerror_from_the_engine_is_a_400(client, engine, monkeypatch):
     def refuse(req):
@@ -245,12 +273,12 @@ class Pool:
         return {"ok": self.ok, "reason": None if self.ok else "connection refused"}
 
 
-def health_of(role: str, pool: Pool) -> tuple[int, dict]:
+def health_of(role: str, pool: Pool, expose_config: bool = False) -> tuple[int, dict]:
     engine = SimpleNamespace(core=SimpleNamespace(storage=pool, tokenizer=None, max_model_len=CTX, path="moe",
                                                   config=SimpleNamespace(vocab_size=320), pd_on_miss="recompute", engine_config=SimpleNamespace(export_timeout=7.0),
                                                   startup=SimpleNamespace(total_s=1.5)),
                              check_alive=lambda: None, error=None, num_running=2, num_waiting=1)
-    server = Server(engine, "moe", role=role)          # type: ignore[arg-type]
+    server = Server(engine, "moe", role=role, expose_config=expose_config)          # type: ignore[arg-type]
     with TestClient(server.app) as c:
         r = c.get("/health")
     server.close()
@@ -264,12 +292,15 @@ def test_health_reports_the_pool(role):
     assert body["pd_on_miss"] == "recompute"           # the router relays P's token early on it
     assert body["export_timeout"] == 7.0               # ... and gives P's ack this long (+ a margin)
     assert (body["running"], body["waiting"]) == (2, 1)   # what a router's load reads
-    status, body = health_of(role, Pool(ok=False))
-    if role == "colocated":                  # it still serves, recomputing what the pool would give
-        assert status == 200 and body["status"] == "degraded"
-    else:                                    # no hand-off can work
-        assert status == 503 and body["status"] == "unavailable" and body["error"]["code"] == 503
-    assert "connection refused" in body["reason"] and body["engine"] == "ok"
+    for expose in (False, True):
+        status, body = health_of(role, Pool(ok=False), expose)
+        if role == "colocated":                  # it still serves, recomputing what the pool would give
+            assert status == 200 and body["status"] == "degraded"
+        else:                                    # no hand-off can work
+            assert status == 503 and body["status"] == "unavailable" and body["error"]["code"] == 503
+        assert body["engine"] == "ok"
+        # what the pool said (it may name its host) only with --expose-config: /health needs no key
+        assert ("connection refused" in body["reason"]) == expose and ("model_root" in body) == expose
 
 
 class SlowTokenizer:
