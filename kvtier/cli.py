@@ -10,6 +10,8 @@ from kvtier.flags import add_json_flag, non_negative_int, positive_int, write_js
 from kvtier.flags import non_negative_float as _non_negative_float
 from kvtier.flags import port as _port
 from kvtier.flags import positive_float as _positive_float
+from kvtier.serve.guard import DEFAULTS as CONNECTION_DEFAULTS
+from kvtier.serve.guard import FD_MARGIN, ConnectionLimits
 
 # kvtier.model.presets.PRESETS, named here so that `kvtier --help` does not import torch
 # (tests/test_cli.py keeps the two equal).
@@ -237,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         "another tenant sent the same prefix (docs/SERVING.md)",
     )
     p.add_argument(
+        "--expose-config",
+        action="store_true",
+        help="let /health (which needs no API key) show the model's path and the storage pool's "
+        "address and errors (default: only states and counts; /server_info, behind the key, "
+        "always shows the configuration, its passwords masked)",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients send and /v1/models lists (default: the hub id as given, or the model "
@@ -264,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         "running and waiting, blocks used per tier, copies and exports pending (0: never; "
         "default 10)",
     )
+    _add_connection_flags(p)
     _add_llm_flags(p)
 
     p = sub.add_parser(
@@ -297,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME_OR_PATH",
         help="cache_aware: the served model's tokenizer, to key text prompts as the servers do "
-        "(default: the model directory the servers' /health names)",
+        "(default: the model directory the servers name in /v1/models)",
     )
     p.add_argument(
         "--events-interval",
@@ -338,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds a request to P or D may take (default 600)")
     p.add_argument(
+        "--expose-config",
+        action="store_true",
+        help="let /health and /metrics (which need no API key) name the servers by URL (default: "
+        "by role and number, e.g. decode0, worker1)",
+    )
+    p.add_argument(
         "--health-interval",
         type=_positive_float,
         default=None,
@@ -349,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         help="log level of uvicorn and kvtier (default info)",
     )
+    _add_connection_flags(p)
 
     p = sub.add_parser(
         "demo",
@@ -405,6 +422,71 @@ def _model(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.model = args.model or flag
     if args.model is None:
         ap.error(f"{args.command}: give MODEL (a checkpoint directory or a hub id), as an argument or --model")
+
+
+def _add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """The bounds on HTTP connections (kvtier/serve/guard.py), the same for the server and the router."""
+    d = CONNECTION_DEFAULTS
+    g = p.add_argument_group("connections and timeouts (docs/SERVING.md)")
+    g.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=d["header_timeout"],
+        metavar="SECONDS",
+        help="a request's headers must arrive within SECONDS of the connection opening (on a kept-alive "
+        f"connection: of the request's first byte), else 408 and the connection closes (default {d['header_timeout']:g})",
+    )
+    g.add_argument(
+        "--body-min-rate",
+        type=_non_negative_float,
+        default=d["body_min_rate"],
+        metavar="BYTES_PER_S",
+        help="a request body must arrive at BYTES_PER_S at least, measured over windows of --header-timeout, "
+        f"else 408 and the connection closes (0: no minimum; default {d['body_min_rate']:g})",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=_positive_float,
+        default=d["keep_alive_timeout"],
+        metavar="SECONDS",
+        help=f"close a kept-alive connection idle for SECONDS (uvicorn's; default {d['keep_alive_timeout']:g})",
+    )
+    g.add_argument(
+        "--max-connections-per-client",
+        type=positive_int,
+        default=d["max_connections_per_client"],
+        metavar="N",
+        help="open connections from one client address; the next gets 429 and is closed (behind a proxy or "
+        f"`kvtier router`, every client shares the proxy's address; default {d['max_connections_per_client']})",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=d["max_connections"],
+        metavar="N",
+        help="open connections in all; the next gets 503 and is closed; never more than the open-file limit "
+        f"less {FD_MARGIN} (default {d['max_connections']})",
+    )
+    g.add_argument(
+        "--cheap-request-rate",
+        type=_non_negative_float,
+        default=d["cheap_request_rate"],
+        metavar="PER_S",
+        help="GET /health answers and 401s per second per client address, in bursts of up to twice as many; "
+        "over it, that address's connections are not read until it is back under (0: no limit; "
+        f"default {d['cheap_request_rate']:g})",
+    )
+
+
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        header_timeout=args.header_timeout,
+        body_min_rate=args.body_min_rate,
+        keep_alive_timeout=args.timeout_keep_alive,
+        max_connections_per_client=args.max_connections_per_client,
+        max_connections=args.max_connections,
+        cheap_request_rate=args.cheap_request_rate,
+    )
 
 
 def _add_llm_flags(p: argparse.ArgumentParser) -> None:
@@ -547,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
                 log_level=args.log_level,
                 max_body_bytes=args.max_body_bytes,
                 require_cache_salt=args.require_cache_salt,
+                expose_config=args.expose_config,
+                limits=_connection_limits(args),
                 log_stats_interval=args.log_stats_interval,
                 config=_engine_config(args),
             )
@@ -572,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer=args.tokenizer,
                 events_interval=args.events_interval,
                 storage=args.storage,
+                expose_config=args.expose_config,
+                limits=_connection_limits(args),
             )
             return 0
         if args.command == "demo":

@@ -1,19 +1,37 @@
-"""``kvtier bench flood``: what floods and hostile bodies cost the clients that generate.
+"""``kvtier bench flood``: what floods, slow sockets and hostile requests cost the other clients.
 
-One ``kvtier serve`` (started here, with an API key), the same generation in each phase:
-``--streams`` streaming greedy requests of ``--max-tokens`` tokens each (``ignore_eos``), while
+One ``kvtier serve`` and one ``kvtier router --workers`` in front of it (cache-aware: it tokenizes
+to key prompts), both with an API key, started here. Each scenario runs an attacker process (its
+sockets bound to 127.0.0.2, another client address than the measurement's 127.0.0.1) while the
+measurement runs, from 127.0.0.1:
 
-    baseline   nothing else
-    health     --flood connections loop GET /health
-    401        --flood connections loop POST /v1/completions with a wrong key
-    attack     --flood connections loop the soak's hostile bodies (kvtier/bench/soak.py ATTACKS),
-               each of which must be a 4xx
+    job       --streams streaming greedy generations of --max-tokens tokens each, on the server
+    prober    GET /health of the attacked process (server or router) at 20 Hz
+    victim    another client's small request (an 11-character prompt, 4 tokens) every 0.25 s,
+              to the attacked process
 
-Per phase: generated tokens/s and its ratio to the baseline, ``/health`` latency (p50, p99, max)
-from a prober at 20 Hz, the flood's requests and their statuses, and the growth of the server's
-memory (its processes' RSS: the HTTP process and the engine process). The flood runs in a
-process of its own, so its load never shares an interpreter with the measurement.
-Prints one JSON object (``--json PATH`` writes it too).
+Scenarios (``--scenarios``, default all; ``flood`` kinds are judged by the job, ``attack`` kinds
+by the attacked request, the prober and the victim)::
+
+    baseline         nothing else (the reference of every ratio)
+    health           flood  --flood connections loop GET /health
+    401              flood  --flood connections loop POST /v1/completions with a wrong key
+    slow-headers     flood  up to 2,000 connections each send a header line every 2 s
+    slow-body        flood  200 connections each send a body at 1 byte every second
+    hostile-bodies   attack the bodies that once cost seconds or gigabytes (soak.ATTACKS, 1.4M
+                            logit_bias entries, max_tokens=1e18): each a 4xx
+    tokenize-huge    attack POST /tokenize of "ab " x 5,000,000
+    tokenize-batch   attack 1,024 prompts of 13,000 characters in one request
+    big-answer       attack n=64, echo, logprobs=20 over 4 prompts of 370 ids: a 27 MB answer
+    detokenize       attack POST /detokenize of 4,000,000 ids
+    head-of-line     attack 8 prompts x n=128 x 200 tokens in one request
+    router-body      attack the router: 12 MB of floats as a prompt, and NaN
+    router-tokenize  attack the router: a 15 MB text prompt (it tokenizes to key it)
+
+Per scenario: the job's tokens/s and its ratio to the baseline's; /health p50/p99/max; the
+victim's median and its ratio to the baseline's on the same process; each attack's statuses and
+its time to answer (median and max); the servers' memory growth (RSS of every process); and each
+goal met or missed. Prints one JSON object (``--json PATH`` writes it too).
 """
 
 from __future__ import annotations
@@ -22,14 +40,23 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import resource
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 KEY = "flood-bench-key"
-PHASES = ("baseline", "health", "401", "attack")
+ATTACKER = "127.0.0.2"  # the attacker's source address (the measurement's is 127.0.0.1)
+GOALS = {
+    "flood_job_ratio": 1.1,  # a concurrent job takes at most this much longer under a flood
+    "attack_answer_ms": 100.0,  # the attacked request's 4xx comes within this (or it is answered)
+    "health_p99_ms": 50.0,
+    "victim_ratio": 1.5,  # another client's small request, to its time alone
+    "rss_growth_mb": 100.0,
+}
 
 
 def _rss_mb(pid: int) -> float:
@@ -48,62 +75,240 @@ def _rss_mb(pid: int) -> float:
     return total
 
 
-async def _flood(url: str, phase: str, connections: int, stop: Any) -> dict:
+# ---------------------------------------------------------------------- the attacks
+@dataclass(frozen=True)
+class Scenario:
+    kind: str  # "baseline" | "flood" | "attack"
+    target: str  # "server" | "router": what the prober and the victim measure
+    attack: Callable[..., Any] | None = None  # async attack(urls, stop, stats), in the attacker's process
+
+
+def _client(**kw: Any) -> Any:
     import httpx
 
-    from kvtier.bench import soak
+    transport = httpx.AsyncHTTPTransport(local_address=ATTACKER, retries=0)
+    return httpx.AsyncClient(transport=transport, timeout=60.0, **kw)
 
-    soak.ATTACK_ENTRIES = 300_000  # the attack's lists at a tenth of their size (3,000,000 entries)
-    ATTACKS = soak.ATTACKS
 
-    statuses: Counter = Counter()
-    good = {"Authorization": f"Bearer {KEY}"}
+async def _loop_requests(urls: dict, stop: Any, stats: dict, make: Callable[[int], tuple], connections: int = 1) -> None:
+    """``connections`` loops sending ``make(i)`` = (target, method, path, body, headers) until
+    ``stop``; each answer's status and time are recorded."""
+    import httpx
 
-    async def worker(i: int) -> None:
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            n = 0
+    async def worker(w: int) -> None:
+        async with _client() as client:
+            i = w
             while not stop.is_set():
+                target, method, path, body, headers = make(i)
+                t = time.perf_counter()
                 try:
-                    if phase == "health":
-                        r = await client.get(url + "/health")
-                    elif phase == "401":
-                        r = await client.post(url + "/v1/completions", json={"model": "soak", "prompt": [1]}, headers={})
-                    else:
-                        body = ATTACKS[(i + n) % len(ATTACKS)]()
-                        r = await client.post(
-                            url + "/v1/completions", content=body, headers=good | {"content-type": "application/json"}
-                        )
-                    statuses[r.status_code] += 1
+                    r = await client.request(method, urls[target] + path, content=body, headers=headers)
+                    await r.aread()
+                    stats["status"][str(r.status_code)] += 1
                 except httpx.HTTPError as e:
-                    statuses[type(e).__name__] += 1
-                n += 1
+                    stats["status"][type(e).__name__] += 1
+                stats["seconds"].append(time.perf_counter() - t)
+                i += connections
 
-    await asyncio.gather(*(worker(i) for i in range(connections)))
-    return {str(k): v for k, v in statuses.items()}
-
-
-def _flood_process(conn: Any, *args: Any) -> None:
-    conn.send(asyncio.run(_flood(*args)))
+    await asyncio.gather(*(worker(w) for w in range(connections)))
 
 
-async def _generate(url: str, model: str, streams: int, max_tokens: int, vocab: int) -> tuple[int, float, list[float]]:
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+_AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+_HOSTILE: list[bytes] = []
+
+
+def _hostile(i: int) -> tuple:
+    if not _HOSTILE:
+        from kvtier.bench import soak
+
+        soak.ATTACK_ENTRIES = 3_000_000  # the lists at the size that was measured
+        _HOSTILE.extend(a() for a in soak.ATTACKS)
+        _HOSTILE.append(
+            b'{"model": "soak", "prompt": [1], "logit_bias": {' + b",".join(b'"%d": 1' % k for k in range(1_400_000)) + b"}}"
+        )
+        _HOSTILE.append(b'{"model": "soak", "prompt": "hi", "max_tokens": 1e18}')
+    return "server", "POST", "/v1/completions", _HOSTILE[i % len(_HOSTILE)], _AUTH
+
+
+def _make(target: str, path: str, body: Callable[[], bytes]) -> Callable[[int], tuple]:
+    built: list[bytes] = []
+
+    def make(_i: int) -> tuple:
+        if not built:
+            built.append(body())
+        return target, "POST", path, built[0], _AUTH
+
+    return make
+
+
+async def _flood(phase: str, urls: dict, stop: Any, stats: dict, connections: int) -> None:
+    if phase == "health":
+        await _loop_requests(urls, stop, stats, lambda i: ("server", "GET", "/health", None, {}), connections)
+    elif phase == "401":
+        bad = {"Authorization": "Bearer wrong", "Content-Type": "application/json"}
+        body = _json({"model": "soak", "prompt": [1]})
+        await _loop_requests(urls, stop, stats, lambda i: ("server", "POST", "/v1/completions", body, bad), connections)
+    elif phase == "slow-headers":
+        await _slow_sockets(urls["server"], stop, stats, _slow_headers, 2000)
+    elif phase == "slow-body":
+        await _slow_sockets(urls["server"], stop, stats, _slow_body, 200)
+
+
+async def _slow_sockets(url: str, stop: Any, stats: dict, behave: Callable, n: int) -> None:
+    """``n`` connections at a time, each behaving slowly until the server closes it, then again."""
+    host, port = url.removeprefix("http://").split(":")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    n = min(n, hard - 64)
+
+    async def one() -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port), local_addr=(ATTACKER, 0))
+            except OSError as e:
+                stats["status"][type(e).__name__] += 1
+                await asyncio.sleep(1.0)
+                continue
+            t = time.perf_counter()
+            answer = await behave(reader, writer, stop)
+            stats["status"][answer] += 1
+            stats["seconds"].append(time.perf_counter() - t)
+            writer.close()
+
+    await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def _until_answer(reader: Any, stop: Any, send: Callable[[], Any], every: float) -> str:
+    """``send()`` every ``every`` s until the server answers (its status) or closes."""
+    while not stop.is_set():
+        try:
+            await send()
+            line = await asyncio.wait_for(reader.readline(), every)
+        except asyncio.TimeoutError:
+            continue
+        except OSError:
+            return "closed"
+        return line.split(b" ")[1].decode() if line.startswith(b"HTTP/") else "closed"
+    return "held to the end"
+
+
+async def _slow_headers(reader: Any, writer: Any, stop: Any) -> str:
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    n = [0]
+
+    async def send() -> None:
+        n[0] += 1
+        writer.write(b"X-Slow-%d: y\r\n" % n[0])
+        await writer.drain()
+
+    return await _until_answer(reader, stop, send, 2.0)
+
+
+async def _slow_body(reader: Any, writer: Any, stop: Any) -> str:
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+    )
+
+    async def send() -> None:
+        writer.write(b" ")
+        await writer.drain()
+
+    return await _until_answer(reader, stop, send, 1.0)
+
+
+ATTACKS: dict[str, Callable[[int], tuple]] = {
+    "hostile-bodies": _hostile,
+    "tokenize-huge": _make("server", "/tokenize", lambda: _json({"prompt": "ab " * 5_000_000})),
+    "tokenize-batch": _make(
+        "server",
+        "/v1/completions",
+        lambda: _json({"model": "soak", "prompt": [("lorem ipsum dolor " * 723)[:13_000]] * 1024, "max_tokens": 1}),
+    ),
+    "big-answer": _make(
+        "server",
+        "/v1/completions",
+        lambda: _json(
+            {"model": "soak", "prompt": [list(range(3, 373))] * 4, "n": 64, "echo": True, "logprobs": 20, "max_tokens": 1}
+        ),
+    ),
+    "detokenize": _make("server", "/detokenize", lambda: b'{"tokens": [' + b",".join([b"1"] * 4_000_000) + b"]}"),
+    "head-of-line": _make(
+        "server",
+        "/v1/completions",
+        lambda: _json({"model": "soak", "prompt": [[1, 2, 3]] * 8, "n": 128, "max_tokens": 200, "ignore_eos": True}),
+    ),
+    "router-body": _make(
+        "router",
+        "/v1/completions",
+        lambda: b'{"model": "soak", "prompt": [' + b",".join([b"1.5"] * 3_000_000) + b'], "temperature": NaN}',
+    ),
+    "router-tokenize": _make("router", "/v1/completions", lambda: _json({"model": "soak", "prompt": "ab " * 5_000_000})),
+}
+SCENARIOS: dict[str, Scenario] = {
+    "baseline": Scenario("baseline", "server"),
+    "router-baseline": Scenario("baseline", "router"),
+    **{name: Scenario("flood", "server") for name in ("health", "401", "slow-headers", "slow-body")},
+    **{name: Scenario("attack", ATTACKS[name](0)[0]) for name in ATTACKS},
+}
+
+
+async def _attack(phase: str, urls: dict, stop: Any, connections: int) -> dict:
+    stats: dict = {"status": Counter(), "seconds": []}
+    if SCENARIOS[phase].kind == "flood":
+        await _flood(phase, urls, stop, stats, connections)
+    else:
+        await _loop_requests(urls, stop, stats, ATTACKS[phase])
+    secs = sorted(stats["seconds"])
+    return {
+        "status": dict(stats["status"]),
+        "count": len(secs),
+        "answer_ms_p50": round(_pct(secs, 0.5) * 1e3, 1) if secs else None,
+        "answer_ms_max": round(secs[-1] * 1e3, 1) if secs else None,
+    }
+
+
+def _attacker_process(conn: Any, phase: str, urls: dict, stop: Any, connections: int) -> None:
+    conn.send(asyncio.run(_attack(phase, urls, stop, connections)))
+
+
+# ---------------------------------------------------------------------- the measurement
+async def _measure(urls: dict, target: str, streams: int, max_tokens: int, vocab: int) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {KEY}"}
     health: list[float] = []
+    victim: list[float] = []
     done = asyncio.Event()
 
     async def probe() -> None:
-        async with httpx.AsyncClient(timeout=30.0) as client:
+        async with httpx.AsyncClient(timeout=60.0) as client:
             while not done.is_set():
                 t = time.perf_counter()
-                await client.get(url + "/health")
+                await client.get(urls[target] + "/health")
                 health.append(time.perf_counter() - t)
                 await asyncio.sleep(0.05)
 
+    async def small() -> None:
+        body = {"model": "soak", "prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            while not done.is_set():
+                t = time.perf_counter()
+                r = await client.post(urls[target] + "/v1/completions", json=body, headers=headers)
+                r.raise_for_status()
+                victim.append(time.perf_counter() - t)
+                await asyncio.sleep(0.25)
+
     async def one(i: int, client: Any) -> int:
         body = {
-            "model": model,
+            "model": "soak",
             "prompt": [(i * 7 + j) % vocab for j in range(32)],
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -112,7 +317,7 @@ async def _generate(url: str, model: str, streams: int, max_tokens: int, vocab: 
             "return_token_ids": True,
         }
         n = 0
-        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        async with client.stream("POST", urls["server"] + "/v1/completions", json=body, headers=headers) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
@@ -120,14 +325,14 @@ async def _generate(url: str, model: str, streams: int, max_tokens: int, vocab: 
                         n += len(c.get("token_ids") or ())
         return n
 
-    prober = asyncio.create_task(probe())
+    side = [asyncio.create_task(probe()), asyncio.create_task(small())]
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600.0, limits=httpx.Limits(max_connections=streams + 4)) as client:
         counts = await asyncio.gather(*(one(i, client) for i in range(streams)))
     elapsed = time.perf_counter() - t0
     done.set()
-    await prober
-    return sum(counts), elapsed, health
+    await asyncio.gather(*side)
+    return {"tokens": sum(counts), "seconds": elapsed, "health": health, "victim": victim}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -135,10 +340,33 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def _goals(kind: str, r: dict) -> dict:
+    """Each goal of the scenario's kind: its figure, its bound and whether it is met."""
+    out: dict[str, dict] = {}
+
+    def goal(name: str, figure: Any, bound: float) -> None:
+        out[name] = {"figure": figure, "bound": bound, "met": figure is not None and figure <= bound}
+
+    if kind == "flood":
+        goal("job_time_ratio", r["job_time_ratio"], GOALS["flood_job_ratio"])
+    elif kind == "attack":
+        a = r["attack"]
+        refused = all(k.startswith("4") for k in a["status"])
+        if refused:  # every attack got its 4xx: within the bound; an answered one counts as met
+            goal("attack_4xx_ms_max", a["answer_ms_max"], GOALS["attack_answer_ms"])
+        goal("health_p99_ms", r["health_p99_ms"], GOALS["health_p99_ms"])
+        goal("victim_ratio", r["victim_ratio"], GOALS["victim_ratio"])
+        goal("rss_growth_mb", r["rss_growth_mb"], GOALS["rss_growth_mb"])
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from kvtier.bench.serving import resolve_model
     from kvtier.serve.launch import ServerProcess
 
+    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"--scenarios: unknown {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-flood-") as tmp_name:
         tmp = Path(tmp_name)
@@ -150,45 +378,60 @@ def run(args: argparse.Namespace) -> dict:
         if args.max_model_len:
             flags += ["--max-model-len", args.max_model_len]
         server = ServerProcess(flags, tmp / "server.log").wait_ready()
+        router = None
         try:
-            asyncio.run(_generate(server.url, "soak", args.streams, 16, vocab))  # warm-up
-            for phase in PHASES:
-                rss0 = _rss_mb(server.popen.pid)
+            router = ServerProcess(
+                ["router", "--workers", server.url, "--api-key", KEY, "--backend-api-key", KEY], tmp / "router.log"
+            ).wait_ready()
+            urls = {"server": server.url, "router": router.url}
+            procs = {"server": server, "router": router}
+            asyncio.run(_measure(urls, "server", args.streams, 16, vocab))  # warm-up
+            order = ["baseline", "router-baseline"] + [s for s in args.scenarios if s not in ("baseline", "router-baseline")]
+            for phase in order:
+                scenario = SCENARIOS[phase]
+                rss0 = {k: _rss_mb(p.popen.pid) for k, p in procs.items()}
                 proc = parent = None
                 ctx = mp.get_context("spawn")
                 stop = ctx.Event()
-                if phase != "baseline":
+                if scenario.kind != "baseline":
                     parent, child = ctx.Pipe()
-                    proc = ctx.Process(target=_flood_process, args=(child, server.url, phase, args.flood, stop), daemon=True)
+                    proc = ctx.Process(target=_attacker_process, args=(child, phase, urls, stop, args.flood), daemon=True)
                     proc.start()
-                    time.sleep(1.0)  # the flood is on before the generation starts
-                tokens, elapsed, health = asyncio.run(_generate(server.url, "soak", args.streams, args.max_tokens, vocab))
-                rss1 = _rss_mb(server.popen.pid)
-                flood: dict = {}
+                    time.sleep(1.0)  # the attack is on before the measurement starts
+                m = asyncio.run(_measure(urls, scenario.target, args.streams, args.max_tokens, vocab))
+                rss1 = {k: _rss_mb(p.popen.pid) for k, p in procs.items()}
+                attack: dict = {}
                 if proc is not None and parent is not None:
                     stop.set()
-                    flood = parent.recv() if parent.poll(60) else {"error": "the flood process did not report"}
+                    attack = parent.recv() if parent.poll(120) else {"error": "the attacker did not report", "status": {}}
                     proc.join(10)
-                    bad = {k: v for k, v in flood.items() if phase == "attack" and not k.startswith("4")}
-                    if bad:
-                        raise SystemExit(f"hostile bodies answered other than 4xx: {bad}")
+                    if proc.is_alive():
+                        proc.kill()
                 results[phase] = {
-                    "tokens": tokens,
-                    "tokens_per_s": round(tokens / elapsed, 1),
-                    "health_p50_ms": round(_pct(health, 0.5) * 1e3, 2),
-                    "health_p99_ms": round(_pct(health, 0.99) * 1e3, 2),
-                    "health_max_ms": round(max(health) * 1e3, 2) if health else None,
-                    "rss_growth_mb": round(rss1 - rss0, 1),
-                    "flood": flood,
+                    "kind": scenario.kind,
+                    "target": scenario.target,
+                    "tokens_per_s": round(m["tokens"] / m["seconds"], 1),
+                    "job_seconds": round(m["seconds"], 2),
+                    "health_p50_ms": round(_pct(m["health"], 0.5) * 1e3, 2),
+                    "health_p99_ms": round(_pct(m["health"], 0.99) * 1e3, 2),
+                    "health_max_ms": round(max(m["health"]) * 1e3, 2) if m["health"] else None,
+                    "victim_ms_p50": round(_pct(m["victim"], 0.5) * 1e3, 1),
+                    "rss_growth_mb": round(max(rss1[k] - rss0[k] for k in procs), 1),
+                    "attack": attack,
                 }
-                if server.popen.poll() is not None:
-                    raise SystemExit(f"the server died in phase {phase}:\n{server.tail()}")
+                for name, p in procs.items():
+                    if p.popen.poll() is not None:
+                        raise SystemExit(f"the {name} died in scenario {phase}:\n{p.tail()}")
         finally:
+            if router is not None:
+                router.stop()
             server.stop()
-    base = results["baseline"]["tokens_per_s"]
     for r in results.values():
-        r["throughput_ratio"] = round(r["tokens_per_s"] / base, 3) if base else None
-    return {"bench": "flood", "args": {k: v for k, v in vars(args).items()}, "results": results}
+        base = results["baseline" if r["target"] == "server" else "router-baseline"]
+        r["job_time_ratio"] = round(r["job_seconds"] / results["baseline"]["job_seconds"], 3)
+        r["victim_ratio"] = round(r["victim_ms_p50"] / base["victim_ms_p50"], 2) if base["victim_ms_p50"] else None
+        r["goals"] = _goals(r["kind"], r)
+    return {"bench": "flood", "args": {k: v for k, v in vars(args).items()}, "goals": GOALS, "results": results}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,10 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen3-tiny", help="a checkpoint directory or a preset name (default qwen3-tiny)")
     p.add_argument("--device", default="cpu", help="the server's device (default cpu)")
     p.add_argument("--load-format", default=None, choices=("auto", "dummy"), help="auto or dummy (default auto; presets: dummy)")
-    p.add_argument("--max-model-len", type=int, default=None, help="the server's context (default the model's)")
-    p.add_argument("--streams", type=int, default=16, help="concurrent generations (default 16)")
-    p.add_argument("--max-tokens", type=int, default=800, help="tokens each generates (default 800)")
-    p.add_argument("--flood", type=int, default=32, help="flooding connections (default 32)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="the server's context (default 8192)")
+    p.add_argument("--streams", type=int, default=16, help="concurrent generations of the job (default 16)")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens each of the job's generations makes (default 200)")
+    p.add_argument("--flood", type=int, default=32, help="connections of the health and 401 floods (default 32)")
+    p.add_argument(
+        "--scenarios",
+        default=",".join(s for s in SCENARIOS if s not in ("baseline", "router-baseline")),
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        help=f"comma-separated, in order (the baselines always run first; default all: {', '.join(SCENARIOS)})",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     return p
 

@@ -59,6 +59,7 @@ from kvtier.cache.manager import TIERS
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.engine.client import EngineClient
 from kvtier.engine.sampling import SamplingParams
+from kvtier.redact import redact
 from kvtier.serve import asgi, tokenize
 from kvtier.serve.body import body_schema, parse, with_schemas
 from kvtier.serve.choice_text import ChoiceText
@@ -75,7 +76,11 @@ log = logging.getLogger(__name__)
 # (a 4K-token device hit answered in 16 ms instead of 5 on a 2-core x86 VM).
 INLINE_BYTES = 64 * 1024  # request body: msgspec + pydantic, well under a millisecond
 INLINE_TOKENS = 16 * 1024  # prompt ids checked against the vocabulary
+INLINE_ENTRIES = 16 * 1024  # values of a whole answer (tokens x logprobs): built on the loop below this
+WRITE_BYTES = 256 * 1024  # a large answer is written in parts of about this size
 ROLES = ("colocated", "prefill", "decode")
+# what /health shows of the pool without --expose-config: its state, never its address or errors
+PUBLIC_POOL_FIELDS = ("ok", "breaker_open", "failures_in_a_row", "last_error_s_ago", "last_ok_s_ago")
 
 
 def check_role(role: str, has_storage: bool) -> None:
@@ -161,14 +166,18 @@ class Server:
         max_body_bytes: int | None = asgi.DEFAULT_MAX_BODY_BYTES,
         require_cache_salt: bool = False,
         aliases: tuple[str, ...] = (),
+        expose_config: bool = False,
     ) -> None:
         """``model_name``: the name /v1/models lists; requests may also name the model by one of
-        ``aliases`` (the path or hub id it was started with, its directory), as vLLM users do."""
+        ``aliases`` (the path or hub id it was started with, its directory), as vLLM users do.
+        ``expose_config``: ``/health`` (which needs no key) shows the model's path and the pool's
+        address and errors too; else only states and counts."""
         core = engine.core
         check_role(role, core.storage is not None)
         self.engine, self.model_name, self.role = engine, model_name, role
         self.model_names = frozenset((model_name, *aliases))
         self.require_cache_salt = require_cache_salt
+        self.expose_config = expose_config
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.vocab_size = core.config.vocab_size  # prompt ids must be below it
@@ -233,7 +242,7 @@ class Server:
         async def stats() -> Response:
             """The engine's cache_stats() (every tier, storage client, cost model) as JSON."""
             s = await server.engine.call("cache_stats")
-            return Response(json.dumps(s, default=str), media_type="application/json")
+            return Response(json.dumps(redact(s), default=str), media_type="application/json")
 
         @app.get("/kvtier/kv_events")
         async def kv_events(since: int = 0) -> Response:
@@ -313,9 +322,16 @@ class Server:
         if not callable(probe):
             return {"ok": True, "reason": "this storage client does not report its health"}
         try:
-            return dict(probe())
+            pool = dict(probe())
         except Exception as e:  # noqa: BLE001 - a health probe that fails says the pool is not ok
-            return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
+            pool = {"ok": False, "reason": f"{type(e).__name__}: {e}"}
+        if self.expose_config:
+            return redact(pool)
+        # no key guards /health: the pool's state and counts, not where it is or what it said
+        public = {k: pool[k] for k in PUBLIC_POOL_FIELDS if k in pool}
+        if not pool.get("ok", True):
+            public["reason"] = "it does not answer (the server's log says why; --expose-config shows it here)"
+        return public
 
     def health(self) -> JSONResponse:
         """200 ok; 200 "degraded" (colocated without its pool: it recomputes); 503 engine stopped,
@@ -343,10 +359,11 @@ class Server:
             "pd_on_miss": core.pd_on_miss,
             "export_timeout": core.engine_config.export_timeout,
             "startup_s": core.startup.total_s,
-            "model_root": self.model_path,
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
         }
+        if self.expose_config:
+            body["model_root"] = self.model_path
         if pool is None or pool.get("ok", True):
             return JSONResponse(body)
         reason = f"the storage pool is unreachable: {pool.get('reason') or 'no reason given'}"
@@ -362,9 +379,9 @@ class Server:
         if body.kvtier_handoff is not None:
             return list(body.kvtier_handoff.prompt_token_ids)
         if kind == "completion":
-            return await self.prompts.completion_ids(prompt, budget)
+            return await self.prompts.completion_ids(prompt, budget, owner=id(body))
         messages = [{"role": m.role, "content": m.text()} for m in prompt]
-        return await self.prompts.chat_ids(messages, body.add_generation_prompt, budget)
+        return await self.prompts.chat_ids(messages, body.add_generation_prompt, budget, owner=id(body))
 
     def _echo_text(self, prompt: Any, ids: list[int]) -> str:
         if isinstance(prompt, str):
@@ -399,6 +416,14 @@ class Server:
                 "n",
             )
         asked = body.max_tokens_asked
+        if asked is not None and asked >= self.max_model_len:  # before any prompt is tokenized against it
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+            raise APIError(
+                400,
+                f"{field}={asked} leaves no room for a prompt in the model's context of {self.max_model_len} "
+                f"tokens: ask for at most {self.max_model_len - 1} (or leave it out: the rest of the context)",
+                field,
+            )
         echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
         ids_of = await asyncio.gather(*(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1)) for p in prompts))
         params_of = []
@@ -436,7 +461,17 @@ class Server:
 
         def make() -> list[Any]:  # validates every id against the vocabulary: O(prompt), off the event loop
             return [
-                self.engine.make_request(ids, params, body.cache_salt, f"{rid}-{i}-{secrets.token_hex(4)}", **extra)
+                # the call owns every prompt of it: together they run at most
+                # --max-num-seqs-per-request sequences, however many prompts and samples it has
+                self.engine.make_request(
+                    ids,
+                    params,
+                    body.cache_salt,
+                    f"{rid}-{i}-{secrets.token_hex(4)}",
+                    owner=rid,
+                    priority=body.priority or 0,
+                    **extra,
+                )
                 for i, (ids, params) in enumerate(zip(ids_of, params_of))
             ]
 
@@ -839,16 +874,27 @@ class Server:
                 pass
 
         await until_disconnect(request, collect())
-        return JSONResponse(
-            {
-                "id": call.rid,
-                "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": call.created,
-                "model": call.model,
-                "choices": [self._choice(call, g, c) for g in call.gens for c in g.choices],
-                "usage": self._usage(call),
-            }
-        )
+        pieces = self._answer(call)
+        if _answer_entries(call) <= INLINE_ENTRIES:
+            return Response(b"".join(pieces), media_type="application/json")
+        # a large answer (n=64 x logprobs=20 x echo is tens of MB) is built and serialized on a
+        # worker thread, a choice at a time, and written in parts as the client reads them: the
+        # event loop (every other client's stream, /health) never waits for it
+        first = await asyncio.to_thread(_next_part, pieces)
+        return StreamingResponse(_parts_off_loop(first, pieces), media_type="application/json")
+
+    def _answer(self, call: _Call) -> Iterator[bytes]:
+        """A whole (non-streaming) answer's JSON, in pieces: its head, each choice, its usage."""
+        head = {
+            "id": call.rid,
+            "object": "chat.completion" if call.kind == "chat" else "text_completion",
+            "created": call.created,
+            "model": call.model,
+        }
+        yield _json(head)[:-1] + b',"choices":['
+        for i, (g, c) in enumerate((g, c) for g in call.gens for c in g.choices):
+            yield (b"," if i else b"") + _json(self._choice(call, g, c))
+        yield b'],"usage":' + _json(self._usage(call)) + b"}"
 
     async def prefill(self, kind: str, body: Any, request: Request) -> Response:
         """P of a PD hand-off: the prefill, its blocks written to the pool. The answer is two JSON
@@ -996,6 +1042,41 @@ def _beyond_handoff(body: Any) -> str:
     if body.engine_logprobs is not None or body.engine_prompt_logprobs is not None:
         return "logprobs"
     return ""
+
+
+def _json(obj: Any) -> bytes:
+    """As Starlette's JSONResponse writes it."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+def _answer_entries(call: _Call) -> int:
+    """About how many JSON values a whole answer holds: each choice's tokens (and echoed prompt's
+    with logprobs), times 1 + the top logprobs of each."""
+    body, total = call.body, 0
+    per_token = 1 + (body.engine_logprobs or 0) if call.logprobs else 1
+    for g in call.gens:
+        echoed = len(g.req.prompt_token_ids) if body.engine_prompt_logprobs is not None else 0
+        total += sum(len(c.token_ids) + echoed for c in g.choices) * per_token
+    return total
+
+
+def _next_part(pieces: Iterator[bytes]) -> bytes:
+    """The next WRITE_BYTES or so of ``pieces`` (b"" at their end)."""
+    part: list[bytes] = []
+    size = 0
+    for p in pieces:
+        part.append(p)
+        size += len(p)
+        if size >= WRITE_BYTES:
+            break
+    return b"".join(part)
+
+
+async def _parts_off_loop(first: bytes, pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+    part = first
+    while part:
+        yield part
+        part = await asyncio.to_thread(_next_part, pieces)
 
 
 def _data(obj: dict) -> str:

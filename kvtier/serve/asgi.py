@@ -3,8 +3,14 @@ body size cap.
 
 ::
 
-    uvicorn ─► FastGet ─► ApiKeyAuth ─► BodyLimit ─► FastAPI app
+    uvicorn ─► FastGet ─► ApiKeyAuth ─► BodyLimit ─► FastAPI app           (kvtier serve)
                /health      401          413
+    uvicorn ─► CheapPath ─► ApiKeyAuth ─► BodyLimit ─► FastAPI app         (kvtier router)
+               /health counted
+
+The cheap answers (``/health``, 401) are counted against the client's rate of them
+(:func:`kvtier.serve.guard.charge`): under a server run with a guard (serve/guard.py), a client
+address over ``--cheap-request-rate`` has its connections left unread until it is back under.
 
 Both are plain ``async __call__(scope, receive, send)`` classes, not Starlette's
 ``BaseHTTPMiddleware``: that one runs the endpoint in a task of its own behind a wrapped
@@ -23,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.serve.errors import error_response
+from kvtier.serve.guard import charge
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # An oversized body is read and thrown away (never buffered, never parsed) up to this many bytes
@@ -48,6 +55,7 @@ class ApiKeyAuth:
         if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self._expected):
+                charge(scope, "unauthorized")
                 response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
                 await response(scope, receive, send)
                 return
@@ -140,15 +148,30 @@ async def _drain(receive: Receive, max_bytes: int) -> None:
 class FastGet:
     """``GET path`` answered by ``handler()`` (a Starlette response) before the app's routing and
     middleware: a load balancer's health checks, or a flood of them, cost the interpreter that
-    streams every client's tokens as little as an answer can."""
+    streams every client's tokens as little as an answer can. Each is counted as a cheap request
+    (``reason``) against its client's rate."""
 
-    def __init__(self, app: ASGIApp, path: str, handler: Callable[[], Any]) -> None:
-        self.app, self.path, self.handler = app, path, handler
+    def __init__(self, app: ASGIApp, path: str, handler: Callable[[], Any], reason: str = "health") -> None:
+        self.app, self.path, self.handler, self.reason = app, path, handler, reason
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == self.path and scope["method"] in ("GET", "HEAD"):
+            charge(scope, self.reason)
             await self.handler()(scope, receive, send)
             return
+        await self.app(scope, receive, send)
+
+
+class CheapPath:
+    """``GET path`` passed on to the app, counted as a cheap request (``reason``) against its
+    client's rate: the router's ``/health``."""
+
+    def __init__(self, app: ASGIApp, path: str, reason: str = "health") -> None:
+        self.app, self.path, self.reason = app, path, reason
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == self.path and scope["method"] in ("GET", "HEAD"):
+            charge(scope, self.reason)
         await self.app(scope, receive, send)
 
 

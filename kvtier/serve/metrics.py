@@ -6,13 +6,19 @@ are counted as requests end, however they end: ``kvtier_requests_total{finish_re
 / ``prefill`` (P's half of a hand-off). The cache's own counters (bytes moved, evictions, storage
 failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``), the copies not landed yet
 (``kvtier_copies_pending``) and the queue gauges are read from a snapshot the engine thread takes
-at scrape time.
+at scrape time. The HTTP side's bounds (serve/guard.py: refusals, timeouts, throttles, connections
+open) come from :class:`ConnectionCollector`, in the server's registry and in the router's.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from kvtier.serve.guard import Guard
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -53,6 +59,44 @@ class _CacheCollector:
         yield pending
 
 
+class ConnectionCollector:
+    """A guard's counters (serve/guard.py), read at scrape time::
+
+    kvtier_http_refused_total{reason}    client_limit (429) | server_limit (503) | header_timeout
+                                         | body_timeout (408, or closed once its answer started)
+    kvtier_http_throttled_total{reason}  a connection left unread while its address was over
+                                         --cheap-request-rate, by its last cheap answer: health | unauthorized
+    kvtier_http_connections              connections open (admitted)
+    kvtier_http_connections_limit        --max-connections as the open-file limit leaves it
+    """
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+
+    def collect(self):
+        g = self.guard
+        refused = CounterMetricFamily(
+            "kvtier_http_refused",
+            "connections refused (client_limit 429, server_limit 503) or closed on a timeout (header_timeout, body_timeout)",
+            labels=["reason"],
+        )
+        for reason, n in g.refused.items():
+            refused.add_metric([reason], n)
+        throttled = CounterMetricFamily(
+            "kvtier_http_throttled",
+            "connections not read for a while: their address was over --cheap-request-rate (by its last cheap answer)",
+            labels=["reason"],
+        )
+        for reason, n in g.throttled.items():
+            throttled.add_metric([reason], n)
+        yield refused
+        yield throttled
+        yield GaugeMetricFamily("kvtier_http_connections", "HTTP connections open", value=g.connections)
+        yield GaugeMetricFamily(
+            "kvtier_http_connections_limit", "the most HTTP connections open at once (--max-connections)", value=g.max_connections
+        )
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -88,6 +132,10 @@ class ServerMetrics:
             self.handoffs.labels(result)
         self._cache = _CacheCollector()
         r.register(self._cache)
+
+    def watch_connections(self, guard: Guard) -> None:
+        """Scrapes show ``guard``'s counters too (the HTTP process's connections)."""
+        self.registry.register(ConnectionCollector(guard))
 
     def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int, output=None) -> None:
         """One request ended; ``output``: the engine's final output, None if it had none (aborted,

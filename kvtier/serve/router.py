@@ -50,6 +50,7 @@ from itertools import accumulate
 from typing import AbstractSet, Any, AsyncIterator
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -57,6 +58,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from kvtier.cache.route import Candidate, Picker, PrefixIndex
+from kvtier.redact import redact_url
 from kvtier.serve import asgi
 from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error, until_disconnect
 from kvtier.serve.workers import CacheView
@@ -74,6 +76,11 @@ MAX_PREFILL_ERROR_BYTES = 1024 * 1024  # P's error answer (a client's error is p
 MAX_HEALTH_BYTES = 1024 * 1024  # a /health answer
 HEALTH_TIMEOUT_S = 2.0  # a /health check, from the call to its last byte
 MAX_JSON_DEPTH = 64  # levels of arrays and objects in any JSON the router parses
+INLINE_BYTES = 64 * 1024  # a client body up to this size is parsed on the event loop
+EXACT_MAX_BYTES = 1 << 20  # ... up to this one by parse_json (every error named by its field)
+MAX_LIST_NUMBERS = 1 << 20  # entries of a list of numbers (token ids) in a client body: a million-token context
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_NUMBER_START = frozenset(bytes([c]) for c in b"-0123456789")
 PD_ON_MISS = ("recompute", "error")  # what a D's /health may say in pd_on_miss
 
 
@@ -81,8 +88,14 @@ class Backend:
     def __init__(self, url: str, role: str) -> None:
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
+            raise ValueError(f"backend URL must start with http:// or https://, got {redact_url(url)!r}")
+        if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(
+                f"backend URL {redact_url(url)!r} holds credentials: the router authenticates to its "
+                "servers with --backend-api-key (or $KVTIER_BACKEND_API_KEY), never with a URL's user or password"
+            )
         self.url, self.role = url, role
+        self.label = url  # how /metrics and /health name it (the Router sets "<role><i>" unless --expose-config)
         self.healthy = True
         self.info: dict = {}
         self._warned: set[str] = set()
@@ -127,7 +140,10 @@ class Router:
         tokenizer: str | None = None,
         events_interval: float = 0.1,
         storage: str | None = None,
+        expose_config: bool = False,
     ) -> None:
+        """``expose_config``: ``/health`` and ``/metrics`` (no key needed) name the servers by
+        URL; else by role and number (``decode0``, ``worker1``)."""
         if workers and (prefill or decode):
             raise ValueError("give --workers (colocated instances) or --prefill/--decode (PD), not both")
         if not decode and not workers:
@@ -137,6 +153,11 @@ class Router:
         self.policy = policy
         self.prefill = [Backend(u, "prefill") for u in prefill]
         self.decode = [Backend(u, "decode") for u in decode] or [Backend(u, "worker") for u in workers]
+        self.expose_config = expose_config
+        if not expose_config:
+            for group in (self.prefill, self.decode):
+                for i, b in enumerate(group):
+                    b.label = f"{b.role}{i}"
         if storage is not None and policy != "cache_aware":
             raise ValueError(f"--storage is read by --policy cache_aware only, not {policy}")
         self.cache_view = CacheView(events_interval, tokenizer, storage) if policy == "cache_aware" else None
@@ -174,7 +195,7 @@ class Router:
         for route in ("pd", "colocated"):
             self.routes.labels(route)
         self.api = self._build()
-        self.app = asgi.wrap(self.api, api_key, ("/v1/",), max_body_bytes)
+        self.app = asgi.CheapPath(asgi.wrap(self.api, api_key, ("/v1/",), max_body_bytes), "/health")
 
     @property
     def _http(self) -> httpx.AsyncClient:
@@ -275,11 +296,11 @@ class Router:
 
         @app.get("/health")
         async def health() -> Response:
-            up = [b.url for b in router.decode if b.healthy]
+            up = [b.label for b in router.decode if b.healthy]
             if not up:
                 return error_response(503, "no decode server is up")
-            stalled = [b.url for b in router.prefill + router.decode if b.healthy and b.stalled]
-            prefill_up = [b.url for b in router.prefill if b.healthy]
+            stalled = [b.label for b in router.prefill + router.decode if b.healthy and b.stalled]
+            prefill_up = [b.label for b in router.prefill if b.healthy]
             return JSONResponse({"status": "ok", "role": "router", "decode_up": up, "prefill_up": prefill_up, "stalled": stalled})
 
         @app.get("/metrics")
@@ -316,7 +337,9 @@ class Router:
         except ClientDisconnect:
             return error_response(499, "client disconnected")
         try:
-            body = parse_json(raw, "the request body")
+            # a large body is checked on a worker thread (the event loop streams every other
+            # client's tokens): in C, at a cost bounded by its size (parse_client_body)
+            body = parse_client_body(raw) if len(raw) <= INLINE_BYTES else await asyncio.to_thread(parse_client_body, raw)
         except BadJSON as e:
             return error_response(400, str(e), e.param)
         if not isinstance(body, dict):
@@ -423,7 +446,7 @@ class Router:
             finally:
                 p.inflight -= cost
             if pre is not None:
-                self.routed.labels(p.url).inc()
+                self.routed.labels(p.label).inc()
                 return pre, ""
 
     async def _prefill_on(self, p: Backend, kind: str, body: dict, deadline: float) -> tuple[Any, str]:
@@ -495,7 +518,7 @@ class Router:
             if r.status_code == 503 and len(tried) < len(self.decode):
                 await r.aclose()
                 continue
-            self.routed.labels(d.url).inc()
+            self.routed.labels(d.label).inc()
             return r, d, cached
 
     async def _decode(self, kind: str, body: dict, stream: bool, first_chunks: list | None) -> Response:
@@ -658,9 +681,29 @@ def _request_tokens(body: dict) -> tuple[int, int]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         n = len(prompt)
     else:
-        n = len(json.dumps(prompt, default=str)) // 4 if prompt is not None else 0
+        n = _size(prompt) // 4
     m = body.get("max_tokens", body.get("max_completion_tokens"))
     return n, (m if isinstance(m, int) and not isinstance(m, bool) and m > 0 else 16)
+
+
+def _size(value: Any) -> int:
+    """About the characters of ``value`` as JSON (its text's, 4 a number): without writing it out
+    (a 15 MB prompt held the event loop for its json.dumps), a list of numbers at once."""
+    total, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, list):
+            if v and isinstance(v[0], (int, float)):
+                total += 4 * len(v)
+            else:
+                todo.extend(v)
+        elif isinstance(v, dict):
+            todo.extend(v.values())
+        elif v is not None:
+            total += 4
+    return total
 
 
 def _is_count(v: Any) -> bool:
@@ -713,6 +756,38 @@ _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_client_body(raw: bytes) -> Any:
+    """A client's request body parsed, or BadJSON. Up to EXACT_MAX_BYTES by :func:`parse_json`
+    (whose errors name the field at fault); a larger one by msgspec, a C decoder whose cost is
+    bounded by the body's size: a list of numbers of more than MAX_LIST_NUMBERS entries is refused
+    by counting its commas before it is decoded, and NaN, Infinity, a number too large for a
+    double or a lone surrogate are a decode error (none is JSON that a strict client reads).
+    (Python's json with a hook per float and a walk of every value took 24 s of the event loop
+    for a 12 MB body of three million floats and one NaN.)"""
+    if len(raw) <= EXACT_MAX_BYTES:
+        return parse_json(raw, "the request body")
+    try:
+        fields = _FIELDS.decode(raw)
+    except msgspec.ValidationError:
+        raise BadJSON("the request body must be a JSON object") from None
+    except RecursionError:
+        raise BadJSON("the request body is nested too deep") from None
+    except msgspec.DecodeError as e:
+        raise BadJSON(invalid_json_message(str(e).removeprefix("JSON is malformed: "), what="the request body")) from None
+    body = {}
+    for name, value in fields.items():
+        b = bytes(value)
+        if b[:1] == b"[" and b[1:].lstrip()[:1] in _NUMBER_START and b.count(b",") >= MAX_LIST_NUMBERS:
+            raise BadJSON(f"{name} is a list of over {MAX_LIST_NUMBERS} numbers: more than any request may hold", name)
+        try:
+            body[name] = msgspec.json.decode(b)
+        except RecursionError:
+            raise BadJSON(f"{name} is nested too deep", name) from None
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # (e.g. 1e999: out of range)
+            raise BadJSON(f"{name}: {e}", name) from None
+    return body
 
 
 def parse_json(raw: bytes | str, what: str, finite: bool = True) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.engine.config import EngineConfig
 from kvtier.log_setup import setup_logging
 from kvtier.model.hub import default_served_name
+from kvtier.serve.guard import FD_MARGIN, ConnectionLimits, Guard, open_file_limit
 
 API_KEY_ENV = "KVTIER_API_KEY"
 BACKEND_API_KEY_ENV = "KVTIER_BACKEND_API_KEY"
@@ -59,6 +60,8 @@ def serve(
     require_cache_salt: bool = False,
     log_stats_interval: float = 10.0,
     config: EngineConfig | None = None,
+    expose_config: bool = False,
+    limits: ConnectionLimits | None = None,
     **options: Any,
 ) -> int:
     """Serve until stopped; returns the process's exit status: 0 after a clean stop, 1 if the
@@ -79,7 +82,10 @@ def serve(
     log = logging.getLogger("kvtier")
     startup = Startup()
     front = StartingApp(startup, role)
-    userver = uvicorn.Server(uvicorn.Config(front, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    guard = connection_guard(limits)
+    userver = uvicorn.Server(
+        uvicorn.Config(front, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **guard.uvicorn_options())
+    )
     built: dict[str, Any] = {}
     died: list[BaseException] = []
 
@@ -104,7 +110,9 @@ def serve(
                 config,
                 built,
                 log_level,
+                expose_config,
             )
+            built["server"].metrics.watch_connections(guard)
             front.app = built["server"].app
             log.info(
                 "serving %s as %r (role %s) on http://%s:%d, ready after %.1f s",
@@ -158,6 +166,7 @@ def _build_server(
     config: EngineConfig,
     built: dict[str, Any],
     log_level: str = "info",
+    expose_config: bool = False,
 ) -> None:
     """The engine (in a process of its own: engine/client.py) and the HTTP app (into ``built`` as
     they come, for the cleanup)."""
@@ -181,8 +190,16 @@ def _build_server(
         api_key,
         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         require_cache_salt=require_cache_salt,
+        expose_config=expose_config,
         aliases=(model, str(built["engine"].core.path), os.path.abspath(built["engine"].core.path)),
     )
+
+
+def connection_guard(limits: ConnectionLimits | None) -> Guard:
+    """The bounds of the HTTP process's connections (serve/guard.py), its open-file limit first
+    raised toward what they need (up to the hard limit)."""
+    limits = limits or ConnectionLimits()
+    return Guard(limits, open_files=open_file_limit(limits.max_connections + FD_MARGIN))
 
 
 def route(
@@ -194,11 +211,13 @@ def route(
     api_key: str | None = None,
     backend_api_key: str | None = None,
     max_body_bytes: int | None = None,
+    limits: ConnectionLimits | None = None,
     **kwargs: Any,
 ) -> None:
     import uvicorn
 
     from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
+    from kvtier.serve.metrics import ConnectionCollector
     from kvtier.serve.router import Router
 
     setup_logging(log_level)
@@ -210,4 +229,6 @@ def route(
         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         **kwargs,
     )
-    uvicorn.run(router.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    guard = connection_guard(limits)
+    router.registry.register(ConnectionCollector(guard))
+    uvicorn.run(router.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **guard.uvicorn_options())

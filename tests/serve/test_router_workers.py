@@ -89,6 +89,8 @@ def test_lost_events_are_recovered_from_a_snapshot():
     paths = []
 
     def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":  # asked once, after the first snapshot: the model's directory and context
+            return httpx.Response(200, json={"data": [{"id": "m", "root": "/m", "max_model_len": 512}]})
         paths.append(req.url.path + ("?" + req.url.query.decode() if req.url.query else ""))
         return httpx.Response(200, json=next(answers))
 
@@ -125,6 +127,8 @@ def test_a_stalled_instance_leaves_the_rotation_with_its_index_and_comes_back_wh
     paths = []
 
     def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":  # asked once, after the first snapshot
+            return httpx.Response(200, json={"data": [{"id": "m", "root": "/m", "max_model_len": 512}]})
         paths.append(req.url.path + ("?" + req.url.query.decode() if req.url.query else ""))
         got = next(answers)
         if isinstance(got, Exception):
