@@ -18,7 +18,7 @@ by the attacked request, the prober and the victim)::
     401              flood  --flood connections loop POST /v1/completions with a wrong key
     slow-headers     flood  up to 2,000 connections each send a header line every 2 s
     slow-body        flood  200 connections each send a body at 1 byte every second
-    hostile-bodies   attack the bodies that once cost seconds or gigabytes (soak.ATTACKS, 1.4M
+    hostile-bodies   attack the bodies that once cost seconds or gigabytes (soak.ATTACKS, 1.2M
                             logit_bias entries, max_tokens=1e18): each a 4xx
     tokenize-huge    attack POST /tokenize of "ab " x 5,000,000
     tokenize-batch   attack 1,024 prompts of 13,000 characters in one request
@@ -108,6 +108,7 @@ async def _loop_requests(urls: dict, stop: Any, stats: dict, make: Callable[[int
                 except httpx.HTTPError as e:
                     stats["status"][type(e).__name__] += 1
                 stats["seconds"].append(time.perf_counter() - t)
+                stats["started"].set()
                 i += connections
 
     await asyncio.gather(*(worker(w) for w in range(connections)))
@@ -130,7 +131,7 @@ def _hostile(i: int) -> tuple:
         soak.ATTACK_ENTRIES = 3_000_000  # the lists at the size that was measured
         _HOSTILE.extend(a() for a in soak.ATTACKS)
         _HOSTILE.append(
-            b'{"model": "soak", "prompt": [1], "logit_bias": {' + b",".join(b'"%d": 1' % k for k in range(1_400_000)) + b"}}"
+            b'{"model": "soak", "prompt": [1], "logit_bias": {' + b",".join(b'"%d":1' % k for k in range(1_200_000)) + b"}}"
         )
         _HOSTILE.append(b'{"model": "soak", "prompt": "hi", "max_tokens": 1e18}')
     return "server", "POST", "/v1/completions", _HOSTILE[i % len(_HOSTILE)], _AUTH
@@ -175,6 +176,7 @@ async def _slow_sockets(url: str, stop: Any, stats: dict, behave: Callable, n: i
                 stats["status"][type(e).__name__] += 1
                 await asyncio.sleep(1.0)
                 continue
+            stats["started"].set()
             t = time.perf_counter()
             answer = await behave(reader, writer, stop)
             stats["status"][answer] += 1
@@ -260,8 +262,10 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-async def _attack(phase: str, urls: dict, stop: Any, connections: int) -> dict:
-    stats: dict = {"status": Counter(), "seconds": []}
+async def _attack(phase: str, urls: dict, stop: Any, started: Any, connections: int) -> dict:
+    """The attack of ``phase`` until ``stop``; ``started`` is set once it is under way (its first
+    answer, or its first slow connection open)."""
+    stats: dict = {"status": Counter(), "seconds": [], "started": started}
     if SCENARIOS[phase].kind == "flood":
         await _flood(phase, urls, stop, stats, connections)
     else:
@@ -275,8 +279,8 @@ async def _attack(phase: str, urls: dict, stop: Any, connections: int) -> dict:
     }
 
 
-def _attacker_process(conn: Any, phase: str, urls: dict, stop: Any, connections: int) -> None:
-    conn.send(asyncio.run(_attack(phase, urls, stop, connections)))
+def _attacker_process(conn: Any, phase: str, urls: dict, stop: Any, started: Any, connections: int) -> None:
+    conn.send(asyncio.run(_attack(phase, urls, stop, started, connections)))
 
 
 # ---------------------------------------------------------------------- the measurement
@@ -385,19 +389,23 @@ def run(args: argparse.Namespace) -> dict:
             ).wait_ready()
             urls = {"server": server.url, "router": router.url}
             procs = {"server": server, "router": router}
-            asyncio.run(_measure(urls, "server", args.streams, 16, vocab))  # warm-up
+            for target in ("server", "router"):  # warm-up (the router loads its tokenizer at its first text prompt)
+                asyncio.run(_measure(urls, target, args.streams, 16, vocab))
             order = ["baseline", "router-baseline"] + [s for s in args.scenarios if s not in ("baseline", "router-baseline")]
             for phase in order:
                 scenario = SCENARIOS[phase]
                 rss0 = {k: _rss_mb(p.popen.pid) for k, p in procs.items()}
                 proc = parent = None
                 ctx = mp.get_context("spawn")
-                stop = ctx.Event()
+                stop, started = ctx.Event(), ctx.Event()
                 if scenario.kind != "baseline":
                     parent, child = ctx.Pipe()
-                    proc = ctx.Process(target=_attacker_process, args=(child, phase, urls, stop, args.flood), daemon=True)
+                    proc = ctx.Process(
+                        target=_attacker_process, args=(child, phase, urls, stop, started, args.flood), daemon=True
+                    )
                     proc.start()
-                    time.sleep(1.0)  # the attack is on before the measurement starts
+                    started.wait(120)  # the attack is under way before the measurement starts
+                    time.sleep(1.0)
                 m = asyncio.run(_measure(urls, scenario.target, args.streams, args.max_tokens, vocab))
                 rss1 = {k: _rss_mb(p.popen.pid) for k, p in procs.items()}
                 attack: dict = {}
