@@ -41,6 +41,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import resource
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -100,6 +101,7 @@ async def _loop_requests(urls: dict, stop: Any, stats: dict, make: Callable[[int
             i = w
             while not stop.is_set():
                 target, method, path, body, headers = make(i)
+                stats["started"].set()  # (the request is on its way: a long one is measured while it runs)
                 t = time.perf_counter()
                 try:
                     r = await client.request(method, urls[target] + path, content=body, headers=headers)
@@ -108,7 +110,6 @@ async def _loop_requests(urls: dict, stop: Any, stats: dict, make: Callable[[int
                 except httpx.HTTPError as e:
                     stats["status"][type(e).__name__] += 1
                 stats["seconds"].append(time.perf_counter() - t)
-                stats["started"].set()
                 i += connections
 
     await asyncio.gather(*(worker(w) for w in range(connections)))
@@ -264,7 +265,7 @@ SCENARIOS: dict[str, Scenario] = {
 
 async def _attack(phase: str, urls: dict, stop: Any, started: Any, connections: int) -> dict:
     """The attack of ``phase`` until ``stop``; ``started`` is set once it is under way (its first
-    answer, or its first slow connection open)."""
+    request sent, or its first slow connection open)."""
     stats: dict = {"status": Counter(), "seconds": [], "started": started}
     if SCENARIOS[phase].kind == "flood":
         await _flood(phase, urls, stop, stats, connections)
@@ -427,6 +428,16 @@ def run(args: argparse.Namespace) -> dict:
                     "rss_growth_mb": round(max(rss1[k] - rss0[k] for k in procs), 1),
                     "attack": attack,
                 }
+                _judge(results)
+                r = results[phase]
+                print(
+                    f"{phase}: job {r['job_time_ratio']}x, /health p99 {r['health_p99_ms']} ms, victim {r['victim_ratio']}x, "
+                    f"attack {r['attack'].get('status')} max {r['attack'].get('answer_ms_max')} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if args.json:  # after every scenario: a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps(_output(args, results), indent=1, default=str))
                 for name, p in procs.items():
                     if p.popen.poll() is not None:
                         raise SystemExit(f"the {name} died in scenario {phase}:\n{p.tail()}")
@@ -434,11 +445,21 @@ def run(args: argparse.Namespace) -> dict:
             if router is not None:
                 router.stop()
             server.stop()
+    return _output(args, results)
+
+
+def _judge(results: dict) -> None:
+    """Each scenario's ratios to its baseline (the server's or the router's) and its goals."""
     for r in results.values():
-        base = results["baseline" if r["target"] == "server" else "router-baseline"]
+        base = results.get("baseline" if r["target"] == "server" else "router-baseline")
+        if base is None:
+            continue
         r["job_time_ratio"] = round(r["job_seconds"] / results["baseline"]["job_seconds"], 3)
         r["victim_ratio"] = round(r["victim_ms_p50"] / base["victim_ms_p50"], 2) if base["victim_ms_p50"] else None
         r["goals"] = _goals(r["kind"], r)
+
+
+def _output(args: argparse.Namespace, results: dict) -> dict:
     return {"bench": "flood", "args": {k: v for k, v in vars(args).items()}, "goals": GOALS, "results": results}
 
 
