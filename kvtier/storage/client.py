@@ -57,6 +57,7 @@ import numpy as np
 
 from kvtier.cache.keys import object_name
 from kvtier.cache.plan import TransferOp
+from kvtier.cpus import usable_cpus
 from kvtier.redact import redact_url
 from kvtier.storage.base import MISSING, TOO_LARGE, Backend
 from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus
@@ -78,7 +79,7 @@ def _flat(a: np.ndarray) -> memoryview:
 
 def default_storage_workers() -> int:
     """Fetch threads when not told: one per core, 2 to 16 (they wait on I/O)."""
-    return min(16, max(2, os.cpu_count() or 4))
+    return min(16, max(2, usable_cpus()))
 
 
 def start_pool_threads(pool: ThreadPoolExecutor, n: int) -> None:
