@@ -15,5 +15,5 @@ mkdir -p /dev/shm/kvtpd && python -m kvtier.cli bench pd --preset llama3-8b-shap
   --storage file:///dev/shm/kvtpd --num-device-blocks 2048 --num-host-blocks 1024 --max-model-len 8192 \
   --requests ${REQS:-48} --rate ${RATE:-3} --repeat ${REPEAT:-1} --setups "$S" \
   --prompt-tokens ${PT:-1024,6144} --output-tokens ${OT:-32,128} ${PPW:+--prefill-put-workers $PPW} \
-  --out "$OUT/bench_pd_${S/,/_}.json" 2>&1 | grep -v "runs done" | tail -12 | tee "$OUT/bench_pd_${S/,/_}.txt"
+  --json "$OUT/bench_pd_${S/,/_}.json" 2>&1 | grep -v "runs done" | tail -12 | tee "$OUT/bench_pd_${S/,/_}.txt"
 rm -rf /dev/shm/kvtpd
