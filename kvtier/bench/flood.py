@@ -239,7 +239,14 @@ ATTACKS: dict[str, Callable[[int], tuple]] = {
         "server",
         "/v1/completions",
         lambda: _json(
-            {"model": "soak", "prompt": [list(range(3, 373))] * 4, "n": 64, "echo": True, "logprobs": 20, "max_tokens": 1}
+            {
+                "model": "soak",
+                "prompt": [[3 + i % 300 for i in range(370)]] * 4,
+                "n": 64,
+                "echo": True,
+                "logprobs": 20,
+                "max_tokens": 1,
+            }
         ),
     ),
     "detokenize": _make("server", "/detokenize", lambda: b'{"tokens": [' + b",".join([b"1"] * 4_000_000) + b"]}"),
