@@ -31,7 +31,7 @@ import time
 from collections import deque
 from itertools import takewhile
 
-from kvtier.bench.replay import TIERS, SimConfig, fetch_cost, make_manager, run_copies, serve_one, simulate
+from kvtier.bench.replay import TIERS, SimConfig, fetch_cost, make_manager, progress_bar, run_copies, serve_one, simulate
 from kvtier.bench.traces import TraceRequest
 from kvtier.cache.keys import BlockHasher, namespace_seed
 from kvtier.cache.route import Picker, PrefixIndex
@@ -49,9 +49,11 @@ def simulate_fleet(
     seed: int = 0,
     baseline: bool = True,
     warm: int = 0,
+    progress: bool = False,
 ) -> dict:
     """The fleet's run of ``trace`` (module docstring); its first ``warm`` requests fill the
-    caches, as a bench's warm-up does, and are left out of every figure."""
+    caches, as a bench's warm-up does, and are left out of every figure. ``progress``: a bar on
+    stderr (the fleet's requests, then the one-instance baseline's)."""
     if instances < 1:
         raise ValueError(f"instances must be >= 1, got {instances}")
     if not 0 <= drop_events < 1:
@@ -62,7 +64,7 @@ def simulate_fleet(
     # one pool that every instance writes and reads; the router asks it, as kvtier router --storage does
     pool = SimulatedStorage(cfg.storage_blocks) if cfg.storage_blocks else None
     cost = fetch_cost(cfg) if pool is not None else None
-    mgrs = [make_manager(trace, cfg, pool, cost) for _ in range(instances)]
+    mgrs = [make_manager(trace, cfg, pool, cost, shared=True) for _ in range(instances)]
     for m in mgrs:
         m.events.enable()
     indexes = [PrefixIndex() for _ in range(instances)]
@@ -78,7 +80,10 @@ def simulate_fleet(
     ttfts: list[float] = []
     resyncs = dropped = skipped = 0
     t0 = time.perf_counter()
+    bar = progress_bar(len(trace), f"{instances} instances") if progress else None
     for rid, tr in enumerate(trace):
+        if bar is not None:
+            bar.update(1)
         for j, m in enumerate(mgrs):  # the router's poll of every instance
             ev, last = m.events, seqs[j]
             if last is None:
@@ -116,6 +121,8 @@ def simulate_fleet(
         served[j] += 1
         tokens_in[j] += len(tokens)
         ttfts.append(free_at[j] - arrival)
+    if bar is not None:
+        bar.close()
     for m, q in zip(mgrs, running):
         while q:
             m.free(q.popleft())
@@ -152,7 +159,7 @@ def simulate_fleet(
                 "max_running": cfg.max_running * instances,
             }
         )
-        one = simulate(trace, big)
+        one = simulate(trace, big, progress=progress)
         one_rate = sum(one["hit_tokens"].values()) / one["prompt_tokens"] if one["prompt_tokens"] else 0.0
         res["one_big_instance_hit_rate"] = one_rate
         res["hit_rate_vs_one_big_instance"] = res["hit_rate"] / one_rate if one_rate else None

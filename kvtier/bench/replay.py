@@ -47,21 +47,42 @@ class SimConfig:
             self.write_policy = default_write_policy(self.host_blocks > 0, self.storage_blocks > 0)
 
 
+def trace_blocks(trace: list[TraceRequest], block_size: int) -> int:
+    """Every block the trace could ever hold: each request's blocks (its prompt's, and its
+    answer's positions but the last, which are cached as it decodes), all distinct."""
+    return max(1, sum(-(-(len(tr.input_ids) + max(0, len(tr.output_ids or ()) - 1)) // block_size) for tr in trace))
+
+
 def _tier_size(size: int | float, trace: list[TraceRequest], block_size: int) -> int:
-    """``inf`` -> every block the trace could ever hold (each request's blocks, all distinct)."""
+    """``inf`` -> :func:`trace_blocks`."""
     if size != math.inf:
         return int(size)
-    return max(1, sum(-(-len(tr.input_ids) // block_size) for tr in trace))
+    return trace_blocks(trace, block_size)
 
 
-def make_manager(trace: list[TraceRequest], cfg: SimConfig, storage: SimulatedStorage | None, cost=None) -> CacheManager:
+def copies_down_pay(trace: list[TraceRequest], cfg: SimConfig) -> bool:
+    """Whether a block one engine copies below its device tier could ever be hit there: only if
+    the device tier may evict it, i.e. it cannot hold every block of the trace. When it can, the
+    replay copies nothing down (a copy could serve no hit; the report says so). (A fleet's shared
+    pool serves the other instances: its copies always pay, ``make_manager(shared=True)``.)"""
+    return _tier_size(cfg.device_blocks, trace, cfg.block_size) < trace_blocks(trace, cfg.block_size)
+
+
+def make_manager(
+    trace: list[TraceRequest], cfg: SimConfig, storage: SimulatedStorage | None, cost=None, shared: bool = False
+) -> CacheManager:
+    """``shared``: ``storage`` is a pool other managers read (a fleet's)."""
     assert cfg.write_policy is not None  # SimConfig.__post_init__ resolves None
+    # a device tier that never evicts: write_back (a copy on eviction) is no copy at all, and
+    # every hit is the same as under the configured policy, whose copies down no request can use
+    pays = copies_down_pay(trace, cfg) or (shared and storage is not None)
+    policy = cfg.write_policy if pays else "write_back"
     return CacheManager(
         block_size=cfg.block_size,
         num_device_blocks=_tier_size(cfg.device_blocks, trace, cfg.block_size),
         num_host_blocks=_tier_size(cfg.host_blocks, trace, cfg.block_size),
         storage=storage,
-        write_policy=cfg.write_policy,
+        write_policy=policy,
         write_through_threshold=cfg.write_through_threshold,
         eviction=cfg.eviction,
         hash_name=cfg.hash_name,
@@ -91,11 +112,7 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) 
     assert cfg.write_policy is not None  # SimConfig.__post_init__ resolves None
     storage = None if cfg.storage_blocks == 0 else SimulatedStorage(cfg.storage_blocks)
     mgr = make_manager(trace, cfg, storage, fetch_cost(cfg) if storage is not None else None)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(trace), unit="req", file=sys.stderr, mininterval=0.5)
+    bar = progress_bar(len(trace), "sim") if progress else None
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -103,6 +120,13 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, progress: bool = False) 
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+def progress_bar(total: int, desc: str):
+    """A bar of ``total`` requests on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=0.5)
 
 
 def run_copies(mgr: CacheManager) -> bool:
@@ -184,8 +208,20 @@ def _replay(trace: list[TraceRequest], cfg: SimConfig, mgr: CacheManager, storag
         "wall_s": round(time.perf_counter() - t0, 3),
         "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(cfg).items()},
     }
-    res["notes"] = [write_policy_note(cfg), *zero_hit_notes(res, cfg)]
+    res["notes"] = [write_policy_note(cfg), *copies_note(trace, cfg), *zero_hit_notes(res, cfg)]
     return res
+
+
+def copies_note(trace: list[TraceRequest], cfg: SimConfig) -> list[str]:
+    """A line when the replay copied nothing down although the policy would (``copies_down_pay``)."""
+    if copies_down_pay(trace, cfg) or not (cfg.host_blocks or cfg.storage_blocks) or cfg.write_policy == "write_back":
+        return []
+    device = _tier_size(cfg.device_blocks, trace, cfg.block_size)
+    return [
+        f"no block was copied down: the device tier ({device:,} blocks) holds every block the trace can use "
+        f"({trace_blocks(trace, cfg.block_size):,} at most), so it never evicts and a copy below could serve no hit "
+        f"(the engine's {cfg.write_policy} would still copy them: those bytes are not in 'bytes moved')"
+    ]
 
 
 def write_policy_note(cfg: SimConfig) -> str:

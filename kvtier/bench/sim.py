@@ -15,7 +15,13 @@ fetched only when the fetch-vs-recompute cost model says they pay, with a pool o
 The write policy defaults to the engine's (``default_write_policy``): ``write_through`` with a
 host or storage tier, so every computed block is copied down and each configured tier is
 filled; ``write_through_selective`` copies a block down only after its second hit. The report
-names the policy that ran and says why a lower tier got no hits.
+names the policy that ran and says why a lower tier got no hits. A device tier that can hold
+every block of the trace never evicts, so no block copied below it could ever be hit: the replay
+then copies none (the CPU those copies cost; a fleet's shared pool still gets its writes, which
+other instances read), and the report says that its bytes moved leave them out.
+
+A progress bar goes to stderr when it is a terminal (``--no-progress``: none; ``--progress``:
+one anyway); bare ``--json`` (the result on stdout, for a program) has none.
 
 The cyclic garbage collector is paused during the replay: the manager frees its objects by
 reference counting (removed nodes form no cycles), and a full collection over a tree whose
@@ -151,7 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=flags.positive_int, default=None, help="replay only the first N requests")
     flags.add_json_flag(p, "the result (one object)")
-    p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
+    p.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="a progress bar on stderr even when it is not a terminal (default: on a terminal, unless bare --json)",
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
     return p
 
@@ -174,14 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         prefill_tokens_per_s=args.prefill_tokens_per_s,
     )
     trace = read_trace(args.trace, block_tokens=args.trace_block_tokens, limit=args.limit)
+    # a bar on a terminal (stderr), none when the JSON goes to stdout for a program to read
+    progress = args.progress if args.progress is not None else args.json != "-" and sys.stderr.isatty()
     if args.instances > 1:
         from kvtier.bench.fleet import format_fleet, simulate_fleet
 
-        res = simulate_fleet(trace, cfg, args.instances, args.route, drop_events=args.drop_events)
+        res = simulate_fleet(trace, cfg, args.instances, args.route, drop_events=args.drop_events, progress=progress)
         if not flags.write_json(args.json, res):
             print(format_fleet(res))
         return 0
-    res = simulate(trace, cfg, progress=args.json != "-" and sys.stderr.isatty() or args.progress)
+    res = simulate(trace, cfg, progress=progress)
     if not flags.write_json(args.json, res):
         print(format_report(res))
     return 0

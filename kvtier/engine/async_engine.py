@@ -45,7 +45,11 @@ def check_samples(n: int, max_queue: int) -> None:
 def check_queue(waiting: int, n: int, max_queue: int) -> None:
     """QueueFull if ``n`` more samples do not fit beside ``waiting``."""
     if waiting + n > max_queue:
-        raise QueueFull(f"{waiting} samples are waiting (max_queue={max_queue}); retry later")
+        waits = "1 sample is" if waiting == 1 else f"{waiting} samples are"
+        raise QueueFull(
+            f"{waits} waiting and this request adds {n}: more than the queue holds (max_queue={max_queue}, "
+            "kvtier serve --max-queue); retry later"
+        )
 
 
 class _AsyncSink(Sink):

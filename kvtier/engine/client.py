@@ -70,6 +70,8 @@ class CoreView:
         self.engine_config = config
         self.startup = startup
         self.max_model_len: int = info["max_model_len"]
+        self.block_size: int = info["block_size"]
+        self.num_device_blocks: int = info["num_device_blocks"]
         self.pd_on_miss: str = info["pd_on_miss"]
         self.storage: PoolView | None = PoolView() if info["has_pool"] else None
         self.tokenizer = load_tokenizer(path)
@@ -332,11 +334,11 @@ class EngineClient:
             for m in msg[1]:
                 self._dispatch(m)
         elif kind == "delta":
-            _, rid, index, token_ids, finish, logprobs, export, out = msg
+            _, rid, index, token_ids, finish, logprobs, export, out, cached = msg
             q = self._sinks.get(rid)
             if q is not None:
                 output = None if out is None else output_from_wire(out)
-                q.put_nowait(Delta(token_ids, output, index, finish, logprobs, export))
+                q.put_nowait(Delta(token_ids, output, index, finish, logprobs, export, cached))
         elif kind == "error":
             _, rid, err, message = msg
             q = self._sinks.get(rid)

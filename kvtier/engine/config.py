@@ -108,7 +108,7 @@ class EngineConfig:
         None,
         "cuda: the fraction of the GPU's total memory this engine may use (weights, activations and "
         "the device tier; memory other processes hold counts against it): the device tier gets what "
-        "is left (default: 90% of the memory free after the weights, less 1 GiB)",
+        "is left (default: 90% of the memory free after the weights, less 1 GiB); ignored on cpu, with a warning",
         type=types.fraction,
     )
     num_host_blocks: int | None = _opt(
@@ -314,13 +314,10 @@ class EngineConfig:
             u = self.gpu_memory_utilization
             if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
                 raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
-            if self.num_device_blocks is not None:
+            # (on cpu it is accepted and ignored, with a warning when the engine starts: a vLLM
+            # command line carries it; the device tier there is sized from available RAM)
+            if self.num_device_blocks is not None and str(self.device).startswith("cuda"):
                 raise ValueError("give num_device_blocks or gpu_memory_utilization, not both")
-            if not str(self.device).startswith("cuda"):
-                raise ValueError(
-                    "gpu_memory_utilization is for cuda devices; on cpu the device tier is 20% of the "
-                    "available memory unless num_device_blocks says otherwise"
-                )
         if not (isinstance(self.tp_timeout, int | float) and self.tp_timeout > 0):
             raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
         if self.tensor_parallel_size > 1 and isinstance(self.storage, str) and self.storage.startswith("memory:"):

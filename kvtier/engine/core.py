@@ -73,7 +73,14 @@ from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner, StepResult
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
-from kvtier.engine.sizing import block_nbytes, check_host_blocks, resolve_dtype, size_device_blocks, size_host_blocks
+from kvtier.engine.sizing import (
+    CPU_SIZING,
+    block_nbytes,
+    check_host_blocks,
+    resolve_dtype,
+    size_device_blocks,
+    size_host_blocks,
+)
 from kvtier.engine.spec import Speculator
 from kvtier.engine.startup import Startup
 from kvtier.engine.tp.ranks import RankLost, Ranks, backend_for, init_group
@@ -197,6 +204,12 @@ class EngineCore:
         with startup("loading tokenizer"):
             self.tokenizer = load_tokenizer(self.path)
 
+        if c.gpu_memory_utilization is not None and self.device.type != "cuda":
+            log.warning(
+                "gpu_memory_utilization=%s is for cuda devices and is ignored: %s",
+                c.gpu_memory_utilization,
+                f"num_device_blocks={num_device_blocks} sizes it here" if num_device_blocks is not None else CPU_SIZING,
+            )
         if num_device_blocks is None:
             num_device_blocks = size_device_blocks(
                 self.device, bytes_per_block // tp, block_size, max_num_seqs, self.max_model_len, c.gpu_memory_utilization

@@ -30,6 +30,7 @@ class TextStream:
         self.text = ""  # text produced so far (sent + held back)
         self.sent = 0  # characters of self.text handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Append tokens; returns the text that can be sent now ('' if none)."""
@@ -65,6 +66,7 @@ class TextStream:
             i = text.find(s, max(0, self.sent - len(s) + 1))
             if i != -1:
                 self.stopped = True
+                self.matched = s
                 text = self.text = text[:i]
         end = len(text)
         if not final and not self.stopped:  # hold back what may begin a stop string

@@ -130,6 +130,9 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     export: dict | None = None  # P of a hand-off, on its first token's delta: the blocks on their way
+    # a request's first delta: [prompt tokens not computed, {tier: tokens}] (known once admitted;
+    # the output has them too), so that a stream can say them with its first token
+    cached: list | None = None
 
 
 class Sink:
@@ -308,9 +311,13 @@ class EngineLoop:
                 export = self.core.export_names(rid)
                 if export is None:
                     continue
+            first = not any(sink.sent)
             deltas = [d for d in (sink.delta(*row) for row in rows) if d is not None]
             if export is not None and deltas:
                 deltas[0].export = export
+            if first and deltas and out is None:
+                req = sink.req
+                deltas[0].cached = [req.num_cached_tokens or 0, dict(req.cached_tokens_by_tier)]
             if out is not None:
                 if not deltas:  # (the last sample's finish is always unsent; never lose the output)
                     deltas.append(Delta([], index=out.outputs[0].index))

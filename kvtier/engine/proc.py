@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -53,7 +54,7 @@ class _WireSink(Sink):
             self.send(["error", rid, error_kind(item), str(item)])
             return
         out = None if item.output is None else output_to_wire(item.output)
-        self.send(["delta", rid, item.index, item.token_ids, item.finish_reason, item.logprobs, item.export, out])
+        self.send(["delta", rid, item.index, item.token_ids, item.finish_reason, item.logprobs, item.export, out, item.cached])
 
 
 def main(model: str, config: EngineConfig, inbox: str, outbox: str, stats_interval: float, log_level: str) -> None:
@@ -65,13 +66,16 @@ def main(model: str, config: EngineConfig, inbox: str, outbox: str, stats_interv
     from kvtier.log_setup import setup_logging
 
     setup_logging(log_level)
+    # the server stops us ("stop") when it is told to; a terminal's Ctrl-C reaches the whole
+    # process group: it is the server's to act on
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if str(config.device).startswith("cpu"):
-        # on a CPU host the model's threads would take every core: leave one to the server
-        # process, which answers /health and streams every client's tokens (as vLLM's CPU
-        # backend reserves cores for its front end)
+        # on a CPU host the model's threads would take every core: leave one to the server process
         import torch
 
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
+        from kvtier.cpus import engine_threads
+
+        torch.set_num_threads(engine_threads(torch.get_num_threads()))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(inbox)
@@ -108,6 +112,9 @@ def main(model: str, config: EngineConfig, inbox: str, outbox: str, stats_interv
         ]
     )
     engine = _Engine(core, pull, send, stats_interval)
+    # a SIGTERM sent to the whole process group (a supervisor's) reaches us too: it stops the
+    # loop as the server's "stop" does
+    signal.signal(signal.SIGTERM, lambda *_: engine.stop("SIGTERM"))
     try:
         engine.loop.run(after_iteration=engine.after_iteration)
     finally:
@@ -180,15 +187,22 @@ class _Engine:
 
             return ("call", msg[2], reply, tuple(msg[3]) if len(msg) > 3 else ())
         if kind == "stop":
-            self.loop.stop()
+            self.stop("the server is shutting down")
             return ("wake",)
         log.warning("unknown message from the server: %r", kind)
         return None
 
+    def stop(self, why: str) -> None:
+        """A clean stop: the loop ends after this iteration (requests in flight fail with
+        EngineDead), the core closes (copies and puts in flight finish)."""
+        if not self.loop.stopping:
+            log.info("the engine stops: %s", why)
+        self.loop.stop()
+
     def status(self) -> None:
         """The queue lengths after a step when they changed; the pool's health every STATUS_EVERY_S."""
-        if os.getppid() != self.parent:
-            log.error("the server process %d is gone: the engine stops", self.parent)
+        if os.getppid() != self.parent:  # it died without telling us (killed): not a clean stop
+            log.error("the server process %d is gone without stopping the engine: the engine stops", self.parent)
             self.loop.stop()
             return
         now = time.monotonic()

@@ -47,6 +47,13 @@ def device_budget(free: int, total: int, gpu_memory_utilization: float | None) -
     return int(total * gpu_memory_utilization) - (total - free) - ACTIVATION_RESERVE
 
 
+# how the device tier is sized on a CPU (what a gpu_memory_utilization given there is ignored for)
+CPU_SIZING = (
+    "on cpu the device tier is 20% of the available memory, at most max_num_seqs full-length "
+    "sequences (--num-device-blocks sets it)"
+)
+
+
 def size_device_blocks(
     device: torch.device,
     bytes_per_block: int,
@@ -70,6 +77,7 @@ def size_device_blocks(
         )
     else:
         budget, where = int(available_ram() * 0.2), "free memory"
+        gpu_memory_utilization = None  # (a GPU's option: CPU_SIZING below; the engine warns)
     n = max(0, budget // bytes_per_block)
     if gpu_memory_utilization is None:
         n = min(n, max_num_seqs * need)

@@ -103,6 +103,7 @@ class Speculator:
         self.chain: DraftGraphs | None = None  # drafts 2..k (the engine builds it when k > 1)
         self.num_drafted = 0  # drafts verified
         self.num_accepted = 0  # of which accepted
+        self.num_verified = 0  # a request's steps that verified drafts
         self.accepted_at = [0] * num_speculative_tokens  # accepted drafts by place (1st, 2nd, ...)
         self.num_mtp_rows = 0  # positions the MTP block ran over (draft passes included)
         self.num_mtp_prompt_rows = 0  # of which prompt positions (0 for a prompt's cached prefix)
@@ -115,6 +116,7 @@ class Speculator:
             "drafted": self.num_drafted,
             "accepted": self.num_accepted,
             "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else None,
+            "verified_steps": self.num_verified,
             "accepted_at": list(self.accepted_at),
             "mtp_rows": self.num_mtp_rows,
             "mtp_prompt_rows": self.num_mtp_prompt_rows,
@@ -214,6 +216,7 @@ class Speculator:
                 req.draft_acceptance = 0.5 * req.draft_acceptance + 0.5 * a / len(drafts_of)
                 self.num_drafted += len(drafts_of)
                 self.num_accepted += a
+                self.num_verified += 1
                 for j in range(a):
                     self.accepted_at[j] += 1
         self._keep_drafts(runner, plan, results, draft_rows)

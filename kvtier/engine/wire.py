@@ -5,7 +5,7 @@ names it::
     server -> engine   ["add", request_id, prompt_token_ids, params, cache_salt, handoff, export, owner, priority]
                        ["abort", request_id]    ["call", call_id, name, args]    ["stop"]
     engine -> server   ["phase", startup]  ["ready", info]  ["failed", phase, error_type, message]
-                       ["delta", request_id, index, token_ids, finish_reason, logprobs, export, output]
+                       ["delta", request_id, index, token_ids, finish_reason, logprobs, export, output, cached]
                        ["error", request_id, kind, message]      kind: value | queue | dead | internal
                        ["result", call_id, error, value]
                        ["status", running, waiting, waiting_samples, samples_taken, pool_health]

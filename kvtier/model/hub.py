@@ -66,14 +66,49 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None, load_fo
     except RevisionNotFoundError:
         raise FileNotFoundError(f"model {name!r}: the hub repo has no revision {revision!r}") from None
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        rev = f" --revision {revision}" if revision is not None else ""
+        get = f"`huggingface-cli download {name}{rev}` (or `hf download {name}{rev}`) on a machine that reaches the hub"
+        if constants.HF_HUB_OFFLINE:
+            why = f"HF_HUB_OFFLINE=1 is set: unset it to download it, or fetch it first with {get}"
+        else:
+            why = (
+                "the hub could not be reached: check the network (or HF_ENDPOINT), or fetch it with "
+                f"{get} and copy the cache here (HF_HUB_CACHE)"
+            )
         raise FileNotFoundError(
             f"model {name!r}{at}: no such directory, not in the local Hugging Face cache ({constants.HF_HUB_CACHE}), and {why}"
         ) from None
 
 
 def default_served_name(model: str) -> str:
-    """The name a server answers to when not told (``--served-model-name``): a hub id as given, a
-    directory's base name."""
-    path = Path(model).expanduser()
-    return path.resolve().name if path.is_dir() else model
+    """The name a server answers to when not told (``--served-model-name``): the model argument
+    as given (a hub id, or a directory as it was spelled), as vLLM and SGLang serve it."""
+    return model
+
+
+def model_aliases(model: str, path: str | os.PathLike) -> tuple[str, ...]:
+    """The other names requests may give the model served from ``path`` (its checkpoint
+    directory) started as ``model``: the argument as given, the directory's base name, its
+    absolute path (and the resolved one, through symlinks). :func:`same_name` accepts each
+    spelled with a trailing slash or ``./`` too."""
+    p = Path(path).expanduser()
+    names = [model, p.name, os.path.abspath(p), str(p.resolve())]
+    given = Path(model).expanduser()
+    if given.is_dir():
+        names.append(os.path.abspath(given))
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def name_form(name: str) -> str:
+    """``name`` as :func:`same_name` compares it: a path without trailing slashes, ``./`` or
+    ``a/../``; a hub id as it is."""
+    return os.path.normpath(name) if name else name
+
+
+def same_name(name: str, names: "frozenset[str]", forms: "frozenset[str]") -> bool:
+    """Whether a request's model ``name`` is one of ``names`` (``forms``: their
+    :func:`name_form`), spelled as given or as a path (trailing slash, ``./m``, relative to the
+    server's working directory). Pure string work: nothing on disk is looked at."""
+    if name in names:
+        return True
+    return name_form(name) in forms or os.path.abspath(name) in forms

@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -59,8 +60,9 @@ from kvtier.cache.manager import TIERS
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.engine.client import EngineClient
 from kvtier.engine.sampling import SamplingParams
+from kvtier.model.hub import name_form, same_name
 from kvtier.redact import redact
-from kvtier.serve import asgi, tokenize
+from kvtier.serve import asgi, sglang, tokenize
 from kvtier.serve.body import body_schema, parse, with_schemas
 from kvtier.serve.choice_text import ChoiceText
 from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
@@ -117,6 +119,7 @@ class _Gen:
     output: Any = None
     finish_reason: str | None = None  # None at the end: aborted (the client went away)
     num_generated: int = 0  # tokens received so far, every sample (an aborted request's count)
+    cached: list | None = None  # [prompt tokens not computed, by tier], from the first delta on
 
 
 @dataclass(eq=False)
@@ -176,22 +179,31 @@ class Server:
         check_role(role, core.storage is not None)
         self.engine, self.model_name, self.role = engine, model_name, role
         self.model_names = frozenset((model_name, *aliases))
+        self._name_forms = frozenset(map(name_form, self.model_names))
         self.require_cache_salt = require_cache_salt
         self.expose_config = expose_config
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.vocab_size = core.config.vocab_size  # prompt ids must be below it
-        self.model_path = str(core.path)
+        self.model_path = os.path.abspath(core.path)  # (a client elsewhere loads the tokenizer from it)
         self.prompts = PromptTokenizer(core.tokenizer, core.max_model_len)
         self.strings = TokenStrings(core.tokenizer)
         self.metrics = ServerMetrics()
+        self.created = int(time.time())  # /v1/models' created: when this server started serving
         self.api = self._build()
         self.app = asgi.FastGet(
-            asgi.wrap(self.api, api_key, ("/v1/", "/kvtier/", *tokenize.KEY_PATHS), max_body_bytes), "/health", self.health
+            asgi.wrap(self.api, api_key, ("/v1/", "/kvtier/", *tokenize.KEY_PATHS, *sglang.KEY_PATHS), max_body_bytes),
+            "/health",
+            self.health,
         )
 
     def close(self) -> None:
         self.prompts.close()
+
+    def serves(self, name: str) -> bool:
+        """Whether a request naming the model ``name`` is for this server (its served name or an
+        alias, a path spelled with a trailing slash or ``./`` included: model/hub.py)."""
+        return same_name(name, self.model_names, self._name_forms)
 
     # ------------------------------------------------------------------ app
     def _build(self) -> FastAPI:
@@ -220,7 +232,7 @@ class Server:
                     {
                         "id": server.model_name,
                         "object": "model",
-                        "created": 0,
+                        "created": server.created,
                         "owned_by": "kvtier",
                         "root": server.model_path,
                         "parent": None,
@@ -293,11 +305,15 @@ class Server:
         async def reset_prefix_cache() -> dict:
             return await tokenize.reset_prefix_cache(server)
 
-        @app.get("/server_info")
-        async def server_info() -> dict:
-            return tokenize.server_info(server)
-
-        with_schemas(app, CompletionRequest, ChatCompletionRequest, tokenize.TokenizeRequest, tokenize.DetokenizeRequest)
+        sglang.add_routes(app, server)  # /generate, /model_info, /server_info (SGLang's native API)
+        with_schemas(
+            app,
+            CompletionRequest,
+            ChatCompletionRequest,
+            tokenize.TokenizeRequest,
+            tokenize.DetokenizeRequest,
+            sglang.GenerateRequest,
+        )
         return app
 
     def _body(self, model: Any) -> Any:
@@ -375,13 +391,33 @@ class Server:
         )
 
     # ------------------------------------------------------------------ requests
-    async def _prompt_ids(self, kind: str, body: Any, prompt: Any, budget: int) -> list[int]:
+    async def _prompt_ids(self, kind: str, body: Any, prompt: Any, budget: int, after: str = "") -> list[int]:
+        """``after``: what the rest of the context is kept for (the error's words)."""
         if body.kvtier_handoff is not None:
             return list(body.kvtier_handoff.prompt_token_ids)
         if kind == "completion":
-            return await self.prompts.completion_ids(prompt, budget, owner=id(body))
+            special = getattr(body, "add_special_tokens", False)  # (SGLang's /generate: its text gets them)
+            return await self.prompts.completion_ids(prompt, budget, special, owner=id(body), after=after, param=body.prompt_name)
         messages = [{"role": m.role, "content": m.text()} for m in prompt]
-        return await self.prompts.chat_ids(messages, body.add_generation_prompt, budget, owner=id(body))
+        return await self.prompts.chat_ids(messages, body.add_generation_prompt, budget, owner=id(body), after=after)
+
+    def _too_long(self, index: int | None, n: int, asked: int | None, field: str, kind: str) -> APIError:
+        """A prompt of ``n`` tokens that does not fit the context beside what is asked: the
+        prompt's error when it alone leaves no room, else the asked tokens'."""
+        which = "the messages have" if kind == "chat" else "the prompt has" if index is None else f"prompt {index} has"
+        prompt = "messages" if kind == "chat" else "prompt"
+        ctx = self.max_model_len
+        if asked is None:
+            return APIError(
+                400,
+                f"{which} {n} tokens: the model's context of {ctx} tokens leaves none to generate; "
+                f"shorten it to at most {ctx - 1} tokens",
+                prompt,
+            )
+        together = f"{which} {n} tokens and {field}={asked}: together over the model's context of {ctx} tokens"
+        if n >= ctx:
+            return APIError(400, f"{together}; shorten the prompt to at most {ctx - asked} tokens", prompt)
+        return APIError(400, f"{together}; ask for at most {ctx - n} tokens, or shorten the prompt", field)
 
     def _echo_text(self, prompt: Any, ids: list[int]) -> str:
         if isinstance(prompt, str):
@@ -389,7 +425,7 @@ class Server:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
     async def _start(self, kind: str, body: Any, export: bool = False) -> _Call:
-        if body.model not in self.model_names:
+        if not self.serves(body.model):
             raise APIError(404, f"model {body.model!r} is not served here (this server serves {self.model_name!r})", "model")
         handoff = body.kvtier_handoff
         prompts = body.prompts
@@ -416,8 +452,8 @@ class Server:
                 "n",
             )
         asked = body.max_tokens_asked
+        field = body.max_tokens_name
         if asked is not None and asked >= self.max_model_len:  # before any prompt is tokenized against it
-            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
             raise APIError(
                 400,
                 f"{field}={asked} leaves no room for a prompt in the model's context of {self.max_model_len} "
@@ -425,18 +461,15 @@ class Server:
                 field,
             )
         echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
-        ids_of = await asyncio.gather(*(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1)) for p in prompts))
+        after = f"after {field}={asked}" if asked else "with one token to generate"
+        ids_of = await asyncio.gather(
+            *(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1), after) for p in prompts)
+        )
         params_of = []
         for i, ids in enumerate(ids_of):
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
             if len(ids) + max_tokens > self.max_model_len:
-                which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
-                raise APIError(
-                    400,
-                    f"{which} has {len(ids)} tokens and max_tokens={max_tokens}: together over "
-                    f"the model's context of {self.max_model_len} tokens",
-                    "max_tokens",
-                )
+                raise self._too_long(i if len(prompts) > 1 else None, len(ids), asked, field, kind)
             try:
                 params = body.sampling_params(max_tokens)
                 if export:  # P of PD: the first token only
@@ -621,6 +654,8 @@ class Server:
             try:
                 async for delta in agen:
                     out = delta.output
+                    if delta.cached is not None:
+                        gen.cached = delta.cached
                     if out is not None and out.finish_reason == "error":
                         gen.output, gen.finish_reason = out, "error"
                         raise self._failure(out)

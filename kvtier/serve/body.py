@@ -37,6 +37,7 @@ _BYTE = re.compile(r" \(byte (\d+)\)")
 # fields whose valid values are small (the protocol's bounds): a larger one is refused by its size,
 # never decoded (1.4 million logit_bias entries took 1.3 s to refuse after decoding)
 _MAX_RAW_BYTES = {"logit_bias": 1024, "stop_token_ids": 24 * MAX_STOP_TOKEN_IDS + 64, "cache_salt": 8 * 1024}
+_PROMPT_FIELDS = ("prompt", "input_ids")  # completions' prompt, SGLang's /generate input_ids
 _PROMPT_TYPES: dict[bytes, Any] = {
     b'"': list[str],  # ["a", "b"]: several text prompts
     b"[": list[list[int]],  # [[1, 2], [3]]: several token-id prompts
@@ -68,8 +69,8 @@ def parse(model: type[_M], raw: bytes, max_model_len: int) -> _M:
         if cap is not None and len(value) > cap:
             raise APIError(400, f"{name} is {len(value)} bytes of JSON: more than any value it may take ({cap} bytes)", name)
         try:
-            if name == "prompt":
-                data[name] = _prompt(value, max_model_len)
+            if name in _PROMPT_FIELDS:
+                data[name] = _prompt(value, max_model_len, name)
             elif name == "tokens":  # /detokenize: up to a whole context
                 data[name] = _ids(
                     bytes(value).lstrip(), max_model_len + 1, "tokens", f"ids: more than the model's context of {max_model_len}"
@@ -95,17 +96,21 @@ def _validate(model: type[_M], data: Any, utf8: bool) -> _M:
         raise APIError(400, "the request body is nested too deep") from None
 
 
-def _prompt(raw: msgspec.Raw, max_model_len: int) -> Any:
-    """A completions ``prompt`` decoded by the type its first bytes announce; a single list of
-    token ids with ``max_model_len`` or more entries is refused before it is decoded."""
+def _prompt(raw: msgspec.Raw, max_model_len: int, name: str = "prompt") -> Any:
+    """A completions ``prompt`` (or /generate's ``input_ids``: ``name``) decoded by the type its
+    first bytes announce; a single list of token ids with ``max_model_len`` or more entries is
+    refused before it is decoded."""
     b = bytes(raw).lstrip()
     if not b.startswith(b"["):
         return msgspec.json.decode(b)  # a string (or a wrong type, which pydantic names)
     inner = b[1:].lstrip()[:1]
     kind = _PROMPT_TYPES.get(inner)
     if kind is None:
-        why = f"tokens; the model's context is {max_model_len} (max_model_len), leaving no room to generate"
-        return _ids(b, max_model_len, "prompt", why)
+        why = (
+            f"tokens: the model's context of {max_model_len} (max_model_len) leaves no room to generate; "
+            f"send at most {max_model_len - 1}"
+        )
+        return _ids(b, max_model_len, name, why)
     return msgspec.json.decode(b, type=kind)
 
 

@@ -28,6 +28,11 @@ class ChoiceText:
         return self.matcher.stopped
 
     @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        return self.matcher.stream.matched
+
+    @property
     def text(self) -> str:
         """The text handed out so far (all of it, once finished)."""
         return self.matcher.text[: self.sent]

@@ -37,14 +37,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: Sequence[object], log: Path, env: dict | None = None, log_level: str = "warning") -> None:
+    def __init__(
+        self, args: Sequence[object], log: Path, env: dict | None = None, log_level: str = "warning", cwd: Path | None = None
+    ) -> None:
+        """``cwd``: the directory it runs in (relative paths in ``args`` are read from there)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = kvtier_command(*args, "--port", self.port, "--log-level", log_level)
         self.log = Path(log)
         with open(self.log, "ab") as f:
             self.popen = procs.spawn(
-                self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=cwd
             )
 
     def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":

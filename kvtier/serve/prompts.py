@@ -74,33 +74,46 @@ class PromptTokenizer:
 
     # ------------------------------------------------------------------ completions
     async def completion_ids(
-        self, prompt: str | list[int], budget: int, add_special_tokens: bool = False, owner: Hashable = None
+        self,
+        prompt: str | list[int],
+        budget: int,
+        add_special_tokens: bool = False,
+        owner: Hashable = None,
+        after: str = "",
+        param: str = "prompt",
     ) -> list[int]:
-        """Ids of a completion prompt; ``budget``: the most tokens it may have;
-        ``add_special_tokens``: with the tokenizer's own (a BOS), as ``/tokenize`` may ask;
-        ``owner``: whose work it is (the request's; None: its own)."""
+        """Ids of a completion prompt; ``budget``: the most tokens it may have (``after``: what
+        the rest of the context is kept for, as the error says it); ``add_special_tokens``: with
+        the tokenizer's own (a BOS), as ``/tokenize`` may ask; ``owner``: whose work it is (the
+        request's; None: its own); ``param``: the field it came in."""
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-        return await self.run(_own(owner), self._encode_text, prompt, budget, add_special_tokens)
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param)
+        return await self.run(_own(owner), self._encode_text, prompt, budget, add_special_tokens, after, param)
 
-    def _encode_text(self, text: str, budget: int, add_special_tokens: bool) -> list[int]:
-        self._check_bound(text, budget, "prompt")
+    def _encode_text(self, text: str, budget: int, add_special_tokens: bool, after: str = "", param: str = "prompt") -> list[int]:
+        self._check_bound(text, budget, param, after)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_bound(self, text: str, budget: int, param: str) -> None:
+    def _check_bound(self, text: str, budget: int, param: str, after: str = "") -> None:
         """APIError(400) if ``text`` has more than ``budget`` tokens for certain, found at a cost
         bounded by the budget, not by the text: first by its length, then (a text longer than
         ``COUNT_PAST_CHARS_PER_TOKEN`` characters a token) by counting the tokens of its pieces
         up to the budget's worth. A piece ends before a space, where the tokenizers split words
         anyway; ``SLACK_PER_PIECE`` tokens a piece allow for a merge the cut may have prevented."""
         at_least = len(text) // (2 * self._longest_token)
+        subject = "the messages have" if param == "messages" else f"the {param} has"
+        room = (
+            f"the {budget} tokens the model's context of {self.max_model_len} leaves {after}"
+            if after
+            else f"the model's context of {budget} tokens"
+        )
+        fix = "shorten it" + (f", or lower {after.split('=')[0].split()[-1]}" if "=" in after else "")
         if at_least > budget:
             raise APIError(
                 400,
-                f"the {param} has {len(text)} characters, so at least {at_least} tokens: over the "
-                f"{budget} tokens the model's context of {self.max_model_len} leaves it",
+                f"{subject} {len(text)} characters, so at least {at_least} tokens: more than {room}; {fix}",
                 param,
             )
         if len(text) <= budget * COUNT_PAST_CHARS_PER_TOKEN:
@@ -118,18 +131,19 @@ class PromptTokenizer:
             if counted - SLACK_PER_PIECE * pieces > budget:
                 raise APIError(
                     400,
-                    f"the {param} has over {budget} tokens (more than {counted - SLACK_PER_PIECE * pieces} in its "
-                    f"first {at} of {len(text)} characters): over the {budget} tokens the model's context of "
-                    f"{self.max_model_len} leaves it",
+                    f"{subject} over {budget} tokens (more than {counted - SLACK_PER_PIECE * pieces} in its "
+                    f"first {at} of {len(text)} characters): more than {room}; {fix}",
                     param,
                 )
 
     # ------------------------------------------------------------------ chat
-    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, budget: int, owner: Hashable = None) -> list[int]:
+    async def chat_ids(
+        self, messages: list[dict], add_generation_prompt: bool, budget: int, owner: Hashable = None, after: str = ""
+    ) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions", "messages")
-        return await self.run(_own(owner), self._encode_chat, messages, add_generation_prompt, budget)
+        return await self.run(_own(owner), self._encode_chat, messages, add_generation_prompt, budget, after)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -137,10 +151,10 @@ class PromptTokenizer:
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the client's 400
             raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
 
-    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, budget: int) -> list[int]:
-        self._check_bound("".join(m["content"] for m in messages), budget, "messages")
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, budget: int, after: str = "") -> list[int]:
+        self._check_bound("".join(m["content"] for m in messages), budget, "messages", after)
         text = self._render(messages, add_generation_prompt)
-        self._check_bound(text, budget, "messages")
+        self._check_bound(text, budget, "messages", after)
         injected = [i for i, m in enumerate(messages) if self._specials is not None and self._specials.search(m["content"])]
         if not injected:
             return self.tokenizer.encode(text, add_special_tokens=False)

@@ -215,6 +215,13 @@ class _Sampling(_Body):
     def max_tokens_asked(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_name(self) -> str:
+        """The field ``max_tokens_asked`` came in (errors name it)."""
+        return "max_tokens"
+
+    prompt_name: ClassVar[str] = "prompt"  # the field a text prompt comes in (errors name it)
+
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int]) -> list[int]:
@@ -370,6 +377,10 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
+    def max_tokens_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -398,3 +409,8 @@ def _lone_surrogate(value: Any, where: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+# for the bodies of other endpoints (serve/sglang.py): the base and its null-means-default reader
+Body = _Body
+given = _given

@@ -297,9 +297,12 @@ class Router:
         @app.get("/health")
         async def health() -> Response:
             up = [b.label for b in router.decode if b.healthy]
+            workers = any(b.role == "worker" for b in router.decode)  # --workers: colocated instances, no P or D
             if not up:
-                return error_response(503, "no decode server is up")
+                return error_response(503, "no worker is up" if workers else "no decode server is up")
             stalled = [b.label for b in router.prefill + router.decode if b.healthy and b.stalled]
+            if workers:
+                return JSONResponse({"status": "ok", "role": "router", "workers_up": up, "stalled": stalled})
             prefill_up = [b.label for b in router.prefill if b.healthy]
             return JSONResponse({"status": "ok", "role": "router", "decode_up": up, "prefill_up": prefill_up, "stalled": stalled})
 

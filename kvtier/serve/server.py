@@ -8,14 +8,16 @@ is an error, never "no authentication".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 from kvtier.engine.config import EngineConfig
 from kvtier.log_setup import setup_logging
-from kvtier.model.hub import default_served_name
+from kvtier.model.hub import default_served_name, model_aliases
 from kvtier.serve.guard import FD_MARGIN, ConnectionLimits, Guard, open_file_limit
 
 API_KEY_ENV = "KVTIER_API_KEY"
@@ -83,7 +85,7 @@ def serve(
     startup = Startup()
     front = StartingApp(startup, role)
     guard = connection_guard(limits)
-    userver = uvicorn.Server(
+    userver = _uvicorn_server(
         uvicorn.Config(front, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **guard.uvicorn_options())
     )
     built: dict[str, Any] = {}
@@ -142,6 +144,8 @@ def serve(
     try:
         userver.run()
     finally:
+        if userver.signals:
+            log.info("%s: stopping the engine", " ".join(signal.Signals(s).name for s in userver.signals))
         if "server" in built:
             built["server"].close()
         if "engine" in built:
@@ -149,7 +153,31 @@ def serve(
                 built["engine"].shutdown()
             except Exception as e:  # noqa: BLE001 - a dead GPU may fail its own cleanup
                 log.warning("engine shutdown failed: %s", e)
+            else:
+                log.info("the engine stopped")
     return 1 if died else 0
+
+
+def _uvicorn_server(config: Any) -> Any:
+    """uvicorn's server, but a signal that stopped it (SIGTERM, SIGINT) is kept in ``signals``
+    instead of being raised again as ``run()`` returns: raised, SIGTERM's default action would end
+    this process before it stopped its engine, which would then find its parent gone. serve()
+    stops the engine, then returns (a clean stop: exit status 0)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        signals: list[int] = []
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self.signals = list(self._captured_signals)
+                    self._captured_signals.clear()
+
+    return Server(config)
 
 
 def _build_server(
@@ -191,7 +219,7 @@ def _build_server(
         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         require_cache_salt=require_cache_salt,
         expose_config=expose_config,
-        aliases=(model, str(built["engine"].core.path), os.path.abspath(built["engine"].core.path)),
+        aliases=model_aliases(model, built["engine"].core.path),
     )
 
 

@@ -55,7 +55,7 @@ class DetokenizeRequest(BaseModel):
 
 
 def _check_model(server: Server, name: str | None) -> None:
-    if name is not None and name not in server.model_names:
+    if name is not None and not server.serves(name):
         raise APIError(404, f"model {name!r} is not served here (this server serves {server.model_name!r})", "model")
 
 

@@ -210,7 +210,10 @@ def test_storage_without_a_host_tier_is_an_error_naming_both_flags(trace, capsys
 
 @pytest.mark.parametrize("flags,notes", [
     (["--device-blocks", "inf", "--storage-blocks", "inf"],
-     ["host: 0 hits — the device tier never evicted",
+     ["no block was copied down: the device tier (378 blocks) holds every block the trace can use (378 at most), "
+      "so it never evicts and a copy below could serve no hit (the engine's write_through would still copy them: "
+      "those bytes are not in 'bytes moved')",
+      "host: 0 hits — the device tier never evicted",
       "storage: 0 hits — the device tier never evicted"]),
     (["--device-blocks", "16", "--host-blocks", "0"],
      ["host: 0 hits — no host tier (--host-blocks 0)", "storage: 0 hits — no storage tier (--storage-blocks to add one)"]),
@@ -237,6 +240,58 @@ def test_json_path_writes_the_file_that_bare_json_prints_and_the_table_too(trace
     assert capsys.readouterr().out.startswith("requests 4")      # the table still prints
     written = json.loads(out.read_text())
     assert {**written, "wall_s": 0} == {**printed, "wall_s": 0}
+
+
+def test_a_device_tier_that_holds_the_whole_trace_copies_nothing_down_and_hits_the_same(tmp_path, capsys, monkeypatch):
+    """Copies below a device tier that never evicts can serve no hit: the replay makes none (the
+    CPU they cost), every hit and device figure is what it is with them, and the report says why
+    no byte moved down. A device tier one block smaller copies as the policy says."""
+    from kvtier.bench import replay
+
+    trace = str(_storage_only_trace(tmp_path))
+    total = replay.trace_blocks(read_trace(trace), 16)
+    argv = ["sim", trace, "--block-size", "16", "--host-blocks", "64", "--storage-blocks", "inf", "--json"]
+    lean = run_json(capsys, [*argv, "--device-blocks", str(total)])
+    monkeypatch.setattr(replay, "copies_down_pay", lambda trace, cfg: True)   # copy as write_through says
+    full = run_json(capsys, [*argv, "--device-blocks", str(total)])
+    monkeypatch.undo()
+    assert lean["hit_tokens"] == full["hit_tokens"] and lean["evictions"]["device"] == full["evictions"]["device"] == 0
+    assert full["bytes_moved"]["device_to_host"] > 0 and full["bytes_moved"]["host_to_storage"] > 0
+    assert lean["bytes_moved"]["device_to_host"] == lean["bytes_moved"]["host_to_storage"] == 0
+    assert any(n.startswith("no block was copied down: the device tier") for n in lean["notes"])
+    assert not any(n.startswith("no block was copied down") for n in full["notes"])
+    smaller = run_json(capsys, [*argv, "--device-blocks", str(total - 1)])
+    assert smaller["bytes_moved"]["device_to_host"] > 0
+    assert not any(n.startswith("no block was copied down") for n in smaller["notes"])
+
+
+@pytest.mark.parametrize("argv, tty, bar", [
+    ([], False, False),                     # not a terminal: none
+    ([], True, True),                       # a terminal: one
+    (["--json"], True, False),              # the JSON on stdout is for a program: none
+    (["--json", "{out}"], True, True),      # the JSON to a file, the table on the terminal: one
+    (["--no-progress"], True, False),
+    (["--progress"], False, True),
+    (["--instances", "2", "--no-progress"], True, False),
+    (["--instances", "2"], True, True),     # a fleet too (and its one-instance baseline)
+])
+def test_the_progress_bar_is_on_a_terminal_and_off_when_asked(trace, tmp_path, capsys, monkeypatch, argv, tty, bar):
+    from kvtier.bench import fleet, replay
+
+    bars = []
+    real = replay.progress_bar
+
+    def spy(total, desc):
+        bars.append(desc)
+        return real(total, desc)
+
+    monkeypatch.setattr(replay, "progress_bar", spy)
+    monkeypatch.setattr(fleet, "progress_bar", spy)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: tty, raising=False)
+    argv = [a.replace("{out}", str(tmp_path / "r.json")) for a in argv]
+    assert main(["sim", str(trace), "--trace-block-tokens", "16", *argv]) == 0
+    capsys.readouterr()
+    assert bool(bars) == bar, bars
 
 
 # ------------------------------------------------------------------ --instances (bench/fleet.py)

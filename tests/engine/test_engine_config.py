@@ -58,7 +58,6 @@ def test_a_config_survives_the_trip_to_flags_and_back():
     ({"device": "cuda", "gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be a fraction in (0, 1], got 1.5"),
     ({"device": "cuda", "gpu_memory_utilization": 0.5, "num_device_blocks": 10},
      "give num_device_blocks or gpu_memory_utilization, not both"),
-    ({"gpu_memory_utilization": 0.5}, "gpu_memory_utilization is for cuda devices"),
     ({"revision": ""}, "revision must be a branch, tag or commit name, got ''"),
     ({"max_num_seqs_per_request": 0}, "max_num_seqs_per_request must be an int >= 1 or None, got 0"),
     ({"max_num_seqs_per_request": 2.5}, "max_num_seqs_per_request must be an int >= 1 or None, got 2.5"),
@@ -101,6 +100,32 @@ def test_gpu_memory_utilization_counts_what_is_in_use_against_the_fraction():
     assert device_budget(58 * gib, 80 * gib, 0.5) == 40 * gib - 22 * gib - ACTIVATION_RESERVE
     # without it: 90% of the free memory
     assert device_budget(58 * gib, 80 * gib, None) == int(58 * gib * 0.9) - ACTIVATION_RESERVE
+
+
+def test_gpu_memory_utilization_on_cpu_is_accepted_and_ignored_with_one_warning(checkpoint, caplog):
+    """A vLLM command line carries --gpu-memory-utilization: on a CPU it changes nothing, and the
+    log says once what sizes the device tier there."""
+    import logging
+
+    import kvtier
+    from kvtier.engine.sizing import CPU_SIZING
+
+    path = checkpoint("llama-tiny")
+    EngineConfig(gpu_memory_utilization=0.9, num_device_blocks=40)  # (on cuda: "not both")
+    with kvtier.LLM(path, max_model_len=256) as llm:
+        plain = llm.cache.device_pool.num_blocks
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        with kvtier.LLM(path, max_model_len=256, gpu_memory_utilization=0.3) as llm:
+            assert llm.cache.device_pool.num_blocks == plain   # (not a fraction of anything here)
+        warned = [r.getMessage() for r in caplog.records if "gpu_memory_utilization" in r.getMessage()]
+        assert len(warned) == 1 and "ignored" in warned[0] and CPU_SIZING in warned[0], warned
+        caplog.clear()
+        with kvtier.LLM(path, max_model_len=256, gpu_memory_utilization=0.3, num_device_blocks=40) as llm:
+            assert llm.cache.device_pool.num_blocks == 40
+        assert any("num_device_blocks=40 sizes it" in r.getMessage() for r in caplog.records)
+    from kvtier.cli import build_parser
+    args = build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "0.9"])
+    assert args.gpu_memory_utilization == 0.9
 
 
 def test_gpu_memory_utilization_flag_takes_a_fraction():

@@ -73,8 +73,29 @@ def test_a_directory_is_itself_and_a_revision_with_it_is_refused(tmp_path):
     assert resolve_model(tmp_path) == tmp_path
     with pytest.raises(ValueError, match="'v1' is for hub ids"):
         resolve_model(tmp_path, revision="v1")
-    assert default_served_name(str(tmp_path)) == tmp_path.name
+    # served under the argument as given (vLLM's and SGLang's rule), whatever it names
+    assert default_served_name(str(tmp_path)) == str(tmp_path)
+    assert default_served_name("./m/") == "./m/"
     assert default_served_name("acme/tiny") == "acme/tiny"
+
+
+def test_a_directory_is_named_by_its_path_spelled_any_way_and_by_its_base_name(tmp_path, monkeypatch):
+    from kvtier.model.hub import model_aliases, name_form, same_name
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (tmp_path / "link").symlink_to(model)
+    monkeypatch.chdir(tmp_path)
+    names = frozenset({default_served_name("link"), *model_aliases("link", "link")})
+    forms = frozenset(map(name_form, names))
+    for name in ("link", "./link", "link/", str(tmp_path / "link"), str(tmp_path / "link") + "/", "link",
+                 "m", "./m", "m/", str(model), str(model) + "//", str(tmp_path / "x" / ".." / "m")):
+        assert same_name(name, names, forms), name
+    for name in ("n", "/m", "acme/m", str(tmp_path), "", "mm", str(model) + "x"):
+        assert not same_name(name, names, forms), name
+    hub = frozenset({"acme/tiny", *model_aliases("acme/tiny", model)})
+    hub_forms = frozenset(map(name_form, hub))
+    assert same_name("acme/tiny", hub, hub_forms) and not same_name("acme/tin", hub, hub_forms)
 
 
 def test_a_name_that_is_neither_a_directory_nor_a_hub_id_names_itself(tmp_path):
@@ -101,8 +122,25 @@ def test_a_hub_id_missing_from_the_offline_cache_is_a_clear_error(offline, capsy
     assert rc == 2
     assert "'acme/other'" in err and "not in the local Hugging Face cache" in err
     assert "HF_HUB_OFFLINE=1" in err and "Traceback" not in err
+    # and what to do: download it (the command names it), or let the server download it
+    assert "huggingface-cli download acme/other" in err and "unset" in err
     rc, _, err = generate(["acme/tiny", "--revision", "v9", *PROMPT], capsys)
-    assert rc == 2 and "at revision 'v9'" in err
+    assert rc == 2 and "at revision 'v9'" in err and "download acme/tiny --revision v9" in err
+
+
+def test_a_hub_id_the_hub_does_not_answer_for_says_what_to_do(offline, monkeypatch, capsys):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # online, but the hub is not reached
+
+    def unreachable(repo_id, **kw):
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        raise LocalEntryNotFoundError("no connection")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    rc, _, err = generate(["acme/other", *PROMPT], capsys)
+    assert rc == 2 and "could not be reached" in err and "HF_ENDPOINT" in err
+    assert "huggingface-cli download acme/other" in err
 
 
 def test_model_given_twice_differently_is_a_usage_error(offline, capsys):

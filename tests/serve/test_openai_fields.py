@@ -418,7 +418,8 @@ def test_null_new_fields_mean_their_default(server):
     ("/v1/completions", {"logprobs_mode": "softmax"}, "logprobs_mode"),
     ("/v1/completions", {"prompt": ["ok", ""]}, "prompt"),
     ("/v1/completions", {"prompt": ["x"] * 1025}, "prompt"),
-    ("/v1/completions", {"prompt": ["ok", "x" * (CTX + 10)]}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["ok", "x" * (CTX + 10)]}, "prompt"),   # (alone past the context: the prompt's)
+    ("/v1/completions", {"prompt": [[5, 6], [5] * (CTX - 2)]}, "max_tokens"),    # (fits alone: max_tokens=4 is too many)
     ("/v1/completions", {"suffix": "tail"}, "suffix"),
     ("/v1/completions", {"logit_bias": {"12": 3}}, "logit_bias"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),

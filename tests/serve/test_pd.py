@@ -57,7 +57,8 @@ def metric(proc, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def completion(url: str, prompt: str, stream: bool, n: int = 10, **extra) -> dict:
+def completion(url: str, prompt: str, stream: bool, n: int = 10, on_first=None, **extra) -> dict:
+    """``on_first``: called when a stream's first chunk arrives."""
     body = {"model": "moe", "prompt": prompt, "max_tokens": n, "temperature": 0, "return_routed_experts": True,
             "stream": stream, **extra}
     if not stream:
@@ -71,6 +72,8 @@ def completion(url: str, prompt: str, stream: bool, n: int = 10, **extra) -> dic
             if line.startswith("data: {"):
                 c = json.loads(line[6:])
                 assert "error" not in c, c
+                if last is None and on_first is not None:
+                    on_first()
                 text += c["choices"][0]["text"]
                 last = c["choices"][0]
     return last | {"text": text}
@@ -134,27 +137,41 @@ def test_pd_miss_is_recomputed_or_502_under_error(pd, offline):
     assert metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}') == before + 1
 
 
+# what a dead pool costs a request: P could not write (or the router took P down for it, or P
+# failed), or D recomputed what P's export left out
+POOL_FALLBACKS = ("prefill_write_failed", "prefill_down", "prefill_error", "prefill_timeout")
+
+
 def test_the_pool_killed_mid_run_costs_a_recompute_not_an_answer(pd, offline):
+    """The pool dies while requests are in flight (once one has streamed its first token: an
+    event, not a time); they and every later one answer as colocated runs do. Requests are sent
+    after the kill until one has paid for the dead pool (each does: it cannot reach it)."""
     pool, p, d, d_err, router = pd
     want = {pr: ref(offline, pr, 12).text for pr in PROMPTS}
 
     def degraded() -> float:
-        return (metric(router, "kvtier_router_fallbacks_total", '{reason="prefill_write_failed"}')
+        return (sum(metric(router, "kvtier_router_fallbacks_total", f'{{reason="{r}"}}') for r in POOL_FALLBACKS)
+                + metric(router, "kvtier_router_incomplete_exports_total")
                 + metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}'))
+
+    def one(i, on_first=None):
+        pr = PROMPTS[i % len(PROMPTS)]
+        return pr, completion(router.url, pr, stream=bool(i % 2), n=12, on_first=on_first)["text"]
+
     before = degraded()
-    killer = threading.Timer(0.3, pool.kill if hasattr(pool, "flushall") else pool.kill_node)
-    killer.start()
-    try:
-        def one(i):
-            pr = PROMPTS[i % len(PROMPTS)]
-            return pr, completion(router.url, pr, stream=bool(i % 2), n=12)["text"]
-        with ThreadPoolExecutor(8) as ex:
-            results = list(ex.map(one, range(24)))
-    finally:
-        killer.join()
+    streaming = threading.Event()
+    with ThreadPoolExecutor(8) as ex:
+        in_flight = [ex.submit(one, i, streaming.set) for i in range(8)]
+        assert streaming.wait(300), "no stream started"
+        pool.kill() if hasattr(pool, "flushall") else pool.kill_node()   # mid-run: a stream has begun
+        results = [f.result() for f in in_flight]
+    i = len(results)
+    while degraded() == before and i < 32:   # each of these meets the dead pool: the first one does
+        results.append(one(i))
+        i += 1
     for pr, text in results:
         assert text == want[pr]
-    assert degraded() > before           # the pool did die mid-run: P could not write, or D recomputed
+    assert degraded() > before, "no request paid for the dead pool"
     # and with the pool still down
     assert completion(router.url, PROMPTS[0] + " later", stream=False)["text"] == ref(offline, PROMPTS[0] + " later").text
     if hasattr(pool, "flushall"):

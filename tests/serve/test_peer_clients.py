@@ -103,7 +103,9 @@ def test_server_info_has_the_engine_configuration(server, moe_model):
 
 
 @pytest.mark.parametrize("method, path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
-                                          ("POST", "/reset_prefix_cache"), ("GET", "/flush_cache"), ("GET", "/server_info")])
+                                          ("POST", "/reset_prefix_cache"), ("GET", "/flush_cache"), ("GET", "/server_info"),
+                                          ("POST", "/generate"), ("GET", "/model_info"), ("GET", "/get_model_info"),
+                                          ("GET", "/get_server_info")])
 def test_every_one_needs_the_api_key(server, method, path):
     r = httpx.request(method, server.url + path, json={"prompt": "x"}, timeout=30)
     assert r.status_code == 401, r.text

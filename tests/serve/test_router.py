@@ -441,3 +441,20 @@ def test_a_pool_given_to_a_router_that_does_not_read_it_is_refused():
     with pytest.raises(ValueError, match="--storage is read by --policy cache_aware only, not round_robin"):
         Router([], [], workers=["http://w.test"], policy="round_robin", storage="memory://")
     Router([], [], workers=["http://w.test"], policy="cache_aware", storage="memory://")  # (accepted)
+
+
+def test_health_speaks_of_workers_with_workers_and_of_p_and_d_under_pd(monkeypatch):
+    backends = Backends()
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(backends), **kw))
+    workers = Router([], [], workers=["http://w.test", "http://v.test"], policy="round_robin", health_interval=60)
+    with TestClient(workers.app) as c:
+        health = c.get("/health").json()
+        assert health == {"status": "ok", "role": "router", "workers_up": ["worker0", "worker1"], "stalled": []}
+        for b in workers.decode:
+            b.healthy = False
+        err = openai_error(c.get("/health"), 503)
+        assert err["message"] == "no worker is up"
+    with TestClient(Router([P], [D], health_interval=60).app) as c:
+        health = c.get("/health").json()
+        assert health["decode_up"] == ["decode0"] and health["prefill_up"] == ["prefill0"] and "workers_up" not in health

@@ -68,7 +68,9 @@ def test_turns_go_where_their_prefix_is_and_a_killed_instance_leaves(fleet):
     victim.kill()
     deadline = time.monotonic() + 1.5
     while time.monotonic() < deadline:
-        up = httpx.get(router.url + "/health", timeout=5).json()["decode_up"]
+        health = httpx.get(router.url + "/health", timeout=5).json()
+        assert "decode_up" not in health and "prefill_up" not in health   # workers, not P and D
+        up = health["workers_up"]
         if victim.url not in up:
             break
         time.sleep(0.1)
