@@ -462,9 +462,15 @@ class Server:
             )
         echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
         after = f"after {field}={asked}" if asked else "with one token to generate"
-        ids_of = await asyncio.gather(
-            *(self._prompt_ids(kind, body, p, self.max_model_len - (asked or 1), after) for p in prompts)
-        )
+
+        async def ids(i: int, prompt: Any) -> list[int]:
+            ids = await self._prompt_ids(kind, body, prompt, self.max_model_len - (asked or 1), after)
+            max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
+            if len(ids) + max_tokens > self.max_model_len:  # refused now: the call's other prompts are not tokenized
+                raise self._too_long(i if len(prompts) > 1 else None, len(ids), asked, field, kind)
+            return ids
+
+        ids_of = await _all_or_none([ids(i, p) for i, p in enumerate(prompts)])
         params_of = []
         for i, ids in enumerate(ids_of):
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
@@ -1077,6 +1083,18 @@ def _beyond_handoff(body: Any) -> str:
     if body.engine_logprobs is not None or body.engine_prompt_logprobs is not None:
         return "logprobs"
     return ""
+
+
+async def _all_or_none(aws: list) -> list:
+    """Every result in order, or the first error with the others cancelled (a prompt not yet
+    tokenized never is: 1,024 prompts of which the first is refused cost one tokenization)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
 
 def _json(obj: Any) -> bytes:

@@ -263,3 +263,26 @@ def test_the_router_refuses_nan_in_a_large_body_and_parses_a_valid_one_as_json_d
         parse_client_body(good[:-1] + b', "top_p": NaN}')
     with pytest.raises(BadJSON):
         parse_client_body(good[:-1] + b', "top_p": 1e999}')
+
+
+def test_a_call_whose_prompt_is_refused_tokenizes_no_more_of_its_prompts(client, server, monkeypatch):
+    """1,024 prompts of 13,000 characters were all tokenized (13 million ids held at once) before
+    the first one's 400: now the first refusal cancels the prompts not yet tokenized."""
+    encodes = {"n": 0}
+    tok = server.prompts.tokenizer
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text, **kw):
+            encodes["n"] += 1
+            time.sleep(0.01)
+            return tok.encode(text, **kw)
+
+    monkeypatch.setattr(server.prompts, "tokenizer", Counting())
+    prompts = ["ab " * 100] + ["some words"] * 200  # the first: 300 tokens, over the context of 256
+    err = error(post(client, "/v1/completions", {"model": "moe", "prompt": prompts, "max_tokens": 1}))
+    assert err["param"] == "prompt" and err["message"].startswith("prompt 0 has"), err
+    time.sleep(0.2)  # (anything still queued would run now)
+    assert encodes["n"] <= 10, encodes
