@@ -100,18 +100,21 @@ def _prompt(raw: msgspec.Raw, max_model_len: int, name: str = "prompt") -> Any:
     """A completions ``prompt`` (or /generate's ``input_ids``: ``name``) decoded by the type its
     first bytes announce; a single list of token ids with ``max_model_len`` or more entries is
     refused before it is decoded."""
-    b = bytes(raw).lstrip()
-    if not b.startswith(b"["):
-        return msgspec.json.decode(b)  # a string (or a wrong type, which pydantic names)
-    inner = b[1:].lstrip()[:1]
-    kind = _PROMPT_TYPES.get(inner)
+    # its shape from its first bytes, without copying the rest (a 13 MB batch of text prompts
+    # was copied three times on the way)
+    head = bytes(memoryview(raw)[:64]).lstrip()
+    if not head[1:].lstrip():  # whitespace to the 64th byte: the shape is further on
+        head = bytes(raw).lstrip()
+    if not head.startswith(b"["):
+        return msgspec.json.decode(raw)  # a string (or a wrong type, which pydantic names)
+    kind = _PROMPT_TYPES.get(head[1:].lstrip()[:1])
     if kind is None:
         why = (
             f"tokens: the model's context of {max_model_len} (max_model_len) leaves no room to generate; "
             f"send at most {max_model_len - 1}"
         )
-        return _ids(b, max_model_len, name, why)
-    return msgspec.json.decode(b, type=kind)
+        return _ids(bytes(raw).lstrip(), max_model_len, name, why)
+    return msgspec.json.decode(raw, type=kind)
 
 
 def _ids(b: bytes, limit: int, name: str, what: str) -> list[int]:
