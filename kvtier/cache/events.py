@@ -17,10 +17,28 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import Mapping, Protocol
 
-if TYPE_CHECKING:
-    from kvtier.cache.tree import RadixTree
+
+class BlockCopies(Protocol):
+    """What :meth:`KVEvents.snapshot` reads of a tree node (cache/tree.py's ``Node``)."""
+
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def device_block(self) -> int | None: ...
+    @property
+    def host_block(self) -> int | None: ...
+    @property
+    def host_ready(self) -> bool: ...
+
+
+class Nodes(Protocol):
+    """What :meth:`KVEvents.snapshot` reads of the radix tree (cache/tree.py's ``RadixTree``)."""
+
+    @property
+    def nodes(self) -> Mapping[bytes, BlockCopies]: ...
+
 
 STORED, REMOVED = "stored", "removed"
 DEVICE, HOST = "device", "host"
@@ -56,7 +74,7 @@ class KVEvents:
         # islice walks the deque once (an index into its middle walks it each time)
         return [[s, kind, tier, key.hex()] for s, kind, tier, key in islice(buf, start, start + limit)]
 
-    def snapshot(self, tree: RadixTree) -> dict:
+    def snapshot(self, tree: Nodes) -> dict:
         """Every readable copy now, and the number of the last event it includes."""
         device, host = [], []
         for node in tree.nodes.values():

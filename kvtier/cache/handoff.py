@@ -18,61 +18,54 @@ completed, then frees them. The full blocks an export waits for stay locked (the
 cannot be evicted before their host copy and put landed).
 
 Its state is its own (the exports waiting for each node's put, the tail fetches to plan); what it
-uses of the manager: the tree (locks), the pools, ``_put``/``copy_down`` of a node, the staged
-copies, ``new_op``, the storage index and the request's keys (``sync_keys``).
+uses of the cache is :class:`HandoffHost`, which the manager (cache/manager.py) provides: the tree
+(locks), the pools, ``take_host``, ``put_to_storage`` / ``copy_down`` of a node, ``stage`` and
+``new_op`` of copies, the storage index and the request's keys (``sync_keys``). The mover
+(cache/mover.py) hands it the completions of its copies. The records it keeps (:class:`TailBlock`,
+:class:`Export`) live in cache/records.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.cache.keys import object_name
-from kvtier.cache.plan import TransferOp
+from kvtier.cache.plan import CopyKind, TransferOp
+from kvtier.cache.pool import BlockPool
+from kvtier.cache.records import CacheRequest, Export, TailBlock
+from kvtier.cache.storage_index import StorageIndex
+from kvtier.cache.tree import Node, RadixTree
 
-if TYPE_CHECKING:
-    from kvtier.cache.manager import CacheManager, CacheRequest
-    from kvtier.cache.tree import Node
-
-
-class TailBlock:
-    """The last, partial block of a prompt on its way to (P) or from (D) the pool."""
-
-    __slots__ = ("key", "index", "num_tokens", "host_block", "device_block", "state", "export")
-
-    def __init__(self, key: str, index: int, num_tokens: int) -> None:
-        self.key = key  # "<hex>:partial:<num_tokens>" (storage object name)
-        self.index = index  # block index in the request (= full blocks before it)
-        self.num_tokens = num_tokens
-        self.host_block: int | None = None
-        self.device_block: int | None = None
-        # D: wanted -> fetching -> ready -> loading -> done | failed | dropped
-        # P: backing_up -> putting -> done | failed
-        self.state = "wanted"
-        self.export: Export | None = None
+__all__ = ["Export", "Handoff", "HandoffHost", "TailBlock"]
 
 
-class Export:
-    """One request's prompt on its way to the pool (P): ``done`` once every block was acked."""
-
-    __slots__ = ("rid", "num_tokens", "keys", "num_waiting", "failed", "skipped")
-
-    def __init__(self, rid: object, num_tokens: int, keys: list[str]) -> None:
-        self.rid = rid
-        self.num_tokens = num_tokens
-        self.keys = keys  # storage names of the blocks, in order (manifest)
-        self.num_waiting = 0  # blocks not acked yet
-        self.failed = 0  # blocks that did not reach the pool
-        self.skipped = 0  # full blocks the pool already held
+class HandoffHost(Protocol):
+    """What the hand-off uses of the cache (the manager provides it)."""
 
     @property
-    def done(self) -> bool:
-        return self.num_waiting == 0
+    def block_size(self) -> int: ...
+    @property
+    def has_host(self) -> bool: ...
+    @property
+    def storage(self) -> StorageIndex | None: ...
+    @property
+    def tree(self) -> RadixTree: ...
+    @property
+    def device_pool(self) -> BlockPool: ...
+    @property
+    def host_pool(self) -> BlockPool: ...
+    def sync_keys(self, req: CacheRequest, num_tokens: int | None = None) -> list[bytes]: ...
+    def take_host(self, n: int) -> list[int] | None: ...
+    def put_to_storage(self, node: Node) -> None: ...
+    def copy_down(self, node: Node) -> None: ...
+    def stage(self, kind: CopyKind, *items: tuple) -> None: ...
+    def new_op(self, kind: CopyKind, items: list) -> int: ...
 
 
 class Handoff:
-    """The manager's PD hand-offs (module docstring)."""
+    """The cache's PD hand-offs (module docstring)."""
 
-    def __init__(self, mgr: CacheManager) -> None:
+    def __init__(self, mgr: HandoffHost) -> None:
         self.m = mgr
         self.exporting: dict[int, tuple[Node, list[Export]]] = {}  # node -> exports awaiting its put
         self.tail_ops: list[TransferOp] = []  # tail fetches not planned yet
@@ -134,7 +127,7 @@ class Handoff:
                 tail.host_block = got[0]
                 tail.device_block = req.block_table.pop(n_full)  # ours now (freed once copied)
                 tail.state = "backing_up"
-                self.m.stage("backup", (tail, tail.device_block, tail.host_block))
+                self.m.stage(CopyKind.BACKUP, (tail, tail.device_block, tail.host_block))
         return exp
 
     def _export_ack(self, exp: Export, ok: bool) -> None:
@@ -162,7 +155,7 @@ class Handoff:
             self._export_ack(tail.export, ok=False)
             return
         tail.state = "putting"
-        self.m.stage("put", (tail, tail.host_block))
+        self.m.stage(CopyKind.PUT, (tail, tail.host_block))
 
     def tail_put(self, tail: TailBlock, ok: bool) -> None:
         assert tail.host_block is not None and tail.export is not None, tail
@@ -194,8 +187,8 @@ class Handoff:
             return 0
         block = tail.host_block = got[0]
         tail.state = "fetching"
-        op_id = self.m.new_op("tailfetch", [tail])
-        self.tail_ops.append(TransferOp(op_id, "fetch", (), (block,), (tail.key,)))
+        op_id = self.m.new_op(CopyKind.TAILFETCH, [tail])
+        self.tail_ops.append(TransferOp(op_id, CopyKind.FETCH.label, (), (block,), (tail.key,)))
         return 1
 
     def complete_tailfetch(self, items: list, failed: frozenset[int]) -> dict[object, int]:
@@ -226,7 +219,7 @@ class Handoff:
             return
         if self.tail_hit(req) and first_own <= tail.index < first_own + len(blocks):
             tail.state = "loading"
-            self.m.stage("load", (req, tail.index, tail, blocks[tail.index - first_own]))
+            self.m.stage(CopyKind.LOAD, (req, tail.index, tail, blocks[tail.index - first_own]))
             req.num_loading += 1
         else:  # its full blocks were not all hits: recomputed
             self.drop_tail(req)

@@ -5,21 +5,41 @@ state machine of tests/cache/test_state_machine.py calls after every operation o
 programs): every block of each tier has exactly one owner (a node, a request, a copy in flight,
 a prefetch, a hand-off) or is free; device and landed host copies are prefix-closed; lock and
 pin counts equal their holders; every eviction candidate is queued. It reads the manager through
-its public views (``tree``, the pools, ``copies_in_flight()``, ``landed_twice``, the
-prefetcher's and the hand-off's own state) and changes nothing.
+its public views (:class:`Checked`: ``tree``, the pools, ``copies_in_flight()``, ``landed_twice``,
+the prefetcher's and the hand-off's own state) and changes nothing.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
-from kvtier.cache.handoff import TailBlock
+from kvtier.cache.handoff import Handoff
+from kvtier.cache.plan import CopyKind
+from kvtier.cache.pool import BlockPool
+from kvtier.cache.prefetch import Prefetcher
+from kvtier.cache.records import CacheRequest, TailBlock
+from kvtier.cache.tree import RadixTree
 
-if TYPE_CHECKING:
-    from kvtier.cache.manager import CacheManager, CacheRequest
+
+class Checked(Protocol):
+    """What the checker reads of the cache (the manager provides it)."""
+
+    @property
+    def tree(self) -> RadixTree: ...
+    @property
+    def device_pool(self) -> BlockPool: ...
+    @property
+    def host_pool(self) -> BlockPool: ...
+    @property
+    def prefetcher(self) -> Prefetcher: ...
+    @property
+    def handoff(self) -> Handoff: ...
+    @property
+    def landed_twice(self) -> tuple[int, ...]: ...
+    def copies_in_flight(self) -> list[tuple[CopyKind, list]]: ...
 
 
-def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
+def check(m: Checked, requests: Sequence[CacheRequest] = ()) -> None:
     """AssertionError naming the first broken invariant. ``requests``: every live request."""
     tree = m.tree
     dev_owner: dict[int, object] = {}
@@ -70,40 +90,41 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
         host_owner[t.host_block] = t
 
     for kind, items in in_flight:
-        if kind == "tailfetch":
+        if kind is CopyKind.TAILFETCH:
             tail_owns(items[0])
             continue
-        if kind in ("load", "backup", "put") and items and any(type(it[0 if kind != "load" else 2]) is TailBlock for it in items):
-            tails = [it for it in items if type(it[0 if kind != "load" else 2]) is TailBlock]
-            items = [it for it in items if type(it[0 if kind != "load" else 2]) is not TailBlock]
+        at = 2 if kind is CopyKind.LOAD else 0  # where an item holds its node (or TailBlock)
+        if kind in (CopyKind.LOAD, CopyKind.BACKUP, CopyKind.PUT) and items and any(type(it[at]) is TailBlock for it in items):
+            tails = [it for it in items if type(it[at]) is TailBlock]
+            items = [it for it in items if type(it[at]) is not TailBlock]
             for it in tails:
-                t = it[0 if kind != "load" else 2]
+                t = it[at]
                 tail_owns(t)
-                if kind == "backup":
+                if kind is CopyKind.BACKUP:
                     assert t.device_block not in dev_owner
                     dev_owner[t.device_block] = t
-                if kind == "load" and it[0].freed:
+                if kind is CopyKind.LOAD and it[0].freed:
                     assert it[3] not in dev_owner
                     dev_owner[it[3]] = it[0]
-        if kind == "load":
+        if kind is CopyKind.LOAD:
             for req, _i, n, b in items:
                 host_reads[id(n)] = host_reads.get(id(n), 0) + 1
                 assert n.host_ready, "load from a host copy that has not landed"
                 if req.freed:
                     assert b not in dev_owner
                     dev_owner[b] = req
-        elif kind == "preload":
+        elif kind is CopyKind.PRELOAD:
             for _pf, n, b in items:
                 host_reads[id(n)] = host_reads.get(id(n), 0) + 1
                 assert n.host_ready, "preload from a host copy that has not landed"
                 assert m.prefetcher.preloading.get(id(n)) is n, f"preload of {n} not tracked"
                 assert b not in dev_owner, f"preload target {b} owned twice"
                 dev_owner[b] = _pf
-        elif kind == "backup":
+        elif kind is CopyKind.BACKUP:
             for n, d, h in items:
                 dev_reads[id(n)] = dev_reads.get(id(n), 0) + 1
                 assert n.device_block == d and n.host_block == h and not n.host_ready
-        elif kind == "put":
+        elif kind is CopyKind.PUT:
             for n, h in items:
                 host_reads[id(n)] = host_reads.get(id(n), 0) + 1
                 assert n.putting and n.host_block == h and n.host_ready
@@ -111,10 +132,10 @@ def check(m: CacheManager, requests: Sequence[CacheRequest] = ()) -> None:
             for _pf, _i, _k, b, _label in items:
                 assert b not in host_owner, f"fetch target {b} owned twice"
                 host_owner[b] = _pf
-    assert len(m.prefetcher.preloading) == sum(len(items) for kind, items in in_flight if kind == "preload"), (
+    assert len(m.prefetcher.preloading) == sum(len(items) for kind, items in in_flight if kind is CopyKind.PRELOAD), (
         "a preload tracked with no copy in flight"
     )
-    prefetches = {id(x[0]): x[0] for kind, items in in_flight if kind == "fetch" for x in items}
+    prefetches = {id(x[0]): x[0] for kind, items in in_flight if kind is CopyKind.FETCH for x in items}
     for pf in prefetches.values():  # each holds its anchor until its last chunk is done
         assert pf.num_chunks_pending > 0 and pf.num_blocks_pending > 0
         if pf.locked:

@@ -14,6 +14,7 @@ items that failed); only then do the bytes count as landed.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -26,6 +27,24 @@ OP_KINDS = {
     "fetch": ("storage", "host"),  # storage -> host (prefetch)
     "put": ("host", "storage"),  # host -> storage
 }
+
+
+class CopyKind(enum.Enum):
+    """The kinds of copy the mover (cache/mover.py) stages and tracks until they complete: the
+    name of their ops (``TransferOp.kind``), the ``CacheStats.bytes_moved`` direction their
+    bytes count in, and the ``CacheStats.failures`` entry their failed items count in."""
+
+    LOAD = ("load", "host_to_device", "load")
+    PRELOAD = ("preload", "host_to_device", "load")
+    BACKUP = ("backup", "device_to_host", "backup")
+    FETCH = ("fetch", "storage_to_host", "fetch")
+    PUT = ("put", "host_to_storage", "put")
+    TAILFETCH = ("tailfetch", "storage_to_host", "fetch")  # a hand-off's partial block (a fetch op)
+
+    def __init__(self, label: str, direction: str, failure: str) -> None:
+        self.label = label
+        self.direction = direction
+        self.failure = failure
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,10 @@
                          them the nodes' device copies (prefix-closed), so r starts with device hits
 
 Its state is its own (which prefetch fetches which key, chunks parked, prefetches waiting for an
-anchor's host copy); what it uses of the manager is narrow: the tree, the host pool (``take_host``,
-``host_pool``), ``backup`` of an anchor, ``stage`` of fetches and preloads, ``new_op`` and ``touch``.
+anchor's host copy, and its settings: the cost model, the chunk size, early loads); what it uses of
+the cache is :class:`PrefetchHost`, which the manager (cache/manager.py) provides: the tree, the
+pools, ``take_host`` / ``take_device``, ``backup`` of an anchor, ``stage`` and ``new_op`` of fetches
+and preloads, and ``touch``. The mover (cache/mover.py) hands it the completions of its copies.
 
 A prefetch holds the node its blocks hang from (the *anchor*: a lock while the anchor's own host
 copy is in flight, then a host pin) until its last chunk completed. Blocks another prefetch is
@@ -25,54 +27,46 @@ own chunks below them. Chunks land in order: one that completes early is parked
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvtier.cache.plan import TransferOp
-from kvtier.cache.tree import Node
+from kvtier.cache.cost import FetchCostModel
+from kvtier.cache.plan import CopyKind, TransferOp
+from kvtier.cache.pool import BlockPool
+from kvtier.cache.records import CacheRequest, Prefetch
+from kvtier.cache.tree import Node, RadixTree
 
-if TYPE_CHECKING:
-    from kvtier.cache.manager import CacheManager, CacheRequest
 
+class PrefetchHost(Protocol):
+    """What the prefetcher uses of the cache (the manager provides it)."""
 
-class Prefetch:
-    """One request's storage->host fetch, in chunks: it holds the node its blocks hang from
-    until its last chunk completed. Chunk ``c`` hangs below the block before it (``keys``)."""
-
-    __slots__ = (
-        "anchor",
-        "locked",
-        "host_pinned",
-        "keys",
-        "start",
-        "next_index",
-        "waits_for",
-        "num_blocks_pending",
-        "num_chunks_pending",
-        "uniform",
-        "preload",
-        "num_preloading",
-    )
-
-    def __init__(self, anchor: Node, locked: bool) -> None:
-        self.anchor = anchor
-        self.locked = locked  # held by a lock (its host copy is still in flight) ...
-        self.host_pinned = not locked  # ... and by a host pin once that copy has landed
-        self.keys: tuple[bytes, ...] = ()
-        self.start = 0  # keys[:start] are fetched by other prefetches (waits_for)
-        self.next_index = 0  # chunks land in order: the first item index of the next one
-        self.waits_for: list[Prefetch] = []
-        self.num_blocks_pending = 0
-        self.num_chunks_pending = 0
-        self.uniform = True  # its labels have no extras (BlockHasher.uniform)
-        self.preload = False  # early loads: its blocks go on to the device as they land
-        self.num_preloading = 0  # its preloads in flight
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def has_host(self) -> bool: ...
+    @property
+    def tree(self) -> RadixTree: ...
+    @property
+    def device_pool(self) -> BlockPool: ...
+    @property
+    def host_pool(self) -> BlockPool: ...
+    def take_host(self, n: int) -> list[int] | None: ...
+    def take_device(self, n: int) -> list[int] | None: ...
+    def backup(self, node: Node) -> bool: ...
+    def stage(self, kind: CopyKind, *items: tuple) -> None: ...
+    def new_op(self, kind: CopyKind, items: list) -> int: ...
+    def touch(self) -> int: ...
 
 
 class Prefetcher:
-    """The manager's storage->host prefetches (module docstring)."""
+    """The cache's storage->host prefetches (module docstring)."""
 
-    def __init__(self, mgr: CacheManager) -> None:
+    def __init__(self, mgr: PrefetchHost, fetch_cost: FetchCostModel | None, fetch_chunk: int, early_loads: bool) -> None:
         self.m = mgr
+        self.fetch_cost = fetch_cost  # None: fetch every storage hit (storage_fetch="always")
+        if fetch_chunk < 1:
+            raise ValueError(f"fetch_chunk_blocks must be >= 1, got {fetch_chunk}")
+        self.fetch_chunk = fetch_chunk
+        self.early_loads = early_loads  # prefetched blocks go on to the device as they land
         self.parked: list[list] = []  # chunks landed before they can hang
         self.anchored: dict[int, list[Prefetch]] = {}  # prefetches below a host copy in flight
         self.fetching: dict[bytes, Prefetch] = {}  # block key -> the prefetch fetching it
@@ -87,8 +81,8 @@ class Prefetcher:
         if m is None or not m.num_storage_blocks or not mgr.has_host or req.admitted or req.prefetch:
             return 0
         want = m.num_storage_blocks
-        if mgr.fetch_cost is not None:
-            want = mgr.fetch_cost.blocks_to_fetch(want)
+        if self.fetch_cost is not None:
+            want = self.fetch_cost.blocks_to_fetch(want)
             if not want:
                 return 0
         covered = 0  # leading blocks someone else is fetching
@@ -121,13 +115,13 @@ class Prefetcher:
         pf.start = pf.next_index = covered  # chunk 0 hangs below keys[covered - 1] (or the anchor)
         pf.waits_for = others
         pf.num_blocks_pending = len(blocks)
-        pf.num_chunks_pending = -(-len(blocks) // mgr.fetch_chunk)
+        pf.num_chunks_pending = -(-len(blocks) // self.fetch_chunk)
         for i in range(covered, len(keys)):
-            mgr.stage("fetch", (pf, i, keys[i], blocks[i - covered], labels[i]))
+            mgr.stage(CopyKind.FETCH, (pf, i, keys[i], blocks[i - covered], labels[i]))
             self.fetching[keys[i]] = pf
         req.prefetch = pf
         req.match = None  # the next match sees the fetched blocks as host hits
-        if mgr.early_loads and -(-len(req.token_ids) // mgr.block_size) <= (
+        if self.early_loads and -(-len(req.token_ids) // mgr.block_size) <= (
             mgr.device_pool.num_free + mgr.tree.num_device_unlocked
         ):
             pf.preload = True  # the whole request fits on the device: bring it up as it lands
@@ -189,7 +183,7 @@ class Prefetcher:
         ops: list[TransferOp] = []
         chunk: list = []
         for it in items:
-            if chunk and (it[0] is not chunk[0][0] or (it[1] - it[0].start) % self.m.fetch_chunk == 0):
+            if chunk and (it[0] is not chunk[0][0] or (it[1] - it[0].start) % self.fetch_chunk == 0):
                 ops.append(self._fetch_op(chunk))
                 chunk = []
             chunk.append(it)
@@ -198,8 +192,8 @@ class Prefetcher:
         return ops
 
     def _fetch_op(self, chunk: list) -> TransferOp:
-        op_id = self.m.new_op("fetch", chunk)
-        return TransferOp(op_id, "fetch", (), tuple(it[3] for it in chunk), tuple(it[2] for it in chunk))
+        op_id = self.m.new_op(CopyKind.FETCH, chunk)
+        return TransferOp(op_id, CopyKind.FETCH.label, (), tuple(it[3] for it in chunk), tuple(it[2] for it in chunk))
 
     def complete(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         """A chunk of one prefetch landed: its blocks become host copies below the block before
@@ -304,7 +298,7 @@ class Prefetcher:
                 tree.maybe_candidate(node)
             return
         pf.num_preloading += len(todo)
-        self.m.stage("preload", *zip([pf] * len(todo), todo, blocks))
+        self.m.stage(CopyKind.PRELOAD, *zip([pf] * len(todo), todo, blocks))
 
     def complete_preload(self, items: list, failed: frozenset[int]) -> dict[object, int]:
         """Preloads landed: each becomes its node's device copy (unlocked, most recently used),

@@ -1,5 +1,9 @@
 """Compressed radix tree of full blocks, with per-tier residency and leaf-only eviction.
 
+(Over 600 lines on purpose: segments, nodes and the per-tier eviction heaps change together on
+every split, merge, copy and eviction, each reading the others' fields; apart they would not be
+separate jobs but one job's halves reaching into each other.)
+
 A *segment* is a run of blocks with no branch inside it; the tree branches only between
 segments, so a prompt's cached prefix is found with one dict lookup and one byte comparison per
 segment, not per block::

@@ -463,14 +463,14 @@ class Server:
         echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
         after = f"after {field}={asked}" if asked else "with one token to generate"
 
-        async def ids(i: int, prompt: Any) -> list[int]:
+        async def prompt_ids(i: int, prompt: Any) -> list[int]:
             ids = await self._prompt_ids(kind, body, prompt, self.max_model_len - (asked or 1), after)
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
             if len(ids) + max_tokens > self.max_model_len:  # refused now: the call's other prompts are not tokenized
                 raise self._too_long(i if len(prompts) > 1 else None, len(ids), asked, field, kind)
             return ids
 
-        ids_of = await _all_or_none([ids(i, p) for i, p in enumerate(prompts)])
+        ids_of = await _all_or_none([prompt_ids(i, p) for i, p in enumerate(prompts)])
         params_of = []
         for i, ids in enumerate(ids_of):
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))

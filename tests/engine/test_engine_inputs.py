@@ -95,8 +95,8 @@ def test_seed_cache_stays_bounded_and_keys_survive_eviction():
     first = keys("salt-0")
     for i in range(10_000):
         keys(f"salt-{i}")
-    assert len(mgr._seeds) == MAX_SEEDS
-    assert "salt-0" not in mgr._seeds            # evicted long ago...
+    assert len(mgr.table.seeds) == MAX_SEEDS
+    assert "salt-0" not in mgr.table.seeds            # evicted long ago...
     assert keys("salt-0") == first               # ...and computed again to the same keys
     assert keys("salt-1") != first and keys(None) != first
 

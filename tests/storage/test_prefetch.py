@@ -137,9 +137,9 @@ def test_the_pool_is_asked_at_arrival_off_the_engine_thread(stored, monkeypatch)
 
 
 def test_a_stale_arrival_lookup_is_asked_again(stored, monkeypatch):
-    import kvtier.cache.manager as manager
+    import kvtier.cache.probe as probe
     model, pool, cold = stored
-    monkeypatch.setattr(manager, "PROBE_TTL_S", 0.0)       # every arrival answer is stale at once
+    monkeypatch.setattr(probe, "PROBE_TTL_S", 0.0)       # every arrival answer is stale at once
     with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", **KW) as llm:
         before = llm.storage.counters["lookups"]
         out = llm.generate([PROMPT], ONE, cache_salt="s")[0]

@@ -268,14 +268,14 @@ def test_every_block_holds_its_kv_with_storage_hits_preloaded_as_they_land(polic
         monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_gated_bytes=0))
     h = Harness(policy, seed=7 + len(policy), mode=mode, storage=True)
     preloaded = []
-    real = h.mgr._completers["preload"]
+    real = h.mgr.prefetcher.complete_preload
 
     def complete_preload(items, failed):  # type: ignore[no-untyped-def]
         out = real(items, failed)
         preloaded.append(sum(1 for _pf, n, b in items if n.device_block == b))
         return out
 
-    h.mgr._completers["preload"] = complete_preload
+    monkeypatch.setattr(h.mgr.prefetcher, "complete_preload", complete_preload)
     for i in range(2000 if CUDA else 600):
         h.step()
     h.finish()
