@@ -70,6 +70,7 @@ from kvtier.serve.logprobs import TokenStrings, chat_logprobs, completion_logpro
 from kvtier.serve.metrics import ServerMetrics
 from kvtier.serve.prompts import PromptTokenizer
 from kvtier.serve.protocol import MAX_LOGPROB_ENTRIES, ChatCompletionRequest, CompletionRequest, sampling_param
+from kvtier.serve.streams import END, next_or_end, prepend
 
 log = logging.getLogger(__name__)
 # Work smaller than this runs on the event loop; larger goes to a worker thread, so that it never
@@ -726,7 +727,7 @@ class Server:
                     queue.put_nowait((i, piece))
             except Exception as e:  # noqa: BLE001 - the consumer raises it
                 queue.put_nowait((i, e))
-            queue.put_nowait((i, _END))
+            queue.put_nowait((i, END))
 
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(call.gens)]
         try:
@@ -735,9 +736,9 @@ class Server:
                 i, item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                if item is None or item is _END:
+                if item is None or item is END:
                     unstarted.discard(i)
-                    live -= item is _END
+                    live -= item is END
                 else:
                     backlog.append(item)
                 if not unstarted:
@@ -824,7 +825,7 @@ class Server:
             if not replay:
                 for c in self._first_chunks(call):
                     yield _data(c)
-            async for piece in _prepend(first, rest):
+            async for piece in prepend(first, rest):
                 if piece is None:
                     continue
                 choice = piece.choice
@@ -900,7 +901,7 @@ class Server:
             # wait for the engine's first delta here: errors before it (queue full, a PD miss
             # under --pd-on-miss error) are a status code, not an in-stream error
             try:
-                first = await until_disconnect(request, _next(events))
+                first = await until_disconnect(request, next_or_end(events))
             except BaseException:
                 await events.aclose()
                 raise
@@ -970,12 +971,12 @@ class Server:
 
         it = events()
         try:
-            first = await until_disconnect(request, _next(it))
+            first = await until_disconnect(request, next_or_end(it))
         except BaseException:
             await it.aclose()
             raise
-        out = None if first is _END else first.output
-        if first is _END or (out is not None and (out.finish_reason == "error" or not out.token_ids)):
+        out = None if first is END else first.output
+        if first is END or (out is not None and (out.finish_reason == "error" or not out.token_ids)):
             await it.aclose()
             raise self._failure(out) if out is not None else APIError(500, "the prefill produced no output")
         if first.token_ids:
@@ -1013,8 +1014,8 @@ class Server:
                 last, err = out, None
                 if last is None:
                     try:
-                        e = await _next(it)
-                        last = None if e is _END else e.output
+                        e = await next_or_end(it)
+                        last = None if e is END else e.output
                     except APIError as failed:  # e.g. the engine stopped: said in the answer
                         err = failed
                 if err is None and (last is None or last.finish_reason == "error" or last.handoff is None):
@@ -1134,21 +1135,3 @@ async def _parts_off_loop(first: bytes, pieces: Iterator[bytes]) -> AsyncIterato
 
 def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-_END = object()
-
-
-async def _next(it: AsyncIterator[Any]) -> Any:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    if first is _END:
-        return
-    yield first
-    async for e in rest:
-        yield e

@@ -42,6 +42,7 @@ from kvtier.serve.body import body_schema
 from kvtier.serve.errors import APIError, sse_error, until_disconnect
 from kvtier.serve.logprobs import FLOOR
 from kvtier.serve.protocol import MAX_PROMPTS, MAX_STOP_STRINGS, Body, FieldError, StreamOptions, given
+from kvtier.serve.streams import next_or_end, prepend
 
 # the server answering (typed Any: kvtier.serve.api imports this module)
 Server = Any
@@ -440,7 +441,7 @@ async def generate(server: Server, body: GenerateRequest, request: Request) -> R
     events = server._events(call)
     if body.stream:
         try:  # errors before the first token are a status code
-            first = await until_disconnect(request, _next(events))
+            first = await until_disconnect(request, next_or_end(events))
         except BaseException:
             await events.aclose()
             raise
@@ -471,7 +472,7 @@ class _Shape:
 
     async def stream(self, first: Any, events: AsyncGenerator[Any, None]) -> AsyncIterator[str]:
         try:
-            async for piece in _prepend(first, events):
+            async for piece in prepend(first, events):
                 # a chunk per token (the text and ids so far, as SGLang streams them); the last
                 # one of a choice carries its finish_reason
                 if piece is not None and (piece.token_ids or piece.end):
@@ -572,21 +573,3 @@ def _finite(lp: float) -> float:
 
 def _data(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-_END = object()
-
-
-async def _next(it: AsyncIterator[Any]) -> Any:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    if first is _END:
-        return
-    yield first
-    async for e in rest:
-        yield e
