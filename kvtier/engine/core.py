@@ -42,6 +42,9 @@ other samples aborted); the others go on.
 Copies complete asynchronously on the GPU (the transfer engine polls their events) and
 synchronously on CPU; storage fetches and puts run on the storage client's worker threads on both
 (polled too). The manager counts bytes as landed only when they have.
+
+Over 600 lines: it still builds the engine's parts as well as adding, aborting and stepping
+requests; the build is to move to a module of its own.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ only: the engine goes on); 502 PD blocks missing under ``--pd-on-miss error``; 5
 engine stopped. Once a stream has started, an error is an in-stream ``{"error": ...}`` event.
 A client that goes away (before or during its answer) has every engine request of its call
 aborted; so has a call one of whose requests failed.
+
+Over 600 lines: the one generation path every route shares (prompts, engine requests, choices,
+SSE chunks, whole answers, PD prefill) is kept in one place; SGLang's routes (sglang.py), the
+tokenizer routes (tokenize.py), bodies (body.py) and logprobs (logprobs.py) are apart.
 """
 
 from __future__ import annotations

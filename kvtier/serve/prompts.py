@@ -96,7 +96,7 @@ class PromptTokenizer:
         self._check_bound(text, budget, param, after)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_bound(self, text: str, budget: int, param: str, after: str = "") -> None:
+    def _check_bound(self, text: str, budget: int, param: str, after: str = "", count: bool = True) -> None:
         """APIError(400) if ``text`` has more than ``budget`` tokens for certain, found at a cost
         bounded by the budget, not by the text: first by its length, then (a text longer than
         ``COUNT_PAST_CHARS_PER_TOKEN`` characters a token) by counting the tokens of its pieces
@@ -116,7 +116,7 @@ class PromptTokenizer:
                 f"{subject} {len(text)} characters, so at least {at_least} tokens: more than {room}; {fix}",
                 param,
             )
-        if len(text) <= budget * COUNT_PAST_CHARS_PER_TOKEN:
+        if not count or len(text) <= budget * COUNT_PAST_CHARS_PER_TOKEN:
             return
         counted = at = pieces = 0
         step = max(PIECE_CHARS, 2 * self._longest_token)
@@ -154,7 +154,7 @@ class PromptTokenizer:
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, budget: int, after: str = "") -> list[int]:
         self._check_bound("".join(m["content"] for m in messages), budget, "messages", after)
         text = self._render(messages, add_generation_prompt)
-        self._check_bound(text, budget, "messages", after)
+        self._check_bound(text, budget, "messages", after, count=False)  # (its contents were counted)
         injected = [i for i, m in enumerate(messages) if self._specials is not None and self._specials.search(m["content"])]
         if not injected:
             return self.tokenizer.encode(text, add_special_tokens=False)

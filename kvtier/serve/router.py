@@ -35,6 +35,9 @@ ack came (or P broke off: a block P did not write costs D a recompute, never the
 first token the client has), and D's answer only continues the stream (an error of D's then ends
 the stream as an error event). Otherwise P's chunks wait for P's ack and D's headers, so that a
 failed export can still run the request colocated and D's 502 can be the answer.
+
+Over 600 lines: the PD relay (P's two lines, D's stream, their fallbacks) and the strict reading
+of what P, D and clients send are one state machine; the cache-aware view is apart (workers.py).
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ on a worker. So that an idle engine notices a pool that died (and one that came 
 thread probes it (``exists`` of one name) every ``probe_interval`` seconds in which no call
 succeeded; a probe that fails counts toward the breaker, one that succeeds closes it, one that
 has not returned after ``probe_timeout`` makes the pool unhealthy. :meth:`close` stops it.
+
+Over 600 lines: one class, the storage tier's client (batching, retries, circuit breaker, health
+probe) with its worker threads; not split yet.
 """
 
 from __future__ import annotations
