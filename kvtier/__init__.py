@@ -1,7 +1,7 @@
 """kvtier: a tiered KV cache (device -> host -> storage pool) with the engine that uses it.
 
 ``kvtier.cache`` is pure Python; the engine parts (``LLM``, ``SamplingParams``) and the torch
-submodules (``kvtier.routing``) import torch lazily, on first use: ``import kvtier`` stays cheap.
+submodules (``kvtier.experts``) import torch lazily, on first use: ``import kvtier`` stays cheap.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ _LAZY = {
     "RequestOutput": "kvtier.engine.llm",
     "CompletionOutput": "kvtier.engine.llm",
 }
-# submodules reachable as attributes after a bare ``import kvtier`` (``kvtier.routing.replay``)
-_LAZY_MODULES = ("routing",)
+# submodules reachable as attributes after a bare ``import kvtier`` (``kvtier.experts.replay``)
+_LAZY_MODULES = ("experts",)
 
 
 def __getattr__(name: str):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtier.cache.route import POLICIES
 from kvtier.flags import add_json_flag, non_negative_int, positive_int, write_json
 from kvtier.flags import non_negative_float as _non_negative_float
 from kvtier.flags import port as _port
 from kvtier.flags import positive_float as _positive_float
 from kvtier.serve.guard import DEFAULTS as CONNECTION_DEFAULTS
 from kvtier.serve.guard import FD_MARGIN, ConnectionLimits
+from kvtier.serve.route import POLICIES
 
 # kvtier.model.presets.PRESETS, named here so that `kvtier --help` does not import torch
 # (tests/test_cli.py keeps the two equal).
@@ -45,7 +45,7 @@ BENCHES = {
         "CPU: the same per request, kvtier vs vLLM's and SGLang's prefix caches (pip install 'kvtier[peers]')",
     ),
     "throughput": ("kvtier.bench.throughput", "GPU: engine tokens/s vs HF transformers generate"),
-    "routing": ("kvtier.bench.routing_bench", "GPU: tokens/s with R3 routing capture on vs off"),
+    "experts": ("kvtier.bench.experts_bench", "GPU: tokens/s with R3 routing capture on vs off"),
     "speculative": (
         "kvtier.bench.spec_bench",
         "decode tokens/s with MTP speculative decoding vs without, drafts of a controlled acceptance (--device cpu: tiny)",
@@ -600,9 +600,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvtier sim: error: {e}", file=sys.stderr)
             return 2
     if len(argv) >= 2 and argv[0] == "pool" and argv[1] == "mooncake":
-        from kvtier.storage import mooncake_pool
+        from kvtier.storage import mooncake_launch
 
-        return mooncake_pool.main(argv[2:])
+        return mooncake_launch.main(argv[2:])
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command in ("serve", "generate"):

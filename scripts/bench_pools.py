@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "storage"))
 from redis_servers import start_cluster, start_standalone  # noqa: E402
 
-from kvtier.storage.mooncake_pool import start_pool  # noqa: E402
+from kvtier.storage.mooncake_launch import start_pool  # noqa: E402
 
 work = tempfile.mkdtemp(prefix="kvtier-bench-pools-")
 shm = tempfile.mkdtemp(prefix="kvtier-bench-pools-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

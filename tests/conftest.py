@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random checkpoints written once per session, and their HF models."""
+
 from __future__ import annotations
 
 import atexit
@@ -41,6 +42,7 @@ def checkpoint(tmp_path_factory):
 def hf_model():
     """hf_model(path) -> transformers model in fp32 eval mode (cached)."""
     from transformers import AutoModelForCausalLM
+
     loaded = {}
 
     def get(path: Path):
@@ -49,5 +51,3 @@ def hf_model():
         return loaded[path]
 
     return get
-
-

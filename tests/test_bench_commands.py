@@ -1,5 +1,6 @@
 """`kvtier bench` as a command: every bench listed in its help, `attention --smoke` without
 triton, and `pd` leaving no temporary directory behind however it ends."""
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,13 @@ def test_bench_help_lists_every_bench_with_its_line(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
-    assert {"cache", "peers", "throughput", "routing", "attention", "transfer", "overlap", "storage",
-            "pd"} <= set(BENCHES)
+    assert {"cache", "peers", "throughput", "experts", "attention", "transfer", "overlap", "storage", "pd"} <= set(BENCHES)
     for name, (_, line) in BENCHES.items():
         assert f"  {name:<11} {line}" in out
 
 
 def test_attention_smoke_without_triton_times_the_torch_backends(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "triton", None)          # `import triton` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     results = attention_bench.main(["--smoke", "--iters", "1", "--warmup", "0", "--ref-iters", "1"])
     assert "triton is not installed (pip install triton)" in capsys.readouterr().err
     assert results and all(r.triton_ms is None and r.reference_ms > 0 for r in results)
@@ -50,7 +50,7 @@ class _Terminated:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-CONFIG_ONLY = ["--load-format", "dummy", "--requests", "2"]     # no weights written: fast
+CONFIG_ONLY = ["--load-format", "dummy", "--requests", "2"]  # no weights written: fast
 
 
 def test_bench_pd_removes_its_temp_dir_on_an_error(private_tmp):
@@ -80,19 +80,39 @@ def test_bench_pd_sweeps_rates_with_repeats_end_to_end(tmp_path, capsys):
     """Two rates x two runs of 3 requests through a colocated server and P + D behind the router
     (CPU, fp32): per rate each metric's median and spread, ratios, and identical token streams."""
     out = tmp_path / "pd.json"
-    assert pd_bench.main(["--requests", "3", "--rate", "0,50", "--repeat", "2", "--prompt-tokens", "24,40",
-                          "--output-tokens", "4,6", "--num-host-blocks", "64", "--json", str(out)]) == 0
+    assert (
+        pd_bench.main(
+            [
+                "--requests",
+                "3",
+                "--rate",
+                "0,50",
+                "--repeat",
+                "2",
+                "--prompt-tokens",
+                "24,40",
+                "--output-tokens",
+                "4,6",
+                "--num-host-blocks",
+                "64",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     import json
+
     res = json.loads(out.read_text())
     assert res["rates"] == [0.0, 50.0] and res["repeat"] == 2 and len(res["points"]) == 2
     for point in res["points"]:
         for setup in ("colocated", "pd"):
             ttft = point[setup]["ttft_p90_s"]
             assert 0 < ttft["min"] <= ttft["median"] <= ttft["max"] < 60
-        assert point["identical_tokens"] == 6                      # fp32 on CPU: the hand-off changes nothing
+        assert point["identical_tokens"] == 6  # fp32 on CPU: the hand-off changes nothing
         assert point["pd_over_colocated_ttft_p90_s"] > 0
     assert res["handoff"]["storage_hit_tokens"] > 0
-    ps = res["prefill_server"]      # P's own TTFT and its wait for the pool, from its /metrics
+    ps = res["prefill_server"]  # P's own TTFT and its wait for the pool, from its /metrics
     assert 0 < ps["ttft_mean_s"] < 60 and 0 < ps["export_mean_s"] < 60
     assert ps["storage"]["put_blocks"] > 0
     text = capsys.readouterr().out
@@ -101,8 +121,14 @@ def test_bench_pd_sweeps_rates_with_repeats_end_to_end(tmp_path, capsys):
 
 
 def test_bench_pd_names_bad_rates_and_setups(capsys):
-    for bad in (["--rate", "fast"], ["--rate", "-1"], ["--setups", "both"], ["--repeat", "0"],
-                ["--prefill-put-workers", "0"], ["--prefill-put-workers", "2", "--setups", "colocated"]):
+    for bad in (
+        ["--rate", "fast"],
+        ["--rate", "-1"],
+        ["--setups", "both"],
+        ["--repeat", "0"],
+        ["--prefill-put-workers", "0"],
+        ["--prefill-put-workers", "2", "--setups", "colocated"],
+    ):
         with pytest.raises(SystemExit):
             pd_bench.main(bad)
     err = capsys.readouterr().err

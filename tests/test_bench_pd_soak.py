@@ -3,6 +3,7 @@ answers compared token for token with the baseline configuration's (a failed or 
 unknown, never identical), 5xx apart from other failures, each started process that exited counted
 as a death, and PD's prefill and decode servers on devices of their own. The soak runs end to end
 on CPU (qwen3-tiny); the rest on records, argument lists and a mocked HTTP transport."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,14 +28,15 @@ def test_an_answer_that_differs_from_the_baselines_is_a_mismatch_at_its_first_di
     got = serving.compare_outputs(base, [rec(0, 0, [1, 2, 3, 4]), rec(0, 1, [5, 6, 0, 8]), rec(1, 0, [9, 9, 9, 9])])
     assert not got["identical"] and (got["compared"], got["mismatches"], got["unknown"]) == (3, 1, 0)
     assert got["first_mismatches"] == [{"group": 0, "round": 1, "position": 2, "expected": [7, 8], "got": [0, 8]}]
-    shorter = serving.compare_outputs(base[:1], [rec(0, 0, [1, 2])])    # a prefix differs at its end
+    shorter = serving.compare_outputs(base[:1], [rec(0, 0, [1, 2])])  # a prefix differs at its end
     assert shorter["first_mismatches"][0]["position"] == 2
 
 
 def test_an_answer_without_token_ids_failed_or_missing_is_unknown_never_identical():
     base = [rec(0, 0, [1, 2]), rec(0, 1, [3, 4]), rec(0, 2, [5, 6]), rec(0, 3, None)]
-    got = serving.compare_outputs(base, [rec(0, 0, None), rec(0, 1, [3, 4], error="HTTP 503: b'down'"),
-                                         rec(0, 3, [7, 8])])           # (0, 2) never answered
+    got = serving.compare_outputs(
+        base, [rec(0, 0, None), rec(0, 1, [3, 4], error="HTTP 503: b'down'"), rec(0, 3, [7, 8])]
+    )  # (0, 2) never answered
     assert got == {"identical": False, "compared": 0, "mismatches": 0, "unknown": 4, "first_mismatches": []}
     assert serving.compare_outputs([rec(0, 0, None)], [rec(0, 0, None)])["identical"] is False
 
@@ -42,9 +44,9 @@ def test_an_answer_without_token_ids_failed_or_missing_is_unknown_never_identica
 def test_expect_identical_names_the_first_mismatch_and_the_table_shows_it():
     def result(**kw):  # type: ignore[no-untyped-def]
         return {**serving.summarize([], 1.0), "cached_tokens_by_tier": {}, "errors": [], "deaths": 0, "died": [], **kw}
+
     ok = result(**serving.compare_outputs([rec(0, 0, [1])], [rec(0, 0, [1])]))
-    bad = result(**serving.compare_outputs([rec(0, 0, [1, 2]), rec(3, 1, [5, 6])],
-                                           [rec(0, 0, [1, 2]), rec(3, 1, [5, 7])]))
+    bad = result(**serving.compare_outputs([rec(0, 0, [1, 2]), rec(3, 1, [5, 6])], [rec(0, 0, [1, 2]), rec(3, 1, [5, 7])]))
     unknown = result(**serving.compare_outputs([rec(0, 0, [1])], [rec(0, 0, None)]))
     assert serving.first_problem({"host": result(), "pd": ok}) is None
     problem = serving.first_problem({"host": result(), "pd": ok, "storage": bad})
@@ -67,7 +69,7 @@ def test_5xx_are_counted_apart_from_other_failures_even_inside_a_stream():
         if prompt == [2]:
             return httpx.Response(422, json={"error": {"message": "bad", "code": 422}})
         ok = 'data: {"choices": [{"text": "a", "token_ids": [7]}]}\n\n'
-        if prompt == [3]:   # P answered, then D failed: the router says so in the stream
+        if prompt == [3]:  # P answered, then D failed: the router says so in the stream
             failed = 'data: {"error": {"message": "decode server failed", "code": 502}}\n\n'
             return httpx.Response(200, text=ok + failed)
         return httpx.Response(200, text=ok + "data: [DONE]\n\n")
@@ -78,6 +80,7 @@ def test_5xx_are_counted_apart_from_other_failures_even_inside_a_stream():
     async def go() -> list[serving.Record]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
             return [await serving.send(client, Target(), serving.Record(0, k, 1, 4), [k]) for k in (1, 2, 3, 4)]
+
     recs = asyncio.run(go())
     assert [r.status for r in recs] == [503, 422, 502, 200]
     assert recs[2].error.startswith("HTTP 502 in the stream") and recs[3].error is None and recs[3].output_ids == [7]
@@ -87,6 +90,7 @@ def test_5xx_are_counted_apart_from_other_failures_even_inside_a_stream():
 
 class FakeProcess:
     """Stands in for ServerProcess: records what would be launched, and is ready at once."""
+
     launched: list[tuple[list, dict | None]] = []
 
     def __init__(self, args, log, env=None, log_level="warning"):  # type: ignore[no-untyped-def]
@@ -107,20 +111,27 @@ def soak_args(*argv: str):  # type: ignore[no-untyped-def]
 def test_pd_gives_its_prefill_and_decode_servers_their_own_devices(tmp_path, monkeypatch):
     monkeypatch.setattr("kvtier.serve.launch.ServerProcess", FakeProcess)
     monkeypatch.setattr(FakeProcess, "launched", [])
-    args = soak_args("--device", "cuda:0", "--prefill-device", "cuda:2", "--decode-device", "cuda:1",
-                     "--server-args", "--seed 3")
+    args = soak_args("--device", "cuda:0", "--prefill-device", "cuda:2", "--decode-device", "cuda:1", "--server-args", "--seed 3")
     for config in ("storage", "pd"):
-        server = serving.Server(None, "/m", serving.server_flags(config, args, tmp_path), tmp_path,
-                                pd=config == "pd", name=config, devices=serving.devices(args))
+        server = serving.Server(
+            None,
+            "/m",
+            serving.server_flags(config, args, tmp_path),
+            tmp_path,
+            pd=config == "pd",
+            name=config,
+            devices=serving.devices(args),
+        )
         server._start()
     (colocated, _), (p, _), (d, _), (router, _) = FakeProcess.launched
 
     def device(argv: list) -> list[str]:
         return [argv[i + 1] for i, a in enumerate(argv) if a == "--device"]
+
     assert device(colocated) == ["cuda:0"] and device(p) == ["cuda:2"] and device(d) == ["cuda:1"]
     assert device(router) == [] and router[0] == "router"
     assert p[p.index("--role") + 1] == "prefill" and d[d.index("--role") + 1] == "decode"
-    assert all(argv[argv.index("--seed") + 1] == "3" for argv in (colocated, p, d))   # --server-args too
+    assert all(argv[argv.index("--seed") + 1] == "3" for argv in (colocated, p, d))  # --server-args too
     # without --prefill-device / --decode-device both are --device's
     plain = serving.Server(None, "/m", [], tmp_path, pd=True, devices=serving.devices(soak_args("--device", "cuda:3")))
     assert plain.command("prefill")[:4] == ["serve", "/m", "--device", "cuda:3"]
@@ -137,13 +148,16 @@ def test_a_server_that_dies_starting_fails_the_soak_and_each_config_gets_an_empt
 
         def wait_ready(self) -> "FakeProcess":
             raise RuntimeError(f"{self.args[:2]} exited with 1; CUDA error: out of memory")
+
     monkeypatch.setattr("kvtier.serve.launch.ServerProcess", DiesStarting)
     monkeypatch.setattr(FakeProcess, "launched", [])
     out = tmp_path / "soak.json"
-    with pytest.raises(SystemExit, match=r"1 of 1 runs failed; run 1: 2 deaths; the first: storage starting "
-                                         r"\(exit None, no log\):\n.*out of memory"):
-        pd_soak.main(["--model", "qwen3-tiny", "--runs", "1", "--fresh-triton-cache", "--no-progress",
-                      "--json", str(out)])
+    with pytest.raises(
+        SystemExit,
+        match=r"1 of 1 runs failed; run 1: 2 deaths; the first: storage starting "
+        r"\(exit None, no log\):\n.*out of memory",
+    ):
+        pd_soak.main(["--model", "qwen3-tiny", "--runs", "1", "--fresh-triton-cache", "--no-progress", "--json", str(out)])
     # the colocated server, then P and D (the router never started): P and D share one fresh cache
     assert [c[0].rsplit("/", 1)[1] for c in caches] == ["triton-storage", "triton-pd", "triton-pd"]
     assert all(listed == [] and path == os.environ["PATH"] for _, listed, path in caches)
@@ -153,11 +167,25 @@ def test_a_server_that_dies_starting_fails_the_soak_and_each_config_gets_an_empt
 
 @pytest.mark.slow
 def test_a_killed_decode_server_is_a_death_and_its_requests_5xx(tmp_path):
-    args = soak_args("--max-model-len", "128", "--warmup", "0", "--clients", "1", "--rounds", "1",
-                     "--request-length", "8", "--output-length", "2", "--no-progress")
+    args = soak_args(
+        "--max-model-len",
+        "128",
+        "--warmup",
+        "0",
+        "--clients",
+        "1",
+        "--rounds",
+        "1",
+        "--request-length",
+        "8",
+        "--output-length",
+        "2",
+        "--no-progress",
+    )
     model, args.vocab = serving.resolve_model(args, tmp_path)
-    with serving.Server(None, model, serving.server_flags("pd", args, tmp_path), tmp_path, pd=True, name="pd",
-                        devices=serving.devices(args)) as server:
+    with serving.Server(
+        None, model, serving.server_flags("pd", args, tmp_path), tmp_path, pd=True, name="pd", devices=serving.devices(args)
+    ) as server:
         assert server.deaths() == []
         server.procs["decode"].kill()
         res, records = serving.measure(args, server, "pd", multiturn.workload(args), 1, (1, 8))
@@ -170,17 +198,47 @@ def test_a_killed_decode_server_is_a_death_and_its_requests_5xx(tmp_path):
 @pytest.mark.slow
 def test_pd_soak_runs_end_to_end_with_every_answer_identical(tmp_path, capsys):
     out = tmp_path / "soak.json"
-    assert kvtier_main(["bench", "pd-soak", "--model", "qwen3-tiny", "--max-model-len", "128", "--runs", "1",
-                        "--clients", "2", "--rounds", "2", "--request-length", "16", "--output-length", "4",
-                        "--trace-requests", "4", "--block-tokens", "8", "--warmup", "1", "--fresh-triton-cache",
-                        "--no-progress", "--json", str(out)]) == 0
+    assert (
+        kvtier_main(
+            [
+                "bench",
+                "pd-soak",
+                "--model",
+                "qwen3-tiny",
+                "--max-model-len",
+                "128",
+                "--runs",
+                "1",
+                "--clients",
+                "2",
+                "--rounds",
+                "2",
+                "--request-length",
+                "16",
+                "--output-length",
+                "4",
+                "--trace-requests",
+                "4",
+                "--block-tokens",
+                "8",
+                "--warmup",
+                "1",
+                "--fresh-triton-cache",
+                "--no-progress",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "run 1/1: " in printed and "total of 1 runs: " in printed
     res = json.loads(out.read_text())
     total = res["total"]
     assert total["requests"] > 0 and total["compared"] == total["requests"] // 2
     assert {k: total[k] for k in ("deaths", "http_5xx", "errors", "mismatches", "unknown")} == dict.fromkeys(
-        ("deaths", "http_5xx", "errors", "mismatches", "unknown"), 0)
+        ("deaths", "http_5xx", "errors", "mismatches", "unknown"), 0
+    )
     assert res["problems"] == []
     run = res["runs"][0]
     assert set(run["configs"]) == {"storage", "pd"}

@@ -4,6 +4,7 @@ mean or plot point; the workload must fit the served model's context and vocabul
 ``/v1/models``, ``--tokenizer`` or ``--vocab``, never a guess); ``--url`` takes the ``openai``
 client's base URL. Against a small OpenAI-compatible server in this process that checks prompts as
 a real one does (tests/test_bench_serving.py runs the benches against real kvtier servers)."""
+
 from __future__ import annotations
 
 import json
@@ -59,9 +60,9 @@ class FakeServer:
 
             def stream():  # type: ignore[no-untyped-def]
                 for k in range(n):
-                    yield f'data: {json.dumps({"choices": [{"text": "a", "token_ids": [k % self.vocab]}]})}\n\n'
+                    yield f"data: {json.dumps({'choices': [{'text': 'a', 'token_ids': [k % self.vocab]}]})}\n\n"
                 usage = {"prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": 0}}
-                yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\ndata: [DONE]\n\n'
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
 
             return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -103,19 +104,19 @@ def test_failed_rounds_fail_the_bench_naming_the_configuration_and_plot_as_gaps_
 
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    with FakeServer(vocab=320, context=60, vocab_size=320) as fake:   # a context it does not say
+    with FakeServer(vocab=320, context=60, vocab_size=320) as fake:  # a context it does not say
         with pytest.raises(SystemExit) as exit_:
             multiturn.main(["--url", fake.url, *THREE_ROUNDS, *FAST, "--json", str(out), "--plot", str(png)])
-    assert "kvtier bench multiturn: url: failed requests" in str(exit_.value.code)   # exit status 1
+    assert "kvtier bench multiturn: url: failed requests" in str(exit_.value.code)  # exit status 1
     err = capsys.readouterr().err
     first = "multiturn [url]: 2 of 6 requests failed (0 with a 5xx); the first errors:\n"
     assert first + "  HTTP 400: 68 + 4 tokens: over the context" in err
-    res = json.loads(out.read_text())["results"]["url"]             # the JSON and the plot are still written
+    res = json.loads(out.read_text())["results"]["url"]  # the JSON and the plot are still written
     assert res["failed_by_round"] == [0, 0, 2] and res["ttft_by_round"][2] is None
     assert res["cached_by_round"][2] is None and res["prompt_by_round"][:2] == [2 * 20, 2 * 44]
-    assert len(res["ttfts"]) == 4 and res["ttft_mean"] == pytest.approx(sum(res["ttfts"]) / 4)   # successes only
+    assert len(res["ttfts"]) == 4 and res["ttft_mean"] == pytest.approx(sum(res["ttfts"]) / 4)  # successes only
     per_round, cdf_xs = drawn[0], drawn[1]
-    assert all(y > 0 for y in per_round[:2]) and math.isnan(per_round[2])       # a gap, not 0 ms
+    assert all(y > 0 for y in per_round[:2]) and math.isnan(per_round[2])  # a gap, not 0 ms
     assert len(cdf_xs) == 4
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -137,8 +138,23 @@ def test_a_server_that_died_fails_the_bench(capsys, monkeypatch):
 def test_failed_warmup_requests_fail_the_bench_too(capsys):
     # the warm-up's second wave (2 x 40 tokens) is over the context; the timed requests are not
     with FakeServer(context=70, vocab_size=320) as fake, pytest.raises(SystemExit, match="url: failed requests"):
-        longdoc.main(["--url", fake.url, "--documents", "1", "--document-length", "24", "--questions", "1",
-                      "--no-progress", "--warmup", "1", "--warmup-tokens", "40"])
+        longdoc.main(
+            [
+                "--url",
+                fake.url,
+                "--documents",
+                "1",
+                "--document-length",
+                "24",
+                "--questions",
+                "1",
+                "--no-progress",
+                "--warmup",
+                "1",
+                "--warmup-tokens",
+                "40",
+            ]
+        )
     assert "longdoc [url]: 1 of 2 warm-up requests failed" in capsys.readouterr().err
 
 
@@ -146,9 +162,11 @@ def test_failed_warmup_requests_fail_the_bench_too(capsys):
 def test_url_takes_the_base_url_with_or_without_v1(suffix):
     with FakeServer(vocab_size=320) as fake:
         assert serving.base_url(fake.url + suffix) == fake.url
-        assert longdoc.main(["--url", fake.url + suffix, "--documents", "1", "--document-length", "16",
-                             "--questions", "2", *FAST]) == 0
-    assert fake.completions() == 2 + 2 and "/v1/models" in fake.paths       # two warm-up waves, two questions
+        assert (
+            longdoc.main(["--url", fake.url + suffix, "--documents", "1", "--document-length", "16", "--questions", "2", *FAST])
+            == 0
+        )
+    assert fake.completions() == 2 + 2 and "/v1/models" in fake.paths  # two warm-up waves, two questions
     assert not [p for p in fake.paths if "/v1/v1" in p or "//" in p], fake.paths
 
 
@@ -168,21 +186,41 @@ def test_a_models_answer_without_a_data_list_names_the_url_and_what_came_back(ra
 
 def test_a_server_that_does_not_say_its_vocabulary_needs_vocab_or_tokenizer(tmp_path):
     save_byte_tokenizer(tmp_path / "tok")
-    with FakeServer(vocab=VOCAB_SIZE, max_model_len=512) as fake:   # vLLM's /v1/models: no vocab_size
+    with FakeServer(vocab=VOCAB_SIZE, max_model_len=512) as fake:  # vLLM's /v1/models: no vocab_size
         with pytest.raises(SystemExit, match=r"does not say its model's vocabulary \(vocab_size\): pass --vocab N"):
             longdoc.main(["--url", fake.url, *FAST])
         assert fake.completions() == 0
         # the tokenizer's ids are the model's: every request is answered (ids below 32000 would be 400s)
-        assert longdoc.main(["--url", fake.url, "--tokenizer", str(tmp_path / "tok"), "--documents", "2",
-                             "--document-length", "200", "--questions", "1", *FAST]) == 0
+        assert (
+            longdoc.main(
+                [
+                    "--url",
+                    fake.url,
+                    "--tokenizer",
+                    str(tmp_path / "tok"),
+                    "--documents",
+                    "2",
+                    "--document-length",
+                    "200",
+                    "--questions",
+                    "1",
+                    *FAST,
+                ]
+            )
+            == 0
+        )
     with pytest.raises(SystemExit, match="--tokenizer '/no/such/tokenizer': cannot load it"):
         serving.tokenizer_vocab("/no/such/tokenizer")
 
 
 def test_token_ids_are_drawn_below_the_vocabulary_the_server_says(capsys):
     with FakeServer(vocab=50, vocab_size=50) as fake:
-        assert longdoc.main(["--url", fake.url, "--vocab", "32000", "--documents", "2", "--document-length", "300",
-                             "--questions", "1", *FAST]) == 0
+        assert (
+            longdoc.main(
+                ["--url", fake.url, "--vocab", "32000", "--documents", "2", "--document-length", "300", "--questions", "1", *FAST]
+            )
+            == 0
+        )
     assert "--vocab 32000 is over the vocab_size" in capsys.readouterr().err and fake.completions() == 2 + 2
 
 
@@ -194,22 +232,33 @@ def test_a_workload_over_the_served_context_is_refused_before_anything_is_sent(m
             longdoc.main(["--url", fake.url, *FAST])
     assert str(exit_.value.code) == (
         "multiturn: round 3 of a conversation is 68 prompt + 4 output tokens > max_model_len 64 of the served "
-        "model (2 rounds fit); lower --rounds/--request-length/--output-length or serve a longer --max-model-len")
+        "model (2 rounds fit); lower --rounds/--request-length/--output-length or serve a longer --max-model-len"
+    )
     assert fake.completions() == 0
 
     # a started server's context is its --max-model-len: refused before it starts
     def no_server(*a, **kw):  # type: ignore[no-untyped-def]
         raise AssertionError("a server was started")
+
     monkeypatch.setattr("kvtier.serve.launch.ServerProcess", no_server)
     with pytest.raises(SystemExit, match="round 3 of a conversation is 68 prompt \\+ 4 output tokens > max_model_len 64"):
         multiturn.main(["--model", "qwen3-tiny", "--max-model-len", "64", *THREE_ROUNDS, *FAST])
-    with pytest.raises(SystemExit, match="> max_model_len 512 of the served model"):    # the model's own
+    with pytest.raises(SystemExit, match="> max_model_len 512 of the served model"):  # the model's own
         multiturn.main(["--model", "qwen3-tiny", "--rounds", "8", "--request-length", "64", *FAST])
 
 
 def test_trace_replay_leaves_out_the_requests_over_the_context_and_says_how_many(capsys):
-    argv = ["traces/mooncake_conversation_1k.jsonl", "--requests", "20", "--block-tokens", "16",
-            "--max-output-tokens", "4", "--time-scale", "0"]
+    argv = [
+        "traces/mooncake_conversation_1k.jsonl",
+        "--requests",
+        "20",
+        "--block-tokens",
+        "16",
+        "--max-output-tokens",
+        "4",
+        "--time-scale",
+        "0",
+    ]
     wanted = trace_replay.prompts(trace_replay.build_parser().parse_args(argv), 320)
     over = sum(1 for _, ids, out in wanted if len(ids) + out > 200)
     assert 0 < over < 20
@@ -221,11 +270,31 @@ def test_trace_replay_leaves_out_the_requests_over_the_context_and_says_how_many
 
 def test_sglang_bench_multiturn_flag_names_are_taken_where_they_mean_the_same():
     for parser in (multiturn.build_parser(), pd_soak.build_parser()):
-        args = parser.parse_args(["--num-clients", "3", "--num-rounds", "2", "--request-length", "7",
-                                  "--output-length", "5", "--max-parallel", "2", "--request-rate", "4"])
-        assert (args.clients, args.rounds, args.request_length, args.output_length, args.max_parallel,
-                args.request_rate) == (3, 2, 7, 5, 2, 4.0)
-    with pytest.raises(SystemExit):   # SGLang's --model-path is its tokenizer, not a model to serve
+        args = parser.parse_args(
+            [
+                "--num-clients",
+                "3",
+                "--num-rounds",
+                "2",
+                "--request-length",
+                "7",
+                "--output-length",
+                "5",
+                "--max-parallel",
+                "2",
+                "--request-rate",
+                "4",
+            ]
+        )
+        assert (args.clients, args.rounds, args.request_length, args.output_length, args.max_parallel, args.request_rate) == (
+            3,
+            2,
+            7,
+            5,
+            2,
+            4.0,
+        )
+    with pytest.raises(SystemExit):  # SGLang's --model-path is its tokenizer, not a model to serve
         multiturn.build_parser().parse_args(["--model-path", "m"])
 
 

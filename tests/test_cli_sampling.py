@@ -1,6 +1,7 @@
 """`kvtier generate` with the sampling flags of issue 15 (--logprobs, --prompt-logprobs, penalties,
 --min-tokens, --stop): the same answer as the offline API with the same SamplingParams, logprobs
 printed with --json."""
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,51 @@ def test_generate_passes_every_sampling_flag_and_prints_logprobs(checkpoint, cap
     with kvtier.LLM(model) as llm:
         free = llm.generate(["rollouts"], kvtier.SamplingParams(max_tokens=12, ignore_eos=True))[0].text
         stop = next(c for c in free[3:] if c.isascii() and c.isprintable())
-        want = llm.generate(["rollouts"], kvtier.SamplingParams(
-            max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1, presence_penalty=0.5,
-            frequency_penalty=0.25, repetition_penalty=1.2, min_tokens=2, stop=(stop, "never")))[0]
-    assert main(["generate", str(model), "--prompt", "rollouts", "--max-tokens", "12", "--ignore-eos",
-                 "--logprobs", "2", "--prompt-logprobs", "1", "--presence-penalty", "0.5",
-                 "--frequency-penalty", "0.25", "--repetition-penalty", "1.2", "--min-tokens", "2",
-                 "--stop", stop, "--stop", "never", "--json"]) == 0
+        want = llm.generate(
+            ["rollouts"],
+            kvtier.SamplingParams(
+                max_tokens=12,
+                ignore_eos=True,
+                logprobs=2,
+                prompt_logprobs=1,
+                presence_penalty=0.5,
+                frequency_penalty=0.25,
+                repetition_penalty=1.2,
+                min_tokens=2,
+                stop=(stop, "never"),
+            ),
+        )[0]
+    assert (
+        main(
+            [
+                "generate",
+                str(model),
+                "--prompt",
+                "rollouts",
+                "--max-tokens",
+                "12",
+                "--ignore-eos",
+                "--logprobs",
+                "2",
+                "--prompt-logprobs",
+                "1",
+                "--presence-penalty",
+                "0.5",
+                "--frequency-penalty",
+                "0.25",
+                "--repetition-penalty",
+                "1.2",
+                "--min-tokens",
+                "2",
+                "--stop",
+                stop,
+                "--stop",
+                "never",
+                "--json",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["token_ids"] == want.token_ids and res["text"] == want.text
     assert res["finish_reason"] == want.finish_reason

@@ -1,5 +1,6 @@
 """`kvtier demo` (the README's first command) runs on embedded defaults: hits on every tier and,
 in float32 on CPU, every output identical to recompute."""
+
 import pytest
 
 from kvtier.cli import main
@@ -13,7 +14,7 @@ def test_demo_hits_all_three_tiers_and_matches_recompute_in_fp32(tmp_path):
     hits = res["hit_tokens"]
     assert hits["device"] > 0 and hits["storage"] > 0, hits
     assert res["prompt_tokens"] > sum(hits.values())
-    assert res["dtype"] == "float32"                       # auto on CPU
+    assert res["dtype"] == "float32"  # auto on CPU
     assert res["outputs"] == 16 and res["identical_outputs"] == 16, lines
     assert "16 of 16 outputs identical to recompute, float32" in lines
 

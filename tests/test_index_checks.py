@@ -1,5 +1,6 @@
 """KVTIER_CHECK_INDICES=1: index tensors checked against their bounds before the ops that read
 them, with the tensor named; an engine with the checks on answers as without them."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,7 @@ def test_an_index_out_of_bounds_is_named(checks_on):
 
 
 def test_checks_are_off_unless_asked():
-    assert not index_checks.ENABLED          # the test run's environment does not set it
+    assert not index_checks.ENABLED  # the test run's environment does not set it
     index_checks.check("anything", torch.tensor([99]), 5)
 
 

@@ -1,5 +1,6 @@
 """Child processes (`kvtier bench pd`'s servers, the HTTP tests' servers, `kvtier bench peers`'
 peers) import the launcher's kvtier, not a `kvtier/` folder in the working directory."""
+
 from __future__ import annotations
 
 import subprocess

@@ -1,5 +1,6 @@
 """kvtier's modules depend one way: no import cycles (counting imports inside functions, not those
 under ``TYPE_CHECKING``), and no module imports another's private (``_``-prefixed) names."""
+
 from __future__ import annotations
 
 import ast
@@ -60,7 +61,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state and (found := dfs(n)):
                 return found
         state[m] = 2
@@ -80,7 +81,7 @@ def _is_package_init(a: str, b: str) -> bool:
 
 def test_no_import_cycles():
     graph = _graph()
-    for a in graph:        # a package's __init__ and its own submodules import each other by design
+    for a in graph:  # a package's __init__ and its own submodules import each other by design
         graph[a] = {b for b in graph[a] if not _is_package_init(a, b)}
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
@@ -92,7 +93,12 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_no_module_imports_another_modules_private_names():
-    found = [f"{_module_name(path)}:{line}: from {module} import {n}"
-             for path in MODULES.values() for module, names, line in _imports(path)
-             if module.startswith("kvtier") for n in names if n.startswith("_") and not n.startswith("__")]
+    found = [
+        f"{_module_name(path)}:{line}: from {module} import {n}"
+        for path in MODULES.values()
+        for module, names, line in _imports(path)
+        if module.startswith("kvtier")
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
     assert not found, "\n".join(found)

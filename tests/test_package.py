@@ -1,4 +1,5 @@
 """`import kvtier` is cheap, and what the README uses after it is reachable as an attribute."""
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,12 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
 
 
 def test_routing_is_an_attribute_after_a_bare_import():
-    proc = _fresh("import sys, kvtier; assert 'kvtier.routing' not in sys.modules; "
-                  "print(kvtier.routing.replay.__name__, kvtier.routing.__name__)")
+    proc = _fresh(
+        "import sys, kvtier; assert 'kvtier.experts' not in sys.modules; "
+        "print(kvtier.experts.replay.__name__, kvtier.experts.__name__)"
+    )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["replay", "kvtier.routing"]
+    assert proc.stdout.split() == ["replay", "kvtier.experts"]
 
 
 def test_import_kvtier_does_not_import_torch():

@@ -6,6 +6,7 @@ reason it is not; a new command
 fails the test until it is one or the other. Every file a command names must be in the
 repository, and no tracked file may name a path outside it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,15 @@ POOL_DEFAULTS_LANDED = True
 
 POOL_EXAMPLE = "--storage file:///tmp/kvtier-pool"
 # the commands run here, as written (CPU, a tiny model: each is sized in the README to take seconds)
-RUN = [r"^kvtier init-model ", r"^kvtier generate /tmp/m --prompt ", r"^kvtier sim traces/", r"^kvtier bench cache ",
-       r"^kvtier bench peers ", r"^kvtier bench soak ", r"^kvtier bench multiturn --model qwen3-tiny "]
+RUN = [
+    r"^kvtier init-model ",
+    r"^kvtier generate /tmp/m --prompt ",
+    r"^kvtier sim traces/",
+    r"^kvtier bench cache ",
+    r"^kvtier bench peers ",
+    r"^kvtier bench soak ",
+    r"^kvtier bench multiturn --model qwen3-tiny ",
+]
 # command pattern -> why it is not run here
 NOT_RUN = {
     re.escape(POOL_EXAMPLE): "run twice by test_persistent_pool_example_is_served_from_storage_by_a_second_run",
@@ -112,29 +120,32 @@ def test_the_cpu_commands_run_as_written(tmp_path):
         ran.append(command.split()[1])
         if command.startswith("kvtier generate"):
             first, second = re.findall(r"cached=(\d+)", out)
-            assert int(first) == 0 and int(second) > 0, out         # --repeat 2: the second run hits
+            assert int(first) == 0 and int(second) > 0, out  # --repeat 2: the second run hits
         if command.startswith("kvtier sim"):
             assert "hit tokens" in out and "device" in out, out
     assert ran.count("init-model") == 2 and {"generate", "sim", "bench"} <= set(ran)
 
 
-@pytest.mark.skipif(not POOL_DEFAULTS_LANDED, reason="`--storage URL` alone does not yet give a host tier that "
-                                                      "writes through (flip POOL_DEFAULTS_LANDED when it does)")
+@pytest.mark.skipif(
+    not POOL_DEFAULTS_LANDED,
+    reason="`--storage URL` alone does not yet give a host tier that writes through (flip POOL_DEFAULTS_LANDED when it does)",
+)
 @pytest.mark.slow  # (tests/engine/test_engine_inputs.py runs the same two generates in the default run)
 def test_persistent_pool_example_is_served_from_storage_by_a_second_run(tmp_path):
     command = next(c for c in COMMANDS if POOL_EXAMPLE in c)
     run_kvtier("kvtier init-model qwen3-moe-tiny /tmp/m", tmp_path)
     by_tier = []
-    for _ in range(2):                                   # two processes, one after the other
+    for _ in range(2):  # two processes, one after the other
         out = run_kvtier(command, tmp_path)
         by_tier.append(ast.literal_eval(re.search(r"cached=\d+ (\{.*?\})", out).group(1)))
     assert by_tier[0]["storage"] == 0
-    assert by_tier[1]["storage"] == 32, by_tier          # 40 tokens: two full 16-token blocks
+    assert by_tier[1]["storage"] == 32, by_tier  # 40 tokens: two full 16-token blocks
 
 
 def test_no_tracked_file_names_a_path_outside_the_repository():
-    outside = re.compile("|".join(map(re.escape, ["/wo" + "rk/", "../sha" + "red", "sha" + "red/peers",
-                                                  "sha" + "red/traces", "/ho" + "me/"])))
+    outside = re.compile(
+        "|".join(map(re.escape, ["/wo" + "rk/", "../sha" + "red", "sha" + "red/peers", "sha" + "red/traces", "/ho" + "me/"]))
+    )
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if files.returncode:
         pytest.skip("not a git checkout: no list of tracked files")

@@ -4,6 +4,7 @@ On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERP
 CPU tensors), on small shapes; the interpreter's ``tl.dot`` gives wrong results for bf16, so on CPU
 the half-precision path is checked in fp16 (same kernel code) and bf16 only runs on CUDA.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,7 @@ if DEVICE == "cpu" and not INTERPRET:
     pytest.skip("no CUDA and TRITON_INTERPRET is off: triton kernels cannot run", allow_module_level=True)
 
 
-def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-              seed=0, device=DEVICE, spare_blocks=5):
+def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, device=DEVICE, spare_blocks=5):
     """Random paged KV cache with shuffled, non-contiguous block tables (+ unused blocks)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +39,7 @@ def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_siz
     rng.shuffle(ids)
     tables, i = [], 0
     for n in needed:
-        tables.append(ids[i:i + n])
+        tables.append(ids[i : i + n])
         i += n
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device)
     # cached prefix: random fill; the step's new tokens: written through write_kv like the engine
@@ -84,6 +84,7 @@ def random_batch(rng, num_seqs, max_seq, block_size):
 
 # --------------------------------------------------------------------------- CPU (interpreter) + GPU
 
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_random_mixed_batches_fp32(group, block_size):
@@ -91,8 +92,7 @@ def test_random_mixed_batches_fp32(group, block_size):
     num_kv_heads = 2
     for trial in range(2):
         q_lens, s_lens = random_batch(rng, num_seqs=4, max_seq=90, block_size=block_size)
-        q, kv, meta = make_case(q_lens, s_lens, group * num_kv_heads, num_kv_heads, 64, block_size,
-                                torch.float32, seed=trial)
+        q, kv, meta = make_case(q_lens, s_lens, group * num_kv_heads, num_kv_heads, 64, block_size, torch.float32, seed=trial)
         check(q, kv, meta, atol=1e-4)
 
 
@@ -170,7 +170,7 @@ def test_non_contiguous_query_and_scale():
     q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float32, seed=7)
     big = torch.zeros(q.shape[0], 3 * q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
     big[:, 4:8] = q
-    qv = big[:, 4:8]                      # e.g. a view into a fused qkv projection
+    qv = big[:, 4:8]  # e.g. a view into a fused qkv projection
     assert not qv.is_contiguous()
     out = triton_attention(qv, kv, meta, 0.3)
     ref = reference_attention(q, kv, meta, 0.3)
@@ -200,8 +200,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3),
-                                        (torch.float32, 1e-4)])
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("group,head_dim", [(2, 128), (4, 64), (1, 128)])
 def test_gpu_mixed_large(dtype, atol, group, head_dim):
     rng = random.Random(7)
@@ -222,8 +221,7 @@ def test_gpu_decode(dtype, atol, num_splits):
     n = 48
     s_lens = [rng.randint(1, 4096) for _ in range(n)]
     q, kv, meta = make_case([1] * n, s_lens, 16, 8, 128, 16, dtype, seed=8)
-    check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0,
-          num_splits=num_splits)
+    check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0, num_splits=num_splits)
 
 
 @gpu
@@ -240,8 +238,7 @@ def test_gpu_short_extend_auto_splits(dtype, atol):
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_gpu_prefill_over_cached_prefix(dtype, atol, block_size):
-    q, kv, meta = make_case([1024, 1000, 77], [3072, 1000, 2100], 16, 8, 128, block_size, dtype,
-                            seed=9)
+    q, kv, meta = make_case([1024, 1000, 77], [3072, 1000, 2100], 16, 8, 128, block_size, dtype, seed=9)
     check(q, kv, meta, atol=atol, rtol=1e-2 if dtype != torch.float32 else 0.0)
 
 
@@ -255,11 +252,12 @@ def test_step_varying_arguments_are_not_specialized():
 
     def flags(kernel):
         """name -> (value not specialized, alignment not specialized), as the decorator was given them."""
-        kw = getattr(kernel, "kwargs", None) or vars(kernel)       # interpreted (CPU) or compiled (GPU)
+        kw = getattr(kernel, "kwargs", None) or vars(kernel)  # interpreted (CPU) or compiled (GPU)
         vary = set(kw["do_not_specialize"] or ())
         unaligned = set(kw.get("do_not_specialize_on_alignment") or ()) | vary
         names = getattr(kernel, "arg_names", None) or [p.name for p in kernel.params]
         return {n: (n in vary, n in unaligned) for n in names}
+
     attn = flags(_unified_attention_kernel)
     assert all(attn[n][0] for n in ("num_seqs", "tiles_per_split", "stride_bt"))
     assert all(attn[n][1] for n in ("seq_lens_ptr", "bt_ptr"))
@@ -276,10 +274,16 @@ def packed(meta):
     b = meta.num_seqs
     flat = torch.cat([meta.query_start_loc, meta.seq_lens, meta.block_tables.reshape(-1)])
     return AttentionMetadata(
-        slot_mapping=meta.slot_mapping, query_start_loc=flat[:b + 1], seq_lens=flat[b + 1:2 * b + 1],
-        block_tables=flat[2 * b + 1:].view(b, -1), query_lens_cpu=meta.query_lens_cpu,
-        seq_lens_cpu=meta.seq_lens_cpu, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-        slot_mapping_cpu=meta.slot_mapping_cpu)
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=flat[: b + 1],
+        seq_lens=flat[b + 1 : 2 * b + 1],
+        block_tables=flat[2 * b + 1 :].view(b, -1),
+        query_lens_cpu=meta.query_lens_cpu,
+        seq_lens_cpu=meta.seq_lens_cpu,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        slot_mapping_cpu=meta.slot_mapping_cpu,
+    )
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="GPU only: counts the kernels Triton compiled for CUDA")
@@ -288,10 +292,17 @@ def test_batches_of_any_size_and_table_width_share_one_compiled_kernel():
 
     def compiled():
         return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
     # prefill steps (one launch configuration: every query > 16 tokens), 1..6 sequences, tables
     # 2, 16, 17 blocks wide
-    cases = [([18], [18]), ([20, 17], [20, 30]), ([40, 33, 17], [250, 33, 17]), ([32] * 4, [32, 64, 96, 272]),
-             ([24] * 5, [24, 48, 256, 100, 31]), ([17] * 6, [17, 18, 19, 20, 21, 260])]
+    cases = [
+        ([18], [18]),
+        ([20, 17], [20, 30]),
+        ([40, 33, 17], [250, 33, 17]),
+        ([32] * 4, [32, 64, 96, 272]),
+        ([24] * 5, [24, 48, 256, 100, 31]),
+        ([17] * 6, [17, 18, 19, 20, 21, 260]),
+    ]
     seen = None
     for i, (q_lens, s_lens) in enumerate(cases):
         q, kv, meta = make_case(q_lens, s_lens, 8, 2, 64, 16, torch.bfloat16, seed=i)

@@ -2,6 +2,7 @@
 (kvtier/model/fused.py ``*_ref``) on fresh random data: the same values, and for RoPE + KV write
 the same cache bytes (other slots untouched). On CPU they run in Triton's interpreter, in fp32 and
 fp16 (the interpreter computes through numpy, which has no bf16); on CUDA bf16 too."""
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 triton = pytest.importorskip("triton", reason="triton is not installed: fused kernels untested")
 
@@ -43,7 +44,7 @@ def test_add_rms_norm_equals_its_torch_twin(dtype, with_residual, rows, n):
     out, h = triton_fused.add_rms_norm(x, res, w, 1e-6)
     ref_out, ref_h = fused.add_rms_norm_ref(x, res, w, 1e-6)
     assert out.dtype == ref_out.dtype and h.dtype == ref_h.dtype
-    assert torch.equal(h, ref_h)                      # the residual sum: one rounding, both sides
+    assert torch.equal(h, ref_h)  # the residual sum: one rounding, both sides
     close(out, ref_out, dtype)
 
 
@@ -52,7 +53,7 @@ def test_add_rms_norm_equals_its_torch_twin(dtype, with_residual, rows, n):
 @pytest.mark.parametrize("hq,hk,d", [(4, 2, 16), (8, 8, 64), (6, 1, 128)])
 def test_rope_write_kv_equals_its_torch_twin(dtype, qk_norm, hq, hk, d):
     T, num_blocks, bs = 11, 6, 4
-    qkv = rand(T, (hq + 2 * hk) * d, dtype=dtype, seed=4)          # split views, as the layer has them
+    qkv = rand(T, (hq + 2 * hk) * d, dtype=dtype, seed=4)  # split views, as the layer has them
     q, k, v = (t.reshape(T, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
     pos = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=DEVICE) / d))
@@ -70,7 +71,7 @@ def test_rope_write_kv_equals_its_torch_twin(dtype, qk_norm, hq, hk, d):
     untouched[slots] = False
     flat, ref_flat = cache.view(2, -1, hk, d), ref_cache.view(2, -1, hk, d)
     assert torch.equal(flat[:, untouched], ref_flat[:, untouched])
-    assert torch.equal(flat[1, slots], v.to(dtype))                 # v is copied, bit for bit
+    assert torch.equal(flat[1, slots], v.to(dtype))  # v is copied, bit for bit
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

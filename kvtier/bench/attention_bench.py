@@ -134,7 +134,7 @@ def make_sdpa(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     try:
         call(k, v, group > 1)
         return (lambda: call(k, v, group > 1)), "gqa"
-    except Exception:  # noqa: BLE001
+    except Exception:
         ke = k.repeat_interleave(group, dim=1)
         ve = v.repeat_interleave(group, dim=1)
         call(ke, ve, False)
@@ -205,7 +205,7 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
     if cuda and attn is not None:
         try:
             res.triton_graph_ms = time_graph(lambda: attn(q, kv, meta, scale, **kw), args.iters)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             res.notes.append(f"graph capture failed: {type(exc).__name__}: {exc}"[:200])
     ref_iters = max(1, min(args.iters, args.ref_iters))
     res.reference_ms = time_fn(lambda: reference_attention(q, kv, meta, scale), 1, ref_iters, cuda)
@@ -219,7 +219,7 @@ def run_case(case: Case, dtype: torch.dtype, device: str, args, attn) -> Result:
             res.sdpa_ms = time_fn(sdpa, args.warmup, args.iters, cuda, inner)
             res.notes.append(f"sdpa: {how}")
             del k, v
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             res.notes.append(f"sdpa failed: {type(exc).__name__}: {exc}"[:200])
 
     elt = kv.element_size()

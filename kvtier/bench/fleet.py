@@ -1,8 +1,8 @@
 """``kvtier sim TRACE --instances N --route POLICY``: a fleet of N instances behind a router.
 
 Each instance is a real CacheManager of the given tier sizes (as ``kvtier sim`` replays one);
-the router is the one ``kvtier router --workers`` runs: the same policy (``cache/route.py``), one
-:class:`~kvtier.cache.route.PrefixIndex` per instance fed by that instance's KV events
+the router is the one ``kvtier router --workers`` runs: the same policy (``serve/route.py``), one
+:class:`~kvtier.serve.route.PrefixIndex` per instance fed by that instance's KV events
 (``cache/events.py``), and the request's chained keys. Before each request the router polls every
 instance's new events; with ``drop_events`` = p each event is lost with probability p, the
 reader sees the gap in the numbering, skips the rest of that poll and takes a snapshot at the
@@ -34,8 +34,8 @@ from itertools import takewhile
 from kvtier.bench.replay import TIERS, SimConfig, fetch_cost, make_manager, progress_bar, run_copies, serve_one, simulate
 from kvtier.bench.traces import TraceRequest
 from kvtier.cache.keys import BlockHasher, namespace_seed
-from kvtier.cache.route import Picker, PrefixIndex
 from kvtier.cache.storage_index import SimulatedStorage
+from kvtier.serve.route import Picker, PrefixIndex
 
 DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
 

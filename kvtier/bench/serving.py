@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
-from kvtier.cache.route import POLICIES
+from kvtier.serve.route import POLICIES
 
 # kvtier serve flags per --compare configuration (the device and host sizes come from the bench);
 # pd: a prefill and a decode server (each the storage configuration) behind `kvtier router`
@@ -274,7 +274,7 @@ class Server:
                 elif fam.name == "kvtier_copies_pending" and fam.samples:
                     out["pending"] = fam.samples[0].value
             return out
-        except Exception:  # noqa: BLE001 - not kvtier, or no metrics: per-tier counts are left out
+        except Exception:  # not kvtier, or no metrics: per-tier counts are left out
             return {}
 
     def cache_stats(self) -> dict[str, dict]:
@@ -363,7 +363,7 @@ async def send(client: Any, server: Server, rec: Record, prompt: list[int]) -> R
                     last = now
                     ids += got
                     rec.output_tokens += max(1, len(got))
-    except Exception as e:  # noqa: BLE001 - counted as a failed request, the run goes on
+    except Exception as e:  # counted as a failed request, the run goes on
         rec.error = repr(e)
     if rec.error is None and rec.ttft is None:
         rec.error = f"HTTP {rec.status}: the answer ended without a token"
@@ -750,7 +750,7 @@ def tokenizer_vocab(name: str) -> int:
         from transformers import AutoTokenizer
 
         return len(AutoTokenizer.from_pretrained(name))
-    except Exception as e:  # noqa: BLE001 - any load failure is a bad --tokenizer
+    except Exception as e:  # counted as a failed request, the run goes on
         raise SystemExit(f"--tokenizer {name!r}: cannot load it as a Hugging Face tokenizer ({e})") from None
 
 

@@ -37,7 +37,7 @@ from kvtier import flags
 from kvtier.bench.replay import TIERS, SimConfig, simulate
 from kvtier.bench.traces import read_trace
 from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
-from kvtier.cache.route import POLICIES
+from kvtier.serve.route import POLICIES
 
 
 def format_report(res: dict) -> str:

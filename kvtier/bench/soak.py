@@ -326,7 +326,7 @@ async def _client(url: str, requests: int, concurrency: int, seed: int, context:
 def _client_process(conn: Any, *args: Any) -> None:
     try:
         conn.send(asyncio.run(_client(*args)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the soak
+    except BaseException as e:  # reported to the parent, which fails the soak
         conn.send({"error": repr(e)})
     finally:
         conn.close()

@@ -31,7 +31,7 @@ def storage_hits(storage: StorageIndex, req: CacheRequest, nh: int, max_blocks: 
         if not isinstance(hits, int):  # started at arrival: usually answered by now
             try:
                 hits = int(hits.result())
-            except Exception:  # noqa: BLE001 - a failed or cancelled lookup is a miss
+            except Exception:  # a failed or cancelled lookup is a miss
                 hits = 0
             req.storage_probe = (first, max_blocks, hits, at)
         if first <= nh <= first + hits:  # the block after the hits is absent (or the end)

@@ -272,7 +272,7 @@ class EngineClient:
             try:  # never wait on a peer that is gone (a PUSH with no peer blocks)
                 with self._send_lock:
                     self._push.send(encode(["stop"]), zmq.NOBLOCK)
-            except Exception:  # noqa: BLE001 - a socket already closed or no peer: the process goes below
+            except Exception:  # a socket already closed or no peer: the process goes below
                 pass
         # an engine that said it stopped has nothing left to finish: a short grace, then a kill
         self._close_process(min(timeout, 5.0) if self._error is not None else timeout)
@@ -324,7 +324,7 @@ class EngineClient:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - no message can be read: the engine is gone to us
+        except Exception as e:  # no message can be read: the engine is gone to us
             log.exception("reading the engine's messages failed")
             self._died(f"{type(e).__name__}: {e}")
 
@@ -366,7 +366,7 @@ class EngineClient:
         if self.on_dead is not None:
             try:
                 self.on_dead(self._error)
-            except Exception:  # noqa: BLE001 - the engine is gone either way
+            except Exception:  # a socket already closed or no peer: the process goes below
                 log.exception("on_dead callback failed")
         err = EngineDead(f"the engine stopped: {why}")
         for q in self._sinks.values():

@@ -65,6 +65,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.copies import CopyPump
 from kvtier.engine.cuda_graph import capture_graphs
 from kvtier.engine.draft_graphs import build_chain
+from kvtier.engine.experts import ExpertCapture, validate_routed_experts
 from kvtier.engine.fatal import raise_if_device_lost
 from kvtier.engine.group import SampleGroup, SampleGroups, check_n
 from kvtier.engine.intake import AUTO_ID, Intake, check_token_ids
@@ -72,7 +73,6 @@ from kvtier.engine.outputs import RequestOutput, request_output
 from kvtier.engine.pd import Exports, accept_handoff, check_handoffs
 from kvtier.engine.pool import bind_pool, open_pool
 from kvtier.engine.request import Request, Status
-from kvtier.engine.routing import RoutingCapture, validate_routed_experts
 from kvtier.engine.runner import ModelRunner, StepResult
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
@@ -287,7 +287,7 @@ class EngineCore:
             )
         self.host_kv = self._host.tensor if self._host is not None else None
         self.routing = (
-            RoutingCapture(
+            ExpertCapture(
                 cfg.num_moe_layers, cfg.top_k, cfg.num_experts, block_size, num_device_blocks, num_host_blocks, self.device
             )
             if cfg.is_moe and c.capture_routing
@@ -563,7 +563,7 @@ class EngineCore:
             if not out.scheduled:
                 return None
             ends = self.scheduler.advance(out)
-        except Exception as e:  # noqa: BLE001 - blamed on this step's requests, reported in their outputs
+        except Exception as e:  # blamed on this step's requests, reported in their outputs
             self._blame(out, results, e)
             return None
         # the next schedule needs this step's tokens on the host if it loaded blocks (a failed
@@ -579,7 +579,7 @@ class EngineCore:
         others go on with the step."""
         try:
             return self.runner.execute(out, start_loads)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # blamed on this step's requests, reported in their outputs
             if self.ranks is not None:  # the other ranks are inside this step's collectives
                 raise self.ranks.explain(e) from e
             raise_if_device_lost(e)  # nothing more runs on this GPU: no retry
@@ -592,7 +592,7 @@ class EngineCore:
             try:
                 sampled.update(self.runner.execute(SchedulerOutput([s], []), start_loads).collect())
                 survivors.append(s)
-            except Exception as e:  # noqa: BLE001 - this request alone fails
+            except Exception as e:  # this request alone fails
                 raise_if_device_lost(e)
                 log.exception("request %s failed in the forward", s.request.request_id)
                 results.append(self._fail(s.request, e))
@@ -613,13 +613,13 @@ class EngineCore:
                 self.copies.wait_loads()  # the forward waited on them
             rewinds = self.copies.take_rewinds([s.request.request_id for s in out.scheduled])
             finished = self.scheduler.update(out, step.ends, sampled, rewinds)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # blamed on this step's requests, reported in their outputs
             self.scheduler.drop(out)
             self._blame(out, results, e)
             return
         try:
             self._outputs(out, finished, results)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # blamed on this step's requests, reported in their outputs
             self._blame(out, results, e)
 
     def _outputs(self, out: SchedulerOutput, finished: list[Request], results: list[RequestOutput]) -> None:

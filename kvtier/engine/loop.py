@@ -211,7 +211,7 @@ class EngineLoop:
                     if idle:
                         core.pump_idle()
                     finished = [] if idle else core.step()
-                except Exception as e:  # noqa: BLE001 - maybe transient: dead only if it keeps failing
+                except Exception as e:  # maybe transient: dead only if it keeps failing
                     failures += 1
                     if failures >= self.max_step_failures or core.closed or device_lost(e):
                         raise
@@ -230,7 +230,7 @@ class EngineLoop:
                     self._log_stats()
                 if after_iteration is not None:
                     after_iteration()
-        except BaseException as e:  # noqa: BLE001 - reported to every caller, then the loop ends
+        except BaseException as e:  # reported to every caller, then the loop ends
             if device_lost(e):
                 log.critical(
                     "the GPU can run nothing more (%s); failing every request in flight, the engine stops", e, exc_info=e
@@ -242,14 +242,14 @@ class EngineLoop:
         if self.error is not None and self.on_dead is not None:
             try:
                 self.on_dead(self.error)
-            except Exception:  # noqa: BLE001 - the engine is gone either way
+            except Exception:  # the engine is gone either way
                 log.exception("on_dead callback failed")
         err = EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the engine is shutting down")
         for rid, sink in list(self.sinks.items()):
             sink.push(err)
             try:
                 core.abort(rid)
-            except Exception:  # noqa: BLE001 - best effort on the way out
+            except Exception:  # the engine is gone either way
                 pass
         self.sinks.clear()
         while (cmd := self.next_command(False)) is not None:  # callers still waiting on a call() or an add
@@ -264,7 +264,7 @@ class EngineLoop:
     def _log_stats(self) -> None:
         try:
             self.stats.maybe_log(self.core)
-        except Exception:  # noqa: BLE001 - a log line must never stop the engine: no more of them
+        except Exception:  # a log line must never stop the engine: no more of them
             log.exception("stats line failed; --log-stats-interval is off from now on")
             self.stats.interval = 0
 
@@ -278,7 +278,7 @@ class EngineLoop:
                 try:
                     self.core.enqueue(sink.req)
                     self.sinks[sink.req.request_id] = sink
-                except Exception as e:  # noqa: BLE001 - the caller gets it (e.g. a closed engine)
+                except Exception as e:  # maybe transient: dead only if it keeps failing
                     sink.push(e)
             elif kind == "abort":
                 if self.sinks.pop(cmd[1], None) is not None:
@@ -287,7 +287,7 @@ class EngineLoop:
                 fn, reply, args = cmd[1], cmd[2], cmd[3] if len(cmd) > 3 else ()
                 try:
                     result = (CALLS[fn] if isinstance(fn, str) else fn)(self.core, *args)
-                except Exception as e:  # noqa: BLE001 - the caller gets it
+                except Exception as e:  # maybe transient: dead only if it keeps failing
                     reply(None, e)
                 else:
                     reply(result, None)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvtier.engine.experts import ExpertCapture
     from kvtier.engine.request import Request
-    from kvtier.engine.routing import RoutingCapture
 
 
 @dataclass
@@ -51,7 +51,7 @@ class RequestOutput:
 
 
 def request_output(
-    req: Request, tokenizer: Any, routing: RoutingCapture | None, error: str | None = None, error_kind: str | None = None
+    req: Request, tokenizer: Any, routing: ExpertCapture | None, error: str | None = None, error_kind: str | None = None
 ) -> RequestOutput:
     """``req``'s output (one sample); with ``error``, a failed one (finish_reason "error", no
     text nor routing: its blocks may be gone already) of ``error_kind`` (RequestOutput says which)."""

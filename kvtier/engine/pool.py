@@ -11,7 +11,7 @@ import torch
 from kvtier.cache import ModelFingerprint
 from kvtier.cache.cost import FetchCostModel
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.routing import RoutingCapture
+from kvtier.engine.experts import ExpertCapture
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
 from kvtier.storage.client import StorageClient, default_storage_workers
 
@@ -43,7 +43,7 @@ def bind_pool(
     storage: StorageClient,
     cost: FetchCostModel | None,
     host_kv: torch.Tensor,
-    routing: RoutingCapture | None,
+    routing: ExpertCapture | None,
     fingerprint: ModelFingerprint,
 ) -> None:
     """Bind ``storage`` to the host tier and calibrate the cost model on this pool's speed."""

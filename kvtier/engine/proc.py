@@ -91,7 +91,7 @@ def main(model: str, config: EngineConfig, inbox: str, outbox: str, stats_interv
     startup.on_change = lambda: send(["phase", startup.as_dict()])
     try:
         core = EngineCore(model, config, startup=startup)
-    except BaseException as e:  # noqa: BLE001 - told to the server, which exits on it
+    except BaseException as e:  # told to the server, which exits on it
         log.debug("engine start failed", exc_info=e)
         send(["failed", startup.phase, type(e).__name__, str(e)])
         push.close()
@@ -218,7 +218,7 @@ class _Engine:
             self.pool_at = now
             try:
                 pool = dict(storage.health())
-            except Exception as e:  # noqa: BLE001 - a probe that fails says the pool is not ok
+            except Exception as e:  # a probe that fails says the pool is not ok
                 pool = {"ok": False, "reason": f"{type(e).__name__}: {e}"}
         elif pool_due:
             self.pool_at = now

@@ -31,8 +31,8 @@ import torch
 
 from kvtier import index_checks
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
+from kvtier.engine.experts import ExpertCapture
 from kvtier.engine.request import Request
-from kvtier.engine.routing import RoutingCapture
 from kvtier.engine.sampling import Penalties, draw, to_device, topk
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.staging import HostCopy, PinnedRing
@@ -52,7 +52,7 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
-        routing: RoutingCapture | None = None,
+        routing: ExpertCapture | None = None,
         decode_graphs: DecodeGraphs | None = None,
         step_graphs: StepGraphs | None = None,
     ) -> None:

@@ -148,7 +148,7 @@ class PromptTokenizer:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the client's 400
+        except Exception as e:  # a template that rejects these messages is the client's 400
             raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, budget: int, after: str = "") -> list[int]:
@@ -262,7 +262,7 @@ class FairExecutor:
                 continue  # its client went away
             try:
                 fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - the caller's error, raised where it awaits
+            except BaseException as e:  # the caller's error, raised where it awaits
                 fut.set_exception(e)
 
     def close(self) -> None:

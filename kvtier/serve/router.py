@@ -60,10 +60,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from kvtier.cache.route import Candidate, Picker, PrefixIndex
 from kvtier.redact import redact_url
 from kvtier.serve import asgi
 from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error, until_disconnect
+from kvtier.serve.route import Candidate, Picker, PrefixIndex
 from kvtier.serve.workers import CacheView
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class Router:
             raise ValueError("give --workers (colocated instances) or --prefill/--decode (PD), not both")
         if not decode and not workers:
             raise ValueError("the router needs at least one --decode server or --workers instance")
-        self.picker = Picker(policy)  # how a D (or a worker) is chosen (cache/route.py)
+        self.picker = Picker(policy)  # how a D (or a worker) is chosen (serve/route.py)
         self.prefill_picker = Picker(policy)  # ... and a P
         self.policy = policy
         self.prefill = [Backend(u, "prefill") for u in prefill]
@@ -209,7 +209,7 @@ class Router:
     # ------------------------------------------------------------------ backends
     async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str], role: str = "decode") -> tuple[Backend, int] | None:
         """The D (or worker), or with ``role="prefill"`` the P, for a request, by ``--policy``
-        (cache/route.py): under cache_aware a P is chosen for the prefix its tiers hold (what it
+        (serve/route.py): under cache_aware a P is chosen for the prefix its tiers hold (what it
         holds it does not prefill), a D for what it holds (what it holds it does not load).
         With it the prompt tokens the chosen one is predicted to hold (0 without
         ``cache_aware``): they are not its work (:meth:`_load`)."""
@@ -417,7 +417,7 @@ class Router:
             yield (sse_error(APIError(502, f"decode server answered {r.status_code}: {detail}")) + "data: [DONE]\n\n").encode()
             return
         cost = _load(body, cached)
-        d.inflight += cost  # D's load until its stream ends (cache/route.py)
+        d.inflight += cost  # D's load until its stream ends (serve/route.py)
         try:
             async for b in _relay(None, r):
                 yield b
@@ -534,7 +534,7 @@ class Router:
         r, d, cached = opened
         cost = _load(body, cached)
         if r.status_code != 200 or not stream:
-            d.inflight += cost  # its load until the answer ends (cache/route.py)
+            d.inflight += cost  # its load until the answer ends (serve/route.py)
             try:
                 content = await r.aread()
             except httpx.HTTPError as e:

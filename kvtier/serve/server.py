@@ -125,7 +125,7 @@ def serve(
                 port,
                 startup.total_s,
             )
-        except BaseException as e:  # noqa: BLE001 - the server says so, then exits non-zero
+        except BaseException as e:  # the server says so, then exits non-zero
             if startup.phase == "starting":  # bad arguments, before any phase: the caller raises it
                 built["error"] = e
                 return
@@ -151,7 +151,7 @@ def serve(
         if "engine" in built:
             try:
                 built["engine"].shutdown()
-            except Exception as e:  # noqa: BLE001 - a dead GPU may fail its own cleanup
+            except Exception as e:  # a dead GPU may fail its own cleanup
                 log.warning("engine shutdown failed: %s", e)
             else:
                 log.info("the engine stopped")

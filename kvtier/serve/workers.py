@@ -1,6 +1,6 @@
 """The router's view of its instances' caches (``kvtier router --workers --policy cache_aware``).
 
-Per instance, a :class:`~kvtier.cache.route.PrefixIndex` fed by its KV events: the router takes
+Per instance, a :class:`~kvtier.serve.route.PrefixIndex` fed by its KV events: the router takes
 ``GET /kvtier/kv_events/snapshot`` once (and again after a gap, a restart of the instance or of
 the router), then polls ``GET /kvtier/kv_events?since=N`` every ``interval`` seconds and applies
 what came. An instance that does not answer a poll within :data:`POLL_TIMEOUT_S` is stalled: out
@@ -14,7 +14,7 @@ every conversation the instance held, and send their next turns elsewhere.)
 With ``--storage URL`` (the pool the instances share) the router also asks the pool how many of
 a request's leading blocks it holds (one lookup per choice; a cold prompt is one name, as the
 engines ask): those past what an instance holds count for it as storage hits
-(cache/route.py). Nothing of the pool is indexed: it is shared, so it is asked.
+(serve/route.py). Nothing of the pool is indexed: it is shared, so it is asked.
 
 A request's keys are the instance's own (cache/keys.py): the router tokenizes the request as the
 server does (``serve/prompts.py``; only the tokenizer is loaded, from ``--tokenizer`` or the
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from kvtier.cache.keys import BlockHasher, encoded_seed
-from kvtier.cache.route import Candidate
+from kvtier.serve.route import Candidate
 
 if TYPE_CHECKING:
     from kvtier.serve.router import Backend
@@ -211,7 +211,7 @@ class CacheView:
                 return []
             add = body.get("add_generation_prompt", True) is not False
             return await prompts.chat_ids(messages, add, prompts.max_model_len, owner=id(body))
-        except Exception as e:  # noqa: BLE001 - a request the router cannot key goes by load
+        except Exception as e:  # a request the router cannot key goes by load
             log.debug("could not tokenize a request for routing: %r", e)
             return []
 

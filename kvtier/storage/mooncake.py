@@ -99,7 +99,7 @@ import numpy as np
 from kvtier.redact import redact_url
 from kvtier.storage.base import MISSING, TOO_LARGE, Backend, StorageError
 from kvtier.storage.memory import parse_size
-from kvtier.storage.mooncake_pool import import_store, start_pool
+from kvtier.storage.mooncake_launch import import_store, start_pool
 
 log = logging.getLogger(__name__)
 

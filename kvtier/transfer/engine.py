@@ -75,7 +75,7 @@ class TransferEngine:
     ) -> None:
         self.kv_caches = kv_caches
         self.host_kv = host_kv
-        self.routing = routing  # RoutingCapture: routed experts travel with their KV block
+        self.routing = routing  # ExpertCapture: routed experts travel with their KV block
         self.num_layers = len(kv_caches)
         self.cuda = kv_caches[0].is_cuda
         if use_kernels is None:
@@ -139,7 +139,7 @@ class TransferEngine:
             fence.record(stream)
             torch.cuda.current_stream(device).wait_event(fence)
             return fence
-        except Exception:  # noqa: BLE001 - CUDA itself failing: wait here for whatever was queued
+        except Exception:  # CUDA itself failing: wait here for whatever was queued
             torch.cuda.synchronize(device)
             return None
 

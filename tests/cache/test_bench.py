@@ -1,4 +1,5 @@
 """``kvtier bench cache`` and ``kvtier bench peers`` on tiny configurations (no timing asserted)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ from kvtier.bench.cache_bench import make_trace
 from kvtier.cli import main
 
 TINY = ["bench", "cache", "--requests", "12", "--prompts", "2", "--prompt-tokens", "64", "--repeat", "1"]
-TINY_PEERS = ["bench", "peers", "--requests", "30", "--prompts", "3", "--warmup", "5", "--repeat", "1",
-              "--num-blocks", "2048"]
+TINY_PEERS = ["bench", "peers", "--requests", "30", "--prompts", "3", "--warmup", "5", "--repeat", "1", "--num-blocks", "2048"]
 
 
 def test_bench_cache_prints_one_line_per_digest(capsys):
@@ -24,14 +24,14 @@ def test_bench_cache_prints_one_line_per_digest(capsys):
 def test_bench_cache_json_has_the_figures(capsys, tmp_path):
     assert main(TINY + ["--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert main(TINY + ["--json", str(tmp_path / "rows.json")]) == 0     # a path: the table, and the file
+    assert main(TINY + ["--json", str(tmp_path / "rows.json")]) == 0  # a path: the table, and the file
     assert capsys.readouterr().out.splitlines()[0].startswith("sha256 ")
     assert [r["hash"] for r in json.loads((tmp_path / "rows.json").read_text())] == ["sha256", "xxh3_128"]
     assert [r["hash"] for r in rows] == ["sha256", "xxh3_128"]
     for r in rows:
         assert r["requests"] == 12 and r["prompt_tokens"] == 12 * 64
         assert r["keys_us_per_request"] > 0 and r["us_per_request"] > 0
-        assert 0.5 < r["hit_share"] < 56 / 64 + 1e-9   # a 7/8 shared prefix, first uses miss
+        assert 0.5 < r["hit_share"] < 56 / 64 + 1e-9  # a 7/8 shared prefix, first uses miss
 
 
 def test_bench_trace_is_fixed_by_its_seed():
@@ -57,7 +57,7 @@ def test_kvtier_peer_serves_hits_and_leaks_nothing(hash_name):
 
 def test_peer_replay_hits_the_longest_cached_prefix_of_whole_blocks():
     trace = peers.make_trace(40, 4, prompt_tokens=(64, 128), unique_tokens=(8, 24))
-    res = peers.replay(peers.KvtierPeer(1024, 16), trace, window=8)   # room for all: nothing evicted
+    res = peers.replay(peers.KvtierPeer(1024, 16), trace, window=8)  # room for all: nothing evicted
 
     def common(a: list[int], b: list[int]) -> int:
         n = 0
@@ -67,8 +67,7 @@ def test_peer_replay_hits_the_longest_cached_prefix_of_whole_blocks():
 
     # reference: the longest prefix shared with any earlier request, in whole 16-token blocks,
     # leaving at least one token to compute
-    expected = sum(min(max((common(t, u) for u in trace[:i]), default=0), len(t) - 1) // 16 * 16
-                   for i, t in enumerate(trace))
+    expected = sum(min(max((common(t, u) for u in trace[:i]), default=0), len(t) - 1) // 16 * 16 for i, t in enumerate(trace))
     assert expected > 0
     assert res["requests"] == 40 and res["hit_share"] == expected / sum(map(len, trace))
 

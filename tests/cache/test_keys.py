@@ -1,4 +1,5 @@
 """Block keys (DESIGN §3): canonical bytes, chained digests, tagged extras, object names."""
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ def test_numpy_ints_give_the_same_keys_as_python_ints():
 
 def test_known_answer_digest_computed_with_hashlib():
     le32 = lambda n: struct.pack("<I", n)  # noqa: E731
-    seed = hashlib.sha256(b"kvtier-ns" + le32(1) + le32(0)).digest()   # version 1, no fingerprint, no salt
+    seed = hashlib.sha256(b"kvtier-ns" + le32(1) + le32(0)).digest()  # version 1, no fingerprint, no salt
     block0 = b"".join(struct.pack("<i", t) for t in (1, 2, 3, 4))
     block1 = b"".join(struct.pack("<i", t) for t in (5, 6, 7, 70000))
     key0 = hashlib.sha256(seed + block0).digest()
@@ -52,10 +53,10 @@ def test_lora_tag_changes_every_key():
 def test_multimodal_item_changes_the_blocks_it_overlaps_only():
     tokens = list(range(3 * BS))
     plain = keys_of(tokens)
-    overlapping = keys_of(tokens, mm_items=[MMItem(b"img", offset=BS + 1, length=2)])   # inside block 1
+    overlapping = keys_of(tokens, mm_items=[MMItem(b"img", offset=BS + 1, length=2)])  # inside block 1
     assert overlapping[0] == plain[0]
-    assert overlapping[1] != plain[1] and overlapping[2] != plain[2]                  # chained after it
-    ends_at_block = keys_of(tokens, mm_items=[MMItem(b"img", offset=0, length=BS)])   # ends where block 1 starts
+    assert overlapping[1] != plain[1] and overlapping[2] != plain[2]  # chained after it
+    ends_at_block = keys_of(tokens, mm_items=[MMItem(b"img", offset=0, length=BS)])  # ends where block 1 starts
     assert ends_at_block[0] != plain[0]
     only_block1 = keys_of(tokens, mm_items=[MMItem(b"img", offset=BS, length=BS)])
     assert only_block1[0] == plain[0] and only_block1[1] != plain[1]
@@ -81,7 +82,7 @@ def test_partial_key_names_hex_and_token_count():
 def test_partial_key_of_a_prefix_equals_a_hasher_that_stopped_there():
     tokens = list(range(3, 40))
     longer = BlockHasher(BS, SEED)
-    longer.extend(tokens)                     # a request that went on (D: prompt + generated)
+    longer.extend(tokens)  # a request that went on (D: prompt + generated)
     for n in (1, BS - 1, BS, BS + 2, 3 * BS + 1, len(tokens)):
         stopped = BlockHasher(BS, SEED)
         stopped.extend(tokens[:n])
@@ -111,18 +112,18 @@ def test_incremental_extend_equals_one_shot():
     step = BlockHasher(BS, SEED)
     got = []
     for i in range(0, len(tokens), 3):
-        got += step.extend(tokens[i:i + 3])
+        got += step.extend(tokens[i : i + 3])
     assert got == one_shot.keys == step.keys
     assert step.partial_key() == one_shot.partial_key()
     lazy = BlockHasher(BS, SEED)
     lazy.add_tokens(tokens[:17])
     lazy.add_tokens(tokens[17:])
-    assert lazy.keys == one_shot.keys          # labels first, digests when asked for
+    assert lazy.keys == one_shot.keys  # labels first, digests when asked for
 
 
 @pytest.mark.parametrize("bad", [-1, 2**31, 2**40, 1.5, True, False, np.float32(2.0), "7", None])
 def test_bad_token_raises_value_error_naming_it(bad):
-    for tokens in ([1, 2, bad, 3], list(range(40)) + [bad]):   # short and long (vectorized) paths
+    for tokens in ([1, 2, bad, 3], list(range(40)) + [bad]):  # short and long (vectorized) paths
         with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(").replace(")", r"\)")):
             BlockHasher(BS, SEED).extend(tokens)
 

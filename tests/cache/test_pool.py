@@ -1,4 +1,5 @@
 """BlockPool: O(1) allocate/free from a stack of free ids, loud and atomic on misuse."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,7 +62,7 @@ def test_refused_free_leaves_state_unchanged():
     a, b = pool.allocate(2)
     pool.free_one(b)
     with pytest.raises(DoubleFreeError):
-        pool.free([a, b])           # b is already free: the whole call is refused
+        pool.free([a, b])  # b is already free: the whole call is refused
     assert not pool.is_free(a) and pool.num_free == 3
 
 

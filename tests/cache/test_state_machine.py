@@ -21,6 +21,7 @@ Copies run asynchronously, as in the engine (kvtier/engine/llm.py ``step``, DESI
   waits; once the in-flight backups and early loads (preloads) have landed, at
   least that many more device blocks must be free or evictable (``_wait_for_backups``).
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,8 @@ class Req:
     def __init__(self, creq, tokens):
         self.creq = creq
         self.tokens = tokens
-        self.computed = 0      # tokens whose KV the request has (cached or computed)
-        self.scheduled = 0     # tokens to compute in the next forward
+        self.computed = 0  # tokens whose KV the request has (cached or computed)
+        self.scheduled = 0  # tokens to compute in the next forward
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -55,16 +56,22 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.mgr = CacheManager(block_size=BS, num_device_blocks=10, num_host_blocks=20,
-                                storage=SimulatedStorage(self.storage_capacity),
-                                write_policy=self.policy, write_through_threshold=2, block_nbytes=64,
-                                fetch_chunk_blocks=2)   # prefetches of several chunks, landing in any order
+        self.mgr = CacheManager(
+            block_size=BS,
+            num_device_blocks=10,
+            num_host_blocks=20,
+            storage=SimulatedStorage(self.storage_capacity),
+            write_policy=self.policy,
+            write_through_threshold=2,
+            block_nbytes=64,
+            fetch_chunk_blocks=2,
+        )  # prefetches of several chunks, landing in any order
         self.reqs: list[Req] = []
-        self.swapped: list[list[int]] = []   # token sequences of requests preempted by swap
+        self.swapped: list[list[int]] = []  # token sequences of requests preempted by swap
         self.device: dict[int, bytes] = {}
         self.host: dict[int, bytes] = {}
         self.stored: dict[bytes, bytes] = {}
-        self.inflight: list = []   # TransferOps planned, not yet completed
+        self.inflight: list = []  # TransferOps planned, not yet completed
         self.next_rid = 0
 
     # ------------------------------------------------------------ requests
@@ -78,8 +85,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.reqs.append(Req(creq, tokens))
         return m
 
-    @rule(prefix=st.integers(0, len(PREFIXES) - 1), keep=st.integers(0, 24),
-          suffix=st.lists(st.integers(0, 10), min_size=1, max_size=5))
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        keep=st.integers(0, 24),
+        suffix=st.lists(st.integers(0, 10), min_size=1, max_size=5),
+    )
     def add_request(self, prefix, keep, suffix):
         self._add(PREFIXES[prefix][:keep] + suffix)
 
@@ -98,7 +108,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = min(len(r.tokens), cached + chunk)
         if self.mgr.allocate(r.creq, n):
             assert len(r.creq.block_table) * BS >= n
-            m = r.creq.match   # allocate re-matches if a copy went away since
+            m = r.creq.match  # allocate re-matches if a copy went away since
             cached = (m.num_device_blocks + m.num_host_blocks) * BS
             r.computed, r.scheduled = cached, n - cached
         elif self.mgr.wait_would_fit(r.creq, n) and data.draw(st.booleans()):
@@ -125,12 +135,18 @@ class CacheMachine(RuleBasedStateMachine):
             r.scheduled = n - r.computed
         else:
             # only a shortfall, or write_back turning evictions into backups, may still refuse
-            assert need > reclaimable or (self.policy == "write_back" and self.mgr.num_device_blocks_freeing), \
+            assert need > reclaimable or (self.policy == "write_back" and self.mgr.num_device_blocks_freeing), (
                 f"allocate of {need} blocks refused with {reclaimable} free or evictable"
+            )
 
-    @rule(prefix=st.integers(0, len(PREFIXES) - 1), keep=st.integers(0, 24),
-          suffix=st.lists(st.integers(0, 10), min_size=1, max_size=5),
-          fail=st.lists(st.booleans(), max_size=6), late=st.booleans(), early_commit=st.booleans())
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        keep=st.integers(0, 24),
+        suffix=st.lists(st.integers(0, 10), min_size=1, max_size=5),
+        fail=st.lists(st.booleans(), max_size=6),
+        late=st.booleans(),
+        early_commit=st.booleans(),
+    )
     def serve(self, prefix, keep, suffix, fail, late, early_commit):
         """A whole request: match, prefetch, admit, prefill, finish (a few steps)."""
         self._add(PREFIXES[prefix][:keep] + suffix)
@@ -170,14 +186,19 @@ class CacheMachine(RuleBasedStateMachine):
         assert planned <= missing
         for n in nodes:
             assert tree.alive(n) and n.device_block is not None, "swap_out dropped a committed block"
-            if n.host_block is None:   # no host copy, not even one on its way: only if host is full
+            if n.host_block is None:  # no host copy, not even one on its way: only if host is full
                 assert mgr.host_pool.num_free == 0, f"swap_out left {n} without a host copy"
-        def unlocked_below(n):       # freed leaf-first: a locked device descendant (another
-            return n.lock_ref == 0 and all(unlocked_below(c) for c in tree.children_of(n)   # request,
-                                           if c.device_block is not None)                   # a prefetch) keeps it
+
+        def unlocked_below(n):  # freed leaf-first: a locked device descendant (another
+            return n.lock_ref == 0 and all(
+                unlocked_below(c)
+                for c in tree.children_of(n)  # request,
+                if c.device_block is not None
+            )  # a prefetch) keeps it
+
         out = [n for n in nodes if n.host_block is not None and not n.host_ready and unlocked_below(n)]
         assert mgr.num_device_blocks_freeing >= len(out), "swapped-out blocks not counted as freeing"
-        if back_now:   # comes straight back: its whole committed prefix is still a hit
+        if back_now:  # comes straight back: its whole committed prefix is still a hit
             m = self._add(list(r.tokens))
             assert m.num_device_blocks >= min(len(nodes), (len(r.tokens) - 1) // BS), (m, len(nodes))
         else:
@@ -192,7 +213,7 @@ class CacheMachine(RuleBasedStateMachine):
         if away != "briefly":
             self._drain()
             self.mgr._evict_device(self.mgr.device_pool.num_blocks)
-            self._drain()     # write_back: device copies go once their backups land
+            self._drain()  # write_back: device copies go once their backups land
             if away == "off host":
                 self.mgr._evict_host(self.mgr.host_pool.num_blocks)
                 self._drain()  # write_back: host copies go once stored
@@ -215,8 +236,14 @@ class CacheMachine(RuleBasedStateMachine):
         self._wait_for_backups(fail)
 
     # ------------------------------------------------------------ a step
-    @rule(fail=st.lists(st.booleans(), max_size=12), finish=st.lists(st.booleans(), max_size=6),
-          rest=st.booleans(), late=st.booleans(), early_commit=st.booleans(), reverse=st.booleans())
+    @rule(
+        fail=st.lists(st.booleans(), max_size=12),
+        finish=st.lists(st.booleans(), max_size=6),
+        rest=st.booleans(),
+        late=st.booleans(),
+        early_commit=st.booleans(),
+        reverse=st.booleans(),
+    )
     def step(self, fail, finish, rest=True, late=False, early_commit=False, reverse=False):
         mgr = self.mgr
         self.inflight.extend(mgr.take_plan())
@@ -228,7 +255,7 @@ class CacheMachine(RuleBasedStateMachine):
         # manager hears of it before the forward, or (late) only after it.
         landed = [(op, self._land(op, fails)) for op in loads]
         bad = {op.dst_blocks[i] for op, failed in landed for i in failed}
-        expected = {}   # rid -> first position a request reads from a failed load: its rewind
+        expected = {}  # rid -> first position a request reads from a failed load: its rewind
         for r in self._running():
             first_bad = next((i for i in range(r.computed // BS) if r.creq.block_table[i] in bad), None)
             if r.scheduled and first_bad is not None:
@@ -264,31 +291,32 @@ class CacheMachine(RuleBasedStateMachine):
             r.computed, r.scheduled = end, 0
             forwarded.append(r)
         if late:
-            if early_commit:   # the step's update before the manager learns the loads landed
+            if early_commit:  # the step's update before the manager learns the loads landed
                 for r in forwarded:
                     before = (list(r.creq.nodes), list(r.creq.block_table), len(mgr.tree))
                     mgr.commit(r.creq, r.computed)
                     if r.creq.num_loading:
-                        assert before == (list(r.creq.nodes), list(r.creq.block_table), len(mgr.tree)), \
+                        assert before == (list(r.creq.nodes), list(r.creq.block_table), len(mgr.tree)), (
                             "commit changed the tree while the request's loads are in flight"
+                        )
             for op, failed in landed:
                 rewinds.update(self._complete(op, failed))
             assert rewinds == expected, f"rewinds {rewinds}, failed loads read at {expected}"
             for r in forwarded:
                 if r.creq.rid in rewinds:
-                    r.computed = rewinds[r.creq.rid]   # the step's output is discarded
+                    r.computed = rewinds[r.creq.rid]  # the step's output is discarded
         for r in forwarded:
             if r.creq.rid not in rewinds:
-                mgr.commit(r.creq, r.computed)   # catches up on an early commit that had to wait
+                mgr.commit(r.creq, r.computed)  # catches up on an early commit that had to wait
         # Other copies complete now or later (async), in any order.
         self.inflight.extend(mgr.take_plan())
         done = iter(finish)
         for op in list(self.inflight):
             if op.kind == "load":
-                continue                     # the next step's forward waits for it
+                continue  # the next step's forward waits for it
             oldest_backup = next((o for o in self.inflight if o.kind == "backup"), None)
             if op.kind == "backup" and op is not oldest_backup:
-                continue                     # backups land in plan order (one offload stream)
+                continue  # backups land in plan order (one offload stream)
             if next(done, rest):
                 self._run(op, fails)
 
@@ -335,7 +363,8 @@ class CacheMachine(RuleBasedStateMachine):
                     blocked.add(id(n))
                     n = n.parent
         return self.mgr.device_pool.num_free + sum(
-            1 for n in tree.nodes.values() if n.device_block is not None and id(n) not in blocked)
+            1 for n in tree.nodes.values() if n.device_block is not None and id(n) not in blocked
+        )
 
     def _wait_for_backups(self, fail):
         """The scheduler waits (frees nothing) until the device->host copies in flight land; the
@@ -348,8 +377,9 @@ class CacheMachine(RuleBasedStateMachine):
         for op in [op for op in self.inflight if op.kind in ("backup", "preload")]:
             self._run(op, fails)
         after = self._reclaimable()
-        assert after >= before + promised, \
+        assert after >= before + promised, (
             f"{promised} device blocks promised by in-flight backups and preloads, {after - before} came"
+        )
 
     # ------------------------------------------------------------ checks
     @invariant()
@@ -361,7 +391,7 @@ class CacheMachine(RuleBasedStateMachine):
             if node.host_block is not None and node.host_ready:
                 assert self.host.get(node.host_block) == node.key, "tree host copy holds wrong KV"
         for r in self._running():
-            if not r.scheduled and not r.creq.num_loading:   # every computed full block committed
+            if not r.scheduled and not r.creq.num_loading:  # every computed full block committed
                 assert len(r.creq.nodes) == r.computed // BS, (r.creq.rid, len(r.creq.nodes), r.computed)
 
     def _drain(self):
@@ -383,8 +413,12 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.mgr.host_pool.num_free + tree.num_host_copies == self.mgr.host_pool.num_blocks
 
 
-SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 class WriteThroughSelective(CacheMachine):

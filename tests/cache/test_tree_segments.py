@@ -2,6 +2,7 @@
 and a match by segment always equals the reference match by chained key (``hasher.keys[i] in
 tree.nodes``: every block's key names its whole prefix), for plain, LoRA and multimodal requests
 sharing one tree."""
+
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
@@ -47,13 +48,13 @@ def test_one_prompt_is_one_segment_and_a_divergence_splits_it():
     mgr = CacheManager(block_size=BS, num_device_blocks=64)
     a = list(range(10 * BS + 1))
     serve(mgr, "a", a)
-    assert segment_lengths(mgr) == [10]                     # one run, not ten nodes to walk
-    b = a[:6 * BS] + [999] * (3 * BS + 1)                   # shares 6 blocks, then differs
+    assert segment_lengths(mgr) == [10]  # one run, not ten nodes to walk
+    b = a[: 6 * BS] + [999] * (3 * BS + 1)  # shares 6 blocks, then differs
     req = serve(mgr, "b", b)
     assert req.match.num_device_blocks == 6
-    assert segment_lengths(mgr) == [3, 4, 6]                # split after block 6: a's 4, b's 3
+    assert segment_lengths(mgr) == [3, 4, 6]  # split after block 6: a's 4, b's 3
     mgr.assert_invariants()
-    m = mgr.match_prefix(mgr.new_request("c", a[:8 * BS] + [5] * 9))   # diverges inside a's tail
+    m = mgr.match_prefix(mgr.new_request("c", a[: 8 * BS] + [5] * 9))  # diverges inside a's tail
     assert m.num_device_blocks == 8
 
 
@@ -61,13 +62,13 @@ def test_evicting_a_branch_merges_its_sibling_back():
     mgr = CacheManager(block_size=BS, num_device_blocks=14)
     a = list(range(10 * BS + 1))
     serve(mgr, "a", a)
-    serve(mgr, "b", a[:6 * BS] + [999] * (3 * BS + 1))
+    serve(mgr, "b", a[: 6 * BS] + [999] * (3 * BS + 1))
     assert segment_lengths(mgr) == [3, 4, 6]
     # 1 block free; a request of 5 blocks evicts 4 LRU leaves: a's branch (older), block by block
     serve(mgr, "x", [7000 + i for i in range(5 * BS)])
     mgr.assert_invariants()
-    assert segment_lengths(mgr) == [5, 9]                   # b's branch joined the shared run
-    m = mgr.match_prefix(mgr.new_request("b2", a[:6 * BS] + [999] * (3 * BS + 1)))
+    assert segment_lengths(mgr) == [5, 9]  # b's branch joined the shared run
+    m = mgr.match_prefix(mgr.new_request("b2", a[: 6 * BS] + [999] * (3 * BS + 1)))
     assert m.num_device_blocks == 9
     # evicted labels were cut lazily: the merged segment still compares exactly
     assert mgr.match_prefix(mgr.new_request("a2", a)).num_device_blocks == 6
@@ -81,7 +82,7 @@ def test_lora_and_multimodal_blocks_never_match_plain_ones():
     lora = mgr.match_prefix(mgr.new_request("l", toks, lora_name="ad1"))
     mm = mgr.match_prefix(mgr.new_request("m", toks, mm_items=[img]))
     assert lora.num_device_blocks == 0
-    assert mm.num_device_blocks == 2                         # blocks before the image are plain
+    assert mm.num_device_blocks == 2  # blocks before the image are plain
     serve(mgr, "m", toks, mm_items=[img])
     other = MMItem("img-b", offset=2 * BS, length=BS)
     assert mgr.match_prefix(mgr.new_request("m2", toks, mm_items=[other])).num_device_blocks == 2
@@ -100,13 +101,12 @@ def test_segment_match_equals_key_match(prompts, num_blocks):
     mgr = CacheManager(block_size=BS, num_device_blocks=num_blocks)
     for i, (stem, cut, tail, kind) in enumerate(prompts):
         tokens = [stem * 1000 + j for j in range(cut)] + [50_000 + tail * 97 + j for j in range(tail * BS + 1)]
-        kw = {} if kind == 0 else {"lora_name": "a"} if kind == 1 else \
-            {"mm_items": [MMItem(f"img{stem}", offset=BS, length=2)]}
+        kw = {} if kind == 0 else {"lora_name": "a"} if kind == 1 else {"mm_items": [MMItem(f"img{stem}", offset=BS, length=2)]}
         req = mgr.new_request(i, tokens, **kw)
         m = mgr.match_prefix(req)
         ref = mgr.new_request(-1, tokens, **kw)
         assert m.num_device_blocks + m.num_host_blocks == key_match(mgr, ref)
-        assert mgr.sync_keys(req) == ref.keys   # the keys a match adopts from the segments = hashed
+        assert mgr.sync_keys(req) == ref.keys  # the keys a match adopts from the segments = hashed
         if mgr.allocate(req, len(tokens)):
             mgr.commit(req, len(tokens))
         mgr.free(req)
@@ -122,7 +122,7 @@ def test_run_eviction_equals_block_by_block_eviction(prompts, num_blocks, policy
     mgrs = [CacheManager(block_size=BS, num_device_blocks=num_blocks, eviction=policy) for _ in range(2)]
     one_by_one = mgrs[1].tree
     run = one_by_one.evict_device_run
-    one_by_one.evict_device_run = lambda node, limit: run(node, 1)    # type: ignore[method-assign]
+    one_by_one.evict_device_run = lambda node, limit: run(node, 1)  # type: ignore[method-assign]
     for i, (stem, cut, tail, kind) in enumerate(prompts):
         tokens = [stem * 1000 + j for j in range(cut)] + [50_000 + tail * 97 + j for j in range(tail * BS + 1)]
         kw = {} if kind == 0 else {"lora_name": "a"}

@@ -4,6 +4,7 @@ bucket, a request whose chain runs past its block table writing only into the sc
 The engine's tests cannot see a wrong draft (verification keeps every output exact; only the
 acceptance would drop), so the drafts themselves are compared here. On a CPU the chain runs
 eagerly over its static buffers; tests/engine/test_speculative_gpu.py replays it on CUDA."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,17 +17,28 @@ BS, BLOCKS, PASSES = 4, 24, 3
 SCRATCH = BLOCKS  # (the pool's extra block)
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=(
-        "replays the chain from CUDA graphs: needs a CUDA GPU (one H100 80GB runs it: "
-        "python -m pytest tests/engine/test_draft_graphs.py)"))),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason=(
+                    "replays the chain from CUDA graphs: needs a CUDA GPU (one H100 80GB runs it: "
+                    "python -m pytest tests/engine/test_draft_graphs.py)"
+                ),
+            ),
+        ),
+    ],
+)
 def test_the_chain_drafts_what_one_pass_at_a_time_drafts(checkpoint, device):
     dev = torch.device(device)
     # (CUDA graphs need the Triton kernels, which read the lengths from device memory)
-    model = load_model(checkpoint("qwen3-mtp-tiny"), mtp=True, device=dev,
-                       attention_backend="triton" if device == "cuda" else "torch")
+    model = load_model(
+        checkpoint("qwen3-mtp-tiny"), mtp=True, device=dev, attention_backend="triton" if device == "cuda" else "torch"
+    )
     cfg = model.config
     gen = torch.Generator().manual_seed(0)
     # (prompt length, block table): the second's table ends one position after its prompt, so
@@ -64,7 +76,9 @@ def test_the_chain_drafts_what_one_pass_at_a_time_drafts(checkpoint, device):
     chain.capture_all()  # (on CUDA: every bucket's graph, each capture writing the scratch block only)
     kv_captured = [t.clone() for t in kv]
     assert all(torch.equal(a[:, :BLOCKS], b[:, :BLOCKS]) for a, b in zip(kv_captured, before))
-    got = chain.run(torch.tensor(first, device=dev), torch.tensor(starts, device=dev), torch.stack(cur), [t for _, t in seqs]).tolist()
+    got = chain.run(
+        torch.tensor(first, device=dev), torch.tensor(starts, device=dev), torch.stack(cur), [t for _, t in seqs]
+    ).tolist()
     assert chain.bucket(len(seqs)) == 4  # one padding row
     assert chain.seq_lens[: len(seqs)].tolist() == [n + PASSES for n in starts]  # the last pass's lengths
     for i, toks in enumerate(want):

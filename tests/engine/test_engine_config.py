@@ -1,6 +1,7 @@
 """EngineConfig: every engine option once — each has a flag on `kvtier serve` and `kvtier
 generate`, a help line, a line in docs/DESIGN.md, and survives the trip to flags and back (the
 servers the benches start get their options that way); bad values are named before anything loads."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,32 +39,50 @@ def test_every_option_is_documented():
 def test_a_config_survives_the_trip_to_flags_and_back():
     ap = argparse.ArgumentParser()
     EngineConfig.add_flags(ap)
-    config = EngineConfig(device="cuda:1", num_host_blocks=0, enable_prefix_caching=False, cuda_graphs=False,
-                          overlap_schedule=True, prefetch_timeout=(0.2, 0.1), write_policy="write_back",
-                          capture_routing=False, early_loads=False, max_model_len=4096, export_timeout=12.5,
-                          gpu_memory_utilization=0.8, revision="v1.0")
+    config = EngineConfig(
+        device="cuda:1",
+        num_host_blocks=0,
+        enable_prefix_caching=False,
+        cuda_graphs=False,
+        overlap_schedule=True,
+        prefetch_timeout=(0.2, 0.1),
+        write_policy="write_back",
+        capture_routing=False,
+        early_loads=False,
+        max_model_len=4096,
+        export_timeout=12.5,
+        gpu_memory_utilization=0.8,
+        revision="v1.0",
+    )
     flags = config.to_flags()
     assert EngineConfig.from_args(ap.parse_args(flags)) == config
     assert EngineConfig().to_flags() == [] and EngineConfig.from_args(ap.parse_args([])) == EngineConfig()
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"block_size": 12}, "block_size must be a positive power of two, got 12"),
-    ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
-    ({"eviction": "fifo"}, "unknown eviction 'fifo'; choose lfu, lru"),
-    ({"early_loads": "yes"}, "early_loads must be True or False, got 'yes'"),
-    ({"prefetch_timeout": (0.1,)}, "prefetch_timeout must be two numbers"),
-    ({"preemption_mode": "swap"}, "preemption_mode='swap' needs a host tier"),
-    ({"export_timeout": 0}, "export_timeout must be > 0 seconds, got 0"),
-    ({"device": "cuda", "gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be a fraction in (0, 1], got 1.5"),
-    ({"device": "cuda", "gpu_memory_utilization": 0.5, "num_device_blocks": 10},
-     "give num_device_blocks or gpu_memory_utilization, not both"),
-    ({"revision": ""}, "revision must be a branch, tag or commit name, got ''"),
-    ({"max_num_seqs_per_request": 0}, "max_num_seqs_per_request must be an int >= 1 or None, got 0"),
-    ({"max_num_seqs_per_request": 2.5}, "max_num_seqs_per_request must be an int >= 1 or None, got 2.5"),
-    ({"max_num_seqs": 16, "max_num_seqs_per_request": 17},
-     "max_num_seqs_per_request must be at most max_num_seqs (16), got 17"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"block_size": 12}, "block_size must be a positive power of two, got 12"),
+        ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+        ({"eviction": "fifo"}, "unknown eviction 'fifo'; choose lfu, lru"),
+        ({"early_loads": "yes"}, "early_loads must be True or False, got 'yes'"),
+        ({"prefetch_timeout": (0.1,)}, "prefetch_timeout must be two numbers"),
+        ({"preemption_mode": "swap"}, "preemption_mode='swap' needs a host tier"),
+        ({"export_timeout": 0}, "export_timeout must be > 0 seconds, got 0"),
+        ({"device": "cuda", "gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be a fraction in (0, 1], got 1.5"),
+        (
+            {"device": "cuda", "gpu_memory_utilization": 0.5, "num_device_blocks": 10},
+            "give num_device_blocks or gpu_memory_utilization, not both",
+        ),
+        ({"revision": ""}, "revision must be a branch, tag or commit name, got ''"),
+        ({"max_num_seqs_per_request": 0}, "max_num_seqs_per_request must be an int >= 1 or None, got 0"),
+        ({"max_num_seqs_per_request": 2.5}, "max_num_seqs_per_request must be an int >= 1 or None, got 2.5"),
+        (
+            {"max_num_seqs": 16, "max_num_seqs_per_request": 17},
+            "max_num_seqs_per_request must be at most max_num_seqs (16), got 17",
+        ),
+    ],
+)
 def test_a_bad_option_is_named(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(**options)
@@ -72,9 +91,14 @@ def test_a_bad_option_is_named(options, message):
 def test_max_num_seqs_per_request_defaults_to_a_quarter_of_the_slots(checkpoint):
     import kvtier
     from kvtier.engine.scheduler import default_seqs_per_request
+
     assert [default_seqs_per_request(n) for n in (1, 3, 4, 16, 256)] == [1, 1, 1, 4, 64]
     assert EngineConfig(max_num_seqs=8, max_num_seqs_per_request=8).to_flags() == [
-        "--max-num-seqs", "8", "--max-num-seqs-per-request", "8"]
+        "--max-num-seqs",
+        "8",
+        "--max-num-seqs-per-request",
+        "8",
+    ]
     with kvtier.LLM(checkpoint("qwen3-tiny"), num_device_blocks=24, max_num_seqs=16) as llm:
         assert llm.scheduler.max_num_seqs_per_request == 4
 
@@ -86,6 +110,7 @@ def test_an_unknown_option_is_refused_by_name():
 
 def test_keywords_go_over_a_config(checkpoint):
     import kvtier
+
     base = EngineConfig(num_device_blocks=40, block_size=8)
     with kvtier.LLM(checkpoint("qwen3-tiny"), base, num_device_blocks=24) as llm:
         assert llm.engine_config == EngineConfig(num_device_blocks=24, block_size=8)
@@ -94,6 +119,7 @@ def test_keywords_go_over_a_config(checkpoint):
 
 def test_gpu_memory_utilization_counts_what_is_in_use_against_the_fraction():
     from kvtier.engine.sizing import ACTIVATION_RESERVE, device_budget
+
     gib = 1 << 30
     # an 80 GiB GPU, 16 GiB of weights loaded, 6 GiB held by another process: 58 GiB free
     assert device_budget(58 * gib, 80 * gib, 0.9) == int(72 * gib) - 22 * gib - ACTIVATION_RESERVE
@@ -116,7 +142,7 @@ def test_gpu_memory_utilization_on_cpu_is_accepted_and_ignored_with_one_warning(
         plain = llm.cache.device_pool.num_blocks
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         with kvtier.LLM(path, max_model_len=256, gpu_memory_utilization=0.3) as llm:
-            assert llm.cache.device_pool.num_blocks == plain   # (not a fraction of anything here)
+            assert llm.cache.device_pool.num_blocks == plain  # (not a fraction of anything here)
         warned = [r.getMessage() for r in caplog.records if "gpu_memory_utilization" in r.getMessage()]
         assert len(warned) == 1 and "ignored" in warned[0] and CPU_SIZING in warned[0], warned
         caplog.clear()
@@ -124,12 +150,14 @@ def test_gpu_memory_utilization_on_cpu_is_accepted_and_ignored_with_one_warning(
             assert llm.cache.device_pool.num_blocks == 40
         assert any("num_device_blocks=40 sizes it" in r.getMessage() for r in caplog.records)
     from kvtier.cli import build_parser
+
     args = build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "0.9"])
     assert args.gpu_memory_utilization == 0.9
 
 
 def test_gpu_memory_utilization_flag_takes_a_fraction():
     from kvtier.cli import main
+
     with pytest.raises(SystemExit) as e:
         main(["serve", "m", "--gpu-memory-utilization", "90"])
     assert e.value.code == 2
@@ -143,18 +171,26 @@ def test_every_flag_of_the_server_commands_is_in_the_serving_guide(command):
     assert sorted(f for f in flags if f"`{f}`" not in guide and f"`{f} " not in guide) == []
 
 
-@pytest.mark.parametrize("flags, options", [
-    (["--num-gpu-blocks-override", "64"], {"num_device_blocks": 64}),         # vLLM
-    (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
-    (["--disable-radix-cache"], {"enable_prefix_caching": False}),            # SGLang
-    (["--enforce-eager"], {"cuda_graphs": False}),
-    (["--disable-cuda-graph"], {"cuda_graphs": False}),
-    (["--disable-overlap-schedule"], {"overlap_schedule": False}),
-    (["--num-speculative-tokens", "3"], {"num_speculative_tokens": 3}),
-    (["--page-size", "32", "--context-length", "4096", "--max-running-requests", "8"],
-     {"block_size": 32, "max_model_len": 4096, "max_num_seqs": 8}),
-    (["--hicache-write-policy", "write_back", "--radix-eviction-policy", "lfu"], {"write_policy": "write_back", "eviction": "lfu"}),
-])
+@pytest.mark.parametrize(
+    "flags, options",
+    [
+        (["--num-gpu-blocks-override", "64"], {"num_device_blocks": 64}),  # vLLM
+        (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
+        (["--disable-radix-cache"], {"enable_prefix_caching": False}),  # SGLang
+        (["--enforce-eager"], {"cuda_graphs": False}),
+        (["--disable-cuda-graph"], {"cuda_graphs": False}),
+        (["--disable-overlap-schedule"], {"overlap_schedule": False}),
+        (["--num-speculative-tokens", "3"], {"num_speculative_tokens": 3}),
+        (
+            ["--page-size", "32", "--context-length", "4096", "--max-running-requests", "8"],
+            {"block_size": 32, "max_model_len": 4096, "max_num_seqs": 8},
+        ),
+        (
+            ["--hicache-write-policy", "write_back", "--radix-eviction-policy", "lfu"],
+            {"write_policy": "write_back", "eviction": "lfu"},
+        ),
+    ],
+)
 def test_vllm_and_sglang_flag_names_give_the_same_options(flags, options):
     ap = argparse.ArgumentParser()
     EngineConfig.add_flags(ap)

@@ -1,6 +1,7 @@
 """kvtier.LLM greedy tokens == transformers `generate` on the same checkpoint, for every family,
 cold and through every cache path (prefix hit on device / host / storage, chunked prefill,
 batching, preemption). fp32 on CPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,40 +9,7 @@ import pytest
 import torch
 
 import kvtier
-
-FAMILIES = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
-            "qwen3-moe-tiny"]
-MAX_TOKENS = 12
-
-
-def prompts_for(seed: int, lengths=(3, 17, 40, 66)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint, hf_model):
-    """reference(preset, prompts) -> HF greedy continuations (cached)."""
-    memo = {}
-
-    def get(preset, prompts):
-        key = (preset, tuple(map(tuple, prompts)))
-        if key not in memo:
-            hf = hf_model(checkpoint(preset))
-            outs = []
-            for p in prompts:
-                ids = torch.tensor([p])
-                with torch.no_grad():   # explicit mask: HF would mask prompt tokens equal to pad_token_id
-                    seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                      min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-                outs.append(seq[0, len(p):].tolist())
-            memo[key] = outs
-        return memo[key]
-
-    return get
-
-
-GREEDY = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+from tests.engine.hf_reference import FAMILIES, GREEDY, MAX_TOKENS, prompts_for
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -65,7 +33,7 @@ def test_chunked_prefill_and_batching_match(preset, checkpoint, reference):
     want = reference(preset, prompts)
     with kvtier.LLM(checkpoint(preset), num_device_blocks=128, max_num_batched_tokens=7) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=128) as llm:   # one request at a time
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=128) as llm:  # one request at a time
         alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
     assert alone == want
 
@@ -85,10 +53,11 @@ def test_preemption_recompute_matches(preset, checkpoint, reference):
 def test_host_hit_returns_identical_tokens(preset, checkpoint, reference):
     a, b = prompts_for(4, lengths=(60, 60))
     want = reference(preset, [a])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64,
-                    write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64, write_policy="write_through"
+    ) as llm:
         assert llm.generate([a], GREEDY)[0].token_ids == want[0]
-        llm.generate([b], GREEDY)          # pushes a's blocks out of the device tier
+        llm.generate([b], GREEDY)  # pushes a's blocks out of the device tier
         again = llm.generate([a], GREEDY)[0]
         assert again.cached_tokens_by_tier["host"] > 0
         assert again.token_ids == want[0]
@@ -109,12 +78,18 @@ def test_storage_hit_returns_identical_tokens(checkpoint, reference, monkeypatch
     preset = "llama-tiny"
     a, b, c = prompts_for(5, lengths=(60, 60, 60))
     want = reference(preset, [a])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, block_size=8, num_host_blocks=8,
-                    storage="memory://?capacity=16MiB", write_policy="write_through",
-                    early_loads=early_loads) as llm:
+    with kvtier.LLM(
+        checkpoint(preset),
+        num_device_blocks=10,
+        block_size=8,
+        num_host_blocks=8,
+        storage="memory://?capacity=16MiB",
+        write_policy="write_through",
+        early_loads=early_loads,
+    ) as llm:
         assert llm.generate([a], GREEDY)[0].token_ids == want[0]
         llm.generate([b], GREEDY)
-        llm.generate([c], GREEDY)          # a is now only in storage
+        llm.generate([c], GREEDY)  # a is now only in storage
         kinds = _copy_kinds(llm, monkeypatch)
         again = llm.generate([a], GREEDY)[0]
         assert again.cached_tokens_by_tier["storage"] > 0
@@ -127,17 +102,25 @@ def test_failed_preloads_load_at_admission_instead(checkpoint, reference, monkey
     preset = "llama-tiny"
     a, b, c = prompts_for(5, lengths=(60, 60, 60))
     want = reference(preset, [a])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, block_size=8, num_host_blocks=8,
-                    storage="memory://?capacity=16MiB", write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint(preset),
+        num_device_blocks=10,
+        block_size=8,
+        num_host_blocks=8,
+        storage="memory://?capacity=16MiB",
+        write_policy="write_through",
+    ) as llm:
         for p in (a, b, c):
             llm.generate([p], GREEDY)
+
         def broken_preload(op):
             raise RuntimeError("injected: host->device preload failed")
+
         monkeypatch.setattr(llm.transfer, "_preload", broken_preload)
         kinds = _copy_kinds(llm, monkeypatch)
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0]
-        assert again.cached_tokens_by_tier["storage"] > 0      # fetched, then loaded when it started
+        assert again.cached_tokens_by_tier["storage"] > 0  # fetched, then loaded when it started
         assert "preload" in kinds and "load" in kinds
         assert llm.cache_stats()["failures"]["load"] > 0
         llm.cache.assert_invariants()
@@ -156,24 +139,32 @@ def test_a_preload_never_takes_a_block_the_steps_forward_still_reads(checkpoint,
     c = torch.randint(0, 256, (44,), generator=g).tolist()
     a, b = shared + [1, 2, 3, 4], shared + [5, 6, 7, 8]
     want = reference(preset, [a, b, c])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8, num_host_blocks=64,
-                    storage="memory://?capacity=16MiB", write_policy="write_through", storage_fetch="always",
-                    early_loads=True) as llm:
+    with kvtier.LLM(
+        checkpoint(preset),
+        num_device_blocks=64,
+        block_size=8,
+        num_host_blocks=64,
+        storage="memory://?capacity=16MiB",
+        write_policy="write_through",
+        storage_fetch="always",
+        early_loads=True,
+    ) as llm:
         llm.generate([c], GREEDY)
         llm.drain()
         llm.cache._evict_device(64)
         llm.drain()
-        llm.cache._evict_host(64)                  # c: in the pool only
+        llm.cache._evict_host(64)  # c: in the pool only
         llm.drain()
         llm.generate([shared + [9]], GREEDY)
         llm.drain()
-        llm.cache._evict_device(64)                # the shared prefix: on the host only
+        llm.cache._evict_device(64)  # the shared prefix: on the host only
         llm.drain()
         poll = llm.storage.poll
 
-        def landed_poll():                         # c's fetch has landed whenever the engine polls
+        def landed_poll():  # c's fetch has landed whenever the engine polls
             wait_futures([f for e in llm.storage._inflight for f in e.futures])
             return poll()
+
         llm.storage.poll = landed_poll
         got = llm.generate([c, a, b], GREEDY)
         assert [o.token_ids for o in got] == [want[2], want[0], want[1]]
@@ -185,13 +176,19 @@ def test_failed_storage_fetch_degrades_to_recompute(checkpoint, reference):
     preset = "llama-tiny"
     a, b, c = prompts_for(5, lengths=(60, 60, 60))
     want = reference(preset, [a])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, block_size=8, num_host_blocks=8,
-                    storage="memory://?capacity=16MiB", write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint(preset),
+        num_device_blocks=10,
+        block_size=8,
+        num_host_blocks=8,
+        storage="memory://?capacity=16MiB",
+        write_policy="write_through",
+    ) as llm:
         llm.generate([a], GREEDY)
         llm.generate([b], GREEDY)
         llm.generate([c], GREEDY)
         backend = llm.storage.backend
-        for name in list(backend._objects):          # corrupt every stored object: wrong size
+        for name in list(backend._objects):  # corrupt every stored object: wrong size
             backend._objects[name] = backend._objects[name][:-1]
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0]
@@ -206,8 +203,7 @@ def test_seeded_sampling_is_reproducible(checkpoint):
     with kvtier.LLM(path, num_device_blocks=64) as llm:
         a = llm.generate([[1, 2, 3]], sp)[0].token_ids
         b = llm.generate([[1, 2, 3]], sp)[0].token_ids
-        c = llm.generate([[1, 2, 3]], kvtier.SamplingParams(max_tokens=10, temperature=1.0, seed=8,
-                                                             ignore_eos=True))[0].token_ids
+        c = llm.generate([[1, 2, 3]], kvtier.SamplingParams(max_tokens=10, temperature=1.0, seed=8, ignore_eos=True))[0].token_ids
     assert a == b and len(a) == 10
     assert a != c
 
@@ -217,9 +213,8 @@ def test_stop_conditions(checkpoint, reference):
     p = prompts_for(6, lengths=(9,))
     want = reference(preset, p)[0]
     with kvtier.LLM(checkpoint(preset), num_device_blocks=64) as llm:
-        out = llm.generate(p, kvtier.SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(want[3],),
-                                                     ignore_eos=True))[0]
-        assert out.token_ids == want[:want.index(want[3]) + 1] and out.finish_reason == "stop"
+        out = llm.generate(p, kvtier.SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(want[3],), ignore_eos=True))[0]
+        assert out.token_ids == want[: want.index(want[3]) + 1] and out.finish_reason == "stop"
         out = llm.generate(p, kvtier.SamplingParams(max_tokens=2, ignore_eos=True))[0]
         assert out.token_ids == want[:2] and out.finish_reason == "length"
 
@@ -227,7 +222,7 @@ def test_stop_conditions(checkpoint, reference):
 def test_text_prompts_use_the_tokenizer(checkpoint):
     with kvtier.LLM(checkpoint("qwen3-tiny"), num_device_blocks=64) as llm:
         out = llm.generate(["hello kvtier"], GREEDY)[0]
-        assert out.prompt_token_ids == list(b"hello kvtier")   # byte-level tokenizer
+        assert out.prompt_token_ids == list(b"hello kvtier")  # byte-level tokenizer
         assert isinstance(out.text, str)
 
 
@@ -254,14 +249,14 @@ def test_bad_input_names_the_problem(checkpoint, tmp_path):
 def test_padded_static_decode_path_matches(preset, checkpoint, reference):
     """The CUDA-graph decode path (static buffers, batch padded to a bucket, padding rows writing
     to the scratch block) run eagerly on the CPU: same tokens as transformers."""
-    prompts = prompts_for(7, lengths=(5, 19, 33))        # 3 sequences -> bucket 4: one padding row
+    prompts = prompts_for(7, lengths=(5, 19, 33))  # 3 sequences -> bucket 4: one padding row
     want = reference(preset, prompts)
     with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8, cuda_graphs=True) as llm:
         graphs = llm.runner.decode_graphs
         assert graphs is not None and graphs.bucket(3) == 4 and not graphs.capture
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want   # and with prefix hits
-        assert graphs.runs and llm.runner.step_graphs.runs       # the prompts (57 tokens: bucket 64) too
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want  # and with prefix hits
+        assert graphs.runs and llm.runner.step_graphs.runs  # the prompts (57 tokens: bucket 64) too
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen2-moe-tiny"])
@@ -271,13 +266,13 @@ def test_padded_static_step_path_matches(preset, checkpoint, reference):
     eagerly on the CPU: same tokens as transformers, and the same as without graphs."""
     prompts = prompts_for(21, lengths=(3, 40, 90, 17, 61))
     want = reference(preset, prompts)
-    kw = dict(num_device_blocks=96, block_size=8, max_num_batched_tokens=64)   # prefills chunked
+    kw = dict(num_device_blocks=96, block_size=8, max_num_batched_tokens=64)  # prefills chunked
     with kvtier.LLM(checkpoint(preset), cuda_graphs=True, **kw) as llm:
         steps = llm.runner.step_graphs
         assert steps is not None and steps.buckets == [16, 32, 64] and not steps.capture
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
         ran = steps.runs
-        assert {b == steps.FEW for _, b in steps.used} == {True, False}   # few sequences, and many
+        assert {b == steps.FEW for _, b in steps.used} == {True, False}  # few sequences, and many
         # prefix hits: each prompt again with a short new tail (extends over the cached prefix)
         tails = [p + [7, 8, 9] for p in prompts]
         with kvtier.LLM(checkpoint(preset), cuda_graphs=False, **kw) as eager:
@@ -295,8 +290,9 @@ def test_host_hits_replayed_behind_layer_gates_match(preset, checkpoint, referen
     same tokens as transformers, cold and from the host tier."""
     prompts = prompts_for(21, lengths=(60, 60, 60))
     want = reference(preset, prompts)
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64,
-                    write_policy="write_through", cuda_graphs=True) as llm:
+    with kvtier.LLM(
+        checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64, write_policy="write_through", cuda_graphs=True
+    ) as llm:
         assert llm.runner.step_graphs.gates is llm.transfer.gates is not None
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
         warm = [llm.generate([p], GREEDY)[0] for p in prompts]
@@ -309,12 +305,13 @@ def test_a_failing_request_leaks_nothing_and_the_engine_recovers(checkpoint, ref
     preset = "llama-tiny"
     prompts = prompts_for(8)
     want = reference(preset, prompts)
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=64, block_size=8, num_host_blocks=16,
-                    write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint(preset), num_device_blocks=64, block_size=8, num_host_blocks=16, write_policy="write_through"
+    ) as llm:
         real = llm.runner.execute
         victim = {"prompt": prompts[1]}
 
-        def poisoned(out, start_loads=None):     # fails whenever the victim is in the batch
+        def poisoned(out, start_loads=None):  # fails whenever the victim is in the batch
             if any(s.request.prompt_token_ids == victim["prompt"] for s in out.scheduled):
                 raise RuntimeError("injected forward failure")
             return real(out, start_loads)
@@ -342,7 +339,7 @@ def test_a_batch_whose_forward_fails_once_is_retried_request_by_request(checkpoi
 
         def flaky(out, start_loads=None):
             calls["n"] += 1
-            if calls["n"] == 3:                  # a batched decode step, once
+            if calls["n"] == 3:  # a batched decode step, once
                 raise RuntimeError("injected transient failure")
             return real(out, start_loads)
 
@@ -367,14 +364,14 @@ def test_padded_static_decode_path_captures_routing(checkpoint):
 
 # ---------------------------------------------------------------- regressions found in review
 
+
 def test_write_back_engine_waits_for_copies_instead_of_failing(checkpoint, reference):
     preset = "qwen3-tiny"
     a, b = prompts_for(10, lengths=(80, 80))
     want = reference(preset, [a, b])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=32,
-                    write_policy="write_back") as llm:
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=32, write_policy="write_back") as llm:
         assert llm.generate([a], GREEDY)[0].token_ids == want[0]
-        assert llm.generate([b], GREEDY)[0].token_ids == want[1]     # evicts a's blocks via copies
+        assert llm.generate([b], GREEDY)[0].token_ids == want[1]  # evicts a's blocks via copies
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0] and again.cached_tokens_by_tier["host"] > 0
         llm.cache.assert_invariants()
@@ -382,8 +379,14 @@ def test_write_back_engine_waits_for_copies_instead_of_failing(checkpoint, refer
 
 def test_storage_hits_are_counted_once(checkpoint):
     a, b, c = prompts_for(5, lengths=(60, 60, 60))
-    with kvtier.LLM(checkpoint("llama-tiny"), num_device_blocks=10, block_size=8, num_host_blocks=8,
-                    storage="memory://?capacity=16MiB", write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint("llama-tiny"),
+        num_device_blocks=10,
+        block_size=8,
+        num_host_blocks=8,
+        storage="memory://?capacity=16MiB",
+        write_policy="write_through",
+    ) as llm:
         for p in (a, b, c):
             llm.generate([p], GREEDY)
         before = llm.cache_stats()
@@ -399,12 +402,15 @@ def test_failed_host_loads_recompute_and_are_not_reported_as_hits(checkpoint, re
     preset = "qwen3-tiny"
     a, b = prompts_for(4, lengths=(60, 60))
     want = reference(preset, [a])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64,
-                    write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64, write_policy="write_through"
+    ) as llm:
         llm.generate([a], GREEDY)
         llm.generate([b], GREEDY)
+
         def broken_load(op):
             raise RuntimeError("injected: host->device copy failed")
+
         monkeypatch.setattr(llm.transfer, "_load", broken_load)
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0]

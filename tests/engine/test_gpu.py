@@ -1,5 +1,6 @@
 """The engine on CUDA with the Triton attention backend: fp32 tokens equal transformers', bf16
 logprobs within tolerance, cache hits (device, host) and routing identical to a cold run."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,9 +9,10 @@ import torch
 
 import kvtier
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one H100 80GB runs it: PYTHONPATH=$PWD pytest tests/engine)")
-FAMILIES = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny",
-            "qwen3-moe-tiny"]
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (one H100 80GB runs it: PYTHONPATH=$PWD pytest tests/engine)"
+)
+FAMILIES = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"]
 SP = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)
 
 
@@ -22,9 +24,10 @@ def prompts_for(seed, lengths=(3, 17, 40, 66)):
 def hf_greedy(hf, p, n=12):
     ids = torch.tensor([p], device="cuda")
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-    return out[0, len(p):].tolist()
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(p) :].tolist()
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -63,11 +66,19 @@ def test_bf16_cache_hits_on_every_tier_equal_cold(preset, checkpoint):
     path = checkpoint(preset)
     prompts = prompts_for(3, lengths=(60, 60, 60))
     sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts=preset.endswith("moe-tiny"))
-    with kvtier.LLM(path, device="cuda", dtype="bfloat16", num_device_blocks=256, block_size=8,
-                    enable_prefix_caching=False) as llm:
+    with kvtier.LLM(
+        path, device="cuda", dtype="bfloat16", num_device_blocks=256, block_size=8, enable_prefix_caching=False
+    ) as llm:
         cold = [llm.generate([p], sp)[0] for p in prompts]
-    with kvtier.LLM(path, device="cuda", dtype="bfloat16", num_device_blocks=12, block_size=8,
-                    num_host_blocks=64, write_policy="write_through") as llm:
+    with kvtier.LLM(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        num_device_blocks=12,
+        block_size=8,
+        num_host_blocks=64,
+        write_policy="write_through",
+    ) as llm:
         llm.generate(prompts, sp)
         warm = [llm.generate([p], sp)[0] for p in prompts]
         assert any(o.cached_tokens_by_tier["host"] > 0 for o in warm)
@@ -82,7 +93,7 @@ def test_bf16_cache_hits_on_every_tier_equal_cold(preset, checkpoint):
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "qwen3-moe-tiny", "mixtral-tiny"])
 def test_cuda_graph_decode_equals_eager(preset, checkpoint):
     path = checkpoint(preset)
-    prompts = prompts_for(4, lengths=(5, 19, 33, 47, 61))      # 5 sequences: bucket 8
+    prompts = prompts_for(4, lengths=(5, 19, 33, 47, 61))  # 5 sequences: bucket 8
     sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts="moe" in preset)
     outs = {}
     for graphs in (True, False):
@@ -113,16 +124,24 @@ def test_bf16_storage_hits_in_a_fresh_engine_equal_cold(preset, prefetch_policy,
     path = checkpoint(preset)
     prompts = prompts_for(5, lengths=(300, 200, 260))
     sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts=preset.endswith("moe-tiny"))
-    kw = dict(device="cuda", dtype="bfloat16", block_size=8, num_host_blocks=128,
-              storage=f"file://{tmp_path}/pool", write_policy="write_through", storage_fetch="always",
-              prefetch_policy=prefetch_policy)
-    with kvtier.LLM(path, num_device_blocks=256, enable_prefix_caching=False, device="cuda",
-                    dtype="bfloat16", block_size=8) as llm:
+    kw = dict(
+        device="cuda",
+        dtype="bfloat16",
+        block_size=8,
+        num_host_blocks=128,
+        storage=f"file://{tmp_path}/pool",
+        write_policy="write_through",
+        storage_fetch="always",
+        prefetch_policy=prefetch_policy,
+    )
+    with kvtier.LLM(
+        path, num_device_blocks=256, enable_prefix_caching=False, device="cuda", dtype="bfloat16", block_size=8
+    ) as llm:
         cold = [llm.generate([p], sp)[0] for p in prompts]
     with kvtier.LLM(path, num_device_blocks=128, **kw) as llm:
         for p in prompts:
             llm.generate([p], sp)
-    with kvtier.LLM(path, num_device_blocks=128, **kw) as llm:          # fresh: device and host are cold
+    with kvtier.LLM(path, num_device_blocks=128, **kw) as llm:  # fresh: device and host are cold
         warm = [llm.generate([p], sp)[0] for p in prompts]
         llm.cache.assert_invariants()
         stats = llm.cache_stats()["storage"]
@@ -140,6 +159,7 @@ def test_bf16_pd_handoff_on_cuda_equals_colocated(n_prompt, checkpoint, tmp_path
     GPU, loads them through its host tier (layer-overlapped H2D) and decodes: tokens and routed
     experts equal a colocated run."""
     from kvtier.engine.core import EngineCore
+
     path = checkpoint("qwen3-moe-tiny")
     prompt = prompts_for(7, (n_prompt,))[0]
     sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts=True)
@@ -148,12 +168,14 @@ def test_bf16_pd_handoff_on_cuda_equals_colocated(n_prompt, checkpoint, tmp_path
         want = colo.generate([prompt], sp)[0]
     url = f"file://{tmp_path}"
     with EngineCore(path, storage=url, **kw) as p, EngineCore(path, storage=url, storage_fetch="always", **kw) as d:
+
         def run(core, **add):
             req = core.add_request(**add)
             while True:
                 for out in core.step():
                     if out.request_id == req.request_id:
                         return out
+
         h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
         assert h["complete"]
         out = run(d, prompt=prompt, params=sp, handoff=h)
@@ -170,21 +192,42 @@ def test_nothing_is_compiled_after_the_engine_started(preset, dtype, checkpoint,
     is a step of seconds). Run on an empty Triton cache, so a variant the start missed cannot
     hide in the disk cache."""
     from kvtier.triton_jit import num_compiled
+
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     path = checkpoint(preset)
-    with kvtier.LLM(path, device="cuda", dtype=dtype, num_device_blocks=96, num_host_blocks=256, block_size=16,
-                    max_model_len=512, max_num_batched_tokens=256, storage=f"file://{tmp_path}/pool") as llm:
+    with kvtier.LLM(
+        path,
+        device="cuda",
+        dtype=dtype,
+        num_device_blocks=96,
+        num_host_blocks=256,
+        block_size=16,
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        storage=f"file://{tmp_path}/pool",
+    ) as llm:
         assert llm.startup.total_s is not None and "compiling kernels" in llm.startup.phases_s
         at_start = num_compiled()
         g = torch.Generator().manual_seed(11)
         for batch in (1, 2, 3, 5, 8, 13, 21):
-            prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist()
-                       for n in torch.randint(1, 480, (batch,), generator=g)]
-            llm.generate(prompts, kvtier.SamplingParams(max_tokens=int(torch.randint(1, 24, (1,), generator=g)),
-                                                        ignore_eos=True))
-            llm.generate(prompts[:2], kvtier.SamplingParams(max_tokens=5, ignore_eos=True))   # device hits
-        llm.generate([prompts[0]], kvtier.SamplingParams(max_tokens=6, n=3, temperature=0.8, top_k=20, top_p=0.9,
-                                                         logprobs=3, prompt_logprobs=2, seed=1,
-                                                         repetition_penalty=1.1))
+            prompts = [
+                torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 480, (batch,), generator=g)
+            ]
+            llm.generate(prompts, kvtier.SamplingParams(max_tokens=int(torch.randint(1, 24, (1,), generator=g)), ignore_eos=True))
+            llm.generate(prompts[:2], kvtier.SamplingParams(max_tokens=5, ignore_eos=True))  # device hits
+        llm.generate(
+            [prompts[0]],
+            kvtier.SamplingParams(
+                max_tokens=6,
+                n=3,
+                temperature=0.8,
+                top_k=20,
+                top_p=0.9,
+                logprobs=3,
+                prompt_logprobs=2,
+                seed=1,
+                repetition_penalty=1.1,
+            ),
+        )
         assert num_compiled() == at_start, "a Triton kernel was compiled after the start"
         assert llm.startup.kernels_compiled_since_ready == 0

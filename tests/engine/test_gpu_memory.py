@@ -13,7 +13,8 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (one H100 80GB runs it: python -m pytest tests/engine/test_gpu_memory.py)"
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (one H100 80GB runs it: python -m pytest tests/engine/test_gpu_memory.py)",
 )
 
 CHILD = r"""

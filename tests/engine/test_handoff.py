@@ -1,5 +1,6 @@
 """PD hand-off at the engine core: P exports a prompt's blocks (full + partial) to a file pool,
 D starts from P's first token and loads them; tokens and routed experts equal a colocated run."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,15 +28,14 @@ def model(checkpoint):
     return checkpoint("qwen3-moe-tiny")
 
 
-@pytest.mark.parametrize("n_prompt", [37, 40])       # a partial last block, and none
+@pytest.mark.parametrize("n_prompt", [37, 40])  # a partial last block, and none
 def test_decode_side_loads_every_prompt_token_from_the_pool(model, tmp_path, n_prompt):
     prompt = np.random.default_rng(n_prompt).integers(0, 250, n_prompt).tolist()
     with kvtier.LLM(model, block_size=8) as colo:
         ref = colo.generate([prompt], PARAMS)[0]
     url = f"file://{tmp_path}"
     with EngineCore(model, storage=url, **KW) as p, EngineCore(model, storage=url, **KW) as d:
-        first = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1, return_routed_experts=True),
-                    export=True)
+        first = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1, return_routed_experts=True), export=True)
         h = first.handoff
         assert h["complete"] and h["failed_blocks"] == 0 and h["num_tokens"] == n_prompt
         assert len(h["keys"]) == -(-n_prompt // 8) and (":partial:5" in h["keys"][-1]) == (n_prompt == 37)
@@ -58,7 +58,7 @@ def test_missing_blocks_are_recomputed_or_fail_under_error(model, tmp_path):
     url = f"file://{tmp_path}"
     with EngineCore(model, storage=url, **KW) as p:
         h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
-    for f in tmp_path.rglob("*"):          # the pool lost the prompt's objects
+    for f in tmp_path.rglob("*"):  # the pool lost the prompt's objects
         if f.is_file() and "partial" in f.name or f.suffix == ".kvt":
             f.unlink()
     with EngineCore(model, storage=url, **KW) as d:
@@ -108,13 +108,14 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
     core = EngineCore(model, storage=f"file://{tmp_path}", **KW)
     backend = core.storage.backend
     gate, held = threading.Event(), threading.Event()
-    for name in ("put_from", "put_from_parts"):          # the pool holds every write until the gate opens
+    for name in ("put_from", "put_from_parts"):  # the pool holds every write until the gate opens
         real = getattr(backend, name)
 
         def slow(names, bufs, _real=real):  # type: ignore[no-untyped-def]
             held.set()
             assert gate.wait(30), "the test never opened the gate"
             return _real(names, bufs)
+
         setattr(backend, name, slow)
     engine = AsyncEngine(core)
 
@@ -122,11 +123,11 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
         req = engine.make_request(prompt, kvtier.SamplingParams(max_tokens=1), export=True)
         it = engine.generate(req)
         first = await asyncio.wait_for(it.__anext__(), 30)
-        assert not gate.is_set()                         # the pool cannot have acked a block
+        assert not gate.is_set()  # the pool cannot have acked a block
         assert first.output is None and len(first.token_ids) == 1
         names = first.export
         assert names["num_tokens"] == 37 and len(names["keys"]) == 5 and names["cached_tokens"] == 0
-        assert await asyncio.to_thread(held.wait, 30)    # the writes reached the pool, which holds them
+        assert await asyncio.to_thread(held.wait, 30)  # the writes reached the pool, which holds them
         rest = asyncio.ensure_future(it.__anext__())
         done, _ = await asyncio.wait({rest}, timeout=0.5)
         assert not done, "the output came before the pool acked the blocks"
@@ -135,6 +136,7 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
         assert last.token_ids == [] and last.output.token_ids == first.token_ids
         h = last.output.handoff
         assert h["complete"] and h["keys"] == names["keys"] and h["namespace"] == names["namespace"]
+
     try:
         asyncio.run(go())
     finally:
@@ -163,19 +165,22 @@ def test_an_engine_that_stops_after_ps_first_line_is_an_error_line_not_a_cut_ans
         def slow(names, bufs, _real=real):  # type: ignore[no-untyped-def]
             gate.wait(30)
             return _real(names, bufs)
+
         setattr(backend, name, slow)
     engine = AsyncEngine(core)
     server = Server(engine, "m", role="prefill")
     prompt = np.random.default_rng(4).integers(0, 250, 37).tolist()
     stopper = threading.Thread(target=engine.shutdown, kwargs={"timeout": 10})
     try:
-        with TestClient(server.app) as c, c.stream("POST", "/kvtier/prefill/completions",
-                                                   json={"model": "m", "prompt": prompt, "max_tokens": 4}) as r:
+        with (
+            TestClient(server.app) as c,
+            c.stream("POST", "/kvtier/prefill/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4}) as r,
+        ):
             assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
             lines = r.iter_lines()
             head = json.loads(next(lines))
             assert len(head["manifest"]["keys"]) == 5 and isinstance(head["first_token"], int)
-            stopper.start()                        # the engine stops while the pool holds the blocks
+            stopper.start()  # the engine stops while the pool holds the blocks
             stopper.join(0.5)
             gate.set()
             err = json.loads(next(lines))["error"]

@@ -1,6 +1,7 @@
 """KV events (cache/events.py): a reader that starts from a snapshot and applies the events after
 it holds exactly what a snapshot taken later says, per tier, through commits, evictions, host
 backups, loads and swap; a reader that fell behind the kept events is told so (a gap)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import kvtier
 from kvtier.cache.events import KVEvents
 from kvtier.cache.keys import BlockHasher
 from kvtier.engine.loop import kv_events, kv_snapshot
-from tests.engine.test_generate_vs_hf import prompts_for
+from tests.engine.hf_reference import prompts_for
 
 
 def apply(state: dict[str, set[str]], events: list[list]) -> None:

@@ -2,6 +2,7 @@
 (fp32 on CPU): ``log_softmax`` of HF's logits for raw mode, the distribution built by hand from
 HF's logits for processed mode; prefix hits on any tier, chunked prefill and batching never
 change them."""
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,11 @@ def prompts_for(seed: int, lengths=(5, 21, 37)) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_logits(checkpoint, hf_model):
     """hf_logits(preset, token_ids) -> HF's float32 logits [len, vocab] (position j scores j+1)."""
+
     def get(preset, ids):
         with torch.no_grad():
             return hf_model(checkpoint(preset))(torch.tensor([ids])).logits[0].float()
+
     return get
 
 
@@ -32,7 +35,7 @@ def assert_entry(entry: dict, token: int, ref_row: torch.Tensor, k: int) -> None
     """``entry`` is {token: logprob} + the top-k of ``ref_row`` (log-probabilities), all to TOL."""
     top = torch.topk(ref_row, k).indices.tolist() if k else []
     assert set(entry) == {token, *top}
-    assert list(entry)[0] == token                   # the sampled (or prompt) token first
+    assert list(entry)[0] == token  # the sampled (or prompt) token first
     for t, v in entry.items():
         want = ref_row[t].item()
         assert (v == want == -math.inf) or abs(v - want) <= TOL, (t, v, want)
@@ -54,10 +57,11 @@ def check_raw(out, preset, hf_logits, k: int, prompt_k: int | None) -> None:
         assert_entry(out.prompt_logprobs[j], out.prompt_token_ids[j], ref[j - 1], prompt_k)
 
 
-PARAMS = [kvtier.SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=3),
-          kvtier.SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=3, logprobs=0,
-                                prompt_logprobs=0),
-          kvtier.SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, logprobs=20)]
+PARAMS = [
+    kvtier.SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=3),
+    kvtier.SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=3, logprobs=0, prompt_logprobs=0),
+    kvtier.SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, logprobs=20),
+]
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
@@ -79,18 +83,19 @@ def test_device_and_host_hits_do_not_change_logprobs(preset, checkpoint, hf_logi
     a, b = prompts_for(2, lengths=(60, 60))
     gen = kvtier.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4)
     both = kvtier.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=2)
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64,
-                    write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint(preset), num_device_blocks=12, block_size=8, num_host_blocks=64, write_policy="write_through"
+    ) as llm:
         cold = llm.generate([a], gen)[0]
         check_raw(cold, preset, hf_logits, 4, None)
-        warm = llm.generate([a], gen)[0]                       # device hits
+        warm = llm.generate([a], gen)[0]  # device hits
         assert warm.cached_tokens_by_tier["device"] > 0
         check_raw(warm, preset, hf_logits, 4, None)
         # prompt logprobs need every prompt position's logits: no hits for that request
         scored = llm.generate([a], both)[0]
         assert scored.num_cached_tokens == 0
         check_raw(scored, preset, hf_logits, 4, 2)
-        llm.generate([b], gen)                                 # pushes a's blocks to the host tier
+        llm.generate([b], gen)  # pushes a's blocks to the host tier
         host = llm.generate([a], gen)[0]
         assert host.cached_tokens_by_tier["host"] > 0
         check_raw(host, preset, hf_logits, 4, None)
@@ -98,7 +103,7 @@ def test_device_and_host_hits_do_not_change_logprobs(preset, checkpoint, hf_logi
         scored = llm.generate([a], both)[0]
         assert scored.num_cached_tokens == 0
         check_raw(scored, preset, hf_logits, 4, 2)
-        again = llm.generate([a], gen)[0]                      # its blocks were still committed
+        again = llm.generate([a], gen)[0]  # its blocks were still committed
         assert again.cached_tokens_by_tier["device"] > 0
         check_raw(again, preset, hf_logits, 4, None)
 
@@ -112,7 +117,7 @@ def test_storage_hits_do_not_change_logprobs(checkpoint, hf_logits, tmp_path):
     kw = dict(num_device_blocks=16, block_size=8, num_host_blocks=16, storage=url, write_policy="write_through")
     with kvtier.LLM(checkpoint(preset), **kw) as llm:
         check_raw(llm.generate([a], gen)[0], preset, hf_logits, 3, None)
-    with kvtier.LLM(checkpoint(preset), **kw) as llm:          # a second engine: only the pool has a
+    with kvtier.LLM(checkpoint(preset), **kw) as llm:  # a second engine: only the pool has a
         hit = llm.generate([a], gen)[0]
         assert hit.cached_tokens_by_tier["storage"] > 0
         check_raw(hit, preset, hf_logits, 3, None)
@@ -141,15 +146,16 @@ def by_hand(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: flo
 @pytest.mark.parametrize("top_k,top_p", [(12, 1.0), (0, 0.8), (30, 0.9)])
 def test_processed_logprobs_are_the_distribution_drawn_from(preset, top_k, top_p, checkpoint, hf_logits):
     prompt = prompts_for(4, lengths=(13,))[0]
-    sp = kvtier.SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.7, top_k=top_k, top_p=top_p,
-                               seed=11, logprobs=5, logprobs_mode="processed")
+    sp = kvtier.SamplingParams(
+        max_tokens=10, ignore_eos=True, temperature=0.7, top_k=top_k, top_p=top_p, seed=11, logprobs=5, logprobs_mode="processed"
+    )
     greedy = kvtier.SamplingParams(max_tokens=10, ignore_eos=True, logprobs=5, logprobs_mode="processed")
     with kvtier.LLM(checkpoint(preset), num_device_blocks=64) as llm:
         out, g = llm.generate([prompt, prompt], [sp, greedy])
     ref = hf_logits(preset, out.prompt_token_ids + out.token_ids)
     for i, (tok, entry) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
         want = by_hand(ref[len(prompt) - 1 + i], 0.7, top_k, top_p).float()
-        assert want[tok] > -math.inf                       # drawn from the kept set
+        assert want[tok] > -math.inf  # drawn from the kept set
         assert_entry(entry, tok, want, 5)
     # greedy rows: log_softmax of the logits (no penalties here)
     ref = torch.log_softmax(hf_logits(preset, g.prompt_token_ids + g.token_ids), dim=-1)
@@ -161,15 +167,22 @@ def test_processed_logprobs_are_the_distribution_drawn_from(preset, top_k, top_p
 def test_processed_logprobs_of_a_greedy_row_are_after_penalties(checkpoint, hf_logits):
     preset = "llama-tiny"
     prompt = prompts_for(5, lengths=(9,))[0]
-    sp = kvtier.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, logprobs_mode="processed",
-                               repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
+    sp = kvtier.SamplingParams(
+        max_tokens=6,
+        ignore_eos=True,
+        logprobs=3,
+        logprobs_mode="processed",
+        repetition_penalty=1.5,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
     with kvtier.LLM(checkpoint(preset), num_device_blocks=64) as llm:
         out = llm.generate([prompt], sp)[0]
     ids = out.prompt_token_ids + out.token_ids
     logits = hf_logits(preset, ids)
     for i, (tok, entry) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
         row = logits[len(prompt) - 1 + i].clone()
-        seen = torch.tensor(sorted(set(ids[:len(prompt) + i])))
+        seen = torch.tensor(sorted(set(ids[: len(prompt) + i])))
         row[seen] = torch.where(row[seen] > 0, row[seen] / 1.5, row[seen] * 1.5)
         counts = torch.bincount(torch.tensor(out.token_ids[:i], dtype=torch.long), minlength=row.numel())
         row = row - 0.25 * counts - 0.5 * (counts > 0)

@@ -1,6 +1,7 @@
 """n > 1 samples per prompt (engine/group.py): sample i of ``n, seed=s`` is the request ``n=1,
 seed=s+i``; the prompt is prefilled once and its blocks shared; hits on every tier; abort and
 failure of a group return every block."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import kvtier
 from kvtier.cli import main
 
 BS = 8
-PROMPT = [(7 * i + 3) % 250 for i in range(29)]     # 3 full blocks of 8 and a partial one of 5
+PROMPT = [(7 * i + 3) % 250 for i in range(29)]  # 3 full blocks of 8 and a partial one of 5
 FULL, PARTIAL = divmod(len(PROMPT), BS)
 
 
@@ -41,6 +42,7 @@ def run(llm, prompt, params, request_id=None):
     def counting(out, start_loads=None):
         computed.append(out.num_tokens)
         return real(out, start_loads)
+
     llm.runner.execute = counting
     try:
         llm.add_request(prompt, params, request_id=request_id)
@@ -48,7 +50,7 @@ def run(llm, prompt, params, request_id=None):
         while llm.has_unfinished():
             outs += llm.step()
             peak = max(peak, llm.cache.device_pool.num_used)
-            sched = llm.scheduler                    # every block: the tree's or a live sample's
+            sched = llm.scheduler  # every block: the tree's or a live sample's
             llm.cache.assert_invariants([r.cache for r in (*sched.running, *sched.waiting)])
     finally:
         llm.runner.execute = real
@@ -59,15 +61,15 @@ def test_sample_i_of_n_equals_the_request_seeded_seed_plus_i_and_runs_alike_run_
     path = checkpoint("llama-tiny")
     params = sampled(8)
     want = [o.token_ids for o in one_by_one(path, PROMPT, params)]
-    assert len({tuple(t) for t in want}) > 1                 # the seeds differ: so do the samples
+    assert len({tuple(t) for t in want}) > 1  # the seeds differ: so do the samples
     with kvtier.LLM(path, block_size=BS, num_device_blocks=128) as llm:
         first = llm.generate(PROMPT, params)
-        again = llm.generate(PROMPT, params)                 # sample 0 now hits the prompt too
-        short = llm.generate(PROMPT, sampled(3, max_tokens=1))[0]   # sample 0 ends as it forks
+        again = llm.generate(PROMPT, params)  # sample 0 now hits the prompt too
+        short = llm.generate(PROMPT, sampled(3, max_tokens=1))[0]  # sample 0 ends as it forks
         llm.cache.assert_invariants()
         assert held_by_requests(llm) == 0
     with kvtier.LLM(path, block_size=BS, num_device_blocks=128, enable_prefix_caching=False) as llm:
-        unshared = llm.generate(PROMPT, params)[0]           # documented: n plain requests
+        unshared = llm.generate(PROMPT, params)[0]  # documented: n plain requests
     assert len(first) == 1
     out = first[0]
     assert [c.index for c in out.outputs] == list(range(8))
@@ -78,14 +80,14 @@ def test_sample_i_of_n_equals_the_request_seeded_seed_plus_i_and_runs_alike_run_
     assert all(c.finish_reason == "length" and len(c.token_ids) == 10 for c in out.outputs)
     assert (out.token_ids, out.text, out.finish_reason) == (out.outputs[0].token_ids, out.outputs[0].text, "length")
     assert [c.text for c in out.outputs] == [c.text for c in unshared.outputs]
-    assert out.num_cached_tokens == 0 and again[0].num_cached_tokens == FULL * BS   # sample 0's: the prompt's
+    assert out.num_cached_tokens == 0 and again[0].num_cached_tokens == FULL * BS  # sample 0's: the prompt's
 
 
 def test_greedy_samples_are_identical_and_equal_greedy_n1(checkpoint):
     greedy = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)
     with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=128) as llm:
         want = llm.generate(PROMPT, greedy)[0].token_ids
-        llm.generate([list(range(100, 140))], greedy)        # (another prompt between them)
+        llm.generate([list(range(100, 140))], greedy)  # (another prompt between them)
         got = llm.generate(PROMPT, kvtier.SamplingParams(max_tokens=12, ignore_eos=True, n=4))[0]
     assert [c.token_ids for c in got.outputs] == [want] * 4
 
@@ -112,7 +114,7 @@ def test_the_prompt_is_prefilled_once_and_its_blocks_are_shared_by_the_samples(c
     assert computed == len(PROMPT) + (n - 1) * PARTIAL + n * (gen - 1)
     bound = (FULL + n * math.ceil((gen + PARTIAL) / BS)) * 1.05
     assert peak <= bound, (peak, bound)
-    assert peak < n * math.ceil((len(PROMPT) + gen) / BS)    # what n unshared copies would hold
+    assert peak < n * math.ceil((len(PROMPT) + gen) / BS)  # what n unshared copies would hold
     assert len(out.outputs) == n
 
 
@@ -120,28 +122,33 @@ def test_a_prompt_only_on_the_host_tier_gives_the_samples_of_a_cold_run(checkpoi
     path = checkpoint("llama-tiny")
     params = sampled(4, seed=5, max_tokens=6)
     want = [o.token_ids for o in one_by_one(path, PROMPT, params)]
-    with kvtier.LLM(path, block_size=BS, num_device_blocks=16, num_host_blocks=64,
-                    write_policy="write_through") as llm:
-        llm.generate(PROMPT, kvtier.SamplingParams(max_tokens=2))     # computed, copied to host
-        llm.generate([list(range(100, 220))], kvtier.SamplingParams(max_tokens=2))   # evicts it from device
+    with kvtier.LLM(path, block_size=BS, num_device_blocks=16, num_host_blocks=64, write_policy="write_through") as llm:
+        llm.generate(PROMPT, kvtier.SamplingParams(max_tokens=2))  # computed, copied to host
+        llm.generate([list(range(100, 220))], kvtier.SamplingParams(max_tokens=2))  # evicts it from device
         out = llm.generate(PROMPT, params)[0]
         stats = llm.cache.stats.hit_tokens
         llm.cache.assert_invariants()
         assert held_by_requests(llm) == 0
     assert out.cached_tokens_by_tier == {"device": 0, "host": FULL * BS, "storage": 0}
     assert [c.token_ids for c in out.outputs] == want
-    assert stats["host"] == FULL * BS                  # loaded once, by sample 0
-    assert stats["device"] == 3 * FULL * BS            # the others found it on device
+    assert stats["host"] == FULL * BS  # loaded once, by sample 0
+    assert stats["device"] == 3 * FULL * BS  # the others found it on device
 
 
 def test_a_prompt_in_a_file_pool_is_fetched_once_by_a_fresh_engine_for_all_samples(checkpoint, tmp_path):
     path = checkpoint("llama-tiny")
     params = sampled(4, seed=9, max_tokens=6)
-    kw = dict(block_size=BS, num_device_blocks=64, num_host_blocks=32, storage=f"file://{tmp_path}/pool",
-              storage_fetch="always", prefetch_policy="wait_complete")
+    kw = dict(
+        block_size=BS,
+        num_device_blocks=64,
+        num_host_blocks=32,
+        storage=f"file://{tmp_path}/pool",
+        storage_fetch="always",
+        prefetch_policy="wait_complete",
+    )
     with kvtier.LLM(path, **kw) as llm:
         cold = llm.generate(PROMPT, params)[0]
-    with kvtier.LLM(path, **kw) as llm:                  # a fresh engine: the prompt is in the pool only
+    with kvtier.LLM(path, **kw) as llm:  # a fresh engine: the prompt is in the pool only
         warm = llm.generate(PROMPT, params)[0]
         stats = llm.cache_stats()
         llm.cache.assert_invariants()
@@ -152,11 +159,12 @@ def test_a_prompt_in_a_file_pool_is_fetched_once_by_a_fresh_engine_for_all_sampl
     assert stats["storage"]["hit_tokens"] == FULL * BS and stats["device"]["hit_tokens"] == 3 * FULL * BS
 
 
-@pytest.mark.parametrize("steps", [0, 1, 3])     # sample 0 queued / the others queued / some running
+@pytest.mark.parametrize("steps", [0, 1, 3])  # sample 0 queued / the others queued / some running
 def test_abort_drops_every_sample_queued_or_running_and_returns_every_block(checkpoint, steps):
     # (every slot open to the one request: three of its samples running, three queued)
-    with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64, max_num_seqs=3,
-                    max_num_seqs_per_request=3) as llm:
+    with kvtier.LLM(
+        checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64, max_num_seqs=3, max_num_seqs_per_request=3
+    ) as llm:
         llm.add_request(PROMPT, sampled(6, max_tokens=40), request_id="grp")
         for _ in range(steps):
             assert llm.step() == []
@@ -166,9 +174,9 @@ def test_abort_drops_every_sample_queued_or_running_and_returns_every_block(chec
         assert not llm.has_unfinished() and not llm.abort("grp")
         llm.cache.assert_invariants()
         assert held_by_requests(llm) == 0
-        again = llm.generate(PROMPT, sampled(2, max_tokens=3))   # the engine serves on
+        again = llm.generate(PROMPT, sampled(2, max_tokens=3))  # the engine serves on
         assert len(again[0].outputs) == 2
-        (out,), _, _ = run(llm, PROMPT, sampled(2, max_tokens=3), request_id="grp")   # the id is free again
+        (out,), _, _ = run(llm, PROMPT, sampled(2, max_tokens=3), request_id="grp")  # the id is free again
         assert out.request_id == "grp"
 
 
@@ -176,10 +184,11 @@ def test_a_failing_sample_fails_its_request_aborts_the_others_and_the_engine_ser
     with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64) as llm:
         real = llm.runner.execute
 
-        def poisoned(out, start_loads=None):       # sample 2 of any group fails in every forward
+        def poisoned(out, start_loads=None):  # sample 2 of any group fails in every forward
             if any(s.request.request_id.endswith("#2") for s in out.scheduled):
                 raise RuntimeError("injected: kernel exploded")
             return real(out, start_loads)
+
         llm.runner.execute = poisoned
         other = llm.add_request([5, 6, 7], kvtier.SamplingParams(max_tokens=30, ignore_eos=True))
         llm.add_request(PROMPT, sampled(4, max_tokens=30), request_id="grp")
@@ -207,7 +216,7 @@ def test_a_request_keeps_its_id_until_its_last_sample_finished(checkpoint):
     with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64) as llm:
         llm.add_request(PROMPT, sampled(2, max_tokens=3), request_id="grp")
         while not llm.scheduler.running or llm.scheduler.running[0].request_id == "grp":
-            assert llm.step() == []                  # until sample 0 finished (sample 1 runs on)
+            assert llm.step() == []  # until sample 0 finished (sample 1 runs on)
         with pytest.raises(ValueError, match="request_id 'grp' is already in use"):
             llm.add_request([1, 2, 3], kvtier.SamplingParams(), request_id="grp")
         outs = []
@@ -217,17 +226,32 @@ def test_a_request_keeps_its_id_until_its_last_sample_finished(checkpoint):
 
 
 def test_n_samples_through_a_pd_hand_off_are_refused_naming_n(checkpoint):
-    with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64,
-                    storage="memory://?capacity=16MiB") as llm:
+    with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=64, storage="memory://?capacity=16MiB") as llm:
         with pytest.raises(ValueError, match="n=2 samples cannot be served through a PD hand-off"):
             llm.add_request(PROMPT, sampled(2), export=True)
         assert not llm.has_unfinished()
 
 
 def test_cli_generate_prints_the_samples(checkpoint, capsys):
-    args = ["generate", str(checkpoint("llama-tiny")), "--prompt-ids", ",".join(map(str, PROMPT)),
-            "--n", "3", "--temperature", "0.8", "--sampling-seed", "1", "--max-tokens", "5", "--ignore-eos",
-            "--block-size", str(BS), "--num-device-blocks", "64"]
+    args = [
+        "generate",
+        str(checkpoint("llama-tiny")),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--n",
+        "3",
+        "--temperature",
+        "0.8",
+        "--sampling-seed",
+        "1",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--block-size",
+        str(BS),
+        "--num-device-blocks",
+        "64",
+    ]
     assert main([*args, "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     want = one_by_one(checkpoint("llama-tiny"), PROMPT, sampled(3, seed=1, max_tokens=5))
@@ -244,8 +268,9 @@ def test_samples_preempted_for_want_of_device_blocks_give_the_same_samples(check
     params = sampled(4, seed=2, max_tokens=30)
     want = [o.token_ids for o in one_by_one(path, PROMPT, params)]
     # each sample needs ceil(59/8) = 8 blocks (3 of them shared): 4 of them cannot all fit in 14
-    with kvtier.LLM(path, block_size=BS, num_device_blocks=14, preemption_mode=mode,
-                    num_host_blocks=64 if mode == "swap" else 0) as llm:
+    with kvtier.LLM(
+        path, block_size=BS, num_device_blocks=14, preemption_mode=mode, num_host_blocks=64 if mode == "swap" else 0
+    ) as llm:
         (out,), _, _ = run(llm, PROMPT, params)
         assert llm.scheduler.num_preemptions > 0
         assert held_by_requests(llm) == 0

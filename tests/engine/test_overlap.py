@@ -4,6 +4,7 @@ logprobs, routed experts, cached tokens) must be identical, on workloads that re
 paths (a token still in flight feeding the next step, a request finished by a token the host had
 not seen, a preemption deferred until the step in flight is done, loads, penalties, n > 1, stop
 strings, aborts and a failing step), and no block may be left held."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,36 +17,45 @@ import kvtier
 from kvtier.engine.core import EngineCore
 
 BS = 8
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one H100 80GB runs it: PYTHONPATH=$PWD pytest tests/engine)")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (one H100 80GB runs it: PYTHONPATH=$PWD pytest tests/engine)"
+)
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    shared = rng.integers(1, 250, 2 * BS).tolist()            # a common prefix: device hits
+    shared = rng.integers(1, 250, 2 * BS).tolist()  # a common prefix: device hits
     return [shared + rng.integers(1, 250, n).tolist() for n in lengths]
 
 
 def mixed_params(stop_token: int) -> list[kvtier.SamplingParams]:
     sp = kvtier.SamplingParams
     return [
-        sp(max_tokens=12, ignore_eos=True),                                        # greedy, by length
-        sp(max_tokens=16, stop_token_ids=[stop_token]),                            # stops mid-way (maybe)
-        sp(max_tokens=10, temperature=0.9, top_p=0.8, seed=7, logprobs=3),         # seeded sampling
+        sp(max_tokens=12, ignore_eos=True),  # greedy, by length
+        sp(max_tokens=16, stop_token_ids=[stop_token]),  # stops mid-way (maybe)
+        sp(max_tokens=10, temperature=0.9, top_p=0.8, seed=7, logprobs=3),  # seeded sampling
         sp(max_tokens=9, temperature=1.2, top_k=20, seed=3, logprobs=2, logprobs_mode="processed"),
         sp(max_tokens=7, ignore_eos=True, prompt_logprobs=2),
-        sp(max_tokens=11, temperature=0.7, seed=11, n=3),                          # n > 1 samples
-        sp(max_tokens=8, ignore_eos=True, frequency_penalty=0.5, min_tokens=3),    # host-side counts
-        sp(max_tokens=1, ignore_eos=True),                                         # one token: no decode
+        sp(max_tokens=11, temperature=0.7, seed=11, n=3),  # n > 1 samples
+        sp(max_tokens=8, ignore_eos=True, frequency_penalty=0.5, min_tokens=3),  # host-side counts
+        sp(max_tokens=1, ignore_eos=True),  # one token: no decode
     ]
 
 
 def summary(o: kvtier.RequestOutput) -> tuple:
     """Everything a user sees of ``o``. Logprobs to 1e-5: a finished request's extra step changes
     a batch's rows, and with them the float rounding of batched matmuls, not the tokens."""
-    return (o.request_id, o.finish_reason, o.num_cached_tokens, tuple(sorted(o.cached_tokens_by_tier.items())),
-            [(c.token_ids, c.finish_reason, _rounded(c.logprobs),
-              None if c.routed_experts is None else c.routed_experts.tolist()) for c in o.outputs],
-            _rounded(o.prompt_logprobs))
+    return (
+        o.request_id,
+        o.finish_reason,
+        o.num_cached_tokens,
+        tuple(sorted(o.cached_tokens_by_tier.items())),
+        [
+            (c.token_ids, c.finish_reason, _rounded(c.logprobs), None if c.routed_experts is None else c.routed_experts.tolist())
+            for c in o.outputs
+        ],
+        _rounded(o.prompt_logprobs),
+    )
 
 
 def _rounded(entries):  # type: ignore[no-untyped-def]
@@ -81,6 +91,7 @@ def count_placeholder_steps(core: EngineCore) -> list[int]:
     def upload(host):  # type: ignore[no-untyped-def]
         seen[0] += bool(host.pending_at)
         return real(host)
+
     core.runner._upload = upload
     return seen
 
@@ -91,7 +102,7 @@ def check_identity(path, moe: bool, **kw) -> None:  # type: ignore[no-untyped-de
         first = probe.add_request(ps[1], kvtier.SamplingParams(max_tokens=6, ignore_eos=True))
         while probe.has_unfinished():
             probe.step()
-        stop_token = first.output_token_ids[3]                  # request 1 stops by a token, mid-way
+        stop_token = first.output_token_ids[3]  # request 1 stops by a token, mid-way
     params = [replace(sp, return_routed_experts=moe) for sp in mixed_params(stop_token)]
     runs = {}
     for overlap in (False, True):
@@ -126,12 +137,10 @@ def test_cuda_steady_decode_schedules_and_launches_without_waiting_for_the_gpu(p
     launching run under torch's sync debug mode "error" (a synchronizing call raises, and a step
     that raises fails its requests)."""
     path = checkpoint(preset)
-    with EngineCore(path, device="cuda", dtype="bfloat16", block_size=BS, num_device_blocks=256,
-                    overlap_schedule=True) as core:
+    with EngineCore(path, device="cuda", dtype="bfloat16", block_size=BS, num_device_blocks=256, overlap_schedule=True) as core:
         for i, p in enumerate(prompts(21, (5, 9, 13, 17, 21, 25))):
-            core.add_request(p, kvtier.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=i,
-                                                      logprobs=2))
-        for _ in range(3):                                   # prefills, CUDA graphs captured
+            core.add_request(p, kvtier.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=i, logprobs=2))
+        for _ in range(3):  # prefills, CUDA graphs captured
             core.step()
         assert len(core.scheduler.running) == 6 and not core.scheduler.waiting
         real_launch, real_schedule = core._launch, core.scheduler.schedule
@@ -145,7 +154,9 @@ def test_cuda_steady_decode_schedules_and_launches_without_waiting_for_the_gpu(p
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                     guarded[0] += 1
+
             return call
+
         core._launch, core.scheduler.schedule = strict(real_launch), strict(real_schedule)
         outs = []
         for _ in range(20):
@@ -167,10 +178,11 @@ def test_overlap_equals_no_overlap_under_preemption_and_host_loads(checkpoint):
     params = [kvtier.SamplingParams(max_tokens=24, ignore_eos=True)] * len(ps)
     runs, stats = {}, {}
     for overlap in (False, True):
-        with EngineCore(path, block_size=BS, num_device_blocks=16, num_host_blocks=96,
-                        preemption_mode="swap", overlap_schedule=overlap) as core:
+        with EngineCore(
+            path, block_size=BS, num_device_blocks=16, num_host_blocks=96, preemption_mode="swap", overlap_schedule=overlap
+        ) as core:
             first = run_all(core, ps, params, steps_between=1)
-            again = run_all(core, ps[:3], params[:3], steps_between=0)   # host hits
+            again = run_all(core, ps[:3], params[:3], steps_between=0)  # host hits
             runs[overlap] = [{k: (v[0], v[1], v[4]) for k, v in r.items()} for r in (first, again)]
             stats[overlap] = (core.scheduler.num_preemptions, core.cache_stats()["host"]["hit_tokens"])
             core.cache.assert_invariants()
@@ -192,8 +204,7 @@ def test_an_abort_while_its_step_is_in_flight_returns_its_blocks_and_spares_the_
         for _ in range(5):
             for o in core.step():
                 outs[o.request_id] = summary(o)
-        assert core._inflight is not None and any(s.request.request_id == "victim"
-                                                  for s in core._inflight.out.scheduled)
+        assert core._inflight is not None and any(s.request.request_id == "victim" for s in core._inflight.out.scheduled)
         assert core.abort("victim")
         while core.has_unfinished():
             for o in core.step():
@@ -213,12 +224,13 @@ def test_a_failing_step_under_overlap_fails_its_request_alone(checkpoint):
         real = core.runner.execute
         calls = [0]
 
-        def poisoned(out, start_loads=None):       # the victim's 4th step raises
+        def poisoned(out, start_loads=None):  # the victim's 4th step raises
             if any(s.request.request_id == "victim" for s in out.scheduled):
                 calls[0] += 1
                 if calls[0] >= 4:
                     raise RuntimeError("injected: kernel exploded")
             return real(out, start_loads)
+
         core.runner.execute = poisoned
         outs = {}
         for i, p in enumerate(ps):

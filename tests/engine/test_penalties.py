@@ -2,6 +2,7 @@
 (fp32 CPU) with HF's own repetition penalty and min-new-tokens processors, and with a small
 LogitsProcessor written here for OpenAI's presence/frequency formula; rows without penalties
 in the same batch are untouched."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,7 @@ class OpenAIPenalty(LogitsProcessor):
         self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
 
     def __call__(self, input_ids, scores):
-        out = input_ids[:, self.prompt_len:]
+        out = input_ids[:, self.prompt_len :]
         counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
         return scores - self.presence * (counts > 0) - self.frequency * counts
 
@@ -37,9 +38,10 @@ def hf_generate(checkpoint, hf_model):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             seq = hf_model(checkpoint(preset)).generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=0, **kw)
-        return seq[0, len(prompt):].tolist()
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kw
+            )
+        return seq[0, len(prompt) :].tolist()
+
     return run
 
 
@@ -57,22 +59,24 @@ def test_repetition_penalty_equals_transformers(preset, checkpoint, hf_generate)
     got = engine_tokens(checkpoint, preset, prompts + prompts[:1], [pen] * len(prompts) + [plain])
     for p, tokens in zip(prompts, got):
         assert tokens == hf_generate(preset, p, repetition_penalty=1.3, min_new_tokens=MAX_TOKENS)
-    assert got[-1] == hf_generate(preset, prompts[0], min_new_tokens=MAX_TOKENS)   # its batch-mate: none
-    assert got[-1] != got[0]                           # (the penalty changed something)
+    assert got[-1] == hf_generate(preset, prompts[0], min_new_tokens=MAX_TOKENS)  # its batch-mate: none
+    assert got[-1] != got[0]  # (the penalty changed something)
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
 @pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.7), (0.4, 1.2), (-0.5, 0.3)])
-def test_presence_and_frequency_penalties_equal_the_openai_formula(preset, presence, frequency,
-                                                                    checkpoint, hf_generate):
+def test_presence_and_frequency_penalties_equal_the_openai_formula(preset, presence, frequency, checkpoint, hf_generate):
     prompts = prompts_for(2)
-    sp = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=presence,
-                               frequency_penalty=frequency)
+    sp = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
     plain = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     got = engine_tokens(checkpoint, preset, prompts + prompts[:1], [sp] * len(prompts) + [plain])
     for p, tokens in zip(prompts, got):
-        want = hf_generate(preset, p, logits_processor=LogitsProcessorList([OpenAIPenalty(len(p), presence, frequency)]),
-                           min_new_tokens=MAX_TOKENS)
+        want = hf_generate(
+            preset,
+            p,
+            logits_processor=LogitsProcessorList([OpenAIPenalty(len(p), presence, frequency)]),
+            min_new_tokens=MAX_TOKENS,
+        )
         assert tokens == want
     assert got[-1] == hf_generate(preset, prompts[0], min_new_tokens=MAX_TOKENS)
 
@@ -82,28 +86,24 @@ def test_penalized_rows_join_and_leave_batches_and_slots_are_reused(checkpoint, 
     slots are reused), preempted and recomputed too; each still equals its HF reference."""
     preset = "llama-tiny"
     prompts = prompts_for(3, lengths=(30, 41, 52, 12, 7, 25))
-    sp = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3,
-                               frequency_penalty=0.5)
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=20, block_size=8, max_num_seqs=3,
-                    enable_prefix_caching=False) as llm:
+    sp = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=20, block_size=8, max_num_seqs=3, enable_prefix_caching=False) as llm:
         got = [o.token_ids for o in llm.generate(prompts, sp)]
         assert llm.scheduler.num_preemptions > 0
         assert len(llm.runner.penalties.owners) <= 4
     for p, tokens in zip(prompts, got):
         procs = LogitsProcessorList([OpenAIPenalty(len(p), 0.0, 0.5)])
-        assert tokens == hf_generate(preset, p, repetition_penalty=1.3, logits_processor=procs,
-                                     min_new_tokens=MAX_TOKENS)
+        assert tokens == hf_generate(preset, p, repetition_penalty=1.3, logits_processor=procs, min_new_tokens=MAX_TOKENS)
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
 def test_min_tokens_holds_stop_tokens_back(preset, checkpoint, hf_generate):
     prompt = prompts_for(4, lengths=(9,))[0]
     free = hf_generate(preset, prompt, min_new_tokens=MAX_TOKENS)
-    stop = free[1]                                     # greedy picks it at once
+    stop = free[1]  # greedy picks it at once
     with kvtier.LLM(checkpoint(preset), num_device_blocks=64) as llm:
         early = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,)))[0]
-        held = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,),
-                                                            min_tokens=6))[0]
+        held = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,), min_tokens=6))[0]
     assert early.token_ids == free[:2] and early.finish_reason == "stop"
     # HF: min_new_tokens masks its eos ids (here the stop token and EOS) for the first 6 tokens
     want = hf_generate(preset, prompt, min_new_tokens=6, eos_token_id=[stop, EOS_TOKEN_ID])
@@ -129,4 +129,4 @@ def test_min_tokens_masks_eos(preset, checkpoint, hf_model, hf_generate):
     assert free.token_ids == [EOS_TOKEN_ID] and free.finish_reason == "stop"
     assert held.token_ids == hf_generate(preset, prompt, max_new_tokens=8, min_new_tokens=5)
     assert EOS_TOKEN_ID not in held.token_ids[:5]
-    assert ignored.token_ids[0] == EOS_TOKEN_ID   # ignore_eos: EOS ends nothing, so nothing is masked
+    assert ignored.token_ids[0] == EOS_TOKEN_ID  # ignore_eos: EOS ends nothing, so nothing is masked

@@ -1,5 +1,6 @@
 """R3 through the engine: routed experts returned by generate() equal transformers' own router
 top-k on prompt + generated tokens, survive every cache path unchanged, and replay in HF."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.routing import replay
+from kvtier.experts import replay
 
 MOE = ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"]
 SP = kvtier.SamplingParams(max_tokens=8, ignore_eos=True, return_routed_experts=True)
@@ -22,7 +23,7 @@ def hf_router_topk(hf, tokens: list[int], top_k: int) -> np.ndarray:
     """[len(tokens), num_moe_layers, top_k] from transformers' router logits (sorted per token)."""
     with torch.no_grad():
         logits = hf(torch.tensor([tokens]), output_router_logits=True).router_logits
-    ids = torch.stack([torch.topk(torch.softmax(l.float(), -1), top_k, dim=-1).indices for l in logits], dim=1)
+    ids = torch.stack([torch.topk(torch.softmax(x.float(), -1), top_k, dim=-1).indices for x in logits], dim=1)
     return ids.numpy()
 
 
@@ -49,7 +50,7 @@ def test_routed_experts_equal_transformers_router_topk(preset, checkpoint, hf_mo
     with kvtier.LLM(path, num_device_blocks=64, block_size=8) as llm:
         alone = [llm.generate([p], SP)[0] for p in prompts]
     with kvtier.LLM(path, num_device_blocks=64, block_size=8, max_num_batched_tokens=6) as llm:
-        chunked = llm.generate(prompts, SP)          # prefill in chunks of <= 6 tokens
+        chunked = llm.generate(prompts, SP)  # prefill in chunks of <= 6 tokens
     for other in (alone, chunked):
         for a, b in zip(other, batched):
             assert a.token_ids == b.token_ids and np.array_equal(a.routed_experts, b.routed_experts)
@@ -76,8 +77,14 @@ def test_prefix_hits_return_the_routing_of_a_cold_run(preset, checkpoint):
         host = [llm.generate([p], SP)[0] for p in prompts]
         assert any(o.cached_tokens_by_tier["host"] > 0 for o in host)
     # storage hit: routing travels inside the storage object with its KV
-    with kvtier.LLM(path, num_device_blocks=10, block_size=8, num_host_blocks=8, write_policy="write_through",
-                    storage="memory://?capacity=16MiB") as llm:
+    with kvtier.LLM(
+        path,
+        num_device_blocks=10,
+        block_size=8,
+        num_host_blocks=8,
+        write_policy="write_through",
+        storage="memory://?capacity=16MiB",
+    ) as llm:
         llm.generate(prompts, SP)
         stored = [llm.generate([p], SP)[0] for p in prompts]
         assert any(o.cached_tokens_by_tier["storage"] > 0 for o in stored)
@@ -95,7 +102,7 @@ def test_hf_replay_of_captured_routing_gives_engine_logprobs(preset, checkpoint,
         o = llm.generate(prompts_for(3, lengths=(19,)), SP)[0]
         seq = o.prompt_token_ids + o.token_ids
         engine = llm.score(seq, routed_experts=o.routed_experts)
-        assert np.allclose(engine, llm.score(seq), atol=1e-5)     # the routing the engine chose itself
+        assert np.allclose(engine, llm.score(seq), atol=1e-5)  # the routing the engine chose itself
     with replay(hf, o.routed_experts):
         replayed = hf_logprobs(hf, seq)
     assert np.allclose(replayed, engine, atol=1e-4)
@@ -107,7 +114,7 @@ def test_replay_changes_routing_and_keeps_gradients(checkpoint, hf_model):
     seq = prompts_for(4, lengths=(12,))[0]
     top_k, layers = 2, 2
     other = np.zeros((len(seq) - 1, layers, top_k), dtype=np.int64)
-    other[..., 1] = 1                                 # experts 0 and 1 for every token
+    other[..., 1] = 1  # experts 0 and 1 for every token
     base = hf_logprobs(hf, seq)
     with kvtier.LLM(path, num_device_blocks=64) as llm:
         engine_forced = llm.score(seq, routed_experts=other)

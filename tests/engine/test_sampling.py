@@ -1,5 +1,6 @@
 """The sampler never fails: any valid SamplingParams and any logits row (NaN, +-inf, huge values)
 give a token id in range; temperature -> 0+ and top_p -> 0+ give the argmax."""
+
 from __future__ import annotations
 
 import math
@@ -13,15 +14,19 @@ from kvtier.engine.sampling import SamplingParams, sample
 
 VOCAB = 12
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-logit = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True),
-                  st.sampled_from([0.0, FLOAT32_MAX, -FLOAT32_MAX, 1e30, -1e30, math.inf, -math.inf, math.nan]))
+logit = st.one_of(
+    st.floats(width=32, allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, FLOAT32_MAX, -FLOAT32_MAX, 1e30, -1e30, math.inf, -math.inf, math.nan]),
+)
 rows = st.lists(logit, min_size=1, max_size=VOCAB)
 tiny = st.floats(min_value=1e-300, max_value=1e-100)
-params = st.builds(SamplingParams,
-                   temperature=st.one_of(st.just(0.0), tiny, st.floats(min_value=1e-300, max_value=1e6)),
-                   top_p=st.one_of(st.just(1.0), tiny, st.floats(min_value=1e-300, max_value=1.0)),
-                   top_k=st.integers(min_value=0, max_value=2 * VOCAB),
-                   seed=st.integers(min_value=0, max_value=2 ** 31))
+params = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.just(0.0), tiny, st.floats(min_value=1e-300, max_value=1e6)),
+    top_p=st.one_of(st.just(1.0), tiny, st.floats(min_value=1e-300, max_value=1.0)),
+    top_k=st.integers(min_value=0, max_value=2 * VOCAB),
+    seed=st.integers(min_value=0, max_value=2**31),
+)
 
 
 def cleaned(row: list[float]) -> list[float]:
@@ -59,8 +64,7 @@ def test_top_p_towards_zero_gives_the_argmax(row, top_p, temperature):
 
 
 def test_rows_of_a_batch_are_sampled_independently_and_bf16_logits_are_accepted():
-    logits = torch.tensor([[0.0, 5.0, 1.0], [math.nan, math.nan, math.nan], [1.0, math.inf, math.nan]],
-                          dtype=torch.bfloat16)
+    logits = torch.tensor([[0.0, 5.0, 1.0], [math.nan, math.nan, math.nan], [1.0, math.inf, math.nan]], dtype=torch.bfloat16)
     ps = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0), SamplingParams()]
     assert sample(logits, ps, [torch.Generator()] * 3) == [1, 0, 1]
 
@@ -76,6 +80,7 @@ def test_two_pass_topk_equals_torch_topk(vocab):
     """The vocabulary-long top-k of the logprobs path (two passes over chunks) against torch.topk
     on random rows (distinct values: same indices too), and -inf rows never name a padded id."""
     from kvtier.engine.sampling import topk
+
     x = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
     for k in (0, 1, 5, 20):
         got, want = topk(x, k), torch.topk(x, k, dim=-1)

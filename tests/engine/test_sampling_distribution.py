@@ -30,6 +30,7 @@ References:
 Every penalty test compares the penalized logits with the reference (``assert_close``) and
 asserts that they differ from the unpenalized ones, so a no-op penalty fails.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,17 +57,15 @@ from kvtier.engine.sampling import Penalties, SamplingParams, draw
 LOGITS = torch.tensor([0.5, 2.0, -1.0, 1.2, -3.0, 0.0, 1.5, -0.5, -2.0, 0.8])
 VOCAB = len(LOGITS)
 ARGMAX = 1
-N = 5_000              # draws per test: one ``draw`` call of N copies of the row
+N = 5_000  # draws per test: one ``draw`` call of N copies of the row
 
 # Upper-tail critical values of the chi-square distribution at alpha = 0.001, by degrees of
 # freedom: NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.4, "Critical Values
 # of the Chi-Square Distribution" (checked below against the survival function).
-CHI2_CRITICAL_0001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458,
-                      7: 24.322, 8: 26.124, 9: 27.877}
+CHI2_CRITICAL_0001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124, 9: 27.877}
 
 
-def reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-              min_p: float = 0.0) -> torch.Tensor:
+def reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
     """The distribution to draw from, by hand, in float64: temperature, then top-k, then min-p
     (a token at least min_p x as likely as the likeliest), then top-p (over what is left,
     renormalized), token by token in order of logit."""
@@ -78,7 +77,7 @@ def reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
     if top_p < 1.0:
         nucleus, before = [], 0.0
         for i in kept:
-            if before < top_p * mass:          # probability before it, renormalized, < top_p
+            if before < top_p * mass:  # probability before it, renormalized, < top_p
                 nucleus.append(i)
             before += float(probs[i])
         kept = nucleus
@@ -141,8 +140,7 @@ def expected_counts(probs: torch.Tensor) -> torch.Tensor:
     return (N * probs).round().long()
 
 
-def check(params: SamplingParams, want: torch.Tensor, support: set[int],
-          wrong: dict[str, torch.Tensor]) -> None:
+def check(params: SamplingParams, want: torch.Tensor, support: set[int], wrong: dict[str, torch.Tensor]) -> None:
     """kvtier's draws pass against ``want`` (whose support is ``support``, written out by hand),
     the distribution it reports is ``want``, and each wrong sampler's counts are rejected."""
     assert {i for i in range(VOCAB) if want[i] > 0} == support
@@ -173,19 +171,22 @@ def test_the_chi_square_check_accepts_draws_from_the_distribution_itself():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_tokens_follow_the_softmax_at_temperature(temperature):
     want = reference(LOGITS, temperature)
-    wrong = {"no temperature": reference(LOGITS, 1.0) if temperature != 1.0 else reference(LOGITS, 0.7),
-             "temperature multiplied": reference(LOGITS, 1 / temperature) if temperature != 1.0
-             else reference(LOGITS, 1.3),
-             "uniform": torch.full((VOCAB,), 1 / VOCAB, dtype=torch.float64)}
+    wrong = {
+        "no temperature": reference(LOGITS, 1.0) if temperature != 1.0 else reference(LOGITS, 0.7),
+        "temperature multiplied": reference(LOGITS, 1 / temperature) if temperature != 1.0 else reference(LOGITS, 1.3),
+        "uniform": torch.full((VOCAB,), 1 / VOCAB, dtype=torch.float64),
+    }
     check(SamplingParams(temperature=temperature), want, set(range(VOCAB)), wrong)
 
 
 def test_top_k_samples_the_k_most_likely_tokens_in_their_softmax_proportions():
     want = reference(LOGITS, 0.7, top_k=3)
-    wrong = {"top-k ignored": reference(LOGITS, 0.7),
-             "uniform over the top k": (reference(LOGITS, 0.7, top_k=3) > 0) / 3.0,
-             "no temperature": reference(LOGITS, 1.0, top_k=3),
-             "top-k of the smallest": reference(-LOGITS, 0.7, top_k=3)}
+    wrong = {
+        "top-k ignored": reference(LOGITS, 0.7),
+        "uniform over the top k": (reference(LOGITS, 0.7, top_k=3) > 0) / 3.0,
+        "no temperature": reference(LOGITS, 1.0, top_k=3),
+        "top-k of the smallest": reference(-LOGITS, 0.7, top_k=3),
+    }
     check(SamplingParams(temperature=0.7, top_k=3), want, {1, 6, 3}, wrong)
 
 
@@ -196,16 +197,22 @@ def test_min_p_drops_tokens_less_likely_than_min_p_times_the_likeliest_after_tem
     want = reference(LOGITS, 0.7, min_p=0.4)
     absolute = torch.zeros(VOCAB, dtype=torch.float64)
     absolute[ARGMAX] = 1.0
-    wrong = {"min-p ignored": reference(LOGITS, 0.7),
-             "min-p before temperature": reference(LOGITS, 0.7, top_k=3),
-             "min-p as an absolute floor": absolute}
+    wrong = {
+        "min-p ignored": reference(LOGITS, 0.7),
+        "min-p before temperature": reference(LOGITS, 0.7, top_k=3),
+        "min-p as an absolute floor": absolute,
+    }
     check(SamplingParams(temperature=0.7, min_p=0.4), want, {1, 6}, wrong)
     # top-p after it, over what min-p kept, renormalized: min_p=0.25 keeps 1, .49, .32 (.55, .27,
     # .18 of their sum), so top_p=0.8 drops the third (.82 before it); top-p first would keep it
     # (.67 of the whole distribution before it)
     both = reference(LOGITS, 0.7, min_p=0.25, top_p=0.8)
-    check(SamplingParams(temperature=0.7, min_p=0.25, top_p=0.8), both, {1, 6},
-          {"top-p before min-p": reference(LOGITS, 0.7, top_p=0.8), "top-p ignored": reference(LOGITS, 0.7, min_p=0.25)})
+    check(
+        SamplingParams(temperature=0.7, min_p=0.25, top_p=0.8),
+        both,
+        {1, 6},
+        {"top-p before min-p": reference(LOGITS, 0.7, top_p=0.8), "top-p ignored": reference(LOGITS, 0.7, min_p=0.25)},
+    )
 
 
 @pytest.mark.parametrize("temperature,support", [(1.0, {1, 6, 3, 9}), (0.7, {1, 6, 3})])
@@ -214,18 +221,20 @@ def test_top_p_samples_the_smallest_nucleus_reaching_p_renormalized(temperature,
     before the 4th token is .716 < .8 (kept) and before the 5th .821 (dropped); at T=0.7 the
     3rd token starts at .674 and the 4th at .819."""
     want = reference(LOGITS, temperature, top_p=0.8)
-    inclusive = reference(LOGITS, temperature, top_k=len(support) - 1)   # kept while the sum *with* it <= p
-    in_vocab_order = torch.zeros(VOCAB, dtype=torch.float64)                # cumulated without sorting
+    inclusive = reference(LOGITS, temperature, top_k=len(support) - 1)  # kept while the sum *with* it <= p
+    in_vocab_order = torch.zeros(VOCAB, dtype=torch.float64)  # cumulated without sorting
     probs, before = torch.softmax(LOGITS.double() / temperature, -1), 0.0
     for i in range(VOCAB):
         if before < 0.8:
             in_vocab_order[i] = probs[i]
         before += float(probs[i])
-    nucleus_at_t1 = reference(LOGITS, 1.0, top_p=0.8) > 0                  # temperature after top-p
+    nucleus_at_t1 = reference(LOGITS, 1.0, top_p=0.8) > 0  # temperature after top-p
     after = torch.softmax(LOGITS.double() / temperature, -1) * nucleus_at_t1
-    wrong = {"top-p ignored": reference(LOGITS, temperature),
-             "the inclusive rule": inclusive,
-             "an unsorted cumulative sum": in_vocab_order / in_vocab_order.sum()}
+    wrong = {
+        "top-p ignored": reference(LOGITS, temperature),
+        "the inclusive rule": inclusive,
+        "an unsorted cumulative sum": in_vocab_order / in_vocab_order.sum(),
+    }
     if temperature != 1.0:
         wrong["temperature after top-p"] = after / after.sum()
     check(SamplingParams(temperature=temperature, top_p=0.8), want, support, wrong)
@@ -236,16 +245,21 @@ def test_top_k_then_top_p_takes_the_nucleus_of_the_top_k_distribution():
     keeps two tokens. Top-p first, over the whole vocabulary, would keep three (.559 < .6)."""
     want = reference(LOGITS, 1.0, top_k=3, top_p=0.6)
     top_p_first = reference(LOGITS, 1.0, top_p=0.6) * (reference(LOGITS, 1.0, top_k=3) > 0)
-    wrong = {"top-p before top-k": top_p_first / top_p_first.sum(),
-             "top-k only": reference(LOGITS, 1.0, top_k=3),
-             "top-p only": reference(LOGITS, 1.0, top_p=0.6)}
+    wrong = {
+        "top-p before top-k": top_p_first / top_p_first.sum(),
+        "top-k only": reference(LOGITS, 1.0, top_k=3),
+        "top-p only": reference(LOGITS, 1.0, top_p=0.6),
+    }
     check(SamplingParams(temperature=1.0, top_k=3, top_p=0.6), want, {1, 6}, wrong)
 
 
 def hf_distribution(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     scores = row[None].double()
-    for warper in [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + \
-            ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []):
+    for warper in (
+        [TemperatureLogitsWarper(temperature)]
+        + ([TopKLogitsWarper(top_k)] if top_k else [])
+        + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+    ):
         scores = warper(None, scores)
     return torch.softmax(scores, dim=-1)[0]
 
@@ -254,8 +268,9 @@ def test_the_hand_written_reference_equals_transformers_warpers():
     for temperature in (1.0, 0.7):
         for top_k in (0, 3, 5):
             for top_p in (1.0, 0.8, 0.6, 0.3):
-                torch.testing.assert_close(reference(LOGITS, temperature, top_k, top_p),
-                                           hf_distribution(LOGITS, temperature, top_k, top_p))
+                torch.testing.assert_close(
+                    reference(LOGITS, temperature, top_k, top_p), hf_distribution(LOGITS, temperature, top_k, top_p)
+                )
 
 
 @pytest.mark.parametrize("vocab", [50, 8192])
@@ -277,7 +292,7 @@ def test_the_distribution_drawn_from_equals_transformers_warpers_on_random_rows(
     for r, p in enumerate(params):
         want = hf_distribution(logits[r], p.temperature, p.top_k, p.top_p)
         assert want[tokens[r]] > 0, r
-        if p.greedy:                    # top_k=1: the argmax; kvtier reports the plain log_softmax
+        if p.greedy:  # top_k=1: the argmax; kvtier reports the plain log_softmax
             assert tokens[r] == logits[r].argmax()
             continue
         torch.testing.assert_close(processed[r], want.log().float(), msg=lambda m: f"row {r} {p}: {m}")
@@ -286,7 +301,7 @@ def test_the_distribution_drawn_from_equals_transformers_warpers_on_random_rows(
 # ---------------------------------------------------------------------------------------------
 # penalties
 
-PV = 24                # the penalties' vocabulary
+PV = 24  # the penalties' vocabulary
 EOS = 2
 
 
@@ -300,12 +315,12 @@ def penalty_logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
 
 
 def make(prompt: list[int], output: list[int], **kw) -> Request:
-    return Request(f"r{id(prompt)}", list(prompt), SamplingParams(max_tokens=64, **kw),
-                   output_token_ids=list(output))
+    return Request(f"r{id(prompt)}", list(prompt), SamplingParams(max_tokens=64, **kw), output_token_ids=list(output))
 
 
-def penalized(logits: torch.Tensor, reqs: list[Request], rows: list[int] | None = None,
-              penalties: Penalties | None = None) -> torch.Tensor:
+def penalized(
+    logits: torch.Tensor, reqs: list[Request], rows: list[int] | None = None, penalties: Penalties | None = None
+) -> torch.Tensor:
     out = logits.clone()
     penalties = penalties or Penalties(PV, [EOS], torch.device("cpu"))
     penalties.apply(out, list(range(len(reqs))) if rows is None else rows, reqs)
@@ -332,8 +347,8 @@ def test_repetition_penalty_equals_transformers_over_prompt_and_output(penalty):
     got = penalized(x, [make(PROMPT, OUTPUT, repetition_penalty=penalty)])[0]
     torch.testing.assert_close(got, hf_repetition(x[0], PROMPT + OUTPUT, penalty))
     changed = {i for i in range(PV) if got[i] != x[0, i]}
-    assert changed == set(PROMPT + OUTPUT) - {5}            # every seen token but the zero logit
-    torch.testing.assert_close(got[[7, 8]], torch.tensor([25.0 / penalty, -25.0 * penalty]))   # both signs
+    assert changed == set(PROMPT + OUTPUT) - {5}  # every seen token but the zero logit
+    torch.testing.assert_close(got[[7, 8]], torch.tensor([25.0 / penalty, -25.0 * penalty]))  # both signs
 
 
 @pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.7), (0.4, 1.2), (-0.5, 0.3)])
@@ -342,7 +357,7 @@ def test_presence_and_frequency_penalties_equal_the_openai_formula_over_the_outp
     got = penalized(x, [make(PROMPT, OUTPUT, presence_penalty=presence, frequency_penalty=frequency)])[0]
     torch.testing.assert_close(got, openai(x[0], OUTPUT, presence, frequency))
     changed = {i for i in range(PV) if got[i] != x[0, i]}
-    assert changed == set(OUTPUT)                            # the prompt's tokens are not counted
+    assert changed == set(OUTPUT)  # the prompt's tokens are not counted
     torch.testing.assert_close(got[4], x[0, 4] - presence - 3 * frequency)
 
 
@@ -353,7 +368,7 @@ def test_all_penalties_together_apply_repetition_first_then_presence_and_frequen
     want = openai(hf_repetition(x[0], PROMPT + OUTPUT, 1.5), OUTPUT, 0.8, 0.6)
     torch.testing.assert_close(got, want)
     other_order = hf_repetition(openai(x[0], OUTPUT, 0.8, 0.6), PROMPT + OUTPUT, 1.5)
-    assert not torch.allclose(want, other_order)            # the test pins the order
+    assert not torch.allclose(want, other_order)  # the test pins the order
     assert not torch.allclose(got, x[0])
 
 

@@ -5,6 +5,7 @@ thread's default). Its fp32 greedy tokens, cold and from every cache tier, equal
 engine's on cuda:0, and the forwards leave cuda:0 untouched.
 
 Needs two GPUs (an H100 x2 host runs it); on fewer it is skipped with that reason."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,9 @@ import torch
 
 import kvtier
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                reason="needs two CUDA GPUs (2x H100 80GB run it): the engine goes on cuda:1")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (2x H100 80GB run it): the engine goes on cuda:1"
+)
 SP = kvtier.SamplingParams(max_tokens=16, ignore_eos=True)
 
 
@@ -32,13 +34,13 @@ def _run(path, device: str) -> list[list[int]]:
 
     def go() -> None:
         torch.cuda.set_device(0)
-        with kvtier.LLM(path, device=device, dtype="float32", num_device_blocks=64, num_host_blocks=128,
-                        block_size=16) as llm:
+        with kvtier.LLM(path, device=device, dtype="float32", num_device_blocks=64, num_host_blocks=128, block_size=16) as llm:
             prompts = _prompts(3)
             out.append([o.token_ids for o in llm.generate(prompts, SP)])
             out.append([o.token_ids for o in llm.generate(prompts, SP)])
-            llm.generate(_prompts(4) * 2, SP)          # evicts to the host tier
+            llm.generate(_prompts(4) * 2, SP)  # evicts to the host tier
             out.append([o.token_ids for o in llm.generate(prompts, SP)])
+
     t = threading.Thread(target=go)
     t.start()
     t.join()
@@ -54,8 +56,8 @@ def test_an_engine_on_the_second_gpu_answers_as_on_the_first(preset, checkpoint)
     used0 = torch.cuda.memory_allocated(0)
     got = _run(path, "cuda:1")
     assert got == want
-    assert got[0] == got[1] == got[2]                 # cold == device hit == host hit
-    assert torch.cuda.memory_allocated(0) == used0     # nothing of the cuda:1 engine on cuda:0
+    assert got[0] == got[1] == got[2]  # cold == device hit == host hit
+    assert torch.cuda.memory_allocated(0) == used0  # nothing of the cuda:1 engine on cuda:0
 
 
 def test_a_served_engine_on_the_second_gpu_answers_as_on_the_first(checkpoint):
@@ -68,6 +70,7 @@ def test_a_served_engine_on_the_second_gpu_answers_as_on_the_first(checkpoint):
     def serve(device: str) -> list[list[int]]:
         engine = AsyncEngine(EngineCore(path, device=device, dtype="float32", num_device_blocks=64, block_size=16))
         try:
+
             async def one(p):
                 ids: list[int] = []
                 async for d in engine.generate(engine.make_request(p, SP)):
@@ -76,7 +79,9 @@ def test_a_served_engine_on_the_second_gpu_answers_as_on_the_first(checkpoint):
 
             async def go():
                 return await asyncio.gather(*(one(p) for p in _prompts(5)))
+
             return asyncio.run(go())
         finally:
             engine.shutdown()
+
     assert serve("cuda:1") == serve("cuda:0")

@@ -9,6 +9,7 @@ Random MTP weights draft almost nothing the target accepts, so most tests use a 
 drafter (``Speculator.drafter``): the target's own greedy continuation with probability alpha,
 else a wrong token, which exercises every number of accepted drafts.
 """
+
 from __future__ import annotations
 
 import random
@@ -21,7 +22,7 @@ from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams, draw
 from kvtier.engine.spec import REST_STEPS, Speculator
 from kvtier.model import AttentionMetadata, ModelConfig, allocate_kv_caches, load_model
-from tests.engine.test_generate_vs_hf import prompts_for
+from tests.engine.hf_reference import prompts_for
 from tests.engine.test_sampling_distribution import LOGITS, reference, rejection
 
 TIERS = dict(num_device_blocks=24, block_size=8, num_host_blocks=96, max_num_seqs=4)
@@ -57,8 +58,15 @@ def run(llm: kvtier.LLM, params: kvtier.SamplingParams) -> list:
     tier), then the first two again (device and host hits)."""
     first, other = workload()
     outs = llm.generate(first, params) + llm.generate(other, params) + llm.generate(first[:2], params)
-    return [(o.token_ids, o.finish_reason, dict(o.cached_tokens_by_tier),
-             None if o.routed_experts is None else o.routed_experts.tolist()) for o in outs]
+    return [
+        (
+            o.token_ids,
+            o.finish_reason,
+            dict(o.cached_tokens_by_tier),
+            None if o.routed_experts is None else o.routed_experts.tolist(),
+        )
+        for o in outs
+    ]
 
 
 @pytest.mark.parametrize(
@@ -132,8 +140,14 @@ def test_the_mtp_kv_travels_through_the_pool_and_its_namespace_says_so(mtp_model
     that does not draft (no MTP KV in its blocks) never reads those objects."""
     prompts = prompts_for(46, lengths=(48, 40))
     params = kvtier.SamplingParams(max_tokens=8, ignore_eos=True)
-    pool = dict(storage=f"file://{tmp_path}", num_host_blocks=64, block_size=8, num_device_blocks=64,
-                prefetch_policy="wait_complete", storage_fetch="always")
+    pool = dict(
+        storage=f"file://{tmp_path}",
+        num_host_blocks=64,
+        block_size=8,
+        num_device_blocks=64,
+        prefetch_policy="wait_complete",
+        storage_fetch="always",
+    )
 
     def drafts_of(llm) -> list[tuple[int, int, int]]:
         seen: list[tuple[int, int, int]] = []  # (prompt length, position, draft)
@@ -296,8 +310,14 @@ def test_the_drafts_are_the_mtp_blocks_over_the_whole_sequence(mtp_model, sample
     params = [greedy] * len(prompts)
     if sampled:
         params[1] = kvtier.SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.9, seed=5)
-    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, enable_prefix_caching=False,
-                    num_speculative_tokens=k, overlap_schedule=overlap) as llm:
+    with kvtier.LLM(
+        mtp_model,
+        num_device_blocks=64,
+        block_size=8,
+        enable_prefix_caching=False,
+        num_speculative_tokens=k,
+        overlap_schedule=overlap,
+    ) as llm:
         llm.spec.drafter = drafter
         outs = llm.generate(prompts, params)
         spec = llm.cache_stats()["speculative"]
@@ -341,8 +361,9 @@ def test_a_request_whose_drafts_are_never_accepted_rests_from_drafting(mtp_model
     outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
     stats = {}
     for alpha, minimum in [(0.0, 0.1), (0.0, 0.0), (1.0, 0.1)]:
-        with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3,
-                        speculative_min_acceptance=minimum) as llm:
+        with kvtier.LLM(
+            mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3, speculative_min_acceptance=minimum
+        ) as llm:
             llm.spec.drafter = oracle_drafter(outputs, alpha)
             outs = llm.generate(prompts, params)
             stats[alpha, minimum] = llm.cache_stats()["speculative"]
@@ -366,8 +387,7 @@ def test_sampled_requests_and_n_samples_decode_with_drafts(mtp_model):
     outputs = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
     # (every step drafts: sampled tokens part from the greedy ones the drafter proposes, and
     # with few drafts accepted a request would rest from drafting)
-    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3,
-                    speculative_min_acceptance=0) as llm:
+    with kvtier.LLM(mtp_model, num_device_blocks=64, block_size=8, num_speculative_tokens=3, speculative_min_acceptance=0) as llm:
         llm.spec.drafter = oracle_drafter(outputs, 0.8)
         one = llm.generate(prompts, params)
         two = llm.generate(prompts, params)
@@ -386,8 +406,27 @@ def test_the_benchmark_measures_the_acceptance_it_controls(tmp_path):
     from kvtier.bench.spec_bench import main
 
     out = tmp_path / "spec.json"
-    assert main(["--device", "cpu", "--batch-sizes", "2", "--alphas", "0,1", "--input", "12", "--output", "10",
-                 "--repeat", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--device",
+                "cpu",
+                "--batch-sizes",
+                "2",
+                "--alphas",
+                "0,1",
+                "--input",
+                "12",
+                "--output",
+                "10",
+                "--repeat",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     runs = {r["alpha"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs[0.0]["acceptance"] == 0.0 and runs[1.0]["acceptance"] == 1.0
     assert all(r["same_tokens"] == "2 of 2" and r["tokens_per_s"] > 0 for r in runs.values())
@@ -477,8 +516,15 @@ def test_penalties_and_min_tokens_see_the_drafts_before_each_verify_row(mtp_mode
     back by min_tokens), raw and processed logprobs equal plain decoding's. Without the drafts
     counted, a repeated draft goes unpenalized at the rows after it and the tokens part."""
     prompts = prompts_for(50, lengths=(14, 27, 9))
-    params = kvtier.SamplingParams(max_tokens=20, min_tokens=12, repetition_penalty=1.3, frequency_penalty=0.9,
-                                   presence_penalty=0.4, logprobs=2, logprobs_mode=mode)
+    params = kvtier.SamplingParams(
+        max_tokens=20,
+        min_tokens=12,
+        repetition_penalty=1.3,
+        frequency_penalty=0.9,
+        presence_penalty=0.4,
+        logprobs=2,
+        logprobs_mode=mode,
+    )
     ref, got, spec = plain_and_drafted(mtp_model, prompts, params, 0.85)
     assert spec["accepted"] > 0 and spec["accepted_at"][-1] > 0
     assert_same_outputs(ref, got)
@@ -510,8 +556,10 @@ def test_a_soak_of_drafted_requests_leaks_no_block_and_keeps_greedy_exact(mtp_mo
     request) after every step, and every greedy request's tokens equal to plain decoding."""
     rng = random.Random(5)
     prompts = [prompts_for(60 + i, lengths=(rng.randrange(3, 50),))[0] for i in range(40)]
-    greedy = [kvtier.SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True,
-                                    stop_token_ids=[rng.randrange(VOCAB)]) for _ in prompts]
+    greedy = [
+        kvtier.SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True, stop_token_ids=[rng.randrange(VOCAB)])
+        for _ in prompts
+    ]
     kw = dict(num_device_blocks=20, block_size=8, num_host_blocks=64, max_num_seqs=8)
     with kvtier.LLM(mtp_model, **kw) as llm:
         ref = llm.generate(prompts, greedy)
@@ -522,8 +570,11 @@ def test_a_soak_of_drafted_requests_leaks_no_block_and_keeps_greedy_exact(mtp_mo
         reqs, aborted, done = {}, set(), {}
         for i, p in enumerate(prompts):
             kind = i % 4
-            params = greedy[i] if kind < 2 else (
-                kvtier.SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True, n=2 if kind == 3 else 1))
+            params = (
+                greedy[i]
+                if kind < 2
+                else (kvtier.SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True, n=2 if kind == 3 else 1))
+            )
             reqs[llm.add_request(p, params).request_id] = i
         steps = 0
         while llm.has_unfinished():

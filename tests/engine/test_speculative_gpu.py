@@ -3,6 +3,7 @@ kernels): fp32 ``qwen3-mtp-tiny`` and ``qwen3-moe-mtp-tiny`` give with drafts th
 routed experts and hits per tier of the engine without drafts, through device and host hits and
 swap preemption, with the target forward of drafted steps replayed from step graphs. The CPU twin
 is tests/engine/test_speculative.py (same workload)."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 in the text a run without ``stop`` produces (the tiny presets' byte-level tokenizer, decoded by
 transformers' tokenizer as the reference), the tokens end with the one that completed it, and
 finish_reason is "stop"."""
+
 from __future__ import annotations
 
 import shutil
@@ -25,7 +26,7 @@ def expected(tok, tokens: list[int], stop: str) -> tuple[str, list[int]]:
     """The reference cut: text before the first occurrence; tokens up to the first prefix whose
     text contains it."""
     text = tok.decode(tokens, skip_special_tokens=True)
-    cut = text[:text.index(stop)]
+    cut = text[: text.index(stop)]
     n = next(n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n], skip_special_tokens=True))
     return cut, tokens[:n]
 
@@ -35,8 +36,8 @@ def stop_from(text: str, at: int, width: int) -> str:
     ``width`` characters long or, failing that, shorter (down to 2 when width >= 2)."""
     for w in range(width, min(width, 2) - 1, -1):
         for i in [*range(at, len(text) - w), *range(at)]:
-            if "\ufffd" not in text[i:i + w]:
-                return text[i:i + w]
+            if "\ufffd" not in text[i : i + w]:
+                return text[i : i + w]
     pytest.skip("no substring of whole characters")
 
 
@@ -70,9 +71,9 @@ def test_a_stop_string_spanning_tokens_and_at_the_very_end(checkpoint):
     prompt = prompts_for(2, lengths=(11,))[0]
     with kvtier.LLM(path, num_device_blocks=64) as llm:
         ref = llm.generate([prompt], kvtier.SamplingParams(max_tokens=12, ignore_eos=True))[0]
-        stop = stop_from(ref.text, 0, 4)                   # spans several byte tokens
+        stop = stop_from(ref.text, 0, 4)  # spans several byte tokens
         out = llm.generate([prompt], kvtier.SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]))[0]
-        last = ref.text[-2:]                               # completed by the last token allowed
+        last = ref.text[-2:]  # completed by the last token allowed
         end = llm.generate([prompt], kvtier.SamplingParams(max_tokens=12, ignore_eos=True, stop=last))[0]
     text, tokens = expected(tok, ref.token_ids, stop)
     assert (out.text, out.token_ids, out.finish_reason) == (text, tokens, "stop")
@@ -88,8 +89,7 @@ def test_stop_strings_wait_for_min_tokens(checkpoint):
     with kvtier.LLM(path, num_device_blocks=64) as llm:
         ref = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
         stop = tok.decode(ref.token_ids[:1])
-        out = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=stop,
-                                                           min_tokens=3))[0]
+        out = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=stop, min_tokens=3))[0]
     rest = tok.decode(ref.token_ids)
     later = rest.find(stop, len(tok.decode(ref.token_ids[:3])) - len(stop) + 1)
     if later == -1:

@@ -1,13 +1,14 @@
 """Host tier through the async transfer engine (CPU twin): every family under every write policy
 with a device tier small enough to evict, and swap preemption — greedy tokens equal HF
 `transformers` (the `reference` fixture), routed experts equal a run without preemption."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import kvtier
-from tests.engine.test_generate_vs_hf import FAMILIES, GREEDY, prompts_for, reference  # noqa: F401
+from tests.engine.hf_reference import FAMILIES, GREEDY, prompts_for
 
 POLICIES = [("write_through", 2), ("write_through_selective", 1), ("write_back", 2)]
 
@@ -17,10 +18,16 @@ POLICIES = [("write_through", 2), ("write_through_selective", 1), ("write_back",
 def test_host_hits_equal_transformers_under_each_write_policy(preset, policy, threshold, checkpoint, reference):
     a, b = prompts_for(21, lengths=(48, 48))
     want = reference(preset, [a])
-    with kvtier.LLM(checkpoint(preset), num_device_blocks=9, block_size=8, num_host_blocks=48,
-                    write_policy=policy, write_through_threshold=threshold) as llm:
+    with kvtier.LLM(
+        checkpoint(preset),
+        num_device_blocks=9,
+        block_size=8,
+        num_host_blocks=48,
+        write_policy=policy,
+        write_through_threshold=threshold,
+    ) as llm:
         assert llm.generate([a], GREEDY)[0].token_ids == want[0]
-        llm.generate([b], GREEDY)                      # pushes a's blocks off the device tier
+        llm.generate([b], GREEDY)  # pushes a's blocks off the device tier
         if policy == "write_through_selective":
             llm.generate([a], GREEDY)
             llm.generate([b], GREEDY)
@@ -35,14 +42,18 @@ def test_host_hits_equal_transformers_under_each_write_policy(preset, policy, th
 def test_swap_preemption_loads_back_and_matches_recompute_and_transformers(preset, checkpoint, reference):
     prompts = prompts_for(22, lengths=(30, 41, 52, 63))
     want = reference(preset, prompts)
-    sp = kvtier.SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True,
-                               return_routed_experts=preset.endswith("moe-tiny"))
+    sp = kvtier.SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True, return_routed_experts=preset.endswith("moe-tiny"))
     outs = {}
     for mode in ("swap", "recompute", None):
-        kwargs = dict(num_device_blocks=20, block_size=8, preemption_mode=mode,
-                      num_host_blocks=64 if mode == "swap" else 0, write_policy="write_through_selective",
-                      write_through_threshold=4)
-        if mode is None:                                 # plenty of room: no preemption at all
+        kwargs = dict(
+            num_device_blocks=20,
+            block_size=8,
+            preemption_mode=mode,
+            num_host_blocks=64 if mode == "swap" else 0,
+            write_policy="write_through_selective",
+            write_through_threshold=4,
+        )
+        if mode is None:  # plenty of room: no preemption at all
             kwargs.update(num_device_blocks=128, preemption_mode="recompute")
         with kvtier.LLM(checkpoint(preset), **kwargs) as llm:
             outs[mode] = llm.generate(prompts, sp)
@@ -50,7 +61,7 @@ def test_swap_preemption_loads_back_and_matches_recompute_and_transformers(prese
                 assert llm.scheduler.num_preemptions > 0
             if mode == "swap":
                 assert llm.cache.stats.swapped_out_blocks > 0
-                hits = llm.cache.stats.hit_tokens          # came back from cache (device, or host by a load)
+                hits = llm.cache.stats.hit_tokens  # came back from cache (device, or host by a load)
                 assert hits["device"] + hits["host"] > 0
             pool = llm.cache.device_pool
             assert pool.num_free + llm.cache.tree.num_device_copies == pool.num_blocks

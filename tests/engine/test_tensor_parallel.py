@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, one process per rank): TP=2 gives the tokens, routed experts,
 cache decisions and logprobs of TP=1 on the same checkpoint, through device hits, host hits and
 swap preemption; a rank that dies ends the engine with an error naming it, within the timeout."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ import kvtier
 from kvtier.engine.tp import RankLost
 from kvtier.model import ModelConfig, load_model
 from kvtier.model.shard import TPShard, full_shape, shard_config, shard_dim, take_shard
-from tests.engine.test_generate_vs_hf import prompts_for
+from tests.engine.hf_reference import prompts_for
 
 # a device tier small enough that the workload evicts to the host tier and preempts by swap
 TIERS = dict(num_device_blocks=20, block_size=8, num_host_blocks=96, write_policy="write_back", max_num_seqs=4)
@@ -29,9 +30,9 @@ def workload(llm: kvtier.LLM, moe: bool) -> list:
     greedy = kvtier.SamplingParams(max_tokens=24, ignore_eos=True, return_routed_experts=moe, logprobs=2)
     sampled = kvtier.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
     outs = []
-    outs += llm.generate(prompts, greedy)                     # 4 at once, 20 blocks: preempts
+    outs += llm.generate(prompts, greedy)  # 4 at once, 20 blocks: preempts
     outs += llm.generate(prompts_for(33, lengths=(90, 70)), greedy)  # pushes the first ones off the device
-    outs += llm.generate(prompts[:2], greedy)                 # hits: host (and device)
+    outs += llm.generate(prompts[:2], greedy)  # hits: host (and device)
     outs += llm.generate(prompts[2:3], sampled)
     return [
         (
@@ -46,7 +47,8 @@ def workload(llm: kvtier.LLM, moe: bool) -> list:
 
 
 @pytest.mark.parametrize(
-    "preset", ["llama-tiny", pytest.param("qwen2-moe-tiny", marks=pytest.mark.slow)]  # (the slow pass: CI runs it)
+    "preset",
+    ["llama-tiny", pytest.param("qwen2-moe-tiny", marks=pytest.mark.slow)],  # (the slow pass: CI runs it)
 )
 def test_two_ranks_give_what_one_gives_through_every_tier(preset, checkpoint):
     """Dense (Llama) and MoE with a shared expert and a dense layer (Qwen2-MoE)."""
@@ -64,10 +66,10 @@ def test_two_ranks_give_what_one_gives_through_every_tier(preset, checkpoint):
             runs[tp].append(scored)
     one, two = runs[1], runs[2]
     for a, b in zip(one[:-1], two[:-1]):
-        assert a[0] == b[0]                                   # tokens
-        assert a[1] == b[1]                                   # routed experts (captured once, on rank 0)
-        assert a[2] == b[2]                                   # hits per tier: the same decisions
-        assert a[3] == b[3]                                   # the same top-k token ids
+        assert a[0] == b[0]  # tokens
+        assert a[1] == b[1]  # routed experts (captured once, on rank 0)
+        assert a[2] == b[2]  # hits per tier: the same decisions
+        assert a[3] == b[3]  # the same top-k token ids
         if a[4] is not None:
             np.testing.assert_allclose(a[4], b[4], atol=2e-5)  # partial sums add in another order
     np.testing.assert_allclose(one[-1], two[-1], atol=2e-5)
@@ -80,16 +82,26 @@ def pool_run(path, pool: str, tp: int, prompts: list[list[int]], moe: bool, writ
     and host tiers, reads them back. The second engine's outputs (tokens, experts, hits per tier).
     ``engine``: more LLM options (the GPU twin's device and dtype)."""
     sp = kvtier.SamplingParams(max_tokens=10, ignore_eos=True, return_routed_experts=moe)
-    kw = dict(tensor_parallel_size=tp, num_device_blocks=64, block_size=8, num_host_blocks=128, storage=pool,
-              prefetch_policy="wait_complete", storage_fetch="always", **engine)  # (hits that do not depend on timing)
+    kw = dict(
+        tensor_parallel_size=tp,
+        num_device_blocks=64,
+        block_size=8,
+        num_host_blocks=128,
+        storage=pool,
+        prefetch_policy="wait_complete",
+        storage_fetch="always",
+        **engine,
+    )  # (hits that do not depend on timing)
     if write:
         with kvtier.LLM(path, **kw) as llm:
             llm.generate(prompts, sp)
     with kvtier.LLM(path, **kw) as llm:
         outs = llm.generate(prompts, sp)
         assert llm.transfer.num_in_flight == 0
-    return [(o.token_ids, None if o.routed_experts is None else o.routed_experts.tolist(), dict(o.cached_tokens_by_tier))
-            for o in outs]
+    return [
+        (o.token_ids, None if o.routed_experts is None else o.routed_experts.tolist(), dict(o.cached_tokens_by_tier))
+        for o in outs
+    ]
 
 
 @pytest.mark.slow  # five engines, three of two ranks (~25 s on 2 cores): CI runs it with -m slow
@@ -168,7 +180,7 @@ def test_a_rank_that_fails_names_its_error(checkpoint):
 
 
 def test_sizes_the_ranks_cannot_split_are_refused_by_name(checkpoint):
-    with pytest.raises(ValueError, match=r"num_key_value_heads \(1\)"):       # mistral-tiny: one KV head
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(1\)"):  # mistral-tiny: one KV head
         kvtier.LLM(checkpoint("mistral-tiny"), tensor_parallel_size=2, num_device_blocks=16)
     with pytest.raises(ValueError, match="a memory:// pool lives in one process"):
         kvtier.EngineConfig(tensor_parallel_size=2, storage="memory://")
@@ -178,7 +190,7 @@ def test_sizes_the_ranks_cannot_split_are_refused_by_name(checkpoint):
 
 def test_each_rank_holds_its_slice_of_every_sharded_tensor(checkpoint):
     """The slices of two ranks put together are the whole model's tensors; replicated ones equal."""
-    path = checkpoint("qwen2-moe-tiny")   # q/k/v bias, shared expert, a dense layer
+    path = checkpoint("qwen2-moe-tiny")  # q/k/v bias, shared expert, a dense layer
     whole = dict(load_model(path, fuse=False).named_parameters())
     parts = [dict(load_model(path, fuse=False, tp=TPShard(r, 2)).named_parameters()) for r in range(2)]
     cfg = ModelConfig.from_hf_dir(path)

@@ -3,6 +3,7 @@ kernels): fp32 ``qwen3-0.6b-shape`` and ``qwen3-moe-small`` with real random wei
 TP=2 the greedy tokens, routed experts and cache hits of TP=1, through device hits, host hits,
 swap preemption, storage hits and a PD hand-off. The CPU twin is tests/engine/test_tensor_parallel.py
 (same workloads, gloo)."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,8 @@ def test_two_gpus_give_what_one_gives_through_every_tier(preset, tmp_path):
             assert llm.transfer.num_in_flight == 0
             graphs[tp] = llm.runner.decode_graphs.runs if llm.runner.decode_graphs is not None else 0
     for a, b in zip(runs[1], runs[2]):
-        assert a[:4] == b[:4]                     # tokens, routed experts, hits per tier, top-k ids
-    assert graphs[2] > 0                          # decode steps replayed CUDA graphs holding NCCL all-reduces
+        assert a[:4] == b[:4]  # tokens, routed experts, hits per tier, top-k ids
+    assert graphs[2] > 0  # decode steps replayed CUDA graphs holding NCCL all-reduces
 
 
 def test_two_gpus_read_the_pool_and_take_a_pd_hand_off_as_one_gpu(tmp_path):
@@ -56,7 +57,11 @@ def test_two_gpus_read_the_pool_and_take_a_pd_hand_off_as_one_gpu(tmp_path):
     h = first.handoff
     assert h["complete"] and h["failed_blocks"] == 0 and h["tensor_parallel_size"] == 2
     with kvtier.LLM(path, **kw) as d:
-        out = run(d, prompt=prompts[0], params=kvtier.SamplingParams(max_tokens=10, ignore_eos=True,
-                                                                      return_routed_experts=True), handoff=h)
+        out = run(
+            d,
+            prompt=prompts[0],
+            params=kvtier.SamplingParams(max_tokens=10, ignore_eos=True, return_routed_experts=True),
+            handoff=h,
+        )
     assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": 56}
     assert out.token_ids == one[0][0] and out.routed_experts.tolist() == one[0][1]

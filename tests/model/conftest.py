@@ -1,4 +1,5 @@
 """Session fixtures: kvtier models of the tiny checkpoints (checkpoint, hf_model: tests/conftest.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path

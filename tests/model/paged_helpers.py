@@ -1,11 +1,12 @@
 """Helpers for the model tests: HF reference logits and a tiny paged-KV driver."""
+
 from __future__ import annotations
 
 import random
 
 import torch
 
-from kvtier.model import AttentionMetadata, CausalLM, PRESETS, allocate_kv_caches
+from kvtier.model import PRESETS, AttentionMetadata, CausalLM, allocate_kv_caches
 
 TINY_PRESETS = [name for name in PRESETS if name.endswith("-tiny")]
 MOE_PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"]
@@ -24,7 +25,7 @@ class PagedSequences:
         self.model = model
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, BLOCK_SIZE)
         self.free_blocks = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free_blocks)     # non-contiguous, out-of-order block tables
+        random.Random(seed).shuffle(self.free_blocks)  # non-contiguous, out-of-order block tables
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 
@@ -48,7 +49,7 @@ class PagedSequences:
         logits = self.model.compute_logits(hidden)
         out, start = {}, 0
         for seq_id, n in zip(chunks, query_lens):
-            out[seq_id] = logits[start:start + n]
+            out[seq_id] = logits[start : start + n]
             start += n
         return out
 

@@ -1,4 +1,5 @@
 """ModelConfig normalizes the key spellings real checkpoints use."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,12 +9,24 @@ from kvtier.model import ModelConfig
 from kvtier.model.layers import rope_inv_freq
 
 LLAMA31 = {  # abridged Llama-3.1-8B config.json (transformers 4.x spelling)
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
     "eos_token_id": [128001, 128008, 128009],
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
 }
 
 
@@ -30,8 +43,12 @@ def test_generation_config_eos_wins_over_config_eos():
 
 
 def test_old_yarn_spelling_type_key():
-    hf = dict(LLAMA31, architectures=["Qwen2ForCausalLM"], max_position_embeddings=32768,
-              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    hf = dict(
+        LLAMA31,
+        architectures=["Qwen2ForCausalLM"],
+        max_position_embeddings=32768,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    )
     cfg = ModelConfig.from_hf_dict(hf)
     inv_freq, attention_factor = rope_inv_freq(cfg)
     assert cfg.rope_type == "yarn" and cfg.qkv_bias
@@ -39,8 +56,15 @@ def test_old_yarn_spelling_type_key():
 
 
 def test_qwen3_moe_expert_count_under_either_key():
-    base = dict(LLAMA31, architectures=["Qwen3MoeForCausalLM"], num_experts_per_tok=8,
-                moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    base = dict(
+        LLAMA31,
+        architectures=["Qwen3MoeForCausalLM"],
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
     for key in ("num_experts", "num_local_experts"):
         cfg = ModelConfig.from_hf_dict({**base, key: 128})
         assert cfg.num_experts == 128 and cfg.moe_layer_ids == tuple(range(32)) and cfg.qk_norm

@@ -1,12 +1,12 @@
 """load_format="dummy": random weights from config.json alone; init_model(config_only=True) writes one."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-
 from paged_helpers import BLOCK_SIZE, PagedSequences, random_tokens
+
 from kvtier.model import ModelConfig, allocate_kv_caches, init_model, load_model
 from kvtier.model.layers import RMSNorm
 
@@ -49,7 +49,7 @@ def test_dummy_weights_are_deterministic(config_dir):
 def test_dummy_weights_follow_the_hf_init(config_dir):
     """N(0, initializer_range) for Linear/Embedding (experts, router, bias-carrying q/k/v too), norms 1,
     biases 0, tied lm_head shared with the embedding."""
-    for preset in ("qwen2-moe-tiny", "qwen2-tiny"):          # shared expert + q/k/v bias; tied embeddings
+    for preset in ("qwen2-moe-tiny", "qwen2-tiny"):  # shared expert + q/k/v bias; tied embeddings
         model = load_model(config_dir(preset), load_format="dummy", fuse=False)
         norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
         for name, p in model.named_parameters():
@@ -58,7 +58,7 @@ def test_dummy_weights_follow_the_hf_init(config_dir):
             elif name.endswith(".bias"):
                 assert torch.all(p == 0), name
             elif p.numel() >= 1024:
-                assert abs(p.std().item() - 0.15) < 0.02, name      # the tiny presets' initializer_range
+                assert abs(p.std().item() - 0.15) < 0.02, name  # the tiny presets' initializer_range
         if model.config.tie_word_embeddings:
             assert model.lm_head.weight is model.model.embed_tokens.weight
         else:
@@ -78,17 +78,33 @@ def test_bad_load_format_is_named(config_dir):
 def test_llama3_8b_shape_config_only_writes_no_weights_and_builds_no_model(tmp_path, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("config_only must not build the model")
+
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_model)
     init_model("llama3-8b-shape", tmp_path, config_only=True)
     assert not list(tmp_path.glob("*.safetensors"))
 
     cfg = ModelConfig.from_hf_dir(tmp_path)
     assert not list(tmp_path.glob("*.safetensors")) and (tmp_path / "tokenizer.json").is_file()
-    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.vocab_size, cfg.torch_dtype, cfg.tie_word_embeddings) == \
-           ("LlamaForCausalLM", 32, 4096, 32, 8, 128, 14336, 128256, torch.bfloat16, False)
-    assert cfg.rope_scaling == dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                    high_freq_factor=4.0, original_max_position_embeddings=8192)
+    assert (
+        cfg.architecture,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.torch_dtype,
+        cfg.tie_word_embeddings,
+    ) == ("LlamaForCausalLM", 32, 4096, 32, 8, 128, 14336, 128256, torch.bfloat16, False)
+    assert cfg.rope_scaling == dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
     assert cfg.max_position_embeddings >= 16384 and cfg.rms_norm_eps == 1e-5
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvtier.cli import main
 from kvtier.model import init_model
 from kvtier.model.hub import default_served_name, resolve_model
-from kvtier.cli import main
 from kvtier.serve.launch import ServerProcess
 
 MAIN, V1 = "a" * 40, "b" * 40
@@ -88,8 +88,20 @@ def test_a_directory_is_named_by_its_path_spelled_any_way_and_by_its_base_name(t
     monkeypatch.chdir(tmp_path)
     names = frozenset({default_served_name("link"), *model_aliases("link", "link")})
     forms = frozenset(map(name_form, names))
-    for name in ("link", "./link", "link/", str(tmp_path / "link"), str(tmp_path / "link") + "/", "link",
-                 "m", "./m", "m/", str(model), str(model) + "//", str(tmp_path / "x" / ".." / "m")):
+    for name in (
+        "link",
+        "./link",
+        "link/",
+        str(tmp_path / "link"),
+        str(tmp_path / "link") + "/",
+        "link",
+        "m",
+        "./m",
+        "m/",
+        str(model),
+        str(model) + "//",
+        str(tmp_path / "x" / ".." / "m"),
+    ):
         assert same_name(name, names, forms), name
     for name in ("n", "/m", "acme/m", str(tmp_path), "", "mm", str(model) + "x"):
         assert not same_name(name, names, forms), name
@@ -135,6 +147,7 @@ def test_a_hub_id_the_hub_does_not_answer_for_says_what_to_do(offline, monkeypat
 
     def unreachable(repo_id, **kw):
         from huggingface_hub.errors import LocalEntryNotFoundError
+
         raise LocalEntryNotFoundError("no connection")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)

@@ -1,4 +1,5 @@
 """Checkpoint loading: sharded and fused-expert layouts, and errors that name the problem."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from paged_helpers import PagedSequences, hf_logits, random_tokens
 from safetensors.torch import load_file, save_file
 
-from paged_helpers import PagedSequences, hf_logits, random_tokens
 from kvtier.model import SUPPORTED_ARCHITECTURES, ModelConfig, load_model
 
 
@@ -32,8 +33,7 @@ def test_fused_3d_expert_tensors_load_like_per_expert_tensors(checkpoint, our_mo
         prefix = f"model.layers.{layer}.mlp.experts"
         pop = lambda e, name: tensors.pop(f"{prefix}.{e}.{name}.weight")  # noqa: E731
         experts = range(cfg.num_experts)
-        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([pop(e, "gate_proj"), pop(e, "up_proj")]) for e in experts])
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([pop(e, "gate_proj"), pop(e, "up_proj")]) for e in experts])
         tensors[f"{prefix}.down_proj"] = torch.stack([pop(e, "down_proj") for e in experts])
     save_file(tensors, tmp_path / "model.safetensors")
     tokens = random_tokens(9, seed=21)
@@ -41,7 +41,7 @@ def test_fused_3d_expert_tensors_load_like_per_expert_tensors(checkpoint, our_mo
     got = PagedSequences(load_model(tmp_path)).step({0: tokens})[0]
 
     expected = PagedSequences(our_model(src)).step({0: tokens})[0]
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)   # same weights; BLAS may differ by 1 ulp
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)  # same weights; BLAS may differ by 1 ulp
 
 
 def test_unknown_architecture_is_named_with_supported_list(checkpoint, tmp_path):

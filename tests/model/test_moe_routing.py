@@ -3,12 +3,13 @@
 Reference: transformers' router logits (``output_router_logits=True``) with the family's own
 selection applied: top-k of softmax(logits).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from paged_helpers import MOE_PRESETS, PagedSequences, random_tokens
+
 from kvtier.model import ModelConfig
 
 
@@ -17,7 +18,7 @@ def routing_buffer(cfg: ModelConfig, num_tokens: int) -> torch.Tensor:
 
 
 def test_moe_layer_ids_follow_mlp_only_layers(checkpoint):
-    cfg = ModelConfig.from_hf_dir(checkpoint("qwen2-moe-tiny"))    # 3 layers, mlp_only_layers=[1]
+    cfg = ModelConfig.from_hf_dir(checkpoint("qwen2-moe-tiny"))  # 3 layers, mlp_only_layers=[1]
     assert cfg.is_moe and cfg.moe_layer_ids == (0, 2) and cfg.num_moe_layers == 2
     assert (cfg.num_experts, cfg.top_k) == (8, 2)
 
@@ -30,8 +31,9 @@ def test_routing_out_equals_transformers_router_topk(preset, checkpoint, hf_mode
     tokens = random_tokens(15, seed=11)
     with torch.no_grad():
         router_logits = hf_model(path)(torch.tensor([tokens]), output_router_logits=True).router_logits
-    expected = torch.stack([torch.topk(torch.softmax(l.float(), -1), cfg.top_k, dim=-1).indices
-                            for l in router_logits], dim=1)          # [T, num_moe_layers, top_k]
+    expected = torch.stack(
+        [torch.topk(torch.softmax(x.float(), -1), cfg.top_k, dim=-1).indices for x in router_logits], dim=1
+    )  # [T, num_moe_layers, top_k]
 
     routing = routing_buffer(cfg, len(tokens))
     seqs = PagedSequences(model)
@@ -49,8 +51,9 @@ def test_routing_in_replays_captured_experts_exactly(preset, checkpoint, our_mod
     live = PagedSequences(model).step({0: tokens}, routing_out=routing)[0]
 
     replayed_routing = routing_buffer(model.config, len(tokens))
-    replayed = PagedSequences(model, seed=1).step({0: tokens}, routing_in=routing.to(torch.uint8),
-                                                  routing_out=replayed_routing)[0]
+    replayed = PagedSequences(model, seed=1).step({0: tokens}, routing_in=routing.to(torch.uint8), routing_out=replayed_routing)[
+        0
+    ]
 
     assert torch.equal(replayed, live)
     assert torch.equal(replayed_routing, routing)
@@ -63,7 +66,7 @@ def test_forcing_other_experts_changes_logits(preset, checkpoint, our_model):
     routing = routing_buffer(model.config, len(tokens))
     live = PagedSequences(model).step({0: tokens}, routing_out=routing)[0]
 
-    other = (routing + 1) % model.config.num_experts          # still distinct experts per token
+    other = (routing + 1) % model.config.num_experts  # still distinct experts per token
     forced = PagedSequences(model).step({0: tokens}, routing_in=other)[0]
 
     assert (forced - live).abs().max() > 1e-3

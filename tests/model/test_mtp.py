@@ -3,6 +3,7 @@ fed ``eh_proj(cat(enorm(embed(next token)), hnorm(hidden)))`` with ``shared_head
 target's head after it, so a one-layer HF Qwen3 model holding the block's decoder weights, with
 ``shared_head.norm`` as its final norm, given those inputs as ``inputs_embeds``, must give the
 draft logits kvtier computes over paged KV."""
+
 from __future__ import annotations
 
 import torch
@@ -31,9 +32,12 @@ def test_the_mtp_block_computes_what_a_transformers_decoder_layer_does(checkpoin
     ref_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     tensors = load_file(str(path / "model.safetensors"))
     prefix = f"model.layers.{cfg.num_layers}."
-    block = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    state = {f"model.layers.0.{k}": v for k, v in block.items()
-             if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))}
+    block = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    state = {
+        f"model.layers.0.{k}": v
+        for k, v in block.items()
+        if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))
+    }
     state["model.norm.weight"] = block["shared_head.norm.weight"]
     state["model.embed_tokens.weight"] = block["embed_tokens.weight"]
     state["lm_head.weight"] = block["shared_head.head.weight"]

@@ -1,11 +1,12 @@
 """init_model presets: transformers loads what they write; config and tokenizer agree."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-
 from paged_helpers import TINY_PRESETS
+
 from kvtier.model import PRESETS, ModelConfig, init_model
 from kvtier.model.shard import shard_config
 from kvtier.model.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
@@ -20,8 +21,7 @@ def test_tiny_preset_config_and_tokenizer_agree(preset, checkpoint):
     assert cfg.vocab_size >= len(tokenizer) == VOCAB_SIZE
     assert cfg.eos_token_ids == (EOS_TOKEN_ID,) and tokenizer.eos_token_id == EOS_TOKEN_ID
     assert tokenizer.decode(tokenizer("héllo, wörld")["input_ids"]) == "héllo, wörld"
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                         add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert cfg.is_moe == (cfg.num_moe_layers > 0) == ("moe" in preset or "mixtral" in preset)
 
@@ -47,12 +47,24 @@ def test_benchmark_preset_shapes(preset):
     cfg = ModelConfig.from_hf_dict({**hf_config.to_dict(), "architectures": [arch]})
     assert spec["dtype"] == "bfloat16" and cfg.vocab_size >= VOCAB_SIZE
     if preset == "qwen3-0.6b-shape":
-        assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == \
-               (1024, 28, 16, 8, 128, 3072, 151936, True)
+        assert (
+            cfg.hidden_size,
+            cfg.num_layers,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            cfg.tie_word_embeddings,
+        ) == (1024, 28, 16, 8, 128, 3072, 151936, True)
     elif preset == "llama3-70b-shape":  # Llama-3.1-70B; split over 2, 4 or 8 ranks
-        assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == \
-               (80, 8192, 64, 8, 28672)
+        assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
+            80,
+            8192,
+            64,
+            8,
+            28672,
+        )
         assert shard_config(cfg, 8).num_kv_heads == 1
     else:
         assert cfg.is_moe and (cfg.num_experts, cfg.top_k, cfg.num_moe_layers) == (32, 4, 8)

@@ -1,5 +1,6 @@
 """weights_digest: every byte of every weight file the loader reads, cached per file in the user's
 cache folder (``KVTIER_CACHE_DIR``) and re-hashed when a file changes."""
+
 from __future__ import annotations
 
 import builtins
@@ -44,6 +45,7 @@ def count_weight_opens(monkeypatch) -> list[str]:
         if str(file).endswith(".safetensors"):
             opened.append(str(file))
         return real_open(file, *args, **kwargs)
+
     monkeypatch.setattr(builtins, "open", spy)
     return opened
 
@@ -96,7 +98,7 @@ def test_second_digest_reads_no_weight_bytes(llama, monkeypatch):
 def test_a_changed_file_is_hashed_again(llama, monkeypatch):
     shard = llama / "model.safetensors"
     first = weights_digest(llama)
-    flip_byte(shard, 1000)                                       # same size: mtime/ctime tell
+    flip_byte(shard, 1000)  # same size: mtime/ctime tell
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     opened = count_weight_opens(monkeypatch)
@@ -111,7 +113,7 @@ def test_a_file_of_another_size_is_hashed_again(llama, monkeypatch):
     st = shard.stat()
     with open(shard, "ab") as f:
         f.write(b"\0")
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))          # even with the old mtime
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the old mtime
     opened = count_weight_opens(monkeypatch)
 
     weights_digest(llama)
@@ -123,11 +125,12 @@ def test_cache_folder_and_file_are_private(llama, cache_dir):
     weights_digest(llama)
     assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((cache_dir / FILE_NAME).stat().st_mode) == 0o600
-    assert [p.name for p in cache_dir.iterdir()] == [FILE_NAME]   # no temp file left behind
+    assert [p.name for p in cache_dir.iterdir()] == [FILE_NAME]  # no temp file left behind
 
 
-@pytest.mark.parametrize("content", [b"not json{", b'{"version": 1, "files": []}',
-                                     b'{"version": 1, "files": {"x": 3}}', b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "content", [b"not json{", b'{"version": 1, "files": []}', b'{"version": 1, "files": {"x": 3}}', b"\xff\xfe"]
+)
 def test_a_corrupt_cache_is_ignored_and_rewritten(llama, cache_dir, monkeypatch, content):
     expected = weights_digest(llama)
     (cache_dir / FILE_NAME).write_bytes(content)
@@ -151,10 +154,10 @@ def test_a_cache_file_others_may_write_is_not_trusted(llama, cache_dir, monkeypa
 def test_dummy_weights_are_named_by_their_config_and_device_type_not_their_files(llama, tmp_path):
     copy = tmp_path / "copy"
     copy.mkdir()
-    shutil.copy(llama / "config.json", copy / "config.json")            # config alone: no weight files
+    shutil.copy(llama / "config.json", copy / "config.json")  # config alone: no weight files
     assert weights_digest(copy, load_format="dummy") == weights_digest(llama, load_format="dummy")
     config = json.loads((copy / "config.json").read_text())
-    config["rms_norm_eps"] = config["rms_norm_eps"] * 10                # other weights: other KV
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10  # other weights: other KV
     (copy / "config.json").write_text(json.dumps(config))
     assert weights_digest(copy, load_format="dummy") != weights_digest(llama, load_format="dummy")
     # CPU and CUDA generators draw different numbers from one seed

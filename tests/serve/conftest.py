@@ -1,6 +1,7 @@
 """Servers for the HTTP tests: `kvtier serve` / `kvtier router` processes on free 127.0.0.1 ports,
 each waited for (GET /health, with a deadline) and killed at teardown; the pool servers of the
 storage tests (Valkey, Mooncake)."""
+
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,7 @@ import pytest
 from kvtier.serve.launch import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "storage"))
-from mooncake_servers import mooncake_pool  # noqa: E402,F401
+from mooncake_servers import mooncake_launch  # noqa: E402,F401
 from redis_servers import valkey_server  # noqa: E402,F401
 
 
@@ -40,6 +41,7 @@ def moe_model(checkpoint):
 def offline(moe_model, request):
     """The offline API on the engine settings of the module's server (``max_model_len`` = its ``CTX``)."""
     import kvtier
+
     llm = kvtier.LLM(moe_model, max_model_len=request.module.CTX)
     yield llm
     llm.close()

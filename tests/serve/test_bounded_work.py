@@ -170,11 +170,14 @@ def test_a_huge_logit_bias_is_refused_by_its_size(client):
     assert err["param"] == "logit_bias" and "bytes of JSON" in err["message"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1e18}),
-    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2000}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1e18}),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}),
+    ],
+)
 def test_max_tokens_past_the_context_names_itself_and_the_bound(client, path, body):
     err = error(post(client, path, {"model": "moe", **body}))
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -182,13 +185,26 @@ def test_max_tokens_past_the_context_names_itself_and_the_bound(client, path, bo
     assert "-" not in err["message"].split("at most")[0].split("=")[1].split(" ")[0]  # no negative count
 
 
-@pytest.mark.parametrize("path, body, param, subject, lower", [
-    ("/v1/completions", {"prompt": "ab " * (CTX * 4), "max_tokens": 200}, "prompt", "the prompt has", "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * (CTX * 4)}], "max_completion_tokens": 200},
-     "messages", "the messages have", "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * (CTX * 4)}], "max_tokens": 200},
-     "messages", "the messages have", "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, subject, lower",
+    [
+        ("/v1/completions", {"prompt": "ab " * (CTX * 4), "max_tokens": 200}, "prompt", "the prompt has", "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "ab " * (CTX * 4)}], "max_completion_tokens": 200},
+            "messages",
+            "the messages have",
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "ab " * (CTX * 4)}], "max_tokens": 200},
+            "messages",
+            "the messages have",
+            "max_tokens",
+        ),
+    ],
+)
 def test_a_text_past_what_max_tokens_leaves_says_both_and_what_to_do(client, path, body, param, subject, lower):
     """Not "the prompt has 2 characters, so at least 0 tokens: over the -1488 tokens ...": what the
     context leaves after max_tokens, and that a shorter prompt or fewer tokens fit."""
@@ -197,7 +213,7 @@ def test_a_text_past_what_max_tokens_leaves_says_both_and_what_to_do(client, pat
     assert err["param"] == param and msg.startswith(subject), err
     assert f"the {CTX - 200} tokens the model's context of {CTX} leaves after {lower}=200" in msg, msg
     assert msg.endswith(f"shorten it, or lower {lower}"), msg
-    assert "-" not in msg.split("leaves")[0]                      # no negative count
+    assert "-" not in msg.split("leaves")[0]  # no negative count
 
 
 def test_a_token_prompt_past_what_max_tokens_leaves_says_how_many_fit(client):
@@ -205,13 +221,15 @@ def test_a_token_prompt_past_what_max_tokens_leaves_says_how_many_fit(client):
     assert err["param"] == "max_tokens"
     assert "the prompt has 200 tokens and max_tokens=100" in err["message"]
     assert f"ask for at most {CTX - 200} tokens, or shorten the prompt" in err["message"], err
-    err = error(post(client, "/v1/completions", {"model": "moe", "prompt": [list(range(3, 10)), list(range(3, 203))],
-                                                 "max_tokens": 100}))
+    err = error(
+        post(client, "/v1/completions", {"model": "moe", "prompt": [list(range(3, 10)), list(range(3, 203))], "max_tokens": 100})
+    )
     assert "prompt 1 has 200 tokens" in err["message"] and err["param"] == "max_tokens"
 
 
 def test_a_full_queue_says_what_waits_in_words_that_fit_the_count():
     from kvtier.engine.async_engine import QueueFull, check_queue
+
     with pytest.raises(QueueFull) as e:
         check_queue(1, 2, 2)
     assert str(e.value).startswith("1 sample is waiting and this request adds 2") and "--max-queue" in str(e.value)
@@ -221,8 +239,16 @@ def test_a_full_queue_says_what_waits_in_words_that_fit_the_count():
 
 # ---------------------------------------------------------------- large answers
 def test_a_large_answer_written_in_parts_is_the_answer(client, monkeypatch):
-    body = {"model": "moe", "prompt": [[1, 2, 3], [4, 5]], "n": 3, "max_tokens": 5, "temperature": 0,
-            "logprobs": 3, "echo": True, "return_token_ids": True}
+    body = {
+        "model": "moe",
+        "prompt": [[1, 2, 3], [4, 5]],
+        "n": 3,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": 3,
+        "echo": True,
+        "return_token_ids": True,
+    }
     whole = post(client, "/v1/completions", body).json()
     monkeypatch.setattr(api, "INLINE_ENTRIES", 0)
     monkeypatch.setattr(api, "WRITE_BYTES", 100)  # many parts

@@ -1,13 +1,15 @@
 """TextStream: streamed pieces add up to the offline text; stop strings cut and hold back; special
 tokens are left out of the text unless asked for."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvtier.model.tokenizer import EOS_TOKEN_ID, IM_END_TOKEN_ID, build_byte_tokenizer
 from kvtier.engine.detok import TextStream
+from kvtier.model.tokenizer import EOS_TOKEN_ID, IM_END_TOKEN_ID, build_byte_tokenizer
 
 
 class Tok:
@@ -31,7 +33,7 @@ def test_pieces_add_up_to_the_offline_decode(ids, steps):
     out, i, k = "", 0, 0
     while i < len(ids):
         n = steps[k % len(steps)]
-        out += ts.push(ids[i:i + n])
+        out += ts.push(ids[i : i + n])
         i, k = i + n, k + 1
     out += ts.finish()
     assert out == TOK.decode(ids)

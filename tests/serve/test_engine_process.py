@@ -1,6 +1,7 @@
 """The engine in a process of its own (what `kvtier serve` runs): the same tokens as the engine on
 a thread, aborts that return blocks, refusals that keep the queue count right, and a killed
 engine process that fails its requests instead of hanging them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -81,6 +82,7 @@ def test_a_request_left_early_returns_its_blocks(client):
                 return stats
             await asyncio.sleep(0.02)
         return stats
+
     stats = asyncio.run(main())
     assert stats["tier_blocks"]["device"][0] == 0 and client.num_streams == 0
 
@@ -92,13 +94,16 @@ def test_a_request_the_engine_refuses_is_a_value_error_and_leaves_the_queue_coun
     the refused samples are not counted as waiting."""
     c = EngineClient(str(moe_model), EngineConfig(**OPTS, storage="memory://?capacity=64MiB"), max_queue=4)
     try:
+
         async def main():
             for _ in range(6):  # more than max_queue: a leak in the count would turn into QueueFull
-                req = c.make_request([1, 2, 3], GREEDY, handoff={"first_token": 1, "num_tokens": 3, "keys": ["nope"],
-                                                                 "namespace": "nope"})
+                req = c.make_request(
+                    [1, 2, 3], GREEDY, handoff={"first_token": 1, "num_tokens": 3, "keys": ["nope"], "namespace": "nope"}
+                )
                 with pytest.raises(ValueError, match="handoff.namespace"):
                     await collect(c, req)
             return await collect(c, c.make_request([1, 2, 3], GREEDY))
+
         _, out = asyncio.run(main())
         assert len(out.token_ids) == GREEDY.max_tokens
         with pytest.raises(ValueError, match=r"200 samples in one request.*--max-queue 4"):
@@ -116,15 +121,16 @@ def test_owner_and_priority_travel_to_the_engine_process(client):
 
     from kvtier.engine.proc import _Engine
     from kvtier.engine.wire import add_message, decode, encode
+
     req = client.make_request([1, 2, 3], GREEDY, "salt", "r-7", owner="cmpl-abc", priority=-4)
     assert (req.owner, req.priority) == ("cmpl-abc", -4)
     got = []
     core = SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw)) or req)
     engine = SimpleNamespace(core=core, send=None, refused_samples=0)
-    assert _Engine.command(engine, decode(encode(add_message(req))))[0] == "add"   # type: ignore[arg-type]
-    (args, kw), = got
+    assert _Engine.command(engine, decode(encode(add_message(req))))[0] == "add"  # type: ignore[arg-type]
+    ((args, kw),) = got
     assert args[2:] == ("salt", "r-7") and (kw["owner"], kw["priority"]) == ("cmpl-abc", -4)
-    mine = client.make_request([1, 2, 3], GREEDY)                # no owner: its own
+    mine = client.make_request([1, 2, 3], GREEDY)  # no owner: its own
     assert mine.owner == mine.request_id and mine.priority == 0
     with pytest.raises(ValueError, match="priority must be an int in"):
         client.make_request([1, 2, 3], GREEDY, priority=2**31)
@@ -139,6 +145,7 @@ def test_the_queue_bound_counts_samples(client):
             await collect(client, client.make_request([4, 5, 6], kvtier.SamplingParams(max_tokens=4, n=3)))
         await task
         await first.aclose()
+
     asyncio.run(main())
 
 
@@ -147,6 +154,7 @@ def test_a_killed_engine_process_fails_its_requests(moe_model):
     dead: list[BaseException] = []
     c = EngineClient(str(moe_model), EngineConfig(**OPTS), on_dead=dead.append)
     try:
+
         async def main():
             agen = c.generate(c.make_request([1, 2, 3], kvtier.SamplingParams(max_tokens=120, ignore_eos=True)))
             await agen.__anext__()
@@ -154,6 +162,7 @@ def test_a_killed_engine_process_fails_its_requests(moe_model):
             with pytest.raises(EngineDead, match="exited"):
                 async for _ in agen:
                     pass
+
         asyncio.run(asyncio.wait_for(main(), 60))
         assert dead and isinstance(c.error, EngineDead)
         with pytest.raises(EngineDead):

@@ -1,6 +1,7 @@
 """Small bodies that once cost the server seconds or gigabytes, each now a 400 that names the
 limit, decided before any per-element work (in process: Starlette's TestClient over the app, one
 real engine on a 2-core x86 VM or wherever the suite runs)."""
+
 from __future__ import annotations
 
 import json
@@ -82,25 +83,43 @@ def test_an_answer_of_too_many_logprob_entries_is_refused(client, monkeypatch):
 def test_stop_token_ids_are_capped_and_a_large_list_still_stops(client):
     err = error(post(client, {"model": "moe", "prompt": [1, 2], "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}))
     assert err["param"] == "stop_token_ids" and str(MAX_STOP_TOKEN_IDS) in err["message"]
-    free = post(client, {"model": "moe", "prompt": [1, 2], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                         "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    free = post(
+        client,
+        {"model": "moe", "prompt": [1, 2], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+    ).json()["choices"][0]["token_ids"]
     stop_at = free[3]
     ids = [t for t in range(MAX_STOP_TOKEN_IDS, 2 * MAX_STOP_TOKEN_IDS - 1)] + [stop_at]  # the real one last
-    r = post(client, {"model": "moe", "prompt": [1, 2], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                      "stop_token_ids": ids, "return_token_ids": True}).json()["choices"][0]
+    r = post(
+        client,
+        {
+            "model": "moe",
+            "prompt": [1, 2],
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop_token_ids": ids,
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
     assert r["finish_reason"] == "stop" and r["token_ids"] == free[: free.index(stop_at) + 1]
 
 
-@pytest.mark.parametrize("body, param, says", [
-    (b'{"model": "moe", "prompt": [1, 2], "temperature": NaN}', None, "not valid JSON"),
-    (b'{"model": "moe", "prompt": [1, 2], "temperature": 1e400}', "temperature", "out of range"),
-    (b'{"model": "moe", "prompt": [1, 2], "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deep"),
-    (b'{"model": "moe", "prompt": [1, 2], "max_tokens": 1e26}', "max_tokens", "integer"),
-    (b'{"model": "moe", "prompt": [1, 2], "stop_token_ids": [true]}', "stop_token_ids", "integer"),
-    (b'{"model": "moe", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": true}',
-     "top_logprobs", "integer"),
-    (b'{"model": "moe", "messages": [' + b",".join([b"{}"] * 100_000) + b"]}", "messages", None),
-])
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        (b'{"model": "moe", "prompt": [1, 2], "temperature": NaN}', None, "not valid JSON"),
+        (b'{"model": "moe", "prompt": [1, 2], "temperature": 1e400}', "temperature", "out of range"),
+        (b'{"model": "moe", "prompt": [1, 2], "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deep"),
+        (b'{"model": "moe", "prompt": [1, 2], "max_tokens": 1e26}', "max_tokens", "integer"),
+        (b'{"model": "moe", "prompt": [1, 2], "stop_token_ids": [true]}', "stop_token_ids", "integer"),
+        (
+            b'{"model": "moe", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": true}',
+            "top_logprobs",
+            "integer",
+        ),
+        (b'{"model": "moe", "messages": [' + b",".join([b"{}"] * 100_000) + b"]}", "messages", None),
+    ],
+)
 def test_odd_values_are_400s_that_name_them(client, body, param, says):
     path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
     err = error(post(client, body, path))

@@ -5,11 +5,11 @@ exits non-zero; bad arguments fail at once with nothing bound.
 The faults are injected into real `kvtier serve` processes through a `sitecustomize.py` on their
 PYTHONPATH (Python imports it at start): a slow weight load, and a forward that fails the way
 a device-side assert surfaces in torch (`CUDA error: device-side assert triggered`)."""
+
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import httpx
@@ -52,8 +52,9 @@ def _env(tmp_path, code: str) -> dict:
 
 @pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_health_says_starting_with_its_phase_until_the_engine_is_ready(checkpoint, tmp_path):
-    server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log",
-                           env=_env(tmp_path, SLOW_LOAD), log_level="info")
+    server = ServerProcess(
+        ["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log", env=_env(tmp_path, SLOW_LOAD), log_level="info"
+    )
     try:
         seen = []
         deadline = time.monotonic() + 120
@@ -81,8 +82,7 @@ def test_health_says_starting_with_its_phase_until_the_engine_is_ready(checkpoin
 
 @pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_a_request_while_starting_gets_503_with_retry_after(checkpoint, tmp_path):
-    server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log",
-                           env=_env(tmp_path, SLOW_LOAD))
+    server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log", env=_env(tmp_path, SLOW_LOAD))
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -100,8 +100,7 @@ def test_a_request_while_starting_gets_503_with_retry_after(checkpoint, tmp_path
 
 @pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
 def test_a_device_side_assert_makes_the_server_say_dead_and_exit_non_zero(checkpoint, tmp_path):
-    server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log",
-                           env=_env(tmp_path, ASSERT_ON_SECOND_STEP))
+    server = ServerProcess(["serve", checkpoint("qwen3-tiny")], tmp_path / "serve.log", env=_env(tmp_path, ASSERT_ON_SECOND_STEP))
     try:
         server.wait_ready(120)
         model = httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["id"]
@@ -111,28 +110,33 @@ def test_a_device_side_assert_makes_the_server_say_dead_and_exit_non_zero(checkp
         health = httpx.get(server.url + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["status"] == "dead"
         assert "device-side assert" in health.json()["error"]["message"]
-        assert server.popen.wait(30) == 1          # a supervisor restarts it
+        assert server.popen.wait(30) == 1  # a supervisor restarts it
         assert "the GPU can run nothing more" in server.tail(200)
     finally:
         server.stop()
 
 
 def test_bad_arguments_fail_the_command_at_once_with_nothing_bound(tmp_path):
-    r = subprocess.run(kvtier_command("serve", tmp_path / "no-such-model", "--port", "1"),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        kvtier_command("serve", tmp_path / "no-such-model", "--port", "1"), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2
     assert "no-such-model" in r.stderr and "Uvicorn running" not in r.stderr
 
 
-@pytest.mark.parametrize("message, lost", [
-    ("CUDA error: device-side assert triggered", True),
-    ("CUDA error: an illegal memory access was encountered", True),
-    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
-    ("CUDA error: out of memory", False),
-    ("request 7: positions 3..4 need 1 tokens the host has not seen", False),
-])
+@pytest.mark.parametrize(
+    "message, lost",
+    [
+        ("CUDA error: device-side assert triggered", True),
+        ("CUDA error: an illegal memory access was encountered", True),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+        ("CUDA error: out of memory", False),
+        ("request 7: positions 3..4 need 1 tokens the host has not seen", False),
+    ],
+)
 def test_device_lost_tells_a_poisoned_context_from_a_recoverable_error(message, lost):
     from kvtier.engine.fatal import device_lost
+
     assert device_lost(RuntimeError(message)) is lost
     wrapped = ValueError("step failed")
     wrapped.__cause__ = RuntimeError(message)
@@ -160,16 +164,19 @@ def test_the_engine_stops_at_once_on_a_device_error_and_reports_it(checkpoint, m
     dead: list[BaseException] = []
     engine = AsyncEngine(EngineCore(checkpoint("qwen3-tiny")), on_dead=dead.append)
     try:
+
         async def go() -> None:
             reqs = [engine.make_request([1, 2, 3 + i], SamplingParams(max_tokens=4)) for i in range(3)]
 
             async def one(req):
                 async for _ in engine.generate(req):
                     pass
+
             results = await asyncio.gather(*(one(r) for r in reqs), return_exceptions=True)
             assert all(isinstance(r, EngineDead) for r in results), results
+
         asyncio.run(go())
         assert isinstance(engine.error, DeviceLost) and dead == [engine.error]
-        assert len(calls) == 1                # the batch was not retried request by request
+        assert len(calls) == 1  # the batch was not retried request by request
     finally:
         engine.shutdown()

@@ -3,6 +3,7 @@ process: batched prompts x ``n``, ``logprobs`` (completions' and chat's shapes),
 penalties, ``seed``, ``min_tokens``, ``stop``, streaming of several choices, usage, nulls and bad
 values. References: the offline API (``kvtier.LLM.generate``, same engine settings) and the
 official ``openai`` client. PD: a request a hand-off cannot carry runs colocated."""
+
 from __future__ import annotations
 
 import base64
@@ -62,8 +63,7 @@ def stream(server, path: str, body: dict) -> list[dict]:
 
 def chat_ids(offline, messages):
     tok = offline.tokenizer
-    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                      add_special_tokens=False)
+    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
 
 
 def token_text(offline, t: int) -> str:
@@ -83,8 +83,11 @@ def top(lps: dict[int, float], k: int) -> list[tuple[int, float]]:
 @pytest.mark.parametrize("n", [1, 2])
 def test_batched_prompts_times_n_equal_the_offline_api(server, offline, n):
     want = ref(offline, PROMPTS, max_tokens=8, temperature=0, n=n, ignore_eos=True)
-    r = post(server, "/v1/completions", {"prompt": PROMPTS, "n": n, "max_tokens": 8, "temperature": 0,
-                                         "ignore_eos": True, "return_token_ids": True})
+    r = post(
+        server,
+        "/v1/completions",
+        {"prompt": PROMPTS, "n": n, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+    )
     assert [c["index"] for c in r["choices"]] == list(range(3 * n))
     for i, w in enumerate(want):
         assert len(w.outputs) == n
@@ -93,11 +96,10 @@ def test_batched_prompts_times_n_equal_the_offline_api(server, offline, n):
             assert c["text"] == sample.text and c["token_ids"] == sample.token_ids
             assert c["prompt_token_ids"] == w.prompt_token_ids and c["finish_reason"] == "length"
     u = r["usage"]
-    assert u["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in want)      # once per prompt
+    assert u["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in want)  # once per prompt
     assert u["completion_tokens"] == 3 * n * 8 and u["total_tokens"] == u["prompt_tokens"] + 3 * n * 8
     ids = [w.prompt_token_ids for w in want[:2]]
-    r2 = post(server, "/v1/completions", {"prompt": ids, "n": n, "max_tokens": 8, "temperature": 0,
-                                          "ignore_eos": True})
+    r2 = post(server, "/v1/completions", {"prompt": ids, "n": n, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert [c["text"] for c in r2["choices"]] == [s.text for w in want[:2] for s in w.outputs]
 
 
@@ -107,17 +109,18 @@ def test_seeded_samples_equal_the_offline_api(server, offline):
     r = post(server, "/v1/completions", {"prompt": PROMPTS[:2], **kw, "return_token_ids": True})
     got = [c["token_ids"] for c in r["choices"]]
     assert got == [s.token_ids for w in want for s in w.outputs]
-    assert len({tuple(t) for t in got[:3]}) > 1             # the samples differ
+    assert len({tuple(t) for t in got[:3]}) > 1  # the samples differ
 
 
 def test_penalties_seed_and_min_tokens_pass_through(server, offline):
-    kw = dict(max_tokens=12, temperature=0, presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.3,
-              min_tokens=4, seed=7)
+    kw = dict(
+        max_tokens=12, temperature=0, presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_tokens=4, seed=7
+    )
     want = ref(offline, [PROMPTS[0]], **kw)[0]
     r = post(server, "/v1/completions", {"prompt": PROMPTS[0], **kw, "return_token_ids": True})
     assert r["choices"][0]["token_ids"] == want.token_ids and r["choices"][0]["text"] == want.text
     plain = ref(offline, [PROMPTS[0]], max_tokens=12, temperature=0)[0]
-    assert plain.token_ids != want.token_ids                  # the penalties did something
+    assert plain.token_ids != want.token_ids  # the penalties did something
     chat = [{"role": "user", "content": "repeat after me: la la la"}]
     want = ref(offline, [chat_ids(offline, chat)], **kw)[0]
     r = post(server, "/v1/chat/completions", {"messages": chat, **kw})
@@ -131,7 +134,7 @@ def test_stop_strings_end_every_choice_as_the_offline_api(server, offline, after
     stop = [ascii_piece(free[0].text, 4), ascii_piece(free[2].text, 2)]
     want = ref(offline, PROMPTS, **kw, stop=tuple(stop))
     assert want[0].outputs[0].finish_reason == "stop" and not any(s in want[0].outputs[0].text for s in stop)
-    if after_min_tokens:         # the first match does not count: it ends before min_tokens
+    if after_min_tokens:  # the first match does not count: it ends before min_tokens
         kw["min_tokens"] = len(want[0].token_ids) + 1
         want = ref(offline, PROMPTS, **kw, stop=tuple(stop))
         assert stop[0] in want[0].text or stop[1] in want[0].text
@@ -150,20 +153,21 @@ def test_stop_strings_end_every_choice_as_the_offline_api(server, offline, after
 def ascii_piece(text: str, after: int) -> str:
     """Two printable ASCII characters of ``text`` from ``after`` on, else one (the model writes
     mostly other bytes)."""
+
     def printable(piece: str) -> bool:
         return piece.isascii() and piece.isprintable()
+
     for width in (2, 1):
         for start in (after, 0):
             for i in range(start, len(text) - width + 1):
-                if printable(text[i:i + width]):
-                    return text[i:i + width]
+                if printable(text[i : i + width]):
+                    return text[i : i + width]
     raise AssertionError(f"no ASCII in {text!r}")
 
 
 def test_each_choice_has_its_routed_experts(server, offline):
     want = ref(offline, PROMPTS[:2], max_tokens=5, temperature=1.0, seed=9, n=2, return_routed_experts=True)
-    body = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 9,
-            "return_routed_experts": True}
+    body = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 9, "return_routed_experts": True}
     whole = post(server, "/v1/completions", body)["choices"]
     ends = [c["choices"][0] for c in stream(server, "/v1/completions", body) if c["choices"][0]["finish_reason"]]
     assert sorted(e["index"] for e in ends) == [0, 1, 2, 3]
@@ -183,9 +187,9 @@ def check_completion_logprobs(offline, lp: dict, token_ids: list[int], want: lis
             assert got_lp is None and got_top is None
             continue
         assert got_lp == pytest.approx(w[t], abs=TOL)
-        assert len(w) in (k, k + 1) and t in w             # the sampled token and the top k
+        assert len(w) in (k, k + 1) and t in w  # the sampled token and the top k
         want_top: dict[str, float] = {}
-        for i, v in top(w, len(w)):             # two ids of one string (U+FFFD): the likelier
+        for i, v in top(w, len(w)):  # two ids of one string (U+FFFD): the likelier
             want_top.setdefault(token_text(offline, i), v)
         assert got_top == pytest.approx(want_top, abs=TOL)
     offsets = [offset]
@@ -196,8 +200,19 @@ def check_completion_logprobs(offline, lp: dict, token_ids: list[int], want: lis
 
 def test_completion_logprobs_equal_the_offline_api(server, offline):
     want = ref(offline, PROMPTS[:2], max_tokens=6, temperature=0, n=2, logprobs=3, ignore_eos=True)
-    r = post(server, "/v1/completions", {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 6, "temperature": 0,
-                                         "logprobs": 3, "ignore_eos": True, "return_token_ids": True})
+    r = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": PROMPTS[:2],
+            "n": 2,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 3,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     for i, w in enumerate(want):
         for j, sample in enumerate(w.outputs):
             c = r["choices"][i * 2 + j]
@@ -208,18 +223,25 @@ def test_completion_logprobs_equal_the_offline_api(server, offline):
 def test_chat_logprobs_equal_the_offline_api(server, offline):
     messages = [{"role": "user", "content": "what is a KV cache?"}]
     want = ref(offline, [chat_ids(offline, messages)], max_tokens=6, temperature=0, logprobs=4, ignore_eos=True)[0]
-    r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
-                                              "logprobs": True, "top_logprobs": 4, "ignore_eos": True})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 4, "ignore_eos": True},
+    )
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == len(want.token_ids)
     for entry, t, w in zip(content, want.token_ids, want.outputs[0].logprobs):
         assert entry["token"] == token_text(offline, t) and entry["bytes"] == token_bytes(offline, t)
         assert entry["logprob"] == pytest.approx(w[t], abs=TOL)
-        assert [(e["token"], e["bytes"]) for e in entry["top_logprobs"]] == \
-            [(token_text(offline, i), token_bytes(offline, i)) for i, _ in top(w, 4)]
+        assert [(e["token"], e["bytes"]) for e in entry["top_logprobs"]] == [
+            (token_text(offline, i), token_bytes(offline, i)) for i, _ in top(w, 4)
+        ]
         assert [e["logprob"] for e in entry["top_logprobs"]] == pytest.approx([v for _, v in top(w, 4)], abs=TOL)
-    plain = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
-                                                  "logprobs": True, "ignore_eos": True})
+    plain = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True, "ignore_eos": True},
+    )
     assert all(e["top_logprobs"] == [] for e in plain["choices"][0]["logprobs"]["content"])
     assert r["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"] == want.text
 
@@ -234,16 +256,19 @@ def test_processed_logprobs_are_those_of_the_sampling_distribution(server, offli
 # ---------------------------------------------------------------- echo
 def test_echo_puts_the_prompt_before_each_choice(server, offline):
     want = ref(offline, PROMPTS[:2], max_tokens=6, temperature=0, ignore_eos=True)
-    r = post(server, "/v1/completions", {"prompt": PROMPTS[:2], "echo": True, "max_tokens": 6, "temperature": 0,
-                                         "ignore_eos": True})
+    r = post(
+        server, "/v1/completions", {"prompt": PROMPTS[:2], "echo": True, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    )
     assert [c["text"] for c in r["choices"]] == [p + w.text for p, w in zip(PROMPTS, want)]
     ids = want[0].prompt_token_ids
-    r = post(server, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 6, "temperature": 0,
-                                         "ignore_eos": True})
+    r = post(server, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert r["choices"][0]["text"] == offline.tokenizer.decode(ids) + want[0].text
     for prompt, n in ((PROMPTS[:2], 1), (PROMPTS[0], 2)):
-        chunks = stream(server, "/v1/completions", {"prompt": prompt, "echo": True, "n": n, "max_tokens": 6,
-                                                    "temperature": 0, "ignore_eos": True})
+        chunks = stream(
+            server,
+            "/v1/completions",
+            {"prompt": prompt, "echo": True, "n": n, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+        )
         for i in range(2):
             texts = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i]
             k = i if n == 1 else 0
@@ -260,12 +285,16 @@ def test_echo_with_logprobs_scores_the_prompt(server, offline):
     assert want.prompt_logprobs[0] is None and len(want.prompt_logprobs) == len(want.prompt_token_ids)
     check_completion_logprobs(offline, c["logprobs"], want.prompt_token_ids, want.prompt_logprobs, 2)
     full = ref(offline, [prompt], max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True)[0]
-    r = post(server, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 3,
-                                         "temperature": 0, "ignore_eos": True})
+    r = post(
+        server,
+        "/v1/completions",
+        {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+    )
     c = r["choices"][0]
     assert c["text"] == prompt + full.text
-    check_completion_logprobs(offline, c["logprobs"], full.prompt_token_ids + full.token_ids,
-                              full.prompt_logprobs + full.outputs[0].logprobs, 2)
+    check_completion_logprobs(
+        offline, c["logprobs"], full.prompt_token_ids + full.token_ids, full.prompt_logprobs + full.outputs[0].logprobs, 2
+    )
 
 
 # ---------------------------------------------------------------- a chunk per token
@@ -288,7 +317,7 @@ def test_a_stream_sends_one_chunk_per_generated_token(server, path):
     assert [t["finish_reason"] for t in tokens] == [None] * 39 + ["length"]
     whole = post(server, path, body)["choices"][0]
     assert "".join(texts) == (whole["message"]["content"] if chat else whole["text"])
-    assert "" in texts          # (this model's bytes: some tokens complete no character on their own)
+    assert "" in texts  # (this model's bytes: some tokens complete no character on their own)
 
 
 # ---------------------------------------------------------------- streaming several choices
@@ -302,8 +331,16 @@ def by_choice(chunks: list[dict]) -> dict[int, list[dict]]:
 
 @pytest.mark.parametrize("n,logprobs", [(1, None), (3, None), (3, 2)])
 def test_streamed_choices_reassemble_to_the_whole_answer(server, n, logprobs):
-    body = {"prompt": PROMPTS[:2], "n": n, "max_tokens": 12, "temperature": 1.0, "seed": 11, "logprobs": logprobs,
-            "return_token_ids": True, "stop": ["e"]}
+    body = {
+        "prompt": PROMPTS[:2],
+        "n": n,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 11,
+        "logprobs": logprobs,
+        "return_token_ids": True,
+        "stop": ["e"],
+    }
     whole = post(server, "/v1/completions", body)
     chunks = stream(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
     assert chunks[-1]["choices"] == []
@@ -334,12 +371,22 @@ def test_streamed_choices_reassemble_to_the_whole_answer(server, n, logprobs):
 
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_a_chat_stream_of_three_choices_through_the_openai_client(client, logprobs):
-    kw = dict(model="moe", messages=[{"role": "user", "content": "sample me"}], n=3, max_tokens=8, temperature=1.0,
-              seed=5, logprobs=logprobs, top_logprobs=2 if logprobs else None)
+    kw = dict(
+        model="moe",
+        messages=[{"role": "user", "content": "sample me"}],
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        logprobs=logprobs,
+        top_logprobs=2 if logprobs else None,
+    )
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
-        (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
     for i, want in enumerate(whole.choices):
         mine = [ch for c in chunks for ch in c.choices if ch.index == i]
         assert mine[0].delta.role == "assistant"
@@ -353,8 +400,9 @@ def test_a_chat_stream_of_three_choices_through_the_openai_client(client, logpro
 
 
 def test_the_openai_client_parses_n_and_logprobs(client, offline):
-    r = client.completions.create(model="moe", prompt=PROMPTS[:2], n=2, logprobs=2, max_tokens=4, temperature=0,
-                                  echo=True, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="moe", prompt=PROMPTS[:2], n=2, logprobs=2, max_tokens=4, temperature=0, echo=True, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     want = ref(offline, PROMPTS[:2], max_tokens=4, temperature=0, ignore_eos=True)
     for c in r.choices:
@@ -362,18 +410,17 @@ def test_the_openai_client_parses_n_and_logprobs(client, offline):
         assert c.text == PROMPTS[c.index // 2] + w.text
         assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(w.prompt_token_ids) + 4
         assert all(isinstance(d, dict) for d in c.logprobs.top_logprobs[1:])
-    chat = client.chat.completions.create(model="moe", messages=[{"role": "user", "content": "hi"}], n=2,
-                                          max_tokens=4, logprobs=True, top_logprobs=3, temperature=0)
-    assert len(chat.choices) == 2 and chat.usage.completion_tokens == sum(
-        len(c.logprobs.content) for c in chat.choices)
+    chat = client.chat.completions.create(
+        model="moe", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, logprobs=True, top_logprobs=3, temperature=0
+    )
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
     e = chat.choices[1].logprobs.content[0]
     assert isinstance(e.bytes, list) and len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - TOL
 
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_usage_counts_each_prompt_once_and_every_choice(server, offline, n):
-    r = post(server, "/v1/completions", {"prompt": PROMPTS, "n": n, "max_tokens": 5, "temperature": 0.8,
-                                         "ignore_eos": True})
+    r = post(server, "/v1/completions", {"prompt": PROMPTS, "n": n, "max_tokens": 5, "temperature": 0.8, "ignore_eos": True})
     n_prompt = sum(len(offline.tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS)
     assert r["usage"]["prompt_tokens"] == n_prompt and r["usage"]["completion_tokens"] == 3 * n * 5
     assert all(len(c["text"]) > 0 for c in r["choices"])
@@ -385,8 +432,21 @@ def test_usage_counts_each_prompt_once_and_every_choice(server, offline, n):
 
 
 # ---------------------------------------------------------------- nulls and bad values
-NEW_NULLABLE = ["n", "logprobs", "echo", "best_of", "presence_penalty", "frequency_penalty", "seed", "stop",
-                "min_tokens", "repetition_penalty", "logprobs_mode", "logit_bias", "suffix"]
+NEW_NULLABLE = [
+    "n",
+    "logprobs",
+    "echo",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "min_tokens",
+    "repetition_penalty",
+    "logprobs_mode",
+    "logit_bias",
+    "suffix",
+]
 
 
 def test_null_new_fields_mean_their_default(server):
@@ -401,45 +461,52 @@ def test_null_new_fields_mean_their_default(server):
     assert got["choices"][0]["message"] == want[0]["message"] and got["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("path,kw,param", [
-    ("/v1/completions", {"n": 0}, "n"),
-    ("/v1/completions", {"n": 129}, "n"),
-    ("/v1/completions", {"logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
-    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
-    ("/v1/completions", {"min_tokens": 5}, "min_tokens"),
-    ("/v1/completions", {"min_tokens": CTX, "max_tokens": None}, "min_tokens"),
-    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
-    ("/v1/completions", {"echo": "yes"}, "echo"),
-    ("/v1/completions", {"logprobs_mode": "softmax"}, "logprobs_mode"),
-    ("/v1/completions", {"prompt": ["ok", ""]}, "prompt"),
-    ("/v1/completions", {"prompt": ["x"] * 1025}, "prompt"),
-    ("/v1/completions", {"prompt": ["ok", "x" * (CTX + 10)]}, "prompt"),   # (alone past the context: the prompt's)
-    ("/v1/completions", {"prompt": [[5, 6], [5] * (CTX - 2)]}, "max_tokens"),    # (fits alone: max_tokens=4 is too many)
-    ("/v1/completions", {"suffix": "tail"}, "suffix"),
-    ("/v1/completions", {"logit_bias": {"12": 3}}, "logit_bias"),
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/v1/chat/completions", {"logprobs": 2}, "logprobs"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format.type"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
-    ("/v1/completions", {"min_p": 1.5}, "min_p"),
-    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"regex": "[0-9]+"}, "regex"),
-    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ("/v1/completions", {"priority": False}, "priority"),
-    ("/v1/completions", {"priority": "x"}, "priority"),
-    ("/v1/chat/completions", {"priority": 2**40}, "priority"),
-])
+@pytest.mark.parametrize(
+    "path,kw,param",
+    [
+        ("/v1/completions", {"n": 0}, "n"),
+        ("/v1/completions", {"n": 129}, "n"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"min_tokens": CTX, "max_tokens": None}, "min_tokens"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ("/v1/completions", {"echo": "yes"}, "echo"),
+        ("/v1/completions", {"logprobs_mode": "softmax"}, "logprobs_mode"),
+        ("/v1/completions", {"prompt": ["ok", ""]}, "prompt"),
+        ("/v1/completions", {"prompt": ["x"] * 1025}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "x" * (CTX + 10)]}, "prompt"),  # (alone past the context: the prompt's)
+        ("/v1/completions", {"prompt": [[5, 6], [5] * (CTX - 2)]}, "max_tokens"),  # (fits alone: max_tokens=4 is too many)
+        ("/v1/completions", {"suffix": "tail"}, "suffix"),
+        ("/v1/completions", {"logit_bias": {"12": 3}}, "logit_bias"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format.type"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/completions", {"regex": "[0-9]+"}, "regex"),
+        ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ("/v1/completions", {"priority": False}, "priority"),
+        ("/v1/completions", {"priority": "x"}, "priority"),
+        ("/v1/chat/completions", {"priority": 2**40}, "priority"),
+    ],
+)
 def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
-    body = {"model": "moe", "max_tokens": 4, **({"prompt": "hi"} if "completions" == path[4:] else
-                                                {"messages": [{"role": "user", "content": "hi"}]}), **kw}
+    body = {
+        "model": "moe",
+        "max_tokens": 4,
+        **({"prompt": "hi"} if "completions" == path[4:] else {"messages": [{"role": "user", "content": "hi"}]}),
+        **kw,
+    }
     r = httpx.post(server.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
@@ -447,12 +514,22 @@ def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
 
 def test_peers_fields_at_their_no_op_value_are_accepted_and_others_named_unsupported(server):
     """vLLM's and SGLang's clients send some fields kvtier does not implement at their defaults."""
-    noop = {"use_beam_search": False, "length_penalty": 1, "include_stop_str_in_output": False,
-            "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": [],
-            "priority": 0, "lora_path": None, "regex": None}
+    noop = {
+        "use_beam_search": False,
+        "length_penalty": 1,
+        "include_stop_str_in_output": False,
+        "spaces_between_special_tokens": True,
+        "truncate_prompt_tokens": None,
+        "bad_words": [],
+        "priority": 0,
+        "lora_path": None,
+        "regex": None,
+    }
     base = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    assert post(server, "/v1/completions", base | noop)["choices"][0]["text"] == \
-        post(server, "/v1/completions", base)["choices"][0]["text"]
+    assert (
+        post(server, "/v1/completions", base | noop)["choices"][0]["text"]
+        == post(server, "/v1/completions", base)["choices"][0]["text"]
+    )
     r = httpx.post(server.url + "/v1/completions", json={"model": "moe", **base, "use_beam_search": True}, timeout=60)
     assert r.status_code == 400 and "beam search is not supported by kvtier" in r.json()["error"]["message"]
 
@@ -498,7 +575,7 @@ def test_a_client_that_hangs_up_aborts_every_request_of_its_call(server, streame
     while metric(server, "kvtier_requests_running") != 0 or metric(server, aborted) < before + 3:
         assert time.monotonic() < deadline, "requests of the call are still running"
         time.sleep(0.1)
-    assert metric(server, aborted) == before + 3                 # one engine request per prompt
+    assert metric(server, aborted) == before + 3  # one engine request per prompt
     assert metric(server, "kvtier_generation_tokens_total") - gen_before < 6 * 300
 
 
@@ -510,10 +587,11 @@ class _Pool:
 
 def _fake_server(role: str) -> Server:
     """A server of ``role`` over an engine that must not be reached (the refusals come first)."""
-    core = SimpleNamespace(storage=_Pool(), tokenizer=None, max_model_len=CTX, path="moe",
-                           config=SimpleNamespace(vocab_size=BYTE_VOCAB_SIZE))
+    core = SimpleNamespace(
+        storage=_Pool(), tokenizer=None, max_model_len=CTX, path="moe", config=SimpleNamespace(vocab_size=BYTE_VOCAB_SIZE)
+    )
     engine = SimpleNamespace(core=core, check_alive=lambda: None)
-    return Server(engine, "moe", role=role)          # type: ignore[arg-type]
+    return Server(engine, "moe", role=role)  # type: ignore[arg-type]
 
 
 HANDOFF = {"namespace": "ns", "keys": ["k"], "num_tokens": 3, "first_token": 1, "prompt_token_ids": [1, 2, 3]}
@@ -531,18 +609,19 @@ def test_what_a_hand_off_cannot_carry_runs_colocated(kw, monkeypatch):
         def backend(req: httpx.Request) -> httpx.Response:
             if req.url.path == "/health":
                 return httpx.Response(200, json={"status": "ok", "engine": "ok"})
-            if req.url.host == "p.test":                # the real prefill server's answer
+            if req.url.host == "p.test":  # the real prefill server's answer
                 answer = pc.post(req.url.path, content=req.content, headers={"Content-Type": "application/json"})
                 return httpx.Response(answer.status_code, content=answer.content)
             got_at_d.append(json.loads(req.content))
             return httpx.Response(200, json={"choices": []})
+
         real = httpx.AsyncClient
         monkeypatch.setattr(httpx, "AsyncClient", lambda **a: real(transport=httpx.MockTransport(backend), **a))
         router = Router(["http://p.test"], ["http://d.test"], health_interval=60)
         with TestClient(router.app) as rc:
             assert rc.post("/v1/completions", json=body).status_code == 200
             assert 'kvtier_router_fallbacks_total{reason="not_handed_off"} 1.0' in rc.get("/metrics").text
-        assert got_at_d == [body]                     # colocated on D: no kvtier_handoff
+        assert got_at_d == [body]  # colocated on D: no kvtier_handoff
     d = _fake_server("decode")
     with TestClient(d.app) as dc:
         r = dc.post("/v1/completions", json=body | {"kvtier_handoff": HANDOFF})

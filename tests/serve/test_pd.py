@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation through a real pool (Valkey, Mooncake): `kvtier serve --role
 prefill`, `--role decode` and `kvtier router` as processes on 127.0.0.1. Outputs and routed experts
 equal a colocated run; a dead pool or a dead P costs a recompute, never a wrong answer."""
+
 from __future__ import annotations
 
 import base64
@@ -17,9 +18,8 @@ import pytest
 import kvtier
 
 ENGINE = ["--num-host-blocks", 64, "--max-model-len", 1024, "--served-model-name", "moe"]
-D_ONLY = ["--storage-fetch", "always", "--prefetch-policy", "wait_complete"]   # exact hand-off counts
-PROMPTS = [f"Customer {i} asks: how do tiered KV caches move blocks between GPU, host and pool? " * (1 + i % 3)
-           for i in range(8)]
+D_ONLY = ["--storage-fetch", "always", "--prefetch-policy", "wait_complete"]  # exact hand-off counts
+PROMPTS = [f"Customer {i} asks: how do tiered KV caches move blocks between GPU, host and pool? " * (1 + i % 3) for i in range(8)]
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +37,17 @@ def ref(offline, prompt, n=10):
 @pytest.fixture(scope="module", params=["valkey", pytest.param("mooncake", marks=pytest.mark.slow)])
 def pd(request, procs, moe_model):
     """(pool handle, P, D, D under --pd-on-miss error, router)."""
-    pool = request.getfixturevalue("valkey_server" if request.param == "valkey" else "mooncake_pool")
+    pool = request.getfixturevalue("valkey_server" if request.param == "valkey" else "mooncake_launch")
     url = pool.url
     tag = request.param
     p = procs(["serve", moe_model, "--role", "prefill", "--storage", url, *ENGINE], f"{tag}-p")
     d = procs(["serve", moe_model, "--role", "decode", "--storage", url, *ENGINE, *D_ONLY], f"{tag}-d")
-    d_err = procs(["serve", moe_model, "--role", "decode", "--storage", url, *ENGINE, *D_ONLY,
-                   "--pd-on-miss", "error"], f"{tag}-derr")
+    d_err = procs(
+        ["serve", moe_model, "--role", "decode", "--storage", url, *ENGINE, *D_ONLY, "--pd-on-miss", "error"], f"{tag}-derr"
+    )
     for x in (p, d, d_err):
         x.wait_ready()
-    router = procs(["router", "--prefill", p.url, "--decode", d.url, "--health-interval", 0.5],
-                   f"{tag}-router").wait_ready()
+    router = procs(["router", "--prefill", p.url, "--decode", d.url, "--health-interval", 0.5], f"{tag}-router").wait_ready()
     return pool, p, d, d_err, router
 
 
@@ -59,8 +59,15 @@ def metric(proc, name: str, labels: str = "") -> float:
 
 def completion(url: str, prompt: str, stream: bool, n: int = 10, on_first=None, **extra) -> dict:
     """``on_first``: called when a stream's first chunk arrives."""
-    body = {"model": "moe", "prompt": prompt, "max_tokens": n, "temperature": 0, "return_routed_experts": True,
-            "stream": stream, **extra}
+    body = {
+        "model": "moe",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "return_routed_experts": True,
+        "stream": stream,
+        **extra,
+    }
     if not stream:
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -92,47 +99,61 @@ def test_pd_outputs_and_routed_experts_equal_colocated(pd, offline):
         got = completion(router.url, prompt, stream=bool(i % 2))
         assert got["text"] == want.text and got["finish_reason"] == "length"
         np.testing.assert_array_equal(experts(got), want.routed_experts)
-        if "usage" in got:             # D's: it computed none of the prompt, P's hits are apart
+        if "usage" in got:  # D's: it computed none of the prompt, P's hits are apart
             u = got["usage"]
             assert u["prompt_tokens_details"]["cached_tokens"] == u["prompt_tokens"] == len(want.prompt_token_ids)
             assert sum(u["kvtier"]["cached_tokens_by_tier"].values()) == u["prompt_tokens"]
             assert set(u["kvtier"]["prefill"]) == {"cached_tokens", "cached_tokens_by_tier"}
-    assert metric(d, "kvtier_pd_handoffs_total", '{result="ok"}') - ok0 == 4       # every prompt token loaded
-    assert metric(p, "kvtier_pd_export_seconds_count", "") >= 4     # P's wait for the pool, per prompt
+    assert metric(d, "kvtier_pd_handoffs_total", '{result="ok"}') - ok0 == 4  # every prompt token loaded
+    assert metric(p, "kvtier_pd_export_seconds_count", "") >= 4  # P's wait for the pool, per prompt
     assert metric(router, "kvtier_router_requests_total", '{route="pd"}') >= 4
     # chat through the openai client, streamed across the hand-off
     c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": PROMPTS[1]}]
     tok = offline.tokenizer
-    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False)
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     want = ref(offline, ids, 8).text
     streamed = c.chat.completions.create(model="moe", messages=messages, max_tokens=8, temperature=0, stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == want
-    assert c.chat.completions.create(model="moe", messages=messages, max_tokens=8,
-                                     temperature=0).choices[0].message.content == want
+    assert (
+        c.chat.completions.create(model="moe", messages=messages, max_tokens=8, temperature=0).choices[0].message.content == want
+    )
 
 
 def test_pd_miss_is_recomputed_or_502_under_error(pd, offline):
     pool, p, d, d_err, router = pd
     prompt = PROMPTS[5] + " (a fresh one)"
-    r = httpx.post(p.url + "/kvtier/prefill/completions", timeout=60,
-                   json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    r = httpx.post(
+        p.url + "/kvtier/prefill/completions",
+        timeout=60,
+        json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0},
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson"), r.text
     res, ack = (json.loads(line) for line in r.text.splitlines())
-    m = res["manifest"]            # P's first line: the names, before the pool's ack ...
-    assert ack["manifest"]["complete"] and {k: ack["manifest"][k] for k in m} == m   # ... the same names
-    handoff = {"namespace": m["namespace"], "keys": m["keys"], "num_tokens": m["num_tokens"],
-               "first_token": res["first_token"], "prompt_token_ids": res["prompt_token_ids"]}
-    pool.clear() if hasattr(pool, "clear") else pool.flushall()        # the pool lost them
+    m = res["manifest"]  # P's first line: the names, before the pool's ack ...
+    assert ack["manifest"]["complete"] and {k: ack["manifest"][k] for k in m} == m  # ... the same names
+    handoff = {
+        "namespace": m["namespace"],
+        "keys": m["keys"],
+        "num_tokens": m["num_tokens"],
+        "first_token": res["first_token"],
+        "prompt_token_ids": res["prompt_token_ids"],
+    }
+    pool.clear() if hasattr(pool, "clear") else pool.flushall()  # the pool lost them
     want = ref(offline, prompt, 6).text
-    r = httpx.post(d_err.url + "/v1/completions", timeout=60, json={
-        "model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0, "kvtier_handoff": handoff})
+    r = httpx.post(
+        d_err.url + "/v1/completions",
+        timeout=60,
+        json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0, "kvtier_handoff": handoff},
+    )
     assert r.status_code == 502 and "missing" in r.json()["error"]["message"], r.text
     assert metric(d_err, "kvtier_pd_handoffs_total", '{result="error"}') == 1
     before = metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}')
-    r = httpx.post(d.url + "/v1/completions", timeout=60, json={
-        "model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0, "kvtier_handoff": handoff})
+    r = httpx.post(
+        d.url + "/v1/completions",
+        timeout=60,
+        json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0, "kvtier_handoff": handoff},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     assert metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}') == before + 1
 
@@ -150,9 +171,11 @@ def test_the_pool_killed_mid_run_costs_a_recompute_not_an_answer(pd, offline):
     want = {pr: ref(offline, pr, 12).text for pr in PROMPTS}
 
     def degraded() -> float:
-        return (sum(metric(router, "kvtier_router_fallbacks_total", f'{{reason="{r}"}}') for r in POOL_FALLBACKS)
-                + metric(router, "kvtier_router_incomplete_exports_total")
-                + metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}'))
+        return (
+            sum(metric(router, "kvtier_router_fallbacks_total", f'{{reason="{r}"}}') for r in POOL_FALLBACKS)
+            + metric(router, "kvtier_router_incomplete_exports_total")
+            + metric(d, "kvtier_pd_handoffs_total", '{result="recomputed"}')
+        )
 
     def one(i, on_first=None):
         pr = PROMPTS[i % len(PROMPTS)]
@@ -163,10 +186,10 @@ def test_the_pool_killed_mid_run_costs_a_recompute_not_an_answer(pd, offline):
     with ThreadPoolExecutor(8) as ex:
         in_flight = [ex.submit(one, i, streaming.set) for i in range(8)]
         assert streaming.wait(300), "no stream started"
-        pool.kill() if hasattr(pool, "flushall") else pool.kill_node()   # mid-run: a stream has begun
+        pool.kill() if hasattr(pool, "flushall") else pool.kill_node()  # mid-run: a stream has begun
         results = [f.result() for f in in_flight]
     i = len(results)
-    while degraded() == before and i < 32:   # each of these meets the dead pool: the first one does
+    while degraded() == before and i < 32:  # each of these meets the dead pool: the first one does
         results.append(one(i))
         i += 1
     for pr, text in results:
@@ -197,10 +220,12 @@ def test_a_prefill_server_writes_with_more_put_threads_than_a_colocated_one(monk
     role keeps the engine's default of one put thread, which slows its engine thread least."""
     from kvtier.engine.config import EngineConfig
     from kvtier.serve.server import role_defaults
+
     monkeypatch.setattr("kvtier.storage.client.default_storage_workers", lambda: 16)
 
     def puts(role: str, **options) -> int | None:
         return role_defaults(role, EngineConfig(**options)).storage_put_workers
+
     assert puts("prefill", storage="file:///p") == 8
     assert puts("prefill", storage_workers=4) == 2
     assert puts("prefill", storage_workers=1) == 1

@@ -6,6 +6,7 @@ P, D and the router run in this process (the router's calls reach P's and D's ap
 ``httpx.ASGITransport``) over a file pool. References: block arithmetic (block size 16: hits are
 whole blocks; D reads a hand-off's partial last block from the pool) and each server's own
 ``kvtier_cached_tokens_total{tier}`` in /metrics."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,7 @@ from kvtier.serve.router import Router
 
 BS = 16
 ENGINE = dict(num_host_blocks=64, max_model_len=256, block_size=BS)
-D_ONLY = dict(storage_fetch="always", prefetch_policy="wait_complete")   # D loads every block P wrote
+D_ONLY = dict(storage_fetch="always", prefetch_policy="wait_complete")  # D loads every block P wrote
 TIERS = ("device", "host", "storage")
 NONE = dict.fromkeys(TIERS, 0)
 
@@ -70,8 +71,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def cached_by_tier(server: TestClient) -> dict[str, int]:
     """The server's kvtier_cached_tokens_total per tier (its engine's hits since it started)."""
     text = server.get("/metrics").text
-    return {t: int(float(re.search(rf'^kvtier_cached_tokens_total{{tier="{t}"}} (\S+)$', text, re.M).group(1)))
-            for t in TIERS}
+    return {t: int(float(re.search(rf'^kvtier_cached_tokens_total{{tier="{t}"}} (\S+)$', text, re.M).group(1))) for t in TIERS}
 
 
 def counted(server: TestClient, before: dict[str, int]) -> dict[str, int]:
@@ -86,7 +86,7 @@ def usage(router: TestClient, ids: list[int], **kw) -> dict:
 
 
 def test_a_pd_answer_reports_what_d_did_not_compute_and_ps_hits_apart(pd):
-    ids = prompt(1, 37)                                  # two whole blocks and a partial one
+    ids = prompt(1, 37)  # two whole blocks and a partial one
     p0, d0 = cached_by_tier(pd.p), cached_by_tier(pd.d)
     cold = usage(pd.router, ids)
     # P's prompt was cold; D computed none of it: every token came from the pool
@@ -107,17 +107,26 @@ def test_a_pd_answer_reports_what_d_did_not_compute_and_ps_hits_apart(pd):
 def test_a_streamed_pd_answer_carries_the_same_usage_in_its_last_chunk(pd):
     ids = prompt(2, 40)
     usage(pd.router, ids)
-    whole = usage(pd.router, ids)                        # P and D warm: the same hits from now on
-    body = {"model": "moe", "prompt": ids, "max_tokens": 3, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    whole = usage(pd.router, ids)  # P and D warm: the same hits from now on
+    body = {
+        "model": "moe",
+        "prompt": ids,
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with pd.router.stream("POST", "/v1/completions", json=body) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole
     assert whole["prompt_tokens_details"]["cached_tokens"] == 40 and whole["kvtier"]["prefill"]["cached_tokens"] == 32
     # OpenAI's client parses it: the standard fields as such, kvtier's as an extra field
     client = openai.OpenAI(base_url="http://router/v1", api_key="none", http_client=pd.router, max_retries=0)
-    last = list(client.completions.create(model="moe", prompt=ids, max_tokens=3, temperature=0, stream=True,
-                                          stream_options={"include_usage": True}))[-1]
+    last = list(
+        client.completions.create(
+            model="moe", prompt=ids, max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )[-1]
     assert last.usage.prompt_tokens_details.cached_tokens == 40 and last.usage.model_extra["kvtier"] == whole["kvtier"]
 
 

@@ -28,8 +28,10 @@ TEXT = "A tiered KV cache keeps a prompt's blocks on the device, the host and a 
 
 @pytest.fixture(scope="module")
 def server(procs, moe_model):
-    return procs(["serve", moe_model, "--max-model-len", CTX, "--served-model-name", "moe", "--num-host-blocks", 64,
-                  "--api-key", KEY], "tokenize").wait_ready()
+    return procs(
+        ["serve", moe_model, "--max-model-len", CTX, "--served-model-name", "moe", "--num-host-blocks", 64, "--api-key", KEY],
+        "tokenize",
+    ).wait_ready()
 
 
 def call(server, method: str, path: str, body: dict | None = None, status: int = 200) -> dict:
@@ -60,7 +62,7 @@ def test_tokenize_a_chat_counts_what_the_chat_endpoint_counts(server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
     got = call(server, "POST", "/tokenize", {"model": "moe", "messages": messages})
     chat = call(server, "POST", "/v1/chat/completions", {"model": "moe", "messages": messages, "max_tokens": 2})
-    assert got["count"] == chat["usage"]["prompt_tokens"] > len(TEXT)   # the template's tokens too
+    assert got["count"] == chat["usage"]["prompt_tokens"] > len(TEXT)  # the template's tokens too
     plain = call(server, "POST", "/tokenize", {"messages": messages, "add_generation_prompt": False})
     assert plain["count"] < got["count"]
 
@@ -86,11 +88,11 @@ def test_tokenizer_info_is_the_checkpoints_tokenizer(server, moe_model):
 
 @pytest.mark.parametrize("method, path", [("POST", "/reset_prefix_cache"), ("POST", "/flush_cache"), ("GET", "/flush_cache")])
 def test_reset_empties_the_device_and_host_tiers(server, method, path):
-    prompt = [7 + i % 200 for i in range(100)]     # six whole 16-token blocks
+    prompt = [7 + i % 200 for i in range(100)]  # six whole 16-token blocks
     completion(server, prompt)
     assert completion(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
     dropped = call(server, method, path)["dropped_blocks"]
-    assert dropped["device"] >= 6 and dropped["host"] >= 6   # (and whatever earlier tests left)
+    assert dropped["device"] >= 6 and dropped["host"] >= 6  # (and whatever earlier tests left)
     assert completion(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert completion(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
 
@@ -102,10 +104,21 @@ def test_server_info_has_the_engine_configuration(server, moe_model):
     assert moe_model.name in info["model_path"]
 
 
-@pytest.mark.parametrize("method, path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
-                                          ("POST", "/reset_prefix_cache"), ("GET", "/flush_cache"), ("GET", "/server_info"),
-                                          ("POST", "/generate"), ("GET", "/model_info"), ("GET", "/get_model_info"),
-                                          ("GET", "/get_server_info")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/tokenizer_info"),
+        ("POST", "/reset_prefix_cache"),
+        ("GET", "/flush_cache"),
+        ("GET", "/server_info"),
+        ("POST", "/generate"),
+        ("GET", "/model_info"),
+        ("GET", "/get_model_info"),
+        ("GET", "/get_server_info"),
+    ],
+)
 def test_every_one_needs_the_api_key(server, method, path):
     r = httpx.request(method, server.url + path, json={"prompt": "x"}, timeout=30)
     assert r.status_code == 401, r.text
@@ -142,17 +155,25 @@ def sse(server, path: str, payload: dict) -> list[dict]:
 
 
 def test_vllm_bench_serve_finds_the_model_and_its_root_without_model(server, moe_model):
-    entry = call(server, "GET", "/v1/models")["data"][0]       # `vllm bench serve` without --model
+    entry = call(server, "GET", "/v1/models")["data"][0]  # `vllm bench serve` without --model
     assert entry["id"] == "moe" and entry["root"] == str(moe_model)
     assert entry["max_model_len"] == CTX and entry["parent"] is None and entry["permission"] == []
 
 
 def test_vllm_bench_serve_openai_times_a_chunk_per_token(server):
-    payload = {"model": "moe", "prompt": TEXT, "repetition_penalty": 1.0, "max_tokens": 24, "logprobs": None,
-               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-               "temperature": 0.0}   # (--ignore-eos --temperature 0: extra_body)
+    payload = {
+        "model": "moe",
+        "prompt": TEXT,
+        "repetition_penalty": 1.0,
+        "max_tokens": 24,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }  # (--ignore-eos --temperature 0: extra_body)
     events = sse(server, "/v1/completions", payload)
-    token_chunks = [e for e in events if e.get("choices")]       # each timed as a token (text may be "")
+    token_chunks = [e for e in events if e.get("choices")]  # each timed as a token (text may be "")
     usage = next(e["usage"] for e in events if not e.get("choices") and e.get("usage"))
     assert len(token_chunks) == usage["completion_tokens"] == 24 and usage["prompt_tokens"] > 0
     text = "".join(e["choices"][0].get("text") or "" for e in token_chunks)
@@ -160,21 +181,33 @@ def test_vllm_bench_serve_openai_times_a_chunk_per_token(server):
 
 
 def test_vllm_bench_serve_openai_chat_times_the_role_chunk_then_a_chunk_per_token(server):
-    payload = {"model": "moe", "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}],
-               "max_completion_tokens": 16, "stream": True, "stream_options": {"include_usage": True},
-               "ignore_eos": True}
+    payload = {
+        "model": "moe",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}],
+        "max_completion_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     events = sse(server, "/v1/chat/completions", payload)
     token_chunks = [e for e in events if e.get("choices")]
     usage = next(e["usage"] for e in events if not e.get("choices") and e.get("usage"))
-    assert token_chunks[0]["choices"][0]["delta"]["role"] == "assistant"     # as vLLM's server sends it
+    assert token_chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # as vLLM's server sends it
     assert len(token_chunks) == 1 + usage["completion_tokens"] == 17
 
 
 def test_sglang_bench_serving_oai_reads_text_chunks_and_generated_text(server):
-    payload = {"model": "moe", "prompt": TEXT, "temperature": 0.0, "best_of": 1, "max_tokens": 24,
-               "stream": True, "ignore_eos": True}
+    payload = {
+        "model": "moe",
+        "prompt": TEXT,
+        "temperature": 0.0,
+        "best_of": 1,
+        "max_tokens": 24,
+        "stream": True,
+        "ignore_eos": True,
+    }
     events = sse(server, "/v1/completions", payload)
-    assert all(e["choices"] for e in events)                     # it indexes choices[0] of every event
+    assert all(e["choices"] for e in events)  # it indexes choices[0] of every event
     texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["text"]]
     assert "".join(texts) == completion(server, TEXT, max_tokens=24, ignore_eos=True)["choices"][0]["text"]
     assert len(events) == 24
@@ -197,7 +230,7 @@ def test_metrics_ttft_counts_the_wait_for_the_engine_as_the_clients_do(moe_model
 
     async def late(req):
         await asyncio.sleep(0.3)
-        req.metrics["arrival"] = time.monotonic()      # as the engine process stamps it
+        req.metrics["arrival"] = time.monotonic()  # as the engine process stamps it
         async for delta in inner(req):
             yield delta
 

@@ -1,6 +1,7 @@
 """`kvtier router` on its own: which answers of P go back to the client and which send the request
 colocated to D, and the router's own errors in OpenAI's shape. P and D are stand-ins (an
 ``httpx.MockTransport``) so that each failure can be staged; `test_pd.py` runs real servers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,7 @@ def routed(monkeypatch):
 
 
 def fallbacks(c: TestClient) -> float:
-    return sum(float(v) for v in re.findall(r"^kvtier_router_fallbacks_total\{.*\} (\S+)$",
-                                            c.get("/metrics").text, re.M))
+    return sum(float(v) for v in re.findall(r"^kvtier_router_fallbacks_total\{.*\} (\S+)$", c.get("/metrics").text, re.M))
 
 
 BODY = {"model": "moe", "prompt": "hi", "max_tokens": 2}
@@ -64,8 +64,10 @@ BODY = {"model": "moe", "prompt": "hi", "max_tokens": 2}
 
 def test_a_wrong_model_goes_back_to_the_client_not_to_d(routed):
     c, router, backends = routed
-    backends.prefill = lambda req: httpx.Response(404, json={"error": {
-        "message": "model 'nope' is not served here", "type": "not_found_error", "param": "model", "code": 404}})
+    backends.prefill = lambda req: httpx.Response(
+        404,
+        json={"error": {"message": "model 'nope' is not served here", "type": "not_found_error", "param": "model", "code": 404}},
+    )
     err = openai_error(c.post("/v1/completions", json=BODY | {"model": "nope"}), 404)
     assert err["param"] == "model"
     assert fallbacks(c) == 0 and not any(call.startswith("d.test/v1") for call in backends.calls)
@@ -74,18 +76,22 @@ def test_a_wrong_model_goes_back_to_the_client_not_to_d(routed):
 @pytest.mark.parametrize("status", [400, 413])
 def test_a_validation_error_from_p_goes_back_to_the_client(routed, status):
     c, router, backends = routed
-    backends.prefill = lambda req: httpx.Response(status, json={"error": {
-        "message": "max_tokens: bad", "type": "invalid_request_error", "param": "max_tokens", "code": status}})
+    backends.prefill = lambda req: httpx.Response(
+        status,
+        json={"error": {"message": "max_tokens: bad", "type": "invalid_request_error", "param": "max_tokens", "code": status}},
+    )
     assert openai_error(c.post("/v1/completions", json=BODY), status)["param"] == "max_tokens"
     assert fallbacks(c) == 0
 
 
-@pytest.mark.parametrize("status,body", [
-    (404, {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": 404}}),
-    (401, {"error": {"message": "invalid or missing API key", "type": "authentication_error", "param": None,
-                     "code": 401}}),
-    (500, {"error": {"message": "internal error", "type": "server_error", "param": None, "code": 500}}),
-])
+@pytest.mark.parametrize(
+    "status,body",
+    [
+        (404, {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": 404}}),
+        (401, {"error": {"message": "invalid or missing API key", "type": "authentication_error", "param": None, "code": 401}}),
+        (500, {"error": {"message": "internal error", "type": "server_error", "param": None, "code": 500}}),
+    ],
+)
 def test_a_p_problem_runs_the_request_colocated_on_d(routed, status, body):
     c, router, backends = routed
     backends.prefill = lambda req: httpx.Response(status, json=body)
@@ -121,6 +127,7 @@ def test_a_decode_timeout_is_an_openai_504(routed):
 
     def slow(req):
         raise httpx.ReadTimeout("timed out", request=req)
+
     backends.decode = slow
     assert "did not answer in time" in openai_error(c.post("/v1/completions", json=BODY), 504)["message"]
 
@@ -132,6 +139,7 @@ def test_a_decode_server_failing_mid_stream_ends_the_stream_with_an_openai_error
         async def __aiter__(self):
             yield b'data: {"choices":[{"text":"a"}]}\n\n'
             raise httpx.ReadError("connection reset")
+
     backends.decode = lambda req: httpx.Response(200, stream=Dying(), headers={"content-type": "text/event-stream"})
     r = c.post("/v1/completions", json=BODY | {"stream": True})
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -166,10 +174,9 @@ def test_an_unknown_route_is_an_openai_404(routed):
 
 def test_the_router_key_comes_from_the_environment(procs):
     """KVTIER_API_KEY keeps the key off the command line; the router checks it before routing."""
-    router = procs(["router", "--decode", "http://127.0.0.1:9"], "router-env",
-                   env=dict(os.environ, KVTIER_API_KEY="from-env"))
+    router = procs(["router", "--decode", "http://127.0.0.1:9"], "router-env", env=dict(os.environ, KVTIER_API_KEY="from-env"))
     deadline = time.monotonic() + 60
-    while True:                                # no D is up, so /health is 503: wait for the port
+    while True:  # no D is up, so /health is 503: wait for the port
         try:
             httpx.get(router.url + "/health", timeout=1)
             break
@@ -178,32 +185,44 @@ def test_the_router_key_comes_from_the_environment(procs):
             time.sleep(0.2)
     openai_error(httpx.post(router.url + "/v1/completions", json=BODY), 401)
     r = httpx.post(router.url + "/v1/completions", json=BODY, headers={"Authorization": "Bearer from-env"})
-    openai_error(r, 503)                       # past the key: no decode server is up
+    openai_error(r, 503)  # past the key: no decode server is up
 
 
 @pytest.mark.slow  # (a server or processes of its own: CI runs it with -m slow)
-@pytest.mark.parametrize("args,env,message", [
-    (["router", "--decode", "http://127.0.0.1:9", "--port", "99999"], {}, "a port is 1..65535"),
-    (["serve", "no-model", "--port", "0"], {}, "a port is 1..65535"),
-    (["serve", "no-model", "--api-key", ""], {}, "--api-key is empty"),
-    (["router", "--decode", "http://127.0.0.1:9"], {"KVTIER_API_KEY": ""}, "KVTIER_API_KEY is set but empty"),
-    (["router", "--decode", "http://127.0.0.1:9", "--backend-api-key", ""], {}, "--backend-api-key is empty"),
-])
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (["router", "--decode", "http://127.0.0.1:9", "--port", "99999"], {}, "a port is 1..65535"),
+        (["serve", "no-model", "--port", "0"], {}, "a port is 1..65535"),
+        (["serve", "no-model", "--api-key", ""], {}, "--api-key is empty"),
+        (["router", "--decode", "http://127.0.0.1:9"], {"KVTIER_API_KEY": ""}, "KVTIER_API_KEY is set but empty"),
+        (["router", "--decode", "http://127.0.0.1:9", "--backend-api-key", ""], {}, "--backend-api-key is empty"),
+    ],
+)
 def test_bad_ports_and_empty_keys_stop_the_command_with_a_message(args, env, message):
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, **env))
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=60, env=dict(os.environ, **env)
+    )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-HEAD = {"chunks": [{"choices": [{"index": 0, "text": "P"}]}], "first_token": 5, "prompt_token_ids": [1, 2],
-        "manifest": {"namespace": "ns", "keys": ["k"], "num_tokens": 2}, "cached_tokens": 0,
-        "cached_tokens_by_tier": {"device": 0, "host": 0, "storage": 0}, "id": "cmpl-1", "created": 1}
+HEAD = {
+    "chunks": [{"choices": [{"index": 0, "text": "P"}]}],
+    "first_token": 5,
+    "prompt_token_ids": [1, 2],
+    "manifest": {"namespace": "ns", "keys": ["k"], "num_tokens": 2},
+    "cached_tokens": 0,
+    "cached_tokens_by_tier": {"device": 0, "host": 0, "storage": 0},
+    "id": "cmpl-1",
+    "created": 1,
+}
 ACK = {"manifest": {"complete": True, "namespace": "ns", "keys": ["k"], "num_tokens": 2, "failed_blocks": 0}}
 
 
 def p_answer(ack: dict | None = ACK, ack_after: float = 0.0, head: dict | None = HEAD):
     """P's two JSON lines (serve/api.py): the first token's at once, the pool's ack ``ack_after``
     seconds later (``ack`` None: P breaks off after its first line; ``head`` None: before it)."""
+
     class Lines(httpx.AsyncByteStream):
         async def __aiter__(self):
             if head is None:
@@ -213,6 +232,7 @@ def p_answer(ack: dict | None = ACK, ack_after: float = 0.0, head: dict | None =
             if ack is None:
                 raise httpx.ReadError("connection reset")
             yield (json.dumps(ack) + "\n").encode()
+
     return lambda req: httpx.Response(200, stream=Lines(), headers={"content-type": "application/x-ndjson"})
 
 
@@ -236,12 +256,14 @@ class Events(httpx.AsyncByteStream):
 def d_recording(seen: list, delay: float = 0.0, stream: bool = True):
     """D answering after ``delay`` s (a stream, or a whole answer "from D"), keeping each request
     body it got."""
+
     async def d(req):
         seen.append(json.loads(req.content))
         await asyncio.sleep(delay)
         if not stream:
             return httpx.Response(200, json={"choices": [{"text": "from D"}]})
         return httpx.Response(200, stream=DStream(), headers={"content-type": "text/event-stream"})
+
     return d
 
 
@@ -272,8 +294,8 @@ def test_a_stream_starts_with_ps_token_before_d_answers_only_when_d_recomputes(r
     c, router, backends = routed
     backends.prefill = p_answer()
     seen: list = []
-    backends.decode = d_recording(seen, delay=1.5)        # D answers after 1.5 s
-    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": d_mode}   # (its /health)
+    backends.decode = d_recording(seen, delay=1.5)  # D answers after 1.5 s
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": d_mode}  # (its /health)
     first, waited, rest = stream_events(c)
     assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
     assert (waited < 1.0) if d_mode == "recompute" else (waited >= 1.5), waited
@@ -292,6 +314,7 @@ def test_the_first_token_does_not_wait_for_the_pools_ack_and_d_waits_for_it(rout
     async def timed_d(req):
         called_at.append(time.monotonic())
         return await d(req)
+
     backends.decode = timed_d
     router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
     t0 = time.monotonic()
@@ -301,9 +324,15 @@ def test_the_first_token_does_not_wait_for_the_pools_ack_and_d_waits_for_it(rout
     assert fallbacks(c) == 0 and incomplete(c) == 0
 
 
-@pytest.mark.parametrize("ack", [None, {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)},
-                                 {"error": {"message": "the export produced no output", "code": 500}}],
-                         ids=["p-breaks-off", "incomplete", "p-error"])
+@pytest.mark.parametrize(
+    "ack",
+    [
+        None,
+        {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)},
+        {"error": {"message": "the export produced no output", "code": 500}},
+    ],
+    ids=["p-breaks-off", "incomplete", "p-error"],
+)
 def test_after_an_early_token_a_failed_export_costs_d_a_recompute_not_the_request(routed, ack):
     """The client has P's token already: the request goes on as a hand-off whatever P's export
     did (D, which recomputes what it misses, finds less in the pool), never colocated from scratch
@@ -319,8 +348,9 @@ def test_after_an_early_token_a_failed_export_costs_d_a_recompute_not_the_reques
     assert fallbacks(c) == 0 and incomplete(c) == 1
 
 
-@pytest.mark.parametrize("ack", [None, {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)}],
-                         ids=["p-breaks-off", "incomplete"])
+@pytest.mark.parametrize(
+    "ack", [None, {"manifest": dict(ACK["manifest"], complete=False, failed_blocks=1)}], ids=["p-breaks-off", "incomplete"]
+)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream-d-errors"])
 def test_before_any_answer_a_failed_export_runs_the_request_colocated(routed, ack, stream):
     """Nothing went to the client yet (a whole answer, or a stream whose D may refuse): a P that
@@ -357,8 +387,9 @@ def incomplete(c: TestClient) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("ack", [[1, 2], "done", {"manifest": "x"}, {"status": "ok"}],
-                         ids=["list", "string", "manifest-not-an-object", "no-manifest"])
+@pytest.mark.parametrize(
+    "ack", [[1, 2], "done", {"manifest": "x"}, {"status": "ok"}], ids=["list", "string", "manifest-not-an-object", "no-manifest"]
+)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_second_line_that_is_no_manifest_counts_as_a_failed_export(routed, ack, stream):
     """JSON that is not P's ack: not streamed, the request runs colocated; streamed after P's
@@ -379,6 +410,7 @@ def test_a_p_silent_after_its_first_token_is_given_up_after_its_export_timeout(r
     """P acks within its --export-timeout (its /health says which); one silent past that and
     the margin is hung: the stream goes on through D instead of waiting for the router's timeout."""
     import kvtier.serve.router as router_mod
+
     monkeypatch.setattr(router_mod, "ACK_MARGIN_S", 0.5)
     c, router, backends = routed
     backends.prefill = p_answer(ack_after=30)
@@ -401,16 +433,23 @@ def test_d_gets_what_p_found_cached_with_the_hand_off_and_its_answer_goes_back_a
     by_tier = {"device": 16, "host": 0, "storage": 32}
     backends.prefill = p_answer(head=HEAD | {"cached_tokens": 48, "cached_tokens_by_tier": by_tier})
     seen: list = []
-    d_usage = {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": 50},
-               "kvtier": {"cached_tokens_by_tier": {"device": 0, "host": 0, "storage": 50},
-                          "prefill": {"cached_tokens": 48, "cached_tokens_by_tier": by_tier}}}
+    d_usage = {
+        "prompt_tokens": 50,
+        "prompt_tokens_details": {"cached_tokens": 50},
+        "kvtier": {
+            "cached_tokens_by_tier": {"device": 0, "host": 0, "storage": 50},
+            "prefill": {"cached_tokens": 48, "cached_tokens_by_tier": by_tier},
+        },
+    }
 
     async def d(req):
         seen.append(json.loads(req.content))
         if not stream:
             return httpx.Response(200, json={"choices": [{"text": "from D"}], "usage": d_usage})
-        return httpx.Response(200, stream=Events({"choices": [], "usage": d_usage}),
-                              headers={"content-type": "text/event-stream"})
+        return httpx.Response(
+            200, stream=Events({"choices": [], "usage": d_usage}), headers={"content-type": "text/event-stream"}
+        )
+
     backends.decode = d
     router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
     r = c.post("/v1/completions", json=BODY | {"stream": stream})
@@ -422,10 +461,18 @@ def test_d_gets_what_p_found_cached_with_the_hand_off_and_its_answer_goes_back_a
         assert r.json()["usage"] == d_usage
 
 
-@pytest.mark.parametrize("cached", [{"cached_tokens": -1}, {"cached_tokens": "3"}, {"cached_tokens": True},
-                                    {"cached_tokens_by_tier": [1]}, {"cached_tokens_by_tier": {"device": -16}},
-                                    {"cached_tokens_by_tier": {"device": 1.5}}],
-                         ids=["negative", "string", "bool", "not-a-dict", "negative-tier", "float-tier"])
+@pytest.mark.parametrize(
+    "cached",
+    [
+        {"cached_tokens": -1},
+        {"cached_tokens": "3"},
+        {"cached_tokens": True},
+        {"cached_tokens_by_tier": [1]},
+        {"cached_tokens_by_tier": {"device": -16}},
+        {"cached_tokens_by_tier": {"device": 1.5}},
+    ],
+    ids=["negative", "string", "bool", "not-a-dict", "negative-tier", "float-tier"],
+)
 def test_a_first_line_whose_cached_tokens_are_no_counts_is_a_failed_p(routed, cached):
     """D would refuse such a hand-off (a 400 the client did not cause): the request runs colocated."""
     c, router, backends = routed

@@ -3,6 +3,7 @@
 as each server's usage reports them), new conversations spread over the instances, a killed
 instance leaves the rotation and its conversations go on elsewhere; the index resynchronizes
 from a snapshot after lost events. The routing policies themselves: tests/cache/test_route.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,11 +14,22 @@ import time
 import httpx
 import pytest
 
-from kvtier.cache.route import PrefixIndex
+from kvtier.serve.route import PrefixIndex
 from kvtier.serve.router import Backend
 from kvtier.serve.workers import CacheView
 
-ENGINE = ["--served-model-name", "m", "--num-device-blocks", "96", "--block-size", "8", "--max-model-len", "512", "--max-num-seqs", "4"]
+ENGINE = [
+    "--served-model-name",
+    "m",
+    "--num-device-blocks",
+    "96",
+    "--block-size",
+    "8",
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +38,25 @@ def fleet(procs, checkpoint):
     workers = [procs(["serve", model, *ENGINE], f"worker{i}") for i in range(3)]
     for w in workers:
         w.wait_ready()
-    router = procs(["router", "--workers", ",".join(w.url for w in workers), "--policy", "cache_aware", "--expose-config"],
-                   "router")
+    router = procs(
+        ["router", "--workers", ",".join(w.url for w in workers), "--policy", "cache_aware", "--expose-config"], "router"
+    )
     return workers, router.wait_ready()
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 6) -> dict:
-    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": max_tokens,
-                                                 "temperature": 0, "ignore_eos": True, "return_token_ids": True},
-                   timeout=60)
+    r = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -69,7 +91,7 @@ def test_turns_go_where_their_prefix_is_and_a_killed_instance_leaves(fleet):
     deadline = time.monotonic() + 1.5
     while time.monotonic() < deadline:
         health = httpx.get(router.url + "/health", timeout=5).json()
-        assert "decode_up" not in health and "prefill_up" not in health   # workers, not P and D
+        assert "decode_up" not in health and "prefill_up" not in health  # workers, not P and D
         up = health["workers_up"]
         if victim.url not in up:
             break
@@ -82,12 +104,14 @@ def test_turns_go_where_their_prefix_is_and_a_killed_instance_leaves(fleet):
 
 def test_lost_events_are_recovered_from_a_snapshot():
     """A poll answered with a gap drops the index; the next takes a snapshot (counted)."""
-    answers = iter([
-        {"seq": 2, "device": ["aa"], "host": [], "block_size": 8, "hash": "sha256", "fingerprint": ""},
-        {"seq": 3, "events": [[3, "stored", "device", "bb"]]},
-        {"seq": 9, "gap": True},
-        {"seq": 9, "device": ["cc"], "host": ["dd"], "block_size": 8, "hash": "sha256", "fingerprint": ""},
-    ])
+    answers = iter(
+        [
+            {"seq": 2, "device": ["aa"], "host": [], "block_size": 8, "hash": "sha256", "fingerprint": ""},
+            {"seq": 3, "events": [[3, "stored", "device", "bb"]]},
+            {"seq": 9, "gap": True},
+            {"seq": 9, "device": ["cc"], "host": ["dd"], "block_size": 8, "hash": "sha256", "fingerprint": ""},
+        ]
+    )
     paths = []
 
     def handler(req: httpx.Request) -> httpx.Response:
@@ -110,8 +134,12 @@ def test_lost_events_are_recovered_from_a_snapshot():
 
     index = asyncio.run(run())
     assert index.device == {b"\xcc"} and index.host == {b"\xdd"}
-    assert paths == ["/kvtier/kv_events/snapshot", "/kvtier/kv_events?since=2", "/kvtier/kv_events?since=3",
-                     "/kvtier/kv_events/snapshot"]
+    assert paths == [
+        "/kvtier/kv_events/snapshot",
+        "/kvtier/kv_events?since=2",
+        "/kvtier/kv_events?since=3",
+        "/kvtier/kv_events/snapshot",
+    ]
 
 
 def test_a_stalled_instance_leaves_the_rotation_with_its_index_and_comes_back_when_it_answers():
@@ -120,12 +148,14 @@ def test_a_stalled_instance_leaves_the_rotation_with_its_index_and_comes_back_wh
     no snapshot. One that cannot be reached is down: its index is dropped."""
     from kvtier.serve.router import Router
 
-    answers = iter([
-        {"seq": 2, "device": ["aa"], "host": [], "block_size": 8, "hash": "sha256", "fingerprint": ""},
-        httpx.ReadTimeout("slow"),
-        {"seq": 3, "events": [[3, "stored", "device", "bb"]]},
-        httpx.ConnectError("refused"),
-    ])
+    answers = iter(
+        [
+            {"seq": 2, "device": ["aa"], "host": [], "block_size": 8, "hash": "sha256", "fingerprint": ""},
+            httpx.ReadTimeout("slow"),
+            {"seq": 3, "events": [[3, "stored", "device", "bb"]]},
+            httpx.ConnectError("refused"),
+        ]
+    )
     paths = []
 
     def handler(req: httpx.Request) -> httpx.Response:
@@ -156,8 +186,12 @@ def test_a_stalled_instance_leaves_the_rotation_with_its_index_and_comes_back_wh
             assert not b.healthy and b.seq is None and not b.index.device
 
     asyncio.run(run())
-    assert paths == ["/kvtier/kv_events/snapshot", "/kvtier/kv_events?since=2", "/kvtier/kv_events?since=2",
-                     "/kvtier/kv_events?since=3"]
+    assert paths == [
+        "/kvtier/kv_events/snapshot",
+        "/kvtier/kv_events?since=2",
+        "/kvtier/kv_events?since=2",
+        "/kvtier/kv_events?since=3",
+    ]
 
 
 def test_the_pool_the_instances_share_counts_past_what_each_holds():
@@ -199,8 +233,7 @@ def test_the_pool_the_instances_share_counts_past_what_each_holds():
     assert score(two)[0].storage_hit == 0  # (only unsharded names stored)
     view = CacheView()
     view.storage, view.pools[2] = "memory://", two
-    assert all(backend.put_from([object_name(k, tp_rank=r, tp_size=2) for k in keys[:2] for r in (0, 1)],
-                                [memoryview(b"x")] * 4))
+    assert all(backend.put_from([object_name(k, tp_rank=r, tp_size=2) for k in keys[:2] for r in (0, 1)], [memoryview(b"x")] * 4))
     assert asyncio.run(view.candidates([b], "completion", {"prompt": prompt}))[0][0].storage_hit == 8
 
 

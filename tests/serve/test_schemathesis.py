@@ -1,5 +1,6 @@
 """Property-based fuzzing of `kvtier serve` from its own OpenAPI schema (schemathesis): whatever
 the body, no 5xx and no hang (every call has a timeout)."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,7 @@ def test_no_server_error_for_any_request(served):
             calls.append(resp.status_code)
             if resp.status_code >= 500:
                 failures.append((case.method, case.path, case.body, resp.status_code, resp.text[:300]))
+
         fuzz()
     assert not failures, failures[:5]
     assert len(calls) >= 100 and any(c == 200 for c in calls) and any(c == 400 for c in calls), calls
@@ -36,5 +38,6 @@ def test_no_server_error_for_any_request(served):
 def test_it_really_reaches_the_engine(served):
     """The fuzz above is worth something only if valid bodies get through: one check by hand."""
     import httpx
+
     r = httpx.post(served.url + "/v1/completions", json={"model": "moe", "prompt": "hi", "max_tokens": 3}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

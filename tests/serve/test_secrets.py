@@ -43,8 +43,22 @@ def _leaks(texts: dict[str, str]) -> list[str]:
 
 def test_no_endpoint_or_log_line_of_a_server_shows_a_password_or_key(procs, moe_model):
     server = procs(
-        ["serve", moe_model, "--api-key", KEY, "--served-model-name", "m", "--max-model-len", 256,
-         "--storage", _storage_url(), "--num-host-blocks", 64, "--log-stats-interval", 0.2],
+        [
+            "serve",
+            moe_model,
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "m",
+            "--max-model-len",
+            256,
+            "--storage",
+            _storage_url(),
+            "--num-host-blocks",
+            64,
+            "--log-stats-interval",
+            0.2,
+        ],
         "secrets-serve",
     )
     server.wait_ready()
@@ -71,8 +85,21 @@ def _health_once_the_pool_reported(url: str) -> str:
 
 
 def test_health_and_metrics_show_no_path_or_host_unless_asked(procs, moe_model):
-    server = procs(["serve", moe_model, "--served-model-name", "m", "--max-model-len", 256, "--storage", _storage_url(),
-                    "--num-host-blocks", 64], "secrets-quiet")
+    server = procs(
+        [
+            "serve",
+            moe_model,
+            "--served-model-name",
+            "m",
+            "--max-model-len",
+            256,
+            "--storage",
+            _storage_url(),
+            "--num-host-blocks",
+            64,
+        ],
+        "secrets-quiet",
+    )
     server.wait_ready()
     health = _health_once_the_pool_reported(server.url)
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
@@ -82,8 +109,22 @@ def test_health_and_metrics_show_no_path_or_host_unless_asked(procs, moe_model):
 
 
 def test_expose_config_puts_the_paths_and_hosts_back_without_secrets(procs, moe_model):
-    server = procs(["serve", moe_model, "--served-model-name", "m", "--max-model-len", 256, "--storage", _storage_url(),
-                    "--num-host-blocks", 64, "--expose-config"], "secrets-exposed")
+    server = procs(
+        [
+            "serve",
+            moe_model,
+            "--served-model-name",
+            "m",
+            "--max-model-len",
+            256,
+            "--storage",
+            _storage_url(),
+            "--num-host-blocks",
+            64,
+            "--expose-config",
+        ],
+        "secrets-exposed",
+    )
     server.wait_ready()
     health = _health_once_the_pool_reported(server.url)
     assert str(moe_model) in health and "127.0.0.1" in health, health
@@ -95,19 +136,30 @@ def test_a_router_refuses_a_server_url_with_credentials_without_printing_them(tm
 
     from kvtier.serve.launch import kvtier_command
 
-    r = subprocess.run(kvtier_command("router", "--workers", "http://u:w0rkerpw@127.0.0.1:9"),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        kvtier_command("router", "--workers", "http://u:w0rkerpw@127.0.0.1:9"), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "--backend-api-key" in r.stderr and "http://u:***@127.0.0.1:9" in r.stderr, r.stderr
     assert "w0rkerpw" not in r.stdout + r.stderr
 
 
 @pytest.mark.slow
 def test_no_endpoint_or_log_line_of_a_router_shows_a_password_or_key(procs, moe_model):
-    server = procs(["serve", moe_model, "--api-key", BACKEND_KEY, "--served-model-name", "m", "--max-model-len", 256],
-                   "secrets-worker").wait_ready()
+    server = procs(
+        ["serve", moe_model, "--api-key", BACKEND_KEY, "--served-model-name", "m", "--max-model-len", 256], "secrets-worker"
+    ).wait_ready()
     router = procs(
-        ["router", "--workers", server.url, "--api-key", KEY, "--backend-api-key", BACKEND_KEY,
-         "--storage", f"redis://:r0uterpw@127.0.0.1:{free_port()}/0"],
+        [
+            "router",
+            "--workers",
+            server.url,
+            "--api-key",
+            KEY,
+            "--backend-api-key",
+            BACKEND_KEY,
+            "--storage",
+            f"redis://:r0uterpw@127.0.0.1:{free_port()}/0",
+        ],
         "secrets-router",
     )
     router.wait_ready()

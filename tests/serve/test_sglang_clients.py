@@ -39,8 +39,9 @@ def served(moe_model, tmp_path_factory):
     the directory holding NAME."""
     name = moe_model.name
     log = tmp_path_factory.mktemp("sglang") / "serve.log"
-    server = ServerProcess(["serve", name, "--max-model-len", CTX, "--num-host-blocks", 64], log, log_level="info",
-                           cwd=moe_model.parent)
+    server = ServerProcess(
+        ["serve", name, "--max-model-len", CTX, "--num-host-blocks", 64], log, log_level="info", cwd=moe_model.parent
+    )
     try:
         yield server.wait_ready(), name, moe_model
     finally:
@@ -81,21 +82,28 @@ def chunks(server, path: str, payload: dict) -> list[dict]:
 
 
 def completion(server, model: str, prompt, n: int, **kw) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **kw}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
     return post(server, "/v1/completions", body)["choices"][0]
 
 
 # ---------------------------------------------------------------- bench_serving
 def test_bench_serving_finds_the_model_and_a_tokenizer_without_being_given_one(served, tmp_path, monkeypatch):
     server, name, model = served
-    entry = get(server, "/v1/models")["data"][0]          # no --model: the first model's id
-    assert entry["id"] == name                             # the argument as given
-    info = get(server, "/model_info")                      # no --tokenizer: tokenizer_path, else model_path
-    assert get(server, "/get_model_info") == info          # (SGLang's older name)
+    entry = get(server, "/v1/models")["data"][0]  # no --model: the first model's id
+    assert entry["id"] == name  # the argument as given
+    info = get(server, "/model_info")  # no --tokenizer: tokenizer_path, else model_path
+    assert get(server, "/get_model_info") == info  # (SGLang's older name)
     assert info["is_generation"] is True and info["model_path"] == str(model)
     assert info["architectures"] == ["Qwen3MoeForCausalLM"] and info["model_type"] == "qwen3_moe"
-    monkeypatch.chdir(tmp_path)                            # the client runs anywhere: the path is absolute
+    monkeypatch.chdir(tmp_path)  # the client runs anywhere: the path is absolute
     tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
     assert tok.encode(TEXT) == AutoTokenizer.from_pretrained(model).encode(TEXT)
 
@@ -104,9 +112,15 @@ def test_bench_serving_sglang_backend_streams_the_text_so_far_and_counts_tokens(
     """async_request_sglang_generate: it keeps the last chunk's text, and times each chunk as
     meta_info.completion_tokens' growth (ITL split over the new tokens)."""
     server, name, model = served
-    payload = {"text": TEXT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True},
-               "stream": True, "lora_path": None, "return_logprob": False, "return_routed_experts": False,
-               "logprob_start_len": -1}
+    payload = {
+        "text": TEXT,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True},
+        "stream": True,
+        "lora_path": None,
+        "return_logprob": False,
+        "return_routed_experts": False,
+        "logprob_start_len": -1,
+    }
     events = chunks(server, "/generate", payload)
     generated_text, output_len, itl_tokens = "", 16, 0
     last_output_len = 0
@@ -117,7 +131,7 @@ def test_bench_serving_sglang_backend_streams_the_text_so_far_and_counts_tokens(
             if i:
                 itl_tokens += output_len - last_output_len
             last_output_len = output_len
-    assert output_len == 16 and len(events) == 16                     # a chunk per token
+    assert output_len == 16 and len(events) == 16  # a chunk per token
     want = completion(server, name, TEXT, 16)
     tok = AutoTokenizer.from_pretrained(model)
     # SGLang encodes a text prompt with the tokenizer's special tokens
@@ -126,7 +140,7 @@ def test_bench_serving_sglang_backend_streams_the_text_so_far_and_counts_tokens(
         assert generated_text == want["text"] and events[-1]["output_ids"] == want["token_ids"]
     meta = [e["meta_info"] for e in events]
     assert [m["completion_tokens"] for m in meta] == list(range(1, 17))
-    assert [len(e["output_ids"]) for e in events] == list(range(1, 17))     # the ids so far, as the text
+    assert [len(e["output_ids"]) for e in events] == list(range(1, 17))  # the ids so far, as the text
     assert all(m["finish_reason"] is None for m in meta[:-1])
     assert meta[-1]["finish_reason"] == {"type": "length", "length": 16} and meta[-1]["e2e_latency"] > 0
     assert len({m["id"] for m in meta}) == 1 and "index" not in events[0]
@@ -135,10 +149,17 @@ def test_bench_serving_sglang_backend_streams_the_text_so_far_and_counts_tokens(
 def test_bench_serving_sglang_backend_logprobs_are_the_completions_logprobs(served):
     """--return-logprob --top-logprobs-num 2: SGLang's tuples [logprob, token_id, text or None]."""
     server, name, _ = served
-    ids = [7 + i % 200 for i in range(40)]     # --tokenize-prompt: input_ids, not text
-    payload = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
-               "stream": True, "lora_path": None, "return_logprob": True, "return_routed_experts": False,
-               "logprob_start_len": -1, "top_logprobs_num": 2}
+    ids = [7 + i % 200 for i in range(40)]  # --tokenize-prompt: input_ids, not text
+    payload = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
+        "stream": True,
+        "lora_path": None,
+        "return_logprob": True,
+        "return_routed_experts": False,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 2,
+    }
     events = chunks(server, "/generate", payload)
     want = completion(server, name, ids, 6, logprobs=2)
     last = events[-1]
@@ -148,7 +169,7 @@ def test_bench_serving_sglang_backend_logprobs_are_the_completions_logprobs(serv
     assert [e[0] for e in out] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
     tops = last["meta_info"]["output_top_logprobs"]
     assert all(len(t) == 2 and t[0][0] >= t[1][0] for t in tops)
-    assert last["meta_info"]["input_token_logprobs"] == []             # -1: the generated tokens' only
+    assert last["meta_info"]["input_token_logprobs"] == []  # -1: the generated tokens' only
     # every chunk carries the logprobs so far (SGLang's cumulative stream)
     assert [len(e["meta_info"]["output_token_logprobs"]) for e in events] == list(range(1, 7))
     # the prompt's, from a start position (not streamed): position 0 has none
@@ -164,20 +185,37 @@ def test_bench_serving_openai_backends_time_each_text_chunk(served, backend):
     """async_request_openai_completions, with the model id /v1/models gave (the name as given),
     and the cache flush each backend calls (/reset_prefix_cache for vllm, /flush_cache for SGLang's)."""
     server, name, _ = served
-    payload = {"model": name, "prompt": TEXT, "best_of": 1, "max_tokens": 12, "stream": True, "temperature": 0.0,
-               "ignore_eos": True}
+    payload = {
+        "model": name,
+        "prompt": TEXT,
+        "best_of": 1,
+        "max_tokens": 12,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     events = chunks(server, "/v1/completions", payload)
     text = "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["text"])
     assert len(events) == 12 and text == completion(server, name, TEXT, 12)["text"]
-    flush = (httpx.post(server.url + "/reset_prefix_cache", timeout=60) if backend == "vllm" else
-             httpx.post(server.url + "/flush_cache", params={"timeout": 60.0}, timeout=60))
+    flush = (
+        httpx.post(server.url + "/reset_prefix_cache", timeout=60)
+        if backend == "vllm"
+        else httpx.post(server.url + "/flush_cache", params={"timeout": 60.0}, timeout=60)
+    )
     flush.raise_for_status()
 
 
 def test_bench_serving_oai_chat_reads_content_deltas_and_the_usage_chunk(served):
     server, name, _ = served
-    payload = {"model": name, "messages": [{"role": "user", "content": TEXT}], "max_completion_tokens": 8,
-               "stream": True, "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": name,
+        "messages": [{"role": "user", "content": TEXT}],
+        "max_completion_tokens": 8,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     events = chunks(server, "/v1/chat/completions", payload)
     usage = [e["usage"] for e in events if e.get("usage")]
     assert usage and usage[-1]["completion_tokens"] == 8
@@ -205,13 +243,19 @@ def test_with_drafts_server_info_says_the_accept_length_bench_serving_reads(chec
     from kvtier.engine.core import EngineCore
     from kvtier.serve.api import Server
 
-    engine = AsyncEngine(EngineCore(checkpoint("qwen3-mtp-tiny"), max_model_len=256, num_device_blocks=64,
-                                    block_size=8, num_speculative_tokens=2))
+    engine = AsyncEngine(
+        EngineCore(checkpoint("qwen3-mtp-tiny"), max_model_len=256, num_device_blocks=64, block_size=8, num_speculative_tokens=2)
+    )
     server = Server(engine, "mtp")
     try:
         with TestClient(server.app) as c:
-            r = c.post("/generate", json={"input_ids": [3, 4, 5, 6, 7], "sampling_params": {
-                "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}})
+            r = c.post(
+                "/generate",
+                json={
+                    "input_ids": [3, 4, 5, 6, 7],
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+                },
+            )
             assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 24
             state = c.get("/server_info").json()["internal_states"][0]
             spec = c.get("/kvtier/stats").json()["speculative"]
@@ -244,7 +288,7 @@ def test_the_cache_hit_kits_multiturn_rounds_hit_every_earlier_page(served):
     (said with the first token) must cover the previous prompt and answer but the last token, in
     whole pages of /server_info's page_size."""
     server, _, _ = served
-    page = get(server, "/server_info").get("page_size", 1)          # the kit assumes 1 if absent
+    page = get(server, "/server_info").get("page_size", 1)  # the kit assumes 1 if absent
     assert page == 16
     httpx.post(server.url + "/flush_cache", timeout=60).raise_for_status()
     rng = random.Random(1)
@@ -252,11 +296,17 @@ def test_the_cache_hit_kits_multiturn_rounds_hit_every_earlier_page(served):
     histories = [[rng.randrange(3, 300) for _ in range(64)] for _ in range(clients)]
     prev_prompt = [0] * clients
 
-    def payload(ids):    # cache_hit_kit.gen_payload
-        return {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": output_length,
-                                                      "ignore_eos": True},
-                "stream": True, "stream_options": {"include_usage": True}, "lora_path": "", "return_logprob": False,
-                "logprob_start_len": -1}
+    def payload(ids):  # cache_hit_kit.gen_payload
+        return {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": output_length, "ignore_eos": True},
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "lora_path": "",
+            "return_logprob": False,
+            "logprob_start_len": -1,
+        }
+
     for r in range(rounds):
         with ThreadPoolExecutor(clients) as ex:
             answers = list(ex.map(lambda h: kit_request(server, payload(h)), histories))
@@ -275,12 +325,18 @@ def test_hicache_bench_multiturn_reads_the_text_of_every_chunk(served):
     server, _, _ = served
     history = TEXT * 3
     for turn in range(2):
-        payload = {"text": history, "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
-                   "stream": True, "lora_path": "", "return_logprob": False, "logprob_start_len": -1}
+        payload = {
+            "text": history,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
+            "stream": True,
+            "lora_path": "",
+            "return_logprob": False,
+            "logprob_start_len": -1,
+        }
         events = chunks(server, "/generate", payload)
         assert all(isinstance(d["text"], str) for d in events)
         if turn:
-            assert events[0]["meta_info"]["cached_tokens"] >= 16 * 3      # the earlier turn's pages
+            assert events[0]["meta_info"]["cached_tokens"] >= 16 * 3  # the earlier turn's pages
         history += events[-1]["text"] + " And then? "
 
 
@@ -288,22 +344,29 @@ def test_hicache_bench_multiturn_reads_the_text_of_every_chunk(served):
 def test_generate_stops_as_sglang_says_it_stopped(served):
     server, name, model = served
     ids = [5 + i % 90 for i in range(30)]
-    free = post(server, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
-                                                                            "ignore_eos": True}})
+    free = post(
+        server, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+    )
     stop_id = free["output_ids"][4]
-    got = post(server, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
-                                                                           "stop_token_ids": [stop_id]}})
+    got = post(
+        server,
+        "/generate",
+        {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [stop_id]}},
+    )
     cut = free["output_ids"].index(stop_id) + 1
-    assert got["output_ids"] == free["output_ids"][:cut]                    # ends with the stop token
+    assert got["output_ids"] == free["output_ids"][:cut]  # ends with the stop token
     assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     text = free["text"]
-    stop = next((text[k:k + 2] for k in range(3, len(text) - 2) if text[k:k + 2].strip() and text[k:k + 2] not in
-                 text[:k + 1]), None)
-    assert stop is not None, text      # (two characters of the answer, not seen before them)
-    got = post(server, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
-                                                                           "stop": ["zz", stop]}})
+    stop = next(
+        (text[k : k + 2] for k in range(3, len(text) - 2) if text[k : k + 2].strip() and text[k : k + 2] not in text[: k + 1]),
+        None,
+    )
+    assert stop is not None, text  # (two characters of the answer, not seen before them)
+    got = post(
+        server, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "stop": ["zz", stop]}}
+    )
     assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert got["text"] == text[:text.index(stop)]
+    assert got["text"] == text[: text.index(stop)]
 
 
 def test_generate_leaves_out_max_new_tokens_as_sglang_does(served):
@@ -319,13 +382,16 @@ def test_generate_leaves_out_max_new_tokens_as_sglang_does(served):
 
 def test_generate_batches_and_samples_answer_in_order(served):
     server, _, _ = served
-    body = {"input_ids": [[3, 4, 5, 6], [7, 8, 9]], "rid": ["a", "b"],
-            "sampling_params": {"temperature": 0, "max_new_tokens": 3, "n": 2, "ignore_eos": True}}
+    body = {
+        "input_ids": [[3, 4, 5, 6], [7, 8, 9]],
+        "rid": ["a", "b"],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 3, "n": 2, "ignore_eos": True},
+    }
     whole = post(server, "/generate", body)
     assert isinstance(whole, list) and [w["index"] for w in whole] == [0, 1, 2, 3]
     assert [w["meta_info"]["id"] for w in whole] == ["a_0", "a_1", "b_0", "b_1"]
     assert [w["meta_info"]["prompt_tokens"] for w in whole] == [4, 4, 3, 3]
-    assert whole[0]["output_ids"] == whole[1]["output_ids"]                # greedy: the samples agree
+    assert whole[0]["output_ids"] == whole[1]["output_ids"]  # greedy: the samples agree
     events = chunks(server, "/generate", body | {"stream": True})
     assert sorted({e["index"] for e in events}) == [0, 1, 2, 3]
     last = {e["index"]: e for e in events}
@@ -334,24 +400,26 @@ def test_generate_batches_and_samples_answer_in_order(served):
     assert isinstance(one, dict) and one["meta_info"]["id"] == "mine"
 
 
-@pytest.mark.parametrize("body, param, says", [
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, "sampling_params.max_new_tokens", "at most"),
-    ({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", "Extra inputs"),
-    ({"input_ids": [1, 2], "lora_path": "adapter"}, "lora_path", "not supported"),
-    ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "sampling_params.regex", "not supported"),
-    ({"sampling_params": {}}, "text", "text"),
-    ({"text": []}, "text", "empty"),
-    ({"input_ids": []}, "input_ids", "empty"),
-    ({"input_ids": [[1], []]}, "input_ids", "prompt 1 is empty"),
-    ({"text": "hi", "input_ids": [1]}, "text", "one of the two"),
-    ({"input_ids": [1] * (CTX + 5)}, "input_ids", f"at most {CTX - 1}"),
-    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len", "at most 1"),
-    ({"input_ids": [1, 2], "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len",
-     "streaming"),
-    ({"input_ids": [[1, 2], [3]], "rid": ["x"]}, "rid", "one per prompt"),
-    ({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params", "one object"),
-    ({"input_ids": [1, 2], "model": "other"}, "model", "not served here"),
-])
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, "sampling_params.max_new_tokens", "at most"),
+        ({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", "Extra inputs"),
+        ({"input_ids": [1, 2], "lora_path": "adapter"}, "lora_path", "not supported"),
+        ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "sampling_params.regex", "not supported"),
+        ({"sampling_params": {}}, "text", "text"),
+        ({"text": []}, "text", "empty"),
+        ({"input_ids": []}, "input_ids", "empty"),
+        ({"input_ids": [[1], []]}, "input_ids", "prompt 1 is empty"),
+        ({"text": "hi", "input_ids": [1]}, "text", "one of the two"),
+        ({"input_ids": [1] * (CTX + 5)}, "input_ids", f"at most {CTX - 1}"),
+        ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len", "at most 1"),
+        ({"input_ids": [1, 2], "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len", "streaming"),
+        ({"input_ids": [[1, 2], [3]], "rid": ["x"]}, "rid", "one per prompt"),
+        ({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params", "one object"),
+        ({"input_ids": [1, 2], "model": "other"}, "model", "not served here"),
+    ],
+)
 def test_generate_refuses_what_it_cannot_do_by_name(served, body, param, says):
     server, _, _ = served
     err = post(server, "/generate", body, status=404 if param == "model" else 400)["error"]
@@ -369,7 +437,7 @@ def test_the_model_is_named_by_its_path_spelled_any_way(served, tmp_path, monkey
         assert post(server, "/generate", {"model": spelled, "input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}})
     err = post(server, "/v1/completions", {"model": name + "x", "prompt": [3], "max_tokens": 1}, status=404)["error"]
     assert err["param"] == "model" and repr(name) in err["message"]
-    assert get(server, "/v1/models")["data"][0]["created"] > 1_600_000_000      # when it started, not 0
+    assert get(server, "/v1/models")["data"][0]["created"] > 1_600_000_000  # when it started, not 0
 
 
 # ---------------------------------------------------------------- the end: a clean SIGTERM

@@ -2,6 +2,7 @@
 hung-up and aborted requests against a server with host and storage tiers; then no 5xx, no engine
 stop, no leaked block or pin (the cache's invariants at quiescence), every greedy answer equal to
 the offline API, no cross-salt hit."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,19 @@ from kvtier.bench import soak
 
 @pytest.mark.slow
 def test_short_soak_meets_every_goal(checkpoint):
-    args = soak.build_parser().parse_args(["--requests", "240", "--concurrency", "8", "--no-progress",
-                                           "--huge-bytes", str(20 << 20),
-                                           "--model", str(checkpoint("qwen3-tiny"))])
+    args = soak.build_parser().parse_args(
+        [
+            "--requests",
+            "240",
+            "--concurrency",
+            "8",
+            "--no-progress",
+            "--huge-bytes",
+            str(20 << 20),
+            "--model",
+            str(checkpoint("qwen3-tiny")),
+        ]
+    )
     s = soak.run(args)
     assert s["requests"] == 240
     assert s["five_xx"] == 0, s["unexpected_examples"]

@@ -1,6 +1,7 @@
 """`kvtier serve --tensor-parallel-size 2`: answers like one rank does, and a rank killed mid-run
 ends the server with a non-zero status and a message naming the rank, within --tp-timeout.
 On CPU (gloo) always; on two GPUs (NCCL, CUDA graphs) where there are two."""
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,7 @@ DEVICES = [
         "cuda",
         marks=pytest.mark.skipif(
             not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-            reason="needs two CUDA GPUs (2x H100 80GB run it: python -m pytest -m slow tests/serve/test_tensor_parallel_serve.py)",
+            reason="needs two CUDA GPUs (2x H100 80GB: pytest -m slow tests/serve/test_tensor_parallel_serve.py)",
         ),
     ),
 ]
@@ -55,13 +56,18 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_dies(device, proc
     with kvtier.LLM(path, device=device, num_device_blocks=64, max_model_len=256) as llm:
         want = llm.generate([prompt], kvtier.SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     server = procs(
-        ["serve", path, "--device", device, "-tp", 2, "--tp-timeout", TIMEOUT, "--num-device-blocks", 64,
-         "--max-model-len", 256],
+        ["serve", path, "--device", device, "-tp", 2, "--tp-timeout", TIMEOUT, "--num-device-blocks", 64, "--max-model-len", 256],
         f"tp-{device}",
         env=dict(os.environ, KVTIER_LOG_LEVEL="WARNING"),
     ).wait_ready()
-    body = {"model": Path(path).name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": Path(path).name,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == want

@@ -1,8 +1,9 @@
 """Real pool servers for the storage tests (started on 127.0.0.1, stopped by PID): Valkey/Redis
 standalone and cluster (redis_servers), a Mooncake master + pool node (mooncake_servers). Every
 test keeps its weights digest cache in its own folder, not in the user's."""
+
 import pytest
-from mooncake_servers import make_mooncake_pool, mooncake_pool  # noqa: F401
+from mooncake_servers import make_mooncake_launch, mooncake_launch  # noqa: F401
 from redis_servers import make_valkey, valkey_cluster, valkey_server  # noqa: F401
 
 from kvtier.model.digest_cache import CACHE_DIR_ENV

@@ -2,6 +2,7 @@
 
 Generates each prompt alone (greedy, routed experts when MoE) with a storage tier, writes
 {"outputs": [{"tokens", "by_tier", "routed"}], "stats": cache_stats()} to OUT.json."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,14 @@ import sys
 
 import kvtier
 
-ENGINE_KW = dict(num_device_blocks=24, block_size=8, num_host_blocks=16, write_policy="write_through",
-                 storage_fetch="always", prefetch_policy="wait_complete")   # exact hit counts, whatever the timing
+ENGINE_KW = dict(
+    num_device_blocks=24,
+    block_size=8,
+    num_host_blocks=16,
+    write_policy="write_through",
+    storage_fetch="always",
+    prefetch_policy="wait_complete",
+)  # exact hit counts, whatever the timing
 
 
 def run(llm: kvtier.LLM, prompts: list[list[int]], routed: bool) -> list[dict]:
@@ -18,8 +25,13 @@ def run(llm: kvtier.LLM, prompts: list[list[int]], routed: bool) -> list[dict]:
     outs = []
     for p in prompts:
         o = llm.generate([p], sp)[0]
-        outs.append({"tokens": o.token_ids, "by_tier": o.cached_tokens_by_tier,
-                     "routed": o.routed_experts.tolist() if o.routed_experts is not None else None})
+        outs.append(
+            {
+                "tokens": o.token_ids,
+                "by_tier": o.cached_tokens_by_tier,
+                "routed": o.routed_experts.tolist() if o.routed_experts is not None else None,
+            }
+        )
         llm.cache.assert_invariants()
     return outs
 

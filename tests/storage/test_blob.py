@@ -1,4 +1,5 @@
 """Blob format: a stored object is accepted only if it is exactly the block it claims to be."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,14 @@ KEY = bytes(range(32))
 
 
 def layout(**kw) -> BlobLayout:
-    args = dict(namespace=namespace_digest("default", b"model-a"), dtype="bfloat16", shape=(2, 2, 4, 2, 8),
-                block_size=4, kv_nbytes=2 * 2 * 4 * 2 * 8 * 2, routing_nbytes=24)
+    args = dict(
+        namespace=namespace_digest("default", b"model-a"),
+        dtype="bfloat16",
+        shape=(2, 2, 4, 2, 8),
+        block_size=4,
+        kv_nbytes=2 * 2 * 4 * 2 * 8 * 2,
+        routing_nbytes=24,
+    )
     args.update(kw)
     return BlobLayout(**args)
 
@@ -70,7 +77,7 @@ def test_an_object_with_trailing_bytes_is_refused():
 
 def test_no_routing_payload_and_short_keys():
     lay = layout(routing_nbytes=0)
-    key = b"k" * 16                                     # xxh3_128 keys are 16 bytes
+    key = b"k" * 16  # xxh3_128 keys are 16 bytes
     buf, n, kv, _ = encoded(lay, key)
     assert lay.check(buf, n, key) is BlobStatus.OK
     assert lay.check(buf, n, key + b"\0") is BlobStatus.WRONG_KEY
@@ -86,8 +93,8 @@ def test_bad_layouts_are_errors():
 
 def _parts(lay: BlobLayout, buf: np.ndarray):
     """An encoded object as a reader of parts sees it: header, KV and routing views."""
-    kv = buf[HEADER_NBYTES:HEADER_NBYTES + lay.kv_nbytes]
-    rt = buf[HEADER_NBYTES + lay.kv_nbytes:lay.nbytes] if lay.routing_nbytes else None
+    kv = buf[HEADER_NBYTES : HEADER_NBYTES + lay.kv_nbytes]
+    rt = buf[HEADER_NBYTES + lay.kv_nbytes : lay.nbytes] if lay.routing_nbytes else None
     return buf[:HEADER_NBYTES], kv, rt
 
 
@@ -96,15 +103,15 @@ def _status_of_damage(offset: int) -> BlobStatus:
     in kvtier/storage/blob.py's docstring)."""
     if 16 <= offset < 32:
         return BlobStatus.WRONG_NAMESPACE
-    if 32 <= offset < 64 or offset == 8:     # the key, or its length
+    if 32 <= offset < 64 or offset == 8:  # the key, or its length
         return BlobStatus.WRONG_KEY
-    if 84 <= offset < 88:               # the unused 6th shape dim of a 5-dim shape: never read
+    if 84 <= offset < 88:  # the unused 6th shape dim of a 5-dim shape: never read
         return BlobStatus.OK
-    if 88 <= offset < 104:              # KV / routing sizes: the flip (of a 0 bit here) claims more
-        return BlobStatus.TRUNCATED      # bytes than the object has
+    if 88 <= offset < 104:  # KV / routing sizes: the flip (of a 0 bit here) claims more
+        return BlobStatus.TRUNCATED  # bytes than the object has
     if offset < 104:
-        return BlobStatus.BAD_HEADER     # magic, version, sizes, dtype, ndim, algo, tokens, shape
-    return BlobStatus.BAD_CHECKSUM       # the checksum itself, or the payload
+        return BlobStatus.BAD_HEADER  # magic, version, sizes, dtype, ndim, algo, tokens, shape
+    return BlobStatus.BAD_CHECKSUM  # the checksum itself, or the payload
 
 
 @pytest.mark.parametrize("routing", [24, 0])
@@ -115,18 +122,22 @@ def test_check_and_check_parts_report_every_damaged_byte(routing):
     clean, n, _, _ = encoded(lay)
     header, kv, rt = _parts(lay, clean)
     assert lay.check_parts(header, n, KEY, kv, rt) is BlobStatus.OK
-    for offset in [*range(112), HEADER_NBYTES, n - 1]:        # every header field, payload ends
+    for offset in [*range(112), HEADER_NBYTES, n - 1]:  # every header field, payload ends
         buf = clean.copy()
         buf[offset] ^= 0x01
         want = _status_of_damage(offset)
         assert lay.check(buf, n, KEY) is want, offset
         head, kv2, rt2 = _parts(lay, buf)
         assert lay.check_parts(head, n, KEY, kv2, rt2) is want, offset
-    for size, want in ((0, BlobStatus.TRUNCATED), (HEADER_NBYTES, BlobStatus.TRUNCATED),
-                       (n - 1, BlobStatus.TRUNCATED), (n + 1, BlobStatus.BAD_HEADER)):
+    for size, want in (
+        (0, BlobStatus.TRUNCATED),
+        (HEADER_NBYTES, BlobStatus.TRUNCATED),
+        (n - 1, BlobStatus.TRUNCATED),
+        (n + 1, BlobStatus.BAD_HEADER),
+    ):
         assert lay.check(clean, size, KEY) is want, size
         assert lay.check_parts(header, size, KEY, kv, rt) is want, size
     assert lay.check_parts(header, n, bytes(32), kv, rt) is BlobStatus.WRONG_KEY
-    assert lay.check_parts(header, n, KEY + b"x", kv, rt) is BlobStatus.WRONG_KEY   # no key is that long
+    assert lay.check_parts(header, n, KEY + b"x", kv, rt) is BlobStatus.WRONG_KEY  # no key is that long
     other = layout(namespace=namespace_digest("default", b"model-b"), routing_nbytes=routing)
     assert other.check_parts(header, n, KEY, kv, rt) is BlobStatus.WRONG_NAMESPACE

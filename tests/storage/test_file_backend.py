@@ -1,5 +1,6 @@
 """file:// backend: atomic objects, size bound with eviction, several processes on one directory,
 a private pool (modes, owner, no symlink followed), a full disk that evicts."""
+
 from __future__ import annotations
 
 import errno
@@ -43,11 +44,11 @@ def test_reads_fill_any_buffer_in_parts_and_size_objects_exactly(tmp_path):
     for dst in (bytearray(4000), np.zeros(1000, np.float32), memoryview(np.zeros((10, 100), np.float32))):
         assert be.get_into(["a"], [dst]) == [4000]
         assert bytes(memoryview(dst).cast("B")) == data.tobytes()
-    head, rest = bytearray(7), np.zeros((3, 1331), np.uint8)             # 7 + 3993 bytes
+    head, rest = bytearray(7), np.zeros((3, 1331), np.uint8)  # 7 + 3993 bytes
     assert be.get_into_parts(["a"], [[memoryview(head), memoryview(rest)]]) == [4000]
     assert bytes(head) + rest.tobytes() == data.tobytes()
     big = bytearray(4100)
-    assert be.get_into_parts(["a"], [[memoryview(head), memoryview(big)]]) == [4000]   # a short object
+    assert be.get_into_parts(["a"], [[memoryview(head), memoryview(big)]]) == [4000]  # a short object
     assert bytes(head) + bytes(big[:3993]) == data.tobytes()
     assert be.get_into(["a"], [bytearray(3999)]) == [TOO_LARGE]
 
@@ -60,13 +61,13 @@ def test_a_second_open_sees_the_objects(tmp_path):
 
 
 def test_capacity_is_kept_by_evicting_least_recently_used(tmp_path):
-    capacity = 4096 + 10 * 3 * 4096                                 # the root, 10 objects and their two folders
+    capacity = 4096 + 10 * 3 * 4096  # the root, 10 objects and their two folders
     be = FileBackend(str(tmp_path), capacity_bytes=capacity)
     for i in range(30):
         assert be.put_from([f"o{i}"], [blob(i)]) == [True]
         if i == 5:
-            be.get_into(["o0"], [memoryview(bytearray(4096))])      # o0 used recently
-            os.utime(os.path.join(be._path("o0")), (2e9, 2e9))      # (mtime resolution: make it newest)
+            be.get_into(["o0"], [memoryview(bytearray(4096))])  # o0 used recently
+            os.utime(os.path.join(be._path("o0")), (2e9, 2e9))  # (mtime resolution: make it newest)
     present = be.exists([f"o{i}" for i in range(30)])
     assert sum(present) <= 10 and present[29] and present[0] and not present[1]
     assert be.evictions >= 20
@@ -104,17 +105,20 @@ def test_several_processes_share_one_directory(tmp_path):
         if ok:
             buf = memoryview(bytearray(4096))
             assert be.get_into([name], [buf]) == [4096] and bytes(buf) == bytes(blob(int(name[1:])))
-    assert be._scan_size() <= 3 * 40 * 4096       # bounded (each process may overshoot by what it wrote)
+    assert be._scan_size() <= 3 * 40 * 4096  # bounded (each process may overshoot by what it wrote)
 
 
-@pytest.mark.parametrize("url,msg", [
-    ("file://relative/dir", "no host"),
-    ("file:///", "needs a directory"),
-    ("file:///tmp/x?capacity=lots", "bad size"),
-    ("file:///tmp/x?size=1GiB", "unknown parameter 'size'"),
-    ("ftp://host/x", "unknown storage URL scheme 'ftp'"),
-    ("just-a-path", "storage must be a URL"),
-])
+@pytest.mark.parametrize(
+    "url,msg",
+    [
+        ("file://relative/dir", "no host"),
+        ("file:///", "needs a directory"),
+        ("file:///tmp/x?capacity=lots", "bad size"),
+        ("file:///tmp/x?size=1GiB", "unknown parameter 'size'"),
+        ("ftp://host/x", "unknown storage URL scheme 'ftp'"),
+        ("just-a-path", "storage must be a URL"),
+    ],
+)
 def test_bad_urls_name_the_problem(url, msg):
     with pytest.raises(ValueError, match=msg):
         open_backend(url)
@@ -122,9 +126,10 @@ def test_bad_urls_name_the_problem(url, msg):
 
 def test_throttle_slows_reads_and_writes(tmp_path):
     import time
+
     be = open_backend(f"file://{tmp_path}?throttle=4MB")
     t0 = time.monotonic()
-    be.put_from(["a", "b"], [blob(1, 1 << 20), blob(2, 1 << 20)])      # 2 MiB at 4 MB/s
+    be.put_from(["a", "b"], [blob(1, 1 << 20), blob(2, 1 << 20)])  # 2 MiB at 4 MB/s
     assert time.monotonic() - t0 >= 0.45
     assert "throttled" in be.describe()
 
@@ -157,7 +162,7 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path, monkeypatch):
     root = tmp_path / "pool"
     root.mkdir(mode=0o700)
     me = os.geteuid()
-    monkeypatch.setattr(os, "geteuid", lambda: me + 1000)      # the directory is someone else's
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1000)  # the directory is someone else's
     with pytest.raises(ValueError, match=rf"{root}.* uid {me}, not by this process's uid {me + 1000}"):
         FileBackend(str(root))
 
@@ -170,9 +175,10 @@ def test_a_symlinked_root_owned_by_another_user_is_refused(tmp_path, monkeypatch
 
     def lstat(path, *a, **kw):  # type: ignore[no-untyped-def]
         st = real_lstat(path, *a, **kw)
-        if str(path) == str(tmp_path / "pool"):                # the link is someone else's
+        if str(path) == str(tmp_path / "pool"):  # the link is someone else's
             return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, me + 1000, *tuple(st)[5:]))
         return st
+
     monkeypatch.setattr(os, "lstat", lstat)
     with pytest.raises(ValueError, match="symlink owned by uid"):
         FileBackend(str(tmp_path / "pool"))
@@ -180,7 +186,7 @@ def test_a_symlinked_root_owned_by_another_user_is_refused(tmp_path, monkeypatch
 
 def test_a_planted_symlink_at_the_temp_path_is_not_followed(tmp_path):
     be = FileBackend(str(tmp_path / "pool"))
-    be.put_from(["other"], [blob(0)])                          # (the shard of "a" may differ)
+    be.put_from(["other"], [blob(0)])  # (the shard of "a" may differ)
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     obj = be._path("a")
@@ -226,6 +232,7 @@ def full_disk_until_evicted(be: FileBackend, monkeypatch) -> list[str]:
     def evict(self, keep_fraction=None):  # type: ignore[no-untyped-def]
         events.append("evict")
         return real_evict(self, keep_fraction)
+
     monkeypatch.setattr(FileBackend, "_write", write)
     monkeypatch.setattr(FileBackend, "_evict", evict)
     return events
@@ -235,13 +242,13 @@ def test_a_full_disk_evicts_the_oldest_fifth_then_writes(tmp_path, monkeypatch):
     be = FileBackend(str(tmp_path), capacity_bytes=100 * 4096)
     for i in range(10):
         be.put_from([f"o{i}"], [blob(i)])
-        os.utime(be._path(f"o{i}"), (1e9 + i, 1e9 + i))        # o0 oldest
+        os.utime(be._path(f"o{i}"), (1e9 + i, 1e9 + i))  # o0 oldest
     events = full_disk_until_evicted(be, monkeypatch)
 
     assert be.put_from(["new"], [blob(99)]) == [True]
 
     assert events == ["ENOSPC new", "evict", "wrote new"]
-    assert be.exists([f"o{i}" for i in range(10)]) == [False, False] + [True] * 8   # down to 80%
+    assert be.exists([f"o{i}" for i in range(10)]) == [False, False] + [True] * 8  # down to 80%
     assert be.exists(["new"]) == [True]
     assert be.stats()["full_disk_evictions"] == 1
 
@@ -252,8 +259,9 @@ def test_a_disk_that_stays_full_refuses_the_put(tmp_path, monkeypatch):
 
     def write(self, path, name, bufs):  # type: ignore[no-untyped-def]
         raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
     monkeypatch.setattr(FileBackend, "_write", write)
 
-    assert be.put_from(["a", "b"], [blob(1), blob(2)]) == [False, False]   # refused, not an error
-    assert be.stats()["full_disk_evictions"] == 1                         # one eviction per call
+    assert be.put_from(["a", "b"], [blob(1), blob(2)]) == [False, False]  # refused, not an error
+    assert be.stats()["full_disk_evictions"] == 1  # one eviction per call
     assert be.stats()["full_disk_refused"] == 2

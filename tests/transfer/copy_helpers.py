@@ -1,4 +1,5 @@
 """Byte helpers shared by the copy-op tests: poisoned destinations, random sources."""
+
 from __future__ import annotations
 
 import torch

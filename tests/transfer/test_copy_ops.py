@@ -4,6 +4,7 @@ Destinations are poisoned first (every byte 0xA5), so a dropped tail byte or a s
 up as a mismatch; blocks not named in the copy must keep their poison. On a machine without CUDA
 the kernel runs in Triton's interpreter on CPU tensors (same kernel code).
 """
+
 from __future__ import annotations
 
 import os
@@ -13,14 +14,15 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 pytest.importorskip("triton", reason="triton is not installed: the fast copy path is untested")
+
+from copy_helpers import poison, random_, same_bytes  # noqa: E402
 
 from kvtier.transfer import copy as ref  # noqa: E402
 from kvtier.transfer import kernels as fast  # noqa: E402
 from kvtier.transfer.copy import allocate_host_kv  # noqa: E402
-from copy_helpers import poison, random_, same_bytes  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -30,18 +32,16 @@ if not CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
 # (layers, device blocks, host blocks, block_size, kv_heads, head_dim, dtype)
 SHAPES = [
     (2, 9, 7, 16, 2, 32, torch.float32),
-    (3, 6, 8, 1, 1, 3, torch.bfloat16),      # 6-byte chunks: 2-byte words
-    (2, 5, 5, 2, 3, 5, torch.float16),       # 60-byte chunks: 4-byte words
-    (1, 4, 6, 4, 1, 1, torch.uint8),         # 4-byte chunks of single bytes
+    (3, 6, 8, 1, 1, 3, torch.bfloat16),  # 6-byte chunks: 2-byte words
+    (2, 5, 5, 2, 3, 5, torch.float16),  # 60-byte chunks: 4-byte words
+    (1, 4, 6, 4, 1, 1, torch.uint8),  # 4-byte chunks of single bytes
     (4, 12, 10, 8, 2, 64, torch.bfloat16),
 ]
 
 
-
-
 def _kv(layers, blocks, bs, heads, dim, dtype, shared: bool, gen):
     shape = (2, blocks, bs, heads, dim)
-    if shared:        # views of one buffer, as allocate_kv_caches makes them
+    if shared:  # views of one buffer, as allocate_kv_caches makes them
         buf = torch.empty((layers, *shape), dtype=dtype, device=DEVICE)
         kv = list(buf.unbind(0))
     else:
@@ -56,7 +56,6 @@ def _pairs(rng, n_src, n_dst, k, consecutive):
         s, d = rng.randrange(n_src - k + 1), rng.randrange(n_dst - k + 1)
         return list(range(s, s + k)), list(range(d, d + k))
     return rng.sample(range(n_src), k), rng.sample(range(n_dst), k)
-
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s[0]}-bs{s[3]}-h{s[4]}-d{s[5]}-{s[6]}".replace("torch.", ""))
@@ -89,13 +88,13 @@ def test_load_per_layer_matches_reference(shape, consecutive):
     got = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     k = min(nd, nh) - 1
     host_ids, dev = _pairs(rng, nh, nd, k, consecutive)
-    for layer in range(layers):                   # per layer, as loads run
+    for layer in range(layers):  # per layer, as loads run
         ref.host_to_device(host, want, host_ids, dev, layer=layer)
         fast.host_to_device(host, got, host_ids, dev, layer=layer)
         if CUDA:
             torch.cuda.synchronize()
-        for l in range(layers):                   # later layers still untouched
-            assert same_bytes(got[l], want[l]), f"layer {l} after loading layer {layer}"
+        for layer_i in range(layers):  # later layers still untouched
+            assert same_bytes(got[layer_i], want[layer_i]), f"layer {layer_i} after loading layer {layer}"
     untouched = [b for b in range(nd) if b not in dev]
     assert all((t[:, b].view(torch.uint8) == 0xA5).all() for t in got for b in untouched)
 
@@ -112,7 +111,7 @@ def test_empty_copies_are_no_ops():
 def test_mismatched_layouts_are_refused():
     gen = torch.Generator().manual_seed(4)
     kv = _kv(2, 4, 4, 1, 8, torch.float32, True, gen)
-    host = allocate_host_kv(4, 2, 4, 2, 8, torch.float32)          # 2 kv heads vs 1
+    host = allocate_host_kv(4, 2, 4, 2, 8, torch.float32)  # 2 kv heads vs 1
     with pytest.raises(ValueError, match="layouts disagree"):
         fast.device_to_host(kv, host, [0], [0])
 
@@ -146,7 +145,7 @@ def test_runs_by_dma_and_scattered_rest_by_kernel_together(min_run, monkeypatch)
     layers, nd, nh, bs, heads, dim, dtype = 3, 16, 16, 4, 2, 8, torch.bfloat16
     gen = torch.Generator().manual_seed(9)
     kv = _kv(layers, nd, bs, heads, dim, dtype, True, gen)
-    dev = [2, 3, 4, 9, 0, 11, 12, 13, 14, 6]      # runs 2-4 and 11-14 (both sides), scattered rest
+    dev = [2, 3, 4, 9, 0, 11, 12, 13, 14, 6]  # runs 2-4 and 11-14 (both sides), scattered rest
     hst = [5, 6, 7, 1, 15, 8, 9, 10, 11, 3]
     pairs = fast.BlockPairs.split(dev, hst, CUDA, min_run)
     assert sum(r.n for r in pairs.runs) + pairs.src_ids.numel() == len(dev)
@@ -200,7 +199,7 @@ def test_load_run_with_scattered_device_blocks_goes_through_staging(monkeypatch)
         assert len(deferred) == 1 and deferred[0][0] is late[layer]
         if CUDA:
             torch.cuda.synchronize()
-        assert (late[layer][:, dev[:5]].view(torch.uint8) == 0xA5).all()   # the run: not yet there
+        assert (late[layer][:, dev[:5]].view(torch.uint8) == 0xA5).all()  # the run: not yet there
         fast.scatter_staged(*deferred[0])
     if CUDA:
         torch.cuda.synchronize()
@@ -216,8 +215,9 @@ def test_staged_copies_match_reference(staging_blocks, monkeypatch):
     and touch no other block."""
     layers, nd, nh, bs, heads, dim, dtype = 3, 24, 20, 2, 2, 4, torch.bfloat16
     block_bytes = layers * 2 * bs * heads * dim * 2
-    monkeypatch.setattr(fast, "TUNING", dict(fast.TUNING, min_dma_bytes_staged=3 * block_bytes,
-                                             staging_bytes=staging_blocks * block_bytes))
+    monkeypatch.setattr(
+        fast, "TUNING", dict(fast.TUNING, min_dma_bytes_staged=3 * block_bytes, staging_bytes=staging_blocks * block_bytes)
+    )
     gen = torch.Generator().manual_seed(13)
     host = random_(allocate_host_kv(nh, layers, bs, heads, dim, dtype, pin=CUDA), gen)
     # host runs 2-6 (<-> scattered device blocks) and 10-13 (<-> consecutive 16-19), the rest scattered

@@ -2,6 +2,7 @@
 (kvtier.transfer.gates) — loads deferred until the forward takes them, layer-major, each layer's
 gate opened after its copies, every gate open at the end whatever failed, nothing reported
 before it was queued."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,9 @@ def make():  # type: ignore[no-untyped-def]
 
 
 def load(op_id: int, host_blocks, device_blocks) -> TransferOp:  # type: ignore[no-untyped-def]
-    return TransferOp(op_id, "load", tuple(host_blocks), tuple(device_blocks),
-                      tuple(bytes([op_id, i]) for i in range(len(host_blocks))))
+    return TransferOp(
+        op_id, "load", tuple(host_blocks), tuple(device_blocks), tuple(bytes([op_id, i]) for i in range(len(host_blocks)))
+    )
 
 
 class Recorder:
@@ -49,14 +51,13 @@ def test_gated_loads_wait_for_the_forward_then_go_layer_major_behind_closed_gate
     eng.submit(load(1, (2, 5), (0, 3)))
     eng.submit(load(2, (6,), (7,)))
     eng.load_mode = "whole"
-    assert rec.log == [] and eng.poll() == [] and eng.num_in_flight == 2   # not landed: not reported
+    assert rec.log == [] and eng.poll() == [] and eng.num_in_flight == 2  # not landed: not reported
     with pytest.raises(RuntimeError, match="layer gate 0 is closed"):
-        eng.gates.wait(0)          # a graph replayed now would wait: its bytes are not there
-    hook = eng.layer_hook()                      # the forward takes them: queued
+        eng.gates.wait(0)  # a graph replayed now would wait: its bytes are not there
+    hook = eng.layer_hook()  # the forward takes them: queued
     assert hook is not None and hook.gated and not hook.sets
     # layer-major across the step's ops; a layer's copies run while its gate is still closed
-    assert [(layer, dst) for layer, dst, _ in rec.log] == [
-        (0, (0, 3)), (0, (7,)), (1, (0, 3)), (1, (7,)), (2, (0, 3)), (2, (7,))]
+    assert [(layer, dst) for layer, dst, _ in rec.log] == [(0, (0, 3)), (0, (7,)), (1, (0, 3)), (1, (7,)), (2, (0, 3)), (2, (7,))]
     for layer, _, flags in rec.log:
         assert flags[layer] == 0 and all(flags[:layer]), flags
     for layer in range(L):
@@ -75,8 +76,8 @@ def test_a_failed_gated_copy_fails_the_step_loads_and_opens_every_gate():
     eng.submit(load(2, (6,), (7,)))
     eng.load_mode = "whole"
     eng.layer_hook()
-    assert eng.gates.flags.tolist() == [1] * L         # no forward waits forever
-    assert sorted(eng.poll()) == [(1, [0, 1]), (2, [0])]   # the manager recomputes them
+    assert eng.gates.flags.tolist() == [1] * L  # no forward waits forever
+    assert sorted(eng.poll()) == [(1, [0, 1]), (2, [0])]  # the manager recomputes them
 
 
 def test_drain_and_wait_loads_queue_gated_loads_nobody_took():
@@ -98,12 +99,12 @@ def test_an_eager_forward_of_a_gated_step_waits_on_each_gate():
     eng.load_mode = "whole"
     hook = eng.layer_hook()
     waited = []
-    eng.gates.wait = waited.append               # what the GPU would wait on
+    eng.gates.wait = waited.append  # what the GPU would wait on
     for layer in range(L):
         hook(layer)
         assert torch.equal(kv[layer][:, 5], host[2, layer])
     assert waited == list(range(L)) and eng.poll() == [(1, [])]
-    assert eng.layer_hook() is None              # nothing left for the next forward
+    assert eng.layer_hook() is None  # nothing left for the next forward
 
 
 def test_a_gated_load_that_cannot_be_split_leaves_the_gates_open():
@@ -124,7 +125,7 @@ def test_other_modes_leave_the_gates_alone_and_bad_modes_are_named():
         eng.submit(load(1, (3,), (4,)))
         assert eng.poll() == [(1, [])] and eng.gates.closes == 0
     eng.load_mode = "sideways"
-    eng.submit(load(2, (3,), (4,)))           # a failed submit: reported failed, never raised
+    eng.submit(load(2, (3,), (4,)))  # a failed submit: reported failed, never raised
     assert eng.poll() == [(2, [0])]
     with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
         LayerGates(0, torch.device("cpu"))
@@ -169,25 +170,26 @@ def test_a_load_failing_part_way_is_reported_only_after_its_queued_copies_ran():
     eng.ops = type("FailingOps", (), {"host_to_device": staticmethod(copy_layer_0_only)})()
     eng.load_mode = "layers"
     with torch.cuda.stream(eng.load_stream):
-        torch.cuda._sleep(200_000_000)            # ~0.1 s: layer 0's copy waits behind it
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: layer 0's copy waits behind it
     eng.submit(load(1, (2,), (5,)))
     assert eng.poll() == [], "a failed op reported while its queued copy has not run"
-    kv[0][0, 5].fill_(-1.0)                     # the compute stream's next write (a recompute)
+    kv[0][0, 5].fill_(-1.0)  # the compute stream's next write (a recompute)
     torch.cuda.synchronize()
     assert bool((kv[0][0, 5] == -1.0).all()), "the failed op's late copy overwrote a later write"
     assert eng.poll() == [(1, [0])]
 
 
 def preload(op_id: int, host_blocks, device_blocks) -> TransferOp:  # type: ignore[no-untyped-def]
-    return TransferOp(op_id, "preload", tuple(host_blocks), tuple(device_blocks),
-                      tuple(bytes([op_id, i]) for i in range(len(host_blocks))))
+    return TransferOp(
+        op_id, "preload", tuple(host_blocks), tuple(device_blocks), tuple(bytes([op_id, i]) for i in range(len(host_blocks)))
+    )
 
 
 def test_a_preload_copies_every_layer_and_no_forward_waits_for_it():
     eng, kv, host = make()
-    eng.load_mode = "gated"                      # (a step's mode does not apply to preloads)
+    eng.load_mode = "gated"  # (a step's mode does not apply to preloads)
     eng.submit(preload(1, (2, 6), (5, 0)))
-    assert eng.layer_hook() is None              # not one of the step's loads
+    assert eng.layer_hook() is None  # not one of the step's loads
     assert eng.poll() == [(1, [])]
     for layer in range(L):
         assert torch.equal(kv[layer][:, 5], host[2, layer]) and torch.equal(kv[layer][:, 0], host[6, layer])
@@ -214,7 +216,7 @@ def test_preloads_run_beside_step_loads_and_are_reported_in_order_once_landed():
     eng = TransferEngine(kv, host, use_kernels=False)
 
     def async_copy(host_kv, kv_caches, src, dst, layer=None):  # type: ignore[no-untyped-def]
-        for s, d in zip(src, dst):                # contiguous slices: never blocks the CPU
+        for s, d in zip(src, dst):  # contiguous slices: never blocks the CPU
             for layer_kv, h in zip(kv_caches, host_kv[s]):
                 for i in range(2):
                     layer_kv[i, d].copy_(h[i], non_blocking=True)
@@ -230,14 +232,14 @@ def test_preloads_run_beside_step_loads_and_are_reported_in_order_once_landed():
         layer_kv.zero_()
     torch.cuda.synchronize()
     with torch.cuda.stream(eng.preload_stream):
-        torch.cuda._sleep(400_000_000)           # ~0.2 s
+        torch.cuda._sleep(400_000_000)  # ~0.2 s
     eng.submit(preload(1, (2,), (5,)))
     eng.submit(preload(2, (3,), (6,)))
-    eng.submit(load(3, (4,), (7,)))              # a step's load, in whole mode
+    eng.submit(load(3, (4,), (7,)))  # a step's load, in whole mode
     hook = eng.layer_hook()
-    assert hook is not None and len(hook.sets) == 1          # the forward waits on the load only
+    assert hook is not None and len(hook.sets) == 1  # the forward waits on the load only
     landed = eng.wait_loads()
-    assert landed == [(3, [])], landed                        # the preloads are still queued
+    assert landed == [(3, [])], landed  # the preloads are still queued
     assert torch.equal(kv[0][:, 7].cpu(), host[4, 0])
     assert eng.poll() == []
     eng.preload_stream.synchronize()

@@ -14,6 +14,7 @@ freed tensors leave it.
 
 GPU only: the CPU twin runs every copy synchronously, in program order, so there is nothing to
 order (tests/transfer/test_engine.py tests the gated protocol there)."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,11 +25,12 @@ from kvtier.transfer import kernels
 from kvtier.transfer.engine import TransferEngine
 
 CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (one H100 80GB runs it): the CPU twin "
-                                                 "copies synchronously, in program order")
+pytestmark = pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA GPU (one H100 80GB runs it): the CPU twin copies synchronously, in program order"
+)
 
 L, NB, BS, H, D = 4, 64, 16, 8, 128
-BUSY = 200_000_000          # cycles the compute stream spins first (~0.1 s on an H100)
+BUSY = 200_000_000  # cycles the compute stream spins first (~0.1 s on an H100)
 
 
 def _warm_up(eng: TransferEngine, kv: list[torch.Tensor]) -> None:
@@ -38,8 +40,9 @@ def _warm_up(eng: TransferEngine, kv: list[torch.Tensor]) -> None:
     torch.cuda._sleep(1)
     for layer in kv:
         layer.index_fill_(1, ids, 0.0)
-    for op_id, (kind, mode) in enumerate((("load", "gated"), ("load", "layers"), ("load", "whole"),
-                                          ("preload", "whole"), ("backup", "whole"))):
+    for op_id, (kind, mode) in enumerate(
+        (("load", "gated"), ("load", "layers"), ("load", "whole"), ("preload", "whole"), ("backup", "whole"))
+    ):
         eng.load_mode = mode
         src, dst = (DEV, HOST) if kind == "backup" else (HOST, DEV)
         eng.submit(_load(100 + op_id, kind, src, dst))
@@ -89,13 +92,15 @@ def _busy_then_sentinel(kv: list[torch.Tensor], blocks: list[int]) -> None:
 
 
 def _load(op_id: int, kind: str, host_blocks: list[int], device_blocks: list[int]) -> TransferOp:
-    return TransferOp(op_id, kind, tuple(host_blocks), tuple(device_blocks),
-                      tuple(bytes([op_id, i]) for i in range(len(host_blocks))))
+    return TransferOp(
+        op_id, kind, tuple(host_blocks), tuple(device_blocks), tuple(bytes([op_id, i]) for i in range(len(host_blocks)))
+    )
 
 
 def _sync_or_fail(eng: TransferEngine, timeout: float = 30.0) -> None:
     """Synchronize, but fail (and unblock the GPU) if the compute stream waits forever on a gate."""
     import time
+
     done = torch.cuda.Event()
     done.record()
     deadline = time.monotonic() + timeout
@@ -125,13 +130,13 @@ def test_a_load_lands_after_what_the_compute_stream_queued_before_it(engine, mod
     eng.load_mode = "whole"
     hook = eng.layer_hook()
     assert not torch.cuda.current_stream().query(), "the step before must still run while the loads are queued"
-    for layer in range(L):                 # the forward's waits, as an eager forward makes them
+    for layer in range(L):  # the forward's waits, as an eager forward makes them
         hook(layer)
     _sync_or_fail(eng)
     for layer in range(L):
         for h, d in zip(HOST, DEV):
             assert torch.equal(kv[layer][:, d].cpu(), host[h, layer]), (mode, layer, h, d)
-    assert eng.gates is None or eng.gates.flags.tolist() == [1] * L     # no graph waits forever
+    assert eng.gates is None or eng.gates.flags.tolist() == [1] * L  # no graph waits forever
     assert eng.poll() == [(1, [])]
 
 
@@ -148,7 +153,7 @@ def test_a_preload_lands_after_what_the_compute_stream_queued_before_it(engine):
 
 def test_a_backup_copies_what_the_compute_stream_wrote_before_it(engine):
     eng, kv, host = engine
-    _busy_then_sentinel(kv, DEV)            # the forward that writes the blocks backed up
+    _busy_then_sentinel(kv, DEV)  # the forward that writes the blocks backed up
     eng.submit(TransferOp(3, "backup", tuple(DEV), tuple(HOST), tuple(bytes([3, i]) for i in range(len(DEV)))))
     torch.cuda.synchronize()
     for layer in range(L):

@@ -11,6 +11,7 @@ the end, together with every device and host copy in the tree.
 On the GPU each layer of the forward first spins (``torch.cuda._sleep``) to widen race windows.
 On CPU the same program runs with synchronous copies (the CPU twin); CI runs fewer steps.
 """
+
 from __future__ import annotations
 
 import random
@@ -36,14 +37,20 @@ def block_value(key: bytes, layer: int, kv: int) -> float:
 class Harness:
     def __init__(self, policy: str, seed: int, mode: str = "layers", storage: bool = False) -> None:
         self.rng = random.Random(seed)
-        self.mode = mode                    # TransferEngine.load_mode of the forwards' loads
+        self.mode = mode  # TransferEngine.load_mode of the forwards' loads
         # storage: a pool the harness itself serves (fetches write the blocks' values into host
         # memory, landing a few steps later); its hits are prefetched, then preloaded to the device
-        self.mgr = CacheManager(block_size=BS, num_device_blocks=40, num_host_blocks=56,
-                                storage=SimulatedStorage(None) if storage else None,
-                                write_policy=policy, write_through_threshold=3,
-                                block_nbytes=L * 2 * BS * H * D * 4, fetch_chunk_blocks=3)
-        self.storage_ops: list = []         # fetches and puts in flight (the harness's pool)
+        self.mgr = CacheManager(
+            block_size=BS,
+            num_device_blocks=40,
+            num_host_blocks=56,
+            storage=SimulatedStorage(None) if storage else None,
+            write_policy=policy,
+            write_through_threshold=3,
+            block_nbytes=L * 2 * BS * H * D * 4,
+            fetch_chunk_blocks=3,
+        )
+        self.storage_ops: list = []  # fetches and puts in flight (the harness's pool)
         buf = torch.full((L, 2, 40, BS, H, D), GARBAGE, device=DEVICE)
         self.kv = list(buf.unbind(0))
         host = torch.full((56, L, 2, BS, H, D), GARBAGE)
@@ -55,8 +62,9 @@ class Harness:
 
     # ---------------------------------------------------------------- requests
     def add(self) -> None:
-        tokens = self.rng.choice(PREFIXES)[: self.rng.randrange(0, 41)] + \
-            [self.rng.randrange(13) for _ in range(self.rng.randint(1, 6))]
+        tokens = self.rng.choice(PREFIXES)[: self.rng.randrange(0, 41)] + [
+            self.rng.randrange(13) for _ in range(self.rng.randint(1, 6))
+        ]
         creq = self.mgr.new_request(self.rid, tokens)
         self.rid += 1
         self.reqs.append({"creq": creq, "tokens": tokens, "computed": 0, "scheduled": 0})
@@ -67,9 +75,9 @@ class Harness:
             if not creq.admitted:
                 m = self.mgr.match_prefix(creq)
                 if m.num_storage_blocks and self.mgr.prefetch(creq):
-                    continue                                        # its storage hits are landing
+                    continue  # its storage hits are landing
                 if self.mgr.prefetch_pending(creq) and self.rng.random() < 0.8:
-                    continue                      # (else admitted early: preloads still in flight)
+                    continue  # (else admitted early: preloads still in flight)
                 m = self.mgr.match_prefix(creq)
                 cached = (m.num_device_blocks + m.num_host_blocks) * BS
                 n = min(len(r["tokens"]), cached + self.rng.randint(1, 12))
@@ -79,7 +87,7 @@ class Harness:
                     r["scheduled"] = n - r["computed"]
             elif r["scheduled"] == 0:
                 if r["computed"] >= len(r["tokens"]):
-                    r["tokens"].append(self.rng.randrange(13))      # decode: a sampled token
+                    r["tokens"].append(self.rng.randrange(13))  # decode: a sampled token
                 n = min(len(r["tokens"]), r["computed"] + self.rng.randint(1, 6))
                 if self.mgr.allocate(creq, n):
                     r["scheduled"] = n - r["computed"]
@@ -89,11 +97,11 @@ class Harness:
         mgr, eng = self.mgr, self.engine
         self.schedule()
         eng.load_mode = self.mode
-        self.pump()                                   # loads queued (GPU) / landed (CPU)
+        self.pump()  # loads queued (GPU) / landed (CPU)
         eng.load_mode = "whole"
-        hook = eng.layer_hook()                       # gated: queues them
+        hook = eng.layer_hook()  # gated: queues them
         if self.mode == "gated":
-            hook = eng.gates.wait                     # what a step graph waits on
+            hook = eng.gates.wait  # what a step graph waits on
         running = [r for r in self.reqs if r["creq"].admitted and r["scheduled"]]
         plans = []
         for r in running:
@@ -102,14 +110,13 @@ class Harness:
             keys = mgr.sync_keys(creq, end)
             table = creq.block_table
             reads = [(table[i], keys[i]) for i in range(r["computed"] // BS)]
-            writes = [(table[i], keys[i] if (i + 1) * BS <= end else None)
-                      for i in range(r["computed"] // BS, -(-end // BS))]
+            writes = [(table[i], keys[i] if (i + 1) * BS <= end else None) for i in range(r["computed"] // BS, -(-end // BS))]
             plans.append((reads, writes))
         for layer in range(L):
             if hook is not None:
                 hook(layer)
             if CUDA:
-                torch.cuda._sleep(20_000)             # a slow layer: races get room to happen
+                torch.cuda._sleep(20_000)  # a slow layer: races get room to happen
             for reads, writes in plans:
                 for kvi in (0, 1):
                     if reads:
@@ -125,7 +132,7 @@ class Harness:
             r["computed"] += r["scheduled"]
             r["scheduled"] = 0
             mgr.commit(r["creq"], r["computed"])
-        self.pump()                                   # backups of what was just written
+        self.pump()  # backups of what was just written
         # finish, preempt by swap, or keep going
         for r in list(self.reqs):
             if r["creq"].admitted and r["scheduled"] == 0 and self.rng.random() < 0.15:
@@ -199,8 +206,9 @@ _GPU_ONLY = pytest.mark.skipif(not CUDA, reason="GPU only: the CPU twin copies w
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-@pytest.mark.parametrize("mode", ["layers", "gated", pytest.param("gated-dma", marks=_GPU_ONLY),
-                                  pytest.param("whole", marks=_GPU_ONLY)])
+@pytest.mark.parametrize(
+    "mode", ["layers", "gated", pytest.param("gated-dma", marks=_GPU_ONLY), pytest.param("whole", marks=_GPU_ONLY)]
+)
 def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy, mode, monkeypatch):
     """``layers``: the eager forward's per-layer event waits; ``gated``: the layer gates a step
     graph waits on (CPU: a closed gate at its wait raises); ``gated-dma``: gated, with every run
@@ -208,11 +216,13 @@ def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy, mode,
     ``whole``: loads queued all layers at once go by DMA through a 3-block staging buffer, so
     pieces reuse the buffer many times per copy."""
     from kvtier.transfer import kernels
-    if mode.startswith("gated"):        # gate every load, however small (the GPU stages small ones)
+
+    if mode.startswith("gated"):  # gate every load, however small (the GPU stages small ones)
         monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_gated_bytes=0))
     if mode == "whole":
-        monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_bytes_staged=1,
-                                                    staging_bytes=3 * L * 2 * BS * H * D * 4))
+        monkeypatch.setattr(
+            kernels, "TUNING", dict(kernels.TUNING, min_dma_bytes_staged=1, staging_bytes=3 * L * 2 * BS * H * D * 4)
+        )
     elif mode == "gated-dma":
         monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_dma_run_h2d=2, min_gated_bytes=0))
         scatters = []
@@ -225,14 +235,14 @@ def test_every_block_holds_its_kv_through_thousands_of_async_steps(policy, mode,
         if CUDA and i % 500 == 499:
             assert int(h.bad) == 0, f"mismatch by step {i}"
     h.finish()
-    stats = h.mgr.stats         # the program exercised what it is meant to
+    stats = h.mgr.stats  # the program exercised what it is meant to
     assert stats.hit_tokens["host"] > 0 and stats.bytes_moved["device_to_host"] > 0
-    if policy != "write_through":          # write_through leaves a swap nothing to copy
+    if policy != "write_through":  # write_through leaves a swap nothing to copy
         assert stats.swapped_out_blocks > 0
     if mode.startswith("gated"):
         assert h.engine.gates.closes > 0
     if mode == "gated-dma":
-        assert scatters                   # runs went by DMA + scatter stream
+        assert scatters  # runs went by DMA + scatter stream
 
 
 def test_a_read_before_the_load_landed_is_caught():
@@ -240,11 +250,12 @@ def test_a_read_before_the_load_landed_is_caught():
     h = Harness("write_through", seed=5)
     real_load = h.engine._load
 
-    def lost_load(op):          # the bytes never arrive, but the op is reported as landed
+    def lost_load(op):  # the bytes never arrive, but the op is reported as landed
         entry = real_load(op)
         for layer in range(L):
             h.kv[layer][:, list(op.dst_blocks)] = GARBAGE
         return entry
+
     h.engine._load = lost_load
     for _ in range(300):
         h.step()
@@ -264,6 +275,7 @@ def test_every_block_holds_its_kv_with_storage_hits_preloaded_as_they_land(polic
     the device as each lands, while other requests' forwards, loads and backups run; a request is
     sometimes admitted with preloads still in flight. Every block read holds its KV."""
     from kvtier.transfer import kernels
+
     if mode == "gated":
         monkeypatch.setattr(kernels, "TUNING", dict(kernels.TUNING, min_gated_bytes=0))
     h = Harness(policy, seed=7 + len(policy), mode=mode, storage=True)

@@ -38,7 +38,7 @@ def main(fd: int) -> int:
         rank_state.serve(parent)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # rank 0 is gone
-    except BaseException as e:  # noqa: BLE001 - told to rank 0, which stops the engine
+    except BaseException as e:  # told to rank 0, which stops the engine
         text = f"{e!r}\n{traceback.format_exc(limit=8)}"
         log.error("rank %d failed: %s", rank, text)
         try:

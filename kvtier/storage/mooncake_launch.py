@@ -6,7 +6,7 @@ Runs two processes and supervises them:
 * ``mooncake_master`` (the binary shipped in the ``mooncake`` wheel: ``<site-packages>/mooncake/
   mooncake_master``) on ``--host:--port``: the control plane (key index, allocation, eviction,
   leases); its HTTP metrics/health endpoint on a free port of the same host;
-* one *pool node*, ``python -m kvtier.storage.mooncake_pool node ...``: a Mooncake client that
+* one *pool node*, ``python -m kvtier.storage.mooncake_launch node ...``: a Mooncake client that
   contributes ``--size`` bytes of memory (its global segment) and sleeps until signalled. Engines
   connect with ``mooncake://HOST:PORT?protocol=tcp`` and contribute no memory themselves.
 
@@ -240,7 +240,7 @@ class PoolHandle:
         return [
             sys.executable,
             "-m",
-            "kvtier.storage.mooncake_pool",
+            "kvtier.storage.mooncake_launch",
             "node",
             "--master",
             self.address,
@@ -408,9 +408,9 @@ def start_pool(
 
 
 def node_main(argv: Sequence[str]) -> int:
-    """``python -m kvtier.storage.mooncake_pool node``: contribute memory until signalled."""
+    """``python -m kvtier.storage.mooncake_launch node``: contribute memory until signalled."""
     ap = argparse.ArgumentParser(
-        prog="python -m kvtier.storage.mooncake_pool node",
+        prog="python -m kvtier.storage.mooncake_launch node",
         description="A Mooncake pool node: contributes --size bytes of memory to the master's pool until SIGTERM/SIGINT.",
     )
     ap.add_argument("--master", required=True, help="master host:port")

@@ -1,6 +1,6 @@
 """Routing replay for trainers on Hugging Face ``transformers`` (R3).
 
-    with kvtier.routing.replay(hf_model, out.routed_experts):
+    with kvtier.experts.replay(hf_model, out.routed_experts):
         logits = hf_model(input_ids).logits          # routers use the recorded expert ids
 
 Inside the context every MoE router of a Mixtral / Qwen2-MoE / Qwen3-MoE model (transformers 5

@@ -1,9 +1,10 @@
-"""The routing policies (cache/route.py) that `kvtier router` and `kvtier sim --instances` share."""
+"""The routing policies (serve/route.py) that `kvtier router` and `kvtier sim --instances` share."""
+
 from __future__ import annotations
 
 import pytest
 
-from kvtier.cache.route import BALANCE_ABS, PREDICTED_S, STORAGE_WEIGHT, Candidate, Picker, PrefixIndex
+from kvtier.serve.route import BALANCE_ABS, PREDICTED_S, STORAGE_WEIGHT, Candidate, Picker, PrefixIndex
 
 
 def test_round_robin_goes_in_turn_whatever_is_cached():
@@ -22,7 +23,7 @@ def test_least_load_takes_the_fewest_tokens_in_flight_and_rotates_ties():
 def test_cache_aware_takes_the_longest_prefix_device_hits_over_host_hits():
     p = Picker("cache_aware")
     assert p.pick([Candidate(device_hit=64), Candidate(device_hit=128), Candidate()]) == 1
-    assert p.pick([Candidate(host_hit=128), Candidate(device_hit=96)]) == 1   # 96 > 0.5 x 128
+    assert p.pick([Candidate(host_hit=128), Candidate(device_hit=96)]) == 1  # 96 > 0.5 x 128
     assert p.pick([Candidate(host_hit=256), Candidate(device_hit=96)]) == 0
 
 
@@ -53,7 +54,7 @@ def test_the_index_counts_the_leading_run_of_held_blocks_per_tier():
         ix.apply("stored", "device", k)
     ix.apply("stored", "host", b"c")
     assert ix.overlap([b"a", b"b", b"c", b"d"]) == (3, 1)
-    assert ix.overlap([b"x", b"a"]) == (0, 0)            # a prefix, not any block
+    assert ix.overlap([b"x", b"a"]) == (0, 0)  # a prefix, not any block
     ix.apply("removed", "device", b"b")
     assert ix.overlap([b"a", b"b", b"c"]) == (1, 0)
     c = ix.candidate([b"a", b"b", b"c"], 16, load=7)

@@ -1,4 +1,4 @@
-"""``kvtier bench routing`` (GPU): decode throughput with R3 capture on vs off, same run.
+"""``kvtier bench experts`` (GPU): decode throughput with R3 capture on vs off, same run.
 
 A MoE preset (``qwen3-moe-small`` unless ``--model``), ``--requests`` requests of ``--input``
 prompt tokens each generating ``--output`` tokens (EOS ignored). Runs alternate capture on / off
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvtier.model import ModelConfig, init_model
 
     ap = argparse.ArgumentParser(
-        prog="kvtier bench routing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="kvtier bench experts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=64)
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kvtier bench routing needs a CUDA GPU; none is visible")
+        raise SystemExit("kvtier bench experts needs a CUDA GPU; none is visible")
     tmp = None
     path = Path(args.model) if args.model else None
     if path is None:

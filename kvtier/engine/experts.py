@@ -33,7 +33,7 @@ def routing_dtype(num_experts: int) -> np.dtype:
     raise ValueError(f"too many experts: {num_experts}")
 
 
-class RoutingCapture:
+class ExpertCapture:
     def __init__(
         self,
         num_moe_layers: int,
