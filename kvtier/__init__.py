@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 # attribute -> module defining it
 _LAZY = {
     "LLM": "kvtier.engine.llm",
-    "SamplingParams": "kvtier.engine.sampling",
+    "SamplingParams": "kvtier.engine.params",
     "EngineConfig": "kvtier.engine.config",
     "RequestOutput": "kvtier.engine.llm",
     "CompletionOutput": "kvtier.engine.llm",

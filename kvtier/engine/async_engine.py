@@ -30,8 +30,8 @@ from typing import Any, AsyncGenerator, Callable
 from kvtier.engine.core import EngineCore
 from kvtier.engine.group import check_n
 from kvtier.engine.loop import Delta, EngineDead, EngineLoop, QueueFull, Sink
+from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "Delta", "EngineDead", "QueueFull", "check_samples"]
 

@@ -39,8 +39,8 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.group import check_n
 from kvtier.engine.intake import Intake
 from kvtier.engine.loop import Delta, EngineDead, QueueFull
+from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.startup import Startup
 from kvtier.engine.wire import add_message, decode, encode, output_from_wire
 from kvtier.model import ModelConfig

@@ -70,11 +70,11 @@ from kvtier.engine.fatal import raise_if_device_lost
 from kvtier.engine.group import SampleGroup, SampleGroups, check_n
 from kvtier.engine.intake import AUTO_ID, Intake, check_token_ids
 from kvtier.engine.outputs import RequestOutput, request_output
+from kvtier.engine.params import SamplingParams
 from kvtier.engine.pd import Exports, accept_handoff, check_handoffs
 from kvtier.engine.pool import bind_pool, open_pool
 from kvtier.engine.request import Request, Status
 from kvtier.engine.runner import ModelRunner, StepResult
-from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sizing import (
     CPU_SIZING,

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from kvtier.engine.detok import StopStrings
+from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import SamplingParams
 from kvtier.flags import check_int
 from kvtier.model import ModelConfig
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtier.engine.core import EngineCore
 from kvtier.engine.outputs import CompletionOutput, RequestOutput
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.params import SamplingParams
 
 __all__ = ["CompletionOutput", "LLM", "RequestOutput"]
 

@@ -21,7 +21,7 @@ import torch
 
 from kvtier.cache import CacheRequest
 from kvtier.engine.detok import StopStrings
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.params import SamplingParams
 
 
 class Status(enum.Enum):

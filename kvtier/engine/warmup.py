@@ -25,7 +25,8 @@ import logging
 
 import torch
 
-from kvtier.engine.sampling import SamplingParams, draw, topk
+from kvtier.engine.params import SamplingParams
+from kvtier.engine.sampling import draw, topk
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
 

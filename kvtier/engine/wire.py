@@ -24,8 +24,8 @@ import msgspec
 import numpy as np
 
 from kvtier.engine.outputs import CompletionOutput, RequestOutput
+from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import SamplingParams
 
 
 def _enc_hook(obj: Any) -> Any:

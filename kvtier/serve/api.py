@@ -63,7 +63,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.cache.manager import TIERS
 from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.engine.client import EngineClient
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.params import SamplingParams
 from kvtier.model.hub import name_form, same_name
 from kvtier.redact import redact
 from kvtier.serve import asgi, sglang, tokenize

@@ -26,7 +26,7 @@ import msgspec
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from kvtier.engine.sampling import MAX_STOP_TOKEN_IDS
+from kvtier.engine.params import MAX_STOP_TOKEN_IDS
 from kvtier.serve.errors import APIError, invalid_json_message
 
 _M = TypeVar("_M", bound=BaseModel)

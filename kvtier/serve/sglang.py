@@ -36,7 +36,7 @@ from pydantic import Field, StrictBool, StrictInt, field_validator, model_valida
 
 from kvtier.cache.manager import TIERS
 from kvtier.engine.intake import MAX_PRIORITY
-from kvtier.engine.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
+from kvtier.engine.params import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvtier.serve import tokenize
 from kvtier.serve.body import body_schema
 from kvtier.serve.errors import APIError, sse_error, until_disconnect

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.engine.sampling import SamplingParams, sample
+from kvtier.engine.params import SamplingParams
+from kvtier.engine.sampling import sample
 
 VOCAB = 12
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)

@@ -46,8 +46,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request, Status
-from kvtier.engine.sampling import Penalties, SamplingParams, draw
+from kvtier.engine.sampling import Penalties, draw
 
 # ---------------------------------------------------------------------------------------------
 # sampling frequencies

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import kvtier
+from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import SamplingParams, draw
+from kvtier.engine.sampling import draw
 from kvtier.engine.spec import REST_STEPS, Speculator
 from kvtier.model import AttentionMetadata, ModelConfig, allocate_kv_caches, load_model
 from tests.engine.hf_reference import prompts_for

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 import kvtier
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.core import EngineCore
-from kvtier.engine.sampling import MAX_STOP_TOKEN_IDS
+from kvtier.engine.params import MAX_STOP_TOKEN_IDS
 from kvtier.serve.api import Server
 from kvtier.serve.protocol import MAX_LOGPROB_ENTRIES
 

@@ -151,8 +151,8 @@ def test_the_engine_stops_at_once_on_a_device_error_and_reports_it(checkpoint, m
     from kvtier.engine.async_engine import AsyncEngine, EngineDead
     from kvtier.engine.core import EngineCore
     from kvtier.engine.fatal import DeviceLost
+    from kvtier.engine.params import SamplingParams
     from kvtier.engine.runner import ModelRunner
-    from kvtier.engine.sampling import SamplingParams
 
     calls = []
 
