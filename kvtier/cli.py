@@ -35,6 +35,8 @@ PRESET_NAMES = (
     "qwen3-moe-mtp-tiny",
     "llama3-8b-mtp-shape",
     "llama3-70b-shape",
+    "deepseek-v3-tiny",
+    "deepseek-v2-lite-tiny",
 )
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
 # `kvtier bench --help`.

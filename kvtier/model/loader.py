@@ -4,6 +4,10 @@ Files: ``model.safetensors``, or shards listed in ``model.safetensors.index.json
 ``*.safetensors`` in the directory. Checkpoint names are mapped to ours (see ``_rename``); every
 parameter the model needs must be present, or loading fails naming the missing tensor.
 
+Multi-head latent attention checkpoints (DeepSeek-V2/V3, config.MLA_ARCHITECTURES) are not served
+yet: :func:`load_model`, the engine's loader, refuses them; :func:`load_mla_model` loads the model
+alone (model/deepseek.py) on caches from ``mla.allocate_latent_caches``.
+
 ``load_format="dummy"`` (vLLM's name) needs only config.json: every weight is drawn in device
 memory from a fixed seed, small enough that bf16 forwards stay finite. For benchmarks of
 checkpoint shapes that are not on disk (e.g. the ``llama3-8b-shape`` preset written with
@@ -21,14 +25,15 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 import xxhash
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvtier.model.config import ModelConfig
+from kvtier.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvtier.model.deepseek import DeepseekForCausalLM
 from kvtier.model.digest_cache import DigestCache, file_stamp
 from kvtier.model.families import CausalLM
 from kvtier.model.layers import RMSNorm, RotaryEmbedding
@@ -39,6 +44,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)$")
 _FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
+_Model = TypeVar("_Model", CausalLM, DeepseekForCausalLM)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -128,13 +134,43 @@ def load_model(
     :func:`_dummy_weights`) and reads nothing but config.json. ``tp``: load only this rank's
     slice of every sharded tensor (model/shard.py); dummy weights are drawn whole and sliced, so
     every tensor-parallel size holds the same model."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
-    dtype = dtype or cfg.torch_dtype
+    if cfg.kv_kind != "full":
+        raise ValueError(
+            f"{cfg.architecture} is not served yet: it caches one latent per token (multi-head latent attention, "
+            f"{cfg.kv_width} numbers per token and layer), which the engine does not allocate; "
+            f"served: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     with torch.device("meta"):
         model = CausalLM(cfg, attention_backend, tp)
+    return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, tp)
+
+
+def load_mla_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+    fuse: bool = True,
+    load_format: str = "auto",
+) -> DeepseekForCausalLM:
+    """A DeepSeek-V2/V3 checkpoint (config.MLA_ARCHITECTURES) as :func:`load_model` loads the
+    others, without its MTP blocks, on one device; its caches: ``mla.allocate_latent_caches``."""
+    path = Path(path)
+    cfg = ModelConfig.from_hf_dir(path).with_mtp(False)
+    if cfg.kv_kind != "latent":
+        raise ValueError(f"{cfg.architecture} has no latent attention: load it with load_model")
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg)
+    return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, None)
+
+
+def _fill(
+    model: _Model, path: Path, device: str | torch.device, dtype: torch.dtype, fuse: bool, load_format: str, tp: TPShard | None
+) -> _Model:
+    """``model`` (built on meta) with its weights on ``device``, its RoPE tables, fused if asked."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
         std = json.loads((path / "config.json").read_text()).get("initializer_range") or 0.02
         loaded = _dummy_weights(model, device, dtype, std, tp)
@@ -142,6 +178,7 @@ def load_model(
         loaded = _checkpoint_weights(model, path, device, dtype, tp)
     model.load_state_dict(loaded, strict=False, assign=True)
     del loaded  # else fuse_projections keeps both copies alive
+    cfg = model.config
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg).to(device)  # inv_freq computed on CPU, as transformers does
@@ -150,8 +187,15 @@ def load_model(
     return model.eval()
 
 
+def _param_dtype(model: CausalLM | DeepseekForCausalLM, name: str, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or fp32 for the parameters the model keeps in fp32 (DeepSeek's router)."""
+    if isinstance(model, DeepseekForCausalLM) and name.endswith(model.FP32_PARAMETERS):
+        return torch.float32
+    return dtype
+
+
 def _checkpoint_weights(
-    model: CausalLM, path: Path, device: str | torch.device, dtype: torch.dtype, tp: TPShard | None = None
+    model: CausalLM | DeepseekForCausalLM, path: Path, device: str | torch.device, dtype: torch.dtype, tp: TPShard | None = None
 ) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` (on meta) from the checkpoint at ``path`` (``tp``: this
     rank's slice of each)."""
@@ -166,7 +210,7 @@ def _checkpoint_weights(
         expected = full_shape(name, tuple(params[name].shape), size)
         if whole != expected:
             raise ValueError(f"tensor {name!r} has shape {whole}, expected {expected}")
-        loaded[name] = tensor.to(device=device, dtype=dtype).contiguous()
+        loaded[name] = tensor.to(device=device, dtype=_param_dtype(model, name, dtype)).contiguous()
     missing = [name for name in params if name not in loaded]
     if missing:
         raise KeyError(
@@ -177,7 +221,7 @@ def _checkpoint_weights(
 
 
 def _dummy_weights(
-    model: CausalLM, device: str | torch.device, dtype: torch.dtype, std: float, tp: TPShard | None = None
+    model: CausalLM | DeepseekForCausalLM, device: str | torch.device, dtype: torch.dtype, std: float, tp: TPShard | None = None
 ) -> dict[str, torch.Tensor]:
     """Random weights for every parameter of ``model`` (on meta), allocated and drawn on ``device``
     (nothing passes through host memory) from a generator seeded with DUMMY_SEED, in parameter
@@ -191,7 +235,7 @@ def _dummy_weights(
     loaded: dict[str, torch.Tensor] = {}
     size = tp.size if tp is not None else 1
     for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens
-        tensor = torch.empty(full_shape(name, tuple(param.shape), size), device=device, dtype=dtype)
+        tensor = torch.empty(full_shape(name, tuple(param.shape), size), device=device, dtype=_param_dtype(model, name, dtype))
         if name in norms:
             tensor.fill_(1.0)
         elif name.endswith(".bias"):

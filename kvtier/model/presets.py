@@ -248,6 +248,83 @@ PRESETS["llama3-70b-shape"] = dict(
     ),
 )
 
+# Multi-head latent attention (not served by the engine yet: model/loader.py load_mla_model). DeepSeek-V3's
+# layout at toy size: a dense first layer, then MoE with one shared expert and 8 routed experts in 4
+# groups (a token's 2 experts from its 2 best groups, sigmoid scores, bias-corrected choice), a low-rank
+# query (q_lora_rank), YaRN with mscale != mscale_all_dim (both the cos/sin factor and the softmax mscale
+# differ from 1), v_head_dim != qk_nope_head_dim.
+_TINY_MLA = dict(
+    _TINY,
+    num_key_value_heads=4,  # = num_attention_heads: every head reads the one latent
+    num_hidden_layers=3,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    num_nextn_predict_layers=0,
+)
+PRESETS["deepseek-v3-tiny"] = dict(
+    config_class="DeepseekV3Config",
+    dtype="float32",
+    kwargs=dict(
+        _TINY_MLA,
+        q_lora_rank=48,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=128,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
+)
+# DeepSeek-V2-Lite's attention (q_proj straight from the hidden state: q_lora_rank None, complex-pair
+# RoPE) with the full DeepSeek-V2's routing: softmax scores, group_limited_greedy over 4 groups, 2
+# shared experts, routed_scaling_factor != 1.
+PRESETS["deepseek-v2-lite-tiny"] = dict(
+    config_class="DeepseekV2Config",
+    dtype="float32",
+    kwargs=dict(
+        _TINY_MLA,
+        num_hidden_layers=2,
+        q_lora_rank=None,
+        n_shared_experts=2,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=2.0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=128,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
+)
+
+
+def preset_architecture(preset: str) -> str:
+    """The ``architectures`` entry of ``preset``'s config.json (e.g. "DeepseekV3ForCausalLM")."""
+    return PRESETS[preset]["config_class"].replace("Config", "ForCausalLM")
+
 
 def init_model(
     preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype | str | None = None, config_only: bool = False
@@ -267,13 +344,18 @@ def init_model(
     generation_config = transformers.GenerationConfig(eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, bos_token_id=None)
     out_dir = Path(out_dir)
     if config_only:
-        config.architectures = [spec["config_class"].replace("Config", "ForCausalLM")]
+        config.architectures = [preset_architecture(preset)]
         config.dtype = dtype
         config.save_pretrained(out_dir)
         generation_config.save_pretrained(out_dir)
     else:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # DeepSeek-V3: transformers starts it at zero, a trained one is not; random values
+                # make the bias steer expert choice in tests, as it does in real checkpoints
+                buffer.normal_(0.0, config.initializer_range)
         model.generation_config = generation_config
         model.save_pretrained(out_dir, safe_serialization=True)
         if getattr(config, "num_nextn_predict_layers", 0):

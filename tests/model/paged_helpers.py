@@ -6,9 +6,11 @@ import random
 
 import torch
 
-from kvtier.model import PRESETS, AttentionMetadata, CausalLM, allocate_kv_caches
+from kvtier.model import PRESETS, SUPPORTED_ARCHITECTURES, AttentionMetadata, CausalLM, allocate_kv_caches
+from kvtier.model.presets import preset_architecture
 
-TINY_PRESETS = [name for name in PRESETS if name.endswith("-tiny")]
+# the served (full-attention) families; the latent-attention presets are tested in test_mla.py
+TINY_PRESETS = [name for name in PRESETS if name.endswith("-tiny") and preset_architecture(name) in SUPPORTED_ARCHITECTURES]
 MOE_PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"]
 BLOCK_SIZE = 4
 
@@ -31,7 +33,11 @@ class PagedSequences:
 
     def step(self, chunks: dict[int, list[int]], **kwargs) -> dict[int, torch.Tensor]:
         """Append ``chunks[seq_id]`` to each sequence in one varlen step; returns logits per sequence."""
-        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
         for seq_id, tokens in chunks.items():
             start = self.lengths.get(seq_id, 0)
             end = start + len(tokens)
