@@ -19,6 +19,13 @@ A step's integer inputs go up in two non-blocking copies from pinned memory (int
 positions, slots, sample rows, placeholder places; int32: the attention metadata), and its
 results come down in one, through rings of reusable pinned buffers (engine/staging.py): a
 blocking ``torch.tensor(..., device=cuda)`` would wait for the step in flight.
+
+Both kinds of step sample through one function (engine/sample_step.py): a plain step its
+requests' last rows; a drafted step (speculative decoding) the verify rows of each request,
+which engine/verify.py accepts before the speculator's MTP passes draft on (engine/spec.py)::
+
+    plain    forward ─ sample_rows(last rows) ─────────────────────────────► pack ─► host (overlapped)
+    drafted  forward ─ sample_rows(verify rows, ahead = drafts) ─ verify ─ MTP passes ─► host (one sync)
 """
 
 from __future__ import annotations
@@ -33,15 +40,19 @@ from kvtier import index_checks
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
 from kvtier.engine.experts import ExpertCapture
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import Penalties, draw, to_device, topk
+from kvtier.engine.result_pack import ResultPack
+from kvtier.engine.sample_step import SampledRows, sample_rows, select_rows
+from kvtier.engine.sampling import Penalties, to_device
 from kvtier.engine.scheduler import SchedulerOutput
+from kvtier.engine.spec import DraftPlan, Speculator
 from kvtier.engine.staging import HostCopy, PinnedRing
+from kvtier.engine.step_inputs import HostInputs, StepInputs
+from kvtier.engine.verify import Verdict, Verification
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
 from kvtier.model.shard import broadcast_from_first
 
 if TYPE_CHECKING:
-    from kvtier.engine.spec import Speculator
     from kvtier.transfer.engine import LoadWaits
 
 
@@ -70,7 +81,7 @@ class ModelRunner:
         self.graph_steps_after_loads = 0  # graph replays that waited for host->device loads
         # tensor parallel, rank 0: the other ranks (engine/tp/ranks.py), told of each forward
         self.peers: Peers | None = None
-        self.spec: Speculator | None = None  # speculative decoding: it runs the steps (engine/spec.py)
+        self.spec: Speculator | None = None  # speculative decoding: its drafts (engine/spec.py)
         # a tensor-parallel rank > 0 with drafts: the last forward's (inputs, hidden, load waits)
         self.followed: tuple[StepInputs, torch.Tensor, LoadWaits | None] | None = None
 
@@ -242,13 +253,13 @@ class ModelRunner:
           cost more CPU than such a step's loads and compute take on the GPU
           (docs/BENCHMARKS.md)."""
         if self.spec is not None:
-            # a step that verifies or makes drafts is the speculator's (its results on the host
+            # a step that verifies or makes drafts is a drafted step (its results on the host
             # when it returns); one with neither (every request resting from drafts, a PD
-            # export) runs here, overlapped, and the MTP block runs over its rows after sampling
+            # export) runs plain, overlapped, and the MTP block runs over its rows after sampling
             drafting = self.spec.drafting(out)
             if drafting or self.peers is not None or any(s.num_drafts for s in out.scheduled):
                 self._last = None  # (its tokens reach the host before the next step is scheduled)
-                return self.spec.execute(self, out, start_loads, drafting)
+                return self._drafted_step(out, start_loads, drafting)
         inputs, hidden = self.forward(self.build_inputs(out), start_loads)
         samplers = [s.request for s in out.scheduled if s.samples]
         prompt_rows = self._prompt_logprob_rows(out)
@@ -257,38 +268,23 @@ class ModelRunner:
             self._mtp_rows(out, inputs, hidden, None, start_loads)
             self._last = None
             return result
-        params = [r.params for r in samplers]
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_rows = [i for i in want if params[i].logprobs_mode == "raw"]
-        proc_rows = [i for i in want if params[i].logprobs_mode == "processed"]
-        raw = None
+        sampled = None
         if samplers:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
-            if raw_rows:  # before penalties
-                raw = torch.log_softmax(_rows(logits, raw_rows), dim=-1)
-            penalized = [i for i, p in enumerate(params) if p.has_penalties]
-            if penalized:
-                self.penalties.apply(logits, penalized, [samplers[i] for i in penalized])
-            tokens, processed = draw(logits, params, [r.generator for r in samplers], proc_rows)
+            sampled = sample_rows(self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)), samplers, self.penalties)
+            tokens = sampled.tokens
             if self.peers is not None:  # the next step's inputs on every rank may read them
                 broadcast_from_first(tokens, self.model.tp)
         else:
-            tokens, processed = torch.zeros(0, dtype=torch.long, device=self.device), None
+            tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self._mtp_rows(out, inputs, hidden, tokens, start_loads)
         # everything the host needs from this step in one transfer (one sync): the tokens, then
         # per logprobs row the sampled token's logprob and its top-k, then the prompt's
-        pack = _Pack(tokens)
-        if want:
-            if not proc_rows:
-                lp = raw
-            elif not raw_rows:
-                lp = processed
-            else:  # both modes in one step: back to the order of ``want``
-                assert raw is not None and processed is not None
-                by_row = {row: n for n, row in enumerate(raw_rows + proc_rows)}
-                lp = torch.cat([raw, processed])[to_device([by_row[i] for i in want], self.device)]
-            assert lp is not None
-            result.logprobs = (want, pack.add(lp, _rows(tokens, want), max(_asked(params[i].logprobs) for i in want)))
+        pack = ResultPack(tokens)
+        if sampled is not None and sampled.logprob_rows:
+            want = sampled.logprob_rows
+            assert sampled.logprobs is not None
+            k = max(_asked(samplers[i].params.logprobs) for i in want)
+            result.logprobs = (want, pack.add(sampled.logprobs, select_rows(tokens, want), k))
         if prompt_rows:
             result.prompt = (prompt_rows, self._prompt_logprobs(hidden, prompt_rows, pack))
         result.tokens = tokens
@@ -296,25 +292,106 @@ class ModelRunner:
         self._last = result
         return result
 
+    def _drafted_step(
+        self, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None, drafting: set[int]
+    ) -> StepResult:
+        """A step that verifies or makes drafts (engine/spec.py, engine/verify.py): the target
+        forward, the sampling of the verify rows, the verification and the speculator's MTP
+        passes; its results are on the host when this returns (``StepResult.done``), each
+        request's accepted drafts in ``step_accepted``.
+
+        When every verifying request is greedy (and the engine is one rank), verification runs on
+        the device too: the step's work is queued back to back and read with one host sync at
+        its end. Otherwise the sampled tokens come to the host for the rejection rule first, and
+        under tensor parallelism rank 0 sends the passes' plan to the others."""
+        spec = self.spec
+        assert spec is not None
+        inputs, hidden = self.forward(self.build_inputs(out), start_loads)
+        check = Verification(out)
+        plan = DraftPlan(out, drafting, check.spans)
+        sampled = None
+        if check.spans:
+            logits = self.model.compute_logits(hidden.index_select(0, to_device(check.rows, self.device, torch.long)))
+            sampled = sample_rows(logits, check.requests, self.penalties, check.ahead, check.sampled_rows)
+            tokens = sampled.tokens
+        else:
+            tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        hook = start_loads("layers") if start_loads is not None else None  # (the step's loads, layer num_layers too)
+        model, kv = self.model, self.kv_caches
+        if not check.sampled_rows and self.peers is None:
+            accepted, after = check.accept_on_device(tokens)
+            drafts = spec.propose(model, kv, plan, inputs, hidden, hook, *plan.draft_inputs_on_device(tokens, accepted))
+            n, m = len(check.spans), len(plan.go)
+            got = torch.cat([accepted, after, drafts.flatten()]).tolist()  # (the step's one host sync)
+            verdicts = [Verdict(a, t) for a, t in zip(got[:n], got[n : 2 * n])]
+            draft_rows = [got[2 * n + t * m : 2 * n + (t + 1) * m] for t in range(drafts.shape[0])]
+        else:
+            verdicts = check.accept_on_host(tokens.tolist(), sampled) if sampled is not None else []
+            next_ids, rows, positions = plan.draft_inputs_on_host(verdicts)
+            if self.peers is not None:  # every rank runs the same passes (engine/tp)
+                self.peers.draft(next_ids, rows, positions, plan.tables(spec.chain))
+            on_device = (to_device(v, self.device, torch.long) for v in (next_ids, rows, positions))
+            draft_rows = spec.propose(model, kv, plan, inputs, hidden, hook, *on_device).tolist()
+        entries = self._verified_logprobs(check, verdicts, sampled)  # (requests that asked for them)
+        spec.update(plan, verdicts, draft_rows, self.block_size)
+        prompt = self._prompt_logprobs_step(out, hidden)  # (requests that asked for them)
+        # what Scheduler.update takes from each request, set when the step's results are taken
+        # (StepResult.collect): a step launched under overlap scheduling is finished first
+        taken = [(span.req, span.drafts[:a], entries.get(i)) for i, (span, (a, _)) in enumerate(zip(check.spans, verdicts))]
+
+        def take() -> None:
+            for req, accepted, emitted in taken:
+                req.step_accepted = accepted
+                req.step_accepted_logprobs = emitted[: len(accepted)] if emitted is not None else None
+                if emitted is not None:
+                    req.step_logprobs = emitted[len(accepted)]
+            if prompt is not None:
+                prompt.collect()
+
+        return StepResult.done({span.req.request_id: v.token for span, v in zip(check.spans, verdicts)}, take)
+
+    def _verified_logprobs(
+        self, check: Verification, verdicts: list[Verdict], sampled: SampledRows | None
+    ) -> dict[int, list[dict[int, float]]]:
+        """Per span (index) whose request asked for logprobs, an entry for each token it emits
+        (its kept drafts, then the token after them) from that token's verify row, raw or
+        processed (engine/sample_step.py); read in one transfer."""
+        if sampled is None or not sampled.logprob_rows:
+            return {}
+        assert sampled.logprobs is not None
+        place = {row: n for n, row in enumerate(sampled.logprob_rows)}
+        asking = [i for i, span in enumerate(check.spans) if span.req.params.logprobs is not None]
+        rows, ids, ks = [], [], []
+        for i in asking:
+            span, (a, token) = check.spans[i], verdicts[i]
+            rows += [place[span.at + j] for j in range(a + 1)]
+            ids += [*span.drafts[:a], token]
+            ks += [_asked(span.req.params.logprobs)] * (a + 1)
+        pack = ResultPack(torch.zeros(0, dtype=torch.long, device=self.device))
+        where = pack.add(select_rows(sampled.logprobs, rows), to_device(ids, self.device), max(ks))
+        entries = iter(ResultPack.entries(pack.vector().cpu().numpy(), where, ids, ks))
+        return {i: [next(entries) for _ in range(verdicts[i].num_accepted + 1)] for i in asking}
+
     def _mtp_rows(
         self, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor, tokens: torch.Tensor | None, start_loads
     ) -> None:
-        """Speculative decoding, a step without drafts: the MTP block over its rows (engine/spec.py),
-        after the step's loads of its layer; ``tokens``: the sampled ones (None: none sampled)."""
+        """Speculative decoding, a plain step: the MTP block over its rows (engine/spec.py), after
+        the step's loads of its layer; ``tokens``: the sampled ones (None: none sampled)."""
         if self.spec is None:
             return
         if tokens is None:
             tokens = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.spec.mtp_rows(self, out, inputs, hidden, tokens, start_loads("layers") if start_loads is not None else None)
+        hook = start_loads("layers") if start_loads is not None else None
+        self.spec.mtp_rows(self.model, self.kv_caches, out, inputs, hidden, tokens, hook)
 
-    def prompt_logprobs_step(self, out: SchedulerOutput, hidden: torch.Tensor) -> StepResult | None:
-        """The prompt logprobs of a step run outside :meth:`execute` (a drafted step: engine/spec.py),
-        on their way to the host; None if no request of it asked for them."""
+    def _prompt_logprobs_step(self, out: SchedulerOutput, hidden: torch.Tensor) -> StepResult | None:
+        """The prompt logprobs of a drafted step, on their way to the host; None if no request of
+        it asked for them."""
         prompt_rows = self._prompt_logprob_rows(out)
         if not prompt_rows:
             return None
         result = StepResult([])
-        pack = _Pack(torch.zeros(0, dtype=torch.long, device=self.device))
+        pack = ResultPack(torch.zeros(0, dtype=torch.long, device=self.device))
         result.prompt = (prompt_rows, self._prompt_logprobs(hidden, prompt_rows, pack))
         result.host = self._down.download(pack.vector())
         return result
@@ -363,7 +440,7 @@ class ModelRunner:
             offset += s.num_tokens
         return spans
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[_PromptSpan], pack: _Pack) -> tuple[int, int, int]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[_PromptSpan], pack: ResultPack) -> tuple[int, int, int]:
         """Raw logprobs of the prompt tokens ``spans`` score, onto ``pack``. Only these rows'
         logits are computed, a slice of rows at a time (a [rows, vocab] float32 block each)."""
         rows = [r for span in spans for r in span.rows]
@@ -373,9 +450,9 @@ class ModelRunner:
         for a in range(0, len(rows), _PROMPT_SLICE):
             at = to_device(rows[a : a + _PROMPT_SLICE], self.device)
             lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, at)), dim=-1)
-            pieces.append(_Pack.scored(lp, targets[a : a + _PROMPT_SLICE], k))
+            pieces.append(ResultPack.scored(lp, targets[a : a + _PROMPT_SLICE], k))
         if not pieces:
-            pieces.append(_Pack.scored(hidden.new_zeros(0, 1, dtype=torch.float32), targets, 0))
+            pieces.append(ResultPack.scored(hidden.new_zeros(0, 1, dtype=torch.float32), targets, 0))
         return pack.add_block(torch.cat(pieces), k)
 
     @torch.inference_mode()
@@ -399,22 +476,6 @@ class ModelRunner:
         return logprobs.gather(1, ids[1:, None]).squeeze(1).cpu().numpy()
 
 
-@dataclass(slots=True)
-class HostInputs:
-    """A step's inputs as the host builds them: the flattened token ids and positions, per
-    request its query and sequence lengths and block table, the rows that sample, and the places
-    of tokens still on the device with their rows in the last step's tokens."""
-
-    ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    tables: list[list[int]]
-    sample_rows: list[int]
-    pending_at: list[int]
-    pending_rows: list[int]
-
-
 class Peers(Protocol):
     """Tensor parallel, rank 0: how the other ranks learn of a forward (engine/tp/ranks.py)."""
 
@@ -423,15 +484,6 @@ class Peers(Protocol):
     def score(self, token_ids: list[int], routing_in: np.ndarray | None) -> None: ...
 
     def draft(self, next_ids: list[int], rows: list[int], positions: list[int], tables: list[list[int]]) -> None: ...
-
-
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows_cpu: list[int]
-    sample_rows: torch.Tensor  # the same, on the device
 
 
 class StepResult:
@@ -464,7 +516,7 @@ class StepResult:
         token_ids = [int(t) for t in host[: len(samplers)]]
         if self.logprobs is not None:
             want, where = self.logprobs
-            entries = _Pack.entries(
+            entries = ResultPack.entries(
                 host, where, [token_ids[i] for i in want], [_asked(samplers[i].params.logprobs) for i in want]
             )
             for i, entry in zip(want, entries):
@@ -473,7 +525,7 @@ class StepResult:
             spans, where = self.prompt
             targets = [t for span in spans for t in span.targets]
             ks = [_asked(span.req.params.prompt_logprobs) for span in spans for _ in span.targets]
-            entries_it = iter(_Pack.entries(host, where, targets, ks))
+            entries_it = iter(ResultPack.entries(host, where, targets, ks))
             for span in spans:
                 scored: list[dict[int, float] | None] = [next(entries_it) for _ in span.targets]
                 if span.start == 0:  # the first prompt token has no logprob
@@ -505,12 +557,6 @@ def _asked(k: int | None) -> int:
     return k
 
 
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]``; ``t`` itself when that is every row in order (the usual decode step, where
-    every request asked alike: no index upload, no copy)."""
-    return t if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1 else t.index_select(0, to_device(rows, t.device))
-
-
 _PROMPT_SLICE = 512  # prompt positions whose logits are computed at once (bounds their memory)
 
 
@@ -520,49 +566,3 @@ class _PromptSpan:
     start: int  # the chunk's first position
     rows: list[int]  # rows of the step's hidden states that score a prompt token
     targets: list[int]  # the tokens they score: prompt[start+1 : start+1+len(rows)]
-
-
-class _Pack:
-    """What one step hands to the host, packed on the device into one float64 vector (token ids
-    and top-k ids are exact in float64) and moved in one transfer."""
-
-    def __init__(self, tokens: torch.Tensor) -> None:
-        self.parts = [tokens.double()]
-        self.size = tokens.numel()
-
-    @staticmethod
-    def scored(lp: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-        """[rows, 1 + 2k]: logprob of ``ids``, then the top-k logprobs, then their token ids."""
-        top = topk(lp, k)
-        return torch.cat([lp.gather(1, ids[:, None]), top.values, top.indices.to(lp.dtype)], dim=1).double()
-
-    def add(self, lp: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[int, int, int]:
-        return self.add_block(self.scored(lp, ids, k), k)
-
-    def add_block(self, block: torch.Tensor, k: int) -> tuple[int, int, int]:
-        where = (self.size, block.shape[0], block.shape[1])
-        self.parts.append(block.flatten())
-        self.size += block.numel()
-        return where
-
-    def vector(self) -> torch.Tensor:
-        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
-
-    @staticmethod
-    def entries(host: np.ndarray, where: tuple[int, int, int], ids: list[int], ks: list[int]) -> list[dict[int, float]]:
-        """Per row: {its token: logprob, then its own top-k (rank order): logprob}."""
-        start, n, width = where
-        block = host[start : start + n * width].reshape(n, width)
-        k = (width - 1) // 2
-        # whole columns to Python at once, then one dict per row built in C (dict.update over a
-        # zip): this runs on the engine thread after every step's sync, with the GPU idle
-        sampled = block[:, 0].tolist()
-        values = block[:, 1 : 1 + k].tolist()
-        top_ids = block[:, 1 + k :].astype(np.int64).tolist()
-        out = []
-        for token, s, v, i, kr in zip(ids, sampled, values, top_ids, ks):
-            entry = {token: s}
-            # the sampled token's top-k value (if it is in the top k) is the same logprob
-            entry.update(zip(i[:kr], v[:kr]))
-            out.append(entry)
-        return out

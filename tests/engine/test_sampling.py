@@ -103,3 +103,36 @@ def test_a_masked_token_s_processed_logprob_is_minus_inf():
     tokens, processed = draw(logits, params, [torch.Generator().manual_seed(0)], processed_rows=[0])
     assert processed[0, 2].item() == float("-inf")
     assert torch.isfinite(processed[0, [0, 1, 3]]).all() and tokens[0].item() != 2
+
+
+def test_one_sampling_step_gives_each_row_the_logprobs_of_its_own_mode():
+    """engine/sample_step.py over four rows, against torch's log_softmax and the penalties'
+    published formulas: a raw row gets log_softmax of the model's logits, before its repetition
+    penalty (HF/CTRL); a processed row that of its logits less the presence penalty (OpenAI: every
+    token in the output, and on a verify row the drafts before it) over its temperature; a greedy
+    processed row its log_softmax; a row the verifier names gets its processed distribution too."""
+    from kvtier.engine.request import Request
+    from kvtier.engine.sample_step import sample_rows
+    from kvtier.engine.sampling import Penalties
+
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    reqs = [
+        Request("raw", [1, 2], SamplingParams(temperature=0.7, logprobs=2, repetition_penalty=2.0)),
+        Request("processed", [3], SamplingParams(temperature=0.5, logprobs=1, logprobs_mode="processed", presence_penalty=1.5)),
+        Request("verified", [4], SamplingParams(temperature=0.9)),
+        Request("greedy", [5], SamplingParams(logprobs=0, logprobs_mode="processed")),
+    ]
+    for r in reqs:
+        r.generator = torch.Generator().manual_seed(1)
+    reqs[1].output_token_ids = [7]
+    ahead = [[], [9], [], []]  # row 1 verifies the token after the draft 9
+    got = sample_rows(logits.clone(), reqs, Penalties(VOCAB, [0], torch.device("cpu")), ahead, processed_rows=[2])
+    penalized = logits[1].clone()
+    penalized[[7, 9]] -= 1.5
+    assert got.logprob_rows == [0, 1, 3] and got.processed_rows == [1, 2, 3]
+    assert got.logprobs is not None
+    torch.testing.assert_close(got.logprobs[0], torch.log_softmax(logits[0], -1))
+    torch.testing.assert_close(got.logprobs[1], torch.log_softmax(penalized / 0.5, -1))
+    torch.testing.assert_close(got.logprobs[2], torch.log_softmax(logits[3], -1))
+    torch.testing.assert_close(got.processed_of(2, 1)[0], torch.log_softmax(logits[2] / 0.9, -1))
+    assert got.tokens[3] == logits[3].argmax()

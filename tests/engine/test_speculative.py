@@ -21,7 +21,8 @@ import kvtier
 from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import draw
-from kvtier.engine.spec import REST_STEPS, Speculator
+from kvtier.engine.spec import REST_STEPS
+from kvtier.engine.verify import accept
 from kvtier.model import AttentionMetadata, ModelConfig, allocate_kv_caches, load_model
 from tests.engine.hf_reference import prompts_for
 from tests.engine.test_sampling_distribution import LOGITS, reference, rejection
@@ -206,7 +207,6 @@ def test_a_model_without_mtp_layers_is_refused(checkpoint):
 def verify_counts(params: SamplingParams, draft: int, trials: int = 4000, wrong: str | None = None):
     """Counts of the first token the verification emits after a one-token draft ``draft``, the
     target's rows being LOGITS and LOGITS reversed; and of the bonus token when it was accepted."""
-    spec = Speculator(1)
     gen = torch.Generator().manual_seed(1)
     req = Request("r", [1, 2, 3], params)
     req.generator = gen
@@ -220,7 +220,7 @@ def verify_counts(params: SamplingParams, draft: int, trials: int = 4000, wrong:
         if wrong == "keep":  # a verifier that always keeps the draft
             a, token = 1, pair[1]
         else:
-            a, token = spec._verify(req, [draft], pair, processed, [2 * i, 2 * i + 1])
+            a, token = accept(req, [draft], pair, processed[2 * i : 2 * i + 2])
             if a == 0 and wrong == "resample":  # one that redraws from p on a rejection, draft and all
                 token = pair[0]
         if a == 1:
@@ -249,11 +249,10 @@ def test_sampled_tokens_follow_the_target_distribution_whatever_the_draft(draft)
 
 
 def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
-    spec = Speculator(3)
     req = Request("r", [1], SamplingParams())
-    assert spec._verify(req, [5, 6, 7], [5, 6, 9, 4], None, [None] * 4) == (2, 9)
-    assert spec._verify(req, [5, 6, 7], [5, 6, 7, 4], None, [None] * 4) == (3, 4)
-    assert spec._verify(req, [5, 6, 7], [8, 6, 7, 4], None, [None] * 4) == (0, 8)
+    assert accept(req, [5, 6, 7], [5, 6, 9, 4], None) == (2, 9)
+    assert accept(req, [5, 6, 7], [5, 6, 7, 4], None) == (3, 4)
+    assert accept(req, [5, 6, 7], [8, 6, 7, 4], None) == (0, 8)
 
 
 def mtp_reference(model, seq: list[int], q: int, k: int) -> list[tuple[int, float]]:

@@ -212,7 +212,8 @@ class _Rank:
                 next_ids, rows, positions, tables = msg[1:]
                 dev = runner.device
                 ids, rows, positions = (to_device(v, dev, torch.long) for v in (next_ids, rows, positions))
-                draft_passes(runner, runner.spec.chain, inputs, hidden, hook, ids, rows, positions, tables)
+                model, kv, chain = runner.model, runner.kv_caches, runner.spec.chain
+                draft_passes(model, kv, chain, inputs, hidden, hook, ids, rows, positions, tables)
             elif kind == "close":
                 from kvtier.engine.tp.ranks import destroy_group
 
