@@ -60,10 +60,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from kvtier.redact import redact_url
 from kvtier.serve import asgi
+from kvtier.serve.backend import Backend
 from kvtier.serve.errors import APIError, add_error_handlers, error_response, invalid_json_message, sse_error, until_disconnect
-from kvtier.serve.route import Candidate, Picker, PrefixIndex
+from kvtier.serve.route import Candidate, Picker
 from kvtier.serve.workers import CacheView
 
 log = logging.getLogger(__name__)
@@ -85,46 +85,6 @@ MAX_LIST_NUMBERS = 1 << 20  # entries of a list of numbers (token ids) in a clie
 _FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _NUMBER_START = frozenset(bytes([c]) for c in b"-0123456789")
 PD_ON_MISS = ("recompute", "error")  # what a D's /health may say in pd_on_miss
-
-
-class Backend:
-    def __init__(self, url: str, role: str) -> None:
-        url = url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"backend URL must start with http:// or https://, got {redact_url(url)!r}")
-        if "@" in url.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError(
-                f"backend URL {redact_url(url)!r} holds credentials: the router authenticates to its "
-                "servers with --backend-api-key (or $KVTIER_BACKEND_API_KEY), never with a URL's user or password"
-            )
-        self.url, self.role = url, role
-        self.label = url  # how /metrics and /health name it (the Router sets "<role><i>" unless --expose-config)
-        self.healthy = True
-        self.info: dict = {}
-        self._warned: set[str] = set()
-        # --policy: the uncached tokens of the requests in flight on it (_load); its cache as its KV events say
-        # (serve/workers.py): None until a snapshot put the index in step
-        self.inflight = 0
-        self.index = PrefixIndex()
-        self.seq: int | None = None
-        self.keying: tuple[int, str, bytes] | None = None  # block size, hash, fingerprint
-        self.storage_shards = 1  # pool objects per block (its tensor-parallel ranks)
-        self.synced_once = False
-        self.stalled = False  # its last KV-event poll went unanswered: out of the rotation (serve/workers.py)
-
-    @property
-    def up(self) -> bool:
-        """In the rotation: healthy, and answering its KV events (when the router polls them)."""
-        return self.healthy and not self.stalled
-
-    def warn_once(self, message: str) -> None:
-        """Log ``message`` as a warning the first time it comes (each health check would repeat it)."""
-        if message not in self._warned:
-            self._warned.add(message)
-            log.warning("%s", message)
-
-    def __repr__(self) -> str:
-        return f"{self.role}:{self.url}{'' if self.healthy else ' (down)'}{' (stalled)' if self.stalled else ''}"
 
 
 class Router:

@@ -36,7 +36,7 @@ from kvtier.cache.keys import BlockHasher, encoded_seed
 from kvtier.serve.route import Candidate
 
 if TYPE_CHECKING:
-    from kvtier.serve.router import Backend
+    from kvtier.serve.backend import Backend
     from kvtier.storage.client import StorageClient
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvtier.serve.route import PrefixIndex
-from kvtier.serve.router import Backend
+from kvtier.serve.backend import Backend
 from kvtier.serve.workers import CacheView
 
 ENGINE = [
