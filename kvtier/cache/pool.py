@@ -80,3 +80,7 @@ class BlockPool:
 
     def is_free(self, b: int) -> bool:
         return bool(self._is_free[b])
+
+    def free_blocks(self) -> list[int]:
+        """The free block ids, in the order :meth:`allocate` hands them out."""
+        return self._free[::-1]

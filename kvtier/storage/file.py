@@ -58,7 +58,7 @@ import shutil
 import stat
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 from urllib.parse import unquote, urlparse
 
 import xxhash
@@ -135,7 +135,7 @@ class FileBackend(Backend):
         self.unlocked_evictions = 0  # scans run without the cross-process lock (its file refused)
         self._last_full_evict = -float("inf")
         self._touch: list[str] = []  # objects read since the last mtime refresh
-        self._estimate = self._scan_size()
+        self._estimate = self.scan_nbytes()
 
     @classmethod
     def from_url(cls, url: str) -> "FileBackend":
@@ -156,7 +156,8 @@ class FileBackend(Backend):
         h = xxhash.xxh64_hexdigest(name.encode())
         return h[:4], f"{self._prefix}{h[:2]}/{h[2:4]}/{name}"  # (os.path.join: 2 us of the GIL)
 
-    def _path(self, name: str) -> str:
+    def path_of(self, name: str) -> str:
+        """The file that holds (or would hold) object ``name``."""
         return self._locate(name)[1]
 
     # ------------------------------------------------------------------ trust
@@ -365,7 +366,7 @@ class FileBackend(Backend):
                 self._estimate += written
                 over = self._estimate > self.capacity
             if over:
-                self._evict()
+                self.evict()
         return out
 
     def _write(self, path: str, name: str, bufs: Sequence[memoryview]) -> int:
@@ -464,18 +465,17 @@ class FileBackend(Backend):
                 os.close(fd1)
         return scan
 
-    def _files(self) -> Iterator[tuple[str, str, os.stat_result]]:
-        for path, name, st, _ in self._scan().files:
-            yield path, name, st
-
-    def _scan_size(self) -> int:
+    def scan_nbytes(self) -> int:
+        """The bytes the pool takes on disk now, by a scan of its folders: what ``capacity``
+        bounds (objects by their allocated blocks, folders at least 4 KiB each; temp files not)."""
         scan = self._scan()
         return scan.folder_bytes + sum(_file_bytes(st) for _, name, st, _ in scan.files if not name.startswith("."))
 
-    def _evict(self, keep_fraction: float | None = None) -> None:
-        """Remove least recently used objects (and the folders they leave empty) down to 90% of
-        the capacity, or (``keep_fraction``, a full disk) until the pool's objects are down to
-        that fraction of their bytes; one process at a time."""
+    def evict(self, keep_fraction: float | None = None) -> None:
+        """Run an eviction scan now (a write that passes the capacity runs one): remove least
+        recently used objects (and the folders they leave empty) down to 90% of the capacity, or
+        (``keep_fraction``, a full disk) until the pool's objects are down to that fraction of
+        their bytes; one process at a time. Stray temp files of dead writers go too."""
         self._touch_hits()
         with self._evict_mutex:
             lock_fd = self._open_evict_lock()
@@ -594,7 +594,7 @@ class FileBackend(Backend):
             self._last_full_evict = now
             self.full_disk_evictions += 1
         log.warning("file storage %s: disk full; evicting down to %d%% of the pool", self.root, int(_FULL_EVICT_TO * 100))
-        self._evict(_FULL_EVICT_TO)
+        self.evict(_FULL_EVICT_TO)
 
     def close(self) -> None:
         self._touch_hits()

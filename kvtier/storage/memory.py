@@ -114,6 +114,11 @@ class MemoryBackend(Backend):
                     self.nbytes -= len(data)
 
     # test helpers: reach into the stored bytes (corruption tests)
+    def names(self) -> list[str]:
+        """The names of the objects held, least recently used first."""
+        with self._lock:
+            return list(self._objects)
+
     def raw(self, name: str) -> bytes | None:
         return self._objects.get(name)
 

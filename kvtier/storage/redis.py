@@ -708,6 +708,12 @@ class RedisBackend(Backend):
                     raise self._fail("UNLINK", r)
         self._count(round_trips=-(-len(names) // b), deletes=len(names))
 
+    @property
+    def connection_class(self) -> type:
+        """The redis-py connection class of this backend's connections (TCP or TLS): its packer
+        hands a SET's memoryview to ``sendall`` as it is, where redis-py's own copies it twice."""
+        return self._conn_kwargs["connection_class"]
+
     def stats(self) -> dict:
         """Backend counters (round_trips: batches sent, one round trip each -- to every node
         involved at once in a cluster; bytes_read, bytes_written, gets, hits, misses, too_large,

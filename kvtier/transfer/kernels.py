@@ -97,7 +97,7 @@ if triton is not None:
 
     # one kernel whatever the copy: how many blocks, which layer, where the ids start (triton_jit.py)
     @jit(vary=["src_layer0", "dst_layer0", "num_work", "num_lk", "num_parts"], unaligned=["src_ids", "dst_ids"])
-    def _copy_chunks(
+    def copy_chunks(
         src,
         dst,
         src_ids,
@@ -365,7 +365,7 @@ def _launch(
     programs, warps = (
         (TUNING["staged_programs"], TUNING["staged_warps"]) if on_device else (TUNING["max_programs"], TUNING["num_warps"])
     )
-    _copy_chunks[(min(work, programs),)](
+    copy_chunks[(min(work, programs),)](
         src,
         dst,
         src_ids,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.sim import SimConfig
-from kvtier.bench.traces import TraceError, _tokens_of_hash, read_trace, tokens_of_hashes
+from kvtier.bench.traces import TraceError, read_trace, tokens_of_hashes
 from kvtier.cache.policy import default_write_policy
 from kvtier.cli import main
 
@@ -103,6 +103,13 @@ def test_trace_is_ordered_by_timestamp(tmp_path):
         read_trace(tmp_path / "missing.jsonl")
 
 
+def tokens_of_hash(h: int, block_tokens: int, vocab: int) -> list[int]:
+    """The synthetic tokens of one hash id, one at a time in plain Python: a multiplicative hash
+    of (id, position) mod 2**32, the reference the vectorized ``tokens_of_hashes`` must match."""
+    base = (h * 0x9E3779B1) & 0xFFFFFFFF
+    return [((base + k * 0x85EBCA77) & 0xFFFFFFFF) % vocab for k in range(block_tokens)]
+
+
 def test_synthetic_tokens_are_deterministic_and_distinct(tmp_path):
     path = write_jsonl(
         tmp_path / "t.jsonl",
@@ -116,8 +123,8 @@ def test_synthetic_tokens_are_deterministic_and_distinct(tmp_path):
     assert a.input_ids[:16] == b.input_ids[:16] and a.input_ids[16:] != b.input_ids[16:]
     assert len(a.input_ids) == 20
     hs = [0, 1, 2, 2**32 - 1, 2**40 + 3]
-    assert tokens_of_hashes(hs, 8, 1 << 30) == [t for h in hs for t in _tokens_of_hash(h, 8, 1 << 30)]
-    assert len({tuple(_tokens_of_hash(h, 8, 1 << 30)) for h in range(1000)}) == 1000
+    assert tokens_of_hashes(hs, 8, 1 << 30) == [t for h in hs for t in tokens_of_hash(h, 8, 1 << 30)]
+    assert len({tuple(tokens_of_hashes([h], 8, 1 << 30)) for h in range(1000)}) == 1000
 
 
 def test_every_tier_accepts_inf(trace, capsys):

@@ -212,18 +212,18 @@ class CacheMachine(RuleBasedStateMachine):
         tokens = self.swapped.pop(data.draw(st.integers(0, len(self.swapped) - 1)))
         if away != "briefly":
             self._drain()
-            self.mgr._evict_device(self.mgr.device_pool.num_blocks)
+            self.mgr.table.evict_device(self.mgr.device_pool.num_blocks)
             self._drain()  # write_back: device copies go once their backups land
             if away == "off host":
-                self.mgr._evict_host(self.mgr.host_pool.num_blocks)
+                self.mgr.table.evict_host(self.mgr.host_pool.num_blocks)
                 self._drain()  # write_back: host copies go once stored
         self._add(tokens)
 
     @rule(device=st.integers(0, 10), host=st.integers(0, 20))
     def pressure(self, device, host):
         """Other requests' demand: evict what allocate would evict to find this many blocks."""
-        self.mgr._evict_device(device)
-        self.mgr._evict_host(host)
+        self.mgr.table.evict_device(device)
+        self.mgr.table.evict_host(host)
 
     @rule()
     def submit_only(self):
@@ -321,7 +321,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self._run(op, fails)
 
     def _blocks_used_by_inflight(self):
-        out = set()
+        out: set[tuple[str, int]] = set()
         for op in self.inflight:
             out.update((op.src_tier, b) for b in op.src_blocks)
             out.update((op.dst_tier, b) for b in op.dst_blocks)
@@ -336,12 +336,14 @@ class CacheMachine(RuleBasedStateMachine):
             if op.kind == "fetch":
                 value = self.stored.get(op.keys[i], GARBAGE)
             else:
+                assert src is not None, op
                 value = src[op.src_blocks[i]]
                 assert value == op.keys[i], f"{op.kind} reads a block that does not hold its key"
             if op.kind == "put":
                 if i not in failed:
                     self.stored[op.keys[i]] = value
             else:
+                assert dst is not None, op
                 dst[op.dst_blocks[i]] = GARBAGE if i in failed else value
         return failed
 
@@ -361,6 +363,7 @@ class CacheMachine(RuleBasedStateMachine):
             if n.device_block is not None and (n.lock_ref or n.device_reads):
                 while not n.is_root and id(n) not in blocked:
                     blocked.add(id(n))
+                    assert n.parent is not None  # (only the root has none)
                     n = n.parent
         return self.mgr.device_pool.num_free + sum(
             1 for n in tree.nodes.values() if n.device_block is not None and id(n) not in blocked
@@ -444,15 +447,15 @@ TestWriteBack.settings = SETTINGS
 
 
 @pytest.mark.slow
-class TestWriteThroughSelectiveDeep(WriteThroughSelective.TestCase):
+class TestWriteThroughSelectiveDeep(WriteThroughSelective.TestCase):  # type: ignore[valid-type,misc]  # (built at run time)
     settings = DEEP
 
 
 @pytest.mark.slow
-class TestWriteThroughDeep(WriteThrough.TestCase):
+class TestWriteThroughDeep(WriteThrough.TestCase):  # type: ignore[valid-type,misc]  # (built at run time)
     settings = DEEP
 
 
 @pytest.mark.slow
-class TestWriteBackDeep(WriteBack.TestCase):
+class TestWriteBackDeep(WriteBack.TestCase):  # type: ignore[valid-type,misc]  # (built at run time)
     settings = DEEP

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.cache import CacheManager, SimulatedStorage
+from kvtier.cache.tree import Node
 
 BS = 4
 
@@ -12,6 +13,13 @@ BS = 4
 def blocks(start, n, extra=1):
     """Tokens of ``n`` full blocks (+ ``extra`` tokens) unique to ``start``."""
     return list(range(start, start + n * BS + extra))
+
+
+def node(mgr: CacheManager, key: bytes) -> Node:
+    """The tree's node of ``key``, which the test expects there."""
+    found = mgr.tree.get(key)
+    assert found is not None, f"no node for key {key.hex()}"
+    return found
 
 
 def run_plans(mgr, failed=None):
@@ -51,9 +59,9 @@ def test_match_is_device_then_host_then_storage_hits():
     assert m.tokens_by_tier() == {"device": 8, "host": 4, "storage": 4}
     req = mgr.new_request("a3", a)
     mgr.match_prefix(req)
-    nodes = [mgr.tree.get(k) for k in req.keys[:4]]
-    assert [n.device_block is not None for n in nodes[:3]] == [True, True, False]
-    assert nodes[2].host_ready and nodes[3] is None and storage.contains(req.keys[3])
+    nodes = [node(mgr, k) for k in req.keys[:3]]
+    assert [n.device_block is not None for n in nodes] == [True, True, False]
+    assert nodes[2].host_ready and mgr.tree.get(req.keys[3]) is None and storage.contains(req.keys[3])
 
 
 def test_match_leaves_at_least_one_token_to_compute():
@@ -86,7 +94,7 @@ def test_cache_salt_isolates_requests():
 def test_eviction_removes_leaves_only():
     mgr = CacheManager(block_size=BS, num_device_blocks=4)
     a = serve(mgr, "a", blocks(0, 3, extra=0))  # 3 nodes in a chain
-    chain = [mgr.tree.get(k) for k in a.keys]
+    chain = [node(mgr, k) for k in a.keys]
     req = mgr.new_request("b", blocks(100, 1, extra=1))  # 2 blocks: 1 free + 1 evicted
     assert mgr.allocate(req, len(req.token_ids))
     assert mgr.tree.get(a.keys[2]) is None  # the leaf went
@@ -103,7 +111,7 @@ def test_locked_blocks_are_never_evicted():
     b = mgr.new_request("b", blocks(100, 2))
     assert not mgr.can_allocate(b, 9)
     assert not mgr.allocate(b, 9)
-    assert [mgr.tree.get(k).device_block for k in a.keys] == a.block_table
+    assert [node(mgr, k).device_block for k in a.keys] == a.block_table
     mgr.assert_invariants([a, b])
 
 
@@ -159,7 +167,7 @@ def test_write_back_copies_on_eviction_ancestors_first():
     b = mgr.new_request("b", blocks(100, 0, extra=3))  # one block: the leaf of a must go
     assert not mgr.allocate(b, 3)  # not yet: its copy is in flight
     plan = mgr.take_plan()
-    assert plan.backups.keys == tuple(a.keys)  # root -> leaf: ancestors first
+    assert plan.backups is not None and plan.backups.keys == tuple(a.keys)  # root -> leaf: ancestors first
     mgr.complete_plan(plan)
     assert mgr.allocate(b, 3)  # the copy landed: the leaf was freed
     m = mgr.match_prefix(mgr.new_request("a2", blocks(0, 3, extra=1)))
@@ -251,7 +259,7 @@ def test_early_loads_bring_fetched_chunks_and_host_hits_to_the_device_before_adm
     )
     serve(mgr, "h", tokens[: 2 * BS] + [99])  # blocks 0-1 on this engine ...
     run_plans(mgr)
-    mgr._evict_device(12)  # ... then on its host tier only
+    mgr.table.evict_device(12)  # ... then on its host tier only
     mgr.storage = storage
     req = mgr.new_request("b", tokens)
     m = mgr.match_prefix(req)
@@ -297,6 +305,7 @@ def test_a_preload_counts_as_a_host_hit_only_for_the_request_it_was_made_for():
         assert mgr.prefetch(a) == 2
         mgr.complete_plan(mgr.take_plan())  # the fetch lands; its preload is planned ...
         pre = mgr.take_plan().preloads  # ... and in flight when a's deadline passes
+        assert pre is not None
         m = mgr.match_prefix(a)
         assert (m.num_device_blocks, m.num_host_blocks) == (0, 2)
         assert mgr.allocate(a, len(a.token_ids))  # admitted: loads its 2 host hits itself
@@ -372,6 +381,7 @@ def test_a_preload_below_a_failed_one_is_dropped():
     first = mgr.take_plan().preloads
     mgr.complete(fetches[1].op_id)
     second = mgr.take_plan().preloads
+    assert first is not None and second is not None
     mgr.complete(second.op_id)  # lands before its parent's: dropped
     mgr.complete(first.op_id, [1])  # block 1 failed: block 0 only
     assert mgr.stats.failures["load"] == 1
@@ -379,7 +389,8 @@ def test_a_preload_below_a_failed_one_is_dropped():
     m = mgr.match_prefix(req)
     assert (m.num_device_blocks, m.num_host_blocks) == (1, 3)
     assert mgr.allocate(req, len(tokens))
-    assert mgr.take_plan().loads.num_blocks == 3
+    loads = mgr.take_plan().loads
+    assert loads is not None and loads.num_blocks == 3
     assert mgr.device_pool.num_free == 8 - 5
 
 

@@ -131,7 +131,7 @@ def test_run_eviction_equals_block_by_block_eviction(prompts, num_blocks, policy
             mgr.assert_invariants()
         a, b = ({k: n.device_block for k, n in m.tree.nodes.items()} for m in mgrs)
         assert a == b
-        assert mgrs[0].device_pool._free == mgrs[1].device_pool._free
+        assert mgrs[0].device_pool.free_blocks() == mgrs[1].device_pool.free_blocks()
         assert mgrs[0].stats.evictions == mgrs[1].stats.evictions
 
 

@@ -9,7 +9,8 @@ import torch
 from kvtier.model import PRESETS, SUPPORTED_ARCHITECTURES, AttentionMetadata, CausalLM, allocate_kv_caches
 from kvtier.model.presets import preset_architecture
 
-# the served (full-attention) families; the latent-attention presets are tested in test_mla.py
+# the served families; the latent-attention presets are tested in test_mla.py, the hybrid
+# sliding-window ones (gpt-oss, Gemma) in test_sliding_window.py
 TINY_PRESETS = [name for name in PRESETS if name.endswith("-tiny") and preset_architecture(name) in SUPPORTED_ARCHITECTURES]
 MOE_PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"]
 BLOCK_SIZE = 4

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from paged_helpers import BLOCK_SIZE, PagedSequences, random_tokens
 
 from kvtier.model import ModelConfig, allocate_kv_caches, init_model, load_model
 from kvtier.model.layers import RMSNorm
+from tests.model.paged_helpers import BLOCK_SIZE, PagedSequences, random_tokens
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_helpers import TINY_PRESETS, PagedSequences, hf_logits, random_tokens
+
+from tests.model.paged_helpers import TINY_PRESETS, PagedSequences, hf_logits, random_tokens
 
 ATOL = 1e-4
 

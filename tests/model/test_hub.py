@@ -57,7 +57,8 @@ def generate(args: list[str], capsys) -> tuple[int, str, str]:
     """`kvtier generate ARGS` in this process: (exit status, stdout, stderr)."""
     try:
         rc = main(["generate", *args])
-    except SystemExit as e:  # a usage error
+    except SystemExit as e:  # a usage error (argparse exits with a status, never a message)
+        assert isinstance(e.code, int), e.code
         rc = e.code
     out, err = capsys.readouterr()
     return rc, out, err
@@ -192,11 +193,11 @@ def test_a_dummy_load_of_a_hub_id_fetches_no_weights(offline, monkeypatch):
     _, main_dir, _ = offline
     import huggingface_hub
 
-    calls = []
+    calls: list[list[str]] = []
     real = huggingface_hub.snapshot_download
 
     def spy(repo_id, **kw):
-        calls.append(kw.get("allow_patterns"))
+        calls.append(kw.get("allow_patterns") or [])
         return real(repo_id, **kw)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)

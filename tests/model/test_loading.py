@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-from paged_helpers import PagedSequences, hf_logits, random_tokens
 from safetensors.torch import load_file, save_file
 
 from kvtier.model import SUPPORTED_ARCHITECTURES, ModelConfig, load_model
+from tests.model.paged_helpers import PagedSequences, hf_logits, random_tokens
 
 
 def test_sharded_checkpoint_loads_like_single_file(checkpoint, hf_model, tmp_path):

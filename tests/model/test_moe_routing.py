@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_helpers import MOE_PRESETS, PagedSequences, random_tokens
 
 from kvtier.model import ModelConfig
+from tests.model.paged_helpers import MOE_PRESETS, PagedSequences, random_tokens
 
 
 def routing_buffer(cfg: ModelConfig, num_tokens: int) -> torch.Tensor:

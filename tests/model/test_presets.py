@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from paged_helpers import TINY_PRESETS
 
 from kvtier.model import PRESETS, ModelConfig, init_model
 from kvtier.model.shard import shard_config
 from kvtier.model.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from tests.model.paged_helpers import TINY_PRESETS
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

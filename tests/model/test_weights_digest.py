@@ -41,7 +41,7 @@ def count_weight_opens(monkeypatch) -> list[str]:
     opened: list[str] = []
     real_open = builtins.open
 
-    def spy(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def spy(file, *args, **kwargs):
         if str(file).endswith(".safetensors"):
             opened.append(str(file))
         return real_open(file, *args, **kwargs)

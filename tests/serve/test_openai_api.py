@@ -163,7 +163,9 @@ def test_api_key_and_chat_without_template(server, procs, checkpoint):
 
 
 def generated(server) -> float:
-    return float(re.search(r"^kvtier_generation_tokens_total (\S+)", httpx.get(server.url + "/metrics").text, re.M).group(1))
+    m = re.search(r"^kvtier_generation_tokens_total (\S+)", httpx.get(server.url + "/metrics").text, re.M)
+    assert m, "no kvtier_generation_tokens_total in /metrics"
+    return float(m.group(1))
 
 
 def test_a_client_that_disconnects_frees_its_request(server, client):
@@ -177,7 +179,7 @@ def test_a_client_that_disconnects_frees_its_request(server, client):
     ) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # (only a request that is never aborted runs into it)
     while time.monotonic() < deadline:
         m = httpx.get(server.url + "/metrics").text
         if re.search(r"^kvtier_requests_running 0\.0$", m, re.M):
@@ -206,7 +208,7 @@ def test_models_health_and_metrics(server, client):
         "kvtier_pd_handoffs_total",
     ):
         assert re.search(rf"^{name}", m, re.M), name
-    assert float(re.search(r"^kvtier_generation_tokens_total (\S+)", m, re.M).group(1)) > 0
+    assert generated(server) > 0
 
 
 def metric(server, name: str) -> float:
@@ -214,7 +216,7 @@ def metric(server, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def wait_idle(server, timeout: float = 20.0) -> None:
+def wait_idle(server, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while metric(server, "kvtier_requests_running") or metric(server, "kvtier_requests_waiting"):
         if time.monotonic() > deadline:
@@ -287,11 +289,15 @@ CAP = 16 * 1024 * 1024  # the default --max-body-bytes
 
 
 def test_a_content_length_over_the_cap_is_413_before_the_body_with_expect_continue(server):
-    t0 = time.monotonic()
-    answer = raw_post(server, [f"Content-Length: {CAP + 1}", "Expect: 100-continue"], [])
+    """The client announces a body over the cap and waits for "100 Continue" before sending any
+    of it: the server answers 413 at once. One that waited for the body (or sent "100 Continue")
+    would leave the socket silent: its 30 s timeout fails the test as a hang."""
+    try:
+        answer = raw_post(server, [f"Content-Length: {CAP + 1}", "Expect: 100-continue"], [])
+    except TimeoutError:
+        pytest.fail("no answer without the body: the server waits for a body the client never sends")
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b'"param":null' in answer and b"--max-body-bytes" in answer
-    assert time.monotonic() - t0 < 5
 
 
 def test_a_client_that_sends_an_oversized_body_reads_the_413(server):

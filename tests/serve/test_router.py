@@ -10,7 +10,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from typing import Awaitable, Callable
 
 import httpx
 import pytest
@@ -219,16 +221,33 @@ HEAD = {
 ACK = {"manifest": {"complete": True, "namespace": "ns", "keys": ["k"], "num_tokens": 2, "failed_blocks": 0}}
 
 
-def p_answer(ack: dict | None = ACK, ack_after: float = 0.0, head: dict | None = HEAD):
-    """P's two JSON lines (serve/api.py): the first token's at once, the pool's ack ``ack_after``
-    seconds later (``ack`` None: P breaks off after its first line; ``head`` None: before it)."""
+HANG_S = 60.0  # what a stand-in waits at most for the test's go-ahead: only a router that hangs runs into it
+
+
+async def until(go: threading.Event, who: str, log: list[str]) -> None:
+    """Wait (without blocking the router's event loop) until ``go`` is set. A stand-in still
+    waiting after HANG_S goes on, and ``log`` says so: the order the test checks is then wrong,
+    so a router that waits for the wrong thing fails the test instead of hanging it."""
+    end = time.monotonic() + HANG_S
+    while not go.is_set():
+        if time.monotonic() > end:
+            log.append(f"{who} gave up waiting")
+            return
+        await asyncio.sleep(0.01)
+
+
+def p_answer(ack: dict | None = ACK, head: dict | None = HEAD, before_ack: Callable[[], Awaitable[None]] | None = None):
+    """P's two JSON lines (serve/api.py): the first token's at once, the pool's ack once
+    ``before_ack`` (awaited) returned (``ack`` None: P breaks off after its first line; ``head``
+    None: before it)."""
 
     class Lines(httpx.AsyncByteStream):
         async def __aiter__(self):
             if head is None:
                 raise httpx.ReadError("connection reset")
             yield (json.dumps(head) + "\n").encode()
-            await asyncio.sleep(ack_after)
+            if before_ack is not None:
+                await before_ack()
             if ack is None:
                 raise httpx.ReadError("connection reset")
             yield (json.dumps(ack) + "\n").encode()
@@ -253,13 +272,14 @@ class Events(httpx.AsyncByteStream):
         yield b"data: [DONE]\n\n"
 
 
-def d_recording(seen: list, delay: float = 0.0, stream: bool = True):
-    """D answering after ``delay`` s (a stream, or a whole answer "from D"), keeping each request
-    body it got."""
+def d_recording(seen: list, stream: bool = True, before: Callable[[], Awaitable[None]] | None = None):
+    """D answering (a stream, or a whole answer "from D") once ``before`` (awaited) returned,
+    keeping each request body it got."""
 
     async def d(req):
         seen.append(json.loads(req.content))
-        await asyncio.sleep(delay)
+        if before is not None:
+            await before()
         if not stream:
             return httpx.Response(200, json={"choices": [{"text": "from D"}]})
         return httpx.Response(200, stream=DStream(), headers={"content-type": "text/event-stream"})
@@ -267,7 +287,7 @@ def d_recording(seen: list, delay: float = 0.0, stream: bool = True):
     return d
 
 
-def through(routed, ack, stream: bool, d_mode: str) -> tuple[httpx.Response, list]:  # type: ignore[no-untyped-def]
+def through(routed, ack, stream: bool, d_mode: str) -> tuple[httpx.Response, list]:
     """A completion through P answering ``ack`` after its first line and a D of ``d_mode``: the
     answer and the request bodies D got."""
     c, router, backends = routed
@@ -278,49 +298,94 @@ def through(routed, ack, stream: bool, d_mode: str) -> tuple[httpx.Response, lis
     return c.post("/v1/completions", json=BODY | {"stream": stream}), seen
 
 
-def stream_events(c: TestClient) -> tuple[dict, float, list]:
-    """(first event, seconds until it came, the other events) of a streamed completion."""
-    t0 = time.monotonic()
+class Timeline:
+    """What the client and the stand-ins did, in order (``log``); ``token`` is set once the
+    client has P's token."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.token = threading.Event()
+
+
+def stream_events(c: TestClient, timeline: Timeline | None = None) -> tuple[dict, list]:
+    """(first event, the other events) of a streamed completion, noted in ``timeline`` as soon
+    as the first event came."""
     with c.stream("POST", "/v1/completions", json=BODY | {"stream": True}) as r:
         events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
         first = json.loads(next(events))
-        waited = time.monotonic() - t0
+        if timeline is not None:
+            timeline.log.append("client has P's token")
+            timeline.token.set()
         rest = list(events)
-    return first, waited, rest
+    return first, rest
 
 
-@pytest.mark.parametrize("d_mode", ["recompute", "error"])
-def test_a_stream_starts_with_ps_token_before_d_answers_only_when_d_recomputes(routed, d_mode):
+def test_a_stream_starts_with_ps_token_before_d_answers_when_d_recomputes(routed):
+    """D (which recomputes what it misses) answers only once the client has P's token: the
+    stream must not wait for D. A router that waits for D's answer before sending P's token
+    holds D until HANG_S, and the log shows D answering first."""
     c, router, backends = routed
+    t = Timeline()
     backends.prefill = p_answer()
     seen: list = []
-    backends.decode = d_recording(seen, delay=1.5)  # D answers after 1.5 s
-    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": d_mode}  # (its /health)
-    first, waited, rest = stream_events(c)
+
+    async def once_the_client_has_the_token() -> None:
+        await until(t.token, "D", t.log)
+        t.log.append("D answers")
+
+    backends.decode = d_recording(seen, before=once_the_client_has_the_token)
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}  # (its /health)
+    first, rest = stream_events(c, t)
     assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
-    assert (waited < 1.0) if d_mode == "recompute" else (waited >= 1.5), waited
+    assert t.log == ["client has P's token", "D answers"]
+    assert seen[0]["kvtier_handoff"]["keys"] == ["k"] and seen[0]["kvtier_handoff"]["first_token"] == 5
+
+
+def test_a_stream_waits_for_d_before_ps_token_when_d_may_refuse(routed):
+    """A D that errors on what it misses may refuse the hand-off (then the request runs
+    colocated, and P's token must not have gone out): the client gets P's token only after D
+    answered. D takes a moment (0.5 s) so that a router that sent the token first would be
+    seen doing so; the order is the observable, not the time."""
+    c, router, backends = routed
+    t = Timeline()
+    backends.prefill = p_answer()
+    seen: list = []
+
+    async def after_a_moment() -> None:
+        await asyncio.sleep(0.5)
+        t.log.append("D answers")
+
+    backends.decode = d_recording(seen, before=after_a_moment)
+    router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "error"}
+    first, rest = stream_events(c, t)
+    assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
+    assert t.log == ["D answers", "client has P's token"]
     assert seen[0]["kvtier_handoff"]["keys"] == ["k"] and seen[0]["kvtier_handoff"]["first_token"] == 5
 
 
 def test_the_first_token_does_not_wait_for_the_pools_ack_and_d_waits_for_it(routed):
-    """P writes its blocks for 1.5 s after its first token: the client has the token at once, D
-    is called only once P's ack came (so that D finds the blocks in the pool)."""
+    """P acks its blocks only once the client has its first token: the client has the token
+    without the ack, and D is called only after the ack (so that D finds the blocks in the pool).
+    A router that held the token for the ack makes P wait until HANG_S; one that called D at once
+    logs D before the ack."""
     c, router, backends = routed
-    backends.prefill = p_answer(ack_after=1.5)
+    t = Timeline()
+
+    async def ack_once_the_client_has_the_token() -> None:
+        await until(t.token, "P", t.log)
+        t.log.append("P acks")
+
+    backends.prefill = p_answer(before_ack=ack_once_the_client_has_the_token)
     seen: list = []
-    called_at: list = []
-    d = d_recording(seen)
 
-    async def timed_d(req):
-        called_at.append(time.monotonic())
-        return await d(req)
+    async def log_the_call() -> None:
+        t.log.append("D called")
 
-    backends.decode = timed_d
+    backends.decode = d_recording(seen, before=log_the_call)
     router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
-    t0 = time.monotonic()
-    first, waited, rest = stream_events(c)
-    assert first["choices"][0]["text"] == "P" and waited < 1.0, waited
-    assert called_at[0] - t0 >= 1.5 and rest[-1] == "[DONE]"
+    first, rest = stream_events(c, t)
+    assert first["choices"][0]["text"] == "P" and rest[-1] == "[DONE]"
+    assert t.log == ["client has P's token", "P acks", "D called"]
     assert fallbacks(c) == 0 and incomplete(c) == 0
 
 
@@ -342,7 +407,7 @@ def test_after_an_early_token_a_failed_export_costs_d_a_recompute_not_the_reques
     seen: list = []
     backends.decode = d_recording(seen)
     router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
-    first, _, rest = stream_events(c)
+    first, rest = stream_events(c)
     assert first["choices"][0]["text"] == "P" and rest == ['{"choices":[{"index":0,"text":"D"}]}', "[DONE]"]
     assert len(seen) == 1 and seen[0]["kvtier_handoff"]["keys"] == ["k"]
     assert fallbacks(c) == 0 and incomplete(c) == 1
@@ -384,6 +449,7 @@ def test_a_d_error_after_ps_early_token_ends_the_stream_with_an_openai_error(rou
 
 def incomplete(c: TestClient) -> float:
     m = re.search(r"^kvtier_router_incomplete_exports_total (\S+)$", c.get("/metrics").text, re.M)
+    assert m, "no kvtier_router_incomplete_exports_total in /metrics"
     return float(m.group(1))
 
 
@@ -406,22 +472,39 @@ def test_a_second_line_that_is_no_manifest_counts_as_a_failed_export(routed, ack
         assert fallbacks(c) == 1
 
 
-def test_a_p_silent_after_its_first_token_is_given_up_after_its_export_timeout(routed, monkeypatch):
+def test_a_p_silent_after_its_first_token_is_given_up_after_its_export_timeout(routed, monkeypatch, caplog):
     """P acks within its --export-timeout (its /health says which); one silent past that and
-    the margin is hung: the stream goes on through D instead of waiting for the router's timeout."""
+    the margin is hung: the stream goes on through D instead of waiting for the router's timeout.
+    This P never acks (until HANG_S): D is called while P is still silent, and the router says
+    it gave up on the ack. A router that waits for the ack whatever P's export_timeout (the
+    default one is set past HANG_S here) logs P's ack before D; one that never waits for an ack
+    does not give up on one."""
     import kvtier.serve.router as router_mod
 
     monkeypatch.setattr(router_mod, "ACK_MARGIN_S", 0.5)
+    monkeypatch.setattr(router_mod, "DEFAULT_EXPORT_TIMEOUT_S", 10 * HANG_S)
     c, router, backends = routed
-    backends.prefill = p_answer(ack_after=30)
+    t = Timeline()
+    never = threading.Event()
+
+    async def never_ack() -> None:
+        await until(never, "P", t.log)
+        t.log.append("P acks")
+
+    backends.prefill = p_answer(before_ack=never_ack)
     seen: list = []
-    backends.decode = d_recording(seen)
+
+    async def log_the_call() -> None:
+        t.log.append("D called")
+
+    backends.decode = d_recording(seen, before=log_the_call)
     router.prefill[0].info = {"status": "ok", "export_timeout": 0.5}
     router.decode[0].info = {"status": "ok", "engine": "ok", "pd_on_miss": "recompute"}
-    t0 = time.monotonic()
-    first, waited, rest = stream_events(c)
+    first, rest = stream_events(c)
+    never.set()  # (P's stand-in ends)
     assert first["choices"][0]["text"] == "P" and rest[-1] == "[DONE]"
-    assert 1.0 <= time.monotonic() - t0 < 10, "D came neither after the deadline nor before the 30 s ack"
+    assert t.log == ["D called"]
+    assert "did not ack its blocks in time" in caplog.text
     assert "kvtier_handoff" in seen[0] and incomplete(c) == 1
 
 

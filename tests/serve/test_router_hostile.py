@@ -28,7 +28,7 @@ from kvtier.serve.router import Router
 
 P, D = "http://p.test", "http://d.test"
 BODY = {"model": "moe", "prompt": "hi", "max_tokens": 2}
-HEAD = {
+HEAD: dict[str, Any] = {
     "chunks": [{"choices": [{"index": 0, "text": "P"}]}],
     "first_token": 5,
     "prompt_token_ids": [1, 2],
@@ -174,7 +174,7 @@ async def routed(
     real = httpx.AsyncClient
     mounts = {P: httpx.MockTransport(fakes.p), D: httpx.MockTransport(fakes.d)}
     monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(mounts=mounts, **kw))
-    router = Router([P] if prefill is None else prefill, [D], health_interval=60, **router_kw)
+    router = Router([P] if prefill is None else prefill, [D], **({"health_interval": 60} | router_kw))
     async with router.api.router.lifespan_context(router.api):
         async with real(transport=httpx.ASGITransport(app=router.app), base_url="http://router") as c:
             yield c, router
@@ -417,15 +417,15 @@ def test_a_d_whose_health_is_no_object_is_down(monkeypatch, health):
     fakes.d_health = health
 
     async def main() -> None:
-        async with routed(monkeypatch, fakes) as (c, router):
-            assert not router.decode[0].healthy
+        async with routed(monkeypatch, fakes, health_interval=0.05) as (c, router):
+            assert not router.decode[0].healthy  # (checked again every 0.05 s: still down)
             for stream in (False, True):
                 err = openai_error(await c.post("/v1/completions", json=BODY | {"stream": stream}), 503)
                 assert "no decode server" in err["message"]
             openai_error(await c.get("/health"), 503)
             fakes.d_health = HEALTHY  # the next check brings it back
-            await router._check(router.decode[0])
-            assert router.decode[0].healthy
+            while not router.decode[0].healthy:  # (a router that never checks again: past BOUND_S)
+                await asyncio.sleep(0.01)
             assert (await c.post("/v1/completions", json=BODY)).status_code == 200
 
     bounded(main())

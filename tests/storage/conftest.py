@@ -3,10 +3,10 @@ standalone and cluster (redis_servers), a Mooncake master + pool node (mooncake_
 test keeps its weights digest cache in its own folder, not in the user's."""
 
 import pytest
-from mooncake_servers import make_mooncake_launch, mooncake_launch  # noqa: F401
-from redis_servers import make_valkey, valkey_cluster, valkey_server  # noqa: F401
 
 from kvtier.model.digest_cache import CACHE_DIR_ENV
+from tests.storage.mooncake_servers import make_mooncake_launch, mooncake_launch  # noqa: F401
+from tests.storage.redis_servers import make_valkey, valkey_cluster, valkey_server  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

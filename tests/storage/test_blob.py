@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -10,8 +12,8 @@ from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, BlobStatus, namespace
 KEY = bytes(range(32))
 
 
-def layout(**kw) -> BlobLayout:
-    args = dict(
+def layout(**kw: Any) -> BlobLayout:
+    args: dict[str, Any] = dict(
         namespace=namespace_digest("default", b"model-a"),
         dtype="bfloat16",
         shape=(2, 2, 4, 2, 8),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from kvtier.storage.blob import BlobLayout, namespace_digest
 NUM_HOST = 16
 KV_NBYTES = 512
 RT_NBYTES = 32
+HANG_S = 60.0  # bounds a wait that only a client that never answers runs into
 LAYOUT = BlobLayout(namespace_digest("default", b"m"), "float32", (2, 2, 4, 2, 4), 4, KV_NBYTES, RT_NBYTES)
 
 
@@ -34,6 +36,11 @@ def client_for(backend: Backend, host: Host, **kw) -> StorageClient:
     c = StorageClient(backend, workers=2, batch=4, **kw)
     c.bind(LAYOUT, host.kv.__getitem__, host.rt.__getitem__)
     return c
+
+
+def host_memory_gone(host_block: int) -> np.ndarray:
+    """A host-block view that fails: a batch that reads it raises before any I/O."""
+    raise RuntimeError(f"host block {host_block} is gone")
 
 
 def key(i: int) -> bytes:
@@ -71,10 +78,12 @@ def test_corrupt_and_truncated_objects_are_misses_counted_and_deleted():
     c = client_for(backend, host)
     put(c, 0, [0, 1, 2, 3], [key(i) for i in range(4)])
     name1, name2 = c.name(key(1)), c.name(key(2))
-    data = bytearray(backend.raw(name1))
+    raw1, raw2 = backend.raw(name1), backend.raw(name2)
+    assert raw1 is not None and raw2 is not None
+    data = bytearray(raw1)
     data[200] ^= 1
     backend.set_raw(name1, bytes(data))  # one flipped bit
-    backend.set_raw(name2, backend.raw(name2)[:-7])  # truncated
+    backend.set_raw(name2, raw2[:-7])  # truncated
     failed = fetch(c, 1, [5, 6, 7, 8], [key(i) for i in range(4)])
     assert failed == [1, 2]
     assert c.stats()["corrupt"] == 2
@@ -126,15 +135,15 @@ class Flaky(MemoryBackend):
         if self.down:
             raise StorageError("connection refused (test)")
 
-    def exists(self, names):  # type: ignore[no-untyped-def]
+    def exists(self, names: Sequence[str]) -> list[bool]:
         self._gate()
         return super().exists(names)
 
-    def get_into(self, names, bufs):  # type: ignore[no-untyped-def]
+    def get_into(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         self._gate()
         return super().get_into(names, bufs)
 
-    def put_from(self, names, bufs):  # type: ignore[no-untyped-def]
+    def put_from(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         self._gate()
         return super().put_from(names, bufs)
 
@@ -168,7 +177,7 @@ def test_failed_calls_are_retried_before_failing_the_batch():
     orig = backend.get_into
     attempts = []
 
-    def twice_bad(names, bufs):  # type: ignore[no-untyped-def]
+    def twice_bad(names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         attempts.append(1)
         if len(attempts) <= 2:
             raise StorageError("blip")
@@ -184,9 +193,9 @@ class Slow(MemoryBackend):
         self.release = threading.Event()
         self.writing = threading.Event()
 
-    def get_into(self, names, bufs):  # type: ignore[no-untyped-def]
+    def get_into(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         self.writing.set()
-        self.release.wait(5)
+        self.release.wait(HANG_S)
         return super().get_into(names, bufs)
 
 
@@ -195,9 +204,9 @@ def test_a_fetch_is_never_reported_before_its_worker_returned():
     host = Host(1)
     c = client_for(backend, host)
     c.lookup_prefix([])  # (no-op)
-    backend.put_from([c.name(key(0))], [memoryview(np.zeros(LAYOUT.nbytes, np.uint8))])
+    backend.put_from([c.name(key(0))], [np.zeros(LAYOUT.nbytes, np.uint8).data])
     c.submit(TransferOp(7, "fetch", (), (3,), (key(0),)))
-    assert backend.writing.wait(5)
+    assert backend.writing.wait(HANG_S)
     assert c.poll() == [] and c.wait(timeout=0.05) == [] and c.num_in_flight == 1
     backend.release.set()
     assert c.drain() == [(7, [0])]  # (a zero object: bad header -> failed)
@@ -207,11 +216,11 @@ def test_a_fast_fetch_is_not_held_behind_a_slow_one():
     backend = Slow()
     c = client_for(backend, Host(1))
     c.submit(TransferOp(2, "fetch", (), (1,), (key(1),)))  # blocks in the backend
-    assert backend.writing.wait(5)
+    assert backend.writing.wait(HANG_S)
     c.backend = MemoryBackend()  # the next op is fast
     c.submit(TransferOp(3, "fetch", (), (2,), (key(2),)))
-    deadline = time.monotonic() + 5
-    done = []
+    deadline = time.monotonic() + HANG_S
+    done: list[tuple[int, list[int]]] = []
     while not done and time.monotonic() < deadline:
         done = c.wait(timeout=0.1)
     assert [op for op, _ in done] == [3]  # (the manager orders chunks itself)
@@ -238,7 +247,7 @@ def test_a_probe_that_breaks_before_its_call_does_not_wedge_the_breaker():
     backend.down = True
     assert c.lookup_prefix([key(0)]) == 0 and c.breaker.is_open
     time.sleep(0.06)
-    c._kv = None  # the probe batch raises before any I/O
+    c.bind(LAYOUT, host_memory_gone)  # the probe batch raises before any I/O
     c.submit(TransferOp(1, "put", (0,), (), (key(0),)))
     c.drain()
     c.bind(LAYOUT, Host(1).kv.__getitem__, Host(1).rt.__getitem__)
@@ -253,7 +262,12 @@ def test_a_prompt_whose_first_block_the_pool_lacks_is_answered_by_one_name():
     put(c, 0, [0, 1, 2], [key(0), key(1), key(2)])
     asked: list[int] = []
     real = backend.exists
-    backend.exists = lambda names: asked.append(len(names)) or real(names)  # type: ignore[method-assign]
+
+    def exists(names: Sequence[str]) -> list[bool]:
+        asked.append(len(names))
+        return real(names)
+
+    backend.exists = exists  # type: ignore[method-assign]
     assert c.lookup_prefix([key(9)] + [key(i) for i in range(3)]) == 0  # first block unknown: 1 name
     assert asked == [1]
     assert client_for(backend, Host(2)).lookup_prefix([key(i) for i in range(5)]) == 3  # then the rest

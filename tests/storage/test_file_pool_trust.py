@@ -22,7 +22,7 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another
 
 
 def blob(i: int, n: int = 4096) -> memoryview:
-    return memoryview(np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8))
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).data
 
 
 def name(i: int) -> str:
@@ -37,7 +37,8 @@ def shard(n: str) -> str:
 
 def names_in(prefix: str, count: int, start: int = 0) -> list[str]:
     """``count`` object names whose shard path starts with ``prefix`` (``aa`` or ``aa/bb``)."""
-    out, i = [], start
+    out: list[str] = []
+    i = start
     while len(out) < count:
         if shard(name(i)).startswith(prefix):
             out.append(name(i))
@@ -98,7 +99,7 @@ def test_first_level_shards_planted_as_symlinks_are_never_followed(tmp_path, cap
     fresh = [name(i) for i in range(1000, 1064)]
     assert be.put_from(fresh, [blob(i) for i in range(64)]) == [False] * 64  # refused, not raised
     be.delete(stored)
-    be._evict()
+    be.evict()
 
     assert snapshot(victim) == before  # nothing read, written, touched or removed there
     for n in stored + fresh:  # each bad folder named once, however often it was met
@@ -148,7 +149,7 @@ def test_a_shard_owned_by_another_user_is_never_used(tmp_path, caplog, level):
     neighbour = names_in(f"{d1}/{d2}", 1, start=10_000)[0]
     assert be.put_from([neighbour], [blob(2)]) == [False]
     be.delete([name(1)])
-    be._evict()
+    be.evict()
     assert os.path.isfile(pool / d1 / d2 / name(1))  # not removed either
     assert os.lstat(folder).st_uid == OTHER_UID
     assert warnings_about(caplog, str(folder)) == 1

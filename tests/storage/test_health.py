@@ -22,7 +22,7 @@ class Switchable(MemoryBackend):
         self.release = threading.Event()
         self.release.set()
 
-    def exists(self, names):  # type: ignore[no-untyped-def]
+    def exists(self, names):
         self.calls += 1
         self.release.wait()
         if self.down:
@@ -90,9 +90,10 @@ def test_a_hung_pool_is_unhealthy_and_health_does_not_wait_for_it():
 
 
 def test_close_stops_the_probe_thread():
+    before = set(threading.enumerate())
     c = StorageClient(MemoryBackend(), probe_interval=0.05)
-    thread = c._probe_thread
-    assert thread is not None and thread.is_alive()
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "kvtier-storage-probe"]
+    assert thread.is_alive()
     c.close()
     assert not thread.is_alive()
 

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -41,12 +42,12 @@ class Arena:
 
     def __init__(self, backend: MooncakeBackend, nbytes: int) -> None:
         self.mem = np.zeros(nbytes, dtype=np.uint8)
-        backend.register_buffer(memoryview(self.mem))
+        backend.register_buffer(self.mem.data)
         self.off = 0
 
     def take(self, n: int, fill: bytes | None = None) -> memoryview:
         assert self.off + n <= self.mem.nbytes
-        v = memoryview(self.mem)[self.off : self.off + n]
+        v = self.mem.data[self.off : self.off + n]
         self.off += n
         if fill is not None:
             v[:] = fill
@@ -66,12 +67,33 @@ def delta(backend: MooncakeBackend, before: dict) -> dict:
     return {k: v - before[k] for k, v in now.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
-def timed(fn, *args):
-    t0 = time.monotonic()
-    try:
-        return fn(*args), time.monotonic() - t0
-    except StorageError as e:
-        return e, time.monotonic() - t0
+HANG_S = 60.0  # bounds a call that hangs; every bound the backend sets (timeout=1..2 s, retries) is far below it
+
+
+def bounded(fn: Callable[..., Any], *args: Any) -> Any:
+    """What ``fn(*args)`` returns, or the StorageError it raises, run on a thread of its own: a
+    call still running after HANG_S hung (the client library's own waits are 30 s each, its
+    set-up retries minutes) and fails the test. How fast a call gives up is the storage
+    bench's to measure. Other exceptions go on to the test."""
+    outcome: list[Any] = []
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            outcome.append(fn(*args))
+        except StorageError as e:
+            outcome.append(e)
+        except BaseException as e:  # re-raised on the test's thread below
+            raised.append(e)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} hung: no answer, no error after {HANG_S:g} s")
+    if raised:
+        raise raised[0]
+    return outcome[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,8 +175,8 @@ def test_round_trip_fallback_unregistered_buffers(backend):
     srcs = [
         memoryview(data[0]),
         memoryview(bytearray(data[1])),  # read-only, bytearray,
-        memoryview(np.frombuffer(data[2], np.uint8).copy()),  # numpy
-        memoryview(np.frombuffer(data[3], np.uint8).reshape(256, -1)),  # 2-D, read-only
+        np.frombuffer(data[2], np.uint8).copy().data,  # numpy
+        np.frombuffer(data[3], np.uint8).reshape(256, -1).data,  # 2-D, read-only
         memoryview(bytearray(data[4])),
     ]
     assert backend.put_from(ks, srcs) == [True] * len(ks)
@@ -258,9 +280,9 @@ def test_four_threads_share_one_backend(backend):
                 data = payloads([size] * per, seed=1000 * t + r)
                 for s_, d in zip(src, data):
                     s_[:] = np.frombuffer(d, np.uint8)
-                if backend.put_from(ks, [memoryview(s_) for s_ in src]) != [True] * per:
+                if backend.put_from(ks, [s_.data for s_ in src]) != [True] * per:
                     errors.append("put refused")
-                got = backend.get_into(ks, [memoryview(d_) for d_ in dst])
+                got = backend.get_into(ks, [d_.data for d_ in dst])
                 for j in range(per):
                     if got[j] != size or dst[j].tobytes() != data[j]:
                         errors.append(f"thread {t} round {r} item {j}: {got[j]}")
@@ -293,21 +315,22 @@ def test_close_is_idempotent_and_later_calls_raise(mooncake_launch):
     assert b.describe().startswith(mooncake_launch.url)
 
 
-def test_unreachable_master_is_a_storage_error_quickly():
+def test_unreachable_master_is_a_storage_error_naming_it():
+    """Every call against a master nobody listens for gives up with an error that says so (the
+    port refused: the set-up, whose retries against a dead master take minutes, is not tried)."""
     from kvtier.storage.mooncake_launch import free_port
 
-    b = MooncakeBackend.from_url(f"mooncake://127.0.0.1:{free_port()}?protocol=tcp&timeout=2")
+    port = free_port()
+    b = bounded(MooncakeBackend.from_url, f"mooncake://127.0.0.1:{port}?protocol=tcp&timeout=2")
     try:
-        t0 = time.monotonic()
         for _ in range(3):
-            with pytest.raises(StorageError):
-                b.exists(["x"])
-            with pytest.raises(StorageError):
-                b.get_into(["x"], [memoryview(bytearray(10))])
-        assert time.monotonic() - t0 < 60  # it gives up (timeout=2 each), never hangs: speed is a bench's
-        assert b.stats()["connected"] is False
+            for err in (bounded(b.exists, ["x"]), bounded(b.get_into, ["x"], [memoryview(bytearray(10))])):
+                assert isinstance(err, StorageError), err
+                assert f"127.0.0.1:{port}" in str(err) and ("unreachable" in str(err) or "retrying shortly" in str(err)), err
+        s = b.stats()
+        assert s["connected"] is False and s["connect_failures"] == s["connects"] >= 1
     finally:
-        b.close()
+        bounded(b.close)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,7 +350,7 @@ def test_a_full_pool_refuses_or_evicts_never_raises(make_mooncake_launch):
             data = payloads([size] * 4, seed=i)
             for j, d in enumerate(data):
                 arena.mem[j * size : (j + 1) * size] = np.frombuffer(d, np.uint8)
-            ok = b.put_from(ks, [memoryview(arena.mem[j * size : (j + 1) * size]) for j in range(4)])
+            ok = b.put_from(ks, [arena.mem[j * size : (j + 1) * size].data for j in range(4)])
             refused += ok.count(False)
             written.update({k: d for k, d, o in zip(ks, data, ok) if o})
         ks = list(written)
@@ -337,14 +360,14 @@ def test_a_full_pool_refuses_or_evicts_never_raises(make_mooncake_launch):
         for i in range(0, len(ks), 4):
             chunk = ks[i : i + 4]
             dst = [arena.mem[j * size : (j + 1) * size] for j in range(len(chunk))]
-            for d in dst:
-                d[:] = 0xAB
-            got = b.get_into(chunk, [memoryview(d) for d in dst])
-            for k, g, d in zip(chunk, got, dst):
+            for view in dst:
+                view[:] = 0xAB
+            got = b.get_into(chunk, [view.data for view in dst])
+            for k, g, view in zip(chunk, got, dst):
                 assert g in (size, MISSING)
                 if g == size:
                     hits += 1
-                    assert d.tobytes() == written[k]  # never wrong bytes
+                    assert view.tobytes() == written[k]  # never wrong bytes
         assert 0 < hits < n
         time.sleep(0.5)  # eviction makes room again
         assert b.put_from(names(1, "late"), [memoryview(b"y" * size)]) in ([True], [False])
@@ -370,29 +393,26 @@ def test_a_killed_pool_node_or_master_is_an_error_or_a_miss_in_bounded_time(make
             (b.put_from, (names(2, "after"), [memoryview(d) for d in data[:2]])),
             (b.get_into, (ks, [memoryview(bytearray(1 << 20)) for _ in ks])),
         ):
-            result, took = timed(call, *args)
-            assert took < 8, (call.__name__, took)
+            result = bounded(call, *args)
             if call.__name__ == "get_into" and not isinstance(result, StorageError):
                 assert all(r == MISSING for r in result), result  # the data died with the node
             if call.__name__ == "put_from" and not isinstance(result, StorageError):
                 assert result == [False, False]
-        assert isinstance(timed(b.get_into, ks, dst)[0], StorageError)  # -800 TRANSFER_FAIL
+        assert "TRANSFER_FAIL" in str(bounded(b.get_into, ks, dst))  # -800: a StorageError
         assert all(bytes(v) == b"\xee" * len(v) for v in dst)  # nothing half-written
         pool.kill_master()
-        for call, args in (
+        calls: tuple[tuple[Callable[..., Any], tuple[Any, ...]], ...] = (
             (b.exists, (ks,)),
             (b.get_into, (ks, dst)),
             (b.put_from, (ks[:1], [memoryview(data[0])])),
             (b.delete, (ks,)),
-        ):
-            result, took = timed(call, *args)
+        )
+        for call, args in calls:
+            result = bounded(call, *args)
             assert isinstance(result, StorageError), (call.__name__, result)
-            assert took < 8, (call.__name__, took)
         assert b.stats()["errors"] >= 5
     finally:
-        t0 = time.monotonic()
-        b.close()
-        assert time.monotonic() - t0 < 60  # it gives up (timeout=2 each), never hangs: speed is a bench's
+        bounded(b.close)  # it waits for calls in flight, each bounded: it never hangs
 
 
 def test_a_hung_pool_node_costs_a_timeout_not_a_hang(make_mooncake_launch):
@@ -405,14 +425,14 @@ def test_a_hung_pool_node_costs_a_timeout_not_a_hang(make_mooncake_launch):
         assert b.put_from(ks, [arena.take(len(d), d) for d in data]) == [True, True]
         pool.pause_node()  # SIGSTOP: connections accepted, never answered
         dst = [arena.take(1 << 20), arena.take(1 << 20)]
-        result, took = timed(b.get_into, ks, dst)
-        assert isinstance(result, StorageError) and took < 6, (result, took)
-        result, took = timed(b.put_from, names(2, "hung2"), [memoryview(d) for d in data])
-        assert (isinstance(result, StorageError) or result == [False, False]) and took < 8, (result, took)
+        result = bounded(b.get_into, ks, dst)
+        assert isinstance(result, StorageError) and "TRANSFER_FAIL" in str(result), result  # its TCP timeout
+        result = bounded(b.put_from, names(2, "hung2"), [memoryview(d) for d in data])
+        assert isinstance(result, StorageError) or result == [False, False], result
         pool.resume_node()  # back: after reconnecting, hits or misses
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + HANG_S
         while True:
-            got, _ = timed(b.get_into, ks, dst)
+            got = bounded(b.get_into, ks, dst)
             if not isinstance(got, StorageError) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -431,12 +451,11 @@ def test_a_hung_pool_node_costs_a_timeout_not_a_hang(make_mooncake_launch):
 
 
 def test_pool_command_prints_the_url_and_stops_both_processes_on_sigterm(tmp_path):
-    from mooncake_servers import mooncake_unavailable
-
     from kvtier.storage.mooncake_launch import free_port
+    from tests.storage.mooncake_servers import mooncake_unavailable
 
-    if mooncake_unavailable():
-        pytest.skip(mooncake_unavailable())
+    if why := mooncake_unavailable():
+        pytest.skip(why)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.Popen(
@@ -456,10 +475,11 @@ def test_pool_command_prints_the_url_and_stops_both_processes_on_sigterm(tmp_pat
         text=True,
         env=env,
     )
+    assert p.stdout is not None
     pids: list[int] = []
     try:
         lines = []
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while time.monotonic() < deadline:
             line = p.stdout.readline()
             if not line:
@@ -480,9 +500,9 @@ def test_pool_command_prints_the_url_and_stops_both_processes_on_sigterm(tmp_pat
         finally:
             b.close()
         p.send_signal(signal.SIGTERM)
-        assert p.wait(20) == 0
+        assert p.wait(HANG_S) == 0
         for pid in pids:  # reaped by the command
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + HANG_S
             while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert not os.path.exists(f"/proc/{pid}"), f"pid {pid} left running"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_proc import ENGINE_KW, run
 
 import kvtier
+from tests.storage.engine_proc import ENGINE_KW, run
 
 HERE = Path(__file__).parent
 PRESET = "qwen3-moe-tiny"  # MoE: routed experts travel inside the stored objects

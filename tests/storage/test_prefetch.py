@@ -123,7 +123,7 @@ def test_the_pool_is_asked_at_arrival_off_the_engine_thread(stored, monkeypatch)
         threads = []
         real = llm.storage.lookup_prefix
 
-        def lookup(keys):  # type: ignore[no-untyped-def]
+        def lookup(keys):
             threads.append(threading.current_thread().name)
             return real(keys)
 

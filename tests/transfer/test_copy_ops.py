@@ -18,11 +18,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed: the fast copy path is untested")
 
-from copy_helpers import poison, random_, same_bytes  # noqa: E402
-
 from kvtier.transfer import copy as ref  # noqa: E402
 from kvtier.transfer import kernels as fast  # noqa: E402
 from kvtier.transfer.copy import allocate_host_kv  # noqa: E402
+from tests.transfer.copy_helpers import poison, random_, same_bytes  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -226,6 +225,7 @@ def test_staged_copies_match_reference(staging_blocks, monkeypatch):
     got = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     want = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     pairs = fast.host_runs(host, got, hst, dev)
+    assert pairs is not None  # (runs long enough to stage)
     assert pairs.runs == ((2, 5), (10, 4)) and pairs.host_ids.tolist() == [0, 18, 8]
     with pytest.raises(ValueError, match="cannot load layer 0 alone"):
         fast.host_to_device(host, got, pairs, None, layer=0)
@@ -257,6 +257,7 @@ def test_staged_path_sends_single_blocks_by_dma_and_needs_one_buffer(monkeypatch
     got = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     want = [poison(t) for t in _kv(layers, nd, bs, heads, dim, dtype, True, gen)]
     pairs = fast.host_runs(host, got, hst, dev)
+    assert pairs is not None
     assert len(pairs.runs) == 4 and pairs.host_ids.numel() == 0
     fast.host_to_device(host, got, pairs, None)
     ref.host_to_device(host, want, hst, dev)

@@ -10,19 +10,20 @@ import torch
 
 from kvtier.cache.plan import TransferOp
 from kvtier.transfer import copy as reference
+from kvtier.transfer import kernels
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.gates import LayerGates
 
 L, BS, H, D = 3, 4, 2, 8
 
 
-def make():  # type: ignore[no-untyped-def]
+def make():
     kv = list(torch.zeros(L, 2, 8, BS, H, D).unbind(0))
     host = torch.arange(8 * L * 2 * BS * H * D, dtype=torch.float32).reshape(8, L, 2, BS, H, D)
     return TransferEngine(kv, host), kv, host
 
 
-def load(op_id: int, host_blocks, device_blocks) -> TransferOp:  # type: ignore[no-untyped-def]
+def load(op_id: int, host_blocks, device_blocks) -> TransferOp:
     return TransferOp(
         op_id, "load", tuple(host_blocks), tuple(device_blocks), tuple(bytes([op_id, i]) for i in range(len(host_blocks)))
     )
@@ -32,15 +33,17 @@ class Recorder:
     """The reference ops, logging each load copy with the gate states it saw."""
 
     def __init__(self, eng: TransferEngine, fail_at_layer: int | None = None) -> None:
-        self.eng, self.fail_at_layer, self.log = eng, fail_at_layer, []
+        self.eng, self.fail_at_layer = eng, fail_at_layer
+        self.log: list[tuple[int | None, tuple[int, ...], list[int]]] = []
 
-    def host_to_device(self, host, kv, src, dst, layer=None):  # type: ignore[no-untyped-def]
+    def host_to_device(self, host, kv, src, dst, layer=None):
         if layer == self.fail_at_layer:
             raise RuntimeError("injected copy failure")
+        assert self.eng.gates is not None
         self.log.append((layer, tuple(dst), self.eng.gates.flags.tolist()))
         reference.host_to_device(host, kv, src, dst, layer=layer)
 
-    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name):
         return getattr(reference, name)
 
 
@@ -59,7 +62,7 @@ def test_gated_loads_wait_for_the_forward_then_go_layer_major_behind_closed_gate
     # layer-major across the step's ops; a layer's copies run while its gate is still closed
     assert [(layer, dst) for layer, dst, _ in rec.log] == [(0, (0, 3)), (0, (7,)), (1, (0, 3)), (1, (7,)), (2, (0, 3)), (2, (7,))]
     for layer, _, flags in rec.log:
-        assert flags[layer] == 0 and all(flags[:layer]), flags
+        assert layer is not None and flags[layer] == 0 and all(flags[:layer]), flags
     for layer in range(L):
         eng.gates.wait(layer)
         for h, d in ((2, 0), (5, 3), (6, 7)):
@@ -98,7 +101,7 @@ def test_an_eager_forward_of_a_gated_step_waits_on_each_gate():
     eng.submit(load(1, (2,), (5,)))
     eng.load_mode = "whole"
     hook = eng.layer_hook()
-    waited = []
+    waited: list[int] = []
     eng.gates.wait = waited.append  # what the GPU would wait on
     for layer in range(L):
         hook(layer)
@@ -107,10 +110,18 @@ def test_an_eager_forward_of_a_gated_step_waits_on_each_gate():
     assert eng.layer_hook() is None  # nothing left for the next forward
 
 
-def test_a_gated_load_that_cannot_be_split_leaves_the_gates_open():
-    """Splitting an op may raise (pinned memory, device memory): it fails alone, before any close."""
+def test_a_gated_load_that_cannot_be_split_leaves_the_gates_open(monkeypatch):
+    """Splitting an op may raise (pinned memory, device memory): it fails alone, before any close.
+    The engine runs the Triton kernels' path here (however small the load, gated), whose split
+    (``BlockPairs.split``, the pinned block ids) runs out of pinned memory."""
     eng, kv, host = make()
-    eng._pairs = lambda op, mode="whole": (_ for _ in ()).throw(MemoryError("pinned memory"))
+
+    def no_pinned_memory(*args: object) -> kernels.BlockPairs:
+        raise MemoryError("pinned memory")
+
+    eng.ops = kernels
+    monkeypatch.setitem(kernels.TUNING, "min_gated_bytes", 0)
+    monkeypatch.setattr(kernels.BlockPairs, "split", staticmethod(no_pinned_memory))
     eng.load_mode = "gated"
     eng.submit(load(1, (2,), (5,)))
     eng.load_mode = "whole"
@@ -136,7 +147,7 @@ def test_a_load_failing_part_way_is_reported_failed_and_the_rest_goes_on():
     (every block), never raised; the next load goes through."""
     eng, kv, host = make()
 
-    def half_copy(host_kv, kv_caches, src, dst, layer=None):  # type: ignore[no-untyped-def]
+    def half_copy(host_kv, kv_caches, src, dst, layer=None):
         reference.host_to_device(host_kv, kv_caches, src, dst, layer=0)
         raise RuntimeError("injected copy failure after layer 0")
 
@@ -162,7 +173,7 @@ def test_a_load_failing_part_way_is_reported_only_after_its_queued_copies_ran():
     # a copy into a strided slice, block the CPU until the stream got there)
     staged = host[2, 0, 0].clone().pin_memory()
 
-    def copy_layer_0_only(host_kv, kv_caches, src, dst, layer=None):  # type: ignore[no-untyped-def]
+    def copy_layer_0_only(host_kv, kv_caches, src, dst, layer=None):
         if layer:
             raise RuntimeError("injected copy failure at layer 1")
         kv_caches[0][0, dst[0]].copy_(staged, non_blocking=True)
@@ -179,7 +190,7 @@ def test_a_load_failing_part_way_is_reported_only_after_its_queued_copies_ran():
     assert eng.poll() == [(1, [0])]
 
 
-def preload(op_id: int, host_blocks, device_blocks) -> TransferOp:  # type: ignore[no-untyped-def]
+def preload(op_id: int, host_blocks, device_blocks) -> TransferOp:
     return TransferOp(
         op_id, "preload", tuple(host_blocks), tuple(device_blocks), tuple(bytes([op_id, i]) for i in range(len(host_blocks)))
     )
@@ -198,7 +209,7 @@ def test_a_preload_copies_every_layer_and_no_forward_waits_for_it():
 def test_a_failed_preload_is_reported_failed_not_raised():
     eng, kv, host = make()
 
-    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def broken(*args, **kwargs):
         raise RuntimeError("injected copy failure")
 
     eng.ops = type("Broken", (), {"host_to_device": staticmethod(broken)})()
@@ -215,7 +226,7 @@ def test_preloads_run_beside_step_loads_and_are_reported_in_order_once_landed():
     host = torch.arange(8 * L * 2 * BS * H * D, dtype=torch.float32).reshape(8, L, 2, BS, H, D).pin_memory()
     eng = TransferEngine(kv, host, use_kernels=False)
 
-    def async_copy(host_kv, kv_caches, src, dst, layer=None):  # type: ignore[no-untyped-def]
+    def async_copy(host_kv, kv_caches, src, dst, layer=None):
         for s, d in zip(src, dst):  # contiguous slices: never blocks the CPU
             for layer_kv, h in zip(kv_caches, host_kv[s]):
                 for i in range(2):
