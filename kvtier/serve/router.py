@@ -167,12 +167,12 @@ class Router:
         return self.client
 
     # ------------------------------------------------------------------ backends
-    async def _choose(self, kind: str, body: dict, exclude: AbstractSet[str], role: str = "decode") -> tuple[Backend, int] | None:
+    async def choose(self, kind: str, body: dict, exclude: AbstractSet[str], role: str = "decode") -> tuple[Backend, int] | None:
         """The D (or worker), or with ``role="prefill"`` the P, for a request, by ``--policy``
         (serve/route.py): under cache_aware a P is chosen for the prefix its tiers hold (what it
         holds it does not prefill), a D for what it holds (what it holds it does not load).
         With it the prompt tokens the chosen one is predicted to hold (0 without
-        ``cache_aware``): they are not its work (:meth:`_load`)."""
+        ``cache_aware``): they are not its work (:func:`request_load`)."""
         pool, picker = (self.prefill, self.prefill_picker) if role == "prefill" else (self.decode, self.picker)
         # (a stalled one only when every other is down: a stall is not a death)
         cands = [b for b in pool if b.up and b.url not in exclude] or [b for b in pool if b.healthy and b.url not in exclude]
@@ -376,7 +376,7 @@ class Router:
                 await r.aclose()
             yield (sse_error(APIError(502, f"decode server answered {r.status_code}: {detail}")) + "data: [DONE]\n\n").encode()
             return
-        cost = _load(body, cached)
+        cost = request_load(body, cached)
         d.inflight += cost  # D's load until its stream ends (serve/route.py)
         try:
             async for b in _relay(None, r):
@@ -390,7 +390,7 @@ class Router:
         tried: set[str] = set()
         reason = "no_prefill_server"
         while True:
-            chosen = await self._choose(kind, body, tried, "prefill")
+            chosen = await self.choose(kind, body, tried, "prefill")
             if chosen is None:
                 return None, reason
             p, cached = chosen
@@ -398,7 +398,7 @@ class Router:
             # one deadline for P's first line, however slowly its bytes come (httpx's timeouts
             # are per read); the same one bounds P's ack (_Prefill.ack)
             deadline = asyncio.get_running_loop().time() + self.timeout_s
-            cost = _load(body, cached)
+            cost = request_load(body, cached)
             p.inflight += cost  # its load until its first line (the prefill)
             try:
                 pre, reason = await asyncio.wait_for(self._prefill_on(p, kind, body, deadline), self.timeout_s)
@@ -462,7 +462,7 @@ class Router:
         tried: set[str] = set()
         last_error = "no decode server is up"
         while True:
-            chosen = await self._choose(kind, body, tried)
+            chosen = await self.choose(kind, body, tried)
             if chosen is None:
                 return APIError(503, last_error)
             d, cached = chosen
@@ -492,7 +492,7 @@ class Router:
         if isinstance(opened, APIError):
             return error_response(opened.status, opened.message)
         r, d, cached = opened
-        cost = _load(body, cached)
+        cost = request_load(body, cached)
         if r.status_code != 200 or not stream:
             d.inflight += cost  # its load until the answer ends (serve/route.py)
             try:
@@ -630,7 +630,7 @@ class _Prefill:
         await self.response.aclose()
 
 
-def _load(body: dict, cached: int) -> int:
+def request_load(body: dict, cached: int) -> int:
     """A request's weight in an instance's load, the work it brings: its prompt's tokens
     (characters / 4 for text) but the ``cached`` ones the instance holds, plus its max_tokens
     (default 16). ``kvtier sim`` counts an instance's load the same way: the uncached tokens it

@@ -181,7 +181,7 @@ def test_a_stalled_instance_leaves_the_rotation_with_its_index_and_comes_back_wh
             assert b.index.device == {b"\xaa"} and b.seq == 2  # kept
             assert [c.url for c in router.decode if c.up] == [other.url]
             other.healthy = False  # (every other one down: a stalled one still takes requests)
-            chosen = await router._choose("completion", {"prompt": [1, 2, 3]}, set())
+            chosen = await router.choose("completion", {"prompt": [1, 2, 3]}, set())
             assert chosen is not None and chosen[0] is b
             await view.poll(client, b)  # it answers: back, with the events it missed
             assert b.up and b.index.device == {b"\xaa", b"\xbb"} and b.seq == 3
@@ -258,7 +258,7 @@ def test_a_pd_router_sends_a_prompt_to_the_prefill_server_that_holds_its_prefix(
     async def chosen() -> list[tuple[str, int]]:
         got = []
         for _ in range(4):
-            one = await router._choose("completion", {"prompt": prompt}, set(), "prefill")
+            one = await router.choose("completion", {"prompt": prompt}, set(), "prefill")
             assert one is not None
             got.append((one[0].url, one[1]))
         return got
@@ -275,10 +275,10 @@ def test_an_instances_load_is_the_work_it_was_sent():
     """A request weighs its prompt and max_tokens less what the instance holds of the prompt:
     a long conversation that is mostly a hit must not weigh as if it were recomputed, or the
     balance rule moves it away from its blocks."""
-    from kvtier.serve.router import _load
+    from kvtier.serve.router import request_load
 
     body = {"prompt": list(range(1000)), "max_tokens": 16}
-    assert _load(body, 0) == 1016
-    assert _load(body, 992) == 24
-    assert _load(body, 1200) == 16  # (a text prompt's estimate under what is held: its answer still counts)
-    assert _load({"prompt": "x" * 400}, 0) == 100 + 16  # (text: characters / 4; max_tokens 16)
+    assert request_load(body, 0) == 1016
+    assert request_load(body, 992) == 24
+    assert request_load(body, 1200) == 16  # (a text prompt's estimate under what is held: its answer still counts)
+    assert request_load({"prompt": "x" * 400}, 0) == 100 + 16  # (text: characters / 4; max_tokens 16)
