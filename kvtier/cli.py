@@ -1,8 +1,7 @@
 """The ``kvtier`` command. Each subcommand imports what it needs when it runs.
 
 Over 600 lines: it is the flag table of every subcommand (the engine's flags come from
-EngineConfig.add_flags); moving the serve and router flags next to their modules is planned with
-the benches' flags."""
+EngineConfig.add_flags, as the benches' do; each bench parses its own flags in its module)."""
 
 from __future__ import annotations
 
@@ -37,6 +36,9 @@ PRESET_NAMES = (
     "llama3-70b-shape",
     "deepseek-v3-tiny",
     "deepseek-v2-lite-tiny",
+    "gpt-oss-tiny",
+    "gemma2-tiny",
+    "gemma3-tiny",
 )
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
 # `kvtier bench --help`.
@@ -484,7 +486,7 @@ def _add_connection_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(
         header_timeout=args.header_timeout,
         body_min_rate=args.body_min_rate,
@@ -636,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_body_bytes=args.max_body_bytes,
                 require_cache_salt=args.require_cache_salt,
                 expose_config=args.expose_config,
-                limits=_connection_limits(args),
+                limits=connection_limits(args),
                 log_stats_interval=args.log_stats_interval,
                 config=_engine_config(args),
             )
@@ -663,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                 events_interval=args.events_interval,
                 storage=args.storage,
                 expose_config=args.expose_config,
-                limits=_connection_limits(args),
+                limits=connection_limits(args),
             )
             return 0
         if args.command == "demo":

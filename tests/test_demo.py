@@ -9,7 +9,7 @@ from kvtier.demo import run_demo
 
 @pytest.mark.slow  # (~9 s on 2 cores: CI runs it with -m slow)
 def test_demo_hits_all_three_tiers_and_matches_recompute_in_fp32(tmp_path):
-    lines = []
+    lines: list[str] = []
     res = run_demo(model_dir=str(tmp_path / "m"), out=lines.append)
     hits = res["hit_tokens"]
     assert hits["device"] > 0 and hits["storage"] > 0, hits

@@ -137,7 +137,9 @@ def test_persistent_pool_example_is_served_from_storage_by_a_second_run(tmp_path
     by_tier = []
     for _ in range(2):  # two processes, one after the other
         out = run_kvtier(command, tmp_path)
-        by_tier.append(ast.literal_eval(re.search(r"cached=\d+ (\{.*?\})", out).group(1)))
+        m = re.search(r"cached=\d+ (\{.*?\})", out)
+        assert m, out
+        by_tier.append(ast.literal_eval(m.group(1)))
     assert by_tier[0]["storage"] == 0
     assert by_tier[1]["storage"] == 32, by_tier  # 40 tokens: two full 16-token blocks
 

@@ -53,11 +53,12 @@ def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_siz
     return q, kv, meta
 
 
-def check(q, kv, meta, atol, rtol=0.0, **kwargs):
+def check(q, kv, meta, atol, rtol=0.0, num_splits=None, **options):
+    """triton_attention vs reference_attention with the same ``options`` (window, sinks, softcap)."""
     scale = q.shape[-1] ** -0.5
-    out = triton_attention(q, kv, meta, scale, **kwargs)
+    out = triton_attention(q, kv, meta, scale, num_splits=num_splits, **options)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-    ref = reference_attention(q.float(), kv.float(), meta, scale)
+    ref = reference_attention(q.float(), kv.float(), meta, scale, **options)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
     return out
@@ -193,9 +194,70 @@ def test_rejects_bad_shapes():
         triton_attention(torch.zeros(2, 4, 64, device=q.device), kv, meta, 1.0)
 
 
+# ------------------------------------------------- sliding window, attention sinks, soft-capping
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 1000])
+def test_sliding_window_matches_reference(window):
+    # windows starting mid-tile, at a tile edge, before position 0; a decode row, a chunk over a
+    # cached prefix, a full prompt spanning query tiles
+    q_lens, s_lens = [1, 37, 45, 1], [83, 87, 45, 16]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float32, seed=21)
+    check(q, kv, meta, atol=1e-4, window=window)
+
+
+def test_sliding_window_with_short_queries_split_over_the_window():
+    # decode tiles; the window (not the sequence) is what the splits share
+    q, kv, meta = make_case([1, 3, 1], [150, 90, 7], 4, 2, 64, 16, torch.float32, seed=22)
+    check(q, kv, meta, atol=1e-4, window=40, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sinks_and_softcap_with_a_window_match_reference(num_splits):
+    q, kv, meta = make_case([1, 19, 1], [70, 40, 30], 4, 2, 64, 16, torch.float32, seed=23)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(23)).to(DEVICE) * 2
+    check(q, kv, meta, atol=1e-4, num_splits=num_splits, window=20, sinks=sinks, softcap=2.0)
+
+
+def test_sinks_alone_and_softcap_alone_match_reference():
+    q, kv, meta = make_case([1, 25], [40, 25], 4, 2, 64, 16, torch.float32, seed=24)
+    check(q, kv, meta, atol=1e-4, sinks=torch.full((4,), 3.0, device=DEVICE))
+    check(q, kv, meta, atol=1e-4, softcap=1.0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_keys_below_every_window_are_never_read(num_splits):
+    """The cache may drop the blocks a sliding layer no longer sees (their table entries then name
+    other blocks): poisoning the positions below each sequence's lowest visible key changes nothing."""
+    window = 12
+    q_lens, s_lens = [1, 20, 2], [90, 60, 41]
+    q, kv, meta = make_case(q_lens, s_lens, 4, 2, 64, 16, torch.float32, seed=25)
+    clean = triton_attention(q, kv, meta, 0.125, window=window, num_splits=num_splits)
+    for i, (q_len, s_len) in enumerate(zip(q_lens, s_lens)):
+        below = torch.arange(s_len - q_len - window + 1, device=DEVICE)  # under the first query's window
+        blocks = meta.block_tables[i].long()[below // 16]
+        kv[:, blocks, below % 16] = float("nan")
+
+    out = triton_attention(q, kv, meta, 0.125, window=window, num_splits=num_splits)
+
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+    torch.testing.assert_close(out, reference_attention(q, kv, meta, 0.125, window=window), atol=1e-4, rtol=0)
+
+
+def test_rejects_bad_attention_options():
+    q, kv, meta = make_case([1], [5], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="window must be"):
+        triton_attention(q, kv, meta, 1.0, window=0)
+    with pytest.raises(ValueError, match=r"sinks must be one logit per query head \(\[4\]\)"):
+        triton_attention(q, kv, meta, 1.0, sinks=torch.zeros(2, device=q.device))
+
+
 # --------------------------------------------------------------------------- GPU only
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (one H100 or H200 runs it): large cases, too slow in the Triton interpreter on CPU",
+)
 
 
 @gpu
@@ -236,6 +298,23 @@ def test_gpu_short_extend_auto_splits(dtype, atol):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("window", [128, 1000])
+def test_gpu_sliding_window_with_sinks_and_softcap(dtype, atol, window):
+    # gpt-oss's window (128) and a wider one; decode rows split automatically, prefill chunks
+    rng = random.Random(13)
+    q_lens = [1] * 16 + [300, 77]
+    s_lens = [rng.randint(1, 3000) for _ in range(16)] + [2300, 500]
+    q, kv, meta = make_case(q_lens, s_lens, 16, 8, 128, 16, dtype, seed=13)
+    sinks = torch.randn(16, device=DEVICE)
+    rtol = 1e-2 if dtype != torch.float32 else 0.0
+    check(q, kv, meta, atol=atol, rtol=rtol, window=window)
+    check(q, kv, meta, atol=atol, rtol=rtol, window=window, sinks=sinks)
+    check(q, kv, meta, atol=atol, rtol=rtol, window=window, softcap=20.0)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_gpu_prefill_over_cached_prefix(dtype, atol, block_size):
     q, kv, meta = make_case([1024, 1000, 77], [3072, 1000, 2100], 16, 8, 128, block_size, dtype, seed=9)
@@ -248,7 +327,7 @@ def test_step_varying_arguments_are_not_specialized():
     middle of serving (kvtier/triton_jit.py); the copy kernel's layer, block count and id offsets
     likewise. The rest (strides of the KV cache, the q/out pointers) stays specialized."""
     from kvtier.model.triton_attention import _unified_attention_kernel
-    from kvtier.transfer.kernels import _copy_chunks
+    from kvtier.transfer.kernels import copy_chunks
 
     def flags(kernel):
         """name -> (value not specialized, alignment not specialized), as the decorator was given them."""
@@ -259,10 +338,10 @@ def test_step_varying_arguments_are_not_specialized():
         return {n: (n in vary, n in unaligned) for n in names}
 
     attn = flags(_unified_attention_kernel)
-    assert all(attn[n][0] for n in ("num_seqs", "tiles_per_split", "stride_bt"))
+    assert all(attn[n][0] for n in ("num_seqs", "tiles_per_split", "stride_bt", "window"))
     assert all(attn[n][1] for n in ("seq_lens_ptr", "bt_ptr"))
     assert not any(attn[n][0] or attn[n][1] for n in ("q_ptr", "kv_ptr", "out_ptr", "stride_kb", "stride_qt"))
-    copy = flags(_copy_chunks)
+    copy = flags(copy_chunks)
     assert all(copy[n][0] for n in ("src_layer0", "dst_layer0", "num_work", "num_lk", "num_parts"))
     assert all(copy[n][1] for n in ("src_ids", "dst_ids"))
     assert not any(copy[n][0] or copy[n][1] for n in ("src", "dst", "src_block_stride", "dst_block_stride"))

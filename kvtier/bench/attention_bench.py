@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.config import EngineConfig
+
 
 @dataclass
 class Case:
@@ -259,9 +261,7 @@ def fmt(res: Result) -> str:
 def main(argv: list[str] | None = None) -> list[Result]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU via the interpreter)")
-    p.add_argument(
-        "--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 with --smoke off CUDA"
-    )
+    EngineConfig.add_flags(p, only=("dtype",), shown={"dtype": "auto: bfloat16 on cuda, float32 with --smoke off it"})
     p.add_argument("--iters", type=int, default=None, help="timed runs per case (median)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--inner", type=int, default=10, help="back-to-back calls per CUDA-event sample (launch cost overlapped)")
@@ -277,10 +277,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
             p.error("no CUDA device: only --smoke runs here (Triton interpreter on CPU)")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     device = "cuda" if cuda else "cpu"
-    dtype_name = args.dtype or ("bf16" if cuda else "fp32")
-    if not cuda and dtype_name == "bf16":
-        print("note: the Triton interpreter computes bf16 dots wrongly; use fp16/fp32 on CPU", file=sys.stderr)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype_name = args.dtype if args.dtype != "auto" else "bfloat16" if cuda else "float32"
+    if not cuda and dtype_name == "bfloat16":
+        print("note: the Triton interpreter computes bf16 dots wrongly; use float16/float32 on CPU", file=sys.stderr)
+    dtype = getattr(torch, dtype_name)
     args.iters = args.iters or (3 if args.smoke else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
 

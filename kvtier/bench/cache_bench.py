@@ -24,7 +24,8 @@ import time
 from collections import deque
 
 from kvtier.cache import CacheManager
-from kvtier.flags import add_json_flag, block_size, positive_int, write_json
+from kvtier.engine.config import EngineConfig
+from kvtier.flags import add_json_flag, positive_int, write_json
 
 WINDOW = 32
 HASHES = ("sha256", "xxh3_128")
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=positive_int, default=200, help="shared prefixes (default 200)")
     p.add_argument("--prompt-tokens", type=positive_int, default=4096, help="tokens per prompt (default 4096)")
     p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the best is reported (default 5)")
-    p.add_argument("--block-size", type=block_size, default=16, help="tokens per block (default 16)")
+    EngineConfig.add_flags(p, only=("block_size",))
     add_json_flag(p, "the rows (printed: one object per line)")
     return p
 

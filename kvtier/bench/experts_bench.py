@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+from kvtier.engine.config import EngineConfig
+
+ENGINE_OPTIONS = ("device", "dtype")  # the engine options this bench takes (EngineConfig.add_flags)
+
 
 def main(argv: list[str] | None = None) -> int:
     import kvtier
@@ -30,11 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input", type=int, default=256)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=None)
+    # a GPU bench, in bf16 also for a --model checkpoint written in another dtype
+    EngineConfig.add_flags(ap, only=ENGINE_OPTIONS, defaults={"device": "cuda", "dtype": "bfloat16"})
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    config = EngineConfig.from_args(args, only=ENGINE_OPTIONS)
+    cuda = config.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
         raise SystemExit("kvtier bench experts needs a CUDA GPU; none is visible")
     tmp = None
     path = Path(args.model) if args.model else None
@@ -47,14 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = kvtier.SamplingParams(max_tokens=args.output, ignore_eos=True)
     samples: dict[bool, list[float]] = {True: [], False: []}
     engines = {
-        on: kvtier.LLM(
-            path,
-            device=args.device,
-            dtype=args.dtype,
-            capture_routing=on,
-            enable_prefix_caching=False,
-            max_num_seqs=args.requests,
-        )
+        on: kvtier.LLM(path, config, capture_routing=on, enable_prefix_caching=False, max_num_seqs=args.requests)
         for on in (True, False)
     }
     bytes_per_token = engines[True].routing.bytes_per_token
@@ -64,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeat):
         for on in (True, False):
             llm = engines[on]
-            if args.device == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
-            if args.device == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
             toks = sum(len(o.token_ids) for o in outs)
             samples[on].append(toks / (time.perf_counter() - t0))

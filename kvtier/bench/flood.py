@@ -49,7 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from kvtier.engine.config import EngineConfig
+
 KEY = "flood-bench-key"
+ENGINE_OPTIONS = ("device", "load_format", "max_model_len")  # the started server's, as kvtier serve's
 ATTACKER = "127.0.0.2"  # the attacker's source address (the measurement's is 127.0.0.1)
 GOALS = {
     "flood_job_ratio": 1.1,  # a concurrent job takes at most this much longer under a flood
@@ -384,11 +387,9 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(tmp_name)
         args.url, args.vocab = None, None
         model, vocab = resolve_model(args, tmp)
-        flags: list[Any] = ["serve", model, "--device", args.device, "--api-key", KEY, "--served-model-name", "soak"]
-        if args.load_format:
-            flags += ["--load-format", args.load_format]
-        if args.max_model_len:
-            flags += ["--max-model-len", args.max_model_len]
+        args.load_format = args.load_format or "auto"  # (a preset: resolve_model said dummy)
+        engine = EngineConfig.from_args(args, only=ENGINE_OPTIONS).to_flags()
+        flags = ["serve", model, *engine, "--api-key", KEY, "--served-model-name", "soak"]
         server = ServerProcess(flags, tmp / "server.log").wait_ready()
         router = None
         try:
@@ -473,9 +474,13 @@ def _output(args: argparse.Namespace, results: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier bench flood", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-tiny", help="a checkpoint directory or a preset name (default qwen3-tiny)")
-    p.add_argument("--device", default="cpu", help="the server's device (default cpu)")
-    p.add_argument("--load-format", default=None, choices=("auto", "dummy"), help="auto or dummy (default auto; presets: dummy)")
-    p.add_argument("--max-model-len", type=int, default=8192, help="the server's context (default 8192)")
+    EngineConfig.add_flags(
+        p.add_argument_group("the server's engine options (as kvtier serve's)"),
+        only=ENGINE_OPTIONS,
+        # the context the figures of docs/BENCHMARKS.md were measured at; a preset has no weights to load
+        defaults={"max_model_len": 8192, "load_format": None},
+        shown={"load_format": "auto; presets: dummy"},
+    )
     p.add_argument("--streams", type=int, default=16, help="concurrent generations of the job (default 16)")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens each of the job's generations makes (default 200)")
     p.add_argument("--flood", type=int, default=32, help="connections of the health and 401 floods (default 32)")

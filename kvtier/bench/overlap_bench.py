@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.config import EngineConfig
+
 
 def _ttft(llm, prompt: list[int]):
     import kvtier
@@ -66,7 +68,7 @@ def _link_gbps(nbytes: int) -> float:
 
 
 def ttft_case(
-    path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16, cuda_graphs: bool = True, tp: int = 1
+    path: Path, prefix_len: int, new_len: int, repeat: int, block_size: int = 16, cuda_graphs: bool | None = None, tp: int = 1
 ) -> dict:
     import kvtier
 
@@ -206,7 +208,7 @@ def decode_case(
 
 def one_size(path: Path, name: str, tp: int, args: argparse.Namespace, first: dict | None) -> dict:
     """Both cases at one tensor-parallel size, printed as they finish."""
-    r: dict[str, Any] = {"ttft": ttft_case(path, args.prefix, args.new, args.repeat, cuda_graphs=not args.eager, tp=tp)}
+    r: dict[str, Any] = {"ttft": ttft_case(path, args.prefix, args.new, args.repeat, cuda_graphs=args.cuda_graphs, tp=tp)}
     t = r["ttft"]
     print(
         f"{name} TP={tp}: TTFT device {t['ttft_s']['device'] * 1e3:.1f} ms, host {t['ttft_s']['host'] * 1e3:.1f} ms, "
@@ -247,12 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-requests", type=int, default=64, help="sequences in the decode run (default 64)")
     ap.add_argument("--decode-prompt", type=int, default=512, help="prompt tokens per decode sequence (default 512)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="tokens generated per sequence (default 256)")
-    ap.add_argument(
-        "--eager",
-        action="store_true",
-        help="no CUDA graphs (by default a step of <= 256 tokens is replayed from a step graph, "
-        "its host loads behind layer gates, as the engine runs it)",
-    )
     ap.add_argument("--skip-decode", action="store_true", help="only the TTFT cases")
     ap.add_argument(
         "--tensor-parallel-sizes",
@@ -260,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated tensor-parallel sizes; each case runs at each (default 1)",
     )
     ap.add_argument("--json", default=None, help="write the results to this file")
+    # the TTFT cases' CUDA graphs (--enforce-eager: the eager forward's per-layer event waits)
+    EngineConfig.add_flags(ap, only=("cuda_graphs",))
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.tensor_parallel_sizes.split(",")]

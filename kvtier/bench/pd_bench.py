@@ -23,13 +23,27 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from kvtier.engine.config import EngineConfig
 from kvtier.flags import add_json_flag, write_json
 from kvtier.serve.launch import ServerProcess
 from kvtier.storage.client import default_storage_workers
+
+# the servers' engine options this bench takes (EngineConfig.add_flags)
+ENGINE_OPTIONS = (
+    "device",
+    "load_format",
+    "num_device_blocks",
+    "num_host_blocks",
+    "max_model_len",
+    "early_loads",
+    "storage",
+    "storage_workers",
+)
 
 
 def _stats(server: ServerProcess) -> dict:
@@ -313,9 +327,6 @@ def main(argv: list[str] | None = None) -> int:
         default="qwen3-moe-tiny",
         help="preset written when --model is not given (with --load-format dummy: config only)",
     )
-    ap.add_argument("--storage", default=None, help="pool URL (default: file:// in a temporary directory)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="weights (default auto)")
     ap.add_argument("--requests", type=int, default=24, help="requests (default 24)")
     ap.add_argument(
         "--rate",
@@ -335,33 +346,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=_pair, default=(64, 384), help="LO,HI prompt lengths (default 64,384)")
     ap.add_argument("--output-tokens", type=_pair, default=(8, 64), help="LO,HI output lengths (default 8,64)")
     ap.add_argument(
-        "--num-device-blocks",
-        type=int,
-        default=None,
-        help="per server (default: sized from memory; on one GPU each server takes its share: give it)",
-    )
-    ap.add_argument("--num-host-blocks", type=int, default=1024, help="per server (default 1024)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="context (default: the model's)")
-    ap.add_argument(
-        "--storage-workers",
-        type=int,
-        default=default_storage_workers(),
-        help="fetch threads of D, and of the raw baseline (default: one per core, 2..16)",
-    )
-    ap.add_argument(
         "--prefill-put-workers",
         type=int,
         default=None,
         help="put threads of P (default: the server's, half of --storage-workers)",
     )
-    ap.add_argument(
-        "--early-loads",
-        choices=("on", "off"),
-        default="on",
-        help="every server's early_loads: D's hand-off blocks go on to the device chunk by chunk as they land (default on)",
-    )
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     add_json_flag(ap, "the result")
+    EngineConfig.add_flags(
+        ap.add_argument_group("every server's engine options (as kvtier serve's; the pool's: P's and D's)"),
+        only=ENGINE_OPTIONS,
+        # a fixed host tier per server: the servers share one host, where each would size its
+        # own from the same free memory
+        defaults={"num_host_blocks": 1024},
+        shown={
+            "storage": "file:// in a temporary directory",
+            "storage_workers": "one per core, 2 to 16; the raw client's baseline takes as many",
+            "num_device_blocks": "sized from free memory; P and D on one GPU: give it",
+        },
+    )
     a = ap.parse_args(argv)
     if a.repeat < 1 or a.requests < 1:
         ap.error(f"--requests and --repeat must be >= 1, got {a.requests} and {a.repeat}")
@@ -369,13 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prefill-put-workers must be >= 1, got {a.prefill_put_workers}")
     if a.prefill_put_workers is not None and "pd" not in a.setups:
         ap.error("--prefill-put-workers sets P's put threads: it needs the pd setup (--setups pd or both)")
-    engine = ["--device", a.device, "--load-format", a.load_format, "--num-host-blocks", a.num_host_blocks]
-    if a.num_device_blocks:
-        engine += ["--num-device-blocks", a.num_device_blocks]
-    if a.max_model_len:
-        engine += ["--max-model-len", a.max_model_len]
-    if a.early_loads == "off":
-        engine += ["--no-early-loads"]
+    try:
+        config = EngineConfig.from_args(a, only=ENGINE_OPTIONS)  # (checked before any server starts)
+    except ValueError as e:
+        ap.error(str(e))
+    engine = replace(config, storage=None, storage_workers=None).to_flags()  # (the pool's: run() gives P and D)
+    workers = config.storage_workers or default_storage_workers()
     # One temporary directory for the model, the default pool and the servers' logs, removed on
     # every way out: normal end, an error, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt here;
     # the servers are stopped by run()'s own finally before the directory goes).
@@ -394,19 +396,19 @@ def main(argv: list[str] | None = None) -> int:
             res = run(
                 model,
                 a.storage,
-                [str(x) for x in engine],
+                engine,
                 a.requests,
                 a.rate,
                 a.prompt_tokens,
                 a.output_tokens,
                 a.seed,
-                a.storage_workers,
+                workers,
                 tmp,
                 repeat=a.repeat,
                 setups=a.setups,
                 prefill_put_workers=a.prefill_put_workers,
             )
-            res["early_loads"] = a.early_loads
+            res["early_loads"] = "on" if config.early_loads else "off"
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, on_term)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol
 from kvtier.bench import peer_caches
 from kvtier.bench.peer_caches import Admitted
 from kvtier.cache import CacheManager, CacheRequest
+from kvtier.engine.config import EngineConfig
 from kvtier.flags import add_json_flag, positive_int, write_json
 
 INSTALL_HINT = "pip install 'kvtier[peers]'"
@@ -227,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag, default, what in (
         ("--requests", 2000, "requests in the trace"),
         ("--prompts", 50, "shared prompts"),
-        ("--block-size", 16, "tokens per block"),
         ("--num-blocks", 16384, "cache size in blocks, the same for every peer"),
         ("--window", 32, "requests holding blocks at once"),
         ("--warmup", 200, "requests of a throwaway replay first"),
         ("--repeat", 3, "timed replays; the fastest is reported"),
     ):
         ap.add_argument(flag, type=positive_int, default=default, help=f"{what} (default {default})")
+    EngineConfig.add_flags(ap, only=("block_size",))  # (every peer's)
     ap.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     add_json_flag(ap, "one object per peer")
     ap.add_argument("--one", choices=sorted(PEERS), default=None, help=argparse.SUPPRESS)  # the child's side

@@ -25,6 +25,11 @@ from pathlib import Path
 
 import torch
 
+from kvtier.engine.config import EngineConfig
+
+# the engine options this bench takes (EngineConfig.add_flags)
+ENGINE_OPTIONS = ("device", "dtype", "load_format", "max_model_len", "max_num_batched_tokens")
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -67,13 +72,7 @@ def bench_samples(path: Path, args: argparse.Namespace, vocab: int) -> dict:
     rng = random.Random(args.seed)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
     warm = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
-    kw = dict(
-        device=args.device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    config = EngineConfig.from_args(args, only=ENGINE_OPTIONS)
     n, g, s = args.n, args.output_tokens, args.seed
 
     def params(**over):
@@ -81,14 +80,14 @@ def bench_samples(path: Path, args: argparse.Namespace, vocab: int) -> dict:
         return kvtier.SamplingParams(**(base | over))
 
     res: dict = {"n": n, "prompt_tokens": len(prompt), "output_tokens": g}
-    with kvtier.LLM(path, **kw) as llm:
+    with kvtier.LLM(path, config) as llm:
         llm.generate([warm], params(n=n, seed=s))  # warm-up: same shapes
         with PeakBlocks(llm) as peak:
             t_group, group = _timed(llm, [prompt], params(n=n, seed=s), args.device)
         bs = llm.block_size
         bound = (-(-len(prompt) // bs) + n * -(-g // bs)) * 1.05
         res |= {"group_s": t_group, "peak_blocks": peak.peak, "block_bound": bound, "blocks_ok": peak.peak <= bound}
-    with kvtier.LLM(path, enable_prefix_caching=False, **kw) as llm:
+    with kvtier.LLM(path, config, enable_prefix_caching=False) as llm:
         llm.generate([warm] * n, [params(seed=s + i) for i in range(n)])
         t_sep, sep = _timed(llm, [prompt] * n, [params(seed=s + i) for i in range(n)], args.device)
     res["separate_s"] = t_sep
@@ -102,16 +101,9 @@ def bench_logprobs(path: Path, args: argparse.Namespace, vocab: int) -> dict:
 
     rng = random.Random(args.seed + 1)
     prompts = [[rng.randrange(vocab) for _ in range(args.lp_prompt_tokens)] for _ in range(args.lp_requests)]
-    kw = dict(
-        device=args.device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False,
-    )
+    config = EngineConfig.from_args(args, only=ENGINE_OPTIONS)
     out: dict = {"requests": len(prompts), "prompt_tokens": args.lp_prompt_tokens, "output_tokens": args.lp_output_tokens}
-    with kvtier.LLM(path, **kw) as llm:
+    with kvtier.LLM(path, config, enable_prefix_caching=False) as llm:
         for label, lp in (("off", None), ("on", args.logprobs)):
             p = kvtier.SamplingParams(max_tokens=args.lp_output_tokens, ignore_eos=True, logprobs=lp)
             llm.generate(prompts[:8], kvtier.SamplingParams(max_tokens=8, ignore_eos=True, logprobs=lp))
@@ -136,9 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default=None, help="model directory (default: --preset written to a temp dir)")
     ap.add_argument("--preset", default="llama3-8b-shape", help="preset when --model is not given (default llama3-8b-shape)")
-    ap.add_argument("--load-format", default="dummy", choices=("auto", "dummy"), help="default dummy (random weights)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=4096, help="(default 4096)")
     ap.add_argument("--output-tokens", type=int, default=32, help="per sample (default 32)")
@@ -147,11 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lp-prompt-tokens", type=int, default=128, help="(default 128)")
     ap.add_argument("--lp-output-tokens", type=int, default=256, help="(default 256)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs of the logprobs measurement; best (default 3)")
-    ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="workload and sampling seed (default 0)")
     ap.add_argument("--skip", choices=("samples", "logprobs"), action="append", default=[])
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    EngineConfig.add_flags(
+        ap.add_argument_group("engine options (as kvtier serve's)"),
+        only=ENGINE_OPTIONS,
+        # a GPU bench on a preset's random bf16 weights (its config alone); prompts of 4K and
+        # more: a context of 8K, prefilled in chunks of 8K
+        defaults={
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "load_format": "dummy",
+            "max_model_len": 8192,
+            "max_num_batched_tokens": 8192,
+        },
+    )
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("kvtier bench rollout: --device cuda asked for, but no CUDA GPU is visible (--device cpu)")

@@ -31,6 +31,9 @@ the model's config), and token ids are drawn below the served vocabulary (``voca
 counts in no mean, and a round without an answer is a gap in the plot, not 0 ms. A configuration
 with failed requests (timed or warm-up) or a server that died prints its first errors to stderr
 and makes the bench exit 1 (``--allow-failures``: exit 0, the errors still printed).
+
+Over 600 lines: it is the one driver the three benches share: the started servers
+(:class:`Server`), the HTTP client, the statistics, the checks, the table and the plot.
 """
 
 from __future__ import annotations
@@ -491,36 +494,45 @@ def progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[], Non
 
 
 def server_flags(config: str, args: Any, tmp: Path) -> list[str]:
-    """kvtier serve flags of a --compare configuration: the bench's engine options as an
-    :class:`~kvtier.engine.config.EngineConfig` (checked now, before any server starts: a bad
-    value is named here), then ``--server-args``; but the device: :class:`Server` gives each
-    server its own (:func:`devices`)."""
+    """kvtier serve flags of a --compare configuration: the bench's engine options
+    (:data:`ENGINE_OPTIONS`) as an :class:`~kvtier.engine.config.EngineConfig` (checked now,
+    before any server starts: a bad value is named here) with the configuration's tiers, then
+    ``--server-args``; but the device: :class:`Server` gives each server its own (:func:`devices`)."""
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
+    from dataclasses import replace
+
     from kvtier.engine.config import EngineConfig
 
-    options: dict[str, Any] = {
-        "block_size": args.block_size,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "dtype": args.dtype or "auto",
-        "load_format": args.load_format or "auto",
-        "max_model_len": args.max_model_len,
-        "num_device_blocks": args.device_blocks,
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }
+    # the device is each server's own, the pool the storage configurations'; a preset's weights
+    # are dummy (resolve_model said so), the rest auto
+    base = EngineConfig.from_args(args, only=[n for n in ENGINE_OPTIONS if n not in ("device", "storage", "load_format")])
+    base = replace(base, load_format=args.load_format or "auto")
     if config == "recompute":
-        options |= {"enable_prefix_caching": False, "num_host_blocks": 0}
+        base = replace(base, enable_prefix_caching=False, num_host_blocks=0)
     elif config == "device":
-        options["num_host_blocks"] = 0
-    elif config in POLICY_CONFIGS:  # each instance: the host configuration
-        options["num_host_blocks"] = args.host_blocks
-    else:
-        options["num_host_blocks"] = args.host_blocks
-        if config in ("storage", "pd"):  # (one pool each: no hit across)
-            options["storage"] = args.storage or f"file://{tmp}/pool-{config}"
+        base = replace(base, num_host_blocks=0)
+    elif config in ("storage", "pd"):  # (one pool each: no hit across)
+        base = replace(base, storage=args.storage or f"file://{tmp}/pool-{config}")
+    # (host, and each instance of a routed configuration: the host configuration)
     import shlex
 
-    return EngineConfig(**options).to_flags() + shlex.split(args.server_args or "")
+    return base.to_flags() + shlex.split(args.server_args or "")
+
+
+# The engine options of the servers a bench starts, as `kvtier serve` takes them (EngineConfig.add_flags)
+ENGINE_OPTIONS = (
+    "device",
+    "tensor_parallel_size",
+    "dtype",
+    "load_format",
+    "block_size",
+    "num_device_blocks",
+    "num_host_blocks",
+    "storage",
+    "max_model_len",
+    "max_num_batched_tokens",
+)
 
 
 def add_common_flags(ap: Any, compare: bool = True) -> None:
@@ -578,13 +590,16 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
         help="what the started kvtier server serves: a checkpoint directory, a Hugging Face hub id, or a "
         "preset name (written to a temporary folder)",
     )
-    ap.add_argument("--device", default="cpu", help="the started server's device (default cpu)")
-    ap.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=positive_int,
-        default=1,
-        help="the started server's tensor-parallel ranks: GPUs --device.. --device+N-1 (default 1)",
+    from kvtier.engine.config import EngineConfig
+
+    EngineConfig.add_flags(
+        ap.add_argument_group("the started servers' engine options (as kvtier serve's)"),
+        only=ENGINE_OPTIONS,
+        # a host tier large enough for the workloads' histories in the host, storage and pd
+        # configurations (recompute and device have none); a preset has no weights to load,
+        # and each storage configuration gets a pool of its own
+        defaults={"num_host_blocks": 4096, "load_format": None},
+        shown={"load_format": "auto; presets: dummy", "storage": "a temporary file:// pool per configuration"},
     )
     ap.add_argument(
         "--prefill-device",
@@ -598,49 +613,11 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
         metavar="DEV",
         help="the pd configuration's decode server's device, e.g. cuda:1 (default --device)",
     )
-    # the engine's options under the names `kvtier serve` gives them (kvtier/engine/config.py);
-    # --device-blocks / --host-blocks: the names these benches had
-    from kvtier.flags import block_size, positive_int
-
-    ap.add_argument(
-        "--dtype",
-        default=None,
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="the started servers' dtype (default: the engine's)",
-    )
-    ap.add_argument("--load-format", default=None, choices=("auto", "dummy"), help="auto or dummy (default auto; presets: dummy)")
-    ap.add_argument("--block-size", type=block_size, default=16, help="tokens per KV block (default 16)")
-    ap.add_argument(
-        "--num-device-blocks",
-        "--device-blocks",
-        dest="device_blocks",
-        type=positive_int,
-        default=None,
-        help="device tier blocks (default: from free memory)",
-    )
-    ap.add_argument(
-        "--num-host-blocks",
-        "--host-blocks",
-        dest="host_blocks",
-        type=non_negative_int,
-        default=4096,
-        help="host tier blocks of the host, storage and pd configurations (default 4096)",
-    )
-    ap.add_argument("--storage", default=None, help="pool URL of the storage config (default: a temporary file://)")
-    ap.add_argument(
-        "--max-model-len", type=positive_int, default=None, help="the started servers' context (default: the model's)"
-    )
     ap.add_argument(
         "--server-args",
         default=None,
         metavar="'FLAGS'",
         help="more `kvtier serve` flags for every started server, e.g. '--preemption-mode recompute'",
-    )
-    ap.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=2048,
-        help="the started servers' token budget per step (default 2048)",
     )
     ap.add_argument(
         "--vocab",
@@ -649,7 +626,7 @@ def add_common_flags(ap: Any, compare: bool = True) -> None:
         help="token ids are drawn below this (default: the served model's vocab_size; with --url, "
         "as its /v1/models says it, else give --vocab or --tokenizer)",
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     ap.add_argument(
         "--log-dir",

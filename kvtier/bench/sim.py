@@ -36,7 +36,7 @@ import sys
 from kvtier import flags
 from kvtier.bench.replay import TIERS, SimConfig, simulate
 from kvtier.bench.traces import read_trace
-from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
+from kvtier.engine.config import EngineConfig
 from kvtier.serve.route import POLICIES
 
 
@@ -58,21 +58,16 @@ def format_report(res: dict) -> str:
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=flags.block_size, default=16, help="tokens per KV block (power of two; default 16)")
-    p.add_argument(
-        "--write-policy",
-        choices=WRITE_POLICIES,
-        default=None,
-        help="when blocks are copied down a tier (default: write_through with a host or storage tier, "
-        "so every computed block reaches them; else write_through_selective)",
+    """The cache manager's options, as the engine takes them, and the block key digest."""
+    EngineConfig.add_flags(
+        p,
+        only=("block_size", "write_policy", "write_through_threshold", "eviction"),
+        # (the engine's rule, said of the replay's tiers: --storage-blocks is its pool)
+        shown={
+            "write_policy": "write_through with a host or storage tier, so every computed block reaches them; "
+            "else write_through_selective"
+        },
     )
-    p.add_argument(
-        "--write-through-threshold",
-        type=flags.positive_int,
-        default=2,
-        help="hits before write_through_selective copies a block down (default 2)",
-    )
-    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru", help="eviction order (default lru)")
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="block key digest (default sha256)")
 
 

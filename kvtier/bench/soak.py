@@ -47,7 +47,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from kvtier.engine.config import EngineConfig
+
 MODEL_NAME = "soak"
+ENGINE_OPTIONS = ("device", "num_device_blocks", "num_host_blocks", "overlap_schedule")  # the server's, as kvtier serve's
 # kind -> weight in the mix; every kind's expected outcome is checked in _check_status
 MIX = {
     "ids": 30,
@@ -336,23 +339,21 @@ def _client_process(conn: Any, *args: Any) -> None:
 def _serve(model: Path, pool: str, args: argparse.Namespace) -> tuple[Any, Any, threading.Thread, str]:
     """The server as `kvtier serve` runs it (the engine in a process of its own, engine/client.py),
     its HTTP side on a thread of this process."""
+    from dataclasses import replace
+
     import uvicorn
 
     from kvtier.engine.client import EngineClient
-    from kvtier.engine.config import EngineConfig
     from kvtier.serve.api import Server
     from kvtier.serve.launch import free_port
 
-    config = EngineConfig(
-        device=args.device,
-        num_device_blocks=args.device_blocks,
-        num_host_blocks=args.host_blocks,
+    config = replace(
+        EngineConfig.from_args(args, only=ENGINE_OPTIONS),
         storage=pool,
         write_policy="write_through",
         max_num_seqs=32,
         max_num_batched_tokens=1024,
         storage_fetch="always",
-        overlap_schedule=args.overlap_schedule,
     )
     engine = EngineClient(str(model), config, max_queue=4096, log_level="warning")
     server = Server(engine, MODEL_NAME)
@@ -465,7 +466,7 @@ def run(args: argparse.Namespace) -> dict:
                     args.requests,
                     args.concurrency,
                     args.seed,
-                    engine.core.max_model_len,
+                    engine.limits.max_model_len,
                     args.huge_bytes,
                     not args.no_progress,
                 ),
@@ -548,25 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="qwen3-tiny",
         help="preset when --model is not given (default qwen3-tiny: dense; see the module docstring)",
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument(
-        "--num-device-blocks",
-        "--device-blocks",
-        dest="device_blocks",
-        type=int,
-        default=96,
-        help="device tier, blocks of 16 tokens (default 96)",
-    )
-    p.add_argument(
-        "--num-host-blocks", "--host-blocks", dest="host_blocks", type=int, default=192, help="host tier, blocks (default 192)"
+    EngineConfig.add_flags(
+        p.add_argument_group("the server's engine options (as kvtier serve's)"),
+        only=ENGINE_OPTIONS,
+        # tiers small enough that the mixed requests evict, swap and go through the pool
+        defaults={"num_device_blocks": 96, "num_host_blocks": 192},
     )
     p.add_argument("--huge-bytes", type=int, default=40 << 20, help="size of the oversized bodies (default 40 MiB)")
-    p.add_argument(
-        "--overlap-schedule",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the engine's overlap scheduling (default: on for cuda, off for cpu)",
-    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--strict", action="store_true", help="a missed latency goal (/health p99 < 100 ms) is an exit status 1 too")
@@ -575,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    for name in ("requests", "concurrency", "device_blocks", "host_blocks", "huge_bytes"):
+    for name in ("requests", "concurrency", "num_host_blocks", "huge_bytes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvtier bench soak: error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     summary = run(args)

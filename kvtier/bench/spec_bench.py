@@ -23,12 +23,16 @@ import json
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtier.flags import unit_interval
+from kvtier.engine.config import EngineConfig
+
+# the engine options this bench takes (EngineConfig.add_flags)
+ENGINE_OPTIONS = ("device", "dtype", "num_speculative_tokens", "speculative_min_acceptance", "max_model_len")
 
 
 def _timed(llm: Any, prompts: list[list[int]], params: Any, repeat: int, device: str) -> tuple[float, list]:
@@ -53,26 +57,24 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvtier bench speculative", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None, help="checkpoint directory or preset (default: by device, above)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--speculative-tokens", "-k", type=int, default=3, help="drafts per step (default 3)")
     ap.add_argument("--alphas", default="0,0.8", help="comma-separated draft acceptance probabilities (default 0,0.8)")
     ap.add_argument("--batch-sizes", default="1,64", help="comma-separated requests at once (default 1,64)")
     ap.add_argument("--input", type=int, default=128, help="prompt tokens (default 128)")
     ap.add_argument("--output", type=int, default=128, help="tokens generated per request (default 128)")
-    ap.add_argument("--max-model-len", type=int, default=4096, help="context length of both engines (default 4096)")
-    ap.add_argument(
-        "--speculative-min-acceptance",
-        type=unit_interval,
-        default=None,
-        metavar="RATE",
-        help="as kvtier serve's: a request whose drafts are accepted under this rate rests from drafting; "
-        "0 = always draft (default: the engine's, 0.1)",
-    )
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    EngineConfig.add_flags(
+        ap.add_argument_group("engine options of both engines (as kvtier serve's)"),
+        only=ENGINE_OPTIONS,
+        # a GPU bench; three drafts per step, the figures' (docs/BENCHMARKS.md); a context of 4K
+        # bounds the CUDA graphs' block tables (capped at the model's)
+        defaults={"device": "cuda", "num_speculative_tokens": 3, "max_model_len": 4096},
+    )
     args = ap.parse_args(argv)
+    config = EngineConfig.from_args(args, only=ENGINE_OPTIONS)
+    if config.num_speculative_tokens < 1:
+        ap.error("--speculative-tokens must be >= 1: the bench compares drafting with not drafting")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("kvtier bench speculative --device cuda needs a CUDA GPU; none is visible (--device cpu runs on CPU)")
     alphas = [float(a) for a in args.alphas.split(",")]
@@ -93,31 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     vocab = min(cfg.vocab_size, 32000)
     params = kvtier.SamplingParams(max_tokens=args.output, ignore_eos=True)
-    common = dict(
-        device=args.device,
-        dtype=args.dtype,
-        load_format=load_format,
-        enable_prefix_caching=False,
-        max_model_len=min(args.max_model_len, cfg.max_position_embeddings),
-    )
+    # both engines: the same options, drafting or not, on the same prompts (nothing cached between runs)
+    config = replace(config, load_format=load_format, enable_prefix_caching=False)
     results: dict[str, Any] = {
         "model": model,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "speculative_tokens": args.speculative_tokens,
-        "speculative_min_acceptance": args.speculative_min_acceptance,
+        "speculative_tokens": config.num_speculative_tokens,
+        "speculative_min_acceptance": config.speculative_min_acceptance,
         "runs": [],
     }
     for batch in batches:
         prompts = [[rng.randrange(vocab) for _ in range(args.input)] for _ in range(batch)]
-        with kvtier.LLM(path, max_num_seqs=batch, **common) as llm:
+        with kvtier.LLM(path, config, max_num_seqs=batch, num_speculative_tokens=0) as llm:
             llm.generate(prompts[:2], kvtier.SamplingParams(max_tokens=4, ignore_eos=True))
             base, outs = _timed(llm, prompts, params, args.repeat, args.device)
         oracle = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
         print(f"batch {batch}: without drafts {base:.0f} tok/s", flush=True)
-        spec = dict(num_speculative_tokens=args.speculative_tokens)
-        if args.speculative_min_acceptance is not None:
-            spec["speculative_min_acceptance"] = args.speculative_min_acceptance
-        with kvtier.LLM(path, max_num_seqs=batch, **spec, **common) as llm:
+        with kvtier.LLM(path, config, max_num_seqs=batch) as llm:
             llm.generate(prompts[:2], kvtier.SamplingParams(max_tokens=4, ignore_eos=True))
             for alpha in alphas:
                 draw = random.Random(args.seed + 1)

@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from kvtier.cache.plan import TransferOp
+from kvtier.engine.config import EngineConfig
 from kvtier.flags import add_json_flag, write_json
 from kvtier.storage import StorageClient, open_backend
 from kvtier.storage.blob import HEADER_NBYTES, BlobLayout, namespace_digest
@@ -364,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="model directory for --ttft (default: llama3-8b-shape with dummy weights on cuda, llama-tiny on cpu)",
     )
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    # the --ttft engines' device: the GPU when there is one
+    EngineConfig.add_flags(ap, only=("device",), defaults={"device": None}, shown={"device": "cuda when available"})
     ap.add_argument("--prompt-tokens", type=int, default=None, help="--ttft prompt length (default 8192 cuda, 448 cpu)")
     ap.add_argument(
         "--slow-throttle",

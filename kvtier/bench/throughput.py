@@ -25,16 +25,33 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.config import EngineConfig
+
+# the engine options this bench takes (EngineConfig.add_flags)
+ENGINE_OPTIONS = (
+    "device",
+    "dtype",
+    "tensor_parallel_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "attention_backend",
+    "cuda_graphs",
+    "overlap_schedule",
+)
+
 
 def make_requests(n: int, seed: int, vocab: int, in_range=(100, 1024), out_range=(100, 1024)):
     rng = random.Random(seed)
     return [([rng.randrange(vocab) for _ in range(rng.randint(*in_range))], rng.randint(*out_range)) for _ in range(n)]
 
 
-def run_kvtier(path: Path, reqs, device: str, dtype: str, profile: bool = False, **llm_kwargs) -> dict:
+def run_kvtier(path: Path, reqs, config: Any, profile: bool = False, **options: Any) -> dict:
+    """kvtier's run of ``reqs`` under ``config`` (an EngineConfig; ``options`` over it)."""
     import kvtier
 
-    with kvtier.LLM(path, device=device, dtype=dtype, **llm_kwargs) as llm:
+    device = "cuda" if config.device.startswith("cuda") else "cpu"
+    with kvtier.LLM(path, config, **options) as llm:
         # warm-up on the same shapes (Triton compiles each kernel variant on first use): every
         # prompt, a few tokens each
         llm.generate([p for p, _ in reqs], kvtier.SamplingParams(max_tokens=8, ignore_eos=True))
@@ -95,9 +112,9 @@ def _count_bytes_read(llm) -> dict:
 
 def hbm_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a device-to-device copy (read + write counted), median of 5."""
-    if device != "cuda":
+    if not device.startswith("cuda"):
         return float("nan")
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     times = []
     for _ in range(6):
@@ -130,7 +147,7 @@ def run_hf(path: Path, reqs, device: str, batch: int) -> dict:
             ids[r, width - len(p) :] = torch.tensor(p)
             mask[r, width - len(p) :] = 1
         new = max(n for _, n in chunk)
-        torch.cuda.synchronize() if device == "cuda" else None
+        torch.cuda.synchronize() if device.startswith("cuda") else None
         t0 = time.perf_counter()
         with torch.no_grad():
             model.generate(
@@ -141,7 +158,7 @@ def run_hf(path: Path, reqs, device: str, batch: int) -> dict:
                 do_sample=False,
                 pad_token_id=0,
             )
-        torch.cuda.synchronize() if device == "cuda" else None
+        torch.cuda.synchronize() if device.startswith("cuda") else None
         t_total += time.perf_counter() - t0
         useful += sum(n for _, n in chunk)
     del model
@@ -158,26 +175,27 @@ def main(argv: list[str] | None = None) -> int:
         help="model directory, or a preset written to a temp dir (config only, dummy weights: e.g. llama3-70b-shape); "
         "default: qwen3-0.6b-shape with random weights",
     )
-    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel ranks: GPUs 0..N-1 (default 1)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=64, help="requests HF generates (the first N of the same)")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--input-range", type=int, nargs=2, default=(100, 1024))
     ap.add_argument("--output-range", type=int, nargs=2, default=(100, 1024))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=4096, help="context length (bounds CUDA-graph tables)")
-    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
-    ap.add_argument("--no-overlap-schedule", dest="overlap_schedule", action="store_false", help="run without overlap scheduling")
     ap.add_argument("--compare-overlap", action="store_true", help="run with and without overlap scheduling")
-    ap.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on cuda)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a short run first")
+    EngineConfig.add_flags(
+        ap.add_argument_group("engine options (as kvtier serve's)"),
+        only=ENGINE_OPTIONS,
+        # a GPU bench, in bf16 also for a --model checkpoint written in another dtype; prefill chunks of 8K
+        # tokens; a context of 4K holds the longest request (1024 + 1024) and bounds the CUDA
+        # graphs' block tables
+        defaults={"device": "cuda", "dtype": "bfloat16", "max_num_batched_tokens": 8192, "max_model_len": 4096},
+    )
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    config = EngineConfig.from_args(args, only=ENGINE_OPTIONS)
+    cuda = config.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
         raise SystemExit("kvtier bench throughput needs a CUDA GPU (--device cuda); none is visible")
     from kvtier.model import PRESETS, init_model
 
@@ -198,28 +216,14 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = min(ModelConfig.from_hf_dir(path).vocab_size, 32000)
     reqs = make_requests(args.requests, args.seed, vocab, tuple(args.input_range), tuple(args.output_range))
-    bandwidth = hbm_bandwidth(args.device)
+    bandwidth = hbm_bandwidth(config.device)
     res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "hbm_bytes_per_s": bandwidth,
     }
-    modes = [True, False] if args.compare_overlap else [args.overlap_schedule]
+    modes = [True, False] if args.compare_overlap else [config.overlap_schedule]
     for overlap in modes:
-        run = run_kvtier(
-            path,
-            reqs,
-            args.device,
-            args.dtype,
-            args.profile,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            attention_backend=args.attention_backend,
-            max_model_len=args.max_model_len,
-            cuda_graphs=args.cuda_graphs,
-            overlap_schedule=overlap,
-            tensor_parallel_size=args.tensor_parallel_size,
-            load_format=load_format,
-        )
+        run = run_kvtier(path, reqs, config, args.profile, overlap_schedule=overlap, load_format=load_format)
         run.update(roofline(run, bandwidth))
         print(
             f"kvtier (overlap {'on' if run['overlap_schedule'] else 'off'}): {run['requests']} requests, "
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         res["kvtier_overlap_" + ("on" if run["overlap_schedule"] else "off")] = run
     ours = res["kvtier"]
     if args.hf_requests:
-        hf = run_hf(path, reqs[: args.hf_requests], args.device, args.hf_batch)
+        hf = run_hf(path, reqs[: args.hf_requests], config.device, args.hf_batch)
         print(
             f"hf transformers: {hf['requests']} requests (batch {args.hf_batch}), {hf['output_tokens']} useful "
             f"tokens in {hf['seconds']:.1f}s = {hf['tokens_per_s']:.0f} tok/s"

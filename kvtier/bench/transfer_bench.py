@@ -17,7 +17,7 @@ per block over all layers). For each block count and id pattern (consecutive / r
                from torch's pinned memory (``pin_memory=True``)
     registered the same copy from memory pinned the way the host pool is (``cudaHostRegister``)
 
-and reports GB/s plus ``fast / contiguous`` and ``fast / loop``. Goals (issue 7): fast >= 0.90 x
+and reports GB/s plus ``fast / contiguous`` and ``fast / loop``. Goals: fast >= 0.90 x
 contiguous from 64 blocks up, both directions; fast >= 10 x loop.
 
     kvtier bench transfer [--blocks 1,4,16,64,256,1024,4096] [--json out.json]
@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from kvtier.engine.config import EngineConfig
 from kvtier.transfer import copy as ref
 from kvtier.transfer import kernels as fast
 from kvtier.transfer.host_pool import HostKV
@@ -193,13 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32, help="layers (default 32: Llama-3-8B)")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     ap.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="KV dtype")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per point; the median is reported (default 5)")
     ap.add_argument("--max-loop-blocks", type=int, default=256, help="skip the per-block loop above this (slow)")
     ap.add_argument("--max-ref-blocks", type=int, default=1024, help="skip the torch reference above this")
     ap.add_argument("--json", default=None, help="write the results to this file")
+    # the KV's block size and dtype; bf16, the dtype of the shape's checkpoint (Llama-3-8B), on a GPU
+    EngineConfig.add_flags(ap, only=("block_size", "dtype"), defaults={"dtype": "bfloat16"})
     args = ap.parse_args(argv)
+    if args.dtype == "auto":  # (the checkpoint's: Llama-3-8B's)
+        args.dtype = "bfloat16"
     summary = run(args)
     if args.json:
         with open(args.json, "w") as f:

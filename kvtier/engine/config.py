@@ -1,16 +1,18 @@
 """EngineConfig: every engine option once, with its type, default, flag, help and check.
 
-``kvtier.LLM(path, **options)``, ``EngineCore(path, config)``, ``kvtier serve`` and ``kvtier
-generate`` (their flags come from :meth:`EngineConfig.add_flags`), the servers ``kvtier bench``
+``kvtier.LLM(path, **options)``, ``EngineCore(path, config)``, ``kvtier serve``, ``kvtier
+generate`` and every ``kvtier bench`` (their flags come from :meth:`EngineConfig.add_flags`; a
+bench takes the options it uses, with defaults of its own by name), the servers ``kvtier bench``
 starts (:meth:`EngineConfig.to_flags`) and ``kvtier serve --role`` (:func:`dataclasses.replace`)
 all take their options from here, so an option is added, documented and checked in one place::
 
     options ─► EngineConfig(**options)  (__post_init__: ValueError naming the bad value)
-    flags   ─► EngineConfig.from_args(argparse namespace)  ◄── add_flags(parser)
+    flags   ─► EngineConfig.from_args(argparse namespace)  ◄── add_flags(parser[, only, defaults])
     config  ─► to_flags() ─► `kvtier serve MODEL ...` argv of a started server
 
-Defaults that depend on the model or the machine stay ``None`` here and are resolved by the
-engine (``EngineCore.__init__``, engine/sizing.py):
+Defaults that depend on the model or the machine stay ``None`` here and are resolved once, when
+the engine is built (engine/resolve.py, engine/sizing.py); every part of the engine takes the
+resolved config:
 
 - ``num_device_blocks=None``: sized from free memory (90% of free GPU memory after weights,
   less 1 GiB; 20% of available RAM on CPU), capped at ``max_num_seqs`` full-length sequences;
@@ -36,7 +38,7 @@ engine (``EngineCore.__init__``, engine/sizing.py):
   --role prefill``: half the fetch threads);
 - ``preemption_mode=None``: swap with a host tier, else recompute;
 - ``max_num_seqs_per_request=None``: a quarter of ``max_num_seqs``, at least 1
-  (engine/scheduler.py);
+  (engine/resolve.py; what it bounds: engine/scheduler.py);
 - ``cuda_graphs=None``: on for CUDA (with the triton attention backend);
 - ``overlap_schedule=None``: on for CUDA (the CPU schedules step N+1 while the GPU runs step N),
   off on CPU (where a step runs to its end before the host goes on: nothing to overlap, and a
@@ -48,8 +50,9 @@ This module imports no torch, so ``kvtier --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 from kvtier import flags as types
 from kvtier.cache.policy import EVICTION_POLICIES, WRITE_POLICIES
@@ -339,19 +342,43 @@ class EngineConfig:
 
     # ------------------------------------------------------------------ command lines
     @classmethod
-    def add_flags(cls, parser: argparse.ArgumentParser | Any) -> None:
-        """Every field as a flag of ``parser`` (dest = the field's name)."""
+    def add_flags(
+        cls,
+        parser: argparse.ArgumentParser | Any,
+        only: Iterable[str] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+        shown: Mapping[str, str] | None = None,
+    ) -> None:
+        """Every field as a flag of ``parser`` (dest = the field's name). A bench takes ``only``
+        the options it uses, ``defaults`` another default by name where it needs one (its
+        help then says that default), and ``shown``: how the help says a default the bench
+        decides itself when the flag is not given (``{"storage": "a temporary file:// pool"}``).
+        ValueError naming an option that is not a field (or, in ``defaults`` or ``shown``, not
+        among ``only``)."""
+        chosen = _names(only) if only is not None else [f.name for f in fields(cls)]
+        defaults, shown = dict(defaults or {}), dict(shown or {})
+        unknown = sorted((set(defaults) | set(shown)) - set(chosen))
+        if unknown:
+            raise ValueError(f"defaults or shown for {', '.join(unknown)}: not among the flags added ({', '.join(chosen)})")
         for f in fields(cls):
+            if f.name not in chosen:
+                continue
             name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-            meta = {**f.metadata, "help": f.metadata["help"].replace("%", "%%")}  # argparse formats help with %
+            meta = dict(f.metadata)
+            default = defaults.get(f.name, f.default)
+            if f.name in shown:
+                meta["help"] = _with_default(meta["help"], f"default: {shown[f.name]}")
+            elif f.name in defaults:
+                meta["help"] = _with_default(meta["help"], f"default {_default_text(default)}")
+            meta["help"] = meta["help"].replace("%", "%%")  # argparse formats help with %
             if meta["off"]:
                 meta["help"] += " (also " + ", ".join(meta["off"]) + ": off)"
             if meta["switch"]:
-                parser.add_argument(meta["switch"], *meta["aliases"], dest=f.name, action="store_false", help=meta["help"])
-            elif meta["type"] is None and meta["choices"] is None:  # --x / --no-x
                 parser.add_argument(
-                    name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"]
+                    meta["switch"], *meta["aliases"], dest=f.name, action="store_false", default=default, help=meta["help"]
                 )
+            elif meta["type"] is None and meta["choices"] is None:  # --x / --no-x
+                parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
             else:
                 parser.add_argument(
                     name,
@@ -359,7 +386,7 @@ class EngineConfig:
                     dest=f.name,
                     type=meta["type"],
                     choices=meta["choices"],
-                    default=f.default,
+                    default=default,
                     metavar=meta["metavar"],
                     help=meta["help"],
                 )
@@ -367,8 +394,10 @@ class EngineConfig:
                 parser.add_argument(flag, dest=f.name, action="store_const", const=False, help=argparse.SUPPRESS)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+    def from_args(cls, args: argparse.Namespace, only: Iterable[str] | None = None) -> "EngineConfig":
+        """The config of parsed flags: every field's, or ``only`` those (the rest: defaults)."""
+        names = _names(only) if only is not None else [f.name for f in fields(cls)]
+        return cls(**{name: getattr(args, name) for name in names})
 
     def to_flags(self) -> list[str]:
         """The ``kvtier serve`` / ``generate`` flags that give this config (its non-default fields)."""
@@ -388,3 +417,28 @@ class EngineConfig:
             else:
                 out += [name, str(value)]
         return out
+
+
+def _names(only: Iterable[str]) -> list[str]:
+    """``only`` as a list, each a field of EngineConfig (ValueError naming one that is not)."""
+    names, known = list(only), {f.name for f in fields(EngineConfig)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown engine option {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
+    return names
+
+
+def _default_text(value: Any) -> str:
+    """A default as a help line says it: on/off, none, 0.1,0.05."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _with_default(help: str, default: str) -> str:  # noqa: A002
+    """``help`` with its "(default ...)" clause, wherever it is, replaced by "(DEFAULT)" at its end."""
+    return re.sub(r" ?\(default[^()]*\)", "", help, count=1) + f" ({default})"

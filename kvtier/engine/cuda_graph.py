@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.config import EngineConfig
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.moe import SparseMoE
 
@@ -353,44 +354,39 @@ class DecodeGraphs(Graphs):
 
 
 def capture_graphs(
-    model: Any,
-    kv_caches: list[torch.Tensor],
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    num_device_blocks: int,
-    device: torch.device,
-    routing_shape: tuple[int, int] | None,
-    gates: Any,
+    model: Any, kv_caches: list[torch.Tensor], config: EngineConfig, routing_shape: tuple[int, int] | None, gates: Any
 ) -> tuple[DecodeGraphs, StepGraphs | None]:
     """The engine's graphs, captured (on CUDA; built uncaptured elsewhere, for their CPU tests):
     decode steps of up to 256 sequences, and other steps of up to 256 tokens (MoE layers
     dispatch densely up to there: no host sync), whose layers wait on ``gates`` (None: a step
-    with loads waits for all of them before its replay)."""
+    with loads waits for all of them before its replay). ``config``: resolved (engine/resolve.py):
+    the block size, the context, the step's sequences and tokens at most, and the device tier,
+    whose scratch block (number ``num_device_blocks``) padding rows write to."""
+    assert config.max_model_len is not None and config.num_device_blocks is not None, "an unresolved config"
+    device = torch.device(config.device)
     capture = device.type == "cuda"
     graphs = DecodeGraphs(
         model,
         kv_caches,
-        block_size,
-        max_model_len,
-        min(max_num_seqs, 256),
-        num_device_blocks,
+        config.block_size,
+        config.max_model_len,
+        min(config.max_num_seqs, 256),
+        config.num_device_blocks,
         device,
         capture=capture,
         routing_shape=routing_shape,
     )
     graphs.capture_all()
-    max_tokens = min(max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
+    max_tokens = min(config.max_num_batched_tokens, SparseMoE.DENSE_MAX_TOKENS)
     if max_tokens < StepGraphs.SIZES[0]:
         return graphs, None
     step_graphs = StepGraphs(
         model,
         kv_caches,
-        block_size,
-        max_model_len,
+        config.block_size,
+        config.max_model_len,
         max_tokens,
-        num_device_blocks,
+        config.num_device_blocks,
         device,
         capture=capture,
         routing_shape=routing_shape,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.cuda_graph import Graphs, batch_buckets
 from kvtier.engine.sampling import to_device
 from kvtier.model.attention import AttentionMetadata
@@ -120,32 +121,24 @@ class DraftGraphs(Graphs):
         return self.tokens[:, :n]
 
 
-def build_chain(
-    model,
-    kv_caches: list[torch.Tensor],
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    num_speculative_tokens: int,
-    num_device_blocks: int,
-    device: torch.device,
-    cuda_graphs: bool,
-    pool=None,
-) -> DraftGraphs | None:
+def build_chain(model, kv_caches: list[torch.Tensor], config: EngineConfig, pool=None) -> DraftGraphs | None:
     """An engine's draft chain (every tensor-parallel rank builds the same), captured on CUDA
-    with ``cuda_graphs``; None for one draft (no chain)."""
-    if num_speculative_tokens <= 1:
+    with ``config.cuda_graphs``; None for one draft (no chain). ``config``: resolved
+    (engine/resolve.py)."""
+    if config.num_speculative_tokens <= 1:
         return None
+    assert config.max_model_len is not None and config.num_device_blocks is not None, "an unresolved config"
+    device = torch.device(config.device)
     chain = DraftGraphs(
         model,
         kv_caches,
-        block_size,
-        max_model_len,
-        min(max_num_seqs, 256),
-        num_speculative_tokens - 1,
-        num_device_blocks,  # the scratch block
+        config.block_size,
+        config.max_model_len,
+        min(config.max_num_seqs, 256),
+        config.num_speculative_tokens - 1,
+        config.num_device_blocks,  # the scratch block
         device,
-        capture=cuda_graphs and device.type == "cuda",
+        capture=bool(config.cuda_graphs) and device.type == "cuda",
         pool=pool,
     )
     chain.capture_all()

@@ -3,9 +3,10 @@
 A device-side assert, an illegal address or a launch failure poisons the CUDA context: every
 later call on it fails the same way, so blaming the step's requests and going on (what the
 engine does with any other error) would fail every request after it, forever. Instead the error
-becomes :class:`DeviceLost`, which the engine never catches: ``AsyncEngine`` fails what is in
-flight and stops, ``/health`` says ``dead`` and ``kvtier serve`` exits non-zero so that a
-supervisor starts a fresh process (docs/SERVING.md).
+becomes :class:`DeviceLost`, which the engine never catches: its serving loop (engine/loop.py)
+fails what is in flight and stops, saying why to its client (``EngineClient.error``, ``on_dead``),
+``/health`` says ``dead`` and ``kvtier serve`` exits non-zero so that a supervisor starts a fresh
+process (docs/SERVING.md).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
+from kvtier.engine.checks import check_pd_samples
 from kvtier.engine.outputs import CompletionOutput, RequestOutput
 from kvtier.engine.request import Request
 
@@ -37,11 +38,18 @@ if TYPE_CHECKING:
 
 def check_n(req: Request) -> None:
     """ValueError if ``req`` asks for n > 1 samples where they cannot be served."""
-    n = req.params.n
-    if n > 1 and (req.export or req.handoff is not None):
-        raise ValueError(
-            f"n={n} samples cannot be served through a PD hand-off (export/handoff): send n=1 or run the request colocated"
-        )
+    check_pd_samples(req.params.n, req.export, req.handoff is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleProgress:
+    """What sample ``index`` of a request has so far: its tokens and their logprobs (live lists
+    of a running sample, not copies), and its finish reason once it finished."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
 
 
 @dataclass(eq=False)
@@ -93,7 +101,7 @@ class SampleGroup:
         fields); every sample, finished or not, is reported with finish_reason "error" and the
         tokens it had, so that the request's fields stay ``outputs[0]``'s."""
         template = error_output.outputs[0]
-        started = {i: (toks, lps) for i, toks, lps, _ in self.progress()}
+        started = {p.index: (p.token_ids, p.logprobs) for p in self.progress()}
         outputs = []
         for i in range(self.n):
             toks, lps = started.get(i, ([], None))
@@ -111,15 +119,15 @@ class SampleGroup:
         error_output.token_ids = outputs[0].token_ids
         return error_output
 
-    def progress(self) -> list[tuple[int, list[int], list | None, str | None]]:
-        """(index, token_ids, logprobs, finish_reason or None) of every sample started so far."""
-        rows: list[tuple[int, list[int], list | None, str | None]] = []
+    def progress(self) -> list[SampleProgress]:
+        """Every sample started so far, by index."""
+        rows: list[SampleProgress] = []
         for i, r in enumerate(self.samples):
             c = self.done.get(i)
             if c is not None:
-                rows.append((i, c.token_ids, c.logprobs, c.finish_reason))
+                rows.append(SampleProgress(i, c.token_ids, c.logprobs, c.finish_reason))
             elif r is not None:
-                rows.append((i, r.output_token_ids, r.logprobs, None))
+                rows.append(SampleProgress(i, r.output_token_ids, r.logprobs))
         return rows
 
 
@@ -191,13 +199,18 @@ class SampleGroups:
         aborted = [self.scheduler.abort(r.request_id) for r in group.unfinished()]
         return any(r is not None for r in aborted)
 
-    def progress(self, req: Request) -> list[tuple[int, list[int], list | None, str | None]]:
-        """(index, token_ids, logprobs, finish_reason or None) of every sample of ``req`` started
-        so far; token_ids and logprobs are live lists, not copies."""
+    def progress(self, req: Request) -> list[SampleProgress]:
+        """Every sample of ``req`` started so far (``req`` itself when it has no group)."""
         entry = self.sample_of.get(req.request_id)
         if entry is None or entry[0].head is not req:
-            return [(0, req.output_token_ids, req.logprobs, None)]
+            return [SampleProgress(0, req.output_token_ids, req.logprobs)]
         return entry[0].progress()
+
+    def request_id_of(self, request_id: str) -> str:
+        """The id of the request (as added) that the sample ``request_id`` belongs to: its own
+        for a request without a group (n = 1)."""
+        entry = self.sample_of.get(request_id)
+        return request_id if entry is None else entry[0].request_id
 
     def fold(
         self, results: list[RequestOutput], error_output: Callable[[Request, str, str | None], RequestOutput]

@@ -2,7 +2,7 @@
 
 A thin front end over :class:`~kvtier.engine.core.EngineCore`: ``generate`` queues its prompts
 and steps the engine until all of them finished (the serving front end is
-:class:`~kvtier.engine.async_engine.AsyncEngine`). One RequestOutput per prompt, in order; with
+:class:`~kvtier.engine.client.EngineClient`). One RequestOutput per prompt, in order; with
 ``SamplingParams.n > 1`` its ``outputs`` hold the n samples (engine/group.py). A request that fails inside the engine raises
 RuntimeError here (its batch's other requests are aborted; the engine stays usable).
 """

@@ -1,6 +1,7 @@
 """What the engine returns: a finished request's :class:`RequestOutput`, one
 :class:`CompletionOutput` per sample, and :func:`request_output`, which makes them from a
-:class:`~kvtier.engine.request.Request`."""
+:class:`~kvtier.engine.request.Request`. Plain data, no torch: an output travels to a serving
+process as it is (engine/wire.py)."""
 
 from __future__ import annotations
 

@@ -68,12 +68,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from kvtier.cache import CacheManager, CacheRequest
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.request import Request, Status
-
-
-def default_seqs_per_request(max_num_seqs: int) -> int:
-    """``max_num_seqs_per_request``'s default: a quarter of the running slots, at least one."""
-    return max(1, max_num_seqs // 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,44 +93,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        cache: CacheManager,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int = 4096,
-        eos_token_ids: tuple[int, ...] = (),
-        preemption_mode: str = "recompute",
-        prefetch_policy: str = "best_effort",
-        prefetch_timeout: tuple[float, float] = (0.1, 0.05),
-        num_speculative_tokens: int = 0,
-        max_num_seqs_per_request: int | None = None,
-    ) -> None:
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if max_num_seqs_per_request is None:
-            max_num_seqs_per_request = default_seqs_per_request(max_num_seqs)
-        if not 1 <= max_num_seqs_per_request <= max_num_seqs:
-            raise ValueError(
-                f"max_num_seqs_per_request must be in 1..max_num_seqs ({max_num_seqs}), got {max_num_seqs_per_request}"
-            )
-        if preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose swap or recompute")
-        if preemption_mode == "swap" and not cache.has_host:
-            raise ValueError("preemption_mode='swap' needs a host tier: set num_host_blocks > 0")
-        if prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
-            raise ValueError(f"unknown prefetch_policy {prefetch_policy!r}; choose best_effort, wait_complete or timeout")
-        if len(prefetch_timeout) != 2 or min(prefetch_timeout) < 0:
-            raise ValueError(f"prefetch_timeout must be (base seconds, seconds per 1K tokens) >= 0, got {prefetch_timeout!r}")
-        self.preemption_mode = preemption_mode
-        self.num_speculative_tokens = num_speculative_tokens
-        self.prefetch_policy = prefetch_policy
-        self.prefetch_timeout = prefetch_timeout
+    def __init__(self, cache: CacheManager, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+        """``config``: resolved (engine/resolve.py; its options were checked there): the token
+        budget, the running slots (in all and per owner), the context, the preemption mode, the
+        prefetch policy and the speculative tokens. ``eos_token_ids``: the model's."""
+        mode, per_owner, context = config.preemption_mode, config.max_num_seqs_per_request, config.max_model_len
+        assert mode is not None and per_owner is not None and context is not None, "an unresolved config (engine/resolve.py)"
+        assert mode != "swap" or cache.has_host, "swap preemption needs a cache with a host tier"
+        self.preemption_mode = mode
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.prefetch_policy = config.prefetch_policy
+        self.prefetch_timeout = config.prefetch_timeout
         self.cache = cache
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_num_seqs_per_request = max_num_seqs_per_request
-        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs_per_request = per_owner
+        self.max_model_len = context
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

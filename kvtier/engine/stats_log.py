@@ -30,7 +30,7 @@ class StatsLog:
             raise ValueError(f"stats interval must be >= 0 seconds (0: off), got {interval}")
         self.interval = interval
         self.logger = logger
-        self._last = time.monotonic()
+        self.last = time.monotonic()  # when the last line was due (at first: when this was made)
         self._counts = (0, 0, 0, 0)  # prompt tokens computed, generated; pool bytes read, written
         self._slowest = 0.0  # the longest engine step since the last line (s)
 
@@ -44,7 +44,7 @@ class StatsLog:
         if not self.interval:
             return None
         now = time.monotonic() if now is None else now
-        if now - self._last < self.interval:
+        if now - self.last < self.interval:
             return None
         pool = core.storage.counters if core.storage is not None else {}
         counts = (
@@ -54,7 +54,7 @@ class StatsLog:
             pool.get("bytes_written", 0),
         )
         last, slowest = self._counts, self._slowest
-        dt, self._last, self._counts, self._slowest = now - self._last, now, counts, 0.0
+        dt, self.last, self._counts, self._slowest = now - self.last, now, counts, 0.0
         sched, cache = core.scheduler, core.cache
         busy = sched.has_unfinished() or cache.num_pending_ops or core.num_exports or counts != last
         if not busy:

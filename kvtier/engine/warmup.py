@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.params import SamplingParams
 from kvtier.engine.sampling import draw, topk
 from kvtier.model.attention import AttentionMetadata
@@ -33,20 +34,17 @@ from kvtier.model.families import CausalLM
 log = logging.getLogger(__name__)
 
 
-def compile_kernels(
-    model: CausalLM,
-    kv_caches: list[torch.Tensor],
-    host_kv: torch.Tensor | None,
-    scratch_block: int,
-    block_size: int,
-    max_model_len: int,
-    attention_backend: str,
-) -> int:
+def compile_kernels(model: CausalLM, kv_caches: list[torch.Tensor], host_kv: torch.Tensor | None, config: EngineConfig) -> int:
     """Run each kernel variant once (module docstring); returns the Triton variants compiled or
-    loaded. A no-op off CUDA (Triton's interpreter compiles nothing; torch has nothing to load)."""
+    loaded. A no-op off CUDA (Triton's interpreter compiles nothing; torch has nothing to load).
+    ``config``: resolved (engine/resolve.py): the block size, the context, the attention
+    backend and the device tier, whose scratch block (number ``num_device_blocks``) the
+    forwards write to."""
     device = kv_caches[0].device
     if device.type != "cuda":
         return 0
+    scratch_block, block_size, max_model_len = config.num_device_blocks, config.block_size, config.max_model_len
+    assert scratch_block is not None and max_model_len is not None, "an unresolved config (engine/resolve.py)"
     from kvtier.triton_jit import num_compiled
 
     before = num_compiled()
@@ -64,7 +62,7 @@ def compile_kernels(
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
     tokens, _ = draw(logits, [greedy, sampled], [None, None], processed_rows=[0, 1])
     topk(torch.log_softmax(logits, dim=-1), 5)
-    if attention_backend == "triton":
+    if config.attention_backend == "triton":
         from kvtier.model.triton_attention import compile_variants
 
         compile_variants(kv_caches[0], cfg.num_heads, scratch_block, max_model_len)

@@ -12,7 +12,19 @@ an earlier chunk / decode step)::
     block_tables[i] = [b0, b1, b2, ...]          positions 0..bs-1 -> b0, bs..2bs-1 -> b1, ...
     slot_mapping[t] = block * block_size + offset   for every new token t (where its K/V is written)
 
-Queries attend causally: the query at absolute position p sees KV positions 0..p.
+Queries attend causally: the query at absolute position p sees KV positions 0..p; in a layer with
+a sliding ``window`` only the last ``window`` of them (transformers' sliding_window)::
+
+    keys      0 1 2 3 4 5 6 7 8 9
+    p = 9     . . . . . . x x x x      window 4: keys p - 3 .. p
+    p = 9     x x x x x x x x x x      full attention
+
+Per layer, as the family defines it: ``softcap`` (Gemma 2) bounds each score to cap * tanh(score / cap)
+before the mask; ``sinks`` (gpt-oss) adds one learned logit per head to the softmax's denominator,
+so a row's weights sum to less than one::
+
+    weights = exp(s_j) / (sum_k exp(s_k) + exp(sink[head]))
+
 Every fast backend (Triton) has the same signature as :func:`reference_attention` and is
 tested against it on random shapes; :mod:`kvtier.model.backends` picks one by name.
 """
@@ -99,30 +111,66 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def reference_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def reference_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
 
-    Plain torch, one sequence at a time, softmax in fp32. The reference every backend is checked
+    ``window``: a query at position p sees keys p - window + 1 .. p (None: 0 .. p); ``sinks``
+    [num_heads]: a logit per head in every softmax's denominator; ``softcap``: scores become
+    softcap * tanh(score / softcap) (module docstring). Plain torch, one sequence at a time, softmax
+    in fp32; keys below every query's window are not read. The reference every backend is checked
     against; also the CPU backend.
     """
+    check_attention_options(query, window, sinks, softcap)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        num_blocks = -(-s_len // block_size)
-        blocks = meta.block_tables[i, :num_blocks].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]
+        first = 0 if window is None else max(0, s_len - q_len - window + 1)  # lowest key of the first query's window
+        blocks = meta.block_tables[i, first // block_size : -(-s_len // block_size)].long()
+        offset = first - first // block_size * block_size
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[offset : offset + s_len - first]
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[offset : offset + s_len - first]
         q = query[start : start + q_len].float().transpose(0, 1)  # [H, q, D]
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, s, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q, s]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
-        k_pos = torch.arange(s_len, device=query.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        k_pos = torch.arange(first, s_len, device=query.device)[None, :]
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden, float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out[start : start + q_len] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
         start += q_len
     return out
+
+
+def check_attention_options(query: torch.Tensor, window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> None:
+    """ValueError naming a bad ``window``, ``sinks`` or ``softcap`` (the options every backend takes)."""
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of positions or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
+    if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.device != query.device):
+        raise ValueError(
+            f"sinks must be one logit per query head ([{query.shape[1]}]) on {query.device}, "
+            f"got {tuple(sinks.shape)} on {sinks.device}"
+        )

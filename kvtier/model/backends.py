@@ -3,13 +3,29 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 
 from kvtier.model.attention import AttentionMetadata, reference_attention
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+class AttentionFn(Protocol):
+    """A backend: :func:`kvtier.model.attention.reference_attention`'s signature."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor: ...
+
+
 BACKENDS = ("torch", "triton")
 
 

@@ -11,6 +11,22 @@ Two KV shapes (:attr:`ModelConfig.kv_kind`)::
     "latent"  MLA_ARCHITECTURES (DeepSeek-V2/V3, Kimi K2):      kv_lora_rank + qk_rope_head_dim per token
               one compressed latent per token, shared by every head (model/mla.py); the engine does
               not serve these yet (the model alone loads with model/loader.py ``load_mla_model``)
+
+Two kinds of attention layer (:attr:`ModelConfig.layer_types`, grouped by :attr:`ModelConfig.attention_groups`)::
+
+    "full_attention"      a query at position p sees keys 0..p
+    "sliding_attention"   a query at position p sees keys p - sliding_window + 1 .. p
+
+    Mistral, Mixtral, Qwen3-MoE   every layer slides when sliding_window is set (Qwen: and use_sliding_window)
+    Qwen2, Qwen3                  layers i >= max_window_layers slide (use_sliding_window), or as layer_types says
+    Qwen2-MoE                     even layers i < max_window_layers slide (use_sliding_window), or layer_types
+    Gemma 2, gpt-oss              layer_types, else alternating: sliding, full, sliding, ...
+    Gemma 3                       layer_types, else every sliding_window_pattern-th layer full (5 sliding : 1 full)
+
+SLIDING_ARCHITECTURES (gpt-oss, Gemma 2, Gemma 3: model/gpt_oss.py, model/gemma.py) are read and run
+(model/loader.py ``load_sliding_model``) but not served yet: their sliding layers need KV blocks only
+for the window, which the cache manager does not keep per layer group yet. Mistral/Qwen with
+sliding layers are served: their layers keep every block and attention applies the window.
 """
 
 from __future__ import annotations
@@ -26,6 +42,10 @@ DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")  # multi-head latent attention
+# hybrid sliding-window / full attention, with their own layers (attention sinks, soft-capping, Gemma norms)
+SLIDING_ARCHITECTURES = ("GptOssForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -34,6 +54,16 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Layers that attend alike, and so cache alike: every layer of a group keeps KV for the same
+    positions of a sequence (a sliding group only the last ``window``)."""
+
+    kind: str  # FULL_ATTENTION or SLIDING_ATTENTION
+    window: int | None  # sliding: a query at position p sees keys p - window + 1 .. p; full: None
+    layer_ids: tuple[int, ...]  # indices into the model's KV caches (MTP blocks: num_layers and on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +86,15 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type + its parameters
-    sliding_window: int | None = None  # recorded, not applied (see families.py)
+    # attention per decoder layer (module docstring): () means every layer full
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # the window of the sliding layers; None when no layer slides
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins every softmax's denominator
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # Gemma: softmax scale query_pre_attn_scalar ** -0.5, not head_dim's
+    local_rope_theta: float | None = None  # Gemma 3 (rope_local_base_freq): RoPE of sliding layers; None: rope_theta
+    local_rope_scaling: dict[str, Any] = field(default_factory=dict)  # its rope_type + parameters
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype = torch.float32
     # MoE (zero / empty for dense families)
@@ -85,6 +123,9 @@ class ModelConfig:
     n_group: int = 1  # experts in n_group groups; a token's experts come from its topk_group best groups
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' gate weights
+    # gpt-oss experts (model/gpt_oss.py): (up + 1) * gate * sigmoid(swiglu_alpha * gate), gate and up clamped
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     def with_mtp(self, drafting: bool) -> "ModelConfig":
         """The config an engine builds: one MTP block when it drafts with MTP (more in the
@@ -120,6 +161,30 @@ class ModelConfig:
         """MLA: a query/key head, its part without RoPE then its part with RoPE."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (a query at p sees keys p - window + 1 .. p),
+        None for a full-attention layer (MTP blocks are)."""
+        if layer_idx < len(self.layer_types) and self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def attention_groups(self) -> tuple[AttentionGroup, ...]:
+        """Every KV layer (the decoder's, then the MTP blocks') in groups of one kind and window,
+        in order of their first layer: gpt-oss-20b has (sliding 128: 0, 2, .., 22) and (full: 1, 3, .., 23)."""
+        groups: dict[int | None, list[int]] = {}
+        for layer in range(self.num_kv_layers):
+            groups.setdefault(self.layer_window(layer), []).append(layer)
+        return tuple(
+            AttentionGroup(SLIDING_ATTENTION if window else FULL_ATTENTION, window, tuple(ids)) for window, ids in groups.items()
+        )
+
+    def sliding_rope_config(self) -> "ModelConfig":
+        """The config whose RoPE the sliding layers use: Gemma 3's local base, else this one."""
+        if self.local_rope_theta is None:
+            return self
+        return replace(self, rope_theta=self.local_rope_theta, rope_scaling=self.local_rope_scaling)
+
     @property
     def is_moe(self) -> bool:
         return len(self.moe_layer_ids) > 0
@@ -146,17 +211,14 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
         arch = (hf.get("architectures") or [None])[0]
-        if arch not in SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES:
+        if arch not in SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + SLIDING_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-                f" (read, not served yet: {', '.join(MLA_ARCHITECTURES)})"
+                f" (read, not served yet: {', '.join(MLA_ARCHITECTURES + SLIDING_ARCHITECTURES)})"
             )
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         moe = _moe_fields(arch, hf, num_layers)
-        sliding = hf.get("sliding_window")
-        if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
-            sliding = None
         fields: dict[str, Any] = dict(
             architecture=arch,
             num_layers=num_layers,
@@ -177,15 +239,120 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope_theta=float(_rope_dict(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
             rope_scaling=_rope_dict(hf),
-            sliding_window=sliding or None,
             eos_token_ids=_eos_ids(hf, generation_config or {}),
             torch_dtype=_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32),
             num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),  # DeepSeek-V3, GLM-4.5, MiMo
             **moe,
+            **_attention_layers(arch, hf, num_layers),
         )
         if arch in MLA_ARCHITECTURES:
             fields.update(_mla_fields(arch, hf))
+        if arch in SLIDING_ARCHITECTURES:
+            fields.update(_sliding_family_fields(arch, hf))
         return cls(**fields)
+
+
+def _attention_layers(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """``layer_types`` and ``sliding_window`` as transformers reads each family's config (module
+    docstring); ``sliding_window`` None when no layer slides."""
+    window = hf.get("sliding_window", _SLIDING_DEFAULTS.get(arch))
+    given = hf.get("layer_types")
+    use = bool(hf.get("use_sliding_window", False))
+    max_window_layers = hf.get("max_window_layers", 28)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        # transformers applies the window to every layer, whatever layer_types says
+        if arch == "Qwen3MoeForCausalLM" and not use:
+            window = None
+        types = [SLIDING_ATTENTION if window else FULL_ATTENTION] * num_layers
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = window if use else None
+        types = given or [
+            SLIDING_ATTENTION if window is not None and i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)
+        ]
+    elif arch == "Qwen2MoeForCausalLM":
+        window = window if use else None
+        types = given or [
+            SLIDING_ATTENTION if (i + 1) % 2 and i < max_window_layers and use else FULL_ATTENTION for i in range(num_layers)
+        ]
+    elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError(f"{arch} with use_bidirectional_attention=true (an embedding model) is not a causal LM")
+        # Gemma 3: every sliding_window_pattern-th layer is full (its checkpoints before layer_types)
+        pattern = hf.get("sliding_window_pattern", 6) if arch == "Gemma3ForCausalLM" else 2
+        types = given or [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+    else:  # Llama, DeepSeek: no sliding layers
+        types = [FULL_ATTENTION] * num_layers
+    if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ValueError(
+            f"layer_types must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each of the {num_layers} layers, got {types}"
+        )
+    if SLIDING_ATTENTION not in types:
+        return dict(layer_types=tuple(types), sliding_window=None)
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{arch} has sliding_attention layers but sliding_window is {window!r} (a positive number expected)")
+    return dict(layer_types=tuple(types), sliding_window=window)
+
+
+# transformers' defaults of the keys the sliding families' config classes have and a config.json may leave out
+_SLIDING_DEFAULTS = {"GptOssForCausalLM": 128, "Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096}
+
+
+def _sliding_family_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss, Gemma 2 and Gemma 3: their class defaults (where they differ from Llama's), RoPE,
+    soft-capping, softmax scale, attention sinks and expert activation."""
+    if arch == "GptOssForCausalLM":
+        attention_bias = bool(hf.get("attention_bias", True))
+        return dict(
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            attention_sinks=True,
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            **_rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling") or _GPT_OSS_ROPE, 150000.0),
+        )
+    attention_bias = bool(hf.get("attention_bias", False))
+    fields: dict[str, Any] = dict(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        hidden_act=hf.get("hidden_activation") or "gelu_pytorch_tanh",  # Gemma's MLP reads this key, not hidden_act
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=hf.get("final_logit_softcapping", 30.0 if arch == "Gemma2ForCausalLM" else None),
+    )
+    if arch == "Gemma2ForCausalLM":
+        fields.update(attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0))
+        fields.update(_rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling") or {}, 10000.0))
+        return fields
+    # Gemma 3: q/k norms; no attention soft-capping (transformers ignores attn_logit_softcapping);
+    # RoPE per layer kind: transformers 5's {"full_attention": {..}, "sliding_attention": {..}}, or
+    # the checkpoints' rope_theta + rope_scaling (global) and rope_local_base_freq (local)
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+    full.update(hf.get("rope_scaling") or {})
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    local_rope = _rope_fields(hf, local, 10_000.0)
+    fields.update(
+        qk_norm=True,
+        local_rope_theta=local_rope["rope_theta"],
+        local_rope_scaling=local_rope["rope_scaling"],
+        **_rope_fields(hf, full, 1_000_000.0),
+    )
+    return fields
+
+
+# transformers' GptOssConfig default (a config.json without RoPE keys)
+_GPT_OSS_ROPE = dict(
+    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096
+)
+
+
+def _rope_fields(hf: dict[str, Any], rope: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` of one RoPE description (``rope`` as a checkpoint gives it)."""
+    scaling = _rope_dict(hf, rope)
+    return dict(rope_theta=float(scaling.get("rope_theta", hf.get("rope_theta", default_theta))), rope_scaling=scaling)
 
 
 def _qkv_bias(arch: str, hf: dict[str, Any]) -> bool:
@@ -196,9 +363,10 @@ def _qkv_bias(arch: str, hf: dict[str, Any]) -> bool:
     return bool(hf.get("attention_bias", False))
 
 
-def _rope_dict(hf: dict[str, Any]) -> dict[str, Any]:
-    """``rope_parameters`` (transformers 5) or ``rope_scaling`` (older), with ``rope_type`` set."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+def _rope_dict(hf: dict[str, Any], rope: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``rope`` (default: ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older)), with
+    ``rope_type`` set."""
+    rope = dict(rope if rope is not None else hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     rope.pop("type", None)
     if rope["rope_type"] in ("llama3", "yarn"):
@@ -243,6 +411,14 @@ def _moe_fields(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any
         )
     if arch in MLA_ARCHITECTURES:
         return _deepseek_moe_fields(arch, hf, num_layers)
+    if arch == "GptOssForCausalLM":  # top-k of the router logits (with bias), softmax over those k
+        return dict(
+            num_experts=hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layer_ids=tuple(range(num_layers)),
+        )
     return {}
 
 

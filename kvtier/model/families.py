@@ -18,8 +18,10 @@ token at i+2, with a decoder layer of its own (its own KV, layer ``num_layers`` 
 Drafting k > 1 tokens feeds ``m`` back as the next position's hidden state, as vLLM and SGLang do.
 
 Parameter names equal the Hugging Face names of the Llama/Qwen layout, so the loader only renames
-Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``. Sliding-window attention (old Mistral configs) is
-not applied: outputs are exact only while sequences stay shorter than ``cfg.sliding_window``.
+Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``. A layer the config makes sliding
+(``cfg.layer_types``: Mistral-7B-v0.1's 4,096-token window, Qwen's use_sliding_window) attends to
+its window only (model/attention.py). gpt-oss (model/gpt_oss.py) is this decoder with its own
+layer class (``CausalLM.layer_cls``) and MoE (``DecoderLayer.moe_cls``).
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ from kvtier.model.shard import TPShard, all_reduce, shard_config
 
 
 class DecoderLayer(nn.Module):
+    moe_cls: type[SparseMoE] = SparseMoE  # the MoE block of the layers in cfg.moe_layer_ids
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = SelfAttention(cfg, layer_idx)
         self.mlp: SparseMoE | MLP
         if layer_idx in cfg.moe_layer_ids:
-            self.mlp = SparseMoE(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
+            self.mlp = self.moe_cls(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
         elif layer_idx >= cfg.num_layers and cfg.is_moe:  # an MTP block of a MoE model: MoE (DeepSeek-V3)
-            self.mlp = SparseMoE(cfg, moe_index=-1)  # (its routing is neither captured nor replayed)
+            self.mlp = self.moe_cls(cfg, moe_index=-1)  # (its routing is neither captured nor replayed)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,14 +103,16 @@ class MTPLayer(DecoderLayer):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_cls: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
+    layer_cls: type[DecoderLayer] = DecoderLayer  # a family's decoder layer (gpt-oss: its own MoE)
+
     def __init__(self, cfg: ModelConfig, attention_backend: str = "torch", tp: TPShard | None = None):
         """``cfg``: the model's config; ``tp``: the slice this process holds (model/shard.py),
         whose sizes :attr:`config` then has (``num_kv_heads / tp`` heads: this rank's KV shape)."""
@@ -116,7 +122,7 @@ class CausalLM(nn.Module):
             cfg = shard_config(cfg, tp.size)
         self.config = cfg
         self.attn_fn = get_backend(attention_backend)
-        self.model = Decoder(cfg)
+        self.model = Decoder(cfg, self.layer_cls)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.num_mtp_layers))

@@ -31,9 +31,11 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class RMSNorm(nn.Module):
+    unit_weight = 1.0  # the weight that leaves a normalized input as it is (Gemma's norm: 0, model/gemma.py)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.full((size,), self.unit_weight))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -119,6 +121,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.config = cfg  # (the loader rebuilds it on the weights' device from this)
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -161,13 +164,20 @@ class MLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged KV write + attention, o_proj."""
+    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged KV write + attention, o_proj.
+
+    The layer's attention as its config says (model/attention.py): its sliding ``window`` (None:
+    full), ``sinks`` (gpt-oss: a parameter, one logit per head), ``softcap`` (Gemma 2) and softmax
+    ``scale`` (Gemma: query_pre_attn_scalar ** -0.5)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.window = cfg.layer_window(layer_idx)
+        self.softcap = cfg.attn_logit_softcapping
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -198,6 +208,17 @@ class SelfAttention(nn.Module):
         layer_hook=None,
     ) -> torch.Tensor:
         """``rotary``: the RotaryEmbedding, or the step's precomputed (cos, sin)."""
+        q, k, v = self.project(x)
+        cos, sin = rotary if isinstance(rotary, tuple) else rotary.cos_sin(positions, q.dtype)
+        if layer_hook is not None:
+            layer_hook(self.layer_idx)  # e.g. wait until this layer's KV has arrived from the host tier
+        q_norm, k_norm = self.q_norm, self.k_norm
+        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None)
+        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)  # (q/k norm,) RoPE, KV write
+        return self.attend(q, kv_cache, meta, attn_fn)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] of ``x`` [T, hidden]."""
         T = x.shape[0]
         if self.qkv_proj is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -207,14 +228,13 @@ class SelfAttention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        cos, sin = rotary if isinstance(rotary, tuple) else rotary.cos_sin(positions, q.dtype)
-        if layer_hook is not None:
-            layer_hook(self.layer_idx)  # e.g. wait until this layer's KV has arrived from the host tier
-        q_norm, k_norm = self.q_norm, self.k_norm
-        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None)
-        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)  # (q/k norm,) RoPE, KV write
-        out = attn_fn(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, attn_fn) -> torch.Tensor:
+        """o_proj of the attention of (roped) ``q`` over the cache, with this layer's window,
+        sinks, soft-capping and scale."""
+        out = attn_fn(q, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks, softcap=self.softcap)
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 def _fused_linear(*parts: nn.Linear) -> nn.Linear:

@@ -6,7 +6,9 @@ parameter the model needs must be present, or loading fails naming the missing t
 
 Multi-head latent attention checkpoints (DeepSeek-V2/V3, config.MLA_ARCHITECTURES) are not served
 yet: :func:`load_model`, the engine's loader, refuses them; :func:`load_mla_model` loads the model
-alone (model/deepseek.py) on caches from ``mla.allocate_latent_caches``.
+alone (model/deepseek.py) on caches from ``mla.allocate_latent_caches``. Likewise the hybrid
+sliding-window families (gpt-oss, Gemma 2, Gemma 3: config.SLIDING_ARCHITECTURES), which
+:func:`load_sliding_model` loads (model/gpt_oss.py, model/gemma.py) on ``allocate_kv_caches``' caches.
 
 ``load_format="dummy"`` (vLLM's name) needs only config.json: every weight is drawn in device
 memory from a fixed seed, small enough that bf16 forwards stay finite. For benchmarks of
@@ -32,19 +34,23 @@ import xxhash
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvtier.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvtier.model.config import SLIDING_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from kvtier.model.deepseek import DeepseekForCausalLM
 from kvtier.model.digest_cache import DigestCache, file_stamp
 from kvtier.model.families import CausalLM
+from kvtier.model.gemma import GemmaForCausalLM
+from kvtier.model.gpt_oss import GptOssForCausalLM
 from kvtier.model.layers import RMSNorm, RotaryEmbedding
 from kvtier.model.shard import TPShard, full_shape, shard_dim, take_shard, take_slice
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)$")
 _FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# gpt-oss: gate_up_proj [E, hidden, 2I] (gate, up interleaved), down_proj [E, I, hidden], biases [E, out]
+_GPT_OSS_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
-_Model = TypeVar("_Model", CausalLM, DeepseekForCausalLM)
+_Model = TypeVar("_Model", bound=CausalLM | DeepseekForCausalLM | GemmaForCausalLM)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -72,9 +78,9 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def _rename(name: str, num_layers: int) -> str:
-    """Checkpoint name -> our parameter name (Mixtral's MoE block uses other names; DeepSeek-V3's
-    MTP blocks are ``model.layers.{num_layers + i}``: ours are ``mtp.{i}``)."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
+    """Checkpoint name -> our parameter name (Mixtral's MoE block uses other names, gpt-oss's router
+    is our gate; DeepSeek-V3's MTP blocks are ``model.layers.{num_layers + i}``: ours are ``mtp.{i}``)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
     layer = _LAYER.match(name)
     if layer and int(layer[1]) >= num_layers:
         name = f"mtp.{int(layer[1]) - num_layers}.{layer[2]}"
@@ -85,7 +91,7 @@ def _rename(name: str, num_layers: int) -> str:
 
 
 def _checkpoint_tensors(
-    files: list[Path], num_layers: int, tp: TPShard | None = None
+    files: list[Path], cfg: ModelConfig, tp: TPShard | None = None
 ) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(our name, tensor, the whole tensor's shape) triples; 3D fused expert tensors are split
     into per-expert weights. With ``tp``, a sharded tensor is read as this rank's slice only
@@ -93,7 +99,10 @@ def _checkpoint_tensors(
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                name = _rename(key, num_layers)
+                name = _rename(key, cfg.num_layers)
+                if cfg.architecture == "GptOssForCausalLM" and ".mlp.experts." in name:
+                    yield from _gpt_oss_experts(name, f.get_tensor(key))
+                    continue
                 fused = _FUSED_EXPERTS.match(name)
                 if not fused:
                     dim = shard_dim(name) if tp is not None and tp.size > 1 else None
@@ -115,6 +124,21 @@ def _checkpoint_tensors(
                         for half, part_name in zip(w.chunk(2, dim=0), ("gate_proj", "up_proj")):
                             proj = f"{fused[1]}.{e}.{part_name}.weight"
                             yield proj, take_shard(proj, half, tp), tuple(half.shape)
+
+
+def _gpt_oss_experts(name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """gpt-oss's stacked expert tensors as model/gpt_oss.py's per-expert Linears (weights transposed
+    to [out, in]; gate and up stay interleaved)."""
+    m = _GPT_OSS_EXPERTS.match(name)
+    if m is None:
+        raise ValueError(
+            f"gpt-oss expert tensor {name!r} is not read (MXFP4-quantized experts, _blocks/_scales, are not "
+            "supported): use a bf16 checkpoint"
+        )
+    for e, t in enumerate(stacked):
+        part = f"{m[1]}.{e}.{m[2]}." + ("bias" if m[3] else "weight")
+        t = t if m[3] else t.T
+        yield part, t, tuple(t.shape)
 
 
 def load_model(
@@ -142,9 +166,39 @@ def load_model(
             f"{cfg.kv_width} numbers per token and layer), which the engine does not allocate; "
             f"served: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if cfg.architecture in SLIDING_ARCHITECTURES:
+        groups = ", ".join(f"{len(g.layer_ids)} {g.kind} (window {g.window})" for g in cfg.attention_groups)
+        raise ValueError(
+            f"{cfg.architecture} is not served yet: its layers attend in groups ({groups}) whose KV the cache "
+            f"manager would keep per group, which it does not yet; served: {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(load_sliding_model loads the model alone)"
+        )
     with torch.device("meta"):
         model = CausalLM(cfg, attention_backend, tp)
     return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, tp)
+
+
+def load_sliding_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+    attention_backend: str = "torch",
+    fuse: bool = True,
+    load_format: str = "auto",
+) -> GptOssForCausalLM | GemmaForCausalLM:
+    """A gpt-oss, Gemma 2 or Gemma 3 checkpoint (config.SLIDING_ARCHITECTURES) as :func:`load_model`
+    loads the others, on one device; its caches: ``allocate_kv_caches``."""
+    path = Path(path)
+    cfg = ModelConfig.from_hf_dir(path)
+    if cfg.architecture not in SLIDING_ARCHITECTURES:
+        raise ValueError(f"{cfg.architecture} is not one of {', '.join(SLIDING_ARCHITECTURES)}: load it with load_model")
+    model: GptOssForCausalLM | GemmaForCausalLM
+    with torch.device("meta"):
+        if cfg.architecture == "GptOssForCausalLM":
+            model = GptOssForCausalLM(cfg, attention_backend)
+        else:
+            model = GemmaForCausalLM(cfg, attention_backend)
+    return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, None)
 
 
 def load_mla_model(
@@ -178,16 +232,19 @@ def _fill(
         loaded = _checkpoint_weights(model, path, device, dtype, tp)
     model.load_state_dict(loaded, strict=False, assign=True)
     del loaded  # else fuse_projections keeps both copies alive
-    cfg = model.config
-    if cfg.tie_word_embeddings:
+    if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(cfg).to(device)  # inv_freq computed on CPU, as transformers does
+    for owner in list(model.modules()):  # RoPE tables: built on meta, computed on CPU as transformers does
+        for name, child in list(owner.named_children()):
+            if isinstance(child, RotaryEmbedding):
+                setattr(owner, name, RotaryEmbedding(child.config).to(device))
     if fuse:
         model.fuse_projections()
-    return model.eval()
+    model.eval()
+    return model
 
 
-def _param_dtype(model: CausalLM | DeepseekForCausalLM, name: str, dtype: torch.dtype) -> torch.dtype:
+def _param_dtype(model: CausalLM | DeepseekForCausalLM | GemmaForCausalLM, name: str, dtype: torch.dtype) -> torch.dtype:
     """``dtype``, or fp32 for the parameters the model keeps in fp32 (DeepSeek's router)."""
     if isinstance(model, DeepseekForCausalLM) and name.endswith(model.FP32_PARAMETERS):
         return torch.float32
@@ -195,14 +252,18 @@ def _param_dtype(model: CausalLM | DeepseekForCausalLM, name: str, dtype: torch.
 
 
 def _checkpoint_weights(
-    model: CausalLM | DeepseekForCausalLM, path: Path, device: str | torch.device, dtype: torch.dtype, tp: TPShard | None = None
+    model: CausalLM | DeepseekForCausalLM | GemmaForCausalLM,
+    path: Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    tp: TPShard | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` (on meta) from the checkpoint at ``path`` (``tp``: this
     rank's slice of each)."""
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     size = tp.size if tp is not None else 1
     loaded: dict[str, torch.Tensor] = {}
-    for name, tensor, whole in _checkpoint_tensors(safetensors_files(path), model.config.num_layers, tp):
+    for name, tensor, whole in _checkpoint_tensors(safetensors_files(path), model.config, tp):
         if name not in params:
             # e.g. rotary inv_freq, tied lm_head copies, an MTP block's copies of the embedding
             # and head it shares with the target, MTP blocks of a model that does not draft
@@ -221,24 +282,29 @@ def _checkpoint_weights(
 
 
 def _dummy_weights(
-    model: CausalLM | DeepseekForCausalLM, device: str | torch.device, dtype: torch.dtype, std: float, tp: TPShard | None = None
+    model: CausalLM | DeepseekForCausalLM | GemmaForCausalLM,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    std: float,
+    tp: TPShard | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights for every parameter of ``model`` (on meta), allocated and drawn on ``device``
     (nothing passes through host memory) from a generator seeded with DUMMY_SEED, in parameter
     order, so two loads on one device are equal. As transformers initializes: Linear / Embedding
-    weights (experts and router gates too) ~ N(0, std), RMSNorm weights 1, biases 0. With
+    weights (experts and router gates too) ~ N(0, std), RMSNorm weights 1 (Gemma's: 0, the same
+    norm), biases and attention sinks 0. With
     ``tp``, each tensor is drawn whole and this rank's slice kept (the same numbers at every
     tensor-parallel size)."""
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
-    norms = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    norms = {f"{name}.weight": m.unit_weight for name, m in model.named_modules() if isinstance(m, RMSNorm)}
     loaded: dict[str, torch.Tensor] = {}
     size = tp.size if tp is not None else 1
     for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens
         tensor = torch.empty(full_shape(name, tuple(param.shape), size), device=device, dtype=_param_dtype(model, name, dtype))
         if name in norms:
-            tensor.fill_(1.0)
-        elif name.endswith(".bias"):
+            tensor.fill_(norms[name])
+        elif name.endswith((".bias", ".sinks")):
             tensor.zero_()
         else:
             tensor.normal_(0.0, std, generator=generator)

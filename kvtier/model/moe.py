@@ -6,6 +6,9 @@ One class covers the three MoE families; they differ only in config::
     Qwen2-MoE    renormalized iff norm_topk_prob; + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     Qwen3-MoE    renormalized iff norm_topk_prob
 
+Other families subclass it with their own router and experts (``router_bias``, ``make_expert``,
+``route``): DeepSeek (model/deepseek.py), gpt-oss (model/gpt_oss.py).
+
 Routing capture / replay (R3): ``routing_out[:, moe_index]`` receives the experts used (a device copy,
 no host sync); ``routing_in[:, moe_index]`` forces the experts, while their gate weights are still
 taken from the live router probabilities and normalized as the family does.
@@ -23,14 +26,14 @@ from kvtier.model.layers import MLP
 
 
 class SparseMoE(nn.Module):
+    router_bias = False  # the gate (router) has a bias: gpt-oss (model/gpt_oss.py)
+
     def __init__(self, cfg: ModelConfig, moe_index: int):
         super().__init__()
         self.moe_index = moe_index  # column of routing_out / routing_in
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.top_k, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act) for _ in range(cfg.num_experts)
-        )
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=self.router_bias)
+        self.experts = nn.ModuleList(self.make_expert(cfg) for _ in range(cfg.num_experts))
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # set by fuse()
         self.shared_expert: MLP | None
         self.shared_expert_gate: nn.Linear | None
@@ -39,6 +42,10 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+
+    def make_expert(self, cfg: ModelConfig) -> nn.Module:
+        """One expert: a gated MLP (a family with other experts overrides this)."""
+        return MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
 
     def route(self, x: torch.Tensor, routing_in: torch.Tensor | None = None):
         """(expert ids [T, top_k] int64, gate weights [T, top_k] fp32)."""

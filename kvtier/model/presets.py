@@ -321,9 +321,68 @@ PRESETS["deepseek-v2-lite-tiny"] = dict(
 )
 
 
+# Hybrid sliding-window / full attention (not served by the engine yet: model/loader.py load_sliding_model).
+# A window of 8 tokens, so that short prompts cross it; values transformers starts at zero or one (biases,
+# attention sinks, Gemma's norm weights) drawn at random ("random_init": name suffix -> std), as trained
+# ones are, so that a model ignoring them shows; gpt-oss's expert inputs wide enough that its SwiGLU clamp
+# (7) bites; soft-caps small enough to bend these scores and logits.
+_TINY_SLIDING = dict(_TINY, num_hidden_layers=3, head_dim=16, sliding_window=8)
+PRESETS["gpt-oss-tiny"] = dict(
+    config_class="GptOssConfig",
+    dtype="float32",
+    random_init={".bias": 0.15, "_bias": 0.15, ".sinks": 0.5, "experts.gate_up_proj": 1.0},
+    kwargs=dict(
+        _TINY_SLIDING,  # layers: sliding, full, sliding
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=16,  # x factor 32 = max_position_embeddings
+        ),
+    ),
+)
+PRESETS["gemma2-tiny"] = dict(
+    config_class="Gemma2Config",
+    dtype="float32",
+    random_init={"norm.weight": 0.15},
+    kwargs=dict(
+        _TINY_SLIDING,  # layers: sliding, full, sliding
+        intermediate_size=128,
+        query_pre_attn_scalar=24,  # not head_dim: the softmax scale is 24 ** -0.5
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
+)
+PRESETS["gemma3-tiny"] = dict(
+    config_class="Gemma3TextConfig",
+    architecture="Gemma3ForCausalLM",
+    dtype="float32",
+    random_init={"norm.weight": 0.15},
+    kwargs=dict(
+        _TINY_SLIDING,
+        num_hidden_layers=4,
+        sliding_window_pattern=3,  # layers: sliding, sliding, full, sliding
+        intermediate_size=128,
+        query_pre_attn_scalar=24,
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", rope_theta=1e6, factor=4.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+)
+
+
 def preset_architecture(preset: str) -> str:
     """The ``architectures`` entry of ``preset``'s config.json (e.g. "DeepseekV3ForCausalLM")."""
-    return PRESETS[preset]["config_class"].replace("Config", "ForCausalLM")
+    spec = PRESETS[preset]
+    return spec.get("architecture") or spec["config_class"].replace("Config", "ForCausalLM")
 
 
 def init_model(
@@ -356,6 +415,11 @@ def init_model(
                 # DeepSeek-V3: transformers starts it at zero, a trained one is not; random values
                 # make the bias steer expert choice in tests, as it does in real checkpoints
                 buffer.normal_(0.0, config.initializer_range)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                for suffix, std in spec.get("random_init", {}).items():
+                    if name.endswith(suffix):
+                        param.normal_(0.0, std)
         model.generation_config = generation_config
         model.save_pretrained(out_dir, safe_serialization=True)
         if getattr(config, "num_nextn_predict_layers", 0):

@@ -1,5 +1,9 @@
 """Triton attention backend over paged KV (same contract as :func:`reference_attention`).
 
+Over 600 lines: one kernel and what only it uses (its tile step, the merge of its splits, its
+launch configurations, its launcher); the tile step's three call sites (a window's lower edge,
+the tiles every row sees, the causal edge) spell out its arguments one per line.
+
 One "unified" flash-attention kernel serves decode, chunked prefill over a cached prefix and
 full-prompt prefill in the same varlen batch:
 
@@ -11,8 +15,17 @@ full-prompt prefill in the same varlen batch:
   programs with no tokens exit at once;
 * KV is walked in tiles of ``BLOCK_N`` positions gathered through the block table (tile size is
   independent of the cache block size); tiles entirely visible to every row of the query tile run
-  without the causal mask, the rest are masked (query at absolute position p sees 0..p);
-* online softmax in fp32 (``exp2`` with the scale folded in), fp32 accumulator;
+  without the mask, the rest are masked (query at absolute position p sees 0..p, or with a
+  sliding ``window`` p - window + 1 .. p). With a window the walk starts at the tile of the first
+  row's lowest key: positions below every row's window are never read, nor their block-table
+  entries::
+
+      tiles     |  A  |  A  |  B  |  B  |  C  |  C  |        A: masked (the window's lower edge)
+      keys      kv_start ...                   kv_end        B: unmasked, C: masked (causal edge)
+
+* online softmax in fp32 (``exp2`` with the scale folded in), fp32 accumulator; Gemma 2's
+  soft-capping bounds the scores before the mask, gpt-oss's attention sinks join the final
+  normalisation (and the merge of splits) as one more logit per head;
 * steps with too few programs to fill the GPU (decode; a short extend over a long cached prefix)
   split the KV range of each program over ``num_splits`` programs (flash-decoding); a small
   second kernel merges the partial results (:func:`choose_splits`).
@@ -38,7 +51,7 @@ import math
 
 import torch
 
-from kvtier.model.attention import AttentionMetadata
+from kvtier.model.attention import AttentionMetadata, check_attention_options
 
 try:
     import triton
@@ -63,6 +76,8 @@ MIN_POSITIONS_PER_SPLIT = 256
 #: ("k_rows": load K tiles as [BLOCK_N, HEAD_DIM] and transpose on chip, else [HEAD_DIM, BLOCK_N])
 CONFIG_OVERRIDE: dict[str, dict[str, int]] = {}
 
+
+LOG2E = math.log2(math.e)  # (the kernels spell it out: a jitted function reads no module globals)
 
 if _IMPORT_ERROR is None:
 
@@ -89,10 +104,13 @@ if _IMPORT_ERROR is None:
         bt_row_ptr,
         tile,
         kvh,
+        kv_start,
         kv_end,
         q_pos,
+        q_lo,
         offs_d,
         scale_log2,
+        cap_log2,
         stride_kv,
         stride_kb,
         stride_ks,
@@ -101,12 +119,13 @@ if _IMPORT_ERROR is None:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         MASKED: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         PRECISION: tl.constexpr,
         K_ROWS: tl.constexpr,
     ):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if MASKED:
-            in_range = offs_n < kv_end
+            in_range = (offs_n >= kv_start) & (offs_n < kv_end)
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
         else:
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
@@ -132,8 +151,12 @@ if _IMPORT_ERROR is None:
             v = tl.load(v_ptrs)
         v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [M, N] fp32
+        if SOFTCAP:
+            # here scale_log2 = scale / softcap: softcap * tanh(scale * qk / softcap), in log2 units
+            s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * cap_log2
         if MASKED:
-            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+            visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] >= q_lo[:, None])
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # rows with nothing visible yet keep m = -inf; use 0 as the exp reference for them
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -146,7 +169,8 @@ if _IMPORT_ERROR is None:
     # Nothing that changes from step to step is specialized (kvtier/triton_jit.py): a new batch
     # size, block-table width or batch-size parity (where seq_lens and the block tables start in
     # the step's upload buffer) must not compile a new kernel in the middle of serving.
-    @jit(vary=["num_seqs", "tiles_per_split", "stride_bt"], unaligned=["seq_lens_ptr", "bt_ptr"])
+    # (a model's window is fixed, but it is not specialized either: every window shares the kernel)
+    @jit(vary=["num_seqs", "tiles_per_split", "stride_bt", "window"], unaligned=["seq_lens_ptr", "bt_ptr"])
     def _unified_attention_kernel(
         q_ptr,
         kv_ptr,
@@ -156,7 +180,10 @@ if _IMPORT_ERROR is None:
         bt_ptr,
         seq_lens_ptr,
         qsl_ptr,
+        sinks_ptr,
         scale_log2,
+        cap_log2,
+        window,
         num_seqs,
         num_heads,
         tiles_per_split,
@@ -179,6 +206,8 @@ if _IMPORT_ERROR is None:
         BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         PRECISION: tl.constexpr,
         K_ROWS: tl.constexpr,
     ):
@@ -210,16 +239,21 @@ if _IMPORT_ERROR is None:
             other=0.0,
         )
 
-        # KV range of this query tile: [0, kv_end); tiles below n_full are visible to all rows
-        last_tok = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
-        kv_end = context_len + last_tok + 1
+        # KV range of this query tile: [kv_start, kv_end) (module docstring); tiles in
+        # [w_full, n_full) are visible to all rows: inside every row's window, below every row's position
+        first_pos = context_len + q_block_local * BLOCK_Q
+        last_pos = context_len + tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_end = last_pos + 1
+        q_lo = tl.where(window > 0, q_pos - window + 1, 0)  # each row's lowest visible key
+        kv_start = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
+        w_full = tl.where(window > 0, tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N), 0)
         n_tiles = tl.cdiv(kv_end, BLOCK_N)
-        n_full = (context_len + q_block_local * BLOCK_Q + 1) // BLOCK_N
+        n_full = (first_pos + 1) // BLOCK_N
         if NUM_SPLITS == 1:
-            t_lo = 0
+            t_lo = kv_start // BLOCK_N
             t_hi = n_tiles
         else:
-            t_lo = split * tiles_per_split
+            t_lo = kv_start // BLOCK_N + split * tiles_per_split
             t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -227,7 +261,7 @@ if _IMPORT_ERROR is None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
 
-        for tile in range(t_lo, tl.minimum(t_hi, n_full)):
+        for tile in range(t_lo, tl.minimum(t_hi, w_full)):  # A: the window's lower edge
             acc, l_i, m_i = _attn_tile(
                 q,
                 acc,
@@ -237,35 +271,13 @@ if _IMPORT_ERROR is None:
                 bt_row_ptr,
                 tile,
                 kvh,
+                kv_start,
                 kv_end,
                 q_pos,
+                q_lo,
                 offs_d,
                 scale_log2,
-                stride_kv,
-                stride_kb,
-                stride_ks,
-                stride_kh,
-                stride_kd,
-                BLOCK_SIZE,
-                BLOCK_N,
-                False,
-                PRECISION,
-                K_ROWS,
-            )
-        for tile in range(tl.maximum(t_lo, n_full), t_hi):
-            acc, l_i, m_i = _attn_tile(
-                q,
-                acc,
-                l_i,
-                m_i,
-                kv_ptr,
-                bt_row_ptr,
-                tile,
-                kvh,
-                kv_end,
-                q_pos,
-                offs_d,
-                scale_log2,
+                cap_log2,
                 stride_kv,
                 stride_kb,
                 stride_ks,
@@ -274,11 +286,76 @@ if _IMPORT_ERROR is None:
                 BLOCK_SIZE,
                 BLOCK_N,
                 True,
+                SOFTCAP,
+                PRECISION,
+                K_ROWS,
+            )
+        for tile in range(tl.maximum(t_lo, w_full), tl.minimum(t_hi, n_full)):  # B: visible to every row
+            acc, l_i, m_i = _attn_tile(
+                q,
+                acc,
+                l_i,
+                m_i,
+                kv_ptr,
+                bt_row_ptr,
+                tile,
+                kvh,
+                kv_start,
+                kv_end,
+                q_pos,
+                q_lo,
+                offs_d,
+                scale_log2,
+                cap_log2,
+                stride_kv,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_kd,
+                BLOCK_SIZE,
+                BLOCK_N,
+                False,
+                SOFTCAP,
+                PRECISION,
+                K_ROWS,
+            )
+        for tile in range(tl.maximum(tl.maximum(t_lo, w_full), n_full), t_hi):  # C: the causal edge
+            acc, l_i, m_i = _attn_tile(
+                q,
+                acc,
+                l_i,
+                m_i,
+                kv_ptr,
+                bt_row_ptr,
+                tile,
+                kvh,
+                kv_start,
+                kv_end,
+                q_pos,
+                q_lo,
+                offs_d,
+                scale_log2,
+                cap_log2,
+                stride_kv,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_kd,
+                BLOCK_SIZE,
+                BLOCK_N,
+                True,
+                SOFTCAP,
                 PRECISION,
                 K_ROWS,
             )
 
         if NUM_SPLITS == 1:
+            if HAS_SINKS:  # one more logit per head in the denominator, in log2 units (x log2(e)) as m_i
+                sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+                m_fin = tl.maximum(m_i, sink)
+                rescale = tl.math.exp2(m_i - m_fin)
+                l_i = l_i * rescale + tl.math.exp2(sink - m_fin)
+                acc = acc * rescale[:, None]
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(
                 out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -297,6 +374,7 @@ if _IMPORT_ERROR is None:
         part_o_ptr,
         part_ml_ptr,
         out_ptr,
+        sinks_ptr,
         num_heads,
         stride_ot,
         stride_oh,
@@ -304,6 +382,7 @@ if _IMPORT_ERROR is None:
         HEAD_DIM: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         SPLITS_P2: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -314,9 +393,14 @@ if _IMPORT_ERROR is None:
         m = tl.load(part_ml_ptr + part * 2, mask=s_valid, other=float("-inf"))
         sums = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
         m_max = tl.max(m, axis=0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+            m_max = tl.maximum(m_max, sink)
         w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
         o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
         denom = tl.sum(sums * w, axis=0)
+        if HAS_SINKS:
+            denom += tl.math.exp2(sink - m_max)
         res = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
         tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, res.to(out_ptr.dtype.element_ty))
 
@@ -384,12 +468,21 @@ def _launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len:
 
 
 def triton_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *, num_splits: int | None = None
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
 
-    Same contract as :func:`kvtier.model.attention.reference_attention`. ``num_splits`` forces
-    the split-KV factor (``None``: chosen from the GPU size; always 1 off CUDA).
+    Same contract as :func:`kvtier.model.attention.reference_attention` (``window``, ``sinks``,
+    ``softcap`` included). ``num_splits`` forces the split-KV factor (``None``: chosen from the
+    GPU size; always 1 off CUDA).
     """
     if _IMPORT_ERROR is not None:
         raise ImportError("the triton attention backend needs the `triton` package") from _IMPORT_ERROR
@@ -411,6 +504,7 @@ def triton_attention(
         raise ValueError(f"query on {query.device} but kv_cache on {kv_cache.device}")
     if num_tokens != sum(meta.query_lens_cpu):
         raise ValueError(f"query has {num_tokens} tokens, metadata {sum(meta.query_lens_cpu)}")
+    check_attention_options(query, window, sinks, softcap)
 
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     num_seqs = meta.num_seqs if meta.graph_num_seqs is None else meta.graph_num_seqs
@@ -426,13 +520,15 @@ def triton_attention(
     block_m, block_n, num_warps, num_stages, k_rows = _launch_config(query.dtype, head_dim, group, meta.max_query_len)
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs  # upper bound; extra programs exit
+    # KV positions one program walks: the whole prefix, or a window and a query tile's spread
+    kv_span = meta.max_seq_len if window is None else min(meta.max_seq_len, window + block_q - 1)
     n_kv_tiles = triton.cdiv(meta.max_seq_len, block_n)
+    if window is not None:  # tiles a window of kv_span positions can touch, however it is aligned
+        n_kv_tiles = min(n_kv_tiles, (kv_span - 1) // block_n + 2)
 
     if num_splits is None:
         num_splits = (
-            choose_splits(meta.query_lens_cpu, meta.max_seq_len, block_q, num_kv_heads, _sm_count(query.device))
-            if query.is_cuda
-            else 1
+            choose_splits(meta.query_lens_cpu, kv_span, block_q, num_kv_heads, _sm_count(query.device)) if query.is_cuda else 1
         )
         num_splits = 1 << (min(num_splits, n_kv_tiles).bit_length() - 1)
     num_splits = max(1, min(int(num_splits), n_kv_tiles))
@@ -445,6 +541,9 @@ def triton_attention(
         part_o = part_ml = out  # unused
 
     precision = "tf32" if (ALLOW_TF32 and query.dtype == torch.float32) else "ieee"
+    # soft-capping: the kernel scales q.k by scale / softcap, then tanh(.) by softcap (log2 units)
+    scale_log2 = float(scale) / softcap if softcap is not None else float(scale) * LOG2E
+    cap_log2 = softcap * LOG2E if softcap is not None else 1.0
     grid = (num_q_blocks, num_kv_heads, num_splits)
     _unified_attention_kernel[grid](
         query,
@@ -455,7 +554,10 @@ def triton_attention(
         block_tables,
         seq_lens,
         qsl,
-        float(scale) * math.log2(math.e),
+        sinks if sinks is not None else query,  # (not read without sinks)
+        scale_log2,
+        cap_log2,
+        window or 0,
         num_seqs,
         num_heads,
         tiles_per_split,
@@ -478,6 +580,8 @@ def triton_attention(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        HAS_SINKS=sinks is not None,
+        SOFTCAP=softcap is not None,
         PRECISION=precision,
         K_ROWS=k_rows,
         num_warps=num_warps,
@@ -488,6 +592,7 @@ def triton_attention(
             part_o,
             part_ml,
             out,
+            sinks if sinks is not None else out,
             num_heads,
             out.stride(0),
             out.stride(1),
@@ -495,6 +600,7 @@ def triton_attention(
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             SPLITS_P2=_next_pow2(num_splits),
+            HAS_SINKS=sinks is not None,
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out

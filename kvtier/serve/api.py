@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an :class:`~kvtier.engine.async_engine.AsyncEngine`.
+"""The OpenAI-compatible HTTP API over an engine's :class:`~kvtier.engine.client.EngineClient`.
 
 ::
 
@@ -61,9 +61,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.cache.manager import TIERS
-from kvtier.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from kvtier.engine.client import EngineClient
 from kvtier.engine.params import SamplingParams
+from kvtier.engine.wire import CachedTokens, EngineDead, EngineRequest, QueueFull, RequestDelta
 from kvtier.model.hub import name_form, same_name
 from kvtier.redact import redact
 from kvtier.serve import asgi, sglang, tokenize
@@ -119,12 +119,12 @@ class _Choice:
 class _Gen:
     """One engine request of a call: one prompt, its n samples."""
 
-    req: Any
+    req: EngineRequest
     choices: list[_Choice]
     output: Any = None
     finish_reason: str | None = None  # None at the end: aborted (the client went away)
     num_generated: int = 0  # tokens received so far, every sample (an aborted request's count)
-    cached: list | None = None  # [prompt tokens not computed, by tier], from the first delta on
+    cached: CachedTokens | None = None  # prompt tokens not computed (and by tier), from the first delta on
 
 
 @dataclass(eq=False)
@@ -167,7 +167,7 @@ class Server:
 
     def __init__(
         self,
-        engine: AsyncEngine | EngineClient,
+        engine: EngineClient,
         model_name: str,
         role: str = "colocated",
         api_key: str | None = None,
@@ -180,19 +180,19 @@ class Server:
         ``aliases`` (the path or hub id it was started with, its directory), as vLLM users do.
         ``expose_config``: ``/health`` (which needs no key) shows the model's path and the pool's
         address and errors too; else only states and counts."""
-        core = engine.core
-        check_role(role, core.storage is not None)
+        limits = engine.limits
+        check_role(role, limits.has_pool)
         self.engine, self.model_name, self.role = engine, model_name, role
         self.model_names = frozenset((model_name, *aliases))
         self._name_forms = frozenset(map(name_form, self.model_names))
         self.require_cache_salt = require_cache_salt
         self.expose_config = expose_config
-        self.tokenizer = core.tokenizer
-        self.max_model_len = core.max_model_len
-        self.vocab_size = core.config.vocab_size  # prompt ids must be below it
-        self.model_path = os.path.abspath(core.path)  # (a client elsewhere loads the tokenizer from it)
-        self.prompts = PromptTokenizer(core.tokenizer, core.max_model_len)
-        self.strings = TokenStrings(core.tokenizer)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size  # prompt ids must be below it
+        self.model_path = os.path.abspath(engine.path)  # (a client elsewhere loads the tokenizer from it)
+        self.prompts = PromptTokenizer(engine.tokenizer, limits.max_model_len)
+        self.strings = TokenStrings(engine.tokenizer)
         self.metrics = ServerMetrics()
         self.created = int(time.time())  # /v1/models' created: when this server started serving
         self.api = self._build()
@@ -334,18 +334,12 @@ class Server:
 
     # ------------------------------------------------------------------ health
     def pool_health(self) -> dict | None:
-        """The storage client's own view (breaker state + its background probe): no I/O here, no
-        call into the engine thread, so /health answers in milliseconds. None without a pool."""
-        storage = getattr(self.engine.core, "storage", None)
-        if storage is None:
+        """The storage client's own view (breaker state + its background probe), as the engine
+        last said it: no I/O here, no call into the engine, so /health answers in milliseconds.
+        None without a pool."""
+        pool = self.engine.pool_health()
+        if pool is None:
             return None
-        probe = getattr(storage, "health", None)
-        if not callable(probe):
-            return {"ok": True, "reason": "this storage client does not report its health"}
-        try:
-            pool = dict(probe())
-        except Exception as e:  # a health probe that fails says the pool is not ok
-            pool = {"ok": False, "reason": f"{type(e).__name__}: {e}"}
         if self.expose_config:
             return redact(pool)
         # no key guards /health: the pool's state and counts, not where it is or what it said
@@ -371,15 +365,15 @@ class Server:
                 error_body(503, str(e)) | {"status": "unavailable", "role": self.role, "engine": "stopped"}, status_code=503
             )
         pool = self.pool_health()
-        core = self.engine.core
+        engine = self.engine
         body = {
             "status": "ok",
             "role": self.role,
             "engine": "ok",
             "pool": pool,
-            "pd_on_miss": core.pd_on_miss,
-            "export_timeout": core.engine_config.export_timeout,
-            "startup_s": core.startup.total_s,
+            "pd_on_miss": engine.info.pd_on_miss,
+            "export_timeout": engine.config.export_timeout,
+            "startup_s": engine.startup.total_s,
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
         }
@@ -503,7 +497,7 @@ class Server:
                 "first_token": handoff.first_token,
             }
 
-        def make() -> list[Any]:  # validates every id against the vocabulary: O(prompt), off the event loop
+        def make() -> list[EngineRequest]:  # validates every id against the vocabulary: O(prompt), off the event loop
             return [
                 # the call owns every prompt of it: together they run at most
                 # --max-num-seqs-per-request sequences, however many prompts and samples it has
@@ -643,7 +637,7 @@ class Server:
         skip = 0
         with self._engine_errors(gen):
             if replay:
-                first = gen.req.output_token_ids[:1]
+                first = [call.body.kvtier_handoff.first_token]
                 gen.num_generated = skip = 1
                 piece = ended(self._push(call, gen.choices[0], first, None))
                 if emit_replayed:
@@ -673,25 +667,28 @@ class Server:
                     if not started:
                         started = True
                         yield None
-                    toks = delta.token_ids[skip:]
-                    lps = delta.logprobs[len(delta.token_ids) - len(toks) :] if delta.logprobs is not None else None
-                    skip = max(0, skip - len(delta.token_ids))
-                    gen.num_generated += len(toks)
-                    now = time.monotonic()
-                    if toks and t_prev is not None:
-                        self.metrics.itl.observe((now - t_prev) / len(toks))
-                    elif toks and not replay:  # (D of a hand-off: its first token was P's)
-                        self.metrics.ttft.observe(now - t_sent)
-                    if toks:
-                        t_prev = now
                     gen.output = out
-                    pieces = []  # the choice's end comes last
-                    choice = gen.choices[delta.index]
-                    if not choice.done:
-                        pieces = self._push_each(call, choice, toks, lps) if per_token else [self._push(call, choice, toks, lps)]
-                        reason = delta.finish_reason or (_reason(out, choice) if out is not None else None)
+                    pieces: list[_Piece] = []  # each choice's end comes after its text
+                    for sample in delta.samples:
+                        toks = sample.token_ids[skip:]
+                        lps = sample.logprobs[len(sample.token_ids) - len(toks) :] if sample.logprobs is not None else None
+                        skip = max(0, skip - len(sample.token_ids))
+                        gen.num_generated += len(toks)
+                        now = time.monotonic()
+                        if toks and t_prev is not None:
+                            self.metrics.itl.observe((now - t_prev) / len(toks))
+                        elif toks and not replay:  # (D of a hand-off: its first token was P's)
+                            self.metrics.ttft.observe(now - t_sent)
+                        if toks:
+                            t_prev = now
+                        choice = gen.choices[sample.index]
+                        if choice.done:
+                            continue
+                        got = self._push_each(call, choice, toks, lps) if per_token else [self._push(call, choice, toks, lps)]
+                        reason = sample.finish_reason or (_reason(out, choice) if out is not None else None)
                         if not choice.done and reason is not None:
-                            pieces[-1].text += self._end(call, choice, reason)
+                            got[-1].text += self._end(call, choice, reason)
+                        pieces += got
                     if out is not None:  # the request's end: every choice ends
                         pieces += [_Piece(c, self._end(call, c, _reason(out, c)), [], None) for c in gen.choices if not c.done]
                     for piece in pieces:
@@ -920,7 +917,7 @@ class Server:
                 pass
 
         await until_disconnect(request, collect())
-        pieces = self._answer(call)
+        pieces = self.answer_parts(call)
         if _answer_entries(call) <= INLINE_ENTRIES:
             return Response(b"".join(pieces), media_type="application/json")
         # a large answer (n=64 x logprobs=20 x echo is tens of MB) is built and serialized on a
@@ -929,7 +926,7 @@ class Server:
         first = await asyncio.to_thread(_next_part, pieces)
         return StreamingResponse(_parts_off_loop(first, pieces), media_type="application/json")
 
-    def _answer(self, call: _Call) -> Iterator[bytes]:
+    def answer_parts(self, call: _Call) -> Iterator[bytes]:
         """A whole (non-streaming) answer's JSON, in pieces: its head, each choice, its usage."""
         head = {
             "id": call.rid,
@@ -960,7 +957,7 @@ class Server:
         gen, choice = call.gens[0], call.gens[0].choices[0]
         chunks = self._first_chunks(call)
 
-        async def events() -> AsyncGenerator[Any, None]:
+        async def events() -> AsyncGenerator[RequestDelta, None]:
             """The first token's delta, then the output (the request's whole time in the engine)."""
             with self._engine_errors(gen):
                 async for delta in self.engine.generate(gen.req):
@@ -969,8 +966,8 @@ class Server:
                         gen.finish_reason = "error" if delta.output.finish_reason == "error" else "prefill"
                         yield delta
                         return
-                    if delta.token_ids:
-                        gen.num_generated += len(delta.token_ids)
+                    if _sample0(delta):
+                        gen.num_generated += len(_sample0(delta))
                         yield delta
 
         it = events()
@@ -983,8 +980,8 @@ class Server:
         if first is END or (out is not None and (out.finish_reason == "error" or not out.token_ids)):
             await it.aclose()
             raise self._failure(out) if out is not None else APIError(500, "the prefill produced no output")
-        if first.token_ids:
-            token = first.token_ids[0]
+        if _sample0(first):
+            token = _sample0(first)[0]
         else:  # events() yields tokens, or the output
             assert out is not None
             token = out.token_ids[0]
@@ -1038,6 +1035,11 @@ class Server:
                 await it.aclose()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _sample0(delta: RequestDelta) -> list[int]:
+    """The new tokens of sample 0 (the only one of a PD hand-off) in ``delta``."""
+    return next((s.token_ids for s in delta.samples if s.index == 0), [])
 
 
 def _names(handoff: dict | None) -> dict:

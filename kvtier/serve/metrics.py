@@ -43,9 +43,9 @@ class _CacheCollector:
         )
         if s is not None:
             pending.add_metric([], s.get("pending_ops", 0))
-            for tier, (used, total) in s["tier_blocks"].items():
-                blocks.add_metric([tier, "used"], used)
-                blocks.add_metric([tier, "free"], total - used)
+            for tier, n in s["tier_blocks"].items():
+                blocks.add_metric([tier, "used"], n["used"])
+                blocks.add_metric([tier, "free"], n["total"] - n["used"])
             for direction, v in s["bytes_moved"].items():
                 moved.add_metric([direction], v)
             for tier in ("device", "host", "storage"):

@@ -27,7 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator, model_validator
 
-from kvtier.engine.intake import MAX_PRIORITY
+from kvtier.engine.checks import MAX_PRIORITY
 from kvtier.engine.params import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_PROMPTS = 1024  # prompts in one completions request

@@ -219,7 +219,7 @@ def _build_server(
         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         require_cache_salt=require_cache_salt,
         expose_config=expose_config,
-        aliases=model_aliases(model, built["engine"].core.path),
+        aliases=model_aliases(model, built["engine"].path),
     )
 
 

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from kvtier.cache.manager import TIERS
-from kvtier.engine.intake import MAX_PRIORITY
+from kvtier.engine.checks import MAX_PRIORITY
 from kvtier.engine.params import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvtier.serve import tokenize
 from kvtier.serve.body import body_schema
@@ -339,7 +339,6 @@ def add_routes(app: FastAPI, server: Server) -> None:
 def model_info(server: Server) -> dict:
     """SGLang's ``/model_info``: where the model and its tokenizer are (absolute paths: a client
     such as ``bench_serving`` loads the tokenizer from ``tokenizer_path`` when not given one)."""
-    cfg = server.engine.core.config
     return {
         "model_path": server.model_path,
         "tokenizer_path": server.model_path if server.tokenizer is not None else None,
@@ -349,7 +348,7 @@ def model_info(server: Server) -> dict:
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": _model_type(server),
-        "architectures": [cfg.architecture],
+        "architectures": [server.engine.limits.architecture],
         "served_model_name": server.model_name,
     }
 
@@ -372,7 +371,7 @@ async def server_info(server: Server) -> dict:
     whole pages of it), ``internal_states`` (``bench_serving`` reads ``avg_spec_accept_length``
     from its first entry), and SGLang's names for the sizes."""
     info = tokenize.server_info(server)
-    core = server.engine.core
+    limits, config = server.engine.limits, server.engine.config
     stats = await server.engine.call("cache_stats")
     spec = stats.get("speculative") if isinstance(stats, dict) else None
     state: dict[str, Any] = {"last_gen_throughput": _generation_rate(server)}
@@ -380,27 +379,20 @@ async def server_info(server: Server) -> dict:
         # tokens a verify step yields: the target's own, and the drafts it accepted (SGLang's
         # figure; absent without drafts, where bench_serving reads none)
         state["avg_spec_accept_length"] = 1 + spec["accepted"] / spec["verified_steps"]
-    block_size = core.block_size
+    block_size = limits.block_size
     info.update(
         page_size=block_size,
         model_path=server.model_path,
         tokenizer_path=server.model_path if server.tokenizer is not None else None,
         served_model_name=server.model_name,
         context_length=server.max_model_len,
-        max_total_num_tokens=_device_blocks(core) * block_size,
-        max_running_requests=core.engine_config.max_num_seqs,
-        max_prefill_tokens=core.engine_config.max_num_batched_tokens,
-        disable_radix_cache=not core.engine_config.enable_prefix_caching,
+        max_total_num_tokens=limits.num_device_blocks * block_size,
+        max_running_requests=config.max_num_seqs,
+        max_prefill_tokens=config.max_num_batched_tokens,
+        disable_radix_cache=not config.enable_prefix_caching,
         internal_states=[state],
     )
     return info
-
-
-def _device_blocks(core: Any) -> int:
-    """The device tier's blocks (an engine process's view says them; an engine in this process
-    has its pool)."""
-    n = getattr(core, "num_device_blocks", None)
-    return n if isinstance(n, int) else core.cache.device_pool.num_blocks
 
 
 def _generation_rate(server: Server) -> float:
@@ -490,7 +482,7 @@ class _Shape:
         if out is not None:
             cached, by_tier = out.num_cached_tokens, out.cached_tokens_by_tier
         elif gen.cached is not None:
-            cached, by_tier = gen.cached
+            cached, by_tier = gen.cached.num_tokens, gen.cached.by_tier
         else:
             cached, by_tier = 0, {}
         meta: dict[str, Any] = {

@@ -127,9 +127,7 @@ async def reset_prefix_cache(server: Server) -> dict:
 
 
 def server_info(server: Server) -> dict:
-    core = server.engine.core
-    config = core.engine_config
-    config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else {}
+    config = dataclasses.asdict(server.engine.config)
     return {
         "version": __import__("kvtier").__version__,
         "model": server.model_name,

@@ -5,7 +5,7 @@ servers the benches start get their options that way); bad values are named befo
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -90,7 +90,7 @@ def test_a_bad_option_is_named(options, message):
 
 def test_max_num_seqs_per_request_defaults_to_a_quarter_of_the_slots(checkpoint):
     import kvtier
-    from kvtier.engine.scheduler import default_seqs_per_request
+    from kvtier.engine.resolve import default_seqs_per_request
 
     assert [default_seqs_per_request(n) for n in (1, 3, 4, 16, 256)] == [1, 1, 1, 4, 64]
     assert EngineConfig(max_num_seqs=8, max_num_seqs_per_request=8).to_flags() == [
@@ -195,3 +195,91 @@ def test_vllm_and_sglang_flag_names_give_the_same_options(flags, options):
     ap = argparse.ArgumentParser()
     EngineConfig.add_flags(ap)
     assert EngineConfig.from_args(ap.parse_args(flags)) == EngineConfig(**options)
+
+
+def test_a_bench_takes_some_flags_with_its_own_defaults_and_its_help_says_them():
+    """What a bench declares: the options it uses, under `kvtier serve`'s names, a default of its
+    own where it needs one, said in its --help in place of the engine's."""
+    ap = argparse.ArgumentParser()
+    only = ("device", "num_host_blocks", "storage", "cuda_graphs", "prefetch_timeout")
+    EngineConfig.add_flags(
+        ap,
+        only=only,
+        defaults={"device": "cuda", "num_host_blocks": 4096, "cuda_graphs": False, "prefetch_timeout": (0.2, 0.1)},
+        shown={"storage": "a temporary file:// pool"},
+    )
+    flags = {s for a in ap._actions for s in a.option_strings}
+    assert "--block-size" not in flags and "--max-num-seqs" not in flags and "--device" in flags
+    helps: dict = {}
+    for a in ap._actions:
+        helps.setdefault(a.dest, a.help)  # (not the hidden --enforce-eager's)
+    assert helps["device"].endswith("(default cuda)") and helps["num_host_blocks"].endswith("(default 4096)")
+    assert "(default: none, or with --storage" not in helps["num_host_blocks"]  # (the engine's, replaced)
+    assert helps["storage"].endswith("(default: a temporary file:// pool)")
+    assert "(default off)" in helps["cuda_graphs"] and helps["prefetch_timeout"].endswith("(default 0.2,0.1)")
+    got = EngineConfig.from_args(ap.parse_args([]), only=only)
+    assert got == EngineConfig(device="cuda", num_host_blocks=4096, cuda_graphs=False, prefetch_timeout=(0.2, 0.1))
+    assert EngineConfig.from_args(ap.parse_args(["--num-host-blocks", "8"]), only=only).num_host_blocks == 8
+
+
+def test_an_unknown_or_unchosen_option_of_a_bench_is_named():
+    with pytest.raises(ValueError, match="unknown engine option 'num_gpu_blocks'"):
+        EngineConfig.add_flags(argparse.ArgumentParser(), only=("num_gpu_blocks",))
+    with pytest.raises(ValueError, match="defaults or shown for dtype: not among the flags added"):
+        EngineConfig.add_flags(argparse.ArgumentParser(), only=("device",), defaults={"dtype": "float32"})
+
+
+class _Parser(Exception):
+    """Raised by parse_args in place of parsing: carries the parser a bench built."""
+
+
+# a bench's own flag that shares an option's name: `kvtier bench storage --early-loads both`
+# runs the storage row both ways (a sweep, not one value); every bench's --seed is its workload's
+BENCH_OWN = {("storage", "early_loads")}
+
+
+def test_every_bench_takes_its_engine_flags_from_the_config(monkeypatch):
+    """No bench declares an engine flag of its own: wherever `kvtier bench NAME` (and `kvtier sim`)
+    has an engine option, it has the engine's flag and help line, whatever its default."""
+    import importlib
+
+    from kvtier.cli import BENCHES
+
+    def capture(self, *args, **kwargs):
+        raise _Parser(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    engine_help = {f.name: f.metadata["help"].split(" (default")[0] for f in fields(EngineConfig)}
+    found = {}
+    for name, module in {**{n: m for n, (m, _) in BENCHES.items()}, "sim": "kvtier.bench.sim"}.items():
+        with pytest.raises(_Parser) as got:
+            importlib.import_module(module).main([])
+        for a in got.value.args[0]._actions:
+            if a.dest in engine_help and a.dest != "seed" and a.help is not argparse.SUPPRESS and (name, a.dest) not in BENCH_OWN:
+                assert a.help.replace("%%", "%").startswith(engine_help[a.dest]), f"bench {name}: --{a.dest}: {a.help!r}"
+                found.setdefault(name, set()).add(a.dest)
+    assert {"block_size", "max_num_batched_tokens", "max_num_seqs", "dtype"} <= set().union(*found.values())
+    assert {"throughput", "multiturn", "pd", "soak", "speculative", "transfer", "sim"} <= set(found)
+
+
+def test_resolving_decides_every_default_the_model_and_the_machine_leave_open(checkpoint):
+    """engine/resolve.py against the checkpoint's own config.json (the reference): its context,
+    its dtype on cpu, and the tiers' sizes once known."""
+    import json
+
+    from kvtier.engine.resolve import resolve, size_tiers
+    from kvtier.model import ModelConfig
+
+    path = checkpoint("qwen3-tiny")
+    hf = json.loads((path / "config.json").read_text())
+    c = resolve(EngineConfig(max_num_seqs=16), ModelConfig.from_hf_dir(path))
+    assert c.max_model_len == hf["max_position_embeddings"] and c.dtype == "float32" and c.device == "cpu"
+    assert (c.attention_backend, c.cuda_graphs, c.overlap_schedule, c.max_num_seqs_per_request) == ("torch", False, False, 4)
+    longer = resolve(EngineConfig(max_model_len=10**9), ModelConfig.from_hf_dir(path))
+    assert longer.max_model_len == hf["max_position_embeddings"]  # (capped at the model's)
+    sized = size_tiers(replace(c, num_device_blocks=40), 4096, rank_fits=[32, 48])
+    assert (sized.num_device_blocks, sized.num_host_blocks, sized.preemption_mode) == (32, 0, "recompute")
+    assert sized.write_policy == "write_through_selective"
+    pooled = size_tiers(replace(c, num_device_blocks=40, storage="memory://", num_host_blocks=8), 4096)
+    assert (pooled.num_host_blocks, pooled.preemption_mode, pooled.write_policy) == (8, "swap", "write_through")
+    assert resolve(pooled, ModelConfig.from_hf_dir(path)) == pooled  # (nothing left to decide)

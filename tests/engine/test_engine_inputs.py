@@ -44,7 +44,7 @@ def test_bad_constructor_values_are_named_before_the_model_loads(checkpoint, mon
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("kvtier.engine.core.load_model", no_loading)
+    monkeypatch.setattr("kvtier.engine.build.load_model", no_loading)
     with pytest.raises(ValueError, match=msg):
         kvtier.LLM(checkpoint("llama-tiny"), **kwargs)
 

@@ -102,7 +102,7 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
     import asyncio
     import threading
 
-    from kvtier.engine.async_engine import AsyncEngine
+    from kvtier.engine.client import EngineClient
 
     prompt = np.random.default_rng(3).integers(0, 250, 37).tolist()
     core = EngineCore(model, storage=f"file://{tmp_path}", **KW)
@@ -117,14 +117,15 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
             return _real(names, bufs)
 
         setattr(backend, name, slow)
-    engine = AsyncEngine(core)
+    engine = EngineClient.in_thread(core)
 
     async def go():  # type: ignore[no-untyped-def]
         req = engine.make_request(prompt, kvtier.SamplingParams(max_tokens=1), export=True)
         it = engine.generate(req)
         first = await asyncio.wait_for(it.__anext__(), 30)
         assert not gate.is_set()  # the pool cannot have acked a block
-        assert first.output is None and len(first.token_ids) == 1
+        (sample,) = first.samples
+        assert first.output is None and len(sample.token_ids) == 1
         names = first.export
         assert names["num_tokens"] == 37 and len(names["keys"]) == 5 and names["cached_tokens"] == 0
         assert await asyncio.to_thread(held.wait, 30)  # the writes reached the pool, which holds them
@@ -133,7 +134,7 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
         assert not done, "the output came before the pool acked the blocks"
         gate.set()
         last = await asyncio.wait_for(rest, 30)
-        assert last.token_ids == [] and last.output.token_ids == first.token_ids
+        assert [t for s in last.samples for t in s.token_ids] == [] and last.output.token_ids == sample.token_ids
         h = last.output.handoff
         assert h["complete"] and h["keys"] == names["keys"] and h["namespace"] == names["namespace"]
 
@@ -153,7 +154,7 @@ def test_an_engine_that_stops_after_ps_first_line_is_an_error_line_not_a_cut_ans
 
     from starlette.testclient import TestClient
 
-    from kvtier.engine.async_engine import AsyncEngine
+    from kvtier.engine.client import EngineClient
     from kvtier.serve.api import Server
 
     core = EngineCore(model, storage=f"file://{tmp_path}", **KW)
@@ -167,7 +168,7 @@ def test_an_engine_that_stops_after_ps_first_line_is_an_error_line_not_a_cut_ans
             return _real(names, bufs)
 
         setattr(backend, name, slow)
-    engine = AsyncEngine(core)
+    engine = EngineClient.in_thread(core)
     server = Server(engine, "m", role="prefill")
     prompt = np.random.default_rng(4).integers(0, 250, 37).tolist()
     stopper = threading.Thread(target=engine.shutdown, kwargs={"timeout": 10})

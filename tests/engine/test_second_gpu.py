@@ -61,20 +61,20 @@ def test_an_engine_on_the_second_gpu_answers_as_on_the_first(preset, checkpoint)
 
 
 def test_a_served_engine_on_the_second_gpu_answers_as_on_the_first(checkpoint):
-    """Through AsyncEngine, whose loop thread starts with cuda:0 current."""
-    from kvtier.engine.async_engine import AsyncEngine
+    """Through an engine served on a thread of this process, which starts with cuda:0 current."""
+    from kvtier.engine.client import EngineClient
     from kvtier.engine.core import EngineCore
 
     path = checkpoint("qwen3-tiny")
 
     def serve(device: str) -> list[list[int]]:
-        engine = AsyncEngine(EngineCore(path, device=device, dtype="float32", num_device_blocks=64, block_size=16))
+        engine = EngineClient.in_thread(EngineCore(path, device=device, dtype="float32", num_device_blocks=64, block_size=16))
         try:
 
             async def one(p):
                 ids: list[int] = []
                 async for d in engine.generate(engine.make_request(p, SP)):
-                    ids += d.token_ids
+                    ids += [t for s in d.samples for t in s.token_ids]
                 return ids
 
             async def go():

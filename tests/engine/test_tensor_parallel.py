@@ -179,6 +179,40 @@ def test_a_rank_that_fails_names_its_error(checkpoint):
         llm.close()
 
 
+@pytest.mark.slow
+def test_a_start_that_fails_part_way_ends_the_ranks_and_the_pool_threads_it_started(checkpoint, tmp_path, monkeypatch):
+    """engine/build.py: a failure after the other ranks and the pool's I/O threads started (here
+    the runner's build, where a CUDA-graph capture can fail) raises it, and leaves no rank process
+    and no pool thread behind."""
+    import threading
+
+    from kvtier.engine.tp.ranks import Ranks
+
+    def pool_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith(("kvtier-fetch", "kvtier-put", "kvtier-lookup"))}
+
+    started: list[Ranks] = []
+    start = Ranks.start
+
+    def recorded(*args, **kwargs) -> Ranks:
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    during: set[threading.Thread] = set()
+
+    def capture_fails(*args, **kwargs):
+        during.update(pool_threads())
+        raise RuntimeError("CUDA graph capture failed")
+
+    monkeypatch.setattr(Ranks, "start", recorded)
+    monkeypatch.setattr("kvtier.engine.build.build_runner", capture_fails)
+    before = pool_threads()
+    with pytest.raises(RuntimeError, match="CUDA graph capture failed"):
+        kvtier.LLM(checkpoint("llama-tiny"), tensor_parallel_size=2, storage=f"file://{tmp_path}", **TIERS)
+    assert len(started) == 1 and all(p.poll() is not None for p in started[0].procs)
+    assert during - before and pool_threads() <= before  # (they ran while the start went on)
+
+
 def test_sizes_the_ranks_cannot_split_are_refused_by_name(checkpoint):
     with pytest.raises(ValueError, match=r"num_key_value_heads \(1\)"):  # mistral-tiny: one KV head
         kvtier.LLM(checkpoint("mistral-tiny"), tensor_parallel_size=2, num_device_blocks=16)

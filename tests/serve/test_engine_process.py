@@ -1,6 +1,7 @@
 """The engine in a process of its own (what `kvtier serve` runs): the same tokens as the engine on
-a thread, aborts that return blocks, refusals that keep the queue count right, and a killed
-engine process that fails its requests instead of hanging them."""
+a thread of the test's process (the same client and messages), aborts that return blocks,
+refusals that keep the queue count right, and a killed engine process that fails its requests
+instead of hanging them."""
 
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ import signal
 import pytest
 
 import kvtier
-from kvtier.engine.async_engine import AsyncEngine, check_samples
-from kvtier.engine.client import EngineClient
+from kvtier.engine.client import EngineClient, check_samples
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.core import EngineCore
-from kvtier.engine.loop import EngineDead, QueueFull
+from kvtier.engine.wire import EngineDead, QueueFull
 
 OPTS = dict(block_size=8, num_device_blocks=64, max_model_len=128, enable_prefix_caching=False)  # used = held
 GREEDY = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)
@@ -45,15 +45,16 @@ def test_the_same_tokens_as_the_engine_on_a_thread(client, moe_model):
         for p in prompts:
             for params in (GREEDY, sampled):
                 deltas, out = await collect(engine, engine.make_request(p, params))
-                streamed = {}
+                streamed: dict[int, list[int]] = {}
                 for d in deltas:
-                    streamed.setdefault(d.index, []).extend(d.token_ids)
+                    for s in d.samples:
+                        streamed.setdefault(s.index, []).extend(s.token_ids)
                 assert streamed == {c.index: c.token_ids for c in out.outputs}  # the stream is the output
                 outs.append([(c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs])
         return outs
 
     got = asyncio.run(run(client))
-    local = AsyncEngine(EngineCore(moe_model, **OPTS))
+    local = EngineClient.in_thread(EngineCore(moe_model, **OPTS))
     try:
         want = asyncio.run(run(local))
     finally:
@@ -73,18 +74,18 @@ def test_a_request_left_early_returns_its_blocks(client):
     async def main():
         agen = client.generate(client.make_request([1, 2, 3], LONG))
         async for d in agen:
-            if d.token_ids:
+            if any(s.token_ids for s in d.samples):
                 break
         await agen.aclose()
         for _ in range(200):  # the abort reaches the engine between steps
             stats = await client.call("metrics")
-            if stats["tier_blocks"]["device"][0] == 0 and client.num_running == 0:
+            if stats["tier_blocks"]["device"]["used"] == 0 and client.num_running == 0:
                 return stats
             await asyncio.sleep(0.02)
         return stats
 
     stats = asyncio.run(main())
-    assert stats["tier_blocks"]["device"][0] == 0 and client.num_streams == 0
+    assert stats["tier_blocks"]["device"]["used"] == 0 and client.num_streams == 0
 
 
 @pytest.mark.slow  # an engine process of its own (~10 s on a 2-core x86 VM)
@@ -115,21 +116,21 @@ def test_a_request_the_engine_refuses_is_a_value_error_and_leaves_the_queue_coun
 
 
 def test_owner_and_priority_travel_to_the_engine_process(client):
-    """What the server's make_request set arrives in the "add" message the engine process turns
-    into its own request (engine/wire.py, engine/proc.py)."""
+    """What the server's make_request set arrives in the message the engine turns into its own
+    request (engine/wire.py, engine/loop.py), and reaches the engine's make_request."""
     from types import SimpleNamespace
 
-    from kvtier.engine.proc import _Engine
-    from kvtier.engine.wire import add_message, decode, encode
+    from kvtier.engine.loop import make_request
+    from kvtier.engine.wire import decode_command, encode
 
     req = client.make_request([1, 2, 3], GREEDY, "salt", "r-7", owner="cmpl-abc", priority=-4)
     assert (req.owner, req.priority) == ("cmpl-abc", -4)
+    arrived = decode_command(encode(req))
+    assert arrived == req
     got = []
-    core = SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw)) or req)
-    engine = SimpleNamespace(core=core, send=None, refused_samples=0)
-    assert _Engine.command(engine, decode(encode(add_message(req))))[0] == "add"  # type: ignore[arg-type]
+    make_request(SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw))), arrived)
     ((args, kw),) = got
-    assert args[2:] == ("salt", "r-7") and (kw["owner"], kw["priority"]) == ("cmpl-abc", -4)
+    assert args == ([1, 2, 3], GREEDY, "salt", "r-7") and (kw["owner"], kw["priority"]) == ("cmpl-abc", -4)
     mine = client.make_request([1, 2, 3], GREEDY)  # no owner: its own
     assert mine.owner == mine.request_id and mine.priority == 0
     with pytest.raises(ValueError, match="priority must be an int in"):
@@ -158,7 +159,7 @@ def test_a_killed_engine_process_fails_its_requests(moe_model):
         async def main():
             agen = c.generate(c.make_request([1, 2, 3], kvtier.SamplingParams(max_tokens=120, ignore_eos=True)))
             await agen.__anext__()
-            os.kill(c._proc.pid, signal.SIGKILL)
+            os.kill(c.engine_pid, signal.SIGKILL)
             with pytest.raises(EngineDead, match="exited"):
                 async for _ in agen:
                     pass
@@ -191,7 +192,7 @@ def test_an_engine_process_does_not_outlive_its_server(moe_model, tmp_path):
         "from kvtier.engine.config import EngineConfig\n"
         "if __name__ == '__main__':\n"
         f"    c = EngineClient({str(moe_model)!r}, EngineConfig(block_size=8, num_device_blocks=16, max_model_len=64))\n"
-        "    print(c._proc.pid, flush=True)\n"
+        "    print(c.engine_pid, flush=True)\n"
         "    time.sleep(600)\n"
     )
     server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

@@ -499,16 +499,16 @@ def test_the_router_runs_under_the_guard_with_its_counters_in_metrics(monkeypatc
 
 
 def test_cli_flags_reach_both_commands_with_their_defaults(capsys):
-    from kvtier.cli import _connection_limits, build_parser
+    from kvtier.cli import build_parser, connection_limits
 
     ap = build_parser()
     for argv in (["serve", "m"], ["router", "--workers", "http://x"]):
-        assert _connection_limits(ap.parse_args(argv)) == ConnectionLimits()
+        assert connection_limits(ap.parse_args(argv)) == ConnectionLimits()
         args = ap.parse_args(
             [*argv, "--header-timeout", "2", "--body-min-rate", "0", "--timeout-keep-alive", "3",
              "--max-connections-per-client", "4", "--max-connections", "50", "--cheap-request-rate", "7.5"]
         )  # fmt: skip
-        assert _connection_limits(args) == ConnectionLimits(2, 0, 3, 4, 50, 7.5)
+        assert connection_limits(args) == ConnectionLimits(2, 0, 3, 4, 50, 7.5)
         for flag, bad in (("--header-timeout", "0"), ("--max-connections", "-2"), ("--cheap-request-rate", "-1"),
                           ("--max-connections-per-client", "x"), ("--timeout-keep-alive", "inf")):  # fmt: skip
             with pytest.raises(SystemExit):

@@ -10,7 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 import kvtier
-from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.client import EngineClient
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import MAX_STOP_TOKEN_IDS
 from kvtier.serve.api import Server
@@ -21,7 +21,7 @@ CTX = 256
 
 @pytest.fixture(scope="module")
 def client(moe_model):
-    engine = AsyncEngine(EngineCore(moe_model, max_model_len=CTX), max_queue=64)
+    engine = EngineClient.in_thread(EngineCore(moe_model, max_model_len=CTX), max_queue=64)
     server = Server(engine, "moe")
     with TestClient(server.app) as c:
         c.engine = engine

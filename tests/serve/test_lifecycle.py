@@ -19,12 +19,12 @@ from kvtier.serve.launch import ServerProcess, kvtier_command
 
 SLOW_LOAD = """
 import time
-import kvtier.engine.core as core
-_load = core.load_model
+import kvtier.engine.build as build
+_load = build.load_model
 def load_model(*a, **k):
     time.sleep(3.0)
     return _load(*a, **k)
-core.load_model = load_model
+build.load_model = load_model
 """
 
 ASSERT_ON_SECOND_STEP = """
@@ -148,11 +148,11 @@ def test_the_engine_stops_at_once_on_a_device_error_and_reports_it(checkpoint, m
     loop, fails what is in flight, and calls on_dead."""
     import asyncio
 
-    from kvtier.engine.async_engine import AsyncEngine, EngineDead
+    from kvtier.engine.client import EngineClient
     from kvtier.engine.core import EngineCore
-    from kvtier.engine.fatal import DeviceLost
     from kvtier.engine.params import SamplingParams
     from kvtier.engine.runner import ModelRunner
+    from kvtier.engine.wire import EngineDead
 
     calls = []
 
@@ -162,7 +162,7 @@ def test_the_engine_stops_at_once_on_a_device_error_and_reports_it(checkpoint, m
 
     monkeypatch.setattr(ModelRunner, "execute", execute)
     dead: list[BaseException] = []
-    engine = AsyncEngine(EngineCore(checkpoint("qwen3-tiny")), on_dead=dead.append)
+    engine = EngineClient.in_thread(EngineCore(checkpoint("qwen3-tiny")), on_dead=dead.append)
     try:
 
         async def go() -> None:
@@ -176,7 +176,7 @@ def test_the_engine_stops_at_once_on_a_device_error_and_reports_it(checkpoint, m
             assert all(isinstance(r, EngineDead) for r in results), results
 
         asyncio.run(go())
-        assert isinstance(engine.error, DeviceLost) and dead == [engine.error]
+        assert dead == [engine.error] and str(engine.error).startswith("DeviceLost: ")  # not retried as a transient error
         assert len(calls) == 1  # the batch was not retried request by request
     finally:
         engine.shutdown()

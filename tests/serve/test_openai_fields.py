@@ -580,17 +580,11 @@ def test_a_client_that_hangs_up_aborts_every_request_of_its_call(server, streame
 
 
 # ---------------------------------------------------------------- PD
-class _Pool:
-    def health(self) -> dict:
-        return {"ok": True}
-
-
 def _fake_server(role: str) -> Server:
-    """A server of ``role`` over an engine that must not be reached (the refusals come first)."""
-    core = SimpleNamespace(
-        storage=_Pool(), tokenizer=None, max_model_len=CTX, path="moe", config=SimpleNamespace(vocab_size=BYTE_VOCAB_SIZE)
-    )
-    engine = SimpleNamespace(core=core, check_alive=lambda: None)
+    """A server of ``role`` over an engine that must not be reached (the refusals come first):
+    the attributes of an EngineClient with a pool that the server reads as it starts."""
+    limits = SimpleNamespace(has_pool=True, max_model_len=CTX, vocab_size=BYTE_VOCAB_SIZE)
+    engine = SimpleNamespace(limits=limits, tokenizer=None, path="moe", check_alive=lambda: None)
     return Server(engine, "moe", role=role)  # type: ignore[arg-type]
 
 

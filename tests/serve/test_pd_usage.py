@@ -20,7 +20,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.client import EngineClient
 from kvtier.engine.core import EngineCore
 from kvtier.serve.api import Server
 from kvtier.serve.router import Router
@@ -46,8 +46,8 @@ class Apps(httpx.AsyncBaseTransport):
 def pd(moe_model, tmp_path_factory):
     """Test clients of the router, P and D."""
     url = f"file://{tmp_path_factory.mktemp('pool')}"
-    p = Server(AsyncEngine(EngineCore(moe_model, storage=url, **ENGINE)), "moe", role="prefill")
-    d = Server(AsyncEngine(EngineCore(moe_model, storage=url, **ENGINE, **D_ONLY)), "moe", role="decode")
+    p = Server(EngineClient.in_thread(EngineCore(moe_model, storage=url, **ENGINE)), "moe", role="prefill")
+    d = Server(EngineClient.in_thread(EngineCore(moe_model, storage=url, **ENGINE, **D_ONLY)), "moe", role="decode")
     apps = Apps({"p.test": p.app, "d.test": d.app})
     real = httpx.AsyncClient
     router = Router(["http://p.test"], ["http://d.test"], health_interval=60)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import httpx
 import pytest
@@ -221,16 +220,15 @@ def test_metrics_ttft_counts_the_wait_for_the_engine_as_the_clients_do(moe_model
     first token back; here the engine takes each request 0.3 s late, its clock starting then."""
     from starlette.testclient import TestClient
 
-    from kvtier.engine.async_engine import AsyncEngine
+    from kvtier.engine.client import EngineClient
     from kvtier.engine.core import EngineCore
     from kvtier.serve.api import Server
 
-    engine = AsyncEngine(EngineCore(moe_model, max_model_len=CTX))
+    engine = EngineClient.in_thread(EngineCore(moe_model, max_model_len=CTX))
     inner = engine.generate
 
     async def late(req):
-        await asyncio.sleep(0.3)
-        req.metrics["arrival"] = time.monotonic()  # as the engine process stamps it
+        await asyncio.sleep(0.3)  # the engine's clock (its request's arrival) starts after this
         async for delta in inner(req):
             yield delta
 

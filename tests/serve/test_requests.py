@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
-from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.client import EngineClient
 from kvtier.engine.core import EngineCore
 from kvtier.engine.outputs import request_output
 from kvtier.model.tokenizer import EOS_TOKEN_ID, IM_END_TOKEN_ID
@@ -24,8 +24,13 @@ CTX = 256
 
 
 @pytest.fixture(scope="module")
-def engine(moe_model):
-    e = AsyncEngine(EngineCore(moe_model, max_model_len=CTX))
+def core(moe_model):
+    return EngineCore(moe_model, max_model_len=CTX)  # (closed by the engine's shutdown)
+
+
+@pytest.fixture(scope="module")
+def engine(core):
+    e = EngineClient.in_thread(core)
     yield e
     e.shutdown()
 
@@ -159,26 +164,25 @@ def test_a_bad_priority_is_a_400_naming_it(client, priority):
 
 
 # ---------------------------------------------------------------- engine errors
-def test_a_valueerror_from_the_engine_is_a_400(client, engine, monkeypatch):
+def test_a_valueerror_from_the_engine_is_a_400(client, core, monkeypatch):
     def refuse(req):
         raise ValueError(f"request id {req.request_id!r} is already in the engine")
 
-    monkeypatch.setattr(engine.core, "enqueue", refuse)
+    monkeypatch.setattr(core, "enqueue", refuse)
     err = error(post(client, "/v1/completions", {"model": "moe", "prompt": "hi", "max_tokens": 2}), 400)
     assert "already in the engine" in err["message"]
 
 
-def fail_a_step(engine, monkeypatch, after: int) -> None:
+def fail_a_step(core, monkeypatch, after: int) -> None:
     """The engine's failed-request output (what a step that raises gives its requests): step
     number ``after`` + 1 from now fails every request in the engine with finish_reason "error",
     and the engine goes on."""
-    core = engine.core
     real = core.step
     steps = iter(range(after + 1))
 
-    def step():
+    def step(updated=None):
         if next(steps, None) != after:
-            return real()
+            return real(updated)
         monkeypatch.setattr(core, "step", real)
         reqs = list(core.scheduler.running) + list(core.scheduler.waiting)
         outs = [request_output(r, None, None, error="injected step failure") for r in reqs]
@@ -198,17 +202,17 @@ ERRORS = 'kvtier_requests_total{finish_reason="error"}'
 BODY = {"model": "moe", "prompt": "hi", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 
 
-def test_a_request_failed_in_the_engine_is_a_500_and_the_next_is_served(client, engine, monkeypatch):
+def test_a_request_failed_in_the_engine_is_a_500_and_the_next_is_served(client, core, monkeypatch):
     before = counter(client, ERRORS)
-    fail_a_step(engine, monkeypatch, after=0)
+    fail_a_step(core, monkeypatch, after=0)
     assert "injected step failure" in error(post(client, "/v1/completions", BODY), 500)["message"]
     assert counter(client, ERRORS) == before + 1
     assert post(client, "/v1/completions", BODY).json()["usage"]["completion_tokens"] == 8
 
 
-def test_a_stream_failed_in_the_engine_ends_with_an_error_event(client, engine, monkeypatch):
+def test_a_stream_failed_in_the_engine_ends_with_an_error_event(client, core, monkeypatch):
     before = counter(client, ERRORS)
-    fail_a_step(engine, monkeypatch, after=3)
+    fail_a_step(core, monkeypatch, after=3)
     r = post(client, "/v1/completions", BODY | {"stream": True})
     assert r.status_code == 200
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -235,8 +239,8 @@ def chat_of(client, content: str) -> dict:
     return r.json()
 
 
-def test_special_token_text_in_chat_content_is_tokenized_as_plain_text(client, server, engine):
-    tok = engine.core.tokenizer
+def test_special_token_text_in_chat_content_is_tokenized_as_plain_text(client, server):
+    tok = server.tokenizer
     # the reference: the template's pieces with their control tokens, the content as plain text
     want = (
         tok.encode("<|im_start|>user\n", add_special_tokens=False)
@@ -251,15 +255,15 @@ def test_special_token_text_in_chat_content_is_tokenized_as_plain_text(client, s
     assert answer["choices"][0]["message"]["content"] == completion_of(client, want)
 
 
-def test_benign_chat_contents_keep_the_ids_of_the_rendered_template(client, server, engine):
-    tok = engine.core.tokenizer
+def test_benign_chat_contents_keep_the_ids_of_the_rendered_template(client, server):
+    tok = server.tokenizer
     messages = [{"role": "system", "content": "be brief <|im_"}, {"role": "user", "content": "what is a KV cache?"}]
     today = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     assert asyncio.run(server.prompts.chat_ids(messages, True, CTX)) == today
 
 
-def test_completions_leave_special_tokens_out_of_the_text_unless_asked(client, engine):
-    tok = engine.core.tokenizer
+def test_completions_leave_special_tokens_out_of_the_text_unless_asked(client, server):
+    tok = server.tokenizer
     body = {"model": "moe", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     for i in range(64):  # a prompt after which the (random) model writes a special token
         prompt = [(i * 37 + k * 11) % 256 for k in range(6)]
@@ -287,28 +291,21 @@ def test_require_cache_salt_refuses_requests_without_one(engine):
     server.close()
 
 
-class Pool:
-    """A storage client as the server sees it: only ``health()`` (breaker + background probe)."""
-
-    def __init__(self, ok: bool) -> None:
-        self.ok = ok
-
-    def health(self) -> dict:
-        return {"ok": self.ok, "reason": None if self.ok else "connection refused"}
+def pool(ok: bool) -> dict:
+    """The pool's health as an engine reports it (its storage client's breaker and background probe)."""
+    return {"ok": ok, "reason": None if ok else "connection refused"}
 
 
-def health_of(role: str, pool: Pool, expose_config: bool = False) -> tuple[int, dict]:
+def health_of(role: str, pool: dict, expose_config: bool = False) -> tuple[int, dict]:
+    """/health of a server over an engine's public view (an EngineClient's attributes it reads)."""
     engine = SimpleNamespace(
-        core=SimpleNamespace(
-            storage=pool,
-            tokenizer=None,
-            max_model_len=CTX,
-            path="moe",
-            config=SimpleNamespace(vocab_size=320),
-            pd_on_miss="recompute",
-            engine_config=SimpleNamespace(export_timeout=7.0),
-            startup=SimpleNamespace(total_s=1.5),
-        ),
+        limits=SimpleNamespace(has_pool=True, max_model_len=CTX, vocab_size=320),
+        tokenizer=None,
+        path="moe",
+        info=SimpleNamespace(pd_on_miss="recompute"),
+        config=SimpleNamespace(export_timeout=7.0),
+        startup=SimpleNamespace(total_s=1.5),
+        pool_health=lambda: pool,
         check_alive=lambda: None,
         error=None,
         num_running=2,
@@ -323,13 +320,13 @@ def health_of(role: str, pool: Pool, expose_config: bool = False) -> tuple[int, 
 
 @pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
 def test_health_reports_the_pool(role):
-    status, body = health_of(role, Pool(ok=True))
+    status, body = health_of(role, pool(ok=True))
     assert status == 200 and body["status"] == "ok" and body["pool"]["ok"] is True
     assert body["pd_on_miss"] == "recompute"  # the router relays P's token early on it
     assert body["export_timeout"] == 7.0  # ... and gives P's ack this long (+ a margin)
     assert (body["running"], body["waiting"]) == (2, 1)  # what a router's load reads
     for expose in (False, True):
-        status, body = health_of(role, Pool(ok=False), expose)
+        status, body = health_of(role, pool(ok=False), expose)
         if role == "colocated":  # it still serves, recomputing what the pool would give
             assert status == 200 and body["status"] == "degraded"
         else:  # no hand-off can work
@@ -373,11 +370,11 @@ def test_health_answers_while_a_prompt_is_tokenized(server, client, monkeypatch)
     assert done.is_set()
 
 
-def test_metrics_show_the_blocks_of_each_tier(client, engine):
+def test_metrics_show_the_blocks_of_each_tier(client, core):
     text = client.get("/metrics").text
     blocks = {
         (m[1], m[0]): float(m[2]) for m in re.findall(r'^kvtier_tier_blocks\{state="(\w+)",tier="(\w+)"\} (\S+)$', text, re.M)
     }
-    pool = engine.core.cache.device_pool
+    pool = core.cache.device_pool
     assert blocks[("device", "used")] + blocks[("device", "free")] == pool.num_blocks
     assert ("host", "free") in blocks

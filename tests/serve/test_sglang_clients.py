@@ -239,11 +239,11 @@ def test_with_drafts_server_info_says_the_accept_length_bench_serving_reads(chec
     step yields, 1 + the drafts it accepted on average (SGLang's figure), from the engine's counts."""
     from starlette.testclient import TestClient
 
-    from kvtier.engine.async_engine import AsyncEngine
+    from kvtier.engine.client import EngineClient
     from kvtier.engine.core import EngineCore
     from kvtier.serve.api import Server
 
-    engine = AsyncEngine(
+    engine = EngineClient.in_thread(
         EngineCore(checkpoint("qwen3-mtp-tiny"), max_model_len=256, num_device_blocks=64, block_size=8, num_speculative_tokens=2)
     )
     server = Server(engine, "mtp")

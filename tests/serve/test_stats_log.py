@@ -9,7 +9,7 @@ import re
 import pytest
 
 import kvtier
-from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.client import EngineClient
 from kvtier.engine.core import EngineCore
 from kvtier.engine.stats_log import StatsLog
 
@@ -34,7 +34,7 @@ def test_the_line_counts_prompt_and_generated_tokens_and_what_the_engine_holds(c
     core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64)
     try:
         stats = StatsLog(1.0)
-        t0 = stats._last
+        t0 = stats.last
         assert stats.maybe_log(core, t0 + 11) is None  # nothing done, nothing held: no line
         a = core.add_request([1, 2, 3] * 7, PARAMS)  # 21 prompt tokens
         core.add_request([4, 5] * 6, PARAMS)  # 12
@@ -67,8 +67,8 @@ def test_a_negative_interval_is_refused():
         StatsLog(-1)
 
 
-def test_the_async_engine_logs_the_line_while_it_works(checkpoint, caplog):
-    eng = AsyncEngine(EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64), stats_interval=0.01)
+def test_a_served_engine_logs_the_line_while_it_works(checkpoint, caplog):
+    eng = EngineClient.in_thread(EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64), stats_interval=0.01)
     caplog.set_level(logging.INFO, logger="kvtier.engine")
     try:
 
@@ -87,22 +87,24 @@ def test_the_async_engine_logs_the_line_while_it_works(checkpoint, caplog):
     assert lines[0]["prompt"] > 0 and any(line["generated"] > 0 for line in lines)
 
 
-def test_a_failing_line_turns_itself_off_and_the_engine_serves_on(checkpoint, caplog):
-    eng = AsyncEngine(EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64), stats_interval=0.001)
+def test_a_failing_line_turns_itself_off_and_the_engine_serves_on(checkpoint, caplog, monkeypatch):
+    calls = []
 
-    def boom(core, now=None):
+    def boom(self, core, now=None):
+        calls.append(1)
         raise RuntimeError("stats broke")
 
-    eng._loop.stats.maybe_log = boom
+    monkeypatch.setattr(StatsLog, "maybe_log", boom)
+    eng = EngineClient.in_thread(EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64), stats_interval=0.001)
     try:
 
         async def run():
             return [d async for d in eng.generate(eng.make_request([1, 2, 3], PARAMS))][-1].output
 
         assert len(asyncio.run(run()).token_ids) == 5
-        assert eng._loop.stats.interval == 0
     finally:
         eng.shutdown()
+    assert calls == [1]  # turned off after the first failure: never tried again
     assert any("stats line failed" in r.getMessage() for r in caplog.records)
 
 

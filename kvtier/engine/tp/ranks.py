@@ -5,10 +5,11 @@ Each rank r > 0 is a process of its own (``python -m kvtier.engine.tp.worker FD`
 end of a socket pair; messages are pickled tuples (``multiprocessing.connection``), delivered in
 order. To a rank::
 
-    ("init", rank, size, store, model, config)   join the process group, load the shard
-    ("build", num_device_blocks, num_host_blocks, cuda_graphs, pool)
-                                                    allocate the tiers (pool: namespace and model
-                                                    fingerprint), compile, capture
+    ("init", rank, size, store, model, config)   join the process group, load the shard (config:
+                                                    rank 0's, resolved: engine/resolve.py)
+    ("build", config, pool)                         allocate the tiers (config: now with their
+                                                    sizes; pool: namespace and model fingerprint),
+                                                    compile, capture
     ("ops", [(TransferOp, load_mode), ...])         submit (loads wait for the next forward)
     ("forward", HostInputs)                         runner.follow
     ("score", token_ids, routing)                   the same forward on scratch blocks

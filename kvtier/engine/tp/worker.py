@@ -89,20 +89,18 @@ class _Rank:
         self._build(*msg[1:])
         conn.send(("ready",))
 
-    def _build(self, num_device_blocks: int, num_host_blocks: int, cuda_graphs: bool, pool: tuple | None) -> None:
+    def _build(self, config, pool: tuple | None) -> None:
         """The tiers (``pool``: rank 0's storage namespace and model fingerprint, when there is a
-        pool), kernels and graphs, as rank 0 builds its own."""
-        from kvtier.engine.cuda_graph import capture_graphs
-        from kvtier.engine.runner import ModelRunner
-        from kvtier.engine.warmup import compile_kernels
-        from kvtier.model import allocate_kv_caches
-        from kvtier.transfer.engine import TransferEngine
-        from kvtier.transfer.host_pool import HostKV
+        pool), kernels, graphs and runner, as rank 0 builds its own (engine/build.py), under
+        ``config``: rank 0's, its tiers sized too, on this rank's device."""
+        from dataclasses import replace
 
-        c, cfg, device = self.config, self.model.config, self.device
-        self.kv_caches = allocate_kv_caches(cfg, num_device_blocks + 1, c.block_size, device, self.dtype)
-        shape = (num_host_blocks, cfg.num_kv_layers, 2, c.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.host = HostKV(shape, self.dtype, device) if num_host_blocks else None
+        from kvtier.engine.build import allocate_tiers, build_runner
+        from kvtier.engine.startup import Startup
+        from kvtier.transfer.engine import TransferEngine
+
+        self.config = c = replace(config, device=str(self.device))
+        self.kv_caches, self.host = allocate_tiers(self.model.config, c, self.dtype)
         host_kv = self.host.tensor if self.host is not None else None
         self.transfer = TransferEngine(self.kv_caches, host_kv, None)
         self.storage = None
@@ -116,42 +114,8 @@ class _Rank:
                 raise ValueError(f"rank {self.rank}: pool namespace {self.storage.namespace!r}, rank 0's {namespace!r}")
             self.storage.shard(self.rank, self.size)
             bind_pool(self.storage, None, host_kv, None, fingerprint)
-        if device.type == "cuda":
-            compile_kernels(
-                self.model, self.kv_caches, host_kv, num_device_blocks, c.block_size, c.max_model_len, c.attention_backend
-            )
-        graphs = steps = None
-        if cuda_graphs:
-            graphs, steps = capture_graphs(
-                self.model,
-                self.kv_caches,
-                c.block_size,
-                c.max_model_len,
-                c.max_num_seqs,
-                c.max_num_batched_tokens,
-                num_device_blocks,
-                device,
-                None,
-                self.transfer.gates,
-            )
-        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, device, None, graphs, steps)
-        if c.num_speculative_tokens:  # the same MTP passes as rank 0's (engine/spec.py draft_passes)
-            from kvtier.engine.draft_graphs import build_chain
-            from kvtier.engine.spec import Speculator
-
-            self.runner.spec = Speculator(c.num_speculative_tokens)
-            self.runner.spec.chain = build_chain(
-                self.model,
-                self.kv_caches,
-                c.block_size,
-                c.max_model_len,
-                c.max_num_seqs,
-                c.num_speculative_tokens,
-                num_device_blocks,
-                device,
-                cuda_graphs,
-                graphs.pool() if graphs is not None else None,
-            )
+        # (the same MTP passes as rank 0's: engine/spec.py draft_passes)
+        self.runner, _, _ = build_runner(self.model, self.kv_caches, host_kv, c, None, self.transfer.gates, Startup())
 
     def serve(self, parent: int) -> None:
         conn, transfer, storage = self.conn, self.transfer, self.storage
