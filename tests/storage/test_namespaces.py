@@ -62,3 +62,20 @@ def test_a_partial_fine_tune_never_reads_the_base_models_kv(checkpoint, tmp_path
 
     assert warm.cached_tokens_by_tier["storage"] == 0
     assert warm.token_ids == cold.token_ids
+
+
+def test_a_sliding_window_keeps_its_blocks_apart_from_full_attention(tmp_path):
+    """The same weights with Mistral's ``sliding_window`` on and off compute other KV past the
+    window's first layer: a pool never hands one's blocks to the other."""
+    import json
+
+    full = init_model("mistral-tiny", tmp_path / "full", seed=0)
+    windowed = tmp_path / "windowed"
+    shutil.copytree(full, windowed)
+    cfg = json.loads((windowed / "config.json").read_text())
+    cfg["sliding_window"] = 16
+    (windowed / "config.json").write_text(json.dumps(cfg))
+    url = f"file://{tmp_path}/pool"
+    storage_hits(full, url)
+    assert storage_hits(windowed, url) == 0
+    assert storage_hits(windowed, url) == 96
