@@ -326,7 +326,7 @@ def test_step_varying_arguments_are_not_specialized():
     """A new batch size, block-table width or upload offset must not compile a new kernel in the
     middle of serving (kvtier/triton_jit.py); the copy kernel's layer, block count and id offsets
     likewise. The rest (strides of the KV cache, the q/out pointers) stays specialized."""
-    from kvtier.model.triton_attention import _unified_attention_kernel
+    from kvtier.model.triton_attention import unified_attention_kernel
     from kvtier.transfer.kernels import copy_chunks
 
     def flags(kernel):
@@ -337,7 +337,7 @@ def test_step_varying_arguments_are_not_specialized():
         names = getattr(kernel, "arg_names", None) or [p.name for p in kernel.params]
         return {n: (n in vary, n in unaligned) for n in names}
 
-    attn = flags(_unified_attention_kernel)
+    attn = flags(unified_attention_kernel)
     assert all(attn[n][0] for n in ("num_seqs", "tiles_per_split", "stride_bt", "window"))
     assert all(attn[n][1] for n in ("seq_lens_ptr", "bt_ptr"))
     assert not any(attn[n][0] or attn[n][1] for n in ("q_ptr", "kv_ptr", "out_ptr", "stride_kb", "stride_qt"))
@@ -367,7 +367,7 @@ def packed(meta):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="GPU only: counts the kernels Triton compiled for CUDA")
 def test_batches_of_any_size_and_table_width_share_one_compiled_kernel():
-    from kvtier.model.triton_attention import _unified_attention_kernel as kernel
+    from kvtier.model.triton_attention import unified_attention_kernel as kernel
 
     def compiled():
         return sum(len(cache[0]) for cache in kernel.device_caches.values())

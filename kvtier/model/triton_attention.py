@@ -171,7 +171,7 @@ if _IMPORT_ERROR is None:
     # the step's upload buffer) must not compile a new kernel in the middle of serving.
     # (a model's window is fixed, but it is not specialized either: every window shares the kernel)
     @jit(vary=["num_seqs", "tiles_per_split", "stride_bt", "window"], unaligned=["seq_lens_ptr", "bt_ptr"])
-    def _unified_attention_kernel(
+    def unified_attention_kernel(
         q_ptr,
         kv_ptr,
         out_ptr,
@@ -545,7 +545,7 @@ def triton_attention(
     scale_log2 = float(scale) / softcap if softcap is not None else float(scale) * LOG2E
     cap_log2 = softcap * LOG2E if softcap is not None else 1.0
     grid = (num_q_blocks, num_kv_heads, num_splits)
-    _unified_attention_kernel[grid](
+    unified_attention_kernel[grid](
         query,
         kv_cache,
         out,
