@@ -221,13 +221,6 @@ class CacheManager:
         """Drop every cached block no request holds and no copy uses (``BlockTable.reset_prefix_cache``)."""
         return self.table.reset_prefix_cache()
 
-    # tests put the tiers under pressure through these two (``BlockTable.evict_device`` / ``evict_host``)
-    def _evict_device(self, num_blocks: int, drop: bool = False) -> None:
-        self.table.evict_device(num_blocks, drop)
-
-    def _evict_host(self, num_blocks: int, drop: bool = False) -> None:
-        self.table.evict_host(num_blocks, drop)
-
     def commit(self, req: CacheRequest, num_tokens: int) -> None:
         """Positions < ``num_tokens`` of ``req`` hold KV written by a finished forward."""
         self.table.commit(req, num_tokens)

@@ -423,9 +423,14 @@ class StorageClient:
             wait_futures(pending, timeout=timeout, return_when="FIRST_COMPLETED")
         return self.poll()
 
+    def wait_all(self) -> None:
+        """Block until every op in flight has returned, taking none of them: the next
+        :meth:`poll` reports them all."""
+        wait_futures([f for e in self._inflight for f in e.futures])
+
     def drain(self) -> list[tuple[int, list[int]]]:
         """Block until every op returned; their completions."""
-        wait_futures([f for e in self._inflight for f in e.futures])
+        self.wait_all()
         return self.poll()
 
     @property

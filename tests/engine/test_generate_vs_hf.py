@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import kvtier
+from kvtier.cache.plan import TransferOp
+from kvtier.storage.memory import MemoryBackend
+from kvtier.transfer import copy as reference_copies
 from tests.engine.hf_reference import FAMILIES, GREEDY, MAX_TOKENS, prompts_for
 
 
@@ -65,10 +68,52 @@ def test_host_hit_returns_identical_tokens(preset, checkpoint, reference):
 
 
 def _copy_kinds(llm, monkeypatch) -> list[str]:
+    """The kind of every op submitted to the transfer engine from now on, in order."""
     kinds: list[str] = []
     submit = llm.transfer.submit
-    monkeypatch.setattr(llm.transfer, "submit", lambda op: (kinds.append(op.kind), submit(op))[1])
+
+    def recording(op: TransferOp) -> None:
+        kinds.append(op.kind)
+        submit(op)
+
+    monkeypatch.setattr(llm.transfer, "submit", recording)
     return kinds
+
+
+class HostToDeviceFails:
+    """Stand-in copy ops for the transfer engine (its ``ops``): a host->device copy raises while
+    an op of one of ``kinds`` is being submitted; every other copy is the torch reference's."""
+
+    def __init__(self, kinds: set[str]) -> None:
+        self.kinds = kinds
+        self.submitting: str | None = None  # the kind of the op being submitted, if any
+
+    def host_to_device(
+        self, host: torch.Tensor, kv_caches: list[torch.Tensor], host_blocks, device_blocks, layer: int | None = None
+    ) -> None:
+        if self.submitting in self.kinds:
+            raise RuntimeError(f"injected: host->device copy of a {self.submitting} failed")
+        reference_copies.host_to_device(host, kv_caches, host_blocks, device_blocks, layer=layer)
+
+    def device_to_host(self, kv_caches: list[torch.Tensor], host: torch.Tensor, device_blocks, host_blocks) -> None:
+        reference_copies.device_to_host(kv_caches, host, device_blocks, host_blocks)
+
+
+def _fail_host_to_device(llm, monkeypatch, kinds: set[str]) -> None:
+    """From now on, the host->device copies of the transfer engine's ops of ``kinds`` raise (a
+    failed copy, reported by the engine with every block of the op failed)."""
+    ops = HostToDeviceFails(kinds)
+    submit = llm.transfer.submit
+
+    def submitting(op: TransferOp) -> None:
+        ops.submitting = op.kind
+        try:
+            submit(op)
+        finally:
+            ops.submitting = None
+
+    monkeypatch.setattr(llm.transfer, "ops", ops)
+    monkeypatch.setattr(llm.transfer, "submit", submitting)
 
 
 @pytest.mark.parametrize("early_loads", [True, False])
@@ -112,11 +157,7 @@ def test_failed_preloads_load_at_admission_instead(checkpoint, reference, monkey
     ) as llm:
         for p in (a, b, c):
             llm.generate([p], GREEDY)
-
-        def broken_preload(op):
-            raise RuntimeError("injected: host->device preload failed")
-
-        monkeypatch.setattr(llm.transfer, "_preload", broken_preload)
+        _fail_host_to_device(llm, monkeypatch, {"preload"})
         kinds = _copy_kinds(llm, monkeypatch)
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0]
@@ -126,13 +167,11 @@ def test_failed_preloads_load_at_admission_instead(checkpoint, reference, monkey
         llm.cache.assert_invariants()
 
 
-def test_a_preload_never_takes_a_block_the_steps_forward_still_reads(checkpoint, reference):
+def test_a_preload_never_takes_a_block_the_steps_forward_still_reads(checkpoint, reference, monkeypatch):
     """A and B load the same host hits in one step: B's copies are 'loaded twice' and its own
     device blocks go back to the pool while the step is being queued, though the step's block
     tables, built already, still name them. C's fetch lands in that same pump: its preloads take
     device blocks then, and must not be given (or write) those before the forward read them."""
-    from concurrent.futures import wait as wait_futures
-
     preset = "llama-tiny"
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(0, 256, (40,), generator=g).tolist()
@@ -151,21 +190,24 @@ def test_a_preload_never_takes_a_block_the_steps_forward_still_reads(checkpoint,
     ) as llm:
         llm.generate([c], GREEDY)
         llm.drain()
-        llm.cache._evict_device(64)
+        table = llm.cache.table
+        table.evict_device(64)
         llm.drain()
-        llm.cache._evict_host(64)  # c: in the pool only
+        table.evict_host(64)  # c: in the pool only
         llm.drain()
         llm.generate([shared + [9]], GREEDY)
         llm.drain()
-        llm.cache._evict_device(64)  # the shared prefix: on the host only
+        table.evict_device(64)  # the shared prefix: on the host only
         llm.drain()
-        poll = llm.storage.poll
+        storage = llm.storage
+        assert storage is not None
+        poll = storage.poll
 
-        def landed_poll():  # c's fetch has landed whenever the engine polls
-            wait_futures([f for e in llm.storage._inflight for f in e.futures])
+        def landed_poll() -> list[tuple[int, list[int]]]:  # c's fetch has landed whenever the engine polls
+            storage.wait_all()
             return poll()
 
-        llm.storage.poll = landed_poll
+        monkeypatch.setattr(storage, "poll", landed_poll)
         got = llm.generate([c, a, b], GREEDY)
         assert [o.token_ids for o in got] == [want[2], want[0], want[1]]
         assert got[2].cached_tokens_by_tier["host"] > 0 and got[0].cached_tokens_by_tier["storage"] > 0
@@ -187,9 +229,13 @@ def test_failed_storage_fetch_degrades_to_recompute(checkpoint, reference):
         llm.generate([a], GREEDY)
         llm.generate([b], GREEDY)
         llm.generate([c], GREEDY)
+        assert llm.storage is not None
         backend = llm.storage.backend
-        for name in list(backend._objects):  # corrupt every stored object: wrong size
-            backend._objects[name] = backend._objects[name][:-1]
+        assert isinstance(backend, MemoryBackend)
+        for name in backend.names():  # corrupt every stored object: wrong size
+            data = backend.raw(name)
+            assert data is not None
+            backend.set_raw(name, data[:-1])
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0]
         assert again.cached_tokens_by_tier["storage"] == 0
@@ -407,11 +453,7 @@ def test_failed_host_loads_recompute_and_are_not_reported_as_hits(checkpoint, re
     ) as llm:
         llm.generate([a], GREEDY)
         llm.generate([b], GREEDY)
-
-        def broken_load(op):
-            raise RuntimeError("injected: host->device copy failed")
-
-        monkeypatch.setattr(llm.transfer, "_load", broken_load)
+        _fail_host_to_device(llm, monkeypatch, {"load"})
         again = llm.generate([a], GREEDY)[0]
         assert again.token_ids == want[0]
         assert again.cached_tokens_by_tier["host"] == 0
