@@ -1,4 +1,4 @@
-"""`kvtier generate` with the sampling flags of issue 15 (--logprobs, --prompt-logprobs, penalties,
+"""`kvtier generate` with the sampling flags RL rollouts use (--logprobs, --prompt-logprobs, penalties,
 --min-tokens, --stop): the same answer as the offline API with the same SamplingParams, logprobs
 printed with --json."""
 

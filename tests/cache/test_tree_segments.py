@@ -122,7 +122,7 @@ def test_run_eviction_equals_block_by_block_eviction(prompts, num_blocks, policy
     mgrs = [CacheManager(block_size=BS, num_device_blocks=num_blocks, eviction=policy) for _ in range(2)]
     one_by_one = mgrs[1].tree
     run = one_by_one.evict_device_run
-    one_by_one.evict_device_run = lambda node, limit: run(node, 1)  # type: ignore[method-assign]
+    one_by_one.evict_device_run = lambda node, limit: run(node, 1)  # type: ignore[method-assign]  # one block per cut
     for i, (stem, cut, tail, kind) in enumerate(prompts):
         tokens = [stem * 1000 + j for j in range(cut)] + [50_000 + tail * 97 + j for j in range(tail * BS + 1)]
         kw = {} if kind == 0 else {"lora_name": "a"}

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import kvtier
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.core import EngineCore
 
-KW = dict(num_host_blocks=64, block_size=8)
+CONFIG = EngineConfig(num_host_blocks=64, block_size=8)
 PARAMS = kvtier.SamplingParams(max_tokens=6, ignore_eos=True, return_routed_experts=True)
 
 
@@ -34,7 +35,7 @@ def test_decode_side_loads_every_prompt_token_from_the_pool(model, tmp_path, n_p
     with kvtier.LLM(model, block_size=8) as colo:
         ref = colo.generate([prompt], PARAMS)[0]
     url = f"file://{tmp_path}"
-    with EngineCore(model, storage=url, **KW) as p, EngineCore(model, storage=url, **KW) as d:
+    with EngineCore(model, CONFIG, storage=url) as p, EngineCore(model, CONFIG, storage=url) as d:
         first = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1, return_routed_experts=True), export=True)
         h = first.handoff
         assert h["complete"] and h["failed_blocks"] == 0 and h["num_tokens"] == n_prompt
@@ -56,16 +57,16 @@ def test_missing_blocks_are_recomputed_or_fail_under_error(model, tmp_path):
     with kvtier.LLM(model, block_size=8) as colo:
         ref = colo.generate([prompt], PARAMS)[0]
     url = f"file://{tmp_path}"
-    with EngineCore(model, storage=url, **KW) as p:
+    with EngineCore(model, CONFIG, storage=url) as p:
         h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
     for f in tmp_path.rglob("*"):  # the pool lost the prompt's objects
         if f.is_file() and "partial" in f.name or f.suffix == ".kvt":
             f.unlink()
-    with EngineCore(model, storage=url, **KW) as d:
+    with EngineCore(model, CONFIG, storage=url) as d:
         out = run(d, prompt=prompt, params=PARAMS, handoff=h)
         assert out.token_ids == ref.token_ids
         assert out.handoff["result"] == "recomputed" and out.handoff["missing_tokens"] > 0
-    with EngineCore(model, storage=url, pd_on_miss="error", **KW) as d:
+    with EngineCore(model, CONFIG, storage=url, pd_on_miss="error") as d:
         out = run(d, prompt=prompt, params=PARAMS, handoff=h)
         assert out.finish_reason == "error" and "missing" in out.error
         d.cache.assert_invariants()
@@ -75,7 +76,7 @@ def test_missing_blocks_are_recomputed_or_fail_under_error(model, tmp_path):
 def test_first_token_that_ends_the_request(model, tmp_path):
     prompt = [5, 6, 7, 8, 9, 10, 11]
     url = f"file://{tmp_path}"
-    with EngineCore(model, storage=url, **KW) as p, EngineCore(model, storage=url, **KW) as d:
+    with EngineCore(model, CONFIG, storage=url) as p, EngineCore(model, CONFIG, storage=url) as d:
         h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
         one = kvtier.SamplingParams(max_tokens=1, return_routed_experts=True)
         out = run(d, prompt=prompt, params=one, handoff=h)
@@ -86,9 +87,9 @@ def test_first_token_that_ends_the_request(model, tmp_path):
 def test_a_manifest_from_another_model_is_refused(model, checkpoint, tmp_path):
     prompt = list(range(20))
     url = f"file://{tmp_path}"
-    with EngineCore(model, storage=url, **KW) as p:
+    with EngineCore(model, CONFIG, storage=url) as p:
         h = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True).handoff
-    with EngineCore(checkpoint("llama-tiny"), storage=url, **KW) as d:
+    with EngineCore(checkpoint("llama-tiny"), CONFIG, storage=url) as d:
         with pytest.raises(ValueError, match="handoff.keys do not match"):
             d.add_request(prompt, kvtier.SamplingParams(), handoff=h)
         with pytest.raises(ValueError, match="num_tokens"):
@@ -105,13 +106,14 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
     from kvtier.engine.client import EngineClient
 
     prompt = np.random.default_rng(3).integers(0, 250, 37).tolist()
-    core = EngineCore(model, storage=f"file://{tmp_path}", **KW)
+    core = EngineCore(model, CONFIG, storage=f"file://{tmp_path}")
+    assert core.storage is not None
     backend = core.storage.backend
     gate, held = threading.Event(), threading.Event()
     for name in ("put_from", "put_from_parts"):  # the pool holds every write until the gate opens
         real = getattr(backend, name)
 
-        def slow(names, bufs, _real=real):  # type: ignore[no-untyped-def]
+        def slow(names, bufs, _real=real):
             held.set()
             assert gate.wait(30), "the test never opened the gate"
             return _real(names, bufs)
@@ -119,7 +121,7 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
         setattr(backend, name, slow)
     engine = EngineClient.in_thread(core)
 
-    async def go():  # type: ignore[no-untyped-def]
+    async def go() -> None:
         req = engine.make_request(prompt, kvtier.SamplingParams(max_tokens=1), export=True)
         it = engine.generate(req)
         first = await asyncio.wait_for(it.__anext__(), 30)
@@ -127,6 +129,7 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
         (sample,) = first.samples
         assert first.output is None and len(sample.token_ids) == 1
         names = first.export
+        assert names is not None
         assert names["num_tokens"] == 37 and len(names["keys"]) == 5 and names["cached_tokens"] == 0
         assert await asyncio.to_thread(held.wait, 30)  # the writes reached the pool, which holds them
         rest = asyncio.ensure_future(it.__anext__())
@@ -134,6 +137,7 @@ def test_ps_first_token_streams_before_the_pool_acked_its_blocks(model, tmp_path
         assert not done, "the output came before the pool acked the blocks"
         gate.set()
         last = await asyncio.wait_for(rest, 30)
+        assert last.output is not None and last.output.handoff is not None
         assert [t for s in last.samples for t in s.token_ids] == [] and last.output.token_ids == sample.token_ids
         h = last.output.handoff
         assert h["complete"] and h["keys"] == names["keys"] and h["namespace"] == names["namespace"]
@@ -157,13 +161,14 @@ def test_an_engine_that_stops_after_ps_first_line_is_an_error_line_not_a_cut_ans
     from kvtier.engine.client import EngineClient
     from kvtier.serve.api import Server
 
-    core = EngineCore(model, storage=f"file://{tmp_path}", **KW)
+    core = EngineCore(model, CONFIG, storage=f"file://{tmp_path}")
+    assert core.storage is not None
     backend = core.storage.backend
     gate = threading.Event()
     for name in ("put_from", "put_from_parts"):
         real = getattr(backend, name)
 
-        def slow(names, bufs, _real=real):  # type: ignore[no-untyped-def]
+        def slow(names, bufs, _real=real):
             gate.wait(30)
             return _real(names, bufs)
 

@@ -13,8 +13,10 @@ are also checked against transformers' own config classes, rotary modules and ea
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any, TypedDict
 
 import pytest
 import torch
@@ -273,7 +275,24 @@ DERIVED = [
         dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=64, max_window_layers=4, moe_intermediate_size=16),
     ),
 ]
-_SMALL = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32)
+
+
+class Sizes(TypedDict):
+    """The sizes of a small config (keyword arguments of transformers' config classes)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+class LayeredSizes(Sizes):
+    num_hidden_layers: int
+
+
+_SMALL = Sizes(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32)
 
 
 @pytest.mark.parametrize("arch, config_class, keys", DERIVED)
@@ -294,8 +313,8 @@ def test_mistral_and_mixtral_slide_on_every_layer_when_the_window_is_set(arch):
     assert ModelConfig.from_hf_dict({**keys, "sliding_window": None}).sliding_window is None
 
 
-# openai/gpt-oss-20b's config.json, the keys kvtier reads
-GPT_OSS_20B = {
+# openai/gpt-oss-20b's config.json, the keys kvtier reads (as json.load reads them)
+GPT_OSS_20B: dict[str, Any] = {
     "architectures": ["GptOssForCausalLM"],
     "attention_bias": True,
     "head_dim": 64,
@@ -325,7 +344,7 @@ GPT_OSS_20B = {
     "eos_token_id": 200002,
 }
 # google/gemma-3-1b-it's config.json: the RoPE keys of Gemma 3 checkpoints written before layer_types
-GEMMA3_1B = {
+GEMMA3_1B: dict[str, Any] = {
     "architectures": ["Gemma3ForCausalLM"],
     "head_dim": 256,
     "hidden_activation": "gelu_pytorch_tanh",
@@ -369,6 +388,7 @@ def test_gemma3_sliding_layers_take_the_local_rope_base_as_transformers_does(rop
     hf = transformers.Gemma3TextConfig(**{k: v for k, v in keys.items() if k != "architectures"})
     expected = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(hf)
 
+    assert hf.layer_types is not None
     assert cfg.layer_types == tuple(hf.layer_types) and cfg.layer_types.count(FULL_ATTENTION) == 4
     assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None and cfg.qk_norm
     torch.testing.assert_close(RotaryEmbedding(cfg).inv_freq, expected.full_attention_inv_freq, atol=0, rtol=0)
@@ -377,7 +397,7 @@ def test_gemma3_sliding_layers_take_the_local_rope_base_as_transformers_does(rop
 
 
 def test_gemma2_defaults_are_transformers_defaults():
-    keys = dict(_SMALL, num_hidden_layers=4)  # a config.json without Gemma 2's own keys
+    keys = LayeredSizes(**_SMALL, num_hidden_layers=4)  # a config.json without Gemma 2's own keys
     cfg = ModelConfig.from_hf_dict({"architectures": ["Gemma2ForCausalLM"], **keys})
     hf = transformers.Gemma2Config(**keys)
 
@@ -434,8 +454,9 @@ def _all_slots(meta: AttentionMetadata, s_len: int):
 
 def _hf_mask(q_len: int, s_len: int, window: int | None) -> torch.Tensor:
     """transformers' mask functions as an additive [1, 1, q, s] mask (queries at the last q_len positions)."""
-    allowed = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
-    visible = allowed(0, 0, torch.arange(s_len - q_len, s_len)[:, None], torch.arange(s_len)[None, :])
+    # (transformers types the indices as ints; given index tensors, they broadcast to a bool tensor)
+    allowed: Callable[..., Any] = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    visible: torch.Tensor = allowed(0, 0, torch.arange(s_len - q_len, s_len)[:, None], torch.arange(s_len)[None, :])
     return torch.where(visible, 0.0, torch.finfo(torch.float32).min)[None, None]
 
 
@@ -448,7 +469,12 @@ def test_window_and_sinks_equal_gpt_oss_eager_attention(window):
     scale = 16**-0.5
 
     expected, _ = eager(
-        module, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], _hf_mask(7, 21, window), scale
+        module,  # type: ignore[arg-type]  # a stand-in for the attention module: the attributes eager attention reads
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        _hf_mask(7, 21, window),
+        scale,
     )
     got = reference_attention(q, kv, meta, scale, window=window, sinks=sinks)
 
@@ -463,7 +489,7 @@ def test_window_and_softcap_equal_gemma2_eager_attention(window):
     scale = 24**-0.5
 
     expected, _ = eager(
-        module,
+        module,  # type: ignore[arg-type]  # a stand-in for the attention module: the attributes eager attention reads
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],

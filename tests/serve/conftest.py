@@ -4,16 +4,11 @@ storage tests (Valkey, Mooncake)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from kvtier.serve.launch import ServerProcess
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "storage"))
-from mooncake_servers import mooncake_launch  # noqa: E402,F401
-from redis_servers import valkey_server  # noqa: E402,F401
+from tests.storage.mooncake_servers import mooncake_launch  # noqa: F401
+from tests.storage.redis_servers import valkey_server  # noqa: F401
 
 
 @pytest.fixture(scope="module")

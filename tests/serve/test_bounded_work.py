@@ -79,7 +79,12 @@ def test_a_cancelled_task_is_skipped_and_close_cancels_what_is_queued():
     pool = FairExecutor(1, "test-fair-cancel")
     gate, ran = threading.Event(), []
     try:
-        first = pool.submit("a", lambda: (gate.wait(10), ran.append(1)))
+
+        def first_task() -> None:
+            gate.wait(10)
+            ran.append(1)
+
+        first = pool.submit("a", first_task)
         second = pool.submit("a", ran.append, 2)
         assert second.cancel()  # its client went away before it started
         third = pool.submit("a", ran.append, 3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 
@@ -15,18 +16,16 @@ import kvtier
 from kvtier.engine.client import EngineClient, check_samples
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.core import EngineCore
-from kvtier.engine.wire import EngineDead, QueueFull
+from kvtier.engine.wire import EngineDead, EngineRequest, QueueFull
 
-OPTS = dict(block_size=8, num_device_blocks=64, max_model_len=128, enable_prefix_caching=False)  # used = held
+CONFIG = EngineConfig(block_size=8, num_device_blocks=64, max_model_len=128, enable_prefix_caching=False)  # used = held
 GREEDY = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)
 LONG = kvtier.SamplingParams(max_tokens=100, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def client(moe_model):
-    dead: list[BaseException] = []
-    c = EngineClient(str(moe_model), EngineConfig(**OPTS), max_queue=8, on_dead=dead.append)
-    c.dead = dead
+    c = EngineClient(str(moe_model), CONFIG, max_queue=8)
     yield c
     c.shutdown()
 
@@ -54,7 +53,7 @@ def test_the_same_tokens_as_the_engine_on_a_thread(client, moe_model):
         return outs
 
     got = asyncio.run(run(client))
-    local = EngineClient.in_thread(EngineCore(moe_model, **OPTS))
+    local = EngineClient.in_thread(EngineCore(moe_model, CONFIG))
     try:
         want = asyncio.run(run(local))
     finally:
@@ -93,7 +92,7 @@ def test_a_request_the_engine_refuses_is_a_value_error_and_leaves_the_queue_coun
     """A hand-off whose manifest names other blocks passes the server's checks (it cannot know
     the engine's block names) and is refused by the engine: the caller gets a ValueError, and
     the refused samples are not counted as waiting."""
-    c = EngineClient(str(moe_model), EngineConfig(**OPTS, storage="memory://?capacity=64MiB"), max_queue=4)
+    c = EngineClient(str(moe_model), replace(CONFIG, storage="memory://?capacity=64MiB"), max_queue=4)
     try:
 
         async def main():
@@ -126,9 +125,10 @@ def test_owner_and_priority_travel_to_the_engine_process(client):
     req = client.make_request([1, 2, 3], GREEDY, "salt", "r-7", owner="cmpl-abc", priority=-4)
     assert (req.owner, req.priority) == ("cmpl-abc", -4)
     arrived = decode_command(encode(req))
-    assert arrived == req
-    got = []
-    make_request(SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw))), arrived)
+    assert arrived == req and isinstance(arrived, EngineRequest)
+    got: list[tuple[tuple, dict]] = []
+    stand_in = SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw)))
+    make_request(stand_in, arrived)  # type: ignore[arg-type]  # a stand-in for the core: it records the call
     ((args, kw),) = got
     assert args == ([1, 2, 3], GREEDY, "salt", "r-7") and (kw["owner"], kw["priority"]) == ("cmpl-abc", -4)
     mine = client.make_request([1, 2, 3], GREEDY)  # no owner: its own
@@ -153,12 +153,13 @@ def test_the_queue_bound_counts_samples(client):
 @pytest.mark.slow  # an engine process of its own (~10 s on a 2-core x86 VM)
 def test_a_killed_engine_process_fails_its_requests(moe_model):
     dead: list[BaseException] = []
-    c = EngineClient(str(moe_model), EngineConfig(**OPTS), on_dead=dead.append)
+    c = EngineClient(str(moe_model), CONFIG, on_dead=dead.append)
     try:
 
         async def main():
             agen = c.generate(c.make_request([1, 2, 3], kvtier.SamplingParams(max_tokens=120, ignore_eos=True)))
             await agen.__anext__()
+            assert c.engine_pid is not None  # (a process of its own)
             os.kill(c.engine_pid, signal.SIGKILL)
             with pytest.raises(EngineDead, match="exited"):
                 async for _ in agen:
@@ -174,7 +175,7 @@ def test_a_killed_engine_process_fails_its_requests(moe_model):
 
 def test_bad_options_are_the_start_s_value_error(moe_model):
     with pytest.raises(ValueError, match="block_size"):
-        EngineClient(str(moe_model), EngineConfig(**(OPTS | {"block_size": 7})))
+        EngineClient(str(moe_model), replace(CONFIG, block_size=7))
 
 
 @pytest.mark.slow  # an engine process of its own (~10 s on a 2-core x86 VM)
@@ -197,6 +198,7 @@ def test_an_engine_process_does_not_outlive_its_server(moe_model, tmp_path):
     )
     server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
+        assert server.stdout is not None
         engine_pid = int(server.stdout.readline())
         server.kill()
         server.wait(30)

@@ -48,7 +48,7 @@ def test_requests_joining_mid_run_are_batched_and_answered_as_offline(engine, ch
 
         return await asyncio.gather(*(late(i) for i in range(6)))
 
-    running = []
+    running: list[int] = []
 
     async def watch():
         while len(running) < 200:
@@ -99,13 +99,13 @@ def test_a_full_queue_says_so_and_bad_input_never_reaches_the_engine(engine):
     assert not any(isinstance(r, Exception) and not isinstance(r, QueueFull) for r in results)
 
 
-def test_steps_that_keep_failing_with_no_request_to_blame_fail_every_caller_and_kill_the_engine(checkpoint):
+def test_steps_that_keep_failing_with_no_request_to_blame_fail_every_caller_and_kill_the_engine(checkpoint, monkeypatch):
     core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64)
 
     def boom(updated=None):
         raise RuntimeError("kernel exploded")
 
-    core.step = boom
+    monkeypatch.setattr(core, "step", boom)
     dead: list[BaseException] = []
     engine = EngineClient.in_thread(core, max_queue=4, on_dead=dead.append)
     try:
@@ -330,7 +330,7 @@ def test_the_loop_asks_only_the_requests_a_step_names_for_their_tokens(checkpoin
     assert all(i < first_b for rid, i in asked if rid == "a")  # b waited for a's slot, unasked
 
 
-def test_an_idle_engine_lands_its_copies_and_starts_the_puts_they_stage(checkpoint):
+def test_an_idle_engine_lands_its_copies_and_starts_the_puts_they_stage(checkpoint, monkeypatch):
     """After the last request, nothing steps the engine: its backups and their puts to the pool
     must still land (and be counted), not wait in flight for the next request."""
     core = EngineCore(
@@ -341,17 +341,15 @@ def test_an_idle_engine_lands_its_copies_and_starts_the_puts_they_stage(checkpoi
         storage="memory://?capacity=16MiB",
         write_policy="write_through",
     )
+    assert core.storage is not None
     backend = core.storage.backend
     real_put = backend.put_from_parts if backend.supports_parts else backend.put_from
 
-    def slow_put(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def slow_put(*args, **kwargs):
         time.sleep(0.2)  # still in flight when the request's last step ends
         return real_put(*args, **kwargs)
 
-    if backend.supports_parts:
-        backend.put_from_parts = slow_put
-    else:
-        backend.put_from = slow_put
+    monkeypatch.setattr(backend, "put_from_parts" if backend.supports_parts else "put_from", slow_put)
     engine = EngineClient.in_thread(core, max_queue=4)
     try:
 
@@ -378,7 +376,7 @@ def test_a_failure_landing_copies_while_idle_is_counted_not_fatal(checkpoint, mo
     core = EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64)
     real, calls = core.pump_idle, []
 
-    def flaky():  # type: ignore[no-untyped-def]
+    def flaky():
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected: idle pump failed")

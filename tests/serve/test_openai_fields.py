@@ -1,4 +1,4 @@
-"""The OpenAI fields RL rollouts and eval harnesses need (issue 15), through a `kvtier serve`
+"""The OpenAI fields RL rollouts and eval harnesses need, through a `kvtier serve`
 process: batched prompts x ``n``, ``logprobs`` (completions' and chat's shapes), ``echo``,
 penalties, ``seed``, ``min_tokens``, ``stop``, streaming of several choices, usage, nulls and bad
 values. References: the offline API (``kvtier.LLM.generate``, same engine settings) and the
@@ -304,7 +304,7 @@ def test_a_stream_sends_one_chunk_per_generated_token(server, path):
     do not complete a character yet gets a chunk with "" (its text comes with the token that
     completes it), and the last token's chunk carries the finish_reason."""
     chat = "chat" in path
-    body = {"max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    body: dict[str, object] = {"max_tokens": 40, "ignore_eos": True, "temperature": 0}
     body |= {"messages": [{"role": "user", "content": PROMPTS[2]}]} if chat else {"prompt": PROMPTS[2]}
     chunks = stream(server, path, body | {"stream_options": {"include_usage": True}})
     usage = chunks[-1]["usage"]
@@ -361,9 +361,9 @@ def test_streamed_choices_reassemble_to_the_whole_answer(server, n, logprobs):
             assert sum((lp[key] for lp in lps), []) == want["logprobs"][key]
         # the same tokens, their logprobs to float rounding: the second request's prompt is a
         # cache hit, so its last position is computed in a prefill of another length
-        got = sum((lp["token_logprobs"] for lp in lps), [])
+        got: list[float] = sum((lp["token_logprobs"] for lp in lps), [])
         assert got == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
-        tops = sum((lp["top_logprobs"] for lp in lps), [])
+        tops: list[dict[str, float]] = sum((lp["top_logprobs"] for lp in lps), [])
         assert [list(t) for t in tops] == [list(t) for t in want["logprobs"]["top_logprobs"]]
         flat = [v for t in tops for v in t.values()]
         assert flat == pytest.approx([v for t in want["logprobs"]["top_logprobs"] for v in t.values()], abs=1e-5)
@@ -514,7 +514,7 @@ def test_bad_values_are_a_400_naming_the_field(server, path, kw, param):
 
 def test_peers_fields_at_their_no_op_value_are_accepted_and_others_named_unsupported(server):
     """vLLM's and SGLang's clients send some fields kvtier does not implement at their defaults."""
-    noop = {
+    noop: dict[str, object] = {
         "use_beam_search": False,
         "length_penalty": 1,
         "include_stop_str_in_output": False,
@@ -585,7 +585,7 @@ def _fake_server(role: str) -> Server:
     the attributes of an EngineClient with a pool that the server reads as it starts."""
     limits = SimpleNamespace(has_pool=True, max_model_len=CTX, vocab_size=BYTE_VOCAB_SIZE)
     engine = SimpleNamespace(limits=limits, tokenizer=None, path="moe", check_alive=lambda: None)
-    return Server(engine, "moe", role=role)  # type: ignore[arg-type]
+    return Server(engine, "moe", role=role)  # type: ignore[arg-type]  # a stand-in for the EngineClient
 
 
 HANDOFF = {"namespace": "ns", "keys": ["k"], "num_tokens": 3, "first_token": 1, "prompt_token_ids": [1, 2, 3]}

@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 import kvtier
 
@@ -83,6 +84,7 @@ def completion(url: str, prompt: str, stream: bool, n: int = 10, on_first=None, 
                     on_first()
                 text += c["choices"][0]["text"]
                 last = c["choices"][0]
+    assert last is not None, "the stream had no chunk"
     return last | {"text": text}
 
 
@@ -109,7 +111,7 @@ def test_pd_outputs_and_routed_experts_equal_colocated(pd, offline):
     assert metric(router, "kvtier_router_requests_total", '{route="pd"}') >= 4
     # chat through the openai client, streamed across the hand-off
     c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    messages = [{"role": "user", "content": PROMPTS[1]}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPTS[1]}]
     tok = offline.tokenizer
     ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     want = ref(offline, ids, 8).text

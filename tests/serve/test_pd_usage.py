@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import httpx
@@ -21,13 +22,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvtier.engine.client import EngineClient
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.core import EngineCore
 from kvtier.serve.api import Server
 from kvtier.serve.router import Router
 
 BS = 16
-ENGINE = dict(num_host_blocks=64, max_model_len=256, block_size=BS)
-D_ONLY = dict(storage_fetch="always", prefetch_policy="wait_complete")  # D loads every block P wrote
+ENGINE = EngineConfig(num_host_blocks=64, max_model_len=256, block_size=BS)
+D_ENGINE = replace(ENGINE, storage_fetch="always", prefetch_policy="wait_complete")  # D loads every block P wrote
 TIERS = ("device", "host", "storage")
 NONE = dict.fromkeys(TIERS, 0)
 
@@ -46,8 +48,8 @@ class Apps(httpx.AsyncBaseTransport):
 def pd(moe_model, tmp_path_factory):
     """Test clients of the router, P and D."""
     url = f"file://{tmp_path_factory.mktemp('pool')}"
-    p = Server(EngineClient.in_thread(EngineCore(moe_model, storage=url, **ENGINE)), "moe", role="prefill")
-    d = Server(EngineClient.in_thread(EngineCore(moe_model, storage=url, **ENGINE, **D_ONLY)), "moe", role="decode")
+    p = Server(EngineClient.in_thread(EngineCore(moe_model, ENGINE, storage=url)), "moe", role="prefill")
+    d = Server(EngineClient.in_thread(EngineCore(moe_model, D_ENGINE, storage=url)), "moe", role="decode")
     apps = Apps({"p.test": p.app, "d.test": d.app})
     real = httpx.AsyncClient
     router = Router(["http://p.test"], ["http://d.test"], health_interval=60)
@@ -71,7 +73,12 @@ def prompt(seed: int, n: int) -> list[int]:
 def cached_by_tier(server: TestClient) -> dict[str, int]:
     """The server's kvtier_cached_tokens_total per tier (its engine's hits since it started)."""
     text = server.get("/metrics").text
-    return {t: int(float(re.search(rf'^kvtier_cached_tokens_total{{tier="{t}"}} (\S+)$', text, re.M).group(1))) for t in TIERS}
+    by_tier = {}
+    for t in TIERS:
+        m = re.search(rf'^kvtier_cached_tokens_total{{tier="{t}"}} (\S+)$', text, re.M)
+        assert m is not None, f"no kvtier_cached_tokens_total for tier {t}"
+        by_tier[t] = int(float(m.group(1)))
+    return by_tier
 
 
 def counted(server: TestClient, before: dict[str, int]) -> dict[str, int]:
@@ -79,7 +86,7 @@ def counted(server: TestClient, before: dict[str, int]) -> dict[str, int]:
     return {t: now[t] - before[t] for t in TIERS}
 
 
-def usage(router: TestClient, ids: list[int], **kw) -> dict:
+def usage(router: TestClient, ids: list[int] | list[list[int]], **kw) -> dict:
     r = router.post("/v1/completions", json={"model": "moe", "prompt": ids, "max_tokens": 3, "temperature": 0, **kw})
     assert r.status_code == 200, r.text
     return r.json()["usage"]
@@ -127,6 +134,7 @@ def test_a_streamed_pd_answer_carries_the_same_usage_in_its_last_chunk(pd):
             model="moe", prompt=ids, max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}
         )
     )[-1]
+    assert last.usage is not None and last.usage.prompt_tokens_details is not None and last.usage.model_extra is not None
     assert last.usage.prompt_tokens_details.cached_tokens == 40 and last.usage.model_extra["kvtier"] == whole["kvtier"]
 
 

@@ -311,7 +311,7 @@ def health_of(role: str, pool: dict, expose_config: bool = False) -> tuple[int, 
         num_running=2,
         num_waiting=1,
     )
-    server = Server(engine, "moe", role=role, expose_config=expose_config)  # type: ignore[arg-type]
+    server = Server(engine, "moe", role=role, expose_config=expose_config)  # type: ignore[arg-type]  # a stand-in for the EngineClient
     with TestClient(server.app) as c:
         r = c.get("/health")
     server.close()
@@ -356,9 +356,12 @@ def test_health_answers_while_a_prompt_is_tokenized(server, client, monkeypatch)
     slow = SlowTokenizer(server.prompts.tokenizer)
     monkeypatch.setattr(server.prompts, "tokenizer", slow)
     done = threading.Event()
-    t = threading.Thread(
-        target=lambda: (post(client, "/v1/completions", {"model": "moe", "prompt": "x" * 200, "max_tokens": 2}), done.set())
-    )
+
+    def complete() -> None:
+        post(client, "/v1/completions", {"model": "moe", "prompt": "x" * 200, "max_tokens": 2})
+        done.set()
+
+    t = threading.Thread(target=complete)
     t.start()
     try:
         assert slow.encoding.wait(10)

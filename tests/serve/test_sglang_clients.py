@@ -22,6 +22,7 @@ import os
 import random
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
@@ -271,7 +272,7 @@ def test_with_drafts_server_info_says_the_accept_length_bench_serving_reads(chec
 def kit_request(server, payload: dict) -> dict:
     """cache_hit_kit.async_request_sglang_generate: the output_ids and text of the chunks that
     carry output_ids, prompt_tokens and cached_tokens from the first of them, an ITL per later chunk."""
-    out = {"output_ids": [], "text": "", "chunks": 0}
+    out: dict[str, Any] = {"output_ids": [], "text": "", "chunks": 0}
     for data in chunks(server, "/generate", payload):
         if data.get("output_ids"):
             out["output_ids"], out["text"] = data["output_ids"], data.get("text", "")

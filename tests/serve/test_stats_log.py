@@ -16,9 +16,14 @@ from kvtier.engine.stats_log import StatsLog
 PARAMS = kvtier.SamplingParams(max_tokens=5, ignore_eos=True)
 
 
-def numbers(line):
+def numbers(line: str) -> dict[str, float]:
     """The line's fields as numbers, by the word before or after them."""
-    get = lambda pat: float(re.search(pat, line).group(1).replace(",", ""))  # noqa: E731
+
+    def get(pat: str) -> float:
+        m = re.search(pat, line)
+        assert m is not None, f"{pat!r} not in {line!r}"
+        return float(m.group(1).replace(",", ""))
+
     return {
         "dt": get(r"engine \(([\d.]+) s\)"),
         "prompt": get(r"([\d,]+) prompt"),
@@ -39,8 +44,10 @@ def test_the_line_counts_prompt_and_generated_tokens_and_what_the_engine_holds(c
         a = core.add_request([1, 2, 3] * 7, PARAMS)  # 21 prompt tokens
         core.add_request([4, 5] * 6, PARAMS)  # 12
         core.step()  # both prefilled: 1 token sampled each
-        stats.note_step(0.25), stats.note_step(0.5), stats.note_step(0.125)
+        for seconds in (0.25, 0.5, 0.125):
+            stats.note_step(seconds)
         line = stats.maybe_log(core, t0 + 12)  # 1 s after the last (empty) check
+        assert line is not None
         assert "slowest step 500 ms" in line and "pool" not in line  # (no pool configured)
         got = numbers(line)
         assert got["dt"] == 1.0
@@ -53,6 +60,7 @@ def test_the_line_counts_prompt_and_generated_tokens_and_what_the_engine_holds(c
         core.add_request([1, 2, 3] * 7, PARAMS)  # the same prompt: a device hit ...
         core.step()
         line = stats.maybe_log(core, t0 + 13)
+        assert line is not None
         assert "slowest step 0 ms" in line  # the slowest since the last line
         got = numbers(line)
         assert got["prompt"] == 5  # ... computes only its last block's 5 tokens

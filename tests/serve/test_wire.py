@@ -16,6 +16,7 @@ from kvtier.engine.wire import (
     CachedTokens,
     Call,
     CallResult,
+    Command,
     EngineOutputs,
     EngineRequest,
     EngineStatus,
@@ -30,7 +31,7 @@ from kvtier.engine.wire import (
 
 def test_every_command_arrives_as_it_left():
     params = kvtier.SamplingParams(max_tokens=3, n=2, stop=("end",), stop_token_ids=[7, 7, 9], seed=5, logprobs=2)
-    sent = [
+    sent: list[Command] = [
         EngineRequest("r-1", [1, 2, 3], params, "salt", None, False, "cmpl-1", -3),
         EngineRequest("r-2", [4], kvtier.SamplingParams(), handoff={"first_token": 5, "keys": ["k"], "num_tokens": 1}),
         Abort("r-1"),
@@ -39,6 +40,7 @@ def test_every_command_arrives_as_it_left():
     ]
     got = [decode_command(encode(m)) for m in sent]
     assert got == sent
+    assert isinstance(got[0], EngineRequest)
     assert got[0].params == params and got[0].params.stop_set == {7, 9}  # checked and made again on arrival
 
 
@@ -70,6 +72,7 @@ def test_an_iteration_s_outputs_arrive_as_they_left_routing_arrays_included():
     got = decode_message(encode(sent))
     assert isinstance(got, EngineOutputs)
     out = got.deltas[0].output
+    assert out is not None and out.routed_experts is not None
     np.testing.assert_array_equal(out.routed_experts, routed)
     assert out.routed_experts.dtype == np.int16 and out.outputs[0].logprobs == sample.logprobs
     assert got.deltas[1] == sent.deltas[1] and got.status == sent.status

@@ -183,7 +183,7 @@ def test_failed_calls_are_retried_before_failing_the_batch():
             raise StorageError("blip")
         return orig(names, bufs)
 
-    backend.get_into = twice_bad  # type: ignore[method-assign]
+    backend.get_into = twice_bad  # type: ignore[method-assign]  # the pool fails twice, then reads
     assert fetch(c, 1, [3], [key(0)]) == [] and len(attempts) == 3
 
 
@@ -267,7 +267,7 @@ def test_a_prompt_whose_first_block_the_pool_lacks_is_answered_by_one_name():
         asked.append(len(names))
         return real(names)
 
-    backend.exists = exists  # type: ignore[method-assign]
+    backend.exists = exists  # type: ignore[method-assign]  # counts the names asked
     assert c.lookup_prefix([key(9)] + [key(i) for i in range(3)]) == 0  # first block unknown: 1 name
     assert asked == [1]
     assert client_for(backend, Host(2)).lookup_prefix([key(i) for i in range(5)]) == 3  # then the rest
