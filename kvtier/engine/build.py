@@ -20,6 +20,7 @@ runner with the same functions (:func:`allocate_tiers`, :func:`build_runner`; en
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -46,7 +47,7 @@ from kvtier.engine.startup import Startup
 from kvtier.engine.tp.ranks import Ranks, backend_for, init_group
 from kvtier.engine.tp.transfer import RankOps, TPStorage, TPTransfer
 from kvtier.engine.warmup import compile_kernels
-from kvtier.model import ModelConfig, allocate_kv_caches, load_model, weights_digest
+from kvtier.model import ModelConfig, allocate_kv_caches, host_kv_shape, load_model, weights_digest
 from kvtier.model.families import CausalLM
 from kvtier.model.hub import resolve_model
 from kvtier.model.shard import TPShard
@@ -237,7 +238,7 @@ def allocate_tiers(
     assert c.num_device_blocks is not None and c.num_host_blocks is not None, "an unresolved config (engine/resolve.py)"
     device = torch.device(c.device)
     kv_caches = allocate_kv_caches(m, c.num_device_blocks + 1, c.block_size, device, dtype)
-    shape = (c.num_host_blocks, m.num_kv_layers, 2, c.block_size, m.num_kv_heads, m.head_dim)
+    shape = host_kv_shape(m, c.num_host_blocks, c.block_size)
     return kv_caches, HostKV(shape, dtype, device) if c.num_host_blocks else None
 
 
@@ -272,19 +273,21 @@ def build_runner(
 
 
 def _fingerprint(config: EngineConfig, model_config: ModelConfig, path: Path, device: torch.device) -> ModelFingerprint:
-    """What a stored block's key says of the model that wrote it (DESIGN §3): its KV's shape and
-    dtype, its weights, and what blocks carry besides the decoder's KV."""
+    """What a stored block's key says of the model that wrote it (DESIGN §3): its KV's shape
+    (``kv_layout``: KV heads and head_dim, or one latent's width) and dtype, its weights, and what
+    blocks carry besides the decoder's KV."""
     c, m = config, model_config
     payload = []  # not the same objects: a block with routing rows or the MTP block's KV
     if m.is_moe and c.capture_routing:
         payload.append(f"routing:{m.num_moe_layers}x{m.top_k}:{m.num_experts}")
     if m.num_mtp_layers:  # the MTP block's KV, layer num_layers of every block
         payload.append(f"mtp:{m.num_mtp_layers}")
+    heads, width = math.prod(m.kv_layout[1:-1]), m.kv_layout[-1]  # full: KV heads, head_dim; latent: 1, kv_width
     return ModelFingerprint(
         m.architecture,
         m.num_layers,
-        m.num_kv_heads,
-        m.head_dim,
+        heads,
+        width,
         c.dtype,
         c.block_size,
         weights=weights_digest(path, c.load_format, device),

@@ -9,6 +9,10 @@ decided once, in two steps (engine/build.py calls both; every part then takes th
                                       parallelism what fits every rank): num_device_blocks,
                                       num_host_blocks, preemption_mode, write_policy
 
+A multi-head latent attention model (DeepSeek-V2/V3) resolves to the torch attention backend and
+no CUDA graphs (its attention is the torch reference of model/mla.py, which reads host lengths a
+captured graph would freeze), and is refused with MTP drafts or tensor parallelism.
+
 The result is an EngineConfig like any other (its checks ran again; a tensor-parallel rank gets
 it as it is), with none of these left ``None``: a part reads ``config.max_model_len``, never the
 model's. ``gpu_memory_utilization`` is spent by the sizing: the resolved config says
@@ -64,6 +68,9 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     device = resolve_device(c.device)
     dtype = resolve_dtype(c.dtype, model, device)
     tp = c.tensor_parallel_size
+    latent = model.kv_kind == "latent"  # multi-head latent attention: its torch reference, eagerly
+    if latent:
+        _check_latent(c, model)
     if tp > 1:
         check_divisible(model, tp)
         if device.type == "cuda" and device.index + tp > torch.cuda.device_count():
@@ -73,8 +80,8 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
             )
     if c.num_host_blocks is not None:
         check_host_blocks(c.num_host_blocks, block_nbytes(model, c.block_size, dtype))
-    backend = c.attention_backend or ("triton" if device.type == "cuda" else "torch")
-    cuda_graphs = device.type == "cuda" if c.cuda_graphs is None else c.cuda_graphs
+    backend = c.attention_backend or ("triton" if device.type == "cuda" and not latent else "torch")
+    cuda_graphs = device.type == "cuda" and not latent if c.cuda_graphs is None else c.cuda_graphs
     if cuda_graphs and device.type == "cuda" and backend != "triton":
         # a captured graph keeps the host lengths the torch reference read at capture
         log.warning("CUDA graphs need the triton attention backend (got %r): running eagerly", backend)
@@ -89,6 +96,17 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
         overlap_schedule=device.type == "cuda" if c.overlap_schedule is None else c.overlap_schedule,
         max_num_seqs_per_request=c.max_num_seqs_per_request or default_seqs_per_request(c.max_num_seqs),
     )
+
+
+def _check_latent(config: EngineConfig, model: ModelConfig) -> None:
+    """ValueError naming what a multi-head latent attention model is not served with: it runs on the
+    torch MLA reference (model/mla.py; no Triton kernel, so no CUDA graphs either). (MTP drafts:
+    ModelConfig.with_mtp refuses them; tensor parallelism: model/shard.py check_divisible.)"""
+    if config.attention_backend not in (None, "torch"):
+        raise ValueError(
+            f"attention_backend={config.attention_backend!r} is not supported for {model.architecture}: "
+            "multi-head latent attention runs on its torch reference; leave it unset or use 'torch'"
+        )
 
 
 def size_tiers(config: EngineConfig, bytes_per_block: int, rank_fits: Sequence[int] = ()) -> EngineConfig:

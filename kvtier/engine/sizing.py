@@ -4,6 +4,7 @@ device tier from free GPU memory (or RAM on CPU), the host tier a storage pool g
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -25,9 +26,10 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
 
 
 def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over every layer with KV (the MTP blocks' too; K and V) of ``cfg``'s KV heads (under tensor
-    parallelism, a rank's config: its share)."""
-    return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_kv_layers * dtype.itemsize
+    """Bytes of one KV block over every layer with KV (the MTP blocks' too) of ``cfg.kv_layout``: K and V of
+    ``cfg``'s KV heads (under tensor parallelism, a rank's config: its share), or one latent per token
+    (576 numbers per token and layer for DeepSeek-V3)."""
+    return math.prod(cfg.kv_layout) * block_size * cfg.num_kv_layers * dtype.itemsize
 
 
 def blocks_per_sequence(max_model_len: int, block_size: int) -> int:

@@ -9,8 +9,10 @@ Two KV shapes (:attr:`ModelConfig.kv_kind`)::
 
     "full"    SUPPORTED_ARCHITECTURES: K and V per KV head       2 x num_kv_heads x head_dim per token
     "latent"  MLA_ARCHITECTURES (DeepSeek-V2/V3, Kimi K2):      kv_lora_rank + qk_rope_head_dim per token
-              one compressed latent per token, shared by every head (model/mla.py); the engine does
-              not serve these yet (the model alone loads with model/loader.py ``load_mla_model``)
+              one compressed latent per token, shared by every head (model/mla.py)
+
+:attr:`ModelConfig.kv_layout` is the one description of both that the engine allocates, sizes
+and copies by: ``(2, num_kv_heads, head_dim)`` or ``(1, kv_width)`` per token and layer.
 
 Two kinds of attention layer (:attr:`ModelConfig.layer_types`, grouped by :attr:`ModelConfig.attention_groups`)::
 
@@ -130,7 +132,13 @@ class ModelConfig:
     def with_mtp(self, drafting: bool) -> "ModelConfig":
         """The config an engine builds: one MTP block when it drafts with MTP (more in the
         checkpoint draft with the first, as vLLM and SGLang do for DeepSeek-V3), none otherwise
-        (its weights are not read and its layers have no KV)."""
+        (its weights are not read and its layers have no KV). Multi-head latent attention models
+        do not draft: ValueError."""
+        if drafting and self.kv_kind == "latent":
+            raise ValueError(
+                f"num_speculative_tokens > 0 is not supported for {self.architecture}: speculative decoding "
+                "(MTP drafts) with multi-head latent attention is not served; use num_speculative_tokens=0"
+            )
         if drafting and self.num_mtp_layers == 0:
             raise ValueError(
                 "num_speculative_tokens > 0 drafts with the model's MTP layers, but its config.json has none "
@@ -155,6 +163,17 @@ class ModelConfig:
         if self.kv_kind == "latent":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_layout(self) -> tuple[int, ...]:
+        """What one token of one layer caches, as the engine lays it out: planes first, then one
+        plane's shape. Full: ``(2, num_kv_heads, head_dim)`` (a K plane and a V plane); latent:
+        ``(1, kv_width)`` (one plane, the latent and the roped key). A device layer is
+        ``[planes, num_blocks, block_size, *plane]``, a host block
+        ``[num_kv_layers, planes, block_size, *plane]`` (model.allocate_kv_caches, DESIGN §4)."""
+        if self.kv_kind == "latent":
+            return (1, self.kv_width)
+        return (2, self.num_kv_heads, self.head_dim)
 
     @property
     def qk_head_dim(self) -> int:
@@ -213,8 +232,8 @@ class ModelConfig:
         arch = (hf.get("architectures") or [None])[0]
         if arch not in SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + SLIDING_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-                f" (read, not served yet: {', '.join(MLA_ARCHITECTURES + SLIDING_ARCHITECTURES)})"
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES)}"
+                f" (read, not served yet: {', '.join(SLIDING_ARCHITECTURES)})"
             )
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]

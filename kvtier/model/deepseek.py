@@ -20,8 +20,9 @@ Routing (:class:`DeepseekMoE`), as transformers' DeepseekV3TopkRouter / Deepseek
 RoPE is YaRN as the checkpoint configures it (DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1),
 the softmax scale carries yarn_mscale(factor, mscale_all_dim)^2 (mla.softmax_scale). The MTP block
 (``num_nextn_predict_layers``) is read into ModelConfig.num_mtp_layers but not built: its weights
-are skipped when loading. The engine does not serve these models yet: load them with
-model/loader.py ``load_mla_model``, their caches come from ``mla.allocate_latent_caches``.
+are skipped when loading. The engine serves these models (model/loader.py ``load_model``) on its
+caches (``model.allocate_kv_caches``, one latent plane per layer); alone they load with
+``load_mla_model`` on ``mla.allocate_latent_caches``.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList()  # (the MTP block is not built: no drafting, CausalLM.mtp's place)
+        self.tp = None  # one rank: the latent is not sharded (CausalLM.tp's place)
 
     @torch.inference_mode()
     def forward(
@@ -165,10 +168,13 @@ class DeepseekForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm for the step's flattened tokens.
 
         input_ids, positions: [T]; kv_caches[l]: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-        (mla.allocate_latent_caches); routing_out / routing_in: [T, num_moe_layers, top_k] (moe.py).
+        (mla.allocate_latent_caches) or the engine's [1, num_blocks, block_size, kv_width] of the same
+        numbers (model.allocate_kv_caches: one plane, ModelConfig.kv_layout); routing_out / routing_in:
+        [T, num_moe_layers, top_k] (moe.py).
         """
         if len(kv_caches) != self.config.num_kv_layers:
             raise ValueError(f"expected {self.config.num_kv_layers} latent caches, got {len(kv_caches)}")
+        kv_caches = [kv[0] if kv.dim() == 4 else kv for kv in kv_caches]
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, h.dtype)
         residual = None

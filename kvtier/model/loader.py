@@ -4,11 +4,12 @@ Files: ``model.safetensors``, or shards listed in ``model.safetensors.index.json
 ``*.safetensors`` in the directory. Checkpoint names are mapped to ours (see ``_rename``); every
 parameter the model needs must be present, or loading fails naming the missing tensor.
 
-Multi-head latent attention checkpoints (DeepSeek-V2/V3, config.MLA_ARCHITECTURES) are not served
-yet: :func:`load_model`, the engine's loader, refuses them; :func:`load_mla_model` loads the model
-alone (model/deepseek.py) on caches from ``mla.allocate_latent_caches``. Likewise the hybrid
-sliding-window families (gpt-oss, Gemma 2, Gemma 3: config.SLIDING_ARCHITECTURES), which
-:func:`load_sliding_model` loads (model/gpt_oss.py, model/gemma.py) on ``allocate_kv_caches``' caches.
+Multi-head latent attention checkpoints (DeepSeek-V2/V3, config.MLA_ARCHITECTURES) load through
+:func:`load_model`, the engine's loader, on one device without MTP drafting (model/deepseek.py, on
+``allocate_kv_caches``' latent layers); :func:`load_mla_model` is the same model alone. The hybrid
+sliding-window families (gpt-oss, Gemma 2, Gemma 3: config.SLIDING_ARCHITECTURES) are not served
+yet: :func:`load_sliding_model` loads them (model/gpt_oss.py, model/gemma.py) on
+``allocate_kv_caches``' caches.
 
 ``load_format="dummy"`` (vLLM's name) needs only config.json: every weight is drawn in device
 memory from a fixed seed, small enough that bf16 forwards stay finite. For benchmarks of
@@ -152,7 +153,9 @@ def load_model(
     mtp: bool = False,
 ) -> CausalLM:
     """Build the family named by config.json and fill it. ``dtype=None``: config's. ``mtp``: with
-    the first MTP block (for drafting; ModelConfig.with_mtp), else without any.
+    the first MTP block (for drafting; ModelConfig.with_mtp), else without any. A DeepSeek-V2/V3
+    checkpoint (multi-head latent attention) gives its :class:`DeepseekForCausalLM`, called as a
+    CausalLM is, on one device (``tp`` of more than one rank: ValueError).
 
     ``load_format``: "auto" reads the safetensors checkpoint; "dummy" draws random weights (see
     :func:`_dummy_weights`) and reads nothing but config.json. ``tp``: load only this rank's
@@ -160,12 +163,14 @@ def load_model(
     every tensor-parallel size holds the same model."""
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
-    if cfg.kv_kind != "full":
-        raise ValueError(
-            f"{cfg.architecture} is not served yet: it caches one latent per token (multi-head latent attention, "
-            f"{cfg.kv_width} numbers per token and layer), which the engine does not allocate; "
-            f"served: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if cfg.kv_kind == "latent":
+        # served on one device without MTP drafts (ModelConfig.with_mtp refuses them), on the torch MLA reference
+        if tp is not None and tp.size > 1:
+            raise ValueError(
+                f"{cfg.architecture} under tensor parallelism (tensor_parallel_size={tp.size}) is not supported: "
+                "multi-head latent attention is served on one GPU"
+            )
+        return load_mla_model(path, device, dtype, fuse, load_format)  # type: ignore[return-value]  # CausalLM's call signature
     if cfg.architecture in SLIDING_ARCHITECTURES:
         groups = ", ".join(f"{len(g.layer_ids)} {g.kind} (window {g.window})" for g in cfg.attention_groups)
         raise ValueError(

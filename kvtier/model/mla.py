@@ -45,11 +45,13 @@ def allocate_latent_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
     """One zeroed [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] tensor per layer with KV,
-    views of one buffer (a block of every layer is one copy apart, as for full-attention caches)."""
+    views of one buffer (a block of every layer is one copy apart, as for full-attention caches):
+    the one plane of ``allocate_kv_caches``' [1, num_blocks, block_size, kv_width] layers."""
     if cfg.kv_kind != "latent":
         raise ValueError(f"{cfg.architecture} caches full K/V, not a latent (kv_kind {cfg.kv_kind!r})")
-    shape = (cfg.num_kv_layers, num_blocks, block_size, cfg.kv_width)
-    return list(torch.zeros(shape, device=device, dtype=dtype).unbind(0))
+    from kvtier.model import allocate_kv_caches
+
+    return [kv[0] for kv in allocate_kv_caches(cfg, num_blocks, block_size, device, dtype)]  # (its one plane)
 
 
 def write_latent(latent_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -248,7 +248,7 @@ PRESETS["llama3-70b-shape"] = dict(
     ),
 )
 
-# Multi-head latent attention (not served by the engine yet: model/loader.py load_mla_model). DeepSeek-V3's
+# Multi-head latent attention (model/deepseek.py on the latent cache of model/mla.py). DeepSeek-V3's
 # layout at toy size: a dense first layer, then MoE with one shared expert and 8 routed experts in 4
 # groups (a token's 2 experts from its 2 best groups, sigmoid scores, bias-corrected choice), a low-rank
 # query (q_lora_rank), YaRN with mscale != mscale_all_dim (both the cos/sin factor and the softmax mscale

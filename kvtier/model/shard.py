@@ -47,7 +47,14 @@ class TPShard:
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """ValueError naming the first size that ``size`` ranks cannot split evenly."""
+    """ValueError naming the first size that ``size`` ranks cannot split evenly, or that the
+    model is not sharded at all (multi-head latent attention)."""
+    if size > 1 and cfg.kv_kind == "latent":
+        raise ValueError(
+            f"tensor_parallel_size={size} is not supported for {cfg.architecture}: multi-head latent attention "
+            f"(a {cfg.kv_width}-wide latent per token, the same on every rank) is served on one GPU "
+            "(tensor_parallel_size=1)"
+        )
     sizes = {
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,

@@ -55,7 +55,8 @@ class BlobLayout:
 
     namespace: bytes  # namespace_digest(...)
     dtype: str  # KV dtype name, e.g. "bfloat16"
-    shape: tuple[int, ...]  # one host block: (num_layers, 2, block_size, kv_heads, head_dim)
+    # one host block: (num_layers, 2, block_size, kv_heads, head_dim); a latent: (num_layers, 1, block_size, kv_width)
+    shape: tuple[int, ...]
     block_size: int  # tokens per block
     kv_nbytes: int
     routing_nbytes: int = 0

@@ -1,7 +1,10 @@
 """Moving KV blocks between the device layout and the host layout (DESIGN §4).
 
-    device (per layer l):  kv[l]  [2, num_device_blocks, block_size, kv_heads, head_dim]
-    host (page first):     host   [num_host_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    device (per layer l):  kv[l]  [planes, num_device_blocks, block_size, *plane]
+    host (page first):     host   [num_host_blocks, num_layers, planes, block_size, *plane]
+
+as ModelConfig.kv_layout gives them: 2 planes (K, V) of [kv_heads, head_dim] for full attention,
+1 plane of [kv_width] for a latent (MLA).
 
 One host block holds all layers of one block contiguously, so it is one storage object.
 These are the torch reference ops (any device, synchronous on the current stream); a fast path
@@ -16,6 +19,7 @@ import torch
 def allocate_host_kv(
     num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, pin: bool = False
 ) -> torch.Tensor:
+    """A zeroed host tier of full-attention KV (any layout: ``torch.zeros(model.host_kv_shape(cfg, ...))``)."""
     shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
     return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 

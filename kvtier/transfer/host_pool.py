@@ -1,6 +1,8 @@
 """The host tier's memory: one page-locked buffer, on the GPU's NUMA node.
 
-    host KV  [num_host_blocks, num_layers, 2, block_size, kv_heads, head_dim]   (DESIGN §4)
+    host KV  [num_host_blocks, num_layers, planes, block_size, *plane]   (DESIGN §4)
+
+(``model.host_kv_shape``: K and V planes of [kv_heads, head_dim], or one latent plane of [kv_width].)
 
 Why not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds every
 allocation up to a power of two (a 40 GiB pool would pin 64 GiB) and keeps it cached after use.

@@ -2,11 +2,12 @@
 
 Same signatures and results as the torch reference in :mod:`kvtier.transfer.copy`::
 
-    device (layer l):  kv[l]  [2, num_device_blocks, block_size, kv_heads, head_dim]
-    host (page first): host   [num_host_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    device (layer l):  kv[l]  [planes, num_device_blocks, block_size, *plane]
+    host (page first): host   [num_host_blocks, num_layers, planes, block_size, *plane]
 
-The unit of work is a *chunk*: the K (or V) of one block in one layer, ``block_size * kv_heads *
-head_dim`` elements, contiguous on both sides. One program copies (a part of) one chunk, so any
+(ModelConfig.kv_layout: 2 planes K and V of ``[kv_heads, head_dim]``, or 1 plane, a latent of
+``[kv_width]``.) The unit of work is a *chunk*: one plane (the K, the V or the latent) of one block
+in one layer, ``block_size * prod(plane)`` elements, contiguous on both sides. One program copies (a part of) one chunk, so any
 list of block pairs — consecutive or scattered — is one launch per layer (loads) or one launch for
 all layers (backups, when the layers are views of one buffer as ``allocate_kv_caches`` makes them).
 
@@ -113,20 +114,21 @@ if triton is not None:
         num_work,
         num_lk,
         num_parts,
+        PLANES: tl.constexpr,
         CHUNK: tl.constexpr,
         PART: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """Persistent grid: program p copies work items p, p + P, ... where a work item is words
-        [part*PART, (part+1)*PART) of the chunk (item, layer, k|v). Strides are in words; offsets
-        are int64."""
+        [part*PART, (part+1)*PART) of the chunk (item, layer, plane); PLANES planes per layer
+        (2: K and V; 1: a latent). Strides are in words; offsets are int64."""
         num_programs = tl.num_programs(0)
         for w in range(tl.program_id(0), num_work, num_programs):
             part = w % num_parts
             lk = (w // num_parts) % num_lk
             item = w // (num_parts * num_lk)
-            layer = (lk // 2).to(tl.int64)
-            kv = (lk % 2).to(tl.int64)
+            layer = (lk // PLANES).to(tl.int64)
+            kv = (lk % PLANES).to(tl.int64)
             s = tl.load(src_ids + item).to(tl.int64)
             d = tl.load(dst_ids + item).to(tl.int64)
             src_base = src + s * src_block_stride + (src_layer0 + layer) * src_layer_stride + kv * src_kv_stride
@@ -348,6 +350,7 @@ def _launch(
     src_strides: tuple[int, int, int],
     dst_strides: tuple[int, int, int],
     chunk_words: int,
+    planes: int,
     on_device: bool = False,
 ) -> None:
     """``on_device``: both sides in device memory (a staging scatter or gather), which wants more
@@ -361,7 +364,7 @@ def _launch(
     block = min(TUNING["block"], triton.next_power_of_2(chunk_words))
     part = -(-min(chunk_words, max(block, TUNING["part"])) // block) * block
     parts = -(-chunk_words // part)
-    work = n * num_layers * 2 * parts
+    work = n * num_layers * planes * parts
     programs, warps = (
         (TUNING["staged_programs"], TUNING["staged_warps"]) if on_device else (TUNING["max_programs"], TUNING["num_warps"])
     )
@@ -375,8 +378,9 @@ def _launch(
         *src_strides,
         *dst_strides,
         work,
-        num_layers * 2,
+        num_layers * planes,
         parts,
+        PLANES=planes,
         CHUNK=chunk_words,
         PART=part,
         BLOCK=block,
@@ -384,19 +388,19 @@ def _launch(
     )
 
 
-def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int]:
-    """(chunk bytes, num_device_blocks, num_layers) after checking the two layouts agree."""
-    two, num_device_blocks, *block = kv.shape
-    if two != 2 or tuple(host.shape[2:]) != (2, *block) or host.dtype != kv.dtype:
+def _geometry(kv: torch.Tensor, host: torch.Tensor) -> tuple[int, int, int, int]:
+    """(chunk bytes, num_device_blocks, num_layers, planes) after checking the two layouts agree."""
+    planes, num_device_blocks, *block = kv.shape
+    if planes not in (1, 2) or tuple(host.shape[2:]) != (planes, *block) or host.dtype != kv.dtype:
         raise ValueError(f"layouts disagree: device layer {tuple(kv.shape)} {kv.dtype}, host {tuple(host.shape)} {host.dtype}")
-    return kv[0, 0].numel() * kv.element_size(), num_device_blocks, host.shape[1]
+    return kv[0, 0].numel() * kv.element_size(), num_device_blocks, host.shape[1], planes
 
 
 def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor, device_blocks, host_blocks) -> None:
     """host[host_blocks[i]] = all layers of device block device_blocks[i] (queued on the current
     stream). ``device_blocks`` may be a :class:`BlockPairs` or :class:`HostRuns` (then
     ``host_blocks`` is ignored)."""
-    chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
+    chunk_bytes, num_device_blocks, num_layers, planes = _geometry(kv_caches[0], host)
     if isinstance(device_blocks, HostRuns):
         _staged(host, kv_caches, device_blocks, False, chunk_bytes, num_device_blocks)
         return
@@ -405,7 +409,7 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor, device_blo
         assert run.dst0 is not None, "backups go by DMA only between consecutive blocks"
         d0, h0, n = run.src0, run.dst0, run.n
         for layer, kv in enumerate(kv_caches):
-            for kvi in (0, 1):
+            for kvi in range(planes):
                 _copy_rows(host[h0 : h0 + n, layer, kvi], kv[kvi, d0 : d0 + n])
     src_ids, dst_ids = pairs.src_ids, pairs.dst_ids
     if not src_ids.numel():
@@ -426,8 +430,9 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor, device_blo
                 0,
                 0,
                 (chunk, step // w, num_device_blocks * chunk),
-                (num_layers * 2 * chunk, 2 * chunk, chunk),
+                (num_layers * planes * chunk, planes * chunk, chunk),
                 chunk,
+                planes,
             )
             return
     for layer, kv in enumerate(kv_caches):  # layers in separate buffers: a launch each
@@ -442,8 +447,9 @@ def device_to_host(kv_caches: list[torch.Tensor], host: torch.Tensor, device_blo
             0,
             layer,
             (chunk, 0, num_device_blocks * chunk),
-            (num_layers * 2 * chunk, 2 * chunk, chunk),
+            (num_layers * planes * chunk, planes * chunk, chunk),
             chunk,
+            planes,
         )
 
 
@@ -463,7 +469,7 @@ def host_to_device(
     device blocks are appended to it as ``(kv, dst_ids, staging)`` instead of queued, for the
     caller to queue with :func:`scatter_staged` on another stream once the DMA is done (so the
     next layer's DMA overlaps this layer's scatter)."""
-    chunk_bytes, num_device_blocks, num_layers = _geometry(kv_caches[0], host)
+    chunk_bytes, num_device_blocks, num_layers, planes = _geometry(kv_caches[0], host)
     if isinstance(host_blocks, HostRuns):
         if layer is not None:
             raise ValueError(f"a staged copy moves every layer; it cannot load layer {layer} alone")
@@ -480,9 +486,9 @@ def host_to_device(
         for run in pairs.runs:
             h0, d0, n = run.src0, run.dst0, run.n
             if d0 is not None:
-                for kvi in (0, 1):
+                for kvi in range(planes):
                     _copy_rows(kv[kvi, d0 : d0 + n], host[h0 : h0 + n, index, kvi])
-            else:  # one DMA of K and V (adjacent on host) into staging, then a scatter
+            else:  # one DMA of the planes (K and V: adjacent on host) into staging, then a scatter
                 assert run.dst_ids is not None
                 staging = torch.empty((n, *host.shape[2:]), dtype=kv.dtype, device=kv.device)
                 _copy_rows(staging, host[h0 : h0 + n, index])
@@ -501,14 +507,15 @@ def host_to_device(
                 1,
                 index,
                 0,
-                (num_layers * 2 * chunk, 2 * chunk, chunk),
+                (num_layers * planes * chunk, planes * chunk, chunk),
                 (chunk, 0, num_device_blocks * chunk),
                 chunk,
+                planes,
             )
 
 
 def scatter_staged(kv: torch.Tensor, dst_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    """One layer's blocks from staging ([n, 2, ...], host layout) to device blocks ``dst_ids``."""
+    """One layer's blocks from staging ([n, planes, ...], host layout) to device blocks ``dst_ids``."""
     index_checks.check("scatter dst_ids", dst_ids, kv.shape[1])
     kv[:, dst_ids] = staging.transpose(0, 1)
 
@@ -527,13 +534,17 @@ def _staged(
     word, w = _word(chunk_bytes, host, base)
     while step % w:  # the layer stride must be whole words too
         word, w = next((t, n) for n, t in _WORDS if n < w)
-    chunk, num_layers = chunk_bytes // w, host.shape[1]
+    chunk, num_layers, planes = chunk_bytes // w, host.shape[1], host.shape[2]
     dev = base.view(-1).view(torch.uint8).view(word)  # layer l starts `step` bytes further each
     dev_strides = (chunk, step // w, num_device_blocks * chunk)
-    host_strides = (num_layers * 2 * chunk, 2 * chunk, chunk)
+    host_strides = (num_layers * planes * chunk, planes * chunk, chunk)
+
+    def every_layer(src, dst, src_ids, dst_ids, src_strides, dst_strides, on_device=False) -> None:
+        _launch(src, dst, src_ids, dst_ids, num_layers, 0, 0, src_strides, dst_strides, chunk, planes, on_device)
+
     total = sum(n for _, n in pairs.runs)
     if total:
-        piece = max(1, min(total, TUNING["staging_bytes"] // (num_layers * 2 * chunk_bytes)))
+        piece = max(1, min(total, TUNING["staging_bytes"] // (num_layers * planes * chunk_bytes)))
         staging = torch.empty((piece, *host.shape[1:]), dtype=host.dtype, device=base.device)
         flat = _flat(staging, word)
         rows = torch.arange(piece, dtype=torch.int32, device=base.device)
@@ -552,9 +563,9 @@ def _staged(
                 if filled == piece or done + filled == total:
                     ids = pairs.run_device_ids[done : done + filled]
                     if load:
-                        _launch(flat, dev, rows[:filled], ids, num_layers, 0, 0, host_strides, dev_strides, chunk, on_device=True)
+                        every_layer(flat, dev, rows[:filled], ids, host_strides, dev_strides, on_device=True)
                     else:
-                        _launch(dev, flat, ids, rows[:filled], num_layers, 0, 0, dev_strides, host_strides, chunk, on_device=True)
+                        every_layer(dev, flat, ids, rows[:filled], dev_strides, host_strides, on_device=True)
                         for h, r, k in backs:
                             host[h : h + k].copy_(staging[r : r + k], non_blocking=True)
                         backs = []
@@ -562,9 +573,9 @@ def _staged(
                     filled = 0
     if pairs.host_ids.numel():
         if load:
-            _launch(_flat(host, word), dev, pairs.host_ids, pairs.device_ids, num_layers, 0, 0, host_strides, dev_strides, chunk)
+            every_layer(_flat(host, word), dev, pairs.host_ids, pairs.device_ids, host_strides, dev_strides)
         else:
-            _launch(dev, _flat(host, word), pairs.device_ids, pairs.host_ids, num_layers, 0, 0, dev_strides, host_strides, chunk)
+            every_layer(dev, _flat(host, word), pairs.device_ids, pairs.host_ids, dev_strides, host_strides)
 
 
 def compile_variants(host: torch.Tensor, kv_caches: list[torch.Tensor], device_block: int, host_block: int) -> int:
