@@ -34,7 +34,9 @@ async def collect(eng, req):
             return d.output
 
 
-def test_requests_joining_mid_run_are_batched_and_answered_as_offline(engine, checkpoint):
+def test_requests_joining_mid_run_are_batched_and_answered_as_offline(checkpoint):
+    # a queue that holds all six: on a loaded machine none may be admitted before the last arrives
+    engine = EngineClient.in_thread(EngineCore(checkpoint("llama-tiny"), block_size=8, num_device_blocks=64), max_queue=8)
     prompts = [[i + 1] * (5 + i) for i in range(6)]
     with kvtier.LLM(checkpoint("llama-tiny"), block_size=8) as llm:
         want = [o.token_ids for o in llm.generate(prompts, LONG)]
@@ -61,7 +63,10 @@ def test_requests_joining_mid_run_are_batched_and_answered_as_offline(engine, ch
         w.cancel()
         return got
 
-    assert asyncio.run(both()) == want
+    try:
+        assert asyncio.run(both()) == want
+    finally:
+        engine.shutdown()
     assert max(running) > 1  # they ran in one batch
 
 
