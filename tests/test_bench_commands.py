@@ -27,7 +27,7 @@ def test_attention_smoke_without_triton_times_the_torch_backends(monkeypatch, ca
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     results = attention_bench.main(["--smoke", "--iters", "1", "--warmup", "0", "--ref-iters", "1"])
     assert "triton is not installed (pip install triton)" in capsys.readouterr().err
-    assert results and all(r.triton_ms is None and r.reference_ms > 0 for r in results)
+    assert results and all(r.triton_ms is None and r.reference_ms is not None and r.reference_ms > 0 for r in results)
     assert any(r.sdpa_ms is not None for r in results)
 
 

@@ -6,9 +6,12 @@ on CPU (qwen3-tiny); the rest on records, argument lists and a mocked HTTP trans
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -42,7 +45,7 @@ def test_an_answer_without_token_ids_failed_or_missing_is_unknown_never_identica
 
 
 def test_expect_identical_names_the_first_mismatch_and_the_table_shows_it():
-    def result(**kw):  # type: ignore[no-untyped-def]
+    def result(**kw: Any) -> dict:
         return {**serving.summarize([], 1.0), "cached_tokens_by_tier": {}, "errors": [], "deaths": 0, "died": [], **kw}
 
     ok = result(**serving.compare_outputs([rec(0, 0, [1])], [rec(0, 0, [1])]))
@@ -50,10 +53,13 @@ def test_expect_identical_names_the_first_mismatch_and_the_table_shows_it():
     unknown = result(**serving.compare_outputs([rec(0, 0, [1])], [rec(0, 0, None)]))
     assert serving.first_problem({"host": result(), "pd": ok}) is None
     problem = serving.first_problem({"host": result(), "pd": ok, "storage": bad})
+    assert problem is not None
     assert problem.startswith("storage: 1 of 2 answers differ from host's; the first: group 3 round 1 at token 1")
-    assert "answers could not be compared" in serving.first_problem({"host": result(), "pd": unknown})
+    problem = serving.first_problem({"host": result(), "pd": unknown})
+    assert problem is not None and "answers could not be compared" in problem
     died = result(deaths=1, died=[{"role": "decode", "returncode": -9, "log": "d.log", "tail": "Killed"}])
-    assert serving.first_problem({"host": result(), "pd": died}).startswith("pd: the decode server exited with -9")
+    problem = serving.first_problem({"host": result(), "pd": died})
+    assert problem is not None and problem.startswith("pd: the decode server exited with -9")
     rows = serving.table({"host": result(), "pd": ok, "storage": bad, "device": unknown}).splitlines()
     assert rows[0].split()[-1] == "same" and rows[1].split()[-1] == "base"
     assert [r.split()[-1] for r in rows[2:]] == ["yes", "diff", "?"] and rows[3].split()[-2] == "1"
@@ -61,7 +67,7 @@ def test_expect_identical_names_the_first_mismatch_and_the_table_shows_it():
         multiturn.main(["--model", "qwen3-tiny", "--compare", "pd", "--expect-identical"])
 
 
-def test_5xx_are_counted_apart_from_other_failures_even_inside_a_stream():
+def test_5xx_are_counted_apart_from_other_failures_even_inside_a_stream(tmp_path):
     def answer(request: httpx.Request) -> httpx.Response:
         prompt = json.loads(request.content)["prompt"]
         if prompt == [1]:
@@ -74,16 +80,18 @@ def test_5xx_are_counted_apart_from_other_failures_even_inside_a_stream():
             return httpx.Response(200, text=ok + failed)
         return httpx.Response(200, text=ok + "data: [DONE]\n\n")
 
-    class Target:
-        url, name, token_ids = "http://test", "m", True
+    target = serving.Server("http://test", None, [], tmp_path)  # a running server's URL: nothing started
+    target.name = "m"
 
     async def go() -> list[serving.Record]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            return [await serving.send(client, Target(), serving.Record(0, k, 1, 4), [k]) for k in (1, 2, 3, 4)]
+            return [await serving.send(client, target, serving.Record(0, k, 1, 4), [k]) for k in (1, 2, 3, 4)]
 
     recs = asyncio.run(go())
     assert [r.status for r in recs] == [503, 422, 502, 200]
-    assert recs[2].error.startswith("HTTP 502 in the stream") and recs[3].error is None and recs[3].output_ids == [7]
+    failed_late = recs[2].error
+    assert failed_late is not None and failed_late.startswith("HTTP 502 in the stream")
+    assert recs[3].error is None and recs[3].output_ids == [7]
     res = serving.summarize(recs, 1.0)
     assert (res["failed"], res["http_5xx"]) == (3, 2)
 
@@ -91,9 +99,9 @@ def test_5xx_are_counted_apart_from_other_failures_even_inside_a_stream():
 class FakeProcess:
     """Stands in for ServerProcess: records what would be launched, and is ready at once."""
 
-    launched: list[tuple[list, dict | None]] = []
+    launched: list[tuple[list[str], dict[str, str] | None]] = []
 
-    def __init__(self, args, log, env=None, log_level="warning"):  # type: ignore[no-untyped-def]
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None, log_level: str = "warning") -> None:
         self.args, self.log, self.url = list(args), log, f"http://127.0.0.1:{len(self.launched) + 1}"
         FakeProcess.launched.append((self.args, env))
 
@@ -104,7 +112,7 @@ class FakeProcess:
         pass
 
 
-def soak_args(*argv: str):  # type: ignore[no-untyped-def]
+def soak_args(*argv: str) -> argparse.Namespace:
     return pd_soak.build_parser().parse_args(["--model", "qwen3-tiny", *argv])
 
 
@@ -122,7 +130,7 @@ def test_pd_gives_its_prefill_and_decode_servers_their_own_devices(tmp_path, mon
             name=config,
             devices=serving.devices(args),
         )
-        server._start()
+        server.start()
     (colocated, _), (p, _), (d, _), (router, _) = FakeProcess.launched
 
     def device(argv: list) -> list[str]:
@@ -142,8 +150,9 @@ def test_a_server_that_dies_starting_fails_the_soak_and_each_config_gets_an_empt
     caches = []
 
     class DiesStarting(FakeProcess):
-        def __init__(self, args, log, env=None, log_level="warning"):  # type: ignore[no-untyped-def]
+        def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None, log_level: str = "warning") -> None:
             super().__init__(args, log, env, log_level)
+            assert env is not None  # (the soak gives each server its own Triton cache)
             caches.append((env["TRITON_CACHE_DIR"], os.listdir(env["TRITON_CACHE_DIR"]), env["PATH"]))
 
         def wait_ready(self) -> "FakeProcess":

@@ -5,8 +5,11 @@ workload shares prefixes (and never with the cache off), the JSON and the plot w
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
@@ -18,7 +21,8 @@ from kvtier.serve.launch import ServerProcess
 TINY = ["--model", "qwen3-tiny", "--max-model-len", "512", "--no-progress"]
 
 
-def run_bench(module, argv, tmp_path, capsys) -> dict:  # type: ignore[no-untyped-def]
+def run_bench(module: ModuleType, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    """Run a bench's ``main`` on the tiny model; its JSON, checked for what every bench reports."""
     out = tmp_path / "result.json"
     assert module.main([*argv, *TINY, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -266,7 +270,7 @@ def test_orders_and_bad_settings():
     assert sorted(rand) == longdoc.order(3, 2, "interleave", 0)
     assert all(q == 0 for d, q in rand if (d, q) == min((x for x in rand if x[0] == d), key=rand.index))
     with pytest.raises(ValueError, match="unknown configuration 'gpu'"):
-        serving.server_flags("gpu", None, None)
+        serving.server_flags("gpu", argparse.Namespace(), Path("unused"))
     with pytest.raises(ValueError, match="request-rate"):
         serving.Arrivals(0, 4, 0)
     with pytest.raises(SystemExit):

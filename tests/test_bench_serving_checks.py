@@ -12,11 +12,12 @@ import math
 import socket
 import threading
 import time
+from typing import Any, Awaitable, Callable, Iterator, NoReturn
 
 import matplotlib.axes
 import pytest
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvtier.bench import longdoc, multiturn, pd_soak, serving, trace_replay
@@ -38,18 +39,18 @@ class FakeServer:
         app = FastAPI()
 
         @app.middleware("http")
-        async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
+        async def record(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
             self.paths.append(request.url.path)
             return await call_next(request)
 
         @app.get("/v1/models")
-        async def list_models():  # type: ignore[no-untyped-def]
+        async def list_models() -> Response:
             if self.raw is not None:
                 return PlainTextResponse(self.raw)
-            return {"object": "list", "data": [{"id": "fake", "object": "model", **self.models}]}
+            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model", **self.models}]})
 
         @app.post("/v1/completions")
-        async def complete(request: Request):  # type: ignore[no-untyped-def]
+        async def complete(request: Request) -> Response:
             body = await request.json()
             prompt, n = body["prompt"], body["max_tokens"]
             self.prompts.append((len(prompt), n))
@@ -58,7 +59,7 @@ class FakeServer:
             if self.context is not None and len(prompt) + n > self.context:
                 return JSONResponse({"error": {"message": f"{len(prompt)} + {n} tokens: over the context"}}, 400)
 
-            def stream():  # type: ignore[no-untyped-def]
+            def stream() -> Iterator[str]:
                 for k in range(n):
                     yield f"data: {json.dumps({'choices': [{'text': 'a', 'token_ids': [k % self.vocab]}]})}\n\n"
                 usage = {"prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": 0}}
@@ -98,7 +99,7 @@ def test_failed_rounds_fail_the_bench_naming_the_configuration_and_plot_as_gaps_
     drawn: list[list[float]] = []
     plot_line = matplotlib.axes.Axes.plot
 
-    def record(self, *args, **kw):  # type: ignore[no-untyped-def]
+    def record(self: matplotlib.axes.Axes, *args: Any, **kw: Any) -> Any:
         drawn.append(list(args[1]))
         return plot_line(self, *args, **kw)
 
@@ -237,7 +238,7 @@ def test_a_workload_over_the_served_context_is_refused_before_anything_is_sent(m
     assert fake.completions() == 0
 
     # a started server's context is its --max-model-len: refused before it starts
-    def no_server(*a, **kw):  # type: ignore[no-untyped-def]
+    def no_server(*a: object, **kw: object) -> NoReturn:
         raise AssertionError("a server was started")
 
     monkeypatch.setattr("kvtier.serve.launch.ServerProcess", no_server)

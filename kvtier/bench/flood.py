@@ -355,7 +355,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def _goals(kind: str, r: dict) -> dict:
+def goals(kind: str, r: dict) -> dict:
     """Each goal of the scenario's kind: its figure, its bound and whether it is met."""
     out: dict[str, dict] = {}
 
@@ -464,7 +464,7 @@ def _judge(results: dict) -> None:
             continue
         r["job_time_ratio"] = round(r["job_seconds"] / results["baseline"]["job_seconds"], 3)
         r["victim_ratio"] = round(r["victim_ms_p50"] / base["victim_ms_p50"], 2) if base["victim_ms_p50"] else None
-        r["goals"] = _goals(r["kind"], r)
+        r["goals"] = goals(r["kind"], r)
 
 
 def _output(args: argparse.Namespace, results: dict) -> dict:

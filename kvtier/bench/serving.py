@@ -167,7 +167,7 @@ class Server:
     def __enter__(self) -> "Server":
         try:
             if self.url is None:
-                self._start()
+                self.start()
             else:
                 self.metric_urls = [self.url]
             assert self.url is not None  # (started above)
@@ -194,10 +194,13 @@ class Server:
         ]
         return ["serve", self.model, *device, *self.flags, *extra]
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the servers of ``model`` (PD: P, D and their router; a fleet: its servers and
+        their router) and wait until each is ready; :attr:`url` is then where requests go.
+        Entering the ``with`` block does it when no ``url`` was given."""
         from kvtier.serve.launch import ServerProcess
 
-        def start(args: list[str], role: str) -> Any:
+        def launch(args: list[str], role: str) -> Any:
             what = "" if role == "server" else f"-{role}"
             log, k = self.log_dir / f"{self.config}{what}.log", 1
             while log.exists():  # a kept --log-dir used again: a file per server
@@ -208,21 +211,21 @@ class Server:
             return proc
 
         if self.policy is not None:
-            servers = [start(self.command("server", i), f"server{i}") for i in range(self.instances)]
+            servers = [launch(self.command("server", i), f"server{i}") for i in range(self.instances)]
             for s in servers:
                 s.wait_ready()
             self.metric_urls = [s.url for s in servers]
             workers = ",".join(self.metric_urls)
-            self.url = start(["router", "--workers", workers, "--policy", self.policy], "router").wait_ready().url
+            self.url = launch(["router", "--workers", workers, "--policy", self.policy], "router").wait_ready().url
             return
         if not self.pd:
-            self.url = start(self.command("server"), "server").wait_ready().url
+            self.url = launch(self.command("server"), "server").wait_ready().url
             self.metric_urls = [self.url]
             return
-        p = start(self.command("prefill"), "prefill")
-        d = start(self.command("decode"), "decode")
+        p = launch(self.command("prefill"), "prefill")
+        d = launch(self.command("decode"), "decode")
         p.wait_ready(), d.wait_ready()
-        self.url = start(["router", "--prefill", p.url, "--decode", d.url], "router").wait_ready().url
+        self.url = launch(["router", "--prefill", p.url, "--decode", d.url], "router").wait_ready().url
         self.metric_urls = [p.url, d.url]
 
     def __exit__(self, *exc: object) -> None:

@@ -81,15 +81,10 @@ class TraceRequest:
         )
 
 
-def _tokens_of_hash(h: int, block_tokens: int, vocab: int) -> list[int]:
-    # A multiplicative hash of (h, position): distinct ids for distinct blocks, no collisions
-    # that would make two different hash ids look alike to the block hasher.
-    base = (h * 0x9E3779B1) & _MASK
-    return [((base + k * 0x85EBCA77) & _MASK) % vocab for k in range(block_tokens)]
-
-
 def tokens_of_hashes(hash_ids: list[int], block_tokens: int, vocab: int) -> list[int]:
-    """``_tokens_of_hash`` of every id, concatenated: the same numbers, computed with numpy."""
+    """The synthetic tokens of each hash id's block, concatenated: token ``k`` of id ``h`` is a
+    multiplicative hash of (h, k) mod 2**32, mod ``vocab`` (distinct ids give distinct blocks, so
+    two hash ids never look alike to the block hasher). Computed with numpy for every id at once."""
     if not hash_ids:
         return []
     base = (np.array([h & _MASK for h in hash_ids], dtype=np.uint64) * np.uint64(0x9E3779B1)) & np.uint64(_MASK)

@@ -79,6 +79,7 @@ class ModelRunner:
         self._feed: StepResult | None = None  # ... as of this step's start: its tokens feed this one
         self._up, self._down = PinnedRing(device), PinnedRing(device)  # a step's inputs, its results
         self.graph_steps_after_loads = 0  # graph replays that waited for host->device loads
+        self.steps_fed_in_flight = 0  # steps whose inputs took a token the step in flight sampled (overlap)
         # tensor parallel, rank 0: the other ranks (engine/tp/ranks.py), told of each forward
         self.peers: Peers | None = None
         self.spec: Speculator | None = None  # speculative decoding: its drafts (engine/spec.py)
@@ -181,6 +182,7 @@ class ModelRunner:
             index_checks.check("block_tables", dev.block_tables, kv.shape[1])
             index_checks.check("sample_rows", tail[:ns], n)
         if npend:
+            self.steps_fed_in_flight += 1
             last = self._feed  # the step in flight (build_inputs checked it)
             assert last is not None and last.tokens is not None
             at, rows = tail[ns : ns + npend], tail[ns + npend :]

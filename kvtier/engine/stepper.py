@@ -7,7 +7,8 @@
     drain: the step in flight finished, every copy in flight waited for (close, errors)
 
 :class:`Steps` is a base of :class:`~kvtier.engine.core.EngineCore`: these methods work on the
-core's parts (declared below) and on the step in flight (``_inflight``, overlap scheduling).
+core's parts (declared below) and on the step in flight (``_inflight``, overlap scheduling; read
+it as :attr:`Steps.step_in_flight`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class Steps:
     _exports: Exports  # P: outputs waiting for the pool's acks (engine/pd.py)
     _groups: SampleGroups  # n > 1 (engine/group.py)
     _inflight: _Launched | None  # overlap: the step on the GPU, results not taken
+
+    @property
+    def step_in_flight(self) -> SchedulerOutput | None:
+        """Overlap scheduling: the step launched last whose results the host has not taken yet
+        (the next :meth:`step` takes them), or None."""
+        return self._inflight.out if self._inflight is not None else None
 
     def _launch(self, out: SchedulerOutput, results: list[RequestOutput]) -> _Launched | None:
         """Queue the step (forward and sampling) and advance its requests; None if every one of

@@ -1,5 +1,10 @@
 """Directory backend (``file:///abs/dir?capacity=100GiB``): the embedded pool that persists.
 
+Over 600 lines: one backend that shares its directory with other processes and trusts nothing
+found in it (every shard folder checked before use, the eviction scan and its lock, the retry on
+a full disk, vectored reads and writes); these rules read each other's state, so they stay in
+one class.
+
 Layout: one file per object, ``<dir>/<aa>/<bb>/<name>`` (two levels of 256 shards by a hash of
 the name, so no directory grows past a few thousand entries). Safe with several processes (and
 engines) of one user on one directory:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,8 @@ def test_every_option_is_a_flag_of_the_command(command):
     dests = {a.dest: a for a in _subparser(command)._actions}
     for name in FIELDS:
         assert name in dests, f"{name} has no flag on kvtier {command}"
-        assert dests[name].help and len(dests[name].help) > 10, f"{name}: no help line"
+        help_line = dests[name].help
+        assert help_line is not None and len(help_line) > 10, f"{name}: no help line"
 
 
 def test_every_option_is_documented():
@@ -104,8 +106,9 @@ def test_max_num_seqs_per_request_defaults_to_a_quarter_of_the_slots(checkpoint)
 
 
 def test_an_unknown_option_is_refused_by_name():
+    options: dict[str, Any] = {"num_gpu_blocks": 10}  # as a caller's dict of options may name it
     with pytest.raises(TypeError, match="num_gpu_blocks"):
-        EngineConfig(num_gpu_blocks=10)
+        EngineConfig(**options)
 
 
 def test_keywords_go_over_a_config(checkpoint):
@@ -250,7 +253,7 @@ def test_every_bench_takes_its_engine_flags_from_the_config(monkeypatch):
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
     engine_help = {f.name: f.metadata["help"].split(" (default")[0] for f in fields(EngineConfig)}
-    found = {}
+    found: dict[str, set[str]] = {}  # bench -> the engine options among its flags
     for name, module in {**{n: m for n, (m, _) in BENCHES.items()}, "sim": "kvtier.bench.sim"}.items():
         with pytest.raises(_Parser) as got:
             importlib.import_module(module).main([])

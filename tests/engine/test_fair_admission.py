@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 import kvtier
+from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.request import Status
 
 BS = 8
@@ -22,7 +23,8 @@ def drive(llm, late=(), check=None):
     """Step ``llm`` until idle. ``late``: (step, fn) pairs, ``fn(llm)`` called before that step
     (0-based). Returns (outputs by request id, the step each request first ran in, the step it
     finished in, the sequences each owner ran per step)."""
-    real, per_step = llm.runner.execute, []
+    real = llm.runner.execute
+    per_step: list[Counter[str]] = []  # sequences run per owner, a Counter per step
 
     def spy(out, start_loads=None):
         assert all(s.request.status is Status.RUNNING for s in out.scheduled)  # never a preempted one
@@ -32,7 +34,9 @@ def drive(llm, late=(), check=None):
         return real(out, start_loads)
 
     late = dict(late)
-    outs, first_ran, done_at = {}, {}, {}
+    outs: dict[str, RequestOutput] = {}
+    first_ran: dict[str, int] = {}  # request id -> the step it first ran in
+    done_at: dict[str, int] = {}  # request id -> the step it finished in
     llm.runner.execute = spy
     try:
         step = 0
@@ -165,7 +169,8 @@ def test_owners_share_the_prefill_budget(checkpoint):
     with kvtier.LLM(checkpoint("llama-tiny"), block_size=BS, num_device_blocks=128, max_num_batched_tokens=32) as llm:
         for k in range(2):
             llm.add_request([(k + 3 * i) % 200 + 1 for i in range(120)], params, request_id=f"a{k}", owner="A")
-        real, tokens = llm.runner.execute, []
+        real = llm.runner.execute
+        tokens: list[Counter[str]] = []  # tokens run per owner, a Counter per step
 
         def spy(out, start_loads=None):
             tokens.append(Counter())

@@ -355,7 +355,7 @@ def test_a_failing_request_leaks_nothing_and_the_engine_recovers(checkpoint, ref
         checkpoint(preset), num_device_blocks=64, block_size=8, num_host_blocks=16, write_policy="write_through"
     ) as llm:
         real = llm.runner.execute
-        victim = {"prompt": prompts[1]}
+        victim: dict[str, list[int] | None] = {"prompt": prompts[1]}  # None: nobody fails
 
         def poisoned(out, start_loads=None):  # fails whenever the victim is in the batch
             if any(s.request.prompt_token_ids == victim["prompt"] for s in out.scheduled):

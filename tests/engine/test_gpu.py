@@ -3,6 +3,8 @@ logprobs within tolerance, cache hits (device, host) and routing identical to a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -95,7 +97,8 @@ def test_cuda_graph_decode_equals_eager(preset, checkpoint):
     path = checkpoint(preset)
     prompts = prompts_for(4, lengths=(5, 19, 33, 47, 61))  # 5 sequences: bucket 8
     sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts="moe" in preset)
-    outs = {}
+    outs: dict[bool, list[kvtier.RequestOutput]] = {}  # by graphs on / off
+    hits: dict[bool, kvtier.RequestOutput] = {}  # a device hit's short extend over the cached prompt
     for graphs in (True, False):
         with kvtier.LLM(path, device="cuda", dtype="float32", num_device_blocks=128, cuda_graphs=graphs) as llm:
             assert (llm.runner.decode_graphs is not None) == graphs
@@ -103,14 +106,12 @@ def test_cuda_graph_decode_equals_eager(preset, checkpoint):
             if graphs:
                 assert llm.runner.decode_graphs.runs, "no decode step was replayed from a graph"
                 assert llm.runner.step_graphs.runs, "no prefill step was replayed from a graph"
-                # a device hit's short extend over the cached prompt, replayed too
                 before = llm.runner.step_graphs.runs
-                hit = llm.generate([prompts[-1] + [3, 4, 5]], sp)[0]
-                assert llm.runner.step_graphs.runs > before
-                outs["hit"] = hit
+                hits[graphs] = llm.generate([prompts[-1] + [3, 4, 5]], sp)[0]
+                assert llm.runner.step_graphs.runs > before  # the hit's extend, replayed too
             else:
-                outs["hit_eager"] = llm.generate([prompts[-1] + [3, 4, 5]], sp)[0]
-    assert outs["hit"].token_ids == outs["hit_eager"].token_ids
+                hits[graphs] = llm.generate([prompts[-1] + [3, 4, 5]], sp)[0]
+    assert hits[True].token_ids == hits[False].token_ids
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
         if a.routed_experts is not None:
@@ -163,7 +164,7 @@ def test_bf16_pd_handoff_on_cuda_equals_colocated(n_prompt, checkpoint, tmp_path
     path = checkpoint("qwen3-moe-tiny")
     prompt = prompts_for(7, (n_prompt,))[0]
     sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True, return_routed_experts=True)
-    kw = dict(device="cuda", dtype="bfloat16", num_device_blocks=128, num_host_blocks=64, block_size=16)
+    kw: dict[str, Any] = dict(device="cuda", dtype="bfloat16", num_device_blocks=128, num_host_blocks=64, block_size=16)
     with kvtier.LLM(path, **{k: v for k, v in kw.items() if k != "num_host_blocks"}) as colo:
         want = colo.generate([prompt], sp)[0]
     url = f"file://{tmp_path}"

@@ -58,7 +58,7 @@ def summary(o: kvtier.RequestOutput) -> tuple:
     )
 
 
-def _rounded(entries):  # type: ignore[no-untyped-def]
+def _rounded(entries):
     if entries is None:
         return None
     return [None if e is None else {t: round(v, 4) for t, v in e.items()} for e in entries]
@@ -83,20 +83,7 @@ def held_by_requests(core: EngineCore) -> int:
     return core.cache.device_pool.num_used - sum(n.device_block is not None for n in nodes)
 
 
-def count_placeholder_steps(core: EngineCore) -> list[int]:
-    """Counts the steps whose inputs took a token from the step in flight."""
-    seen = [0]
-    real = core.runner._upload
-
-    def upload(host):  # type: ignore[no-untyped-def]
-        seen[0] += bool(host.pending_at)
-        return real(host)
-
-    core.runner._upload = upload
-    return seen
-
-
-def check_identity(path, moe: bool, **kw) -> None:  # type: ignore[no-untyped-def]
+def check_identity(path, moe: bool, **kw) -> None:
     ps = prompts(5, (3, 9, 14, 5, 20, 7, 11, 4))
     with EngineCore(path, block_size=BS, overlap_schedule=False, **kw) as probe:
         first = probe.add_request(ps[1], kvtier.SamplingParams(max_tokens=6, ignore_eos=True))
@@ -107,14 +94,14 @@ def check_identity(path, moe: bool, **kw) -> None:  # type: ignore[no-untyped-de
     runs = {}
     for overlap in (False, True):
         with EngineCore(path, block_size=BS, overlap_schedule=overlap, **kw) as core:
-            placeholders = count_placeholder_steps(core)
             runs[overlap] = run_all(core, ps, params)
             core.cache.assert_invariants()
             assert held_by_requests(core) == 0 and not core.scheduler.draining
+            fed = core.runner.steps_fed_in_flight  # steps whose inputs took a token from the step in flight
             if overlap:
-                assert placeholders[0] > 10, "overlap on, yet no step read a token still in flight"
+                assert fed > 10, "overlap on, yet no step read a token still in flight"
             else:
-                assert placeholders[0] == 0
+                assert fed == 0
     assert runs[True] == runs[False]
     assert runs[False]["r1"][1] == "stop" and len(runs[False]) == len(ps)
 
@@ -132,10 +119,11 @@ def test_cuda_outputs_with_overlap_equal_those_without(preset, checkpoint):
 
 @cuda
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
-def test_cuda_steady_decode_schedules_and_launches_without_waiting_for_the_gpu(preset, checkpoint):
+def test_cuda_steady_decode_schedules_and_launches_without_waiting_for_the_gpu(preset, checkpoint, monkeypatch):
     """No host sync between a step's results and the next launch in steady decode: scheduling and
-    launching run under torch's sync debug mode "error" (a synchronizing call raises, and a step
-    that raises fails its requests)."""
+    launching (the runner queuing forward and sampling, the scheduler advancing the requests) run
+    under torch's sync debug mode "error" (a synchronizing call raises, and a step that raises
+    fails its requests)."""
     path = checkpoint(preset)
     with EngineCore(path, device="cuda", dtype="bfloat16", block_size=BS, num_device_blocks=256, overlap_schedule=True) as core:
         for i, p in enumerate(prompts(21, (5, 9, 13, 17, 21, 25))):
@@ -143,11 +131,10 @@ def test_cuda_steady_decode_schedules_and_launches_without_waiting_for_the_gpu(p
         for _ in range(3):  # prefills, CUDA graphs captured
             core.step()
         assert len(core.scheduler.running) == 6 and not core.scheduler.waiting
-        real_launch, real_schedule = core._launch, core.scheduler.schedule
         guarded = [0]
 
-        def strict(fn):  # type: ignore[no-untyped-def]
-            def call(*a, **k):  # type: ignore[no-untyped-def]
+        def strict(fn):
+            def call(*a, **k):
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     return fn(*a, **k)
@@ -157,14 +144,15 @@ def test_cuda_steady_decode_schedules_and_launches_without_waiting_for_the_gpu(p
 
             return call
 
-        core._launch, core.scheduler.schedule = strict(real_launch), strict(real_schedule)
         outs = []
-        for _ in range(20):
-            outs += core.step()
-        core._launch, core.scheduler.schedule = real_launch, real_schedule
+        with monkeypatch.context() as strictly:
+            for part, name in ((core.scheduler, "schedule"), (core.runner, "execute"), (core.scheduler, "advance")):
+                strictly.setattr(part, name, strict(getattr(part, name)))
+            for _ in range(20):
+                outs += core.step()
         while core.has_unfinished():
             outs += core.step()
-        assert guarded[0] >= 40 and len(outs) == 6
+        assert guarded[0] >= 3 * 20 and len(outs) == 6
         assert all(o.error is None and len(o.token_ids) == 40 for o in outs), [o.error for o in outs]
 
 
@@ -204,7 +192,8 @@ def test_an_abort_while_its_step_is_in_flight_returns_its_blocks_and_spares_the_
         for _ in range(5):
             for o in core.step():
                 outs[o.request_id] = summary(o)
-        assert core._inflight is not None and any(s.request.request_id == "victim" for s in core._inflight.out.scheduled)
+        in_flight = core.step_in_flight
+        assert in_flight is not None and any(s.request.request_id == "victim" for s in in_flight.scheduled)
         assert core.abort("victim")
         while core.has_unfinished():
             for o in core.step():
@@ -214,7 +203,7 @@ def test_an_abort_while_its_step_is_in_flight_returns_its_blocks_and_spares_the_
         assert held_by_requests(core) == 0 and not core.scheduler.draining
 
 
-def test_a_failing_step_under_overlap_fails_its_request_alone(checkpoint):
+def test_a_failing_step_under_overlap_fails_its_request_alone(checkpoint, monkeypatch):
     path = checkpoint("llama-tiny")
     ps = prompts(17, (6, 8, 10))
     sp = kvtier.SamplingParams(max_tokens=12, ignore_eos=True)
@@ -231,7 +220,7 @@ def test_a_failing_step_under_overlap_fails_its_request_alone(checkpoint):
                     raise RuntimeError("injected: kernel exploded")
             return real(out, start_loads)
 
-        core.runner.execute = poisoned
+        monkeypatch.setattr(core.runner, "execute", poisoned)
         outs = {}
         for i, p in enumerate(ps):
             core.add_request(p, sp, request_id=f"r{i}" if i < 2 else "victim")

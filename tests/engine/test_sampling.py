@@ -4,6 +4,7 @@ give a token id in range; temperature -> 0+ and top_p -> 0+ give the argmax."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -72,8 +73,9 @@ def test_rows_of_a_batch_are_sampled_independently_and_bf16_logits_are_accepted(
 
 @pytest.mark.parametrize("flag", ["ignore_eos", "skip_special_tokens", "return_routed_experts"])
 def test_flags_must_be_bools(flag):
+    as_given: dict[str, Any] = {flag: "yes"}  # as a JSON body may give it: not a bool
     with pytest.raises(ValueError, match=f"{flag} must be a bool, got 'yes'"):
-        SamplingParams(**{flag: "yes"})
+        SamplingParams(**as_given)
 
 
 @pytest.mark.parametrize("vocab", [262, 5_000, 32_000, 128_256, 151_936])
@@ -101,7 +103,7 @@ def test_a_masked_token_s_processed_logprob_is_minus_inf():
     logits = torch.tensor([[2.0, 1.0, float("-inf"), 0.5]])
     params = [SamplingParams(temperature=1.5, logprobs=2, logprobs_mode="processed")]
     tokens, processed = draw(logits, params, [torch.Generator().manual_seed(0)], processed_rows=[0])
-    assert processed[0, 2].item() == float("-inf")
+    assert processed is not None and processed[0, 2].item() == float("-inf")
     assert torch.isfinite(processed[0, [0, 1, 3]]).all() and tokens[0].item() != 2
 
 

@@ -126,6 +126,7 @@ def drawn_counts(params: SamplingParams, seed: int = 0) -> tuple[torch.Tensor, t
     log-distribution ``draw`` reports for the first row."""
     g = torch.Generator().manual_seed(seed)
     tokens, processed = draw(LOGITS.repeat(N, 1), [params] * N, [g] * N, processed_rows=[0])
+    assert processed is not None  # (asked for row 0)
     return torch.bincount(tokens, minlength=VOCAB), processed[0]
 
 
@@ -290,6 +291,7 @@ def test_the_distribution_drawn_from_equals_transformers_warpers_on_random_rows(
         params.append(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=r))
     gens = [torch.Generator().manual_seed(r) for r in range(rows)]
     tokens, processed = draw(logits, params, gens, processed_rows=list(range(rows)))
+    assert processed is not None  # (asked for every row)
     for r, p in enumerate(params):
         want = hf_distribution(logits[r], p.temperature, p.top_k, p.top_p)
         assert want[tokens[r]] > 0, r

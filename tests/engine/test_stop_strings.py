@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 import kvtier
 
@@ -20,6 +20,13 @@ def prompts_for(seed: int, lengths=(6, 15, 27)) -> list[list[int]]:
     # printable ASCII bytes: the model's text then has stretches of plain characters
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(32, 127, (n,), generator=g).tolist() for n in lengths]
+
+
+def decoded(tok: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
+    """The text of one sequence of ids (transformers types ``decode`` as str or a list of them)."""
+    text = tok.decode(token_ids)
+    assert isinstance(text, str)
+    return text
 
 
 def expected(tok, tokens: list[int], stop: str) -> tuple[str, list[int]]:
@@ -88,10 +95,10 @@ def test_stop_strings_wait_for_min_tokens(checkpoint):
     prompt = prompts_for(3, lengths=(8,))[0]
     with kvtier.LLM(path, num_device_blocks=64) as llm:
         ref = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
-        stop = tok.decode(ref.token_ids[:1])
+        stop = decoded(tok, ref.token_ids[:1])
         out = llm.generate([prompt], kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=stop, min_tokens=3))[0]
-    rest = tok.decode(ref.token_ids)
-    later = rest.find(stop, len(tok.decode(ref.token_ids[:3])) - len(stop) + 1)
+    rest = decoded(tok, ref.token_ids)
+    later = rest.find(stop, len(decoded(tok, ref.token_ids[:3])) - len(stop) + 1)
     if later == -1:
         assert out.token_ids == ref.token_ids and out.finish_reason == "length"
     else:

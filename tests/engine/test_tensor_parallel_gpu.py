@@ -6,6 +6,8 @@ swap preemption, storage hits and a PD hand-off. The CPU twin is tests/engine/te
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -45,7 +47,7 @@ def test_two_gpus_read_the_pool_and_take_a_pd_hand_off_as_one_gpu(tmp_path):
     from tests.engine.test_tensor_parallel import pool_run
 
     path = init_model("qwen3-moe-small", tmp_path / "m", seed=0, dtype=torch.float32)
-    gpu = dict(device="cuda", dtype="float32", max_model_len=512)
+    gpu: dict[str, Any] = dict(device="cuda", dtype="float32", max_model_len=512)
     prompts = [p[:56] for p in (list(range(3, 400, 7)), list(range(5, 600, 9)))]
     one = pool_run(path, f"file://{tmp_path / 'one'}", 1, prompts, True, **gpu)
     two = pool_run(path, f"file://{tmp_path / 'two'}", 2, prompts, True, **gpu)
