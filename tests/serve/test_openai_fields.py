@@ -2,7 +2,10 @@
 process: batched prompts x ``n``, ``logprobs`` (completions' and chat's shapes), ``echo``,
 penalties, ``seed``, ``min_tokens``, ``stop``, streaming of several choices, usage, nulls and bad
 values. References: the offline API (``kvtier.LLM.generate``, same engine settings) and the
-official ``openai`` client. PD: a request a hand-off cannot carry runs colocated."""
+official ``openai`` client. PD: a request a hand-off cannot carry runs colocated.
+
+Over 600 lines: one server fixture shared by every field's tests (starting a server per file
+would double the suite's time), so the fields live together."""
 
 from __future__ import annotations
 

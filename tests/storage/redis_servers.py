@@ -2,6 +2,10 @@
 by PID. Every wait has a deadline; every process started here is killed at fixture teardown (and,
 as a last resort, at interpreter exit and when the Python process that started it dies).
 
+Over 600 lines: one harness for every shape of deployment the backend is tested against (a
+single server, TLS, replicas with failover, a cluster), each with its own start, readiness and
+teardown.
+
 Server binary (:func:`find_server_binary`), first found wins:
 
 1. ``$KVTIER_REDIS_SERVER`` (a path),
