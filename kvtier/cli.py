@@ -36,6 +36,7 @@ PRESET_NAMES = (
     "llama3-70b-shape",
     "deepseek-v3-tiny",
     "deepseek-v2-lite-tiny",
+    "deepseek-v3-shape",
     "gpt-oss-tiny",
     "gemma2-tiny",
     "gemma3-tiny",

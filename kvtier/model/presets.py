@@ -320,6 +320,52 @@ PRESETS["deepseek-v2-lite-tiny"] = dict(
     ),
 )
 
+# DeepSeek-V3's widths (671B: 61 layers, the first 3 dense) in three layers, one dense and two MoE
+# (256 routed experts of 2,048, 8 per token from 4 of 8 groups, one shared): ~46 GB of bf16 weights,
+# for GPU benches with load_format="dummy" (write it with config_only=True). Its latent: 576 values
+# per token and layer.
+PRESETS["deepseek-v3-shape"] = dict(
+    config_class="DeepseekV3Config",
+    dtype="bfloat16",
+    kwargs=dict(
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=None,
+    ),
+)
 
 # Hybrid sliding-window / full attention (not served by the engine yet: model/loader.py load_sliding_model).
 # A window of 8 tokens, so that short prompts cross it; values transformers starts at zero or one (biases,

@@ -39,7 +39,7 @@ def test_greedy_tokens_of_random_checkpoint_are_not_constant(checkpoint, hf_mode
     assert len(set(greedy.tolist())) > 5
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-moe-small", "llama3-70b-shape"])
+@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-moe-small", "llama3-70b-shape", "deepseek-v3-shape"])
 def test_benchmark_preset_shapes(preset):
     spec = PRESETS[preset]
     hf_config = getattr(transformers, spec["config_class"])(**spec["kwargs"])
@@ -66,6 +66,9 @@ def test_benchmark_preset_shapes(preset):
             28672,
         )
         assert shard_config(cfg, 8).num_kv_heads == 1
+    elif preset == "deepseek-v3-shape":  # DeepSeek-V3's widths: a latent of 512 + 64 per token and layer
+        assert cfg.kv_kind == "latent" and cfg.kv_layout == (1, 576)
+        assert (cfg.hidden_size, cfg.num_heads, cfg.num_experts, cfg.top_k, cfg.num_moe_layers) == (7168, 128, 256, 8, 2)
     else:
         assert cfg.is_moe and (cfg.num_experts, cfg.top_k, cfg.num_moe_layers) == (32, 4, 8)
 
