@@ -8,7 +8,8 @@ to, streaming requests with their timings, statistics, and one driver for ``--co
     workload (the bench's): requests, each at its time, ───────────►      process, 127.0.0.1),
       at most --max-parallel in flight, streamed                          once per --compare config
     per request: TTFT (first content chunk), inter-token gaps, output tokens, cached prompt
-      tokens (``usage.prompt_tokens_details.cached_tokens``); per tier from kvtier's /metrics
+      tokens (``usage.prompt_tokens_details.cached_tokens``); per tier from kvtier's /metrics,
+      and the server's own TTFT with its stages (``server_ttft``: kvtier servers only)
     ─► table (ratios to the first config), --json PATH, --plot PATH.png
 
 Prompts are token ids (``"prompt": [ids]`` on ``/v1/completions``, which kvtier, vLLM and SGLang
@@ -248,6 +249,33 @@ class Server:
         PD's prefill server's, or a fleet's sum."""
         urls = self.metric_urls if self.policy is not None else self.metric_urls[:1]
         return {k: v for k, v in self._scrape(urls).items() if k != "pending"}
+
+    def ttft_stages(self) -> dict[str, tuple[float, float]]:
+        """The server's TTFT histogram (``ttft``) and each stage of it (``kvtier_request_stage_seconds``)
+        so far, as (sum, count) summed over the servers :meth:`metrics` reads (PD: the prefill
+        server's, whose first token the router streams); empty if not kvtier."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        urls = self.metric_urls if self.policy is not None else self.metric_urls[:1]
+        out: dict[str, tuple[float, float]] = {}
+        for url in urls:
+            try:
+                text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+                fams = list(text_string_to_metric_families(text))
+            except Exception:  # not kvtier, or no metrics
+                continue
+            for fam in fams:
+                if fam.name not in ("kvtier_time_to_first_token_seconds", "kvtier_request_stage_seconds"):
+                    continue
+                for smp in fam.samples:
+                    kind = smp.name.rsplit("_", 1)[-1]
+                    if kind not in ("sum", "count"):
+                        continue
+                    key = smp.labels.get("stage", "ttft")
+                    total, n = out.get(key, (0.0, 0.0))
+                    out[key] = (total + smp.value, n) if kind == "sum" else (total, n + smp.value)
+        return out
 
     def _scrape(self, urls: list[str]) -> dict[str, float]:
         """Cached tokens per tier and ``pending`` (copies not landed), summed over ``urls``;
@@ -861,6 +889,7 @@ def measure(
         server.token_ids = token_ids
     settled = server.settle()
     before = server.metrics()
+    stages_before = server.ttft_stages()
     with progress(count, label, args.progress) as tick:
         t0 = time.perf_counter()
         records = asyncio.run(_with_client(workload, server, args, tick))
@@ -869,6 +898,7 @@ def measure(
     res = summarize(records, wall)
     res["server_stats"] = server.cache_stats()  # each kvtier server's /kvtier/stats at the end
     res["cached_tokens_by_tier"] = {t: after[t] - before.get(t, 0) for t in after}
+    res["server_ttft"] = server_ttft(stages_before, server.ttft_stages())
     sent = sorted(warm + records, key=lambda r: r.start)
     res["errors"] = list(dict.fromkeys(r.error for r in sent if r.error))[:5]  # distinct, the first sent first
     if server.policy is not None and res["prompt_tokens"]:
@@ -881,6 +911,24 @@ def measure(
         "settle": settled,
     }
     return res, records
+
+
+def server_ttft(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict | None:
+    """What a kvtier server measured of the requests between two :meth:`Server.ttft_stages`
+    scrapes: its mean TTFT (from each request's arrival at the server) and the mean of each of
+    its stages (``parse_and_tokenize``, ``queue``, ``prefetch``, ``prefill``, ``first_token_out``:
+    docs/SERVING.md; None: no request went through it), in seconds, and how many requests had a
+    first token (``count``); None for another server."""
+    if "ttft" not in after:
+        return None
+
+    def mean(key: str) -> float | None:
+        (total, n), (total0, n0) = after.get(key, (0.0, 0.0)), before.get(key, (0.0, 0.0))
+        return (total - total0) / (n - n0) if n > n0 else None
+
+    count = after["ttft"][1] - before.get("ttft", (0.0, 0.0))[1]
+    stages = {k: mean(k) for k in after if k != "ttft"}
+    return {"count": int(count), "ttft_mean_s": mean("ttft"), "stages_mean_s": stages}
 
 
 def predict_fleet(args: Any, server: Server, warm: list[Record], records: list[Record], stats: dict) -> dict | None:

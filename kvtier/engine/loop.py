@@ -55,6 +55,7 @@ from kvtier.engine.wire import (
     decode_command,
     encode,
     error_kind,
+    first_token_stages,
 )
 
 log = logging.getLogger(__name__)
@@ -416,4 +417,6 @@ class EngineLoop:
         delta = RequestDelta(req.request_id, samples, output=out, export=export)
         if first and out is None:  # a stream can say what was cached with its first token
             delta.cached = CachedTokens(req.num_cached_tokens or 0, dict(req.cached_tokens_by_tier))
+        if first and any(s.token_ids for s in samples):  # where its time went, as this process measured it
+            delta.stages = first_token_stages(req.metrics if out is None else out.metrics or req.metrics)
         return delta

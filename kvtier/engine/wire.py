@@ -13,8 +13,9 @@ whose items mean something by their place::
         EngineOutputs   what one iteration of the engine loop says:
           deltas        a RequestDelta per request whose tokens moved in it: new tokens per
                         sample (SampleDelta: ids, logprobs, finish reason), the prompt tokens not
-                        computed (CachedTokens) on its first, P's export names with its first
-                        token, the final RequestOutput on its last; or why it was refused
+                        computed (CachedTokens) on its first, P's export names and the engine's
+                        stages (FirstTokenStages) with its first token, the final RequestOutput
+                        on its last; or why it was refused
           results       the CallResults of the calls it ran
           status        queue lengths and the pool's health (EngineStatus), when they changed
           dead          why the engine stopped, in its very last message
@@ -121,11 +122,38 @@ class RequestError(msgspec.Struct):
     message: str
 
 
+class FirstTokenStages(msgspec.Struct):
+    """Where a request's time in the engine went up to its first token, in seconds, each measured
+    on the engine's own clock (durations, so the serving process never compares its clock with
+    the engine's): ``queue`` from the engine taking the request to its admission (waiting for
+    device room; to the start of its storage prefetch if it had one), ``prefetch`` from that
+    start to its admission (None: no prefetch), ``prefill`` from its admission to its first
+    token sampled (its tokens' results on the host)."""
+
+    queue: float
+    prefill: float
+    prefetch: float | None = None
+
+
+def first_token_stages(metrics: dict[str, float]) -> FirstTokenStages | None:
+    """The stages of a request's ``metrics`` (engine/request.py's monotonic times); None if it
+    has no first token or admission yet, or its first token came from elsewhere (D of a PD
+    hand-off: P's)."""
+    arrival, admitted, first = metrics.get("arrival"), metrics.get("admitted"), metrics.get("first_token")
+    if arrival is None or admitted is None or first is None or first < admitted:
+        return None
+    start = metrics.get("prefetch_start")
+    if start is None or not arrival <= start <= admitted:
+        return FirstTokenStages(admitted - arrival, first - admitted)
+    return FirstTokenStages(start - arrival, first - admitted, admitted - start)
+
+
 class RequestDelta(msgspec.Struct):
     """What one engine iteration says of one request: its samples' new tokens; on its first
     delta the prompt tokens not computed (``cached``) and, P of a hand-off, the manifest's names
-    of the blocks on their way (``export``); on its last the finished ``output`` (every sample);
-    or only ``error`` (refused, or the engine stopped)."""
+    of the blocks on their way (``export``); with its first token where its time in the engine
+    went (``stages``); on its last the finished ``output`` (every sample); or only ``error``
+    (refused, or the engine stopped)."""
 
     request_id: str
     samples: list[SampleDelta] = []
@@ -133,6 +161,7 @@ class RequestDelta(msgspec.Struct):
     export: dict[str, Any] | None = None
     output: RequestOutput | None = None
     error: RequestError | None = None
+    stages: FirstTokenStages | None = None
 
 
 class CallResult(msgspec.Struct):

@@ -54,6 +54,7 @@ import logging
 import os
 import secrets
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Iterable, Iterator
 
@@ -63,7 +64,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.cache.manager import TIERS
 from kvtier.engine.client import EngineClient
 from kvtier.engine.params import SamplingParams
-from kvtier.engine.wire import CachedTokens, EngineDead, EngineRequest, QueueFull, RequestDelta
+from kvtier.engine.wire import (
+    CachedTokens,
+    EngineDead,
+    EngineRequest,
+    FirstTokenStages,
+    QueueFull,
+    RequestDelta,
+    first_token_stages,
+)
 from kvtier.model.hub import name_form, same_name
 from kvtier.redact import redact
 from kvtier.serve import asgi, sglang, tokenize
@@ -88,6 +97,24 @@ WRITE_BYTES = 256 * 1024  # a large answer is written in parts of about this siz
 ROLES = ("colocated", "prefill", "decode")
 # what /health shows of the pool without --expose-config: its state, never its address or errors
 PUBLIC_POOL_FIELDS = ("ok", "breaker_open", "failures_in_a_row", "last_error_s_ago", "last_ok_s_ago")
+
+
+# the moment the server's ASGI app received the HTTP request being served (time.monotonic(), this
+# process's clock): where its TTFT starts
+_ARRIVAL: ContextVar[float | None] = ContextVar("kvtier_arrival", default=None)
+
+
+class _Arrival:
+    """The outermost ASGI layer of a server: notes when each HTTP request arrived (``_ARRIVAL``,
+    which the request's handler and its response's body see: they run in its context)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            _ARRIVAL.set(time.monotonic())
+        await self.app(scope, receive, send)
 
 
 def check_role(role: str, has_storage: bool) -> None:
@@ -125,6 +152,9 @@ class _Gen:
     finish_reason: str | None = None  # None at the end: aborted (the client went away)
     num_generated: int = 0  # tokens received so far, every sample (an aborted request's count)
     cached: CachedTokens | None = None  # prompt tokens not computed (and by tier), from the first delta on
+    sent: float = 0.0  # monotonic: handed to the engine
+    stages: FirstTokenStages | None = None  # the engine's, with its first token
+    unwritten: bool = False  # a stream's first token came, its chunk is not written yet (TTFT then)
 
 
 @dataclass(eq=False)
@@ -138,6 +168,7 @@ class _Call:
     model: str
     gens: list[_Gen]
     echo_only: bool = False  # echo with max_tokens=0: nothing generated is shown
+    arrival: float = 0.0  # monotonic: the HTTP request received (TTFT starts here)
 
     @property
     def choices(self) -> list[_Choice]:
@@ -196,10 +227,12 @@ class Server:
         self.metrics = ServerMetrics()
         self.created = int(time.time())  # /v1/models' created: when this server started serving
         self.api = self._build()
-        self.app = asgi.FastGet(
-            asgi.wrap(self.api, api_key, ("/v1/", "/kvtier/", *tokenize.KEY_PATHS, *sglang.KEY_PATHS), max_body_bytes),
-            "/health",
-            self.health,
+        self.app = _Arrival(
+            asgi.FastGet(
+                asgi.wrap(self.api, api_key, ("/v1/", "/kvtier/", *tokenize.KEY_PATHS, *sglang.KEY_PATHS), max_body_bytes),
+                "/health",
+                self.health,
+            )
         )
 
     def close(self) -> None:
@@ -424,6 +457,7 @@ class Server:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
     async def _start(self, kind: str, body: Any, export: bool = False) -> _Call:
+        arrival = _ARRIVAL.get() or time.monotonic()
         if not self.serves(body.model):
             raise APIError(404, f"model {body.model!r} is not served here (this server serves {self.model_name!r})", "model")
         handoff = body.kvtier_handoff
@@ -533,7 +567,7 @@ class Server:
             )
             for i, (req, p, ids) in enumerate(zip(reqs, prompts, ids_of))
         ]
-        return _Call(kind, body, rid, created, self.model_name, gens, echo_only)
+        return _Call(kind, body, rid, created, self.model_name, gens, echo_only, arrival)
 
     def _failure(self, out: Any) -> APIError:
         """The error of a failed output: a PD hand-off that could not be served (502), or a step
@@ -651,10 +685,8 @@ class Server:
                     return
             t_prev = None
             started = False
-            # TTFT counts from here, the request handed to the engine, to its first token here: the
-            # engine's own clock starts when it takes the request, between steps, and leaves out
-            # the wait for the step in progress (a prefill's, tens of ms) that every client sees
-            t_sent = time.monotonic()
+            stream = bool(call.body.stream)
+            gen.sent = time.monotonic()  # parse_and_tokenize ends here (TTFT counts from the call's arrival)
             agen = self.engine.generate(gen.req)
             try:
                 async for delta in agen:
@@ -678,7 +710,11 @@ class Server:
                         if toks and t_prev is not None:
                             self.metrics.itl.observe((now - t_prev) / len(toks))
                         elif toks and not replay:  # (D of a hand-off: its first token was P's)
-                            self.metrics.ttft.observe(now - t_sent)
+                            gen.stages = delta.stages
+                            if stream:  # TTFT once its chunk is written (_first_written)
+                                gen.unwritten = True
+                            else:
+                                self.metrics.first_token(call.arrival, gen.sent, now, gen.stages)
                         if toks:
                             t_prev = now
                         choice = gen.choices[sample.index]
@@ -706,6 +742,13 @@ class Server:
                 await agen.aclose()
             out = gen.output
             gen.finish_reason = out.finish_reason
+
+    def _first_written(self, call: _Call, choice: _Choice) -> None:
+        """A stream's chunk with tokens of ``choice`` is written: its request's TTFT if it is its first."""
+        gen = call.gen_of(choice)
+        if gen.unwritten:
+            gen.unwritten = False
+            self.metrics.first_token(call.arrival, gen.sent, time.monotonic(), gen.stages)
 
     async def _events(
         self, call: _Call, replay: bool = False, emit_replayed: bool = False
@@ -842,7 +885,10 @@ class Server:
                         shape["logprobs"] = self._logprobs(call, piece.token_ids, piece.logprobs or [], choice)
                     if piece.end:
                         self._extras(call, call.gen_of(choice), choice, shape)
-                    yield _data(c)
+                    data = _data(c)
+                    if piece.token_ids:
+                        self._first_written(call, choice)
+                    yield data
             so = body.stream_options
             if so is not None and so.include_usage:
                 yield _data(
@@ -960,6 +1006,7 @@ class Server:
         async def events() -> AsyncGenerator[RequestDelta, None]:
             """The first token's delta, then the output (the request's whole time in the engine)."""
             with self._engine_errors(gen):
+                gen.sent = time.monotonic()
                 async for delta in self.engine.generate(gen.req):
                     if delta.output is not None:
                         gen.output = delta.output
@@ -968,6 +1015,7 @@ class Server:
                         return
                     if _sample0(delta):
                         gen.num_generated += len(_sample0(delta))
+                        gen.stages = gen.stages or delta.stages
                         yield delta
 
         it = events()
@@ -1011,7 +1059,13 @@ class Server:
 
         async def lines() -> AsyncIterator[str]:
             try:
-                yield json.dumps(head, separators=(",", ":")) + "\n"
+                line = json.dumps(head, separators=(",", ":")) + "\n"
+                # P's TTFT: the first token's line written (its stages: the first delta's, or the output's)
+                stages = gen.stages or first.stages
+                if stages is None and out is not None and out.metrics:
+                    stages = first_token_stages(out.metrics)
+                self.metrics.first_token(call.arrival, gen.sent, time.monotonic(), stages)
+                yield line
                 last, err = out, None
                 if last is None:
                     try:
@@ -1025,9 +1079,6 @@ class Server:
                     yield json.dumps(error_body(err.status, err.message)) + "\n"
                     return
                 assert last is not None  # (else err is set above)
-                m = last.metrics or {}
-                if "first_token" in m:
-                    self.metrics.ttft.observe(m["first_token"] - m["arrival"])
                 if last.handoff.get("seconds") is not None:
                     self.metrics.export.observe(last.handoff["seconds"])
                 yield json.dumps({"manifest": last.handoff}, separators=(",", ":")) + "\n"

@@ -1,13 +1,15 @@
 """Prometheus metrics of one server (DESIGN §6 names), in a registry of its own.
 
-Per-request figures (tokens, cached tokens by tier, TTFT, inter-token latency, PD hand-off results)
-are counted as requests end, however they end: ``kvtier_requests_total{finish_reason}`` has
-``stop`` / ``length`` / ``abort`` (the client went away; its tokens so far are counted) / ``error``
-/ ``prefill`` (P's half of a hand-off). The cache's own counters (bytes moved, evictions, storage
-failures), the blocks of each tier (``kvtier_tier_blocks{tier,state}``), the copies not landed yet
-(``kvtier_copies_pending``) and the queue gauges are read from a snapshot the engine thread takes
-at scrape time. The HTTP side's bounds (serve/guard.py: refusals, timeouts, throttles, connections
-open) come from :class:`ConnectionCollector`, in the server's registry and in the router's.
+TTFT (from a request's arrival at the server) and its stages (``kvtier_request_stage_seconds``)
+are counted as a request's first token is written; the other per-request figures (tokens, cached
+tokens by tier, inter-token latency, PD hand-off results) as requests end, however they end:
+``kvtier_requests_total{finish_reason}`` has ``stop`` / ``length`` / ``abort`` (the client went
+away; its tokens so far are counted) / ``error`` / ``prefill`` (P's half of a hand-off). The
+cache's own counters (bytes moved, evictions, storage failures), the blocks of each tier
+(``kvtier_tier_blocks{tier,state}``), the copies not landed yet (``kvtier_copies_pending``) and
+the queue gauges are read from a snapshot the engine thread takes at scrape time. The HTTP side's
+bounds (serve/guard.py: refusals, timeouts, throttles, connections open) come from
+:class:`ConnectionCollector`, in the server's registry and in the router's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from kvtier.engine.wire import FirstTokenStages
     from kvtier.serve.guard import Guard
+
+# kvtier_request_stage_seconds' stages, in a request's order: they add up to its TTFT
+STAGES = ("parse_and_tokenize", "queue", "prefetch", "prefill", "first_token_out")
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -107,7 +113,19 @@ class ServerMetrics:
         self.waiting = Gauge("kvtier_requests_waiting", "requests waiting for admission", registry=r)
         self.ttft = Histogram(
             "kvtier_time_to_first_token_seconds",
-            "request handed to the engine to its first token back at the server (the wait for the engine included)",
+            "a request's arrival at the server (its HTTP request received) to its first token written to the "
+            "response (streaming: the first chunk with a token; else the first token back from the engine): "
+            "parsing, tokenization, the hops to the engine and back and the engine's time, as clients see it",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.stages = Histogram(
+            "kvtier_request_stage_seconds",
+            "where a request's time to first token went, by stage: parse_and_tokenize (arrival to the request "
+            "sent to the engine) | queue (the engine taking it to its admission, or to its storage prefetch) | "
+            "prefetch (its storage prefetch's start to its admission) | prefill (admission to its first token "
+            "sampled) | first_token_out (the rest: the hops to the engine and back, detokenization, the write)",
+            ["stage"],
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
@@ -130,12 +148,32 @@ class ServerMetrics:
             self.cached_tokens.labels(tier)
         for result in ("ok", "recomputed", "error"):
             self.handoffs.labels(result)
+        for stage in STAGES:
+            self.stages.labels(stage)
         self._cache = _CacheCollector()
         r.register(self._cache)
 
     def watch_connections(self, guard: Guard) -> None:
         """Scrapes show ``guard``'s counters too (the HTTP process's connections)."""
         self.registry.register(ConnectionCollector(guard))
+
+    def first_token(self, arrival: float, sent: float, written: float, stages: FirstTokenStages | None) -> None:
+        """A request's first token written: TTFT and its stages. ``arrival``, ``sent`` (the request
+        handed to the engine) and ``written``: this process's monotonic times; ``stages``: the
+        engine's durations (its own clock), None if it sent none. ``first_token_out`` is what is
+        left of TTFT once the others are taken (so the stages add up to it): the hop to the engine
+        (and its wait for the step in progress, as it takes requests between steps), the first
+        token's way back, its detokenization and its write."""
+        self.ttft.observe(written - arrival)
+        self.stages.labels("parse_and_tokenize").observe(max(0.0, sent - arrival))
+        if stages is None:
+            return
+        self.stages.labels("queue").observe(stages.queue)
+        if stages.prefetch is not None:
+            self.stages.labels("prefetch").observe(stages.prefetch)
+        self.stages.labels("prefill").observe(stages.prefill)
+        engine = stages.queue + (stages.prefetch or 0.0) + stages.prefill
+        self.stages.labels("first_token_out").observe(max(0.0, written - sent - engine))
 
     def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int, output=None) -> None:
         """One request ended; ``output``: the engine's final output, None if it had none (aborted,

@@ -468,7 +468,10 @@ class _Shape:
                 # a chunk per token (the text and ids so far, as SGLang streams them); the last
                 # one of a choice carries its finish_reason
                 if piece is not None and (piece.token_ids or piece.end):
-                    yield _data(self.choice(piece.choice, final=piece.end))
+                    data = _data(self.choice(piece.choice, final=piece.end))
+                    if piece.token_ids:
+                        self.server._first_written(self.call, piece.choice)  # TTFT
+                    yield data
         except APIError as e:
             yield sse_error(e)
         finally:
