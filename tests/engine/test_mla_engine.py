@@ -121,3 +121,28 @@ def test_speculative_decoding_and_tensor_parallelism_are_refused_by_name(checkpo
         kvtier.LLM(path, num_device_blocks=16, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="attention_backend='triton' is not supported for DeepseekV3ForCausalLM"):
         kvtier.LLM(path, num_device_blocks=16, attention_backend="triton")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (one H200 runs it: pytest tests/engine/test_mla_engine.py)"
+)
+@pytest.mark.parametrize("preset", MLA_PRESETS)
+def test_cuda_latent_cache_through_device_host_and_storage_hits_matches_transformers(preset, checkpoint, reference, tmp_path):
+    """On a GPU (fp32, torch attention, the latent copy kernels): cold, a device hit, a host hit and a
+    storage hit all give transformers' greedy tokens."""
+    a, b, c = prompts_for(6, lengths=(60, 60, 60))
+    want = reference(preset, [a])[0]
+    kw = dict(device="cuda", dtype="float32", block_size=8, write_policy="write_through")
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, num_host_blocks=64, **kw) as llm:
+        assert llm.generate([a], GREEDY)[0].token_ids == want
+        device_hit = llm.generate([a], GREEDY)[0]
+        assert device_hit.cached_tokens_by_tier["device"] > 0 and device_hit.token_ids == want
+        llm.generate([b], GREEDY)  # a leaves the device tier; the host tier holds both
+        host_hit = llm.generate([a], GREEDY)[0]
+        assert host_hit.cached_tokens_by_tier["host"] > 0 and host_hit.token_ids == want
+    with kvtier.LLM(checkpoint(preset), num_device_blocks=10, num_host_blocks=8, storage=f"file://{tmp_path}/p", **kw) as llm:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)  # a is now only in storage
+        storage_hit = llm.generate([a], GREEDY)[0]
+        assert storage_hit.cached_tokens_by_tier["storage"] > 0 and storage_hit.token_ids == want
