@@ -166,3 +166,16 @@ def set_kv_scales(model: torch.nn.Module, scales: list[torch.Tensor] | None, dev
     for m in model.modules():
         if hasattr(m, "kv_scale") and hasattr(m, "layer_idx"):
             m.kv_scale = None if scales is None else scales[m.layer_idx].to(device)
+
+
+def kv_scales_for(path: Path, model: torch.nn.Module, dtype: torch.dtype, load_format: str = "auto") -> tuple[list[torch.Tensor], str]:
+    """``model``'s scales for a ``dtype`` cache and where they came from: ``"checkpoint"`` (its
+    k_scale/v_scale, :func:`checkpoint_kv_scales`) or ``"calibrated"`` (:func:`calibrate`)."""
+    cfg = model.config  # type: ignore[attr-defined]  # (a CausalLM's)
+    if load_format != "dummy":
+        from kvtier.model.loader import safetensors_files
+
+        scales = checkpoint_kv_scales(safetensors_files(path), cfg.kv_layout, cfg.num_layers, cfg.num_kv_layers)
+        if scales is not None:
+            return scales, "checkpoint"
+    return calibrate(model, dtype), "calibrated"
