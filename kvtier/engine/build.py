@@ -77,6 +77,7 @@ class EngineParts:
     fetch_cost: FetchCostModel | None  # the pool's fetch-vs-recompute cost model
     cache: CacheManager
     kv_caches: list[torch.Tensor]  # per layer; num_device_blocks + 1 blocks (the last: scratch)
+    kv_scales: list[torch.Tensor] | None  # an fp8 cache's scales per layer (model/kv_quant.py); None: not quantized
     host: HostKV | None  # the pinned host tier (None: no host tier)
     routing: ExpertCapture | None  # MoE routing capture (R3)
     transfer: TransferEngine | TPTransfer
@@ -222,6 +223,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
             fetch_cost=fetch_cost,
             cache=cache,
             kv_caches=kv_caches,
+            kv_scales=kv_scales,
             host=host,
             routing=routing,
             transfer=transfer,
