@@ -51,7 +51,8 @@ from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, host_kv_shape, load_model, weights_digest
 from kvtier.model.families import CausalLM
 from kvtier.model.hub import resolve_model
-from kvtier.model.kv_quant import is_fp8, kv_cache_torch_dtype, kv_scales_for, scales_digest, set_kv_scales
+from kvtier.model.kv_quant import is_fp8, kv_cache_torch_dtype, scales_digest
+from kvtier.model.kv_scales import kv_scales_for, set_kv_scales
 from kvtier.model.shard import TPShard
 from kvtier.model.tokenizer import load_tokenizer
 from kvtier.storage.client import StorageClient

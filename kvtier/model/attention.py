@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.model.kv_quant import quantize
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -118,8 +120,6 @@ def write_kv(
         flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
         flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
         return
-    from kvtier.model.kv_quant import quantize
-
     # fp8 has no index_copy_ on the CPU: the quantized bytes move as uint8
     raw = flat.view(torch.uint8)
     for plane, x in enumerate((key, value)):
@@ -142,9 +142,9 @@ def reference_attention(
     ``window``: a query at position p sees keys p - window + 1 .. p (None: 0 .. p); ``sinks``
     [num_heads]: a logit per head in every softmax's denominator; ``softcap``: scores become
     softcap * tanh(score / softcap) (module docstring); ``kv_scale`` [2, num_kv_heads]: an fp8
-    cache's scales, K and V dequantized as they are read (model/kv_quant.py). Plain torch, one sequence at a time, softmax
-    in fp32; keys below every query's window are not read. The reference every backend is checked
-    against; also the CPU backend.
+    cache's scales, K and V dequantized as they are read (model/kv_quant.py). Plain torch, one
+    sequence at a time, softmax in fp32; keys below every query's window are not read. The
+    reference every backend is checked against; also the CPU backend.
     """
     check_attention_options(query, window, sinks, softcap)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

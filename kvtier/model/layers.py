@@ -214,8 +214,12 @@ class SelfAttention(nn.Module):
         if layer_hook is not None:
             layer_hook(self.layer_idx)  # e.g. wait until this layer's KV has arrived from the host tier
         q_norm, k_norm = self.q_norm, self.k_norm
-        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None)
-        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms, kv_scale=self.kv_scale)  # (q/k norm,) RoPE, KV write
+        q_w, k_w, eps = (
+            (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None, 1e-6)
+        )
+        q = rope_write_kv(
+            q, k, v, cos, sin, kv_cache, meta.slot_mapping, q_w, k_w, eps, self.kv_scale
+        )  # (q/k norm,) RoPE, KV write
         return self.attend(q, kv_cache, meta, attn_fn)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -516,7 +516,9 @@ def triton_attention(
         raise ValueError(f"query has {num_tokens} tokens, metadata {sum(meta.query_lens_cpu)}")
     check_attention_options(query, window, sinks, softcap)
     if kv_scale is not None and (tuple(kv_scale.shape) != (2, num_kv_heads) or kv_scale.device != query.device):
-        raise ValueError(f"kv_scale must be [2, {num_kv_heads}] on {query.device}, got {tuple(kv_scale.shape)} on {kv_scale.device}")
+        raise ValueError(
+            f"kv_scale must be [2, {num_kv_heads}] on {query.device}, got {tuple(kv_scale.shape)} on {kv_scale.device}"
+        )
     if kv_scale is not None:
         kv_scale = kv_scale.float().contiguous()
 

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvtier.model.attention import AttentionMetadata, reference_attention, write_kv  # noqa: E402
-from kvtier.model.kv_quant import calibration_ids, checkpoint_kv_scales, kv_cache_torch_dtype, scale_from_amax  # noqa: E402
+from kvtier.model.kv_quant import kv_cache_torch_dtype, scale_from_amax  # noqa: E402
+from kvtier.model.kv_scales import calibration_ids, checkpoint_kv_scales  # noqa: E402
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -147,7 +148,9 @@ def test_cuda_triton_fp8_attention_matches_the_reference(dtype, compute):
     from kvtier.model.triton_attention import triton_attention
 
     for num_tokens in (1, 300):
-        q, k, v, kv, kv_scale, _ = fp8_case(dtype, num_tokens=num_tokens, num_heads=32, num_kv_heads=8, head_dim=128, device="cuda")
+        q, k, v, kv, kv_scale, _ = fp8_case(
+            dtype, num_tokens=num_tokens, num_heads=32, num_kv_heads=8, head_dim=128, device="cuda"
+        )
         kv_scale = torch.rand(2, 8, device="cuda") * 0.05 + 0.005
         num_blocks = kv.shape[1]
         ctx = 700 if num_tokens == 1 else num_tokens
