@@ -5,6 +5,7 @@ and part of the model's namespace. fp32 compute on CPU."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -85,11 +86,14 @@ def test_logprobs_match_fp8_transformers_and_not_fp32_kv(checkpoint):
         assert max(abs(a - b) for a, b in zip(ours, unquantized)) > 1e-2
 
 
-def test_checkpoint_scales_are_used_as_they_are(scaled_checkpoint):
+def test_checkpoint_scales_are_used_as_they_are(scaled_checkpoint, caplog):
     cfg = ModelConfig.from_hf_dir(scaled_checkpoint)
     prompts = prompts_for(7, lengths=(30, 45))
     params = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    with kvtier.LLM(scaled_checkpoint, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8) as llm:
+    with caplog.at_level(logging.INFO, logger="kvtier.engine.build"):
+        llm = kvtier.LLM(scaled_checkpoint, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8)
+    assert "KV cache fp8, scales checkpoint" in caplog.text  # (the startup log says which)
+    with llm:
         assert llm.startup.kv_cache is not None and llm.startup.kv_cache["scales"] == "checkpoint"
         scales = llm.kv_scales
         outs = llm.generate(prompts, params)
