@@ -13,7 +13,7 @@ HOOK = "fp8_kv_reference"
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` [batch, kv_heads, seq, head_dim] through fp8 and back, ``scale`` [kv_heads]."""
+    """``x`` [batch, kv_heads, seq, head_dim] through fp8 and back, ``scale`` [kv_heads] (or [1])."""
     s = scale.float()[None, :, None, None]
     limit = torch.finfo(dtype).max
     return ((x.float() / s).clamp(-limit, limit).to(dtype).float() * s).to(x.dtype)
@@ -31,14 +31,29 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
 
 def hf_fp8_model(path, scales: list[torch.Tensor] | None, dtype: torch.dtype = torch.float8_e4m3fn):
     """The checkpoint at ``path`` in transformers (fp32), each layer's K and V through fp8 with
-    ``scales[layer]`` [2, num_kv_heads] (None: plain fp32 KV)."""
+    ``scales[layer]`` [2, num_kv_heads] (a latent: its one scale [1]; None: plain fp32 KV)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register(HOOK, _attention)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=HOOK).eval()
     for i, layer in enumerate(hf.model.layers):
-        layer.self_attn.fp8_kv = None if scales is None else (scales[i].float().cpu(), dtype)
+        attn = layer.self_attn
+        if hasattr(attn, "expand_kv"):  # latent attention: the cached latent, before K/V are rebuilt from it
+            if scales is not None:
+                attn.expand_kv = _quantized_latent(attn.expand_kv, scales[i].float().cpu(), dtype)
+            continue
+        attn.fp8_kv = None if scales is None else (scales[i].float().cpu(), dtype)
     return hf
+
+
+def _quantized_latent(expand_kv, scale: torch.Tensor, dtype: torch.dtype):
+    """DeepSeek's ``expand_kv(kv_nope, k_rot)`` over the cached latent (c_kv, roped k_pe) through
+    fp8 and back, one scale for the whole latent."""
+
+    def expand(kv_nope, k_rot, *args, **kwargs):
+        return expand_kv(fake_quantize(kv_nope, scale, dtype), fake_quantize(k_rot, scale, dtype), *args, **kwargs)
+
+    return expand
 
 
 def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -190,3 +190,28 @@ def test_bad_kv_cache_dtype_and_tensor_parallelism_are_refused_by_name(checkpoin
         kvtier.LLM(checkpoint(PRESET), kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' runs on one rank"):
         kvtier.LLM(checkpoint(PRESET), kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3-tiny"])
+def test_latent_cache_in_fp8_matches_transformers_cold_and_through_host_and_storage(preset, checkpoint, fp8_reference, tmp_path):
+    """Latent attention: the latent is quantized as one vector with one scale per layer."""
+    path = checkpoint(preset)
+    cfg = ModelConfig.from_hf_dir(path)
+    a, b, c = prompts_for(6, lengths=(60, 60, 60))
+    kw = dict(kv_cache_dtype="fp8", block_size=8, write_policy="write_through")
+    with kvtier.LLM(path, num_device_blocks=12, num_host_blocks=64, **kw) as llm:
+        assert all(tuple(s.shape) == (1,) for s in llm.kv_scales) and len(llm.kv_scales) == cfg.num_layers
+        assert llm.kv_caches[0].dtype == torch.float8_e4m3fn
+        want = fp8_reference(path, llm.kv_scales, [a])[0]
+        assert llm.generate([a], GREEDY)[0].token_ids == want
+        assert llm.generate([a], GREEDY)[0].token_ids == want  # a device hit
+        llm.generate([b], GREEDY)  # pushes a's blocks out of the device tier
+        host = llm.generate([a], GREEDY)[0]
+        assert host.cached_tokens_by_tier["host"] > 0 and host.token_ids == want
+    with kvtier.LLM(path, num_device_blocks=10, num_host_blocks=8, storage=f"file://{tmp_path}/pool", **kw) as llm:
+        assert llm.generate([a], GREEDY)[0].token_ids == want
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)  # a is now only in storage
+        again = llm.generate([a], GREEDY)[0]
+        assert again.cached_tokens_by_tier["storage"] > 0 and again.token_ids == want
+    assert want != hf_greedy(hf_fp8_model(path, None), [a], MAX_TOKENS)[0]  # (fp8 is visible in these tokens)
