@@ -215,3 +215,33 @@ def test_latent_cache_in_fp8_matches_transformers_cold_and_through_host_and_stor
         again = llm.generate([a], GREEDY)[0]
         assert again.cached_tokens_by_tier["storage"] > 0 and again.token_ids == want
     assert want != hf_greedy(hf_fp8_model(path, None), [a], MAX_TOKENS)[0]  # (fp8 is visible in these tokens)
+
+
+def _run(core, **add):
+    req = core.add_request(**add)
+    for _ in range(10_000):
+        for out in core.step():
+            if out.request_id == req.request_id:
+                core.cache.assert_invariants()
+                return out
+    raise AssertionError("request never finished")
+
+
+@pytest.mark.parametrize("n_prompt", [37, 40])  # a partial last block, and none
+def test_pd_handoff_with_fp8_kv_matches_transformers(checkpoint, fp8_reference, tmp_path, n_prompt):
+    """P exports a prompt's fp8 blocks (the partial last one too) to the pool, D loads all of them
+    and continues: transformers' tokens with fp8 K/V."""
+    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.core import EngineCore
+
+    path = checkpoint(PRESET)
+    prompt = prompts_for(9, lengths=(n_prompt,))[0]
+    config = EngineConfig(kv_cache_dtype="fp8", num_host_blocks=64, block_size=8)
+    url = f"file://{tmp_path}"
+    with EngineCore(path, config, storage=url) as p, EngineCore(path, config, storage=url) as d:
+        want = fp8_reference(path, p.kv_scales, [prompt])[0]
+        first = _run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True)
+        assert first.handoff["complete"] and first.token_ids == want[:1]
+        out = _run(d, prompt=prompt, params=GREEDY, handoff=first.handoff)
+        assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": n_prompt}
+        assert out.token_ids == want
