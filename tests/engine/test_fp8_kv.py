@@ -245,3 +245,29 @@ def test_pd_handoff_with_fp8_kv_matches_transformers(checkpoint, fp8_reference, 
         out = _run(d, prompt=prompt, params=GREEDY, handoff=first.handoff)
         assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": n_prompt}
         assert out.token_ids == want
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (one H200 runs it: pytest tests/engine/test_fp8_kv.py)"
+)
+def test_cuda_fp8_cache_through_device_host_and_storage_hits_matches_transformers(checkpoint, fp8_reference, tmp_path):
+    """On a GPU (fp32 compute, the Triton kernel dequantizing in-kernel, CUDA graphs, the copy
+    kernels moving fp8 bytes): cold, a device hit, a host hit and a storage hit all give
+    transformers' tokens with fp8 K/V."""
+    path = checkpoint(PRESET)
+    a, b, c = prompts_for(6, lengths=(60, 60, 60))
+    kw = dict(device="cuda", dtype="float32", kv_cache_dtype="fp8", block_size=8, write_policy="write_through")
+    with kvtier.LLM(path, num_device_blocks=10, num_host_blocks=64, **kw) as llm:
+        want = fp8_reference(path, [s.cpu() for s in llm.kv_scales], [a])[0]
+        assert llm.generate([a], GREEDY)[0].token_ids == want
+        device_hit = llm.generate([a], GREEDY)[0]
+        assert device_hit.cached_tokens_by_tier["device"] > 0 and device_hit.token_ids == want
+        llm.generate([b], GREEDY)  # a leaves the device tier; the host tier holds both
+        host_hit = llm.generate([a], GREEDY)[0]
+        assert host_hit.cached_tokens_by_tier["host"] > 0 and host_hit.token_ids == want
+    with kvtier.LLM(path, num_device_blocks=10, num_host_blocks=8, storage=f"file://{tmp_path}/pool", **kw) as llm:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)  # a is now only in storage
+        again = llm.generate([a], GREEDY)[0]
+        assert again.cached_tokens_by_tier["storage"] > 0 and again.token_ids == want
