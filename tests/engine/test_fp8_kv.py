@@ -16,7 +16,7 @@ import kvtier
 from kvtier.engine.sizing import block_nbytes
 from kvtier.model import ModelConfig
 from tests.engine.fp8_reference import hf_fp8_model, hf_greedy, hf_logprobs
-from tests.engine.hf_reference import GREEDY, MAX_TOKENS, prompts_for
+from tests.engine.hf_reference import FAMILIES, GREEDY, MAX_TOKENS, prompts_for
 
 PRESET = "llama-tiny"
 
@@ -67,6 +67,19 @@ def test_cold_and_device_hit_match_transformers_with_fp8_kv(checkpoint, fp8_refe
         warm = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in warm] == want
         assert [o.num_cached_tokens for o in warm] == [(len(p) - 1) // 8 * 8 for p in prompts]
+
+
+@pytest.mark.parametrize("preset", [f for f in FAMILIES if f != PRESET])
+def test_every_served_family_matches_transformers_with_fp8_kv(preset, checkpoint, fp8_reference):
+    """Mistral, Qwen2/3 (q/k norms), Mixtral and the Qwen MoEs: the same tokens as transformers
+    with fp8 K/V, and not those of fp32 K/V (fp8 is visible in these tokens)."""
+    path = checkpoint(preset)
+    prompts = prompts_for(2, lengths=(17, 40))
+    with kvtier.LLM(path, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        want = fp8_reference(path, llm.kv_scales, prompts)
+    assert got == want
+    assert want != hf_greedy(hf_fp8_model(path, None), prompts, MAX_TOKENS)
 
 
 def test_logprobs_match_fp8_transformers_and_not_fp32_kv(checkpoint):
