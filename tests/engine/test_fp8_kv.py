@@ -198,11 +198,33 @@ def test_fp8_blocks_take_half_the_bytes_of_bf16(checkpoint):
         assert sum(kv.nbytes for kv in llm.kv_caches) == 17 * block_nbytes(cfg, 8, torch.float8_e4m3fn)
 
 
-def test_bad_kv_cache_dtype_and_tensor_parallelism_are_refused_by_name(checkpoint):
+def test_a_bad_kv_cache_dtype_is_refused_by_name(checkpoint):
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'int8'"):
         kvtier.LLM(checkpoint(PRESET), kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' runs on one rank"):
-        kvtier.LLM(checkpoint(PRESET), kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+def test_two_ranks_with_fp8_kv_match_transformers_and_one_rank(checkpoint, fp8_reference):
+    """Tensor parallelism on CPU (gloo): each rank calibrates its KV heads in one forward of all
+    ranks; the gathered scales, the tokens and the logprobs are those of one rank, through a
+    device hit."""
+    path = checkpoint(PRESET)
+    prompts = prompts_for(10, lengths=(23, 50))
+    params = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    runs = {}
+    for tp in (1, 2):
+        with kvtier.LLM(path, kv_cache_dtype="fp8", tensor_parallel_size=tp, num_device_blocks=32, block_size=8) as llm:
+            cold, warm = llm.generate(prompts, params), llm.generate(prompts, params)
+            assert all(o.cached_tokens_by_tier["device"] > 0 for o in warm)
+            runs[tp] = (llm.kv_scales, cold, warm, llm.cache.fingerprint)
+    (one_scales, one, _, one_fp), (two_scales, cold, warm, two_fp) = runs[1], runs[2]
+    assert [s.tolist() for s in two_scales] == [s.tolist() for s in one_scales]
+    assert two_fp == one_fp  # (the same scales: one namespace)
+    want = fp8_reference(path, two_scales, prompts)
+    assert [o.token_ids for o in cold] == [o.token_ids for o in warm] == [o.token_ids for o in one] == want
+    for a, b in zip(one, cold):
+        ours = [d[t] for d, t in zip(b.outputs[0].logprobs, b.token_ids)]
+        theirs = [d[t] for d, t in zip(a.outputs[0].logprobs, a.token_ids)]
+        assert max(abs(x - y) for x, y in zip(ours, theirs)) < 2e-5  # partial sums add in another order
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v3-tiny"])
@@ -284,3 +306,12 @@ def test_cuda_fp8_cache_through_device_host_and_storage_hits_matches_transformer
         llm.generate([c], GREEDY)  # a is now only in storage
         again = llm.generate([a], GREEDY)[0]
         assert again.cached_tokens_by_tier["storage"] > 0 and again.token_ids == want
+
+
+def test_two_ranks_take_their_kv_heads_of_the_checkpoint_scales(scaled_checkpoint):
+    prompts = prompts_for(11, lengths=(30,))
+    with kvtier.LLM(scaled_checkpoint, kv_cache_dtype="fp8", tensor_parallel_size=2, num_device_blocks=32, block_size=8) as llm:
+        assert llm.startup.kv_cache is not None and llm.startup.kv_cache["scales"] == "checkpoint"
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        scales = llm.kv_scales
+    assert got == hf_greedy(hf_fp8_model(scaled_checkpoint, scales), prompts, MAX_TOKENS)
