@@ -315,3 +315,17 @@ def test_two_ranks_take_their_kv_heads_of_the_checkpoint_scales(scaled_checkpoin
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         scales = llm.kv_scales
     assert got == hf_greedy(hf_fp8_model(scaled_checkpoint, scales), prompts, MAX_TOKENS)
+
+
+def test_speculative_decoding_on_an_fp8_cache_gives_the_tokens_without_it(checkpoint):
+    """The MTP block's KV layer (which the calibration forward does not write) takes the largest
+    of the decoder's scales; verified drafts leave greedy tokens as they are."""
+    path = checkpoint("qwen3-mtp-tiny")
+    prompts = prompts_for(12, lengths=(17, 40))
+    with kvtier.LLM(path, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    with kvtier.LLM(path, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8, num_speculative_tokens=2) as llm:
+        cfg = ModelConfig.from_hf_dir(path)
+        assert len(llm.kv_scales) == cfg.num_layers + 1
+        assert torch.equal(llm.kv_scales[-1], torch.stack(llm.kv_scales[:-1]).amax(dim=0))
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
