@@ -19,15 +19,17 @@ Routing (:class:`DeepseekMoE`), as transformers' DeepseekV3TopkRouter / Deepseek
 
 RoPE is YaRN as the checkpoint configures it (DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1),
 the softmax scale carries yarn_mscale(factor, mscale_all_dim)^2 (mla.softmax_scale). The MTP block
-(``num_nextn_predict_layers``) is read into ModelConfig.num_mtp_layers but not built: its weights
-are skipped when loading. The engine serves these models (model/loader.py ``load_model``) on its
+(``num_nextn_predict_layers``, DeepSeek-V3's ``model.layers.{num_layers}``) is built when the engine
+drafts (ModelConfig.with_mtp): a decoder layer of its own, with MLA over its own latent cache and a
+MoE (:class:`DeepseekMTPLayer`), fed as model/families.py's MTP block is. The engine serves these
+models (model/loader.py ``load_model``) on its
 caches (``model.allocate_kv_caches``, one latent plane per layer); alone they load with
 ``load_mla_model`` on ``mla.allocate_latent_caches``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ from torch import nn
 
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.config import ModelConfig
+from kvtier.model.families import SharedHead
 from kvtier.model.layers import MLP, RMSNorm, RotaryEmbedding
 from kvtier.model.mla import LatentAttention
 from kvtier.model.moe import SparseMoE
@@ -108,6 +111,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp: DeepseekMoE | MLP
         if layer_idx in cfg.moe_layer_ids:
             self.mlp = DeepseekMoE(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
+        elif layer_idx >= cfg.num_layers and cfg.is_moe:  # the MTP block of a MoE model: MoE (DeepSeek-V3)
+            self.mlp = DeepseekMoE(cfg, moe_index=-1)  # (its routing is neither captured nor replayed)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -124,6 +129,25 @@ class DeepseekDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(attn, residual)
         out = self.mlp(x, routing_out, routing_in) if isinstance(self.mlp, DeepseekMoE) else self.mlp(x)
         return out, residual
+
+
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """DeepSeek-V3's multi-token-prediction block: a decoder layer (MLA, MoE) with ``enorm``,
+    ``hnorm``, ``eh_proj`` and ``shared_head.norm``; model/families.py ``MTPLayer`` on a latent cache."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(h, cfg.rms_norm_eps)
+
+    def draft(self, embeds, hidden, rope, latent_cache, meta, layer_hook):
+        """The block's output ``m`` (before ``shared_head.norm``) at each row."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        out, residual = self(x, None, rope, latent_cache, meta, layer_hook, None, None)
+        return out + residual
 
 
 class DeepseekDecoder(nn.Module):
@@ -151,7 +175,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = nn.ModuleList()  # (the MTP block is not built: no drafting, CausalLM.mtp's place)
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.num_mtp_layers))
         self.tp = None  # one rank: the latent is not sharded (CausalLM.tp's place)
 
     @torch.inference_mode()
@@ -181,6 +205,29 @@ class DeepseekForCausalLM(nn.Module):
         for layer, latent_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(h, residual, rope, latent_cache, meta, layer_hook, routing_out, routing_in)
         return self.model.norm(h, residual)[0]
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The MTP block over the step's rows, as CausalLM.draft: ``next_ids[r]`` is the token after
+        row ``r``'s, ``hidden`` the target's states (or the last draft's); its latents go to
+        ``kv_caches[num_layers]``. Returns the block's output."""
+        block = cast(DeepseekMTPLayer, self.mtp[0])
+        kv = kv_caches[self.config.num_layers]
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        embeds = self.model.embed_tokens(next_ids)
+        return block.draft(embeds, hidden, rope, kv[0] if kv.dim() == 4 else kv, meta, layer_hook)
+
+    @torch.inference_mode()
+    def draft_logits(self, m: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(cast(DeepseekMTPLayer, self.mtp[0]).shared_head.norm(m)).float()
 
     def fuse_projections(self) -> None:
         """After loading: gate/up of every MLP (dense, experts, shared) one GEMM; experts stacked."""

@@ -164,13 +164,13 @@ def load_model(
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
     if cfg.kv_kind == "latent":
-        # served on one device without MTP drafts (ModelConfig.with_mtp refuses them), on the torch MLA reference
+        # served on one device, on the torch MLA reference; its MTP block when it drafts
         if tp is not None and tp.size > 1:
             raise ValueError(
                 f"{cfg.architecture} under tensor parallelism (tensor_parallel_size={tp.size}) is not supported: "
                 "multi-head latent attention is served on one GPU"
             )
-        return load_mla_model(path, device, dtype, fuse, load_format)  # type: ignore[return-value]  # CausalLM's call signature
+        return load_mla_model(path, device, dtype, fuse, load_format, mtp)  # type: ignore[return-value]  # CausalLM's call signature
     if cfg.architecture in SLIDING_ARCHITECTURES:
         groups = ", ".join(f"{len(g.layer_ids)} {g.kind} (window {g.window})" for g in cfg.attention_groups)
         raise ValueError(
@@ -212,11 +212,13 @@ def load_mla_model(
     dtype: torch.dtype | None = torch.float32,
     fuse: bool = True,
     load_format: str = "auto",
+    mtp: bool = False,
 ) -> DeepseekForCausalLM:
     """A DeepSeek-V2/V3 checkpoint (config.MLA_ARCHITECTURES) as :func:`load_model` loads the
-    others, without its MTP blocks, on one device; its caches: ``mla.allocate_latent_caches``."""
+    others, on one device, with its first MTP block when ``mtp``; its caches:
+    ``mla.allocate_latent_caches`` (one more for the MTP block)."""
     path = Path(path)
-    cfg = ModelConfig.from_hf_dir(path).with_mtp(False)
+    cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
     if cfg.kv_kind != "latent":
         raise ValueError(f"{cfg.architecture} has no latent attention: load it with load_model")
     with torch.device("meta"):
