@@ -105,9 +105,9 @@ class DeepseekMoE(SparseMoE):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: str = "torch"):
         super().__init__()
-        self.self_attn = LatentAttention(cfg, layer_idx)
+        self.self_attn = LatentAttention(cfg, layer_idx, backend)
         self.mlp: DeepseekMoE | MLP
         if layer_idx in cfg.moe_layer_ids:
             self.mlp = DeepseekMoE(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
@@ -135,8 +135,8 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
     """DeepSeek-V3's multi-token-prediction block: a decoder layer (MLA, MoE) with ``enorm``,
     ``hnorm``, ``eh_proj`` and ``shared_head.norm``; model/families.py ``MTPLayer`` on a latent cache."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__(cfg, layer_idx)
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: str = "torch"):
+        super().__init__(cfg, layer_idx, backend)
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -151,10 +151,10 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
 
 
 class DeepseekDecoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: str = "torch"):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -165,17 +165,21 @@ class DeepseekForCausalLM(nn.Module):
     # correction bias separates experts by less than bf16 resolves at its magnitude
     FP32_PARAMETERS = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch"):
+        """``attention_backend``: "triton" runs decode rows on model/triton_mla.py's kernel; prefill
+        chunks and "torch" on model/mla.py's torch reference."""
         super().__init__()
         if cfg.kv_kind != "latent":
             raise ValueError(f"{cfg.architecture} has no latent attention; build it with model/families.py CausalLM")
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"unknown attention backend {attention_backend!r}; choose from ['torch', 'triton']")
         self.config = cfg
-        self.model = DeepseekDecoder(cfg)
+        self.model = DeepseekDecoder(cfg, attention_backend)
         self.rotary = RotaryEmbedding(cfg)  # over qk_rope_head_dim (cfg.head_dim)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.num_mtp_layers))
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_layers + i, attention_backend) for i in range(cfg.num_mtp_layers))
         self.tp = None  # one rank: the latent is not sharded (CausalLM.tp's place)
 
     @torch.inference_mode()

@@ -164,13 +164,13 @@ def load_model(
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
     if cfg.kv_kind == "latent":
-        # served on one device, on the torch MLA reference; its MTP block when it drafts
+        # served on one device (decode rows on the Triton MLA kernel with the triton backend); its MTP block when it drafts
         if tp is not None and tp.size > 1:
             raise ValueError(
                 f"{cfg.architecture} under tensor parallelism (tensor_parallel_size={tp.size}) is not supported: "
                 "multi-head latent attention is served on one GPU"
             )
-        return load_mla_model(path, device, dtype, fuse, load_format, mtp)  # type: ignore[return-value]  # CausalLM's call signature
+        return load_mla_model(path, device, dtype, fuse, load_format, mtp, attention_backend)  # type: ignore[return-value]  # CausalLM's call signature
     if cfg.architecture in SLIDING_ARCHITECTURES:
         groups = ", ".join(f"{len(g.layer_ids)} {g.kind} (window {g.window})" for g in cfg.attention_groups)
         raise ValueError(
@@ -213,6 +213,7 @@ def load_mla_model(
     fuse: bool = True,
     load_format: str = "auto",
     mtp: bool = False,
+    attention_backend: str = "torch",
 ) -> DeepseekForCausalLM:
     """A DeepSeek-V2/V3 checkpoint (config.MLA_ARCHITECTURES) as :func:`load_model` loads the
     others, on one device, with its first MTP block when ``mtp``; its caches:
@@ -222,7 +223,7 @@ def load_mla_model(
     if cfg.kv_kind != "latent":
         raise ValueError(f"{cfg.architecture} has no latent attention: load it with load_model")
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg)
+        model = DeepseekForCausalLM(cfg, attention_backend)
     return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, None)
 
 
