@@ -80,3 +80,20 @@ def test_prefill_rows_are_refused():
     meta = AttentionMetadata.build([2], [4], [[0]], 8, device=DEVICE)
     with pytest.raises(ValueError, match="decode rows only"):
         triton_mla_decode(q[:1].expand(2, -1, -1), cache, meta, 0.1, 32)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_latent_cache_is_dequantized_in_the_kernel_like_the_reference(fp8):
+    """One scale per layer: the kernel folds it into the scores and the output; the reference
+    multiplies the latents it reads. A kernel that ignored the scale would be off by its factor."""
+    q, cache, meta = make_case([1, 37, 130], 8, 64, 32, 16, torch.float32)
+    kv_scale = torch.tensor([0.03125], device=DEVICE)
+    stored = (cache / kv_scale).clamp(-200, 200).to(fp8)
+    want = reference_mla_absorbed(q, stored, meta, 0.08, 64, kv_scale)
+    for splits in (1, 2):
+        got = triton_mla_decode(q, stored, meta, 0.08, 64, num_splits=splits, kv_scale=kv_scale)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    unscaled = triton_mla_decode(q, stored, meta, 0.08, 64)
+    assert not torch.allclose(unscaled, want, atol=1e-2)
+    with pytest.raises(ValueError, match="kv_scale must be one number"):
+        triton_mla_decode(q, stored, meta, 0.08, 64, kv_scale=torch.ones(2, device=DEVICE))

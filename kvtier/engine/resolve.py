@@ -80,7 +80,9 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
                 f"torch sees {torch.cuda.device_count()}"
             )
     if c.num_host_blocks is not None:
-        check_host_blocks(c.num_host_blocks, block_nbytes(model, c.block_size, dtype))
+        from kvtier.model.kv_quant import kv_cache_torch_dtype
+
+        check_host_blocks(c.num_host_blocks, block_nbytes(model, c.block_size, kv_cache_torch_dtype(c.kv_cache_dtype, dtype)))
     backend = c.attention_backend or ("triton" if device.type == "cuda" else "torch")
     cuda_graphs = device.type == "cuda" and not latent if c.cuda_graphs is None else c.cuda_graphs
     if cuda_graphs and device.type == "cuda" and backend != "triton":

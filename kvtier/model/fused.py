@@ -55,16 +55,18 @@ def rope_write_kv_ref(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hk, D]; cos, sin [T, 1, D] (rotate-half layout). Optional per-head
-    RMSNorm of q and k (Qwen3), RoPE of both, k and v written at their slots. Returns rotated q."""
+    RMSNorm of q and k (Qwen3), RoPE of both, k and v written at their slots (quantized with
+    ``kv_scale`` into an fp8 cache). Returns rotated q."""
     if q_norm is not None:
         assert k_norm is not None  # (q and k norms come together)
         q = add_rms_norm_ref(q, None, q_norm, eps)[0]
         k = add_rms_norm_ref(k, None, k_norm, eps)[0]
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    write_kv(kv_cache, k, v, slot_mapping)
+    write_kv(kv_cache, k, v, slot_mapping, kv_scale)
     return q
 
 
@@ -100,12 +102,13 @@ def rope_write_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if use_triton(q) and q.dtype == kv_cache.dtype:
+    if use_triton(q) and q.dtype == kv_cache.dtype and kv_scale is None:
         from kvtier.model.triton_fused import rope_write_kv as kernel
 
         return kernel(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
-    return rope_write_kv_ref(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
+    return rope_write_kv_ref(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, kv_scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

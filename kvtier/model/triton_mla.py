@@ -55,6 +55,7 @@ if _IMPORT_ERROR is None:
         seq_lens_ptr,  # [B] int32
         out_ptr,  # [num_splits, B, H, R] fp32
         lse_ptr,  # [num_splits, B, H] fp32
+        kv_scale_ptr,  # [1] fp32: an fp8 cache's scale (read with HAS_KV_SCALE only)
         qk_scale,  # softmax scale * log2(e)
         stride_bt,
         num_splits,
@@ -67,6 +68,7 @@ if _IMPORT_ERROR is None:
         BLOCK_POS: tl.constexpr,
         CACHE_BLOCK: tl.constexpr,
         IEEE: tl.constexpr,
+        HAS_KV_SCALE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head_block = tl.program_id(1)
@@ -89,6 +91,11 @@ if _IMPORT_ERROR is None:
         q_nope = tl.load(q_rows + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
         q_pe = tl.load(q_rows + R + p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
 
+        if HAS_KV_SCALE:
+            # an fp8 cache: tiles cast the stored numbers exactly; the one scale of the latent joins
+            # the scores' scale and, at the end, the output's (model/kv_quant.py)
+            kv_scale = tl.load(kv_scale_ptr)
+            qk_scale = qk_scale * kv_scale
         m = tl.full([BLOCK_HEADS], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_HEADS], tl.float32)
         acc = tl.zeros([BLOCK_HEADS, BLOCK_R], tl.float32)
@@ -97,8 +104,8 @@ if _IMPORT_ERROR is None:
             nmask = pos < seq_len
             block = tl.load(bt_ptr + seq * stride_bt + pos // CACHE_BLOCK, mask=nmask, other=0)
             rows = cache_ptr + (block.to(tl.int64) * CACHE_BLOCK + pos % CACHE_BLOCK) * W
-            c = tl.load(rows[:, None] + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-            pe = tl.load(rows[:, None] + R + p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
+            c = tl.load(rows[:, None] + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0).to(q_nope.dtype)
+            pe = tl.load(rows[:, None] + R + p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(q_pe.dtype)
             if IEEE:
                 s = tl.dot(q_nope, tl.trans(c), input_precision="ieee")
                 s += tl.dot(q_pe, tl.trans(pe), input_precision="ieee")
@@ -118,6 +125,8 @@ if _IMPORT_ERROR is None:
 
         safe = tl.where(denom > 0, denom, 1.0)
         out = acc / safe[:, None]
+        if HAS_KV_SCALE:
+            out = out * kv_scale
         lse = tl.where(denom > 0, m + tl.log2(safe), float("-inf"))
         row = (split * num_seqs + seq) * NUM_HEADS + heads
         tl.store(out_ptr + row[:, None].to(tl.int64) * R + r[None, :], out, mask=hmask[:, None] & rmask[None, :])
@@ -151,10 +160,12 @@ def triton_mla_decode(
     scale: float,
     kv_lora_rank: int,
     num_splits: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`kvtier.model.mla.reference_mla_absorbed` for decode rows (one new token per sequence):
-    ``query`` [B, H, R + P] absorbed, ``latent_cache`` [num_blocks, block_size, R + P]. Returns
-    [B, H, R] in the query's dtype. ``num_splits`` None: :func:`choose_splits`."""
+    ``query`` [B, H, R + P] absorbed, ``latent_cache`` [num_blocks, block_size, R + P] (fp8 with
+    its one ``kv_scale`` [1]). Returns [B, H, R] in the query's dtype. ``num_splits`` None:
+    :func:`choose_splits`."""
     if _IMPORT_ERROR is not None:
         raise RuntimeError(f"the Triton MLA kernel needs triton ({_IMPORT_ERROR})")
     num_seqs, num_heads, width = query.shape
@@ -167,6 +178,8 @@ def triton_mla_decode(
     if num_splits is None:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
         num_splits = choose_splits(num_seqs, num_heads, meta.max_seq_len, sms, config["block_h"])
+    if kv_scale is not None and (kv_scale.numel() != 1 or kv_scale.device != query.device):
+        raise ValueError(f"kv_scale must be one number on {query.device}, got {tuple(kv_scale.shape)} on {kv_scale.device}")
     query = query.contiguous()
     out = torch.empty(num_splits, num_seqs, num_heads, rank, dtype=torch.float32, device=query.device)
     lse = torch.empty(num_splits, num_seqs, num_heads, dtype=torch.float32, device=query.device)
@@ -178,6 +191,7 @@ def triton_mla_decode(
         meta.seq_lens,
         out,
         lse,
+        kv_scale.float().contiguous() if kv_scale is not None else lse,  # (not read without a scale)
         scale * LOG2E,
         meta.block_tables.stride(0),
         num_splits,
@@ -190,6 +204,7 @@ def triton_mla_decode(
         BLOCK_POS=config["block_n"],
         CACHE_BLOCK=latent_cache.shape[1],
         IEEE=query.dtype == torch.float32,
+        HAS_KV_SCALE=kv_scale is not None,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
