@@ -41,6 +41,7 @@ from kvtier.model.families import SharedHead
 from kvtier.model.layers import MLP, RMSNorm, RotaryEmbedding
 from kvtier.model.mla import LatentAttention
 from kvtier.model.moe import SparseMoE
+from kvtier.model.shard import TPShard, all_reduce, shard_config
 
 
 class Router(nn.Linear):
@@ -117,6 +118,7 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp_group = None  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
 
     def forward(self, h, residual, rope, latent_cache, meta, layer_hook, routing_out, routing_in):
         """(out, residual): the layer's input is ``h + residual``, the add fused into the first
@@ -126,8 +128,12 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(h, residual)
         attn = self.self_attn(x, rope, latent_cache, meta, layer_hook)
+        if self.tp_group is not None:
+            all_reduce(attn, self.tp_group)
         x, residual = self.post_attention_layernorm(attn, residual)
         out = self.mlp(x, routing_out, routing_in) if isinstance(self.mlp, DeepseekMoE) else self.mlp(x)
+        if self.tp_group is not None:
+            all_reduce(out, self.tp_group)
         return out, residual
 
 
@@ -165,14 +171,18 @@ class DeepseekForCausalLM(nn.Module):
     # correction bias separates experts by less than bf16 resolves at its magnitude
     FP32_PARAMETERS = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch"):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch", tp: TPShard | None = None):
         """``attention_backend``: "triton" runs decode rows on model/triton_mla.py's kernel; prefill
-        chunks and "torch" on model/mla.py's torch reference."""
+        chunks and "torch" on model/mla.py's torch reference. ``tp``: this rank's heads and expert
+        slices (model/shard.py); the latent cache is whole on every rank."""
         super().__init__()
         if cfg.kv_kind != "latent":
             raise ValueError(f"{cfg.architecture} has no latent attention; build it with model/families.py CausalLM")
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose from ['torch', 'triton']")
+        self.tp = tp
+        if tp is not None and tp.size > 1:
+            cfg = shard_config(cfg, tp.size)
         self.config = cfg
         self.model = DeepseekDecoder(cfg, attention_backend)
         self.rotary = RotaryEmbedding(cfg)  # over qk_rope_head_dim (cfg.head_dim)
@@ -180,7 +190,9 @@ class DeepseekForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_layers + i, attention_backend) for i in range(cfg.num_mtp_layers))
-        self.tp = None  # one rank: the latent is not sharded (CausalLM.tp's place)
+        if tp is not None and tp.size > 1:
+            for layer in [*self.model.layers, *self.mtp]:
+                layer.tp_group = tp.group
 
     @torch.inference_mode()
     def forward(

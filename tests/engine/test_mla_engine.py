@@ -127,12 +127,10 @@ def test_engine_loader_loads_latent_attention(preset, checkpoint):
     assert isinstance(load_model(checkpoint(preset)), DeepseekForCausalLM)
 
 
-def test_drafts_without_an_mtp_block_tensor_parallelism_and_cuda_graphs_are_refused_by_name(checkpoint):
+def test_drafts_without_an_mtp_block_and_cuda_graphs_are_refused_by_name(checkpoint):
     path = checkpoint("deepseek-v3-tiny")
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0 or absent"):
         kvtier.LLM(path, num_device_blocks=16, num_speculative_tokens=1)  # (deepseek-v3-mtp-tiny has one)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for DeepseekV3ForCausalLM"):
-        kvtier.LLM(path, num_device_blocks=16, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="cuda_graphs=True is not supported for DeepseekV3ForCausalLM"):
         kvtier.LLM(path, num_device_blocks=16, cuda_graphs=True)
 
