@@ -35,6 +35,7 @@ PRESET_NAMES = (
     "llama3-8b-mtp-shape",
     "llama3-70b-shape",
     "deepseek-v3-tiny",
+    "deepseek-v3-mtp-tiny",
     "deepseek-v2-lite-tiny",
     "deepseek-v3-shape",
     "gpt-oss-tiny",

@@ -171,7 +171,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         if ranks is not None:  # every rank copies its shard of each op (engine/tp/transfer.py)
             rank_ops = RankOps(ranks)
             if storage is not None:
-                storage.shard(0, tp)
+                storage.shard(0, tp, replicated=model_config.kv_kind == "latent")  # (a latent: one object per block)
                 storage = TPStorage(storage, rank_ops)  # type: ignore[assignment]  # a StorageClient to the engine
         cache = CacheManager(
             block_size=c.block_size,
@@ -205,7 +205,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         copies = CopyPump(cache, transfer, storage)
         if storage is not None:
             assert host_kv is not None  # a pool always gets a host tier (config, size_tiers)
-            bind_pool(storage, fetch_cost, host_kv, routing, fingerprint)
+            bind_pool(storage, fetch_cost, host_kv, routing.host_store if routing is not None else None, fingerprint)
         runner, graphs, step_graphs = build_runner(lm, kv_caches, host_kv, c, routing, transfer.gates, startup)
         if ranks is not None:
             with startup("waiting for the other tensor-parallel ranks"):

@@ -25,7 +25,8 @@ Decompressing costs H x (Dn + Dv) x R per cached position, worth it when many qu
 a decode row has one query, so it attends over the latent directly (FlashMLA's form: multi-query
 attention with head dim R + P whose values are the first R columns). :func:`mla_attention` sends
 each sequence of a step to one form. The two torch functions below are the reference a kernel of
-the same signature is checked against.
+the same signature is checked against: model/triton_mla.py's decode kernel (the ``triton``
+attention backend, the default on CUDA) against :func:`reference_mla_absorbed`.
 """
 
 from __future__ import annotations
@@ -176,20 +177,22 @@ def mla_attention(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
+    backend: str = "torch",
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A step's attention, [T, H, Dn + P] -> [T, H, Dv]: decode rows (sequences with one new token)
-    in the absorbed form, prefill chunks decompressed (module docstring); ``kv_scale``: an fp8
-    cache's scale, the latents dequantized as they are read."""
+    in the absorbed form, prefill chunks decompressed (module docstring). ``backend`` "triton":
+    decode rows through model/triton_mla.py's kernel, else the torch reference; ``kv_scale``: an
+    fp8 cache's scale, the latents dequantized as they are read."""
     decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     if len(decode) == meta.num_seqs:
-        return _absorbed(query, latent_cache, meta, w_uk, w_uv, scale, kv_scale)
+        return _absorbed(query, latent_cache, meta, w_uk, w_uv, scale, backend, kv_scale)
     if not decode:
         return reference_mla_decompressed(query, latent_cache, meta, w_uk, w_uv, scale, kv_scale)
     prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
     out = query.new_empty(query.shape[0], query.shape[1], w_uv.shape[1])
     rows, sub = select_sequences(meta, decode)
-    out[rows] = _absorbed(query[rows], latent_cache, sub, w_uk, w_uv, scale, kv_scale)
+    out[rows] = _absorbed(query[rows], latent_cache, sub, w_uk, w_uv, scale, backend, kv_scale)
     rows, sub = select_sequences(meta, prefill)
     out[rows] = reference_mla_decompressed(query[rows], latent_cache, sub, w_uk, w_uv, scale, kv_scale)
     return out
@@ -202,9 +205,16 @@ def _absorbed(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
+    backend: str,
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    out_latent = reference_mla_absorbed(absorb_query(query, w_uk), latent_cache, meta, scale, w_uk.shape[2], kv_scale)
+    q = absorb_query(query, w_uk)
+    if backend == "triton":
+        from kvtier.model.triton_mla import triton_mla_decode
+
+        out_latent = triton_mla_decode(q, latent_cache, meta, scale, w_uk.shape[2], kv_scale=kv_scale)
+    else:
+        out_latent = reference_mla_absorbed(q, latent_cache, meta, scale, w_uk.shape[2], kv_scale)
     return torch.einsum("thr,hvr->thv", out_latent, w_uv)
 
 
@@ -252,9 +262,10 @@ class LatentAttention(nn.Module):
         RoPE of q's last P columns and of k_pe;  (c_kv, k_pe) -> latent cache;  attention;  o_proj
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: str = "torch"):
         super().__init__()
         self.layer_idx = layer_idx
+        self.backend = backend  # decode rows: "triton" (model/triton_mla.py) or "torch"
         self.num_heads, self.rank = cfg.num_heads, cfg.kv_lora_rank
         self.d_nope, self.d_rope, self.d_v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.interleave = cfg.rope_interleave
@@ -307,5 +318,5 @@ class LatentAttention(nn.Module):
             layer_hook(self.layer_idx)
         write_latent(latent_cache, c_kv, k_pe, meta.slot_mapping, self.kv_scale)
         w_uk, w_uv = self.up_projections()
-        out = mla_attention(q, latent_cache, meta, w_uk, w_uv, self.scale, self.kv_scale)
+        out = mla_attention(q, latent_cache, meta, w_uk, w_uv, self.scale, self.backend, self.kv_scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.d_v))

@@ -291,6 +291,10 @@ PRESETS["deepseek-v3-tiny"] = dict(
         ),
     ),
 )
+# DeepSeek-V3 with its MTP block (model.layers.{num_hidden_layers}: MLA and a MoE), for speculative decoding
+PRESETS["deepseek-v3-mtp-tiny"] = dict(
+    PRESETS["deepseek-v3-tiny"], kwargs=dict(PRESETS["deepseek-v3-tiny"]["kwargs"], num_nextn_predict_layers=1)
+)
 # DeepSeek-V2-Lite's attention (q_proj straight from the hidden state: q_lora_rank None, complex-pair
 # RoPE) with the full DeepSeek-V2's routing: softmax scores, group_limited_greedy over 4 groups, 2
 # shared experts, routed_scaling_factor != 1.
@@ -489,6 +493,8 @@ def _add_mtp_weights(config: Any, model: Any, out_dir: Path, dtype: torch.dtype,
     tensors = load_file(str(path))
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
+    if hasattr(one, "first_k_dense_replace"):
+        one.first_k_dense_replace = 0  # DeepSeek-V3's MTP block is a MoE layer
     h, L = config.hidden_size, config.num_hidden_layers
     std = getattr(config, "initializer_range", 0.02)
     embed = model.get_input_embeddings().weight.detach()
@@ -496,6 +502,9 @@ def _add_mtp_weights(config: Any, model: Any, out_dir: Path, dtype: torch.dtype,
     for i in range(config.num_nextn_predict_layers):
         torch.manual_seed(seed + 1 + i)
         block = transformers.AutoModelForCausalLM.from_config(one, dtype=dtype)
+        for name, buffer in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # as init_model draws the decoder's
+                buffer.normal_(0.0, std)
         prefix = f"model.layers.{L + i}."
         for name, t in block.state_dict().items():
             if name.startswith("model.layers.0."):

@@ -15,6 +15,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+import numpy as np
 import torch
 
 log = logging.getLogger("kvtier.tp")
@@ -121,10 +122,21 @@ class _Rank:
             assert self.storage is not None and host_kv is not None  # (a pool always comes with a host tier)
             if self.storage.namespace != namespace:
                 raise ValueError(f"rank {self.rank}: pool namespace {self.storage.namespace!r}, rank 0's {namespace!r}")
-            self.storage.shard(self.rank, self.size)
-            bind_pool(self.storage, None, host_kv, None, fingerprint)
+            replicated = self.model.config.kv_kind == "latent"  # one object a block, rank 0's routing rows in it
+            self.storage.shard(self.rank, self.size, replicated=replicated)
+            bind_pool(self.storage, None, host_kv, self._routing_rows(c) if replicated else None, fingerprint)
         # (the same MTP passes as rank 0's: engine/spec.py draft_passes)
         self.runner, _, _ = build_runner(self.model, self.kv_caches, host_kv, c, None, self.transfer.gates, Startup())
+
+    def _routing_rows(self, c) -> np.ndarray | None:
+        """Where this rank reads the routing rows of a replicated block (rank 0's, which it
+        captures; this rank only checks and drops them): as many as rank 0's host store holds."""
+        m = self.model.config
+        if not (m.is_moe and c.capture_routing):
+            return None
+        from kvtier.engine.experts import routing_dtype
+
+        return np.zeros((c.num_host_blocks, c.block_size, m.num_moe_layers, m.top_k), routing_dtype(m.num_experts))
 
     def serve(self, parent: int) -> None:
         conn, transfer, storage = self.conn, self.transfer, self.storage
