@@ -124,7 +124,8 @@ def kv_scales_for(
     """The scales of every KV head of the model (under tensor parallelism too: every rank calls
     this at once, and the calibration forward's collectives join them) for a ``dtype`` cache, and
     where they came from: ``"checkpoint"`` (its k_scale/v_scale, :func:`checkpoint_kv_scales`) or
-    ``"calibrated"`` (:func:`calibrate`, each rank its KV heads, gathered)."""
+    ``"calibrated"`` (:func:`calibrate`, each rank its KV heads, gathered; a latent, whole on
+    every rank, takes the largest of the ranks' scales, so that every rank holds the same)."""
     cfg = cast(ModelConfig, model.config)  # (a CausalLM's: a rank's share of the KV heads)
     tp = getattr(model, "tp", None)
     size = tp.size if tp is not None else 1
@@ -143,7 +144,10 @@ def kv_scales_for(
 
     assert tp is not None  # (size > 1)
     device = next(model.parameters()).device
-    mine = torch.stack(local).to(device)  # [layers, 2, this rank's KV heads]
+    mine = torch.stack(local).to(device)  # [layers, 2, this rank's KV heads] or a latent's [layers, 1]
+    if planes == 1:  # a latent is whole on every rank: one scale each, the same on every rank
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=tp.group)
+        return list(mine.cpu().unbind(0)), "calibrated"
     every = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(every, mine, group=tp.group)
     return list(torch.cat(every, dim=2).cpu().unbind(0)), "calibrated"

@@ -203,11 +203,12 @@ def test_a_bad_kv_cache_dtype_is_refused_by_name(checkpoint):
         kvtier.LLM(checkpoint(PRESET), kv_cache_dtype="int8")
 
 
-def test_two_ranks_with_fp8_kv_match_transformers_and_one_rank(checkpoint, fp8_reference):
-    """Tensor parallelism on CPU (gloo): each rank calibrates its KV heads in one forward of all
-    ranks; the gathered scales, the tokens and the logprobs are those of one rank, through a
-    device hit."""
-    path = checkpoint(PRESET)
+@pytest.mark.parametrize("preset", [PRESET, "deepseek-v3-tiny"])
+def test_two_ranks_with_fp8_kv_match_transformers_and_one_rank(preset, checkpoint, fp8_reference):
+    """Tensor parallelism on CPU (gloo): each rank calibrates its KV heads (a latent: the whole
+    latent) in one forward of all ranks; the gathered scales, the tokens and the logprobs are
+    those of one rank, through a device hit."""
+    path = checkpoint(preset)
     prompts = prompts_for(10, lengths=(23, 50))
     params = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     runs = {}
