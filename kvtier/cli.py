@@ -51,6 +51,10 @@ BENCHES = {
         "CPU: the same per request, kvtier vs vLLM's and SGLang's prefix caches (pip install 'kvtier[peers]')",
     ),
     "throughput": ("kvtier.bench.throughput", "GPU: engine tokens/s vs HF transformers generate"),
+    "kv-quality": (
+        "kvtier.bench.kv_quality",
+        "CPU or GPU: greedy agreement and per-token KL of an fp8 KV cache against the compute dtype's",
+    ),
     "experts": ("kvtier.bench.experts_bench", "GPU: tokens/s with R3 routing capture on vs off"),
     "speculative": (
         "kvtier.bench.spec_bench",

@@ -151,18 +151,18 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
             lm = load_model(
                 path, device, dtype, c.attention_backend, load_format=c.load_format, tp=shard, mtp=c.num_speculative_tokens > 0
             )
-        kv_scales = None
-        if is_fp8(kv_dtype):  # fixed before any block is written into any tier (model/kv_quant.py)
-            with startup("fp8 KV scales"):
-                kv_scales, source = kv_scales_for(path, lm, kv_dtype, c.load_format)
-                set_kv_scales(lm, kv_scales, device)
-            startup.kv_cache = {"dtype": c.kv_cache_dtype, "scales": source, "digest": scales_digest(kv_scales)}
-            log.info("KV cache %s, scales %s (digest %s)", c.kv_cache_dtype, source, scales_digest(kv_scales))
         with startup("loading tokenizer"):
             tokenizer = load_tokenizer(path)
         # every rank holds as many device blocks as the tightest one fits
         c = size_tiers(c, bytes_per_block, ranks.gather_sizes() if ranks is not None else ())
         assert c.num_device_blocks is not None and c.num_host_blocks is not None and c.write_policy is not None  # (size_tiers)
+        kv_scales = None
+        if is_fp8(kv_dtype):  # fixed before any block is written into any tier (model/kv_quant.py)
+            with startup("fp8 KV scales"):  # (every rank at once, each loaded and sized: engine/tp/worker.py)
+                kv_scales, source = kv_scales_for(path, lm, kv_dtype, c.load_format)
+                set_kv_scales(lm, kv_scales, device)
+            startup.kv_cache = {"dtype": c.kv_cache_dtype, "scales": source, "digest": scales_digest(kv_scales)}
+            log.info("KV cache %s, scales %s (digest %s)", c.kv_cache_dtype, source, scales_digest(kv_scales))
         fingerprint = _fingerprint(c, model_config, path, device, kv_dtype, kv_scales)
         storage, fetch_cost = open_pool(c)
         if storage is not None:

@@ -336,11 +336,6 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} needs a pool every rank's process reaches "
                 f"(file://, redis://, mooncake://), not {self.storage!r}: a memory:// pool lives in one process"
             )
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on one rank; tensor_parallel_size="
-                f"{self.tensor_parallel_size} takes kv_cache_dtype='auto'"
-            )
         if self.num_speculative_tokens:
             k = self.num_speculative_tokens
             if k > 8:

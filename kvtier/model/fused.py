@@ -6,8 +6,9 @@ A decode step of a 28-layer model launched ~1,100 kernels, ~39 a layer, most of 
 take ~30 of a layer's kernels down to 3::
 
     add_rms_norm(x, residual, weight, eps)          residual add + RMSNorm       5 kernels -> 1
-    rope_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
+    rope_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, kv_scale)
                                                     q/k RMSNorm + RoPE + KV write 20 kernels -> 1
+                                                    (an fp8 cache: quantized with kv_scale)
     silu_and_mul(gate_up)                           act(gate) * up                2 kernels -> 1
 
 Each follows the arithmetic of transformers' layers (which dtype, which rounding, in which order):
@@ -104,10 +105,10 @@ def rope_write_kv(
     eps: float = 1e-6,
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if use_triton(q) and q.dtype == kv_cache.dtype and kv_scale is None:
+    if use_triton(q) and (q.dtype == kv_cache.dtype or kv_scale is not None):
         from kvtier.model.triton_fused import rope_write_kv as kernel
 
-        return kernel(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
+        return kernel(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, kv_scale)
     return rope_write_kv_ref(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, kv_scale)
 
 

@@ -40,6 +40,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> tor
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` is quantized (needs scales)."""
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -49,16 +50,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     limit = torch.finfo(dtype).max
     s = scale.float().reshape(-1, *([1] * (x.dim() - 2))) if x.dim() > 2 else scale.float().reshape(1)
     return (x.float() / s).clamp(-limit, limit).to(dtype)
-
-
-def dequantize(stored: torch.Tensor, scale: torch.Tensor, head_dim: int = -2) -> torch.Tensor:
-    """fp32 of ``stored`` [..., heads, D] times ``scale`` [heads] (or [1]) along ``head_dim``."""
-    x = stored.float()
-    if scale.numel() == 1:
-        return x * scale.float().reshape(())
-    shape = [1] * x.dim()
-    shape[head_dim] = scale.numel()
-    return x * scale.float().reshape(shape)
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

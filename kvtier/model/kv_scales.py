@@ -106,22 +106,48 @@ def calibrate(model: torch.nn.Module, dtype: torch.dtype, block_size: int = 16) 
 
 def set_kv_scales(model: torch.nn.Module, scales: list[torch.Tensor] | None, device: torch.device | str) -> None:
     """Give every attention module with a ``kv_scale`` (its ``layer_idx``'s) its scales on
-    ``device``; None: no quantization."""
+    ``device`` (``scales``: every KV head's; under tensor parallelism a rank takes its heads, as
+    its K/V projections were sliced); None: no quantization."""
+    tp = getattr(model, "tp", None)
     for m in model.modules():
         if hasattr(m, "kv_scale") and hasattr(m, "layer_idx"):
-            setattr(m, "kv_scale", None if scales is None else scales[cast(int, m.layer_idx)].to(device))
+            s = None if scales is None else scales[cast(int, m.layer_idx)]
+            if s is not None and tp is not None and tp.size > 1 and s.dim() == 2:
+                step = s.shape[1] // tp.size
+                s = s[:, tp.rank * step : (tp.rank + 1) * step]
+            setattr(m, "kv_scale", None if s is None else s.contiguous().to(device))
 
 
 def kv_scales_for(
     path: Path, model: torch.nn.Module, dtype: torch.dtype, load_format: str = "auto"
 ) -> tuple[list[torch.Tensor], str]:
-    """``model``'s scales for a ``dtype`` cache and where they came from: ``"checkpoint"`` (its
-    k_scale/v_scale, :func:`checkpoint_kv_scales`) or ``"calibrated"`` (:func:`calibrate`)."""
-    cfg = cast(ModelConfig, model.config)  # (a CausalLM's)
+    """The scales of every KV head of the model (under tensor parallelism too: every rank calls
+    this at once, and the calibration forward's collectives join them) for a ``dtype`` cache, and
+    where they came from: ``"checkpoint"`` (its k_scale/v_scale, :func:`checkpoint_kv_scales`) or
+    ``"calibrated"`` (:func:`calibrate`, each rank its KV heads, gathered; a latent, whole on
+    every rank, takes the largest of the ranks' scales, so that every rank holds the same)."""
+    cfg = cast(ModelConfig, model.config)  # (a CausalLM's: a rank's share of the KV heads)
+    tp = getattr(model, "tp", None)
+    size = tp.size if tp is not None else 1
+    planes, *plane = cfg.kv_layout
+    layout = (planes, plane[0] * size, *plane[1:]) if planes == 2 else cfg.kv_layout  # every rank's KV heads
     if load_format != "dummy":
         from kvtier.model.loader import safetensors_files
 
-        scales = checkpoint_kv_scales(safetensors_files(path), cfg.kv_layout, cfg.num_layers, cfg.num_kv_layers)
+        scales = checkpoint_kv_scales(safetensors_files(path), layout, cfg.num_layers, cfg.num_kv_layers)
         if scales is not None:
             return scales, "checkpoint"
-    return calibrate(model, dtype), "calibrated"
+    local = calibrate(model, dtype)
+    if size == 1:
+        return local, "calibrated"
+    import torch.distributed as dist
+
+    assert tp is not None  # (size > 1)
+    device = next(model.parameters()).device
+    mine = torch.stack(local).to(device)  # [layers, 2, this rank's KV heads] or a latent's [layers, 1]
+    if planes == 1:  # a latent is whole on every rank: one scale each, the same on every rank
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=tp.group)
+        return list(mine.cpu().unbind(0)), "calibrated"
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=tp.group)
+    return list(torch.cat(every, dim=2).cpu().unbind(0)), "calibrated"

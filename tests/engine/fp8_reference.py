@@ -20,21 +20,26 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    """The family's own eager attention (its window, sinks, soft-capping) over K and V [batch,
+    kv_heads, seq, head_dim] through fp8 and back."""
+    import sys
 
     fp8 = getattr(module, "fp8_kv", None)
     if fp8 is not None:
         (k_scale, v_scale), dtype = fp8
         key, value = fake_quantize(key, k_scale, dtype), fake_quantize(value, v_scale, dtype)
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, **kwargs)
 
 
 def hf_fp8_model(path, scales: list[torch.Tensor] | None, dtype: torch.dtype = torch.float8_e4m3fn):
     """The checkpoint at ``path`` in transformers (fp32), each layer's K and V through fp8 with
     ``scales[layer]`` [2, num_kv_heads] (a latent: its one scale [1]; None: plain fp32 KV)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(HOOK, _attention)
+    AttentionMaskInterface.register(HOOK, eager_mask)  # (the additive masks eager attention takes)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=HOOK).eval()
     for i, layer in enumerate(hf.model.layers):
         attn = layer.self_attn

@@ -16,7 +16,7 @@ import kvtier
 from kvtier.engine.sizing import block_nbytes
 from kvtier.model import ModelConfig
 from tests.engine.fp8_reference import hf_fp8_model, hf_greedy, hf_logprobs
-from tests.engine.hf_reference import GREEDY, MAX_TOKENS, prompts_for
+from tests.engine.hf_reference import FAMILIES, GREEDY, MAX_TOKENS, prompts_for
 
 PRESET = "llama-tiny"
 
@@ -67,6 +67,19 @@ def test_cold_and_device_hit_match_transformers_with_fp8_kv(checkpoint, fp8_refe
         warm = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in warm] == want
         assert [o.num_cached_tokens for o in warm] == [(len(p) - 1) // 8 * 8 for p in prompts]
+
+
+@pytest.mark.parametrize("preset", [f for f in FAMILIES if f != PRESET])
+def test_every_served_family_matches_transformers_with_fp8_kv(preset, checkpoint, fp8_reference):
+    """Mistral, Qwen2/3 (q/k norms), Mixtral and the Qwen MoEs: the same tokens as transformers
+    with fp8 K/V, and not those of fp32 K/V (fp8 is visible in these tokens)."""
+    path = checkpoint(preset)
+    prompts = prompts_for(2, lengths=(17, 40))
+    with kvtier.LLM(path, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        want = fp8_reference(path, llm.kv_scales, prompts)
+    assert got == want
+    assert want != hf_greedy(hf_fp8_model(path, None), prompts, MAX_TOKENS)
 
 
 def test_logprobs_match_fp8_transformers_and_not_fp32_kv(checkpoint):
@@ -185,11 +198,34 @@ def test_fp8_blocks_take_half_the_bytes_of_bf16(checkpoint):
         assert sum(kv.nbytes for kv in llm.kv_caches) == 17 * block_nbytes(cfg, 8, torch.float8_e4m3fn)
 
 
-def test_bad_kv_cache_dtype_and_tensor_parallelism_are_refused_by_name(checkpoint):
+def test_a_bad_kv_cache_dtype_is_refused_by_name(checkpoint):
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'int8'"):
         kvtier.LLM(checkpoint(PRESET), kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' runs on one rank"):
-        kvtier.LLM(checkpoint(PRESET), kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("preset", [PRESET, "deepseek-v3-tiny"])
+def test_two_ranks_with_fp8_kv_match_transformers_and_one_rank(preset, checkpoint, fp8_reference):
+    """Tensor parallelism on CPU (gloo): each rank calibrates its KV heads (a latent: the whole
+    latent) in one forward of all ranks; the gathered scales, the tokens and the logprobs are
+    those of one rank, through a device hit."""
+    path = checkpoint(preset)
+    prompts = prompts_for(10, lengths=(23, 50))
+    params = kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    runs = {}
+    for tp in (1, 2):
+        with kvtier.LLM(path, kv_cache_dtype="fp8", tensor_parallel_size=tp, num_device_blocks=32, block_size=8) as llm:
+            cold, warm = llm.generate(prompts, params), llm.generate(prompts, params)
+            assert all(o.cached_tokens_by_tier["device"] > 0 for o in warm)
+            runs[tp] = (llm.kv_scales, cold, warm, llm.cache.fingerprint)
+    (one_scales, one, _, one_fp), (two_scales, cold, warm, two_fp) = runs[1], runs[2]
+    assert [s.tolist() for s in two_scales] == [s.tolist() for s in one_scales]
+    assert two_fp == one_fp  # (the same scales: one namespace)
+    want = fp8_reference(path, two_scales, prompts)
+    assert [o.token_ids for o in cold] == [o.token_ids for o in warm] == [o.token_ids for o in one] == want
+    for a, b in zip(one, cold):
+        ours = [d[t] for d, t in zip(b.outputs[0].logprobs, b.token_ids)]
+        theirs = [d[t] for d, t in zip(a.outputs[0].logprobs, a.token_ids)]
+        assert max(abs(x - y) for x, y in zip(ours, theirs)) < 2e-5  # partial sums add in another order
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v3-tiny"])
@@ -245,3 +281,52 @@ def test_pd_handoff_with_fp8_kv_matches_transformers(checkpoint, fp8_reference, 
         out = _run(d, prompt=prompt, params=GREEDY, handoff=first.handoff)
         assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": n_prompt}
         assert out.token_ids == want
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (one H200 runs it: pytest tests/engine/test_fp8_kv.py)"
+)
+def test_cuda_fp8_cache_through_device_host_and_storage_hits_matches_transformers(checkpoint, fp8_reference, tmp_path):
+    """On a GPU (fp32 compute, the Triton kernel dequantizing in-kernel, CUDA graphs, the copy
+    kernels moving fp8 bytes): cold, a device hit, a host hit and a storage hit all give
+    transformers' tokens with fp8 K/V."""
+    path = checkpoint(PRESET)
+    a, b, c = prompts_for(6, lengths=(60, 60, 60))
+    kw = dict(device="cuda", dtype="float32", kv_cache_dtype="fp8", block_size=8, write_policy="write_through")
+    with kvtier.LLM(path, num_device_blocks=10, num_host_blocks=64, **kw) as llm:
+        want = fp8_reference(path, [s.cpu() for s in llm.kv_scales], [a])[0]
+        assert llm.generate([a], GREEDY)[0].token_ids == want
+        device_hit = llm.generate([a], GREEDY)[0]
+        assert device_hit.cached_tokens_by_tier["device"] > 0 and device_hit.token_ids == want
+        llm.generate([b], GREEDY)  # a leaves the device tier; the host tier holds both
+        host_hit = llm.generate([a], GREEDY)[0]
+        assert host_hit.cached_tokens_by_tier["host"] > 0 and host_hit.token_ids == want
+    with kvtier.LLM(path, num_device_blocks=10, num_host_blocks=8, storage=f"file://{tmp_path}/pool", **kw) as llm:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)  # a is now only in storage
+        again = llm.generate([a], GREEDY)[0]
+        assert again.cached_tokens_by_tier["storage"] > 0 and again.token_ids == want
+
+
+def test_two_ranks_take_their_kv_heads_of_the_checkpoint_scales(scaled_checkpoint):
+    prompts = prompts_for(11, lengths=(30,))
+    with kvtier.LLM(scaled_checkpoint, kv_cache_dtype="fp8", tensor_parallel_size=2, num_device_blocks=32, block_size=8) as llm:
+        assert llm.startup.kv_cache is not None and llm.startup.kv_cache["scales"] == "checkpoint"
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        scales = llm.kv_scales
+    assert got == hf_greedy(hf_fp8_model(scaled_checkpoint, scales), prompts, MAX_TOKENS)
+
+
+def test_speculative_decoding_on_an_fp8_cache_gives_the_tokens_without_it(checkpoint):
+    """The MTP block's KV layer (which the calibration forward does not write) takes the largest
+    of the decoder's scales; verified drafts leave greedy tokens as they are."""
+    path = checkpoint("qwen3-mtp-tiny")
+    prompts = prompts_for(12, lengths=(17, 40))
+    with kvtier.LLM(path, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    with kvtier.LLM(path, kv_cache_dtype="fp8", num_device_blocks=64, block_size=8, num_speculative_tokens=2) as llm:
+        cfg = ModelConfig.from_hf_dir(path)
+        assert len(llm.kv_scales) == cfg.num_layers + 1
+        assert torch.equal(llm.kv_scales[-1], torch.stack(llm.kv_scales[:-1]).amax(dim=0))
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain

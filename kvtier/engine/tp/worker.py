@@ -66,7 +66,10 @@ class _Rank:
             torch.cuda.set_device(device)
         self.device = device
         group = init_group(backend_for(device), store, rank, size, config.tp_timeout, device)
+        from kvtier.model.kv_quant import is_fp8, kv_cache_torch_dtype
+
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.model = load_model(
             model,
             device,
@@ -78,13 +81,19 @@ class _Rank:
         )
         fits = config.num_device_blocks or size_device_blocks(
             device,
-            block_nbytes(self.model.config, config.block_size, self.dtype),  # (this rank's heads)
+            block_nbytes(self.model.config, config.block_size, self.kv_dtype),  # (this rank's heads)
             config.block_size,
             config.max_num_seqs,
             config.max_model_len,
             config.gpu_memory_utilization,
         )
         conn.send(("sized", int(fits)))
+        if is_fp8(self.kv_dtype):  # with rank 0, once every rank is sized (engine/build.py)
+            from pathlib import Path
+
+            from kvtier.model.kv_scales import kv_scales_for, set_kv_scales
+
+            set_kv_scales(self.model, kv_scales_for(Path(model), self.model, self.kv_dtype, config.load_format)[0], device)
         msg = conn.recv()
         assert msg[0] == "build", msg
         self._build(*msg[1:])
@@ -101,7 +110,7 @@ class _Rank:
         from kvtier.transfer.engine import TransferEngine
 
         self.config = c = replace(config, device=str(self.device))
-        self.kv_caches, self.host = allocate_tiers(self.model.config, c, self.dtype)
+        self.kv_caches, self.host = allocate_tiers(self.model.config, c, self.kv_dtype)
         host_kv = self.host.tensor if self.host is not None else None
         self.transfer = TransferEngine(self.kv_caches, host_kv, None)
         self.storage = None
