@@ -127,7 +127,7 @@ def test_triton_dequantizes_fp8_in_the_kernel_like_the_reference(dtype):
     _triton_or_skip()
     from kvtier.model.triton_attention import triton_attention
 
-    q, k, v, kv, kv_scale, meta = fp8_case(dtype)
+    q, k, v, kv, kv_scale, meta = fp8_case(dtype, device="cuda" if torch.cuda.is_available() else "cpu")
     write_kv(kv, k, v, meta.slot_mapping, kv_scale)
     scale = q.shape[-1] ** -0.5
     want = reference_attention(q, kv, meta, scale, kv_scale=kv_scale)
