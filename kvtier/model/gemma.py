@@ -20,7 +20,7 @@ Every norm is Gemma's RMSNorm: ``rms_norm(x) * (1 + weight)`` in fp32, rounded o
 is stored as an offset from one: a fresh norm's weight is zero). The softmax scale is
 ``query_pre_attn_scalar ** -0.5``, not head_dim's.
 
-Not served yet (config.SLIDING_ARCHITECTURES): load with model/loader.py ``load_sliding_model``.
+Served on one device (config.SLIDING_ARCHITECTURES; model/loader.py ``load_model``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtier.model.config import ModelConfig
+from kvtier.model.config import SLIDING_ARCHITECTURES, ModelConfig
 
 _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
@@ -48,12 +48,17 @@ class TPShard:
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
     """ValueError naming the first size that ``size`` ranks cannot split evenly, or that the
-    model is not sharded at all (multi-head latent attention)."""
+    model is not sharded at all (multi-head latent attention; gpt-oss and Gemma 2/3)."""
     if size > 1 and cfg.kv_kind == "latent":
         raise ValueError(
             f"tensor_parallel_size={size} is not supported for {cfg.architecture}: multi-head latent attention "
             f"(a {cfg.kv_width}-wide latent per token, the same on every rank) is served on one GPU "
             "(tensor_parallel_size=1)"
+        )
+    if size > 1 and cfg.architecture in SLIDING_ARCHITECTURES:
+        raise ValueError(
+            f"tensor_parallel_size={size} is not supported for {cfg.architecture}: its attention sinks, "
+            "soft-capping and Gemma norms are not split across ranks; it is served on one GPU (tensor_parallel_size=1)"
         )
     sizes = {
         "num_attention_heads": cfg.num_heads,
