@@ -2,10 +2,11 @@
 greedy tokens of kvtier.LLM == transformers `generate` on the same checkpoint, with prompts several
 windows long (the tiny presets slide over 8 tokens), cold and through every tier (a device prefix
 hit, chunked prefill, batching, a host hit, a storage hit), under swap preemption and across a PD
-hand-off. fp32 on CPU."""
+hand-off; gpt-oss's routed experts equal transformers' router. fp32 on CPU."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvtier
@@ -13,6 +14,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.core import EngineCore
 from kvtier.model import ModelConfig
 from tests.engine.hf_reference import GREEDY, prompts_for
+from tests.engine.test_routed_experts import hf_router_topk
 
 SLIDING_PRESETS = ["gpt-oss-tiny", "gemma2-tiny", "gemma3-tiny"]
 LONG = (60, 61)  # 7 windows and more; one prompt ends on a block boundary's far side
@@ -139,3 +141,19 @@ def test_speculative_decoding_and_tensor_parallelism_are_refused_by_name(preset,
         kvtier.LLM(path, num_device_blocks=16, num_speculative_tokens=1)
     with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is not supported for {arch}"):
         kvtier.LLM(path, num_device_blocks=16, tensor_parallel_size=2)
+
+
+def test_gpt_oss_routed_experts_equal_transformers_router_topk(checkpoint, hf_model):
+    path = checkpoint("gpt-oss-tiny")
+    prompts = prompts_for(37, lengths=(5, 41, 60))
+    sp = kvtier.SamplingParams(max_tokens=8, ignore_eos=True, return_routed_experts=True)
+    with kvtier.LLM(path, num_device_blocks=64, block_size=8, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(prompts, sp)
+        warm = llm.generate(prompts, sp)  # through device hits
+        top_k = llm.config.top_k
+    for p, o, w in zip(prompts, outs, warm):
+        seq = p + o.token_ids
+        assert o.routed_experts.shape == (len(seq) - 1, 3, top_k)
+        want = hf_router_topk(hf_model(path), seq[:-1], top_k)
+        assert np.array_equal(np.sort(o.routed_experts, -1), np.sort(want, -1))
+        assert w.token_ids == o.token_ids and np.array_equal(w.routed_experts, o.routed_experts)
