@@ -9,11 +9,12 @@ the full group's KV in the device blocks the block table and the radix tree mana
                                       ^ first_needed(num_computed): a query at p >= num_computed
                                         reads keys >= p - window + 1
 
-A running request *holds* the slots of its blocks from ``first_needed`` on; the others are freed
+A running request *holds* the slots of its blocks from ``first_needed`` on and lets the others go
 as its window moves past them (a 100K-token request holds window / block_size + 1 slots in
-decode, a chunk's more while it prefills). When it finishes or is preempted, the slots of its
-last window's committed blocks stay *retained* (a chat's next turn hits there), least recently
-retained first out when slots run short; a device block leaving the device tier takes its slot.
+decode, a chunk's more while it prefills). A slot no request holds is freed, or, if its block is
+in the tree (committed), *retained*: it still serves hits (a shared system prompt, a chat's next
+turn) until a request needs the slot, least recently retained first, as vLLM's freed blocks keep
+their hash until reused. A device block leaving the device tier takes its slot.
 
 A prefix hit of ``k`` blocks is exact only if every sliding group has the slots of blocks
 ``first_needed(k * block_size) .. k - 1``: recomputing just the missing window would not do, since

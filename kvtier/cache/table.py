@@ -173,6 +173,15 @@ class BlockTable:
             nh += 1
         return path, lo, nh
 
+    def _longest_sliding_hit(self, device_blocks: list[int]) -> int:
+        """The longest prefix of ``device_blocks`` every sliding group has its window for."""
+        k = len(device_blocks)
+        while True:
+            shortest = min(g.longest_hit(device_blocks, k) for g in self.sliding)
+            if shortest == k:
+                return k
+            k = shortest
+
     def start_lookup(self, req: CacheRequest) -> None:
         """At arrival: ask the pool, on the storage client's lookup thread, for the blocks past
         what device and host hold now, so that :meth:`match_prefix` finds the answer ready when
@@ -192,8 +201,7 @@ class BlockTable:
         if self.enable_prefix_caching and max_blocks > 0 and not req.no_hits:
             path, nd, nh = self._tree_prefix(req, max_blocks)
             if self.sliding:  # (no host tier here) the longest hit every group has its window for
-                blocks = [n.device_block for n in path[:nd]]
-                nd = nh = min(g.longest_hit(blocks, nd) for g in self.sliding)  # type: ignore[arg-type]  # device hits have blocks
+                nd = nh = self._longest_sliding_hit([n.device_block for n in path[:nd]])  # type: ignore[misc]  # device hits have device blocks
             del path[nh:]
             if self.storage is not None and nh < max_blocks and req.prefetch is None:
                 ns = storage_hits(self.storage, req, nh, max_blocks)
@@ -417,9 +425,12 @@ class BlockTable:
     def commit(self, req: CacheRequest, num_tokens: int) -> None:
         """Positions < ``num_tokens`` of ``req`` hold KV written by a finished forward: their
         full blocks become matchable device copies (duplicates of existing nodes are freed).
-        Sliding groups free the slots of the blocks no later query of ``req`` reads."""
+        Sliding groups then let go of the blocks no later query of ``req`` reads."""
+        self._commit_nodes(req, num_tokens)
         if self.sliding and req.admitted and not req.freed:
             self._advance_sliding(req, num_tokens)
+
+    def _commit_nodes(self, req: CacheRequest, num_tokens: int) -> None:
         if not self.enable_prefix_caching or req.num_loading or not req.admitted:
             return
         bs, tree = self.block_size, self.tree
@@ -469,8 +480,8 @@ class BlockTable:
         table = req.block_table
         for i, g in enumerate(self.sliding):
             first, new = req.sliding_first[i], min(g.first_needed(num_tokens), len(table))
-            if new > first:
-                g.release(table[first:new])
+            if new > first:  # committed blocks keep their slots until the group needs them (retained)
+                g.release(table[first:new], keep=table[first : min(new, len(req.nodes))])
                 req.sliding_first[i] = new
 
     def free(self, req: CacheRequest) -> None:

@@ -27,7 +27,8 @@ Two kinds of attention layer (:attr:`ModelConfig.layer_types`, grouped by :attr:
 
 SLIDING_ARCHITECTURES (gpt-oss, Gemma 2, Gemma 3: model/gpt_oss.py, model/gemma.py) are served on
 one device (no tensor parallelism, no MTP drafts: both refused by name), as Mistral/Qwen with sliding
-layers are: every layer keeps every block of the sequence and attention applies the window.
+layers are; attention applies each layer's window. The engine keeps a sliding group's KV in blocks
+of its own where it can (cache/sliding.py), else every layer keeps every block (docs/DESIGN.md §4).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class GemmaForCausalLM(nn.Module):
         local_rope = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, h.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             layer_rope = local_rope if self.config.layer_window(i) is not None else rope
-            h = layer(h, positions, layer_rope, kv_cache, meta, self.attn_fn, layer_hook)
+            h = layer(h, positions, layer_rope, kv_cache, meta.for_layer(i), self.attn_fn, layer_hook)
         return self.model.norm(h)
 
     def fuse_projections(self) -> None:

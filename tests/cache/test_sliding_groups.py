@@ -1,12 +1,14 @@
 """Sliding-window groups with blocks of their own (cache/sliding.py) under the CacheManager: a
-running request holds only its window's slots, a finished one leaves its last window for the next
-turn, and a hit is cut back to the longest prefix whose windows every group still has."""
+running request holds only its window's slots, the slots it lets go stay retained for hits until
+a request needs them, and a hit is cut back to the longest prefix whose windows every group still
+has."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtier.cache import CacheManager
+from kvtier.cache.sliding import SlidingGroup
 
 BS, WINDOW = 8, 16
 
@@ -15,7 +17,7 @@ def manager(num_device_blocks=400, num_slots=12, windows=(WINDOW,)) -> CacheMana
     return CacheManager(block_size=BS, num_device_blocks=num_device_blocks, sliding=[(w, num_slots) for w in windows])
 
 
-def held(mgr: CacheManager, req, group: int = 0) -> int:
+def held(req, group: int = 0) -> int:
     """Slots ``req`` holds in a group: its device blocks from the first one it still reads."""
     return len(req.block_table) - req.sliding_first[group]
 
@@ -32,7 +34,7 @@ def decode(mgr: CacheManager, rid, prompt: list[int], num_new: int, chunk: int, 
             tokens.append(len(tokens) % 251)
         assert mgr.allocate(req, end)
         if seen is not None:
-            seen.append(held(mgr, req))
+            seen.append(held(req))
         mgr.commit(req, end)
         mgr.assert_invariants([req])
         done = end
@@ -48,9 +50,11 @@ def test_a_long_request_holds_one_window_of_slots_at_every_decode_step():
     assert g.blocks_per_window == WINDOW // BS + 1 == 3
     assert max(seen[5:]) == 3  # decode: the blocks a 16-token window straddles
     assert max(seen[:5]) <= -(-(WINDOW + 8 - 1) // BS) + 1  # a chunk of 8 reads its own window
-    assert g.pool.num_used == held(mgr, req) <= 3
+    assert g.pool.num_used == held(req) + len(g.retained) <= 12  # the rest: retained, the latest ones
+    assert all(b in g.retained for b in req.block_table[240:248])
+    last_window = req.block_table[req.sliding_first[0] : 250]
     mgr.free(req)
-    assert g.pool.num_used == len(g.retained) == 2  # the last window's committed blocks, for the next turn
+    assert g.pool.num_used == len(g.retained) and all(b in g.retained for b in last_window[:-1])
     mgr.assert_invariants()
 
 
@@ -72,11 +76,10 @@ def test_the_next_turn_hits_the_last_window_and_reads_its_slots():
 
 def test_a_hit_whose_window_slots_are_gone_falls_back_to_a_prefix_with_its_window():
     mgr = manager(num_slots=5)
-    a = decode(mgr, "a", list(range(64)), 1, chunk=8)  # 8 blocks; keeps the slots of blocks 6, 7
+    a = decode(mgr, "a", list(range(64)), 1, chunk=8)  # 8 blocks; the pool retains the last 5 it let go
     g = mgr.sliding_groups[0]
     mgr.free(a)
-    kept = sorted(b for b in g.retained)
-    assert len(kept) == 2
+    assert [a.block_table.index(b) for b in g.retained] == [4, 5, 6, 7]
     # a longer prompt over a's 8 blocks: a hit of all 8 reads blocks 6 and 7's slots, there
     again = mgr.new_request("a2", list(range(64)) + [1, 2, 3])
     assert mgr.match_prefix(again).num_device_blocks == 8
@@ -93,18 +96,18 @@ def test_a_hit_whose_window_slots_are_gone_falls_back_to_a_prefix_with_its_windo
 
 
 def test_a_hit_is_the_longest_prefix_every_group_has_its_window_for():
-    g_short, g_long = 8, 24
-    mgr = manager(num_slots=40, windows=(g_short, g_long))
-    a = decode(mgr, "a", list(range(80)), 1, chunk=8)  # 10 blocks
-    mgr.free(a)
-    short, long_ = mgr.sliding_groups
-    assert len(short.retained) == 1 and len(long_.retained) == 3  # each keeps its own last window
-    hit = mgr.match_prefix(mgr.new_request("a2", list(range(80)) + [5]))
-    assert hit.num_device_blocks == 10
-    # a prompt that leaves a at block 6: no group has the window before position 48
-    cut = mgr.match_prefix(mgr.new_request("a3", list(range(48)) + [9] * 9))
-    assert cut.num_device_blocks == 0
-    mgr.assert_invariants()
+    short, long_ = SlidingGroup(8, BS, 40, 16), SlidingGroup(24, BS, 40, 16)
+    blocks = list(range(10))
+    for g, with_slot in ((short, [2, 3, 9]), (long_, [0, 1, 2, 3, 7, 8, 9])):
+        assert g.hold(with_slot)
+    # a hit of k blocks reads [first_needed(8k), k): short needs 1 block there, long 3
+    assert [short.longest_hit(blocks, k) for k in (10, 9, 4)] == [10, 4, 4]
+    assert [long_.longest_hit(blocks, k) for k in (10, 9, 4)] == [10, 4, 4]
+    assert short.longest_hit(blocks, 2) == 0 and long_.longest_hit(blocks, 2) == 2
+    long_.release([8])  # block 8 has no slot now: the long window ending at 10 misses it
+    assert long_.longest_hit(blocks, 10) == 4 and short.longest_hit(blocks, 10) == 10
+    short.assert_invariants()
+    long_.assert_invariants()
 
 
 def test_a_request_without_slots_is_not_admitted_and_changes_nothing():
