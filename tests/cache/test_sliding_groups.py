@@ -126,3 +126,18 @@ def test_a_request_without_slots_is_not_admitted_and_changes_nothing():
 def test_sliding_groups_refuse_lower_tiers_by_name():
     with pytest.raises(ValueError, match="num_host_blocks=4"):
         CacheManager(block_size=BS, num_device_blocks=16, num_host_blocks=4, sliding=[(WINDOW, 4)])
+
+
+def test_a_32k_request_of_gpt_oss_20b_geometry_holds_its_full_blocks_and_one_window():
+    """gpt-oss-20b: 12 full and 12 sliding layers (window 128), block 16. A 32K-token request's
+    device blocks, counted per layer, are those of its full layers plus one window per sliding
+    layer: half of what keeping every block for every layer costs."""
+    mgr = CacheManager(block_size=16, num_device_blocks=2100, sliding=[(128, 2100)])
+    seen: list[int] = []
+    req = decode(mgr, "32k", [t % 251 for t in range(32_704)], 64, chunk=2048, seen=seen)
+    g = mgr.sliding_groups[0]
+    assert len(req.block_table) == 2048 and g.blocks_per_window == 9
+    assert max(seen[-64:]) == 9  # decode: 128 / 16 + 1
+    full_layers, sliding_layers = 12, 12
+    held = full_layers * len(req.block_table) + sliding_layers * max(seen[-64:])
+    assert held == 24_684 and held / (full_layers + sliding_layers) / 2048 < 0.503  # vs 49,152 every block kept
