@@ -41,6 +41,8 @@ PRESET_NAMES = (
     "gpt-oss-tiny",
     "gemma2-tiny",
     "gemma3-tiny",
+    "gpt-oss-20b-shape",
+    "gemma3-12b-shape",
 )
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
 # `kvtier bench --help`.

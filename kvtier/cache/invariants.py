@@ -18,6 +18,7 @@ from kvtier.cache.plan import CopyKind
 from kvtier.cache.pool import BlockPool
 from kvtier.cache.prefetch import Prefetcher
 from kvtier.cache.records import CacheRequest, TailBlock
+from kvtier.cache.sliding import SlidingGroup
 from kvtier.cache.tree import RadixTree
 
 
@@ -36,6 +37,8 @@ class Checked(Protocol):
     def handoff(self) -> Handoff: ...
     @property
     def landed_twice(self) -> tuple[int, ...]: ...
+    @property
+    def sliding_groups(self) -> Sequence[SlidingGroup]: ...
     def copies_in_flight(self) -> list[tuple[CopyKind, list]]: ...
 
 
@@ -162,3 +165,13 @@ def check(m: Checked, requests: Sequence[CacheRequest] = ()) -> None:
         assert m.host_pool.is_free(b) != (b in host_owner), f"host block {b} leaked or double-owned"
     unlocked = sum(1 for n in tree.nodes.values() if n.device_block is not None and n.lock_ref == 0)
     assert tree.num_device_unlocked == unlocked, (tree.num_device_unlocked, unlocked)
+    for gi, g in enumerate(m.sliding_groups):  # each slot: one device block's, held by the requests that read it
+        g.assert_invariants()
+        held: dict[int, int] = {}
+        for r in live:
+            if r.admitted:
+                for b in r.block_table[r.sliding_first[gi] :]:
+                    held[b] = held.get(b, 0) + 1
+        for b, slot in enumerate(g.slot_of):
+            assert slot < 0 or not m.device_pool.is_free(b), f"free device block {b} keeps sliding slot {slot}"
+            assert g.holders[b] == held.get(b, 0), f"device block {b}: {g.holders[b]} sliding holders, {held.get(b, 0)} requests"

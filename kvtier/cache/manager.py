@@ -41,6 +41,7 @@ from kvtier.cache.policy import WritePolicy
 from kvtier.cache.pool import BlockPool
 from kvtier.cache.prefetch import Prefetcher
 from kvtier.cache.records import TIERS, CacheRequest, CacheStats, check_block_size
+from kvtier.cache.sliding import SlidingGroup
 from kvtier.cache.storage_index import StorageIndex
 from kvtier.cache.table import MAX_SEEDS, BlockTable
 from kvtier.cache.tree import Node, RadixTree
@@ -78,7 +79,11 @@ class CacheManager:
         fetch_cost: FetchCostModel | None = None,
         fetch_chunk_blocks: int = FETCH_CHUNK,
         early_loads: bool = True,
+        sliding: Sequence[tuple[int, int]] = (),
     ) -> None:
+        """``sliding``: (window, slots) of each sliding-window group whose blocks are its own,
+        freed as its window moves on (cache/sliding.py; device tier only); empty: every layer
+        keeps every block."""
         self.table = table = BlockTable(
             block_size,
             num_device_blocks,
@@ -90,6 +95,7 @@ class CacheManager:
             hash_name,
             fingerprint,
             enable_prefix_caching,
+            sliding,
         )
         self.mover = mover = Mover(table, block_nbytes)
         self.prefetcher = Prefetcher(self, fetch_cost, fetch_chunk_blocks, early_loads)  # storage -> host fetches
@@ -108,6 +114,17 @@ class CacheManager:
     @property
     def host_pool(self) -> BlockPool:
         return self.table.host_pool
+
+    @property
+    def sliding_groups(self) -> Sequence[SlidingGroup]:
+        """The sliding-window groups whose blocks are their own (cache/sliding.py), in model order."""
+        return self.table.sliding
+
+    def sliding_tables(self, req: CacheRequest, num_blocks: int) -> list[list[int]]:
+        """Per sliding group, ``req``'s block table over its first ``num_blocks`` device blocks
+        (slots from the first block its next query reads)."""
+        table = req.block_table[:num_blocks]
+        return [g.table(table, min(first, len(table))) for g, first in zip(self.table.sliding, req.sliding_first)]
 
     @property
     def has_host(self) -> bool:

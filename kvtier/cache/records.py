@@ -112,6 +112,7 @@ class CacheRequest:
         "storage_probe",
         "tail",
         "no_hits",
+        "sliding_first",
     )
 
     def __init__(self, rid: object, token_ids: list[int], hasher: BlockHasher) -> None:
@@ -133,6 +134,7 @@ class CacheRequest:
         self.storage_probe: tuple | None = None  # last storage lookup: (first, end, hits or its future, when)
         self.tail: TailBlock | None = None  # PD: the prompt's partial block, from the pool
         self.no_hits = False  # match nothing (it must compute every token)
+        self.sliding_first: list[int] = []  # per sliding group: the first block whose slot it holds (cache/sliding.py)
 
     @property
     def keys(self) -> list[bytes]:

@@ -37,6 +37,7 @@ from kvtier.cache.policy import WritePolicy, get_eviction_key
 from kvtier.cache.pool import BlockPool
 from kvtier.cache.probe import lookup_async, storage_hits
 from kvtier.cache.records import CacheRequest, CacheStats, check_block_size
+from kvtier.cache.sliding import DevicePool, SlidingGroup
 from kvtier.cache.storage_index import StorageIndex
 from kvtier.cache.tree import Node, RadixTree
 
@@ -72,9 +73,17 @@ class BlockTable:
         hash_name: str,
         fingerprint: ModelFingerprint | None,
         enable_prefix_caching: bool,
+        sliding: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.block_size = check_block_size(block_size)
-        self.device_pool = BlockPool(num_device_blocks, "device")
+        # per sliding group (window, slots): its blocks of its own (cache/sliding.py); device tier only
+        self.sliding = [SlidingGroup(w, block_size, n, num_device_blocks) for w, n in sliding]
+        if self.sliding and (num_host_blocks or storage is not None):
+            raise ValueError(
+                f"sliding-window groups with blocks of their own are kept on the device tier only "
+                f"(num_host_blocks={num_host_blocks}, storage={storage!r}): keep every block instead"
+            )
+        self.device_pool = DevicePool(num_device_blocks, self.sliding) if self.sliding else BlockPool(num_device_blocks, "device")
         self.host_pool = BlockPool(num_host_blocks, "host")
         self.storage = storage
         self.policy = WritePolicy(write_policy, write_through_threshold)
@@ -164,6 +173,15 @@ class BlockTable:
             nh += 1
         return path, lo, nh
 
+    def _longest_sliding_hit(self, device_blocks: list[int]) -> int:
+        """The longest prefix of ``device_blocks`` every sliding group has its window for."""
+        k = len(device_blocks)
+        while True:
+            shortest = min(g.longest_hit(device_blocks, k) for g in self.sliding)
+            if shortest == k:
+                return k
+            k = shortest
+
     def start_lookup(self, req: CacheRequest) -> None:
         """At arrival: ask the pool, on the storage client's lookup thread, for the blocks past
         what device and host hold now, so that :meth:`match_prefix` finds the answer ready when
@@ -182,6 +200,8 @@ class BlockTable:
         storage_keys: tuple[bytes, ...] = ()
         if self.enable_prefix_caching and max_blocks > 0 and not req.no_hits:
             path, nd, nh = self._tree_prefix(req, max_blocks)
+            if self.sliding:  # (no host tier here) the longest hit every group has its window for
+                nd = nh = self._longest_sliding_hit([n.device_block for n in path[:nd]])  # type: ignore[misc]  # device hits have device blocks
             del path[nh:]
             if self.storage is not None and nh < max_blocks and req.prefetch is None:
                 ns = storage_hits(self.storage, req, nh, max_blocks)
@@ -231,6 +251,9 @@ class BlockTable:
             blocks = self.take_device(n_new)
             if blocks is None:
                 return False
+            if self.sliding and not self._hold_all([blocks] * len(self.sliding)):
+                self.device_pool.free(blocks)
+                return False
             req.block_table.extend(blocks)
             return True
 
@@ -247,6 +270,9 @@ class BlockTable:
         for n in host_hits:
             n.host_reads += 1
         blocks = self.take_device(max(need_total, len(path)) - nd)
+        if blocks is not None and self.sliding and not self._hold_sliding(req, [*map(_DEVICE_BLOCK, device_hits), *blocks], nd):
+            self.device_pool.free(blocks)
+            blocks = None
         if blocks is None:
             for n in device_hits:
                 tree.unlock(n)
@@ -290,6 +316,25 @@ class BlockTable:
             for n in device_hits:
                 if n.host_block is None and self.policy.copy_on_land(n.hit_count):
                     self.copies.copy_down(n)
+        return True
+
+    def _hold_sliding(self, req: CacheRequest, table: list[int], num_hits: int) -> bool:
+        """At admission: ``req`` holds, in every sliding group, the slots of ``table`` (its device
+        hits then its new blocks) from the first block its first query reads."""
+        firsts = [g.first_needed(num_hits * self.block_size) for g in self.sliding]
+        if not self._hold_all([table[f:] for f in firsts]):
+            return False
+        req.sliding_first = firsts
+        return True
+
+    def _hold_all(self, parts: list[list[int]]) -> bool:
+        """Sliding group i holds the slots of ``parts[i]``; False, with nothing held, if a group
+        has too few slots."""
+        for i, (g, blocks) in enumerate(zip(self.sliding, parts)):
+            if not g.hold(blocks):
+                for done, held in zip(self.sliding[:i], parts):
+                    done.release(held)
+                return False
         return True
 
     def _return_landed_twice(self) -> None:
@@ -379,7 +424,13 @@ class BlockTable:
     # ------------------------------------------------------------------ commit / free
     def commit(self, req: CacheRequest, num_tokens: int) -> None:
         """Positions < ``num_tokens`` of ``req`` hold KV written by a finished forward: their
-        full blocks become matchable device copies (duplicates of existing nodes are freed)."""
+        full blocks become matchable device copies (duplicates of existing nodes are freed).
+        Sliding groups then let go of the blocks no later query of ``req`` reads."""
+        self._commit_nodes(req, num_tokens)
+        if self.sliding and req.admitted and not req.freed:
+            self._advance_sliding(req, num_tokens)
+
+    def _commit_nodes(self, req: CacheRequest, num_tokens: int) -> None:
         if not self.enable_prefix_caching or req.num_loading or not req.admitted:
             return
         bs, tree = self.block_size, self.tree
@@ -402,6 +453,9 @@ class BlockTable:
             if node.device_block is None:
                 tree.set_device(node, table[i])
             elif node.device_block != table[i]:  # keep the tree's copy
+                for g, first in zip(self.sliding, req.sliding_first):
+                    if i >= first:
+                        g.replace(table[i], node.device_block)
                 self.device_pool.free_one(table[i])
                 table[i] = node.device_block
             node.last_access = tick
@@ -420,6 +474,15 @@ class BlockTable:
         if copy_down and self.policy.copy_on_land(1):
             for node in new:
                 self.copies.copy_down(node)
+
+    def _advance_sliding(self, req: CacheRequest, num_tokens: int) -> None:
+        """Positions < ``num_tokens`` are computed: release the blocks before each group's window."""
+        table = req.block_table
+        for i, g in enumerate(self.sliding):
+            first, new = req.sliding_first[i], min(g.first_needed(num_tokens), len(table))
+            if new > first:  # committed blocks keep their slots until the group needs them (retained)
+                g.release(table[first:new], keep=table[first : min(new, len(req.nodes))])
+                req.sliding_first[i] = new
 
     def free(self, req: CacheRequest) -> None:
         """Finish, abort or preempt: unlock the request's nodes, return its own blocks.
@@ -443,6 +506,11 @@ class BlockTable:
                 if not node.num_device_children and not node.in_device_heap:
                     tree.maybe_candidate(node)
         tree.num_device_unlocked += unlocked
+        if self.sliding:  # the last window's committed blocks keep their slots for later hits
+            table, n_nodes = req.block_table, len(req.nodes)
+            for g, first in zip(self.sliding, req.sliding_first):
+                g.release(table[first:], keep=table[first:n_nodes])
+            req.sliding_first = []
         own = req.block_table[len(req.nodes) + req.num_loading :]
         if own:
             self.device_pool.free(own)

@@ -26,7 +26,7 @@ import os
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ from kvtier.engine.pool import bind_pool, open_pool
 from kvtier.engine.resolve import resolve, resolve_device, size_tiers
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Scheduler
-from kvtier.engine.sizing import DTYPES, block_nbytes
+from kvtier.engine.sizing import DTYPES, block_nbytes, sliding_slots
 from kvtier.engine.spec import Speculator
 from kvtier.engine.startup import Startup
 from kvtier.engine.tp.ranks import Ranks, backend_for, init_group
@@ -173,7 +173,9 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
             if storage is not None:
                 storage.shard(0, tp, replicated=model_config.kv_kind == "latent")  # (a latent: one object per block)
                 storage = TPStorage(storage, rank_ops)  # type: ignore[assignment]  # a StorageClient to the engine
+        sliding = sliding_groups(model_config, c, storage is not None)
         cache = CacheManager(
+            sliding=[(w, n) for w, _, n in sliding],
             block_size=c.block_size,
             num_device_blocks=c.num_device_blocks,
             num_host_blocks=c.num_host_blocks,
@@ -190,7 +192,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         if ranks is not None:  # the others allocate, compile and capture beside this one
             ranks.send(("build", c, (storage.namespace, fingerprint) if storage is not None else None))
         with startup("allocating KV tiers"):
-            kv_caches, host = allocate_tiers(lm.config, c, kv_dtype)  # (this rank's KV heads)
+            kv_caches, host = allocate_tiers(lm.config, c, kv_dtype, sliding)  # (this rank's KV heads)
             if host is not None:
                 undo.callback(host.release)
         host_kv = host.tensor if host is not None else None
@@ -207,6 +209,9 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
             assert host_kv is not None  # a pool always gets a host tier (config, size_tiers)
             bind_pool(storage, fetch_cost, host_kv, routing.host_store if routing is not None else None, fingerprint)
         runner, graphs, step_graphs = build_runner(lm, kv_caches, host_kv, c, routing, transfer.gates, startup)
+        if sliding:
+            runner.sliding_layers = [layers for _, layers, _ in sliding]
+            runner.sliding_tables = cache.sliding_tables
         if ranks is not None:
             with startup("waiting for the other tensor-parallel ranks"):
                 ranks.wait_ready()
@@ -242,16 +247,43 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
     return parts
 
 
+def sliding_groups(model_config: ModelConfig, config: EngineConfig, has_pool: bool) -> list[tuple[int, tuple[int, ...], int]]:
+    """(window, layers, slots) of each sliding group that keeps blocks of its own (cache/sliding.py),
+    in model order; none where every layer keeps every block: with a host tier or a pool (they
+    store every layer of a block), on CUDA (its warm-up and graphs read one block table),
+    under tensor parallelism or with MTP drafts."""
+    c = config
+    assert c.num_device_blocks is not None and c.num_host_blocks is not None, "an unresolved config (engine/resolve.py)"
+    if c.num_host_blocks or has_pool or c.device != "cpu" or c.tensor_parallel_size > 1 or c.num_speculative_tokens:
+        return []
+    sizes = (c.block_size, c.num_device_blocks, c.max_num_seqs, c.max_num_batched_tokens)
+    groups = [g for g in model_config.attention_groups if g.window is not None]
+    return [(g.window, g.layer_ids, sliding_slots(g.window, *sizes)) for g in groups if g.window is not None]
+
+
 def allocate_tiers(
-    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    sliding: Sequence[tuple[int, tuple[int, ...], int]] = (),
 ) -> tuple[list[torch.Tensor], HostKV | None]:
     """The device tier, one block more than the pool hands out (the scratch block padded CUDA-
     graph rows and the start's kernel warm-up write to), and the host tier: pinned (on CUDA) and
     on the GPU's NUMA node, one storage object per host block. ``model_config``: this rank's
-    (its KV heads)."""
+    (its KV heads). ``sliding``: the layers of each sliding group get its slots (plus the scratch)."""
     c, m = config, model_config
     assert c.num_device_blocks is not None and c.num_host_blocks is not None, "an unresolved config (engine/resolve.py)"
     device = torch.device(c.device)
+    if sliding:  # one buffer per group: the full layers' device blocks, each sliding group's slots
+        in_group = {layer for _, layers, _ in sliding for layer in layers}
+        full = tuple(i for i in range(m.num_kv_layers) if i not in in_group)
+        planes, *plane = m.kv_layout
+        kv_caches: list[torch.Tensor] = [torch.empty(0)] * m.num_kv_layers
+        for layers, n in [(full, c.num_device_blocks), *((layers, n) for _, layers, n in sliding)]:
+            shape = (len(layers), planes, n + 1, c.block_size, *plane)
+            for layer, kv in zip(layers, torch.zeros(shape, device=device, dtype=dtype).unbind(0)):
+                kv_caches[layer] = kv
+        return kv_caches, None
     kv_caches = allocate_kv_caches(m, c.num_device_blocks + 1, c.block_size, device, dtype)
     shape = host_kv_shape(m, c.num_host_blocks, c.block_size)
     return kv_caches, HostKV(shape, dtype, device) if c.num_host_blocks else None

@@ -30,7 +30,7 @@ which engine/verify.py accepts before the speculator's MTP passes draft on (engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
@@ -53,6 +53,7 @@ from kvtier.model.families import CausalLM
 from kvtier.model.shard import broadcast_from_first
 
 if TYPE_CHECKING:
+    from kvtier.cache.records import CacheRequest
     from kvtier.transfer.engine import LoadWaits
 
 
@@ -85,6 +86,10 @@ class ModelRunner:
         self.spec: Speculator | None = None  # speculative decoding: its drafts (engine/spec.py)
         # a tensor-parallel rank > 0 with drafts: the last forward's (inputs, hidden, load waits)
         self.followed: tuple[StepInputs, torch.Tensor, LoadWaits | None] | None = None
+        # sliding groups with blocks of their own (cache/sliding.py): each group's layers, and the
+        # cache's tables of a request per group (CacheManager.sliding_tables); none: one table
+        self.sliding_layers: list[tuple[int, ...]] = []
+        self.sliding_tables: Callable[[CacheRequest, int], list[list[int]]] | None = None
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (closing): under tensor parallelism they hold NCCL kernels, and
@@ -116,6 +121,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        group_tables: list[list[list[int]]] = [[] for _ in self.sliding_layers]
         pending_at: list[int] = []  # places in ids of tokens still on the device ...
         pending_rows: list[int] = []  # ... and their rows in the last step's tokens
         for s in out.scheduled:
@@ -140,9 +146,12 @@ class ModelRunner:
             query_lens.append(s.num_tokens)
             seq_lens.append(end)
             tables.append(req.cache_req.block_table[: -(-end // self.block_size)])
+            if self.sliding_tables is not None:
+                for group, table in zip(group_tables, self.sliding_tables(req.cache_req, len(tables[-1]))):
+                    group.append(table)
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        return HostInputs(ids, positions, query_lens, seq_lens, tables, sample_rows, pending_at, pending_rows)
+        return HostInputs(ids, positions, query_lens, seq_lens, tables, sample_rows, pending_at, pending_rows, group_tables)
 
     def _upload(self, host: HostInputs) -> StepInputs:
         """The step's inputs on the device, in two non-blocking copies (the module docstring)."""
@@ -172,11 +181,13 @@ class ModelRunner:
             max_seq_len=meta.max_seq_len,
             slot_mapping_cpu=meta.slot_mapping_cpu,
         )
+        if host.group_tables:
+            dev.layer_views = self._group_views(host, dev)
         input_ids = wide_d[:n]
         tail = wide_d[3 * n :]
         ns, npend = len(sample_rows), len(pending_at)
         if index_checks.ENABLED:  # KVTIER_CHECK_INDICES=1: as the GPU reads them
-            kv = self.kv_caches[0]
+            kv = max(self.kv_caches, key=lambda t: t.shape[1])  # a full layer's (sliding groups' are smaller)
             index_checks.check("input_ids", input_ids, self.model.config.vocab_size)
             index_checks.check("slot_mapping", dev.slot_mapping, kv.shape[1] * kv.shape[2])
             index_checks.check("block_tables", dev.block_tables, kv.shape[1])
@@ -191,6 +202,22 @@ class ModelRunner:
                 index_checks.check("pending token rows", rows, last.tokens.numel())
             input_ids.index_copy_(0, at, last.tokens.index_select(0, rows))
         return StepInputs(input_ids, wide_d[n : 2 * n], dev, sample_rows, tail[:ns])
+
+    def _group_views(self, host: HostInputs, dev: AttentionMetadata) -> tuple[AttentionMetadata | None, ...]:
+        """Per layer, the metadata of its sliding group's slots (None: the full group's ``dev``)."""
+        views: list[AttentionMetadata | None] = [None] * len(self.kv_caches)
+        for layers, tables in zip(self.sliding_layers, host.group_tables):
+            g = AttentionMetadata.build(host.query_lens, host.seq_lens, tables, self.block_size, "cpu")
+            view = replace(
+                dev,
+                slot_mapping=g.slot_mapping.to(self.device, non_blocking=True),
+                block_tables=g.block_tables.to(self.device, non_blocking=True),
+                slot_mapping_cpu=g.slot_mapping_cpu,
+                layer_views=(),
+            )
+            for layer in layers:
+                views[layer] = view
+        return tuple(views)
 
     def forward(
         self, host: HostInputs, start_loads: Callable[[str], LoadWaits | None] | None = None

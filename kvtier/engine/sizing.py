@@ -36,6 +36,15 @@ def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 
 
+def sliding_slots(window: int, block_size: int, num_device_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks of a sliding group's own (cache/sliding.py): every running request's window (the
+    blocks it straddles, and the one a decode step writes) plus a step's new tokens, at most one
+    per device block. A request of any length needs no more: a 32K-token request on gpt-oss-20b
+    (window 128, block 16) holds 2,048 blocks in its full layers and 10 in its sliding ones."""
+    per_request = -(-window // block_size) + 2
+    return min(num_device_blocks, max_num_seqs * per_request + -(-max_num_batched_tokens // block_size))
+
+
 ACTIVATION_RESERVE = 1 << 30  # bytes left to a step's activations, CUDA graphs and kernel workspaces
 
 

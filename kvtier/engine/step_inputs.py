@@ -14,7 +14,7 @@ the MTP block's passes (engine/spec.py)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ class HostInputs:
     sample_rows: list[int]
     pending_at: list[int]
     pending_rows: list[int]
+    group_tables: list[list[list[int]]] = field(default_factory=list)  # per sliding group with slots: its tables
 
 
 @dataclass(slots=True)

@@ -53,10 +53,19 @@ class AttentionMetadata:
     # CUDA graphs: query_start_loc has this many sequences' entries (trailing ones empty), the
     # kernel's grid covers them all, and the host lists above are only bounds (engine/cuda_graph.py)
     graph_num_seqs: int | None = None
+    # per layer, the metadata of its attention group when that group keeps blocks of its own (a
+    # sliding group's slots: cache/sliding.py): its slot_mapping and block_tables; None or absent:
+    # this one (engine/runner.py)
+    layer_views: tuple["AttentionMetadata | None", ...] = ()
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_layer(self, layer_idx: int) -> "AttentionMetadata":
+        """The metadata layer ``layer_idx`` writes and reads its KV by."""
+        view = self.layer_views[layer_idx] if layer_idx < len(self.layer_views) else None
+        return self if view is None else view
 
     @classmethod
     def build(

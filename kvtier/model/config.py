@@ -25,10 +25,10 @@ Two kinds of attention layer (:attr:`ModelConfig.layer_types`, grouped by :attr:
     Gemma 2, gpt-oss              layer_types, else alternating: sliding, full, sliding, ...
     Gemma 3                       layer_types, else every sliding_window_pattern-th layer full (5 sliding : 1 full)
 
-SLIDING_ARCHITECTURES (gpt-oss, Gemma 2, Gemma 3: model/gpt_oss.py, model/gemma.py) are read and run
-(model/loader.py ``load_sliding_model``) but not served yet: their sliding layers need KV blocks only
-for the window, which the cache manager does not keep per layer group yet. Mistral/Qwen with
-sliding layers are served: their layers keep every block and attention applies the window.
+SLIDING_ARCHITECTURES (gpt-oss, Gemma 2, Gemma 3: model/gpt_oss.py, model/gemma.py) are served on
+one device (no tensor parallelism, no MTP drafts: both refused by name), as Mistral/Qwen with sliding
+layers are; attention applies each layer's window. The engine keeps a sliding group's KV in blocks
+of its own where it can (cache/sliding.py), else every layer keeps every block (docs/DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -132,7 +132,13 @@ class ModelConfig:
     def with_mtp(self, drafting: bool) -> "ModelConfig":
         """The config an engine builds: one MTP block when it drafts with MTP (more in the
         checkpoint draft with the first, as vLLM and SGLang do for DeepSeek-V3), none otherwise
-        (its weights are not read and its layers have no KV)."""
+        (its weights are not read and its layers have no KV). The sliding families (gpt-oss,
+        Gemma 2/3) do not draft: ValueError."""
+        if drafting and self.architecture in SLIDING_ARCHITECTURES:
+            raise ValueError(
+                f"num_speculative_tokens > 0 is not supported for {self.architecture}: its checkpoints have no "
+                "MTP layers to draft with; use num_speculative_tokens=0"
+            )
         if drafting and self.num_mtp_layers == 0:
             raise ValueError(
                 "num_speculative_tokens > 0 drafts with the model's MTP layers, but its config.json has none "
@@ -226,8 +232,8 @@ class ModelConfig:
         arch = (hf.get("architectures") or [None])[0]
         if arch not in SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + SLIDING_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES)}"
-                f" (read, not served yet: {', '.join(SLIDING_ARCHITECTURES)})"
+                f"unsupported architecture {arch!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + SLIDING_ARCHITECTURES)}"
             )
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]

@@ -153,8 +153,10 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, h.dtype)  # once per step, shared by all layers
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):  # (the MTP blocks' KV follows)
-            h, residual = layer(h, residual, positions, rope, kv_cache, meta, self.attn_fn, layer_hook, routing_out, routing_in)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):  # (the MTP blocks' KV follows)
+            h, residual = layer(
+                h, residual, positions, rope, kv_cache, meta.for_layer(i), self.attn_fn, layer_hook, routing_out, routing_in
+            )
         return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()

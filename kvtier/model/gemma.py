@@ -20,7 +20,7 @@ Every norm is Gemma's RMSNorm: ``rms_norm(x) * (1 + weight)`` in fp32, rounded o
 is stored as an offset from one: a fresh norm's weight is zero). The softmax scale is
 ``query_pre_attn_scalar ** -0.5``, not head_dim's.
 
-Not served yet (config.SLIDING_ARCHITECTURES): load with model/loader.py ``load_sliding_model``.
+Served on one device (config.SLIDING_ARCHITECTURES; model/loader.py ``load_model``).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class GemmaForCausalLM(nn.Module):
         local_rope = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, h.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             layer_rope = local_rope if self.config.layer_window(i) is not None else rope
-            h = layer(h, positions, layer_rope, kv_cache, meta, self.attn_fn, layer_hook)
+            h = layer(h, positions, layer_rope, kv_cache, meta.for_layer(i), self.attn_fn, layer_hook)
         return self.model.norm(h)
 
     def fuse_projections(self) -> None:

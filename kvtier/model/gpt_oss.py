@@ -24,7 +24,7 @@ interleaved, ``down_proj`` [E, I, hidden], and their ``_bias``); model/loader.py
 the per-expert Linears of :class:`GptOssExpert` (MXFP4-quantized experts are not read). Tokens are
 dispatched to their experts by moe.py's grouped path (with routing capture and replay).
 
-Not served yet (config.SLIDING_ARCHITECTURES): load with model/loader.py ``load_sliding_model``.
+Served on one device (config.SLIDING_ARCHITECTURES; model/loader.py ``load_model``).
 transformers keeps the RMSNorm weights in fp32 when loading bf16 (``_keep_in_fp32_modules``); here
 they take the load dtype, so bf16 logits differ from transformers' by that rounding (fp32 equal).
 """

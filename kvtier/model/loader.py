@@ -7,9 +7,8 @@ parameter the model needs must be present, or loading fails naming the missing t
 Multi-head latent attention checkpoints (DeepSeek-V2/V3, config.MLA_ARCHITECTURES) load through
 :func:`load_model`, the engine's loader, with MTP drafting and tensor parallelism (model/deepseek.py, on
 ``allocate_kv_caches``' latent layers); :func:`load_mla_model` is the same model alone. The hybrid
-sliding-window families (gpt-oss, Gemma 2, Gemma 3: config.SLIDING_ARCHITECTURES) are not served
-yet: :func:`load_sliding_model` loads them (model/gpt_oss.py, model/gemma.py) on
-``allocate_kv_caches``' caches.
+sliding-window families (gpt-oss, Gemma 2, Gemma 3: config.SLIDING_ARCHITECTURES) load through
+:func:`load_model` too (model/gpt_oss.py, model/gemma.py), on one device.
 
 ``load_format="dummy"`` (vLLM's name) needs only config.json: every weight is drawn in device
 memory from a fixed seed, small enough that bf16 forwards stay finite. For benchmarks of
@@ -35,14 +34,14 @@ import xxhash
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvtier.model.config import SLIDING_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
+from kvtier.model.config import SLIDING_ARCHITECTURES, ModelConfig
 from kvtier.model.deepseek import DeepseekForCausalLM
 from kvtier.model.digest_cache import DigestCache, file_stamp
 from kvtier.model.families import CausalLM
 from kvtier.model.gemma import GemmaForCausalLM
 from kvtier.model.gpt_oss import GptOssForCausalLM
 from kvtier.model.layers import RMSNorm, RotaryEmbedding
-from kvtier.model.shard import TPShard, full_shape, shard_dim, take_shard, take_slice
+from kvtier.model.shard import TPShard, check_divisible, full_shape, shard_dim, take_shard, take_slice
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)$")
@@ -168,38 +167,19 @@ def load_model(
         # under tensor parallelism the heads are split and every rank holds the whole latent
         return load_mla_model(path, device, dtype, fuse, load_format, mtp, attention_backend, tp)  # type: ignore[return-value]  # CausalLM's call signature
     if cfg.architecture in SLIDING_ARCHITECTURES:
-        groups = ", ".join(f"{len(g.layer_ids)} {g.kind} (window {g.window})" for g in cfg.attention_groups)
-        raise ValueError(
-            f"{cfg.architecture} is not served yet: its layers attend in groups ({groups}) whose KV the cache "
-            f"manager would keep per group, which it does not yet; served: {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "(load_sliding_model loads the model alone)"
-        )
+        check_divisible(cfg, 1 if tp is None else tp.size)  # one device: ValueError naming the size
+        return _fill(_sliding_model(cfg, attention_backend), path, device, dtype or cfg.torch_dtype, fuse, load_format, None)  # type: ignore[return-value]  # CausalLM's call signature
     with torch.device("meta"):
         model = CausalLM(cfg, attention_backend, tp)
     return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, tp)
 
 
-def load_sliding_model(
-    path: str | Path,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = torch.float32,
-    attention_backend: str = "torch",
-    fuse: bool = True,
-    load_format: str = "auto",
-) -> GptOssForCausalLM | GemmaForCausalLM:
-    """A gpt-oss, Gemma 2 or Gemma 3 checkpoint (config.SLIDING_ARCHITECTURES) as :func:`load_model`
-    loads the others, on one device; its caches: ``allocate_kv_caches``."""
-    path = Path(path)
-    cfg = ModelConfig.from_hf_dir(path)
-    if cfg.architecture not in SLIDING_ARCHITECTURES:
-        raise ValueError(f"{cfg.architecture} is not one of {', '.join(SLIDING_ARCHITECTURES)}: load it with load_model")
-    model: GptOssForCausalLM | GemmaForCausalLM
+def _sliding_model(cfg: ModelConfig, attention_backend: str) -> GptOssForCausalLM | GemmaForCausalLM:
+    """A gpt-oss or Gemma 2/3 model (config.SLIDING_ARCHITECTURES) on meta, to be filled."""
     with torch.device("meta"):
         if cfg.architecture == "GptOssForCausalLM":
-            model = GptOssForCausalLM(cfg, attention_backend)
-        else:
-            model = GemmaForCausalLM(cfg, attention_backend)
-    return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, None)
+            return GptOssForCausalLM(cfg, attention_backend)
+        return GemmaForCausalLM(cfg, attention_backend)
 
 
 def load_mla_model(

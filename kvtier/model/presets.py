@@ -371,7 +371,7 @@ PRESETS["deepseek-v3-shape"] = dict(
     ),
 )
 
-# Hybrid sliding-window / full attention (not served by the engine yet: model/loader.py load_sliding_model).
+# Hybrid sliding-window / full attention (config.SLIDING_ARCHITECTURES, served on one device).
 # A window of 8 tokens, so that short prompts cross it; values transformers starts at zero or one (biases,
 # attention sinks, Gemma's norm weights) drawn at random ("random_init": name suffix -> std), as trained
 # ones are, so that a model ignoring them shows; gpt-oss's expert inputs wide enough that its SwiGLU clamp
@@ -425,6 +425,72 @@ PRESETS["gemma3-tiny"] = dict(
             full_attention=dict(rope_type="linear", rope_theta=1e6, factor=4.0),
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
         ),
+    ),
+)
+
+
+# gpt-oss-20b's widths (24 layers alternating sliding (window 128) and full, 64 query and 8 KV heads
+# of 64, 32 experts of 2,880 with 4 per token, YaRN x32; ~42 GB of bf16 weights, experts unquantized)
+# and Gemma-3-12B's (48 layers, 5 sliding (window 1,024) : 1 full, 16 query and 8 KV heads of 256,
+# MLP 15,360, local RoPE base 10,000, global 1e6 linear x8; ~24 GB), for GPU benches with
+# load_format="dummy" (write them with config_only=True).
+PRESETS["gpt-oss-20b-shape"] = dict(
+    config_class="GptOssConfig",
+    dtype="bfloat16",
+    kwargs=dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4096,
+        ),
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=None,
+    ),
+)
+PRESETS["gemma3-12b-shape"] = dict(
+    config_class="Gemma3TextConfig",
+    architecture="Gemma3ForCausalLM",
+    dtype="bfloat16",
+    kwargs=dict(
+        vocab_size=262208,
+        hidden_size=3840,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        intermediate_size=15360,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=None,
     ),
 )
 

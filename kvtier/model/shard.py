@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtier.model.config import ModelConfig
+from kvtier.model.config import SLIDING_ARCHITECTURES, ModelConfig
 
 _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
@@ -50,7 +50,13 @@ class TPShard:
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """ValueError naming the first size that ``size`` ranks cannot split evenly."""
+    """ValueError naming the first size that ``size`` ranks cannot split evenly, or that the
+    model is not sharded at all (gpt-oss and Gemma 2/3)."""
+    if size > 1 and cfg.architecture in SLIDING_ARCHITECTURES:
+        raise ValueError(
+            f"tensor_parallel_size={size} is not supported for {cfg.architecture}: its attention sinks, "
+            "soft-capping and Gemma norms are not split across ranks; it is served on one GPU (tensor_parallel_size=1)"
+        )
     sizes = {
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads if cfg.kv_kind != "latent" else 0,  # (a latent: whole on every rank)

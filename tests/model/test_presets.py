@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from kvtier.model import PRESETS, ModelConfig, init_model
+from kvtier.model.presets import preset_architecture
 from kvtier.model.shard import shard_config
 from kvtier.model.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 from tests.model.paged_helpers import TINY_PRESETS
@@ -39,11 +40,14 @@ def test_greedy_tokens_of_random_checkpoint_are_not_constant(checkpoint, hf_mode
     assert len(set(greedy.tolist())) > 5
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-moe-small", "llama3-70b-shape", "deepseek-v3-shape"])
+BENCH_PRESETS = ["qwen3-0.6b-shape", "qwen3-moe-small", "llama3-70b-shape", "deepseek-v3-shape"]
+
+
+@pytest.mark.parametrize("preset", [*BENCH_PRESETS, "gpt-oss-20b-shape", "gemma3-12b-shape"])
 def test_benchmark_preset_shapes(preset):
     spec = PRESETS[preset]
     hf_config = getattr(transformers, spec["config_class"])(**spec["kwargs"])
-    arch = spec["config_class"].replace("Config", "ForCausalLM")
+    arch = preset_architecture(preset)
     cfg = ModelConfig.from_hf_dict({**hf_config.to_dict(), "architectures": [arch]})
     assert spec["dtype"] == "bfloat16" and cfg.vocab_size >= VOCAB_SIZE
     if preset == "qwen3-0.6b-shape":
@@ -66,6 +70,18 @@ def test_benchmark_preset_shapes(preset):
             28672,
         )
         assert shard_config(cfg, 8).num_kv_heads == 1
+    elif preset == "gpt-oss-20b-shape":  # openai/gpt-oss-20b's config.json
+        assert cfg.architecture == "GptOssForCausalLM" and cfg.attention_sinks
+        assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (24, 2880, 64, 8, 64)
+        assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.vocab_size) == (32, 4, 2880, 201088)
+        groups = [(g.kind, g.window, len(g.layer_ids)) for g in cfg.attention_groups]
+        assert groups == [("sliding_attention", 128, 12), ("full_attention", None, 12)]
+    elif preset == "gemma3-12b-shape":  # google/gemma-3-12b's text config
+        assert cfg.architecture == "Gemma3ForCausalLM" and cfg.qk_norm
+        assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (48, 3840, 16, 8, 256)
+        assert (cfg.intermediate_size, cfg.vocab_size, cfg.local_rope_theta) == (15360, 262208, 10000.0)
+        groups = [(g.kind, g.window, len(g.layer_ids)) for g in cfg.attention_groups]
+        assert groups == [("sliding_attention", 1024, 40), ("full_attention", None, 8)]
     elif preset == "deepseek-v3-shape":  # DeepSeek-V3's widths: a latent of 512 + 64 per token and layer
         assert cfg.kv_kind == "latent" and cfg.kv_layout == (1, 576)
         assert (cfg.hidden_size, cfg.num_heads, cfg.num_experts, cfg.top_k, cfg.num_moe_layers) == (7168, 128, 256, 8, 2)

@@ -26,10 +26,11 @@ from transformers.masking_utils import causal_mask_function, sliding_window_caus
 from kvtier.model import SUPPORTED_ARCHITECTURES, AttentionMetadata, ModelConfig, allocate_kv_caches, load_model
 from kvtier.model.attention import reference_attention, write_kv
 from kvtier.model.config import FULL_ATTENTION, SLIDING_ARCHITECTURES, SLIDING_ATTENTION, AttentionGroup
-from kvtier.model.gpt_oss import GptOssExpert
+from kvtier.model.gemma import GemmaForCausalLM
+from kvtier.model.gpt_oss import GptOssExpert, GptOssForCausalLM
 from kvtier.model.layers import RotaryEmbedding
-from kvtier.model.loader import load_sliding_model
 from kvtier.model.presets import PRESETS, preset_architecture
+from kvtier.model.shard import TPShard
 from tests.model.paged_helpers import PagedSequences, hf_logits, random_tokens
 
 ATOL = 1e-4
@@ -65,10 +66,8 @@ def model_path(checkpoint, tmp_path_factory):
 
 
 def load(path):
-    """kvtier's model of ``path``: the engine's loader for served families, else load_sliding_model."""
-    if ModelConfig.from_hf_dir(path).architecture in SUPPORTED_ARCHITECTURES:
-        return load_model(path)
-    return load_sliding_model(path)
+    """kvtier's model of ``path``, through the engine's loader."""
+    return load_model(path)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +158,7 @@ def test_triton_backend_on_cuda_matches_transformers_past_the_window(name, model
     path = model_path(name)
     tokens = random_tokens(30, seed=9)
     expected = hf_logits(hf_model(path), tokens)
-    model = (load_model if name in WINDOWED else load_sliding_model)(path, device="cuda", attention_backend="triton")
+    model = load_model(path, device="cuda", attention_backend="triton")
     caches = allocate_kv_caches(model.config, 16, 4, "cuda")
     table = list(reversed(range(8)))
     got = []
@@ -422,12 +421,13 @@ def test_sliding_layers_without_a_window_are_refused_naming_it():
 
 
 @pytest.mark.parametrize("preset", SLIDING_PRESETS)
-def test_engine_loader_refuses_hybrid_families_as_not_served_yet(preset, checkpoint):
+def test_engine_loader_loads_hybrid_families_on_one_device_only(preset, checkpoint):
     arch = preset_architecture(preset)
     assert arch in SLIDING_ARCHITECTURES and arch not in SUPPORTED_ARCHITECTURES
-
-    with pytest.raises(ValueError, match=f"{arch} is not served yet"):
-        load_model(checkpoint(preset))
+    want = GptOssForCausalLM if arch == "GptOssForCausalLM" else GemmaForCausalLM
+    assert isinstance(load_model(checkpoint(preset)), want)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is not supported for {arch}"):
+        load_model(checkpoint(preset), tp=TPShard(rank=0, size=2))
 
 
 # ------------------------------------------------------------------ the attention arithmetic
