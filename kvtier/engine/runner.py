@@ -46,7 +46,8 @@ from kvtier.engine.sampling import Penalties, to_device
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.spec import DraftPlan, Speculator
 from kvtier.engine.staging import HostCopy, PinnedRing
-from kvtier.engine.step_inputs import HostInputs, StepInputs
+from kvtier.engine.encoder_cache import EncoderCache
+from kvtier.engine.step_inputs import HostInputs, ImageSpan, StepInputs
 from kvtier.engine.verify import Verdict, Verification
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
@@ -85,6 +86,7 @@ class ModelRunner:
         self.spec: Speculator | None = None  # speculative decoding: its drafts (engine/spec.py)
         # a tensor-parallel rank > 0 with drafts: the last forward's (inputs, hidden, load waits)
         self.followed: tuple[StepInputs, torch.Tensor, LoadWaits | None] | None = None
+        self.encoder: EncoderCache | None = None  # vision-language models: tower outputs by image hash
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (closing): under tensor parallelism they hold NCCL kernels, and
@@ -118,10 +120,15 @@ class ModelRunner:
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
         pending_at: list[int] = []  # places in ids of tokens still on the device ...
         pending_rows: list[int] = []  # ... and their rows in the last step's tokens
+        images: list[ImageSpan] = []
         for s in out.scheduled:
             req = s.request
             start = req.num_computed_tokens
             end = start + s.num_tokens
+            for image in req.mm:  # the part of each image this chunk covers
+                first, last = max(start, image.offset), min(end, image.offset + image.length)
+                if first < last:
+                    images.append(ImageSpan(image, first - image.offset, last - image.offset, len(ids) + first - start))
             known = req.all_token_ids[start:end]
             ids.extend(known)
             if s.num_drafts:  # speculative: the drafts after the last token (engine/spec.py)
@@ -142,7 +149,7 @@ class ModelRunner:
             tables.append(req.cache_req.block_table[: -(-end // self.block_size)])
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        return HostInputs(ids, positions, query_lens, seq_lens, tables, sample_rows, pending_at, pending_rows)
+        return HostInputs(ids, positions, query_lens, seq_lens, tables, sample_rows, pending_at, pending_rows, images)
 
     def _upload(self, host: HostInputs) -> StepInputs:
         """The step's inputs on the device, in two non-blocking copies (the module docstring)."""
@@ -203,6 +210,8 @@ class ModelRunner:
         inputs = self._upload(host)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         graphs, steps = self.decode_graphs, self.step_graphs
+        if host.images:  # image features enter the eager forward only
+            graphs = steps = None
         decode_graph = graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None
         step_graph = not decode_graph and steps is not None and steps.bucket(len(input_ids)) is not None
         if decode_graph or step_graph:  # replayed, whatever it loads
@@ -228,11 +237,21 @@ class ModelRunner:
             routing_out = steps.routing_out[: len(input_ids)] if steps.routing_out is not None else None
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook, routing_out=routing_out)
+            images = {"mm_embeds": self._image_embeds(host.images)} if host.images else {}  # (vision models only)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook, routing_out=routing_out, **images)
         if self.routing is not None:  # (the buffers and the host slots come with routing)
             assert routing_out is not None and meta.slot_mapping_cpu is not None
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         return inputs, hidden
+
+    def _image_embeds(self, spans: list[ImageSpan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, features) of the step's image spans: each distinct image encoded once (or
+        taken from the encoder cache), the rows of the chunk given their part of its features."""
+        encoder = self.encoder if self.encoder is not None else EncoderCache(0)
+        feats = encoder.features(self.model, [s.image for s in spans], self.device)  # type: ignore[arg-type]  # a vision model
+        rows = [r for s in spans for r in range(s.row, s.row + s.last - s.first)]
+        parts = torch.cat([feats[s.image.hash][s.first : s.last] for s in spans])
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), parts
 
     def execute(self, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None = None) -> StepResult:
         """Queue the step's forward and sampling; returns at once (:class:`StepResult`).

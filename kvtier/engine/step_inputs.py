@@ -10,15 +10,28 @@ the MTP block's passes (engine/spec.py)::
     sample_rows  = the last row of each request whose chunk reaches its end
     pending_at   = places in ids of tokens the step in flight samples (overlap scheduling) ...
     pending_rows = ... and their rows in that step's tokens
+    images       = the parts of images the chunks cover: features for those rows (ImageSpan)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.model.attention import AttentionMetadata
+from kvtier.model.images import MMInput
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """Part of an image a step computes: its features ``first..last-1`` replace the embeddings
+    of the step's rows ``row..row + last - first - 1`` (a prefill chunk may cut an image)."""
+
+    image: MMInput
+    first: int
+    last: int
+    row: int
 
 
 @dataclass(slots=True)
@@ -35,6 +48,7 @@ class HostInputs:
     sample_rows: list[int]
     pending_at: list[int]
     pending_rows: list[int]
+    images: list[ImageSpan] = field(default_factory=list)  # vision-language models: features to place
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvtier.model.tokenizer import EOS_TOKEN_ID, save_byte_tokenizer
+from kvtier.model.tokenizer import EOS_TOKEN_ID, IMAGE_TOKEN, IMAGE_TOKEN_ID, save_byte_tokenizer
 
 _TINY = dict(
     vocab_size=320,
@@ -425,6 +425,34 @@ PRESETS["gemma3-tiny"] = dict(
 )
 
 
+# LLaVA: a 3-layer CLIP tower on 32x32 images (16 patches of 8x8: 16 image tokens with the
+# "default" strategy) in front of llama-tiny's text model; its image processor and <image> token
+PRESETS["llava-tiny"] = dict(
+    config_class="LlavaConfig",
+    architecture="LlavaForConditionalGeneration",
+    dtype="float32",
+    kwargs=dict(
+        text_config=dict(_TINY, model_type="llama", num_hidden_layers=2, intermediate_size=128),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            projection_dim=32,
+            initializer_range=0.15,
+        ),
+        image_token_index=IMAGE_TOKEN_ID,
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    ),
+    image_processor=dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+)
+
+
 def preset_architecture(preset: str) -> str:
     """The ``architectures`` entry of ``preset``'s config.json (e.g. "DeepseekV3ForCausalLM")."""
     spec = PRESETS[preset]
@@ -455,7 +483,8 @@ def init_model(
         generation_config.save_pretrained(out_dir)
     else:
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        auto = transformers.AutoModelForImageTextToText if "image_processor" in spec else transformers.AutoModelForCausalLM
+        model = auto.from_config(config, dtype=dtype)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # DeepSeek-V3: transformers starts it at zero, a trained one is not; random values
@@ -470,8 +499,30 @@ def init_model(
         model.save_pretrained(out_dir, safe_serialization=True)
         if getattr(config, "num_nextn_predict_layers", 0):
             _add_mtp_weights(config, model, out_dir, dtype, seed)
-    save_byte_tokenizer(out_dir, model_max_length=config.max_position_embeddings)
+    text = config.get_text_config()
+    save_byte_tokenizer(out_dir, model_max_length=text.max_position_embeddings, image_token="image_processor" in spec)
+    if "image_processor" in spec:
+        _save_image_processor(spec, config, out_dir)
     return out_dir
+
+
+def _save_image_processor(spec: dict[str, Any], config: Any, out_dir: Path) -> None:
+    """A vision preset's ``preprocessor_config.json`` and its LLaVA processor (transformers'
+    ``AutoProcessor`` then expands ``<image>`` as kvtier does)."""
+    import transformers
+
+    images = transformers.CLIPImageProcessor(**spec["image_processor"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    vision = config.vision_config
+    processor = transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=vision.patch_size,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(out_dir)
 
 
 def _add_mtp_weights(config: Any, model: Any, out_dir: Path, dtype: torch.dtype, seed: int) -> None:
