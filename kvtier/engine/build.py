@@ -35,11 +35,11 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.copies import CopyPump
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs, capture_graphs
 from kvtier.engine.draft_graphs import build_chain
+from kvtier.engine.encoder_cache import EncoderCache
 from kvtier.engine.experts import ExpertCapture
 from kvtier.engine.intake import Intake
 from kvtier.engine.pool import bind_pool, open_pool
 from kvtier.engine.resolve import resolve, resolve_device, size_tiers
-from kvtier.engine.encoder_cache import EncoderCache
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.sizing import DTYPES, block_nbytes

@@ -18,6 +18,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from kvtier.engine.step_inputs import ImageSpan
 from kvtier.model.images import MMInput
 
 
@@ -59,6 +60,14 @@ class EncoderCache:
                 out[key] = feats
                 self.put(key, feats)
         return out
+
+    def embeds(self, model: ImageEncoder, spans: Sequence[ImageSpan], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, features) of a step's image spans (``mm_embeds`` of the forward): each distinct
+        image encoded once or taken from here, each span's rows given its part of the features."""
+        feats = self.features(model, [s.image for s in spans], device)
+        rows = [r for s in spans for r in range(s.row, s.row + s.last - s.first)]
+        parts = torch.cat([feats[s.image.hash][s.first : s.last] for s in spans])
+        return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True), parts
 
     def put(self, key: bytes, feats: torch.Tensor) -> None:
         if self.capacity == 0:

@@ -125,7 +125,9 @@ class Intake:
         limits, vision = self.image_limits, self.model.vision
         assert vision is not None
         if len(images) > limits.max_images:
-            raise ValueError(f"{len(images)} images in one request, over the limit of {limits.max_images} (max_images_per_request)")
+            raise ValueError(
+                f"{len(images)} images in one request, over the limit of {limits.max_images} (max_images_per_request)"
+            )
         encoded = sum(len(i) for i in images if isinstance(i, (bytes, bytearray, memoryview)))
         if encoded > limits.max_bytes:
             raise ValueError(f"{encoded} bytes of images in one request, over the limit of {limits.max_bytes} (max_image_bytes)")
@@ -134,7 +136,9 @@ class Intake:
         for i, image in enumerate(images):
             if isinstance(image, np.ndarray):
                 if image.shape != want or image.dtype != np.float32:
-                    raise ValueError(f"image {i}: preprocessed pixels must be float32 {list(want)}, got {image.dtype} {list(image.shape)}")
+                    raise ValueError(
+                        f"image {i}: preprocessed pixels must be float32 {list(want)}, got {image.dtype} {list(image.shape)}"
+                    )
                 out.append(image)
                 continue
             pixels = self.image_processing.preprocess(load_image(image, limits))

@@ -38,6 +38,7 @@ import torch
 
 from kvtier import index_checks
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
+from kvtier.engine.encoder_cache import EncoderCache
 from kvtier.engine.experts import ExpertCapture
 from kvtier.engine.request import Request
 from kvtier.engine.result_pack import ResultPack
@@ -46,7 +47,6 @@ from kvtier.engine.sampling import Penalties, to_device
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.spec import DraftPlan, Speculator
 from kvtier.engine.staging import HostCopy, PinnedRing
-from kvtier.engine.encoder_cache import EncoderCache
 from kvtier.engine.step_inputs import HostInputs, ImageSpan, StepInputs
 from kvtier.engine.verify import Verdict, Verification
 from kvtier.model.attention import AttentionMetadata
@@ -126,9 +126,9 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + s.num_tokens
             for image in req.mm:  # the part of each image this chunk covers
-                first, last = max(start, image.offset), min(end, image.offset + image.length)
-                if first < last:
-                    images.append(ImageSpan(image, first - image.offset, last - image.offset, len(ids) + first - start))
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                if lo < hi:
+                    images.append(ImageSpan(image, lo - image.offset, hi - image.offset, len(ids) + lo - start))
             known = req.all_token_ids[start:end]
             ids.extend(known)
             if s.num_drafts:  # speculative: the drafts after the last token (engine/spec.py)
@@ -237,21 +237,17 @@ class ModelRunner:
             routing_out = steps.routing_out[: len(input_ids)] if steps.routing_out is not None else None
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
-            images = {"mm_embeds": self._image_embeds(host.images)} if host.images else {}  # (vision models only)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook, routing_out=routing_out, **images)
+            images = {}  # (vision models only: a text model's forward takes no mm_embeds)
+            if host.images:
+                encoder = self.encoder if self.encoder is not None else EncoderCache(0)
+                images["mm_embeds"] = encoder.embeds(self.model, host.images, self.device)  # type: ignore[arg-type]  # a vision model
+            hidden = self.model(
+                input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook, routing_out=routing_out, **images
+            )
         if self.routing is not None:  # (the buffers and the host slots come with routing)
             assert routing_out is not None and meta.slot_mapping_cpu is not None
             self.routing.record(routing_out, meta.slot_mapping_cpu)
         return inputs, hidden
-
-    def _image_embeds(self, spans: list[ImageSpan]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, features) of the step's image spans: each distinct image encoded once (or
-        taken from the encoder cache), the rows of the chunk given their part of its features."""
-        encoder = self.encoder if self.encoder is not None else EncoderCache(0)
-        feats = encoder.features(self.model, [s.image for s in spans], self.device)  # type: ignore[arg-type]  # a vision model
-        rows = [r for s in spans for r in range(s.row, s.row + s.last - s.first)]
-        parts = torch.cat([feats[s.image.hash][s.first : s.last] for s in spans])
-        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), parts
 
     def execute(self, out: SchedulerOutput, start_loads: Callable[[str], LoadWaits | None] | None = None) -> StepResult:
         """Queue the step's forward and sampling; returns at once (:class:`StepResult`).

@@ -84,7 +84,9 @@ def load_image(source: Any, limits: ImageLimits) -> Any:
     if isinstance(source, Image.Image):
         width, height = source.size
         if width * height > limits.max_pixels:
-            raise ValueError(f"image of {width}x{height} pixels is over the limit of {limits.max_pixels} pixels (max_image_pixels)")
+            raise ValueError(
+                f"image of {width}x{height} pixels is over the limit of {limits.max_pixels} pixels (max_image_pixels)"
+            )
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
         return decode_image(bytes(source), limits)
@@ -132,8 +134,8 @@ class ImageProcessing:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ImageProcessing":
         size, crop = d.get("size") or {}, d.get("crop_size") or {}
-        edge = size.get("shortest_edge", size.get("height", 224)) if isinstance(size, dict) else int(size)
-        crop_hw = (crop.get("height", edge), crop.get("width", edge)) if isinstance(crop, dict) else (int(crop), int(crop))
+        edge: Any = size.get("shortest_edge", size.get("height", 224)) if isinstance(size, dict) else size
+        crop_hw: Any = (crop.get("height", edge), crop.get("width", edge)) if isinstance(crop, dict) else (crop, crop)
         base = cls()
         return cls(
             shortest_edge=int(edge),

@@ -64,7 +64,9 @@ class ClipAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, h = x.shape
-        q, k, v = (p(x).view(n, t, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(n, t, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # every patch sees every patch
         return self.out_proj(out.transpose(1, 2).reshape(n, t, h))
 

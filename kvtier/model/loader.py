@@ -199,7 +199,11 @@ def load_model(
             "(load_sliding_model loads the model alone)"
         )
     with torch.device("meta"):
-        model = CausalLM(cfg, attention_backend, tp) if cfg.vision is None else LlavaForConditionalGeneration(cfg, attention_backend, tp)
+        model = (
+            CausalLM(cfg, attention_backend, tp)
+            if cfg.vision is None
+            else LlavaForConditionalGeneration(cfg, attention_backend, tp)
+        )
     return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, tp)
 
 
