@@ -20,7 +20,7 @@ from kvtier.engine.detok import StopStrings
 from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
 from kvtier.model import ModelConfig
-from kvtier.model.images import ImageLimits, ImageProcessing, MMInput, load_image, place_images
+from kvtier.model.images import ImageLimits, ImageProcessing, MMInput, check_placed, load_image, place_images
 
 
 @dataclass
@@ -62,7 +62,14 @@ class Intake:
             self.has_pool,
             self.routing,
             self.tokenizer is not None,
+            *self._image_limits(),
         )
+
+    def _image_limits(self) -> tuple[int, ...]:
+        v, c = self.model.vision, self.config
+        if v is None:
+            return ()
+        return (v.image_token_id, v.num_image_tokens, v.image_size, c.max_images_per_request, c.max_image_bytes, c.max_image_pixels)
 
     @cached_property
     def image_limits(self) -> ImageLimits:
@@ -103,12 +110,15 @@ class Intake:
                 raise ValueError(f"text prompts need a tokenizer, and {self.path} has none; pass token ids")
             prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
         vision = self.model.vision
-        if vision is None and images:
+        if vision is None and (images or mm):
             raise ValueError(f"{self.path} is a text model ({self.model.architecture}): it takes no images")
         if vision is not None and mm is None:
             pixels = self.images(images)
             prompt, placed = place_images(list(prompt), vision.image_token_id, vision.num_image_tokens, pixels)
             mm = tuple(placed)
+        elif vision is not None:  # placed by the serving process (or a sample's head): checked
+            shape = (vision.num_channels, vision.image_size, vision.image_size)
+            check_placed(prompt, mm, vision.image_token_id, vision.num_image_tokens, shape)
         ids = check_request(self.limits, prompt, params, handoff=handoff, export=export, owner=owner, priority=priority)
         rid = f"{AUTO_ID}{next(self._ids)}" if request_id is None else check_request_id(request_id)
         req = Request(rid, ids, params, cache_salt=cache_salt, owner=owner or "", priority=int(priority), mm=mm or ())

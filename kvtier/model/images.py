@@ -232,6 +232,25 @@ def place_images(
     return out, items
 
 
+def check_placed(
+    ids: Sequence[int], mm: Sequence[MMInput], image_token_id: int, tokens_per_image: int, shape: tuple[int, ...]
+) -> None:
+    """ValueError unless ``mm`` are the images of ``ids`` as :func:`place_images` places them: in
+    order, each on a run of exactly ``tokens_per_image`` placeholders, pixels of ``shape``."""
+    starts = [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]
+    if len(starts) != len(mm):
+        raise ValueError(f"the prompt has {len(starts)} image placeholders but {len(mm)} images were given")
+    for k, (start, item) in enumerate(zip(starts, mm)):
+        run = ids[start : start + tokens_per_image]
+        end = start + tokens_per_image
+        if item.offset != start or item.length != tokens_per_image or len(run) != tokens_per_image or any(t != image_token_id for t in run):
+            raise ValueError(f"image {k} is not placed on {tokens_per_image} placeholder tokens at position {start}")
+        if end < len(ids) and ids[end] == image_token_id:
+            raise ValueError(f"image {k}: a run of more than {tokens_per_image} placeholder tokens at position {start}")
+        if tuple(item.pixels.shape) != tuple(shape) or item.pixels.dtype != np.float32:
+            raise ValueError(f"image {k}: pixels must be float32 {list(shape)}, got {item.pixels.dtype} {list(item.pixels.shape)}")
+
+
 def _runs(ids: Sequence[int], token: int):
     prev = None
     for t in ids:
