@@ -242,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body; larger ones get 413 before any parsing (default 16 MiB)",
     )
     p.add_argument(
+        "--allowed-media-domains",
+        default=None,
+        metavar="HOSTS",
+        help="vision-language models: comma-separated host names whose http(s) image URLs the server fetches "
+        "(no redirects, within --max-image-bytes, 10 s timeout); default none: images come as data: URLs, "
+        "other URLs get 400 (a server that fetches any URL is an SSRF hole)",
+    )
+    p.add_argument(
         "--require-cache-salt",
         action="store_true",
         help="refuse requests without cache_salt (400): cached_tokens would tell a client whether "
@@ -638,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_level=args.log_level,
                 max_body_bytes=args.max_body_bytes,
                 require_cache_salt=args.require_cache_salt,
+                allowed_media_domains=args.allowed_media_domains,
                 expose_config=args.expose_config,
                 limits=connection_limits(args),
                 log_stats_interval=args.log_stats_interval,

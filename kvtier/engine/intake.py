@@ -69,7 +69,14 @@ class Intake:
         v, c = self.model.vision, self.config
         if v is None:
             return ()
-        return (v.image_token_id, v.num_image_tokens, v.image_size, c.max_images_per_request, c.max_image_bytes, c.max_image_pixels)
+        return (
+            v.image_token_id,
+            v.num_image_tokens,
+            v.image_size,
+            c.max_images_per_request,
+            c.max_image_bytes,
+            c.max_image_pixels,
+        )
 
     @cached_property
     def image_limits(self) -> ImageLimits:
@@ -116,7 +123,7 @@ class Intake:
             pixels = self.images(images)
             prompt, placed = place_images(list(prompt), vision.image_token_id, vision.num_image_tokens, pixels)
             mm = tuple(placed)
-        elif vision is not None:  # placed by the serving process (or a sample's head): checked
+        elif vision is not None and mm is not None:  # placed by the serving process (or a sample's head): checked
             shape = (vision.num_channels, vision.image_size, vision.image_size)
             check_placed(prompt, mm, vision.image_token_id, vision.num_image_tokens, shape)
         ids = check_request(self.limits, prompt, params, handoff=handoff, export=export, owner=owner, priority=priority)
@@ -136,11 +143,15 @@ class Intake:
         assert vision is not None
         if len(images) > limits.max_images:
             raise ValueError(
-                f"{len(images)} images in one request, over the limit of {limits.max_images} (max_images_per_request)"
+                f"{len(images)} images in one request, over the limit of {limits.max_images} "
+                "(max_images_per_request, --max-images-per-request)"
             )
         encoded = sum(len(i) for i in images if isinstance(i, (bytes, bytearray, memoryview)))
         if encoded > limits.max_bytes:
-            raise ValueError(f"{encoded} bytes of images in one request, over the limit of {limits.max_bytes} (max_image_bytes)")
+            raise ValueError(
+                f"{encoded} bytes of images in one request, over the limit of {limits.max_bytes} "
+                "(max_image_bytes, --max-image-bytes)"
+            )
         want = (vision.num_channels, vision.image_size, vision.image_size)
         out = []
         for i, image in enumerate(images):

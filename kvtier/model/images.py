@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 HASH_TAG = b"kvtier-image-v1"
+_PIXELS, _BYTES = "(max_image_pixels, --max-image-pixels)", "(max_image_bytes, --max-image-bytes)"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what decode_image opens (GIF, TIFF, BMP, ...: refused)
 
 
@@ -60,16 +61,16 @@ def decode_image(data: bytes, limits: ImageLimits) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
-        raise ValueError(f"image of {len(data)} bytes is over the limit of {limits.max_bytes} bytes (max_image_bytes)")
+        raise ValueError(f"image of {len(data)} bytes is over the limit of {limits.max_bytes} bytes {_BYTES}")
     try:
         img = Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS))
     except (UnidentifiedImageError, OSError) as e:
         raise ValueError(f"not a PNG, JPEG or WebP image ({len(data)} bytes): {e}") from None
-    except Image.DecompressionBombError as e:
-        raise ValueError(f"image refused: {e}") from None
+    except Image.DecompressionBombError as e:  # (PIL's own bound, far above ours, checked first)
+        raise ValueError(f"image over the limit of {limits.max_pixels} pixels {_PIXELS}: {e}") from None
     width, height = img.size
     if width * height > limits.max_pixels or width <= 0 or height <= 0:
-        raise ValueError(f"image of {width}x{height} pixels is over the limit of {limits.max_pixels} pixels (max_image_pixels)")
+        raise ValueError(f"image of {width}x{height} pixels is over the limit of {limits.max_pixels} pixels {_PIXELS}")
     try:
         img.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
@@ -84,9 +85,7 @@ def load_image(source: Any, limits: ImageLimits) -> Any:
     if isinstance(source, Image.Image):
         width, height = source.size
         if width * height > limits.max_pixels:
-            raise ValueError(
-                f"image of {width}x{height} pixels is over the limit of {limits.max_pixels} pixels (max_image_pixels)"
-            )
+            raise ValueError(f"image of {width}x{height} pixels is over the limit of {limits.max_pixels} pixels {_PIXELS}")
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
         return decode_image(bytes(source), limits)
@@ -95,7 +94,7 @@ def load_image(source: Any, limits: ImageLimits) -> Any:
         if not path.is_file():
             raise ValueError(f"image file {str(path)!r} does not exist")
         if path.stat().st_size > limits.max_bytes:
-            raise ValueError(f"image file {str(path)!r} is over the limit of {limits.max_bytes} bytes (max_image_bytes)")
+            raise ValueError(f"image file {str(path)!r} is over the limit of {limits.max_bytes} bytes {_BYTES}")
         return decode_image(path.read_bytes(), limits)
     raise ValueError(f"an image must be a PIL image, bytes or a file path, got {type(source).__name__}")
 
@@ -243,12 +242,19 @@ def check_placed(
     for k, (start, item) in enumerate(zip(starts, mm)):
         run = ids[start : start + tokens_per_image]
         end = start + tokens_per_image
-        if item.offset != start or item.length != tokens_per_image or len(run) != tokens_per_image or any(t != image_token_id for t in run):
+        if (
+            item.offset != start
+            or item.length != tokens_per_image
+            or len(run) != tokens_per_image
+            or any(t != image_token_id for t in run)
+        ):
             raise ValueError(f"image {k} is not placed on {tokens_per_image} placeholder tokens at position {start}")
         if end < len(ids) and ids[end] == image_token_id:
             raise ValueError(f"image {k}: a run of more than {tokens_per_image} placeholder tokens at position {start}")
         if tuple(item.pixels.shape) != tuple(shape) or item.pixels.dtype != np.float32:
-            raise ValueError(f"image {k}: pixels must be float32 {list(shape)}, got {item.pixels.dtype} {list(item.pixels.shape)}")
+            raise ValueError(
+                f"image {k}: pixels must be float32 {list(shape)}, got {item.pixels.dtype} {list(item.pixels.shape)}"
+            )
 
 
 def _runs(ids: Sequence[int], token: int):
