@@ -40,6 +40,8 @@ PRESET_NAMES = (
     "gpt-oss-tiny",
     "gemma2-tiny",
     "gemma3-tiny",
+    "llava-tiny",
+    "llava-1.5-7b-shape",
 )
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
 # `kvtier bench --help`.

@@ -453,6 +453,43 @@ PRESETS["llava-tiny"] = dict(
 )
 
 
+# LLaVA-1.5-7B's shape (CLIP ViT-L/14 at 336 px: 576 image tokens; Llama-2-7B) for GPU benches with
+# --config-only and --load-format dummy (the byte tokenizer's <image> as its image token)
+PRESETS["llava-1.5-7b-shape"] = dict(
+    PRESETS["llava-tiny"],
+    dtype="bfloat16",
+    kwargs=dict(
+        text_config=dict(
+            model_type="llama",
+            vocab_size=32064,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            eos_token_id=EOS_TOKEN_ID,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            image_size=336,
+            patch_size=14,
+            projection_dim=768,
+        ),
+        image_token_index=IMAGE_TOKEN_ID,
+        image_seq_length=576,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    ),
+    image_processor=dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
+)
+
+
 def preset_architecture(preset: str) -> str:
     """The ``architectures`` entry of ``preset``'s config.json (e.g. "DeepseekV3ForCausalLM")."""
     spec = PRESETS[preset]
