@@ -6,6 +6,7 @@ an image's hash is of its pixels; placeholders expand and check as the processor
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from kvtier.model.images import ImageProcessing, MMInput, check_placed, image_ha
 from kvtier.model.llava import LlavaForConditionalGeneration
 
 IMAGE_TOKEN = 299
-VISION = dict(
+VISION: dict[str, Any] = dict(
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=3,
@@ -26,7 +27,7 @@ VISION = dict(
     patch_size=8,
     projection_dim=32,
 )
-TEXT = dict(
+TEXT: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -42,7 +43,7 @@ def _write(tmp_path, text_type: str, strategy: str, layer) -> tuple:
     import transformers
 
     text = getattr(transformers, "LlamaConfig" if text_type == "llama" else "Qwen2Config")(**TEXT)
-    config = transformers.LlavaConfig(
+    config = getattr(transformers, "LlavaConfig")(
         vision_config=transformers.CLIPVisionConfig(**VISION),
         text_config=text,
         image_token_index=IMAGE_TOKEN,
