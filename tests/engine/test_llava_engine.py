@@ -87,6 +87,13 @@ def test_two_images_in_chunks_that_cut_them_match_transformers(llava, want):
         assert llm.runner.encoder is not None and llm.runner.encoder.num_images_encoded == 3  # once each
 
 
+def test_samples_of_an_image_prompt_share_its_image(llava, want):
+    prompt = {"prompt": ONE, "images": [picture(1)]}
+    with kvtier.LLM(llava, num_device_blocks=64, block_size=BS) as llm:
+        out = llm.generate(prompt, kvtier.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=2))[0]
+        assert [o.token_ids for o in out.outputs] == [want(ONE, [picture(1)])] * 2
+
+
 def test_token_id_prompts_take_one_placeholder_per_image(llava, want):
     with kvtier.LLM(llava, num_device_blocks=64, block_size=BS) as llm:
         ids = llm.tokenizer.encode(ONE, add_special_tokens=False)

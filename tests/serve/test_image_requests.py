@@ -24,6 +24,7 @@ from kvtier.serve.media import MediaPolicy
 
 MAX_TOKENS = 8
 BS = 8
+MAX_BYTES = 1_000_000
 
 
 def picture(seed: int, size=(40, 52)) -> Image.Image:
@@ -59,10 +60,13 @@ def llava(checkpoint):
 
 @pytest.fixture(scope="module")
 def client(llava):
-    core = EngineCore(llava, max_model_len=256, num_device_blocks=64, block_size=BS, max_images_per_request=2)
+    core = EngineCore(
+        llava, max_model_len=256, num_device_blocks=64, block_size=BS, max_images_per_request=2, max_image_bytes=MAX_BYTES
+    )
     engine = EngineClient.in_thread(core, max_queue=64)
     server = Server(engine, "llava", media=MediaPolicy(frozenset({"images.example"})))
     with TestClient(server.app) as c:
+        c.engine = engine
         yield c
     server.close()
     engine.shutdown()
@@ -169,3 +173,49 @@ def test_a_hundred_thousand_parts_are_refused_and_do_not_stall_others(client):
 def test_a_completion_prompt_with_a_placeholder_and_no_image_is_refused(client):
     r = client.post("/v1/completions", json={"model": "llava", "prompt": "a <image> b", "max_tokens": 1})
     refused(r, "1 image placeholders but 0 images")
+
+
+@pytest.fixture(scope="module")
+def media_host():
+    """An HTTP server on 127.0.0.1: /ok.png (an image), /big (over MAX_BYTES), /hop (a redirect)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    buf = io.BytesIO()
+    picture(5).save(buf, format="PNG")
+    pages = {"/ok.png": buf.getvalue(), "/big": b"\0" * (MAX_BYTES + 10)}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/hop":
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/")
+                self.end_headers()
+                return
+            body = pages.get(self.path, b"")
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_allowed_media_domains_are_fetched_within_the_limits(client, media_host):
+    server = Server(client.engine, "llava", media=MediaPolicy(frozenset({"127.0.0.1"})))
+    with TestClient(server.app) as fetching:
+        fetched = post(fetching, chat("describe ", image_part(f"{media_host}/ok.png"), " in a few words"))
+        inline = post(client, chat("describe ", image_part(data_url(picture(5))), " in a few words"))
+        assert fetched.status_code == 200, fetched.text[:500]
+        assert fetched.json()["choices"][0]["token_ids"] == inline.json()["choices"][0]["token_ids"]
+        refused(post(fetching, chat(image_part(f"{media_host}/big"))), "--max-image-bytes")
+        refused(post(fetching, chat(image_part(f"{media_host}/hop"))), "redirects (302)", "not followed")
+        refused(post(fetching, chat(image_part(f"{media_host}/missing"))), "fetching", "failed")
+    server.close()
+    # the module's server names another host: this one's URLs are refused, never fetched
+    refused(post(client, chat(image_part(f"{media_host}/ok.png"))), "'127.0.0.1'", "--allowed-media-domains")
