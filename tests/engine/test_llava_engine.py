@@ -219,6 +219,10 @@ def test_image_inputs_are_refused_by_name(llava, checkpoint):
             llm.generate({"prompt": ONE, "images": [big.getvalue()]}, GREEDY)
         with pytest.raises(ValueError, match="a prompt dict has 'prompt' and optionally 'images'"):
             llm.generate({"text": ONE}, GREEDY)  # the wrong key
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for LlavaForConditionalGeneration"):
+        kvtier.LLM(llava, num_device_blocks=16, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens > 0 drafts with the model's MTP layers"):
+        kvtier.LLM(llava, num_device_blocks=16, num_speculative_tokens=1)
     with kvtier.LLM(checkpoint("llama-tiny"), num_device_blocks=16) as llm:
         with pytest.raises(ValueError, match="is a text model .LlamaForCausalLM.: it takes no images"):
             llm.generate({"prompt": "hi", "images": [picture(1)]}, GREEDY)
