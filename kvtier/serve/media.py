@@ -83,6 +83,11 @@ class Images:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
 
+    def expanded(self, ids: list[int]) -> list[int]:
+        """``ids`` with each placeholder as the tokens of its image (what /tokenize counts; no image is read)."""
+        n, token = self.tokens_per_image, self.image_token_id
+        return [t for i in ids for t in ([i] * n if i == token else [i])]
+
     def read(self, url: str, k: int, budget: int) -> bytes:
         """The bytes of image ``k``'s URL, at most ``budget`` (what the request's images have left)."""
         over = f"over the limit of {self.limits.max_bytes} bytes of images in one request (max_image_bytes, --max-image-bytes)"

@@ -219,3 +219,11 @@ def test_allowed_media_domains_are_fetched_within_the_limits(client, media_host)
     server.close()
     # the module's server names another host: this one's URLs are refused, never fetched
     refused(post(client, chat(image_part(f"{media_host}/ok.png"))), "'127.0.0.1'", "--allowed-media-domains")
+
+
+def test_tokenize_counts_each_image_as_its_placeholder_tokens(client):
+    body = {"model": "llava", "messages": chat("describe ", image_part(data_url(picture(1))), " now")["messages"]}
+    counted = client.post("/tokenize", json=body)
+    assert counted.status_code == 200, counted.text[:500]
+    served = post(client, chat("describe ", image_part(data_url(picture(1))), " now", max_tokens=1))
+    assert counted.json()["tokens"] == served.json()["choices"][0]["prompt_token_ids"]
