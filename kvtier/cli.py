@@ -75,6 +75,10 @@ BENCHES = {
         "kvtier.bench.rollout_bench",
         "GPU: n=8 samples on one prompt vs 8 requests (time, blocks held); decode with logprobs on vs off",
     ),
+    "vlm-chat": (
+        "kvtier.bench.vlm_chat",
+        "GPU or CPU: a multi-turn chat resending its image vs the same chat without it (TTFT, tower runs)",
+    ),
     "multiturn": (
         "kvtier.bench.multiturn",
         "any OpenAI server (--url) or kvtier's: multi-turn chat, histories "
