@@ -201,6 +201,29 @@ def test_a_resent_image_runs_the_tower_once_even_after_its_kv_is_evicted(llava, 
         assert llm.runner.encoder is not None and llm.runner.encoder.num_images_encoded == 6  # the chat's image twice
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_suite.sh vlm runs it)")
+def test_cuda_image_prompts_through_device_host_and_storage_hits_match_transformers(llava, want, tmp_path):
+    """On a GPU (fp32, the triton backend and CUDA graphs for the text-only steps): cold, a device
+    hit, a host hit and a storage hit all give transformers' greedy tokens."""
+    a = {"prompt": TWO, "images": [picture(100), picture(101)]}
+    fillers = [{"prompt": TWO, "images": [picture(102 + i), picture(112 + i)]} for i in range(3)]
+    expected = want(TWO, a["images"])
+    kw: dict = dict(device="cuda", dtype="float32", block_size=BS, write_policy="write_through")
+    with kvtier.LLM(llava, num_device_blocks=10, num_host_blocks=64, **kw) as llm:
+        assert llm.generate(a, GREEDY)[0].token_ids == expected
+        device_hit = llm.generate(a, GREEDY)[0]
+        assert device_hit.cached_tokens_by_tier["device"] > 0 and device_hit.token_ids == expected
+        llm.generate(fillers[0], GREEDY)
+        host_hit = llm.generate(a, GREEDY)[0]
+        assert host_hit.cached_tokens_by_tier["host"] > 0 and host_hit.token_ids == expected
+    with kvtier.LLM(llava, num_device_blocks=10, num_host_blocks=8, storage=f"file://{tmp_path}/p", **kw) as llm:
+        llm.generate(a, GREEDY)
+        for f in fillers:
+            llm.generate(f, GREEDY)
+        storage_hit = llm.generate(a, GREEDY)[0]
+        assert storage_hit.cached_tokens_by_tier["storage"] > 0 and storage_hit.token_ids == expected
+
+
 def test_image_inputs_are_refused_by_name(llava, checkpoint):
     import io
 
