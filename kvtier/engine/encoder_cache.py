@@ -3,7 +3,7 @@ which resends its image (every turn of a chat does) runs the tower once, also wh
 KV blocks were evicted, and a prefill chunked through an image encodes it once::
 
     step's image spans ──features──▶ hit: the kept tensor (moved to the LRU's end)
-                                     miss: one tower batch of every missing image of the step,
+                                     miss: tower batches (TOWER_BATCH) of the step's missing images,
                                            kept; past ``capacity`` images the least recent goes
 
 Features depend on the pixels alone (the hash is of the preprocessed pixels, model/images.py),
@@ -20,6 +20,9 @@ import torch
 
 from kvtier.engine.step_inputs import ImageSpan
 from kvtier.model.images import MMInput
+
+
+TOWER_BATCH = 16  # images per tower forward at most
 
 
 class ImageEncoder(Protocol):
@@ -51,14 +54,16 @@ class EncoderCache:
             self.entries.move_to_end(image.hash)
             self.num_hits += 1
             out[image.hash] = kept
-        if missing:
-            pixels = torch.from_numpy(np.stack([m.pixels for m in missing.values()])).to(device, non_blocking=True)
+        todo = list(missing.values())
+        for start in range(0, len(todo), TOWER_BATCH):  # (a step of many images: its activations bounded)
+            batch = todo[start : start + TOWER_BATCH]
+            pixels = torch.from_numpy(np.stack([m.pixels for m in batch])).to(device, non_blocking=True)
             encoded = model.encode_images(pixels)
             self.num_tower_runs += 1
-            self.num_images_encoded += len(missing)
-            for key, feats in zip(missing, encoded):
-                out[key] = feats
-                self.put(key, feats)
+            self.num_images_encoded += len(batch)
+            for image, feats in zip(batch, encoded):
+                out[image.hash] = feats
+                self.put(image.hash, feats)
         return out
 
     def embeds(self, model: ImageEncoder, spans: Sequence[ImageSpan], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
