@@ -21,7 +21,6 @@ import torch
 from kvtier.engine.step_inputs import ImageSpan
 from kvtier.model.images import MMInput
 
-
 TOWER_BATCH = 16  # images per tower forward at most
 
 
