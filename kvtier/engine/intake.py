@@ -126,8 +126,6 @@ class Intake:
         elif vision is not None and mm is not None:  # placed by the serving process (or a sample's head): checked
             shape = (vision.num_channels, vision.image_size, vision.image_size)
             check_placed(prompt, mm, vision.image_token_id, vision.num_image_tokens, shape)
-        if mm and (handoff or export):
-            raise ValueError("PD hand-offs of prompts with images are not supported yet: serve them colocated")
         ids = check_request(self.limits, prompt, params, handoff=handoff, export=export, owner=owner, priority=priority)
         rid = f"{AUTO_ID}{next(self._ids)}" if request_id is None else check_request_id(request_id)
         req = Request(rid, ids, params, cache_salt=cache_salt, owner=owner or "", priority=int(priority), mm=mm or ())

@@ -512,7 +512,7 @@ class Server:
 
         async def prompt_ids(i: int, prompt: Any) -> list[int]:
             ids = await self._prompt_ids(kind, body, prompt, self.max_model_len - (asked or 1), after)
-            if self.images is not None and handoff is None:  # decoded, preprocessed and placed off the event loop
+            if self.images is not None:  # decoded, preprocessed and placed off the event loop (D of PD too: its keys)
                 ids, mm_of[i] = await self.prompts.run(id(body), self.images.place, ids, urls_of[i])
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
             if len(ids) + max_tokens > self.max_model_len:  # refused now: the call's other prompts are not tokenized

@@ -249,3 +249,33 @@ def test_image_inputs_are_refused_by_name(llava, checkpoint):
     with kvtier.LLM(checkpoint("llama-tiny"), num_device_blocks=16) as llm:
         with pytest.raises(ValueError, match="is a text model .LlamaForCausalLM.: it takes no images"):
             llm.generate({"prompt": "hi", "images": [picture(1)]}, GREEDY)
+
+
+def test_a_pd_hand_off_of_an_image_prompt_loads_every_block_from_the_pool(llava, want, tmp_path):
+    """P writes the prompt's blocks, keyed by its images; D, given the same request, reads them all
+    (the same keys) and continues as a colocated engine would; another image is not P's prompt."""
+    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.core import EngineCore
+
+    prompt = {"prompt": TWO, "images": [picture(120), picture(121)]}
+    config = EngineConfig(num_host_blocks=64, block_size=BS, num_device_blocks=64)
+    url = f"file://{tmp_path}"
+
+    def run(core: EngineCore, **add) -> kvtier.RequestOutput:
+        req = core.add_request(**add)
+        for _ in range(10_000):
+            for out in core.step():
+                if out.request_id == req.request_id:
+                    return out
+        raise AssertionError("request never finished")
+
+    with EngineCore(llava, config, storage=url) as p, EngineCore(llava, config, storage=url) as d:
+        first = run(p, prompt=prompt, params=kvtier.SamplingParams(max_tokens=1), export=True)
+        h = first.handoff
+        assert h["complete"] and h["failed_blocks"] == 0
+        out = run(d, prompt=prompt, params=GREEDY, handoff=h)
+        assert out.token_ids == want(TWO, prompt["images"])
+        assert out.cached_tokens_by_tier["storage"] == len(out.prompt_token_ids) and out.handoff["result"] == "ok"
+        other = {"prompt": TWO, "images": [picture(122), picture(121)]}
+        with pytest.raises(ValueError, match="handoff.keys do not match"):
+            d.add_request(prompt=other, params=GREEDY, handoff=h)
