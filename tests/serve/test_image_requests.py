@@ -13,6 +13,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from starlette.testclient import TestClient
 
@@ -227,3 +229,24 @@ def test_tokenize_counts_each_image_as_its_placeholder_tokens(client):
     assert counted.status_code == 200, counted.text[:500]
     served = post(client, chat("describe ", image_part(data_url(picture(1))), " now", max_tokens=1))
     assert counted.json()["tokens"] == served.json()["choices"][0]["prompt_token_ids"]
+
+
+_URLS = st.one_of(
+    st.text(max_size=40).map(lambda t: "data:image/png;base64," + t),
+    st.binary(max_size=64).map(lambda b: "data:image/png;base64," + base64.b64encode(b).decode()),
+    st.binary(max_size=64).map(lambda b: "data:image/webp;base64," + base64.b64encode(b"RIFF" + b).decode()),
+    st.sampled_from(["", "data:", "data:,", "http://", "https://[::1", "ftp://x/y", "data:image/png;base64,===="]),
+    st.text(max_size=30),
+)
+_PARTS = st.one_of(
+    st.builds(lambda u: image_part(u), _URLS),
+    st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=20)),
+    st.dictionaries(st.sampled_from(["type", "image_url", "text", "url"]), st.one_of(st.text(max_size=8), st.none()), max_size=3),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(_PARTS, min_size=1, max_size=4))
+def test_fuzzed_image_parts_get_an_answer_or_a_4xx(client, parts):
+    r = post(client, chat(*parts, max_tokens=1))
+    assert r.status_code in (200, 400, 422), r.text[:500]
