@@ -502,7 +502,7 @@ class Server:
             )
         echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
         after = f"after {field}={asked}" if asked else "with one token to generate"
-        urls_of = [message_images(p) if kind == "chat" else [] for p in prompts]
+        urls_of: list[list] = [message_images(p) if kind == "chat" else [] for p in prompts]
         if any(urls_of):  # refused by count before any image is read
             if self.images is None:
                 raise APIError(400, f"this model ({self.engine.limits.architecture}) takes no images", "messages")
@@ -512,6 +512,8 @@ class Server:
 
         async def prompt_ids(i: int, prompt: Any) -> list[int]:
             ids = await self._prompt_ids(kind, body, prompt, self.max_model_len - (asked or 1), after)
+            if self.images is not None and any(u.startswith(("http://", "https://")) for u in urls_of[i]):
+                urls_of[i] = await asyncio.to_thread(self.images.fetch_remote, urls_of[i])  # (not a tokenizer thread)
             if self.images is not None:  # decoded, preprocessed and placed off the event loop (D of PD too: its keys)
                 ids, mm_of[i] = await self.prompts.run(id(body), self.images.place, ids, urls_of[i])
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))

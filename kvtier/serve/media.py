@@ -55,7 +55,7 @@ class Images:
         self.processing = ImageProcessing.from_dir(path)
         self.policy = policy
 
-    def check_count(self, urls: Sequence[str]) -> None:
+    def check_count(self, urls: Sequence[str | bytes]) -> None:
         """400 before any image is read: more images than a request may carry."""
         if len(urls) > self.limits.max_images:
             raise APIError(
@@ -65,14 +65,33 @@ class Images:
                 "messages",
             )
 
-    def place(self, ids: list[int], urls: Sequence[str]) -> tuple[list[int], list[MMInput]]:
+    def fetch_remote(self, urls: Sequence[str]) -> list[str | bytes]:
+        """``urls`` with each http(s) one fetched (or refused: a host --allowed-media-domains does
+        not name). A thread of its own runs this, not a tokenizer thread: a slow host holds
+        only its own request up."""
+        budget = self.limits.max_bytes
+        out: list[str | bytes] = []
+        for k, url in enumerate(urls):
+            if url.startswith(("http://", "https://")):
+                data = self.read(url, k, budget)
+                budget -= len(data)
+                out.append(data)
+            else:
+                out.append(url)
+        return out
+
+    def place(self, ids: list[int], sources: Sequence[str | bytes]) -> tuple[list[int], list[MMInput]]:
         """(ids with each placeholder expanded, the images on them) for the prompt ``ids`` and its
-        image URLs, in order (a tokenizer thread runs this). APIError(400) names what is wrong."""
-        self.check_count(urls)
+        images, in order: URLs, or the bytes :meth:`fetch_remote` fetched (a tokenizer thread runs
+        this). APIError(400) names what is wrong."""
+        self.check_count(sources)
         budget = self.limits.max_bytes
         pixels = []
-        for k, url in enumerate(urls):
-            data = self.read(url, k, budget)
+        for k, source in enumerate(sources):
+            data = source if isinstance(source, bytes) else self.read(source, k, budget)
+            if len(data) > budget:
+                over = f"over the limit of {self.limits.max_bytes} bytes of images in one request"
+                raise APIError(400, f"image {k}: {over} (max_image_bytes, --max-image-bytes)", "messages")
             budget -= len(data)
             try:
                 pixels.append(self.processing.preprocess(decode_image(data, self.limits)))
