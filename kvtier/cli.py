@@ -35,6 +35,7 @@ PRESET_NAMES = (
     "llama3-8b-mtp-shape",
     "llama3-70b-shape",
     "deepseek-v3-tiny",
+    "deepseek-v3-mtp-tiny",
     "deepseek-v2-lite-tiny",
     "deepseek-v3-shape",
     "gpt-oss-tiny",
@@ -52,6 +53,10 @@ BENCHES = {
         "CPU: the same per request, kvtier vs vLLM's and SGLang's prefix caches (pip install 'kvtier[peers]')",
     ),
     "throughput": ("kvtier.bench.throughput", "GPU: engine tokens/s vs HF transformers generate"),
+    "kv-quality": (
+        "kvtier.bench.kv_quality",
+        "CPU or GPU: greedy agreement and per-token KL of an fp8 KV cache against the compute dtype's",
+    ),
     "experts": ("kvtier.bench.experts_bench", "GPU: tokens/s with R3 routing capture on vs off"),
     "speculative": (
         "kvtier.bench.spec_bench",

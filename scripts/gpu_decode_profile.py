@@ -4,7 +4,7 @@
 the top kernels, and the step's HBM roofline (weights + KV of every sequence, read once, over the
 bandwidth of a device copy measured in the same run) with its ratio.
 
-    python scripts/gpu_decode_profile.py [--preset qwen3-0.6b-shape] [--overlap both|on|off]
+    python scripts/gpu_decode_profile.py [--preset qwen3-0.6b-shape] [--overlap both|on|off] [--kv-cache-dtypes auto,fp8]
 """
 from __future__ import annotations
 
@@ -36,11 +36,12 @@ def steady(core: EngineCore, batch: int, context: int, seed: int) -> None:
         core.step()
 
 
-def measure(path: Path, batch: int, context: int, overlap: bool, steps: int, prof_steps: int, bw: float) -> dict:
+def measure(path: Path, batch: int, context: int, overlap: bool, steps: int, prof_steps: int, bw: float,
+            kv_cache_dtype: str = "auto") -> dict:
     blocks = batch * -(-(context + steps + prof_steps + 64) // 16) + 64
     with EngineCore(path, device="cuda", dtype="bfloat16", block_size=16, num_device_blocks=blocks,
                     max_num_seqs=max(batch, 1), max_num_batched_tokens=8192, max_model_len=context + 4096,
-                    overlap_schedule=overlap) as core:
+                    overlap_schedule=overlap, kv_cache_dtype=kv_cache_dtype) as core:
         steady(core, batch, context, 0)
         torch.cuda.synchronize()
         ctx = sum(r.num_computed_tokens for r in core.scheduler.running) / batch
@@ -66,9 +67,10 @@ def measure(path: Path, batch: int, context: int, overlap: bool, steps: int, pro
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
         cfg = core.config
         weights = sum(p.numel() * p.element_size() for p in core.model.parameters())
-        kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * core.kv_caches[0].element_size()
         roof_ms = (weights + kv_token * batch * (ctx + steps)) / bw * 1e3
-        return {"batch": batch, "context": round(ctx), "overlap": overlap, "ms_per_step": ms, "ms_by_10_steps": windows,
+        return {"batch": batch, "context": round(ctx), "overlap": overlap, "kv_cache_dtype": kv_cache_dtype,
+                "tokens_per_s": batch / ms * 1e3, "ms_per_step": ms, "ms_by_10_steps": windows,
                 "profiled_ms_per_step": wall / prof_steps * 1e3,
                 "gpu_busy_ms_per_step": gpu_us / 1e3 / prof_steps, "gpu_busy_fraction": gpu_us / 1e6 / wall,
                 "kernels_per_step": count / prof_steps, "roofline_ms": roof_ms, "roofline_ratio": roof_ms / ms,
@@ -83,6 +85,7 @@ def main() -> int:
     ap.add_argument("--overlap", choices=("both", "on", "off"), default="both")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prof-steps", type=int, default=20)
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated kv_cache_dtype values, each measured")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU: nothing measured")
@@ -95,10 +98,16 @@ def main() -> int:
     rows = []
     for point in args.points.split(","):
         batch, context = (int(x) for x in point.split("x"))
-        for overlap in modes:
-            r = measure(path, batch, context, overlap, args.steps, args.prof_steps, bw)
+        for overlap, kv in [(o, k) for o in modes for k in args.kv_cache_dtypes.split(",")]:
+            try:
+                r = measure(path, batch, context, overlap, args.steps, args.prof_steps, bw, kv)
+            except torch.OutOfMemoryError as e:  # (a bf16 cache of this size may not fit where fp8 does)
+                print(f"batch {batch} x {context} kv {kv}: out of memory ({str(e)[:80]})", flush=True)
+                torch.cuda.empty_cache()
+                continue
             rows.append(r)
-            print(f"batch {batch} ctx ~{r['context']} overlap {'on' if overlap else 'off'}: "
+            print(f"batch {batch} ctx ~{r['context']} overlap {'on' if overlap else 'off'} kv {kv}: "
+                  f"{r['tokens_per_s']:.0f} tok/s, "
                   f"{r['ms_per_step']:.2f} ms/step, "
                   f"GPU busy {r['gpu_busy_ms_per_step']:.2f} ms ({r['gpu_busy_fraction']:.0%}), "
                   f"{r['kernels_per_step']:.0f} kernels/step, roofline {r['roofline_ms']:.2f} ms "

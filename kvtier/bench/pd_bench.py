@@ -36,6 +36,7 @@ from kvtier.storage.client import default_storage_workers
 # the servers' engine options this bench takes (EngineConfig.add_flags)
 ENGINE_OPTIONS = (
     "device",
+    "kv_cache_dtype",
     "load_format",
     "num_device_blocks",
     "num_host_blocks",

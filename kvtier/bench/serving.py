@@ -556,6 +556,7 @@ ENGINE_OPTIONS = (
     "device",
     "tensor_parallel_size",
     "dtype",
+    "kv_cache_dtype",
     "load_format",
     "block_size",
     "num_device_blocks",

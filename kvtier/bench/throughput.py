@@ -31,6 +31,7 @@ from kvtier.engine.config import EngineConfig
 ENGINE_OPTIONS = (
     "device",
     "dtype",
+    "kv_cache_dtype",
     "tensor_parallel_size",
     "max_num_batched_tokens",
     "max_num_seqs",
@@ -96,7 +97,7 @@ def _count_bytes_read(llm) -> dict:
     every rank reads as much at once, so the roofline is one GPU's."""
     weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     cfg = llm.model.config  # (this rank's KV heads)
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * llm.dtype.itemsize
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * llm.kv_caches[0].element_size()  # (fp8: 1)
     counts = {"steps": 0, "weights": 0, "kv": 0}
     real = llm.runner.execute
 

@@ -114,6 +114,7 @@ class ModelFingerprint:
     kv_layout: str = "page_first"
     weights: str = ""  # which weights (a digest): two fine-tunes of one shape never share KV
     payload: str = ""  # what else a stored block carries, e.g. R3 routing "routing:48x8:uint8"
+    kv_cache: str = ""  # a quantized cache: its dtype and scales, "float8_e4m3fn:<scales digest>"
 
     def encode(self) -> bytes:
         parts = (
@@ -126,7 +127,7 @@ class ModelFingerprint:
             self.kv_layout,
         )
         out = b"".join(_field(str(p).encode()) for p in parts)
-        for tag, value in (("weights", self.weights), ("payload", self.payload)):
+        for tag, value in (("weights", self.weights), ("payload", self.payload), ("kv_cache", self.kv_cache)):
             if value:  # absent when empty: fingerprints without them keep their keys
                 out += _field(tag.encode()) + _field(value.encode())
         return out

@@ -20,6 +20,7 @@ runner with the same functions (:func:`allocate_tiers`, :func:`build_runner`; en
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from contextlib import ExitStack
@@ -51,11 +52,15 @@ from kvtier.engine.warmup import compile_kernels
 from kvtier.model import ModelConfig, allocate_kv_caches, host_kv_shape, load_model, weights_digest
 from kvtier.model.families import CausalLM
 from kvtier.model.hub import resolve_model
+from kvtier.model.kv_quant import is_fp8, kv_cache_torch_dtype, scales_digest
+from kvtier.model.kv_scales import kv_scales_for, set_kv_scales
 from kvtier.model.shard import TPShard
 from kvtier.model.tokenizer import load_tokenizer
 from kvtier.storage.client import StorageClient
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_pool import HostKV
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -74,6 +79,7 @@ class EngineParts:
     fetch_cost: FetchCostModel | None  # the pool's fetch-vs-recompute cost model
     cache: CacheManager
     kv_caches: list[torch.Tensor]  # per layer; num_device_blocks + 1 blocks (the last: scratch)
+    kv_scales: list[torch.Tensor] | None  # an fp8 cache's scales per layer (model/kv_quant.py); None: not quantized
     host: HostKV | None  # the pinned host tier (None: no host tier)
     routing: ExpertCapture | None  # MoE routing capture (R3)
     transfer: TransferEngine | TPTransfer
@@ -127,7 +133,8 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         torch.cuda.set_device(device)
     startup = startup if startup is not None else Startup()
     dtype = DTYPES[c.dtype]
-    bytes_per_block = block_nbytes(model_config, c.block_size, dtype)  # every rank's KV heads
+    kv_dtype = kv_cache_torch_dtype(c.kv_cache_dtype, dtype)  # every tier's (fp8: one byte a number)
+    bytes_per_block = block_nbytes(model_config, c.block_size, kv_dtype)  # every rank's KV heads
     tp = c.tensor_parallel_size
     with ExitStack() as undo:  # a failure closes what was started, last first
         ranks = shard = None
@@ -150,7 +157,14 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         # every rank holds as many device blocks as the tightest one fits
         c = size_tiers(c, bytes_per_block, ranks.gather_sizes() if ranks is not None else ())
         assert c.num_device_blocks is not None and c.num_host_blocks is not None and c.write_policy is not None  # (size_tiers)
-        fingerprint = _fingerprint(c, model_config, path, device)
+        kv_scales = None
+        if is_fp8(kv_dtype):  # fixed before any block is written into any tier (model/kv_quant.py)
+            with startup("fp8 KV scales"):  # (every rank at once, each loaded and sized: engine/tp/worker.py)
+                kv_scales, source = kv_scales_for(path, lm, kv_dtype, c.load_format)
+                set_kv_scales(lm, kv_scales, device)
+            startup.kv_cache = {"dtype": c.kv_cache_dtype, "scales": source, "digest": scales_digest(kv_scales)}
+            log.info("KV cache %s, scales %s (digest %s)", c.kv_cache_dtype, source, scales_digest(kv_scales))
+        fingerprint = _fingerprint(c, model_config, path, device, kv_dtype, kv_scales)
         storage, fetch_cost = open_pool(c)
         if storage is not None:
             undo.callback(storage.close)
@@ -158,7 +172,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         if ranks is not None:  # every rank copies its shard of each op (engine/tp/transfer.py)
             rank_ops = RankOps(ranks)
             if storage is not None:
-                storage.shard(0, tp)
+                storage.shard(0, tp, replicated=model_config.kv_kind == "latent")  # (a latent: one object per block)
                 storage = TPStorage(storage, rank_ops)  # type: ignore[assignment]  # a StorageClient to the engine
         cache = CacheManager(
             block_size=c.block_size,
@@ -177,7 +191,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         if ranks is not None:  # the others allocate, compile and capture beside this one
             ranks.send(("build", c, (storage.namespace, fingerprint) if storage is not None else None))
         with startup("allocating KV tiers"):
-            kv_caches, host = allocate_tiers(lm.config, c, dtype)  # (this rank's KV heads)
+            kv_caches, host = allocate_tiers(lm.config, c, kv_dtype)  # (this rank's KV heads)
             if host is not None:
                 undo.callback(host.release)
         host_kv = host.tensor if host is not None else None
@@ -192,7 +206,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
         copies = CopyPump(cache, transfer, storage)
         if storage is not None:
             assert host_kv is not None  # a pool always gets a host tier (config, size_tiers)
-            bind_pool(storage, fetch_cost, host_kv, routing, fingerprint)
+            bind_pool(storage, fetch_cost, host_kv, routing.host_store if routing is not None else None, fingerprint)
         runner, graphs, step_graphs = build_runner(lm, kv_caches, host_kv, c, routing, transfer.gates, startup)
         if ranks is not None:
             with startup("waiting for the other tensor-parallel ranks"):
@@ -211,6 +225,7 @@ def build_engine(config: EngineConfig, model: str | os.PathLike, startup: Startu
             fetch_cost=fetch_cost,
             cache=cache,
             kv_caches=kv_caches,
+            kv_scales=kv_scales,
             host=host,
             routing=routing,
             transfer=transfer,
@@ -275,10 +290,18 @@ def build_runner(
     return runner, graphs, step_graphs
 
 
-def _fingerprint(config: EngineConfig, model_config: ModelConfig, path: Path, device: torch.device) -> ModelFingerprint:
+def _fingerprint(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    path: Path,
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    kv_scales: list[torch.Tensor] | None,
+) -> ModelFingerprint:
     """What a stored block's key says of the model that wrote it (DESIGN §3): its KV's shape
-    (``kv_layout``: KV heads and head_dim, or one latent's width) and dtype, its weights, and what
-    blocks carry besides the decoder's KV."""
+    (``kv_layout``: KV heads and head_dim, or one latent's width) and dtype, its weights, what
+    blocks carry besides the decoder's KV, and a quantized cache's dtype and scales (an fp8 block
+    never answers a bf16 engine, nor one of other scales)."""
     c, m = config, model_config
     payload = []  # not the same objects: a block with routing rows or the MTP block's KV
     if m.is_moe and c.capture_routing:
@@ -295,4 +318,5 @@ def _fingerprint(config: EngineConfig, model_config: ModelConfig, path: Path, de
         c.block_size,
         weights=weights_digest(path, c.load_format, device),
         payload=";".join(payload),
+        kv_cache=f"{str(kv_dtype).removeprefix('torch.')}:{scales_digest(kv_scales)}" if kv_scales is not None else "",
     )

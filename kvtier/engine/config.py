@@ -98,6 +98,14 @@ class EngineConfig:
         "compute dtype; auto = the checkpoint's on cuda, float32 on cpu (default auto)",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "dtype of the KV cache in every tier (device, host, storage): auto = the compute dtype; fp8 (= fp8_e4m3) "
+        "or fp8_e5m2 = half the bytes of bf16 (twice the blocks in the same memory), K and V quantized where they "
+        "are written with a scale per layer and KV head: the checkpoint's k_scale/v_scale, else calibrated when the "
+        "engine starts on a fixed built-in input, so engines of one checkpoint share a pool (default auto)",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    )
     block_size: int = _opt(
         16, "tokens per KV block, a power of two (default 16)", type=types.block_size, aliases=("--page-size",)
     )

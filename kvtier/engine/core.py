@@ -94,11 +94,14 @@ class EngineCore(Steps):
         self.model, self.tokenizer, self.ranks, self.startup = parts.model, parts.tokenizer, parts.ranks, parts.startup
         self.storage, self.fetch_cost, self.cache, self.routing = parts.storage, parts.fetch_cost, parts.cache, parts.routing
         self.kv_caches, self.host_kv, self.transfer, self.copies = parts.kv_caches, parts.host_kv, parts.transfer, parts.copies
+        self.kv_scales = parts.kv_scales  # an fp8 cache's scales per layer, fixed at build (None: not quantized)
         self.runner, self.spec, self.scheduler, self.intake = parts.runner, parts.spec, parts.scheduler, parts.intake
         self.max_model_len, self.block_size, self.preemption_mode = c.max_model_len, c.block_size, c.preemption_mode
         self.overlap_schedule, self.pd_on_miss = bool(c.overlap_schedule), c.pd_on_miss
         namespace = self.storage.namespace if self.storage is not None else ""
-        self._exports = Exports(self.cache, namespace, float(c.export_timeout), c.tensor_parallel_size)
+        # the split of a stored block: one shard per rank, or one object whatever the ranks (a latent)
+        self._block_shards = self.storage.tp_size if self.storage is not None else c.tensor_parallel_size
+        self._exports = Exports(self.cache, namespace, float(c.export_timeout), self._block_shards)
         self._groups = SampleGroups(self.scheduler, self._make_sample)
         self.num_failed_requests = 0  # failed by an internal error (RequestOutput.error_kind "internal")
         self._inflight = None
@@ -213,7 +216,7 @@ class EngineCore(Steps):
                 self.storage.namespace,
                 self.cache,
                 self.scheduler,
-                self.engine_config.tensor_parallel_size,
+                self._block_shards,
             )
         return req
 

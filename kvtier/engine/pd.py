@@ -43,7 +43,8 @@ def accept_handoff(
 ) -> None:
     """D: start ``req`` from P's first token; ValueError (naming the field) unless P's manifest
     names the blocks this engine would read for this prompt, split as this engine splits them
-    (P and D at the same tensor-parallel size: each rank reads the shard its peer wrote)."""
+    (P and D at the same tensor-parallel size: each rank reads the shard its peer wrote; a latent
+    cache's block is one object whatever the size, and its manifest says 1)."""
     if not isinstance(manifest, dict):
         raise ValueError(f"handoff must be a manifest object, got {type(manifest).__name__}")
     first, n = manifest.get("first_token"), manifest.get("num_tokens")

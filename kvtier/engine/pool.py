@@ -11,7 +11,6 @@ import torch
 from kvtier.cache import ModelFingerprint
 from kvtier.cache.cost import FetchCostModel
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.experts import ExpertCapture
 from kvtier.storage import BlobLayout, namespace_digest, open_storage
 from kvtier.storage.client import StorageClient, default_storage_workers
 
@@ -43,10 +42,11 @@ def bind_pool(
     storage: StorageClient,
     cost: FetchCostModel | None,
     host_kv: torch.Tensor,
-    routing: ExpertCapture | None,
+    routing_store: np.ndarray | None,
     fingerprint: ModelFingerprint,
 ) -> None:
-    """Bind ``storage`` to the host tier and calibrate the cost model on this pool's speed."""
+    """Bind ``storage`` to the host tier (and the routing rows stored beside it,
+    ``ExpertCapture.host_store``) and calibrate the cost model on this pool's speed."""
     if sys.getswitchinterval() > IO_SWITCH_INTERVAL_S:
         sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
     host_u8 = host_kv.view(torch.uint8).numpy()  # [num_host_blocks, block bytes...]
@@ -56,9 +56,10 @@ def bind_pool(
         tuple(host_kv.shape[1:]),
         fingerprint.block_size,
         host_u8[0].nbytes,
-        routing.block_nbytes if routing is not None else 0,
+        routing_store[0].nbytes if routing_store is not None else 0,
     )
-    storage.bind(layout, host_u8.__getitem__, (lambda h: routing.host_store[h].view(np.uint8)) if routing is not None else None)
+    rows = (lambda h: routing_store[h].view(np.uint8)) if routing_store is not None else None
+    storage.bind(layout, host_u8.__getitem__, rows)
     if cost is not None:
         cost.block_nbytes = layout.nbytes
         storage.calibrate()

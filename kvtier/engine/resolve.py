@@ -9,9 +9,10 @@ decided once, in two steps (engine/build.py calls both; every part then takes th
                                       parallelism what fits every rank): num_device_blocks,
                                       num_host_blocks, preemption_mode, write_policy
 
-A multi-head latent attention model (DeepSeek-V2/V3) resolves to the torch attention backend and
-no CUDA graphs (its attention is the torch reference of model/mla.py, which reads host lengths a
-captured graph would freeze), and is refused with MTP drafts or tensor parallelism.
+A multi-head latent attention model (DeepSeek-V2/V3) resolves like the others (triton on CUDA: its
+decode rows on model/triton_mla.py's kernel) but with no CUDA graphs (model/mla.py splits a step
+into decode and prefill rows on the host, which a captured graph would freeze), and is refused with
+tensor parallelism.
 
 The result is an EngineConfig like any other (its checks ran again; a tensor-parallel rank gets
 it as it is), with none of these left ``None``: a part reads ``config.max_model_len``, never the
@@ -68,7 +69,7 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     device = resolve_device(c.device)
     dtype = resolve_dtype(c.dtype, model, device)
     tp = c.tensor_parallel_size
-    latent = model.kv_kind == "latent"  # multi-head latent attention: its torch reference, eagerly
+    latent = model.kv_kind == "latent"  # multi-head latent attention: eagerly (no CUDA graphs)
     if latent:
         _check_latent(c, model)
     if tp > 1 and model.vision is not None:
@@ -84,8 +85,10 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
                 f"torch sees {torch.cuda.device_count()}"
             )
     if c.num_host_blocks is not None:
-        check_host_blocks(c.num_host_blocks, block_nbytes(model, c.block_size, dtype))
-    backend = c.attention_backend or ("triton" if device.type == "cuda" and not latent else "torch")
+        from kvtier.model.kv_quant import kv_cache_torch_dtype
+
+        check_host_blocks(c.num_host_blocks, block_nbytes(model, c.block_size, kv_cache_torch_dtype(c.kv_cache_dtype, dtype)))
+    backend = c.attention_backend or ("triton" if device.type == "cuda" else "torch")
     cuda_graphs = device.type == "cuda" and not latent if c.cuda_graphs is None else c.cuda_graphs
     if cuda_graphs and device.type == "cuda" and backend != "triton":
         # a captured graph keeps the host lengths the torch reference read at capture
@@ -104,13 +107,14 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
 
 
 def _check_latent(config: EngineConfig, model: ModelConfig) -> None:
-    """ValueError naming what a multi-head latent attention model is not served with: it runs on the
-    torch MLA reference (model/mla.py; no Triton kernel, so no CUDA graphs either). (MTP drafts:
-    ModelConfig.with_mtp refuses them; tensor parallelism: model/shard.py check_divisible.)"""
-    if config.attention_backend not in (None, "torch"):
+    """ValueError naming what a multi-head latent attention model is not served with: CUDA graphs
+    (its prefill chunks and the split of a step into decode and prefill rows run on the host;
+    decode rows run on the Triton MLA kernel with the triton backend, model/triton_mla.py).
+    (Tensor parallelism: model/shard.py check_divisible.)"""
+    if config.cuda_graphs:
         raise ValueError(
-            f"attention_backend={config.attention_backend!r} is not supported for {model.architecture}: "
-            "multi-head latent attention runs on its torch reference; leave it unset or use 'torch'"
+            f"cuda_graphs=True is not supported for {model.architecture}: multi-head latent attention runs "
+            "eagerly; leave it unset (or --enforce-eager)"
         )
 
 

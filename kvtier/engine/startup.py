@@ -25,6 +25,7 @@ class Startup:
         self.total_s: float | None = None  # set by done()
         self.kernels_compiled = 0  # Triton variants compiled or loaded at start
         self._compiled_at_ready = 0
+        self.kv_cache: dict[str, str] | None = None  # an fp8 cache: its dtype and where its scales came from
         self.on_change: Callable[[], None] | None = None  # after each phase change (an engine process tells its server)
 
     @contextlib.contextmanager
@@ -57,6 +58,7 @@ class Startup:
         self.phases_s = dict(state["phases_s"])
         self.total_s = state["startup_s"]
         self.kernels_compiled = state["kernels_compiled"]
+        self.kv_cache = state.get("kv_cache")
 
     @property
     def elapsed_s(self) -> float:
@@ -76,6 +78,7 @@ class Startup:
             "phases_s": dict(self.phases_s),
             "kernels_compiled": self.kernels_compiled,
             "kernels_compiled_since_ready": self.kernels_compiled_since_ready,
+            "kv_cache": self.kv_cache,
         }
 
 

@@ -62,10 +62,13 @@ def compile_kernels(model: CausalLM, kv_caches: list[torch.Tensor], host_kv: tor
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
     tokens, _ = draw(logits, [greedy, sampled], [None, None], processed_rows=[0, 1])
     topk(torch.log_softmax(logits, dim=-1), 5)
-    if config.attention_backend == "triton":
+    if config.attention_backend == "triton" and cfg.kv_kind != "latent":  # (MLA: its decode kernel ran above)
         from kvtier.model.triton_attention import compile_variants
 
-        compile_variants(kv_caches[0], cfg.num_heads, scratch_block, max_model_len)
+        attn = model.model.layers[0].self_attn  # (an fp8 cache's scales: the kernel's fp8 variant)
+        kv_scale = getattr(attn, "kv_scale", None)
+        dtype = next(model.parameters()).dtype
+        compile_variants(kv_caches[0], cfg.num_heads, scratch_block, max_model_len, dtype, kv_scale)
     if host_kv is not None and host_kv.shape[0] > 0:
         from kvtier.transfer import kernels
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.model.kv_quant import quantize
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -103,12 +105,25 @@ class AttentionMetadata:
         )
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+def write_kv(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Store new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) at their slots. An fp8 cache
+    stores them quantized with ``kv_scale`` [2, num_kv_heads] (model/kv_quant.py)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    if kv_scale is None:
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        return
+    # fp8 has no index_copy_ on the CPU: the quantized bytes move as uint8
+    raw = flat.view(torch.uint8)
+    for plane, x in enumerate((key, value)):
+        raw[plane].index_copy_(0, slot_mapping, quantize(x, kv_scale[plane], kv_cache.dtype).view(torch.uint8))
 
 
 def reference_attention(
@@ -120,14 +135,16 @@ def reference_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
 
     ``window``: a query at position p sees keys p - window + 1 .. p (None: 0 .. p); ``sinks``
     [num_heads]: a logit per head in every softmax's denominator; ``softcap``: scores become
-    softcap * tanh(score / softcap) (module docstring). Plain torch, one sequence at a time, softmax
-    in fp32; keys below every query's window are not read. The reference every backend is checked
-    against; also the CPU backend.
+    softcap * tanh(score / softcap) (module docstring); ``kv_scale`` [2, num_kv_heads]: an fp8
+    cache's scales, K and V dequantized as they are read (model/kv_quant.py). Plain torch, one
+    sequence at a time, softmax in fp32; keys below every query's window are not read. The
+    reference every backend is checked against; also the CPU backend.
     """
     check_attention_options(query, window, sinks, softcap)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -142,6 +159,8 @@ def reference_attention(
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[offset : offset + s_len - first]
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[offset : offset + s_len - first]
         q = query[start : start + q_len].float().transpose(0, 1)  # [H, q, D]
+        if kv_scale is not None:
+            k, v = k.float() * kv_scale[0, :, None].float(), v.float() * kv_scale[1, :, None].float()
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, s, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q, s]

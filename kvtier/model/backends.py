@@ -23,6 +23,7 @@ class AttentionFn(Protocol):
         window: int | None = None,
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -139,13 +139,7 @@ class ModelConfig:
     def with_mtp(self, drafting: bool) -> "ModelConfig":
         """The config an engine builds: one MTP block when it drafts with MTP (more in the
         checkpoint draft with the first, as vLLM and SGLang do for DeepSeek-V3), none otherwise
-        (its weights are not read and its layers have no KV). Multi-head latent attention models
-        do not draft: ValueError."""
-        if drafting and self.kv_kind == "latent":
-            raise ValueError(
-                f"num_speculative_tokens > 0 is not supported for {self.architecture}: speculative decoding "
-                "(MTP drafts) with multi-head latent attention is not served; use num_speculative_tokens=0"
-            )
+        (its weights are not read and its layers have no KV)."""
         if drafting and self.num_mtp_layers == 0:
             raise ValueError(
                 "num_speculative_tokens > 0 drafts with the model's MTP layers, but its config.json has none "

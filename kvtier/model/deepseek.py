@@ -19,15 +19,17 @@ Routing (:class:`DeepseekMoE`), as transformers' DeepseekV3TopkRouter / Deepseek
 
 RoPE is YaRN as the checkpoint configures it (DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1),
 the softmax scale carries yarn_mscale(factor, mscale_all_dim)^2 (mla.softmax_scale). The MTP block
-(``num_nextn_predict_layers``) is read into ModelConfig.num_mtp_layers but not built: its weights
-are skipped when loading. The engine serves these models (model/loader.py ``load_model``) on its
+(``num_nextn_predict_layers``, DeepSeek-V3's ``model.layers.{num_layers}``) is built when the engine
+drafts (ModelConfig.with_mtp): a decoder layer of its own, with MLA over its own latent cache and a
+MoE (:class:`DeepseekMTPLayer`), fed as model/families.py's MTP block is. The engine serves these
+models (model/loader.py ``load_model``) on its
 caches (``model.allocate_kv_caches``, one latent plane per layer); alone they load with
 ``load_mla_model`` on ``mla.allocate_latent_caches``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +37,11 @@ from torch import nn
 
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.config import ModelConfig
+from kvtier.model.families import SharedHead
 from kvtier.model.layers import MLP, RMSNorm, RotaryEmbedding
 from kvtier.model.mla import LatentAttention
 from kvtier.model.moe import SparseMoE
+from kvtier.model.shard import TPShard, all_reduce, shard_config
 
 
 class Router(nn.Linear):
@@ -102,16 +106,19 @@ class DeepseekMoE(SparseMoE):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: str = "torch"):
         super().__init__()
-        self.self_attn = LatentAttention(cfg, layer_idx)
+        self.self_attn = LatentAttention(cfg, layer_idx, backend)
         self.mlp: DeepseekMoE | MLP
         if layer_idx in cfg.moe_layer_ids:
             self.mlp = DeepseekMoE(cfg, moe_index=cfg.moe_layer_ids.index(layer_idx))
+        elif layer_idx >= cfg.num_layers and cfg.is_moe:  # the MTP block of a MoE model: MoE (DeepSeek-V3)
+            self.mlp = DeepseekMoE(cfg, moe_index=-1)  # (its routing is neither captured nor replayed)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp_group = None  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
 
     def forward(self, h, residual, rope, latent_cache, meta, layer_hook, routing_out, routing_in):
         """(out, residual): the layer's input is ``h + residual``, the add fused into the first
@@ -121,16 +128,39 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(h, residual)
         attn = self.self_attn(x, rope, latent_cache, meta, layer_hook)
+        if self.tp_group is not None:
+            all_reduce(attn, self.tp_group)
         x, residual = self.post_attention_layernorm(attn, residual)
         out = self.mlp(x, routing_out, routing_in) if isinstance(self.mlp, DeepseekMoE) else self.mlp(x)
+        if self.tp_group is not None:
+            all_reduce(out, self.tp_group)
         return out, residual
 
 
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """DeepSeek-V3's multi-token-prediction block: a decoder layer (MLA, MoE) with ``enorm``,
+    ``hnorm``, ``eh_proj`` and ``shared_head.norm``; model/families.py ``MTPLayer`` on a latent cache."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: str = "torch"):
+        super().__init__(cfg, layer_idx, backend)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(h, cfg.rms_norm_eps)
+
+    def draft(self, embeds, hidden, rope, latent_cache, meta, layer_hook):
+        """The block's output ``m`` (before ``shared_head.norm``) at each row."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        out, residual = self(x, None, rope, latent_cache, meta, layer_hook, None, None)
+        return out + residual
+
+
 class DeepseekDecoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: str = "torch"):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -141,18 +171,28 @@ class DeepseekForCausalLM(nn.Module):
     # correction bias separates experts by less than bf16 resolves at its magnitude
     FP32_PARAMETERS = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch", tp: TPShard | None = None):
+        """``attention_backend``: "triton" runs decode rows on model/triton_mla.py's kernel; prefill
+        chunks and "torch" on model/mla.py's torch reference. ``tp``: this rank's heads and expert
+        slices (model/shard.py); the latent cache is whole on every rank."""
         super().__init__()
         if cfg.kv_kind != "latent":
             raise ValueError(f"{cfg.architecture} has no latent attention; build it with model/families.py CausalLM")
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"unknown attention backend {attention_backend!r}; choose from ['torch', 'triton']")
+        self.tp = tp
+        if tp is not None and tp.size > 1:
+            cfg = shard_config(cfg, tp.size)
         self.config = cfg
-        self.model = DeepseekDecoder(cfg)
+        self.model = DeepseekDecoder(cfg, attention_backend)
         self.rotary = RotaryEmbedding(cfg)  # over qk_rope_head_dim (cfg.head_dim)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = nn.ModuleList()  # (the MTP block is not built: no drafting, CausalLM.mtp's place)
-        self.tp = None  # one rank: the latent is not sharded (CausalLM.tp's place)
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_layers + i, attention_backend) for i in range(cfg.num_mtp_layers))
+        if tp is not None and tp.size > 1:
+            for layer in [*self.model.layers, *self.mtp]:
+                layer.tp_group = tp.group
 
     @torch.inference_mode()
     def forward(
@@ -181,6 +221,29 @@ class DeepseekForCausalLM(nn.Module):
         for layer, latent_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(h, residual, rope, latent_cache, meta, layer_hook, routing_out, routing_in)
         return self.model.norm(h, residual)[0]
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The MTP block over the step's rows, as CausalLM.draft: ``next_ids[r]`` is the token after
+        row ``r``'s, ``hidden`` the target's states (or the last draft's); its latents go to
+        ``kv_caches[num_layers]``. Returns the block's output."""
+        block = cast(DeepseekMTPLayer, self.mtp[0])
+        kv = kv_caches[self.config.num_layers]
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        embeds = self.model.embed_tokens(next_ids)
+        return block.draft(embeds, hidden, rope, kv[0] if kv.dim() == 4 else kv, meta, layer_hook)
+
+    @torch.inference_mode()
+    def draft_logits(self, m: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(cast(DeepseekMTPLayer, self.mtp[0]).shared_head.norm(m)).float()
 
     def fuse_projections(self) -> None:
         """After loading: gate/up of every MLP (dense, experts, shared) one GEMM; experts stacked."""

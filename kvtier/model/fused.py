@@ -6,8 +6,9 @@ A decode step of a 28-layer model launched ~1,100 kernels, ~39 a layer, most of 
 take ~30 of a layer's kernels down to 3::
 
     add_rms_norm(x, residual, weight, eps)          residual add + RMSNorm       5 kernels -> 1
-    rope_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
+    rope_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, kv_scale)
                                                     q/k RMSNorm + RoPE + KV write 20 kernels -> 1
+                                                    (an fp8 cache: quantized with kv_scale)
     silu_and_mul(gate_up)                           act(gate) * up                2 kernels -> 1
 
 Each follows the arithmetic of transformers' layers (which dtype, which rounding, in which order):
@@ -55,16 +56,18 @@ def rope_write_kv_ref(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hk, D]; cos, sin [T, 1, D] (rotate-half layout). Optional per-head
-    RMSNorm of q and k (Qwen3), RoPE of both, k and v written at their slots. Returns rotated q."""
+    RMSNorm of q and k (Qwen3), RoPE of both, k and v written at their slots (quantized with
+    ``kv_scale`` into an fp8 cache). Returns rotated q."""
     if q_norm is not None:
         assert k_norm is not None  # (q and k norms come together)
         q = add_rms_norm_ref(q, None, q_norm, eps)[0]
         k = add_rms_norm_ref(k, None, k_norm, eps)[0]
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    write_kv(kv_cache, k, v, slot_mapping)
+    write_kv(kv_cache, k, v, slot_mapping, kv_scale)
     return q
 
 
@@ -100,12 +103,13 @@ def rope_write_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if use_triton(q) and q.dtype == kv_cache.dtype:
+    if use_triton(q) and (q.dtype == kv_cache.dtype or kv_scale is not None):
         from kvtier.model.triton_fused import rope_write_kv as kernel
 
-        return kernel(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
-    return rope_write_kv_ref(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps)
+        return kernel(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, kv_scale)
+    return rope_write_kv_ref(q, k, v, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, kv_scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

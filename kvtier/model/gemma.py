@@ -78,7 +78,7 @@ class GemmaAttention(SelfAttention):
         cos, sin = rotary if isinstance(rotary, tuple) else rotary.cos_sin(positions, q.dtype)
         if layer_hook is not None:
             layer_hook(self.layer_idx)  # e.g. wait until this layer's KV has arrived from the host tier
-        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, kv_scale=self.kv_scale)
         return self.attend(q, kv_cache, meta, attn_fn)
 
 

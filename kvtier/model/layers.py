@@ -191,6 +191,7 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv_proj: nn.Linear | None = None
+        self.kv_scale: torch.Tensor | None = None  # an fp8 cache's scales [2, num_kv_heads] (model/kv_quant.py)
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (after loading)."""
@@ -213,8 +214,12 @@ class SelfAttention(nn.Module):
         if layer_hook is not None:
             layer_hook(self.layer_idx)  # e.g. wait until this layer's KV has arrived from the host tier
         q_norm, k_norm = self.q_norm, self.k_norm
-        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None)
-        q = rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)  # (q/k norm,) RoPE, KV write
+        q_w, k_w, eps = (
+            (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else (None, None, 1e-6)
+        )
+        q = rope_write_kv(
+            q, k, v, cos, sin, kv_cache, meta.slot_mapping, q_w, k_w, eps, self.kv_scale
+        )  # (q/k norm,) RoPE, KV write
         return self.attend(q, kv_cache, meta, attn_fn)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,8 +237,10 @@ class SelfAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, attn_fn) -> torch.Tensor:
         """o_proj of the attention of (roped) ``q`` over the cache, with this layer's window,
-        sinks, soft-capping and scale."""
-        out = attn_fn(q, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks, softcap=self.softcap)
+        sinks, soft-capping, scale and (an fp8 cache) KV scales."""
+        out = attn_fn(
+            q, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks, softcap=self.softcap, kv_scale=self.kv_scale
+        )
         return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 

@@ -5,7 +5,7 @@ Files: ``model.safetensors``, or shards listed in ``model.safetensors.index.json
 parameter the model needs must be present, or loading fails naming the missing tensor.
 
 Multi-head latent attention checkpoints (DeepSeek-V2/V3, config.MLA_ARCHITECTURES) load through
-:func:`load_model`, the engine's loader, on one device without MTP drafting (model/deepseek.py, on
+:func:`load_model`, the engine's loader, with MTP drafting and tensor parallelism (model/deepseek.py, on
 ``allocate_kv_caches``' latent layers); :func:`load_mla_model` is the same model alone. The hybrid
 sliding-window families (gpt-oss, Gemma 2, Gemma 3: config.SLIDING_ARCHITECTURES) are not served
 yet: :func:`load_sliding_model` loads them (model/gpt_oss.py, model/gemma.py) on
@@ -175,7 +175,7 @@ def load_model(
     """Build the family named by config.json and fill it. ``dtype=None``: config's. ``mtp``: with
     the first MTP block (for drafting; ModelConfig.with_mtp), else without any. A DeepSeek-V2/V3
     checkpoint (multi-head latent attention) gives its :class:`DeepseekForCausalLM`, called as a
-    CausalLM is, on one device (``tp`` of more than one rank: ValueError).
+    CausalLM is (under ``tp`` its heads split, its latent whole on every rank).
 
     ``load_format``: "auto" reads the safetensors checkpoint; "dummy" draws random weights (see
     :func:`_dummy_weights`) and reads nothing but config.json. ``tp``: load only this rank's
@@ -184,13 +184,9 @@ def load_model(
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
     if cfg.kv_kind == "latent":
-        # served on one device without MTP drafts (ModelConfig.with_mtp refuses them), on the torch MLA reference
-        if tp is not None and tp.size > 1:
-            raise ValueError(
-                f"{cfg.architecture} under tensor parallelism (tensor_parallel_size={tp.size}) is not supported: "
-                "multi-head latent attention is served on one GPU"
-            )
-        return load_mla_model(path, device, dtype, fuse, load_format)  # type: ignore[return-value]  # CausalLM's call signature
+        # decode rows on the Triton MLA kernel with the triton backend; its MTP block when it drafts;
+        # under tensor parallelism the heads are split and every rank holds the whole latent
+        return load_mla_model(path, device, dtype, fuse, load_format, mtp, attention_backend, tp)  # type: ignore[return-value]  # CausalLM's call signature
     if cfg.architecture in SLIDING_ARCHITECTURES:
         groups = ", ".join(f"{len(g.layer_ids)} {g.kind} (window {g.window})" for g in cfg.attention_groups)
         raise ValueError(
@@ -236,16 +232,20 @@ def load_mla_model(
     dtype: torch.dtype | None = torch.float32,
     fuse: bool = True,
     load_format: str = "auto",
+    mtp: bool = False,
+    attention_backend: str = "torch",
+    tp: TPShard | None = None,
 ) -> DeepseekForCausalLM:
     """A DeepSeek-V2/V3 checkpoint (config.MLA_ARCHITECTURES) as :func:`load_model` loads the
-    others, without its MTP blocks, on one device; its caches: ``mla.allocate_latent_caches``."""
+    others, with its first MTP block when ``mtp`` and this rank's slice under ``tp``; its caches:
+    ``mla.allocate_latent_caches`` (one more for the MTP block)."""
     path = Path(path)
-    cfg = ModelConfig.from_hf_dir(path).with_mtp(False)
+    cfg = ModelConfig.from_hf_dir(path).with_mtp(mtp)
     if cfg.kv_kind != "latent":
         raise ValueError(f"{cfg.architecture} has no latent attention: load it with load_model")
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg)
-    return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, None)
+        model = DeepseekForCausalLM(cfg, attention_backend, tp)
+    return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, tp)
 
 
 def _fill(

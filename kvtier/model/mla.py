@@ -25,7 +25,8 @@ Decompressing costs H x (Dn + Dv) x R per cached position, worth it when many qu
 a decode row has one query, so it attends over the latent directly (FlashMLA's form: multi-query
 attention with head dim R + P whose values are the first R columns). :func:`mla_attention` sends
 each sequence of a step to one form. The two torch functions below are the reference a kernel of
-the same signature is checked against.
+the same signature is checked against: model/triton_mla.py's decode kernel (the ``triton``
+attention backend, the default on CUDA) against :func:`reference_mla_absorbed`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.config import ModelConfig
+from kvtier.model.kv_quant import quantize
 from kvtier.model.layers import RMSNorm
 
 
@@ -54,19 +56,32 @@ def allocate_latent_caches(
     return [kv[0] for kv in allocate_kv_caches(cfg, num_blocks, block_size, device, dtype)]  # (its one plane)
 
 
-def write_latent(latent_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new tokens' latent ``c_kv`` [T, R] and roped key ``k_pe`` [T, P] at their slots."""
+def write_latent(
+    latent_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Store new tokens' latent ``c_kv`` [T, R] and roped key ``k_pe`` [T, P] at their slots; an
+    fp8 cache stores the whole latent quantized as one vector with the layer's one ``kv_scale`` [1]."""
     num_blocks, block_size, width = latent_cache.shape
     flat = latent_cache.view(num_blocks * block_size, width)
-    flat.index_copy_(0, slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(latent_cache.dtype))
+    latent = torch.cat([c_kv, k_pe], dim=-1)
+    if kv_scale is None:
+        flat.index_copy_(0, slot_mapping, latent.to(latent_cache.dtype))
+    else:  # (fp8 has no index_copy_ on the CPU: the bytes move as uint8)
+        flat.view(torch.uint8).index_copy_(0, slot_mapping, quantize(latent, kv_scale, latent_cache.dtype).view(torch.uint8))
 
 
-def _cached_latents(latent_cache: torch.Tensor, meta: AttentionMetadata, seq: int) -> torch.Tensor:
-    """Sequence ``seq``'s latents [seq_len, R + P] through its block table (fp32)."""
+def _cached_latents(latent_cache: torch.Tensor, meta: AttentionMetadata, seq: int, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """Sequence ``seq``'s latents [seq_len, R + P] through its block table (fp32; an fp8 cache's
+    times ``kv_scale``)."""
     block_size = latent_cache.shape[1]
     s_len = meta.seq_lens_cpu[seq]
     blocks = meta.block_tables[seq, : -(-s_len // block_size)].long()
-    return latent_cache[blocks].reshape(-1, latent_cache.shape[-1])[:s_len].float()
+    latents = latent_cache[blocks].reshape(-1, latent_cache.shape[-1])[:s_len].float()
+    return latents if kv_scale is None else latents * kv_scale.float()
 
 
 def _causal_softmax(scores: torch.Tensor, q_len: int, s_len: int) -> torch.Tensor:
@@ -77,7 +92,13 @@ def _causal_softmax(scores: torch.Tensor, q_len: int, s_len: int) -> torch.Tenso
 
 
 def reference_mla_decompressed(
-    query: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` [T, H, Dn + P] (nope part, then roped part) over the paged
     latents, K and V rebuilt per head with ``w_uk`` [H, Dn, R] and ``w_uv`` [H, Dv, R].
@@ -86,7 +107,7 @@ def reference_mla_decompressed(
     out = query.new_empty(query.shape[0], num_heads, w_uv.shape[1])
     start = 0
     for i, q_len in enumerate(meta.query_lens_cpu):
-        latents = _cached_latents(latent_cache, meta, i)
+        latents = _cached_latents(latent_cache, meta, i, kv_scale)
         c_kv, k_pe = latents[:, :rank], latents[:, rank:]
         k_nope = torch.einsum("sr,hdr->hsd", c_kv, w_uk.float())
         v = torch.einsum("sr,hvr->hsv", c_kv, w_uv.float())
@@ -99,7 +120,12 @@ def reference_mla_decompressed(
 
 
 def reference_mla_absorbed(
-    query: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_lora_rank: int
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` [T, H, R + P] (``W_UK^T q_nope``, then the roped part) over
     the paged latents as they are: keys are the whole latent, values its first R = ``kv_lora_rank``
@@ -107,7 +133,7 @@ def reference_mla_absorbed(
     out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
     start = 0
     for i, q_len in enumerate(meta.query_lens_cpu):
-        latents = _cached_latents(latent_cache, meta, i)  # [s, R + P]
+        latents = _cached_latents(latent_cache, meta, i, kv_scale)  # [s, R + P]
         q = query[start : start + q_len].float().transpose(0, 1)  # [H, q, R + P]
         probs = _causal_softmax(torch.matmul(q, latents.T) * scale, q_len, latents.shape[0])
         out[start : start + q_len] = torch.matmul(probs, latents[:, :kv_lora_rank]).transpose(0, 1).to(out.dtype)
@@ -145,28 +171,50 @@ def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Te
 
 
 def mla_attention(
-    query: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    backend: str = "torch",
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A step's attention, [T, H, Dn + P] -> [T, H, Dv]: decode rows (sequences with one new token)
-    in the absorbed form, prefill chunks decompressed (module docstring)."""
+    in the absorbed form, prefill chunks decompressed (module docstring). ``backend`` "triton":
+    decode rows through model/triton_mla.py's kernel, else the torch reference; ``kv_scale``: an
+    fp8 cache's scale, the latents dequantized as they are read."""
     decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     if len(decode) == meta.num_seqs:
-        return _absorbed(query, latent_cache, meta, w_uk, w_uv, scale)
+        return _absorbed(query, latent_cache, meta, w_uk, w_uv, scale, backend, kv_scale)
     if not decode:
-        return reference_mla_decompressed(query, latent_cache, meta, w_uk, w_uv, scale)
+        return reference_mla_decompressed(query, latent_cache, meta, w_uk, w_uv, scale, kv_scale)
     prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
     out = query.new_empty(query.shape[0], query.shape[1], w_uv.shape[1])
     rows, sub = select_sequences(meta, decode)
-    out[rows] = _absorbed(query[rows], latent_cache, sub, w_uk, w_uv, scale)
+    out[rows] = _absorbed(query[rows], latent_cache, sub, w_uk, w_uv, scale, backend, kv_scale)
     rows, sub = select_sequences(meta, prefill)
-    out[rows] = reference_mla_decompressed(query[rows], latent_cache, sub, w_uk, w_uv, scale)
+    out[rows] = reference_mla_decompressed(query[rows], latent_cache, sub, w_uk, w_uv, scale, kv_scale)
     return out
 
 
 def _absorbed(
-    query: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    backend: str,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    out_latent = reference_mla_absorbed(absorb_query(query, w_uk), latent_cache, meta, scale, w_uk.shape[2])
+    q = absorb_query(query, w_uk)
+    if backend == "triton":
+        from kvtier.model.triton_mla import triton_mla_decode
+
+        out_latent = triton_mla_decode(q, latent_cache, meta, scale, w_uk.shape[2], kv_scale=kv_scale)
+    else:
+        out_latent = reference_mla_absorbed(q, latent_cache, meta, scale, w_uk.shape[2], kv_scale)
     return torch.einsum("thr,hvr->thv", out_latent, w_uv)
 
 
@@ -214,9 +262,10 @@ class LatentAttention(nn.Module):
         RoPE of q's last P columns and of k_pe;  (c_kv, k_pe) -> latent cache;  attention;  o_proj
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: str = "torch"):
         super().__init__()
         self.layer_idx = layer_idx
+        self.backend = backend  # decode rows: "triton" (model/triton_mla.py) or "torch"
         self.num_heads, self.rank = cfg.num_heads, cfg.kv_lora_rank
         self.d_nope, self.d_rope, self.d_v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.interleave = cfg.rope_interleave
@@ -236,6 +285,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.rank, cfg.num_heads * (self.d_nope + self.d_v), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * self.d_v, h, bias=cfg.o_bias)
+        self.kv_scale: torch.Tensor | None = None  # an fp8 cache's one scale [1] (model/kv_quant.py)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, Dn, R], W_UV [H, Dv, R]): views of ``kv_b_proj.weight``."""
@@ -266,7 +316,7 @@ class LatentAttention(nn.Module):
         k_pe = apply_rope(k_pe[:, None], cos, sin, self.interleave)[:, 0]
         if layer_hook is not None:
             layer_hook(self.layer_idx)
-        write_latent(latent_cache, c_kv, k_pe, meta.slot_mapping)
+        write_latent(latent_cache, c_kv, k_pe, meta.slot_mapping, self.kv_scale)
         w_uk, w_uv = self.up_projections()
-        out = mla_attention(q, latent_cache, meta, w_uk, w_uv, self.scale)
+        out = mla_attention(q, latent_cache, meta, w_uk, w_uv, self.scale, self.backend, self.kv_scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.d_v))

@@ -291,6 +291,10 @@ PRESETS["deepseek-v3-tiny"] = dict(
         ),
     ),
 )
+# DeepSeek-V3 with its MTP block (model.layers.{num_hidden_layers}: MLA and a MoE), for speculative decoding
+PRESETS["deepseek-v3-mtp-tiny"] = dict(
+    PRESETS["deepseek-v3-tiny"], kwargs=dict(PRESETS["deepseek-v3-tiny"]["kwargs"], num_nextn_predict_layers=1)
+)
 # DeepSeek-V2-Lite's attention (q_proj straight from the hidden state: q_lora_rank None, complex-pair
 # RoPE) with the full DeepSeek-V2's routing: softmax scores, group_limited_greedy over 4 groups, 2
 # shared experts, routed_scaling_factor != 1.
@@ -455,36 +459,18 @@ PRESETS["llava-tiny"] = dict(
 
 # LLaVA-1.5-7B's shape (CLIP ViT-L/14 at 336 px: 576 image tokens; Llama-2-7B) for GPU benches with
 # --config-only and --load-format dummy (the byte tokenizer's <image> as its image token)
+_LLAMA2_7B = dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32)
+_CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, patch_size=14)
 PRESETS["llava-1.5-7b-shape"] = dict(
     PRESETS["llava-tiny"],
     dtype="bfloat16",
     kwargs=dict(
+        PRESETS["llava-tiny"]["kwargs"],
         text_config=dict(
-            model_type="llama",
-            vocab_size=32064,
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-5,
-            eos_token_id=EOS_TOKEN_ID,
+            _LLAMA2_7B, model_type="llama", max_position_embeddings=4096, rms_norm_eps=1e-5, eos_token_id=EOS_TOKEN_ID
         ),
-        vision_config=dict(
-            model_type="clip_vision_model",
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            image_size=336,
-            patch_size=14,
-            projection_dim=768,
-        ),
-        image_token_index=IMAGE_TOKEN_ID,
+        vision_config=dict(_CLIP_L_336, model_type="clip_vision_model", image_size=336, projection_dim=768),
         image_seq_length=576,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
     ),
     image_processor=dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
 )
@@ -577,6 +563,8 @@ def _add_mtp_weights(config: Any, model: Any, out_dir: Path, dtype: torch.dtype,
     tensors = load_file(str(path))
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
+    if hasattr(one, "first_k_dense_replace"):
+        one.first_k_dense_replace = 0  # DeepSeek-V3's MTP block is a MoE layer
     h, L = config.hidden_size, config.num_hidden_layers
     std = getattr(config, "initializer_range", 0.02)
     embed = model.get_input_embeddings().weight.detach()
@@ -584,6 +572,9 @@ def _add_mtp_weights(config: Any, model: Any, out_dir: Path, dtype: torch.dtype,
     for i in range(config.num_nextn_predict_layers):
         torch.manual_seed(seed + 1 + i)
         block = transformers.AutoModelForCausalLM.from_config(one, dtype=dtype)
+        for name, buffer in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # as init_model draws the decoder's
+                buffer.normal_(0.0, std)
         prefix = f"model.layers.{L + i}."
         for name, t in block.state_dict().items():
             if name.startswith("model.layers.0."):

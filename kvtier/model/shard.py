@@ -9,6 +9,9 @@
                         the router and the shared-expert gate are replicated, so routing is the
                         same on every rank: R3 is captured once)
     embed, norms, lm_head, router, q/k norms   replicated
+    MLA (DeepSeek)      q_proj / q_b_proj and kv_b_proj column-parallel by head, o_proj row-parallel;
+                        q_a_proj and kv_a_proj_with_mqa replicated: every rank computes the same
+                        latent and caches all of it (the cache is not split, the heads are)
 
 A rank's model is built from :func:`shard_config` (its heads and intermediate sizes), so its KV
 cache holds its own ``num_kv_heads / tp`` heads. The hidden states after each all-reduce are the
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from kvtier.model.config import ModelConfig
 
-_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _ROW_BIAS = re.compile(r"\.(o_proj|down_proj)\.bias$")
 
@@ -47,17 +50,10 @@ class TPShard:
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """ValueError naming the first size that ``size`` ranks cannot split evenly, or that the
-    model is not sharded at all (multi-head latent attention)."""
-    if size > 1 and cfg.kv_kind == "latent":
-        raise ValueError(
-            f"tensor_parallel_size={size} is not supported for {cfg.architecture}: multi-head latent attention "
-            f"(a {cfg.kv_width}-wide latent per token, the same on every rank) is served on one GPU "
-            "(tensor_parallel_size=1)"
-        )
+    """ValueError naming the first size that ``size`` ranks cannot split evenly."""
     sizes = {
         "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
+        "num_key_value_heads": cfg.num_kv_heads if cfg.kv_kind != "latent" else 0,  # (a latent: whole on every rank)
         "intermediate_size": cfg.intermediate_size,
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
@@ -78,7 +74,7 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     return replace(
         cfg,
         num_heads=cfg.num_heads // size,
-        num_kv_heads=cfg.num_kv_heads // size,
+        num_kv_heads=cfg.num_kv_heads // size if cfg.kv_kind != "latent" else cfg.num_kv_heads,
         intermediate_size=cfg.intermediate_size // size,
         moe_intermediate_size=cfg.moe_intermediate_size // size,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size,

@@ -181,6 +181,7 @@ if _IMPORT_ERROR is None:
         seq_lens_ptr,
         qsl_ptr,
         sinks_ptr,
+        kv_scale_ptr,
         scale_log2,
         cap_log2,
         window,
@@ -210,6 +211,7 @@ if _IMPORT_ERROR is None:
         SOFTCAP: tl.constexpr,
         PRECISION: tl.constexpr,
         K_ROWS: tl.constexpr,
+        HAS_KV_SCALE: tl.constexpr,
     ):
         # last q-blocks first: under the causal mask they have the most KV to walk
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -260,6 +262,11 @@ if _IMPORT_ERROR is None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+        if HAS_KV_SCALE:
+            # an fp8 cache: tiles cast the stored numbers exactly; K's scale joins the score's
+            # scale, V's the output's (kv_scale [2, num_kv_heads], model/kv_quant.py)
+            scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kvh)
+            v_scale = tl.load(kv_scale_ptr + tl.num_programs(1) + kvh)
 
         for tile in range(t_lo, tl.minimum(t_hi, w_full)):  # A: the window's lower edge
             acc, l_i, m_i = _attn_tile(
@@ -348,6 +355,8 @@ if _IMPORT_ERROR is None:
                 PRECISION,
                 K_ROWS,
             )
+        if HAS_KV_SCALE:
+            acc = acc * v_scale
 
         if NUM_SPLITS == 1:
             if HAS_SINKS:  # one more logit per head in the denominator, in log2 units (x log2(e)) as m_i
@@ -476,12 +485,13 @@ def triton_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    kv_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over paged KV.
 
     Same contract as :func:`kvtier.model.attention.reference_attention` (``window``, ``sinks``,
-    ``softcap`` included). ``num_splits`` forces the split-KV factor (``None``: chosen from the
+    ``softcap``, ``kv_scale`` of an fp8 cache included). ``num_splits`` forces the split-KV factor (``None``: chosen from the
     GPU size; always 1 off CUDA).
     """
     if _IMPORT_ERROR is not None:
@@ -505,6 +515,12 @@ def triton_attention(
     if num_tokens != sum(meta.query_lens_cpu):
         raise ValueError(f"query has {num_tokens} tokens, metadata {sum(meta.query_lens_cpu)}")
     check_attention_options(query, window, sinks, softcap)
+    if kv_scale is not None and (tuple(kv_scale.shape) != (2, num_kv_heads) or kv_scale.device != query.device):
+        raise ValueError(
+            f"kv_scale must be [2, {num_kv_heads}] on {query.device}, got {tuple(kv_scale.shape)} on {kv_scale.device}"
+        )
+    if kv_scale is not None:
+        kv_scale = kv_scale.float().contiguous()
 
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     num_seqs = meta.num_seqs if meta.graph_num_seqs is None else meta.graph_num_seqs
@@ -555,6 +571,7 @@ def triton_attention(
         seq_lens,
         qsl,
         sinks if sinks is not None else query,  # (not read without sinks)
+        kv_scale if kv_scale is not None else query,  # (not read without scales)
         scale_log2,
         cap_log2,
         window or 0,
@@ -584,6 +601,7 @@ def triton_attention(
         SOFTCAP=softcap is not None,
         PRECISION=precision,
         K_ROWS=k_rows,
+        HAS_KV_SCALE=kv_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -606,14 +624,22 @@ def triton_attention(
     return out
 
 
-def compile_variants(kv_cache: torch.Tensor, num_heads: int, block: int, max_model_len: int) -> int:
+def compile_variants(
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    block: int,
+    max_model_len: int,
+    dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+) -> int:
     """Launch the attention kernel once in every variant a step can need: both tile kinds (a
     decode-sized query, a prefill-sized one) times every split count up to what
     ``max_model_len`` allows (NUM_SPLITS is a compile-time constant: each one is its own
     kernel, with its merge kernel). The queries read block ``block`` only (the engine's scratch
-    block) and write nothing to the KV cache. Returns the launches made."""
+    block) and write nothing to the KV cache. ``dtype``: the queries' (default: the cache's);
+    ``kv_scale``: an fp8 cache's scales. Returns the launches made."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    device, dtype = kv_cache.device, kv_cache.dtype
+    device, dtype = kv_cache.device, dtype or kv_cache.dtype
     group = num_heads // num_kv_heads
     launches = 0
     for q_len in (1, DECODE_MAX_QUERY_LEN + 1):
@@ -625,7 +651,7 @@ def compile_variants(kv_cache: torch.Tensor, num_heads: int, block: int, max_mod
             width = -(-seq_len // block_size)
             meta = AttentionMetadata.build([q_len], [seq_len], [[block] * width], block_size, device)
             query = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
-            triton_attention(query, kv_cache, meta, 1.0, num_splits=splits)
+            triton_attention(query, kv_cache, meta, 1.0, kv_scale=kv_scale, num_splits=splits)
             launches += 1
             splits *= 2
     return launches

@@ -60,6 +60,7 @@ if triton is not None:
         kv_ptr,
         slot_ptr,
         qout_ptr,
+        kvs_ptr,
         sq_t,
         sq_h,
         sk_t,
@@ -72,6 +73,7 @@ if triton is not None:
         HK: tl.constexpr,
         D: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        FP8_MAX: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -108,11 +110,17 @@ if triton is not None:
             h = head - HQ
             slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = kv_ptr + (slot * HK + h) * D
-            tl.store(dst + half, out_lo)
-            tl.store(dst + D // 2 + half, out_hi)
             d = tl.arange(0, D)
             vals = tl.load(v_ptr + t * sv_t + h * sv_h + d)
-            tl.store(kv_ptr + v_offset + (slot * HK + h) * D + d, vals)
+            if FP8_MAX > 0:  # an fp8 cache: the rounded K and V over their head's scale, clamped, rounded once
+                k_s = tl.load(kvs_ptr + h)
+                v_s = tl.load(kvs_ptr + HK + h)
+                out_lo = tl.minimum(tl.maximum(out_lo.to(tl.float32) / k_s, -FP8_MAX), FP8_MAX)
+                out_hi = tl.minimum(tl.maximum(out_hi.to(tl.float32) / k_s, -FP8_MAX), FP8_MAX)
+                vals = tl.minimum(tl.maximum(vals.to(tl.float32) / v_s, -FP8_MAX), FP8_MAX)
+            tl.store(dst + half, out_lo.to(kv_ptr.dtype.element_ty))
+            tl.store(dst + D // 2 + half, out_hi.to(kv_ptr.dtype.element_ty))
+            tl.store(kv_ptr + v_offset + (slot * HK + h) * D + d, vals.to(kv_ptr.dtype.element_ty))
 
     @jit()
     def _silu_and_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
@@ -151,12 +159,15 @@ def rope_write_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     T, hq, d = q.shape
     hk = k.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and kv_cache.is_contiguous()
     assert cos.is_contiguous() and sin.is_contiguous() and d % 2 == 0 and d & (d - 1) == 0
     q_out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
+    if kv_scale is not None:  # an fp8 cache (model/kv_quant.py): [2, num_kv_heads] fp32
+        kv_scale = kv_scale.float().contiguous()
     if T:
         _rope_write_kv_kernel[(T, hq + hk)](
             q,
@@ -169,6 +180,7 @@ def rope_write_kv(
             kv_cache,
             slot_mapping,
             q_out,
+            kv_scale if kv_scale is not None else q,  # (not read without scales)
             q.stride(0),
             q.stride(1),
             k.stride(0),
@@ -181,6 +193,7 @@ def rope_write_kv(
             HK=hk,
             D=d,
             HAS_NORM=q_norm is not None,
+            FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_scale is not None else 0.0,
         )
     return q_out
 

@@ -143,4 +143,6 @@ def server_info(server: Server) -> dict:
         "max_model_len": server.max_model_len,
         "vocab_size": server.vocab_size,
         "engine_config": redact(config),
+        # an fp8 cache: its dtype, whether its scales are the checkpoint's or calibrated, their digest
+        "kv_cache": getattr(getattr(server.engine, "startup", None), "kv_cache", None),
     }

@@ -224,6 +224,7 @@ class StorageClient:
         self._known: OrderedDict[bytes | str, None] = OrderedDict()  # keys stored (a hint for skipping puts)
         self.tp_rank: int | None = None  # tensor parallel: whose shards this client moves (shard())
         self.tp_size = 1
+        self.writes = True  # False: a rank > 0 of a replicated cache, whose puts rank 0 makes (shard())
         self._lock = threading.Lock()
         self.counters: dict[str, float] = {
             k: 0
@@ -288,12 +289,18 @@ class StorageClient:
         start_pool_threads(self._pool, self.workers)
         start_pool_threads(self._put_pool, self.put_workers)
 
-    def shard(self, rank: int, size: int) -> None:
+    def shard(self, rank: int, size: int, replicated: bool = False) -> None:
         """Tensor parallel: this client reads and writes rank ``rank``'s shard of each block
         (``:tp<rank>of<size>`` names), and a block counts as stored only when every rank's shard
-        is (:meth:`lookup_prefix` asks for all of them)."""
+        is (:meth:`lookup_prefix` asks for all of them). ``replicated``: every rank holds the same
+        bytes (a latent cache: multi-head latent attention), so a block is one object, named as
+        without tensor parallelism, written by rank 0 alone and read by every rank (and by an
+        engine of any tensor-parallel size)."""
         object_name(b"", self.namespace, rank, size)  # (checks the pair)
-        self.tp_rank, self.tp_size = rank, size
+        if replicated:
+            self.tp_rank, self.tp_size, self.writes = None, 1, rank == 0
+        else:
+            self.tp_rank, self.tp_size = rank, size
 
     def name(self, key: bytes | str) -> str:
         return object_name(key, self.namespace, self.tp_rank, self.tp_size)
@@ -575,6 +582,8 @@ class StorageClient:
             self.on_fetch_busy(nbytes, period)
 
     def _put_batch(self, keys: Sequence[bytes | str], host_blocks: Sequence[int]) -> list[int]:
+        if not self.writes:  # rank 0 stores the one object (shard(replicated=True)); its failures are every rank's
+            return []
         layout, n = self.layout, len(keys)
         assert layout is not None and self._kv is not None
         slot = self._slots.get()

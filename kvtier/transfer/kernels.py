@@ -517,6 +517,8 @@ def host_to_device(
 def scatter_staged(kv: torch.Tensor, dst_ids: torch.Tensor, staging: torch.Tensor) -> None:
     """One layer's blocks from staging ([n, planes, ...], host layout) to device blocks ``dst_ids``."""
     index_checks.check("scatter dst_ids", dst_ids, kv.shape[1])
+    if kv.element_size() == 1:  # fp8: moved as the same bytes (indexed writes of fp8 are not on every device)
+        kv, staging = kv.view(torch.uint8), staging.view(torch.uint8)
     kv[:, dst_ids] = staging.transpose(0, 1)
 
 

@@ -53,6 +53,20 @@ def test_chunked_prefill_and_batching_match(preset, checkpoint, reference):
     assert alone == want
 
 
+@pytest.mark.parametrize("preset", MLA_PRESETS)
+def test_triton_decode_kernel_matches_transformers(preset, checkpoint, reference):
+    """attention_backend="triton": decode rows on model/triton_mla.py's kernel (on a GPU, or under
+    Triton's interpreter on a CPU), prefill chunks on the torch reference; cold, then a prefix hit."""
+    pytest.importorskip("triton", reason="triton is not installed: the Triton MLA kernel is untested")
+    prompts = prompts_for(7, lengths=(30, 19))
+    want = reference(preset, prompts)
+    kw = dict(num_device_blocks=64, block_size=8, attention_backend="triton", dtype="float32")
+    with kvtier.LLM(checkpoint(preset), device="cuda" if torch.cuda.is_available() else "cpu", **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        warm = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in warm] == want and all(o.num_cached_tokens > 0 for o in warm)
+
+
 def test_host_hit_returns_identical_tokens(checkpoint, reference):
     preset = "deepseek-v3-tiny"
     a, b = prompts_for(4, lengths=(60, 60))
@@ -113,14 +127,12 @@ def test_engine_loader_loads_latent_attention(preset, checkpoint):
     assert isinstance(load_model(checkpoint(preset)), DeepseekForCausalLM)
 
 
-def test_speculative_decoding_and_tensor_parallelism_are_refused_by_name(checkpoint):
+def test_drafts_without_an_mtp_block_and_cuda_graphs_are_refused_by_name(checkpoint):
     path = checkpoint("deepseek-v3-tiny")
-    with pytest.raises(ValueError, match="num_speculative_tokens > 0 is not supported for DeepseekV3ForCausalLM"):
-        kvtier.LLM(path, num_device_blocks=16, num_speculative_tokens=1)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for DeepseekV3ForCausalLM"):
-        kvtier.LLM(path, num_device_blocks=16, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="attention_backend='triton' is not supported for DeepseekV3ForCausalLM"):
-        kvtier.LLM(path, num_device_blocks=16, attention_backend="triton")
+    with pytest.raises(ValueError, match="num_nextn_predict_layers is 0 or absent"):
+        kvtier.LLM(path, num_device_blocks=16, num_speculative_tokens=1)  # (deepseek-v3-mtp-tiny has one)
+    with pytest.raises(ValueError, match="cuda_graphs=True is not supported for DeepseekV3ForCausalLM"):
+        kvtier.LLM(path, num_device_blocks=16, cuda_graphs=True)
 
 
 @pytest.mark.skipif(

@@ -6,6 +6,7 @@ draft logits kvtier computes over paged KV."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -13,8 +14,11 @@ from safetensors.torch import load_file
 from kvtier.model import AttentionMetadata, allocate_kv_caches, load_model
 
 
-def test_the_mtp_block_computes_what_a_transformers_decoder_layer_does(checkpoint):
-    path = checkpoint("qwen3-mtp-tiny")
+@pytest.mark.parametrize("preset", ["qwen3-mtp-tiny", "deepseek-v3-mtp-tiny"])
+def test_the_mtp_block_computes_what_a_transformers_decoder_layer_does(preset, checkpoint):
+    """Qwen3's block over paged K/V; DeepSeek-V3's (MLA over its own latent cache, a MoE with
+    group-limited routing and a shared expert) over a paged latent cache."""
+    path = checkpoint(preset)
     model = load_model(path, mtp=True)
     cfg = model.config
     ids = torch.tensor([5, 17, 99, 3, 250, 41, 7, 12, 88, 60, 2])
@@ -29,6 +33,8 @@ def test_the_mtp_block_computes_what_a_transformers_decoder_layer_does(checkpoin
     # the reference: transformers' layer on the block's checkpoint tensors
     hf_cfg = transformers.AutoConfig.from_pretrained(path)
     hf_cfg.num_hidden_layers = 1
+    if hasattr(hf_cfg, "first_k_dense_replace"):
+        hf_cfg.first_k_dense_replace = 0  # DeepSeek-V3's MTP block is a MoE layer
     ref_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     tensors = load_file(str(path / "model.safetensors"))
     prefix = f"model.layers.{cfg.num_layers}."

@@ -35,6 +35,8 @@ SHAPES = [
     (2, 5, 5, 2, 3, 5, torch.float16),  # 60-byte chunks: 4-byte words
     (1, 4, 6, 4, 1, 1, torch.uint8),  # 4-byte chunks of single bytes
     (4, 12, 10, 8, 2, 64, torch.bfloat16),
+    (2, 9, 7, 16, 2, 32, torch.float8_e4m3fn),  # an fp8 cache: moved as bytes
+    (3, 6, 8, 1, 1, 3, torch.float8_e5m2),  # 3-byte chunks: single bytes
 ]
 
 

@@ -15,6 +15,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+import numpy as np
 import torch
 
 log = logging.getLogger("kvtier.tp")
@@ -65,7 +66,10 @@ class _Rank:
             torch.cuda.set_device(device)
         self.device = device
         group = init_group(backend_for(device), store, rank, size, config.tp_timeout, device)
+        from kvtier.model.kv_quant import is_fp8, kv_cache_torch_dtype
+
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.model = load_model(
             model,
             device,
@@ -77,13 +81,19 @@ class _Rank:
         )
         fits = config.num_device_blocks or size_device_blocks(
             device,
-            block_nbytes(self.model.config, config.block_size, self.dtype),  # (this rank's heads)
+            block_nbytes(self.model.config, config.block_size, self.kv_dtype),  # (this rank's heads)
             config.block_size,
             config.max_num_seqs,
             config.max_model_len,
             config.gpu_memory_utilization,
         )
         conn.send(("sized", int(fits)))
+        if is_fp8(self.kv_dtype):  # with rank 0, once every rank is sized (engine/build.py)
+            from pathlib import Path
+
+            from kvtier.model.kv_scales import kv_scales_for, set_kv_scales
+
+            set_kv_scales(self.model, kv_scales_for(Path(model), self.model, self.kv_dtype, config.load_format)[0], device)
         msg = conn.recv()
         assert msg[0] == "build", msg
         self._build(*msg[1:])
@@ -100,7 +110,7 @@ class _Rank:
         from kvtier.transfer.engine import TransferEngine
 
         self.config = c = replace(config, device=str(self.device))
-        self.kv_caches, self.host = allocate_tiers(self.model.config, c, self.dtype)
+        self.kv_caches, self.host = allocate_tiers(self.model.config, c, self.kv_dtype)
         host_kv = self.host.tensor if self.host is not None else None
         self.transfer = TransferEngine(self.kv_caches, host_kv, None)
         self.storage = None
@@ -112,10 +122,21 @@ class _Rank:
             assert self.storage is not None and host_kv is not None  # (a pool always comes with a host tier)
             if self.storage.namespace != namespace:
                 raise ValueError(f"rank {self.rank}: pool namespace {self.storage.namespace!r}, rank 0's {namespace!r}")
-            self.storage.shard(self.rank, self.size)
-            bind_pool(self.storage, None, host_kv, None, fingerprint)
+            replicated = self.model.config.kv_kind == "latent"  # one object a block, rank 0's routing rows in it
+            self.storage.shard(self.rank, self.size, replicated=replicated)
+            bind_pool(self.storage, None, host_kv, self._routing_rows(c) if replicated else None, fingerprint)
         # (the same MTP passes as rank 0's: engine/spec.py draft_passes)
         self.runner, _, _ = build_runner(self.model, self.kv_caches, host_kv, c, None, self.transfer.gates, Startup())
+
+    def _routing_rows(self, c) -> np.ndarray | None:
+        """Where this rank reads the routing rows of a replicated block (rank 0's, which it
+        captures; this rank only checks and drops them): as many as rank 0's host store holds."""
+        m = self.model.config
+        if not (m.is_moe and c.capture_routing):
+            return None
+        from kvtier.engine.experts import routing_dtype
+
+        return np.zeros((c.num_host_blocks, c.block_size, m.num_moe_layers, m.top_k), routing_dtype(m.num_experts))
 
     def serve(self, parent: int) -> None:
         conn, transfer, storage = self.conn, self.transfer, self.storage
