@@ -43,6 +43,8 @@ PRESET_NAMES = (
     "gemma3-tiny",
     "gpt-oss-20b-shape",
     "gemma3-12b-shape",
+    "llava-tiny",
+    "llava-1.5-7b-shape",
 )
 # Every `kvtier bench NAME`: the module whose main(argv) parses its own flags, and its line in
 # `kvtier bench --help`.
@@ -79,6 +81,10 @@ BENCHES = {
     "rollout": (
         "kvtier.bench.rollout_bench",
         "GPU: n=8 samples on one prompt vs 8 requests (time, blocks held); decode with logprobs on vs off",
+    ),
+    "vlm-chat": (
+        "kvtier.bench.vlm_chat",
+        "GPU or CPU: a multi-turn chat resending its image vs the same chat without it (TTFT, tower runs)",
     ),
     "multiturn": (
         "kvtier.bench.multiturn",
@@ -247,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="largest request body; larger ones get 413 before any parsing (default 16 MiB)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        default=None,
+        metavar="HOSTS",
+        help="vision-language models: comma-separated host names whose http(s) image URLs the server fetches "
+        "(no redirects, within --max-image-bytes, 10 s timeout); default none: images come as data: URLs, "
+        "other URLs get 400 (a server that fetches any URL is an SSRF hole)",
     )
     p.add_argument(
         "--require-cache-salt",
@@ -645,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_level=args.log_level,
                 max_body_bytes=args.max_body_bytes,
                 require_cache_salt=args.require_cache_salt,
+                allowed_media_domains=args.allowed_media_domains,
                 expose_config=args.expose_config,
                 limits=connection_limits(args),
                 log_stats_interval=args.log_stats_interval,

@@ -7,6 +7,7 @@
 #   experts     kvtier bench experts: R3 expert capture on vs off
 #   attention   kvtier bench attention: Triton paged attention vs SDPA
 #   rollout     kvtier bench rollout: n=8 samples vs 8 requests, logprobs on vs off (8B and 0.6B shapes)
+#   vlm         kvtier bench vlm-chat: a chat resending its image vs without it (llava-1.5-7b-shape), and the LLaVA tests on cuda
 #   demo        kvtier demo --device cuda
 #   soak        kvtier bench soak --device cuda (SOAK_REQUESTS, default 2000)
 # Usage: OUT=dir bash scripts/gpu_suite.sh [step ...]   (default: tests throughput experts attention)
@@ -29,6 +30,8 @@ for step in "${@:-tests throughput experts attention}"; do for s in $step; do
     rollout) python -m kvtier.bench.rollout_bench --json "$OUT/rollout_8b.json" 2>&1 | f | tee "$OUT/rollout_8b.log"
              python -m kvtier.bench.rollout_bench --preset qwen3-0.6b-shape --skip samples --json "$OUT/rollout_06b.json" 2>&1 \
              | f | tee "$OUT/rollout_06b.log" ;;
+    vlm) python -m pytest -q -x -p no:cacheprovider tests/engine/test_llava_engine.py -k cuda 2>&1 | tail -5 | tee "$OUT/llava_tests.log"
+         python -m kvtier.bench.vlm_chat --json "$OUT/vlm_chat.json" 2>&1 | f | tee "$OUT/vlm_chat.log" ;;
     demo) python -m kvtier.cli demo --device cuda 2>&1 | f | tee "$OUT/demo.log" ;;
     soak) python -m kvtier.cli bench soak --device cuda --requests ${SOAK_REQUESTS:-2000} --concurrency 16 --no-progress \
             --json "$OUT/soak_cuda.json" 2>&1 | tail -12 | tee "$OUT/soak_cuda.log" ;;

@@ -3,6 +3,7 @@ triton, and `pd` leaving no temporary directory behind however it ends."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -10,7 +11,7 @@ import tempfile
 
 import pytest
 
-from kvtier.bench import attention_bench, pd_bench
+from kvtier.bench import attention_bench, pd_bench, vlm_chat
 from kvtier.cli import BENCHES, main
 
 
@@ -134,3 +135,13 @@ def test_bench_pd_names_bad_rates_and_setups(capsys):
     err = capsys.readouterr().err
     assert "'fast'" in err and "'-1'" in err and "'both'" in err and "--requests and --repeat must be >= 1" in err
     assert "--prefill-put-workers must be >= 1, got 0" in err and "it needs the pd setup" in err
+
+
+def test_bench_vlm_chat_runs_the_tower_once_per_conversation(tmp_path, capsys):
+    out = tmp_path / "vlm.json"
+    args = ["--device", "cpu", "--clients", "2", "--rounds", "2", "--turn-length", "20", "--num-device-blocks", "128"]
+    assert vlm_chat.main([*args, "--json", str(out)]) == 0
+    rounds = json.loads(out.read_text())["rounds"]
+    assert [r["images_encoded"] for r in rounds] == [2, 2]
+    assert rounds[1]["cached_tokens_with_image"] > 0
+    assert "round 2: TTFT" in capsys.readouterr().out

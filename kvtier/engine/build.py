@@ -36,6 +36,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.copies import CopyPump
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs, capture_graphs
 from kvtier.engine.draft_graphs import build_chain
+from kvtier.engine.encoder_cache import EncoderCache
 from kvtier.engine.experts import ExpertCapture
 from kvtier.engine.intake import Intake
 from kvtier.engine.pool import bind_pool, open_pool
@@ -311,6 +312,8 @@ def build_runner(
             routing_shape = (model.config.num_moe_layers, model.config.top_k) if routing is not None else None
             graphs, step_graphs = capture_graphs(model, kv_caches, c, routing_shape, gates)
     runner = ModelRunner(model, kv_caches, c.block_size, device, routing, graphs, step_graphs)
+    if model.config.vision is not None:
+        runner.encoder = EncoderCache(c.encoder_cache_size)
     if c.num_speculative_tokens:
         runner.spec = Speculator(c.num_speculative_tokens, c.speculative_min_acceptance)
         if runner.spec.k > 1:

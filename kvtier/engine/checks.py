@@ -39,6 +39,14 @@ class RequestLimits:
     has_pool: bool  # a storage pool: PD hand-offs possible
     routing: bool  # MoE routing capture on
     has_tokenizer: bool  # stop strings are matched on the output text
+    # vision-language models (else 0): the image placeholder id, its tokens per image, the side
+    # of a preprocessed image, and what one request may carry (model/images.py ImageLimits)
+    image_token_id: int = -1
+    image_tokens: int = 0
+    image_size: int = 0
+    max_images: int = 0
+    max_image_bytes: int = 0
+    max_image_pixels: int = 0
 
 
 def check_request(

@@ -60,8 +60,10 @@ from kvtier.engine.wire import (
     Stop,
     decode_message,
     encode,
+    image_data,
 )
 from kvtier.model.hub import resolve_model
+from kvtier.model.images import MMInput
 
 if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
@@ -214,18 +216,21 @@ class EngineClient:
         export: bool = False,
         owner: str | None = None,
         priority: int = 0,
+        images: Sequence[MMInput] = (),
     ) -> EngineRequest:
         """A request of token ids, checked (ValueError names the problem); nothing is sent.
         ``handoff``: D of a PD hand-off, P's manifest (the engine checks it when the request
         arrives: its refusal is the request's only delta); ``export``: P of one. ``owner`` (None:
         the request itself) and ``priority`` (lower first): how the engine shares its running
-        slots between calls (engine/scheduler.py)."""
+        slots between calls (engine/scheduler.py). ``images``: a vision-language prompt's images,
+        placed on its placeholders (model/images.py ``place_images``)."""
         self.check_alive()
         check_samples(params.n, self.max_queue)
         rid = f"req-{secrets.token_hex(8)}" if request_id is None else check_request_id(request_id)
         pd = {"handoff": handoff is not None, "export": export}
         ids = check_request(self.limits, prompt, params, **pd, owner=owner, priority=priority)
-        return EngineRequest(rid, ids, params, cache_salt, handoff, export, owner or rid, int(priority))
+        mm = [image_data(m) for m in images]
+        return EngineRequest(rid, ids, params, cache_salt, handoff, export, owner or rid, int(priority), mm)
 
     @property
     def num_queued_samples(self) -> int:

@@ -268,6 +268,29 @@ class EngineConfig:
     export_timeout: float = _opt(
         30.0, "PD prefill side: seconds to wait for the pool to ack a prompt's blocks (default 30)", type=types.positive_float
     )
+    max_images_per_request: int = _opt(
+        8, "vision-language models: images one request may carry; more are refused (default 8)", type=types.non_negative_int
+    )
+    max_image_bytes: int = _opt(
+        20 << 20,
+        "vision-language models: encoded image bytes one request may carry, all its images together (default 20971520)",
+        type=types.positive_int,
+        metavar="BYTES",
+    )
+    max_image_pixels: int = _opt(
+        4096 * 4096,
+        "vision-language models: pixels of one decoded image at most, read from its header before it is "
+        "decoded (default 16777216)",
+        type=types.positive_int,
+        metavar="PIXELS",
+    )
+    encoder_cache_size: int = _opt(
+        64,
+        "vision-language models: vision tower outputs kept on the device by image hash (least recently used "
+        "dropped first), so a resent image does not run the tower again; 0 = none (default 64 images)",
+        type=types.non_negative_int,
+        metavar="IMAGES",
+    )
 
     def __post_init__(self) -> None:
         """Every check that needs no model: ValueError naming the bad value, before anything loads."""
@@ -297,6 +320,10 @@ class EngineConfig:
             ("max_model_len", 1),
             ("tensor_parallel_size", 1),
             ("num_speculative_tokens", 0),
+            ("max_images_per_request", 0),
+            ("max_image_bytes", 1),
+            ("max_image_pixels", 1),
+            ("encoder_cache_size", 0),
         ):
             types.check_int(name, getattr(self, name), lo, optional=getattr(EngineConfig, name, 0) is None)
         if self.max_num_seqs_per_request is not None and self.max_num_seqs_per_request > self.max_num_seqs:

@@ -71,6 +71,7 @@ from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.startup import Startup
 from kvtier.engine.stepper import Steps
 from kvtier.engine.tp.ranks import RankLost
+from kvtier.model.images import MMInput
 
 
 class EngineCore(Steps):
@@ -189,12 +190,22 @@ class EngineCore(Steps):
         export: bool = False,
         owner: str | None = None,
         priority: int = 0,
+        mm: tuple[MMInput, ...] | None = None,
     ) -> Request:
         """A validated :class:`Request` (engine/intake.py; no engine state touched but the id
         counter); ``handoff``: P's manifest, checked against the blocks this engine would read;
-        ``owner``, ``priority``: as :meth:`add_request`'s."""
+        ``owner``, ``priority``: as :meth:`add_request`'s; ``mm``: images placed already (the
+        serving process's, engine/loop.py)."""
         req = self.intake.request(
-            prompt, params, cache_salt, request_id, handoff=handoff is not None, export=export, owner=owner, priority=priority
+            prompt,
+            params,
+            cache_salt,
+            request_id,
+            handoff=handoff is not None,
+            export=export,
+            owner=owner,
+            priority=priority,
+            mm=mm,
         )
         if handoff is not None:
             assert self.storage is not None  # (intake checked)

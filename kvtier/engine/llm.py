@@ -27,18 +27,20 @@ class LLM(EngineCore):
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | str | dict,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
         priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. ``priority``: one for every prompt, or one per
+        """One RequestOutput per prompt, in order. A prompt is text, token ids, or (vision-language
+        models) ``{"prompt": text or ids, "images": [PIL image | bytes | path, ...]}`` with one image
+        placeholder (the checkpoint's image token, e.g. ``<image>``) per image. ``priority``: one for every prompt, or one per
         prompt (as vLLM's); lower is admitted first when prompts wait for a running slot. Each
         prompt is its own owner: its samples (n) hold at most ``max_num_seqs_per_request`` slots."""
         self._check_open()
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # type: ignore[assignment]  # one prompt (text or token ids): a batch of one
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):

@@ -56,6 +56,7 @@ from kvtier.engine.wire import (
     encode,
     error_kind,
     first_token_stages,
+    mm_input,
 )
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def make_request(core: EngineCore, msg: EngineRequest) -> Request:
         export=msg.export,
         owner=msg.owner or None,
         priority=msg.priority,
+        mm=tuple(mm_input(d) for d in msg.images) if msg.images or core.config.vision is not None else None,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
+from kvtier.cache.keys import MMItem
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.request import Request
 
@@ -60,7 +61,8 @@ def accept_handoff(
     ns = manifest.get("namespace")
     if ns != namespace:
         raise ValueError(f"handoff.namespace is {ns!r}, but this engine's pool namespace is {namespace!r}")
-    probe = cache.new_request(req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt)
+    mm_items = [MMItem(m.hash, m.offset, m.length) for m in req.mm]  # (keys of image blocks: P's, from the same images)
+    probe = cache.new_request(req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt, mm_items=mm_items)
     if manifest.get("keys") != cache.manifest_names(*cache.handoff_keys(probe, n)):
         raise ValueError(
             "handoff.keys do not match the blocks this engine would read for this prompt: "

@@ -22,6 +22,7 @@ import torch
 from kvtier.cache import CacheRequest
 from kvtier.engine.detok import StopStrings
 from kvtier.engine.params import SamplingParams
+from kvtier.model.images import MMInput
 
 
 class Status(enum.Enum):
@@ -42,6 +43,9 @@ class Request:
     # its priority, lower first (vLLM's ``priority``)
     owner: str = ""
     priority: int = 0
+    # the prompt's images (vision-language models): each one's placeholder tokens, content hash
+    # and pixels; the hash keys every block the image overlaps, the pixels feed the vision tower
+    mm: tuple[MMInput, ...] = ()
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

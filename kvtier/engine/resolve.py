@@ -72,6 +72,11 @@ def resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     latent = model.kv_kind == "latent"  # multi-head latent attention: eagerly (no CUDA graphs)
     if latent:
         _check_latent(c, model)
+    if tp > 1 and model.vision is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tp} is not supported for {model.vision.architecture}: "
+            "vision-language models are served on one device"
+        )
     if tp > 1:
         check_divisible(model, tp)
         if device.type == "cuda" and device.index + tp > torch.cuda.device_count():

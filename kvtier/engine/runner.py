@@ -38,6 +38,7 @@ import torch
 
 from kvtier import index_checks
 from kvtier.engine.cuda_graph import DecodeGraphs, StepGraphs
+from kvtier.engine.encoder_cache import EncoderCache
 from kvtier.engine.experts import ExpertCapture
 from kvtier.engine.request import Request
 from kvtier.engine.result_pack import ResultPack
@@ -46,7 +47,7 @@ from kvtier.engine.sampling import Penalties, to_device
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.engine.spec import DraftPlan, Speculator
 from kvtier.engine.staging import HostCopy, PinnedRing
-from kvtier.engine.step_inputs import HostInputs, StepInputs
+from kvtier.engine.step_inputs import HostInputs, ImageSpan, StepInputs
 from kvtier.engine.verify import Verdict, Verification
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.families import CausalLM
@@ -90,6 +91,7 @@ class ModelRunner:
         # cache's tables of a request per group (CacheManager.sliding_tables); none: one table
         self.sliding_layers: list[tuple[int, ...]] = []
         self.sliding_tables: Callable[[CacheRequest, int], list[list[int]]] | None = None
+        self.encoder: EncoderCache | None = None  # vision-language models: tower outputs by image hash
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (closing): under tensor parallelism they hold NCCL kernels, and
@@ -124,10 +126,15 @@ class ModelRunner:
         group_tables: list[list[list[int]]] = [[] for _ in self.sliding_layers]
         pending_at: list[int] = []  # places in ids of tokens still on the device ...
         pending_rows: list[int] = []  # ... and their rows in the last step's tokens
+        images: list[ImageSpan] = []
         for s in out.scheduled:
             req = s.request
             start = req.num_computed_tokens
             end = start + s.num_tokens
+            for image in req.mm:  # the part of each image this chunk covers
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                if lo < hi:
+                    images.append(ImageSpan(image, lo - image.offset, hi - image.offset, len(ids) + lo - start))
             known = req.all_token_ids[start:end]
             ids.extend(known)
             if s.num_drafts:  # speculative: the drafts after the last token (engine/spec.py)
@@ -151,7 +158,9 @@ class ModelRunner:
                     group.append(table)
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        return HostInputs(ids, positions, query_lens, seq_lens, tables, sample_rows, pending_at, pending_rows, group_tables)
+        return HostInputs(
+            ids, positions, query_lens, seq_lens, tables, sample_rows, pending_at, pending_rows, group_tables, images
+        )
 
     def _upload(self, host: HostInputs) -> StepInputs:
         """The step's inputs on the device, in two non-blocking copies (the module docstring)."""
@@ -230,6 +239,8 @@ class ModelRunner:
         inputs = self._upload(host)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         graphs, steps = self.decode_graphs, self.step_graphs
+        if host.images:  # image features enter the eager forward only
+            graphs = steps = None
         decode_graph = graphs is not None and meta.max_query_len == 1 and graphs.bucket(meta.num_seqs) is not None
         step_graph = not decode_graph and steps is not None and steps.bucket(len(input_ids)) is not None
         if decode_graph or step_graph:  # replayed, whatever it loads
@@ -255,7 +266,13 @@ class ModelRunner:
             routing_out = steps.routing_out[: len(input_ids)] if steps.routing_out is not None else None
         else:
             routing_out = self.routing.buffer(len(input_ids)) if self.routing is not None else None
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook, routing_out=routing_out)
+            images = {}  # (vision models only: a text model's forward takes no mm_embeds)
+            if host.images:
+                encoder = self.encoder if self.encoder is not None else EncoderCache(0)
+                images["mm_embeds"] = encoder.embeds(self.model, host.images, self.device)  # type: ignore[arg-type]  # a vision model
+            hidden = self.model(
+                input_ids, positions, self.kv_caches, meta, layer_hook=layer_hook, routing_out=routing_out, **images
+            )
         if self.routing is not None:  # (the buffers and the host slots come with routing)
             assert routing_out is not None and meta.slot_mapping_cpu is not None
             self.routing.record(routing_out, meta.slot_mapping_cpu)

@@ -67,7 +67,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from kvtier.cache import CacheManager, CacheRequest
+from kvtier.cache import CacheManager, CacheRequest, MMItem
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.request import Request, Status
 
@@ -124,7 +124,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def _cache_request(self, req: Request) -> CacheRequest:
-        c = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt)
+        mm_items = [MMItem(m.hash, m.offset, m.length) for m in req.mm]
+        c = self.cache.new_request(req.request_id, req.all_token_ids, cache_salt=req.cache_salt, mm_items=mm_items)
         # prompt logprobs need the logits of every prompt position: a hit has none, so such a
         # request computes its whole prompt (as vLLM does); its blocks are still committed
         c.no_hits = req.needs_prompt_logits

@@ -10,6 +10,7 @@ the MTP block's passes (engine/spec.py)::
     sample_rows  = the last row of each request whose chunk reaches its end
     pending_at   = places in ids of tokens the step in flight samples (overlap scheduling) ...
     pending_rows = ... and their rows in that step's tokens
+    images       = the parts of images the chunks cover: features for those rows (ImageSpan)
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.model.attention import AttentionMetadata
+from kvtier.model.images import MMInput
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """Part of an image a step computes: its features ``first..last-1`` replace the embeddings
+    of the step's rows ``row..row + last - first - 1`` (a prefill chunk may cut an image)."""
+
+    image: MMInput
+    first: int
+    last: int
+    row: int
 
 
 @dataclass(slots=True)
@@ -36,6 +49,7 @@ class HostInputs:
     pending_at: list[int]
     pending_rows: list[int]
     group_tables: list[list[list[int]]] = field(default_factory=list)  # per sliding group with slots: its tables
+    images: list[ImageSpan] = field(default_factory=list)  # vision-language models: features to place
 
 
 @dataclass(slots=True)

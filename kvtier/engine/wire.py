@@ -3,7 +3,8 @@ msgspec structs, msgpack-encoded over two ZeroMQ sockets, one each way. No torch
 whose items mean something by their place::
 
     serving process ──► engine
-        EngineRequest   a request to run: prompt ids, SamplingParams, cache_salt, its PD side
+        EngineRequest   a request to run: prompt ids, SamplingParams, cache_salt, its PD side,
+                        its images (ImageData: hash, placeholder span, preprocessed pixels)
                         (export / handoff), owner, priority
         Abort           drop a request (every sample of it) and return its blocks
         Call            run one of engine/loop.py's CALLS between steps (its CallResult answers)
@@ -28,6 +29,7 @@ travels as its dtype, shape and bytes.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Union
 
 import msgspec
@@ -36,6 +38,7 @@ import numpy as np
 from kvtier.engine.checks import RequestLimits
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.params import SamplingParams
+from kvtier.model.images import MMInput
 
 # ---------------------------------------------------------------------------- errors by kind
 
@@ -65,6 +68,32 @@ def error_kind(e: BaseException) -> str:
 # ---------------------------------------------------------------------------- serving process -> engine
 
 
+class ImageData(msgspec.Struct, frozen=True):
+    """One image of a request, preprocessed by the serving process (model/images.py): its
+    content hash, its placeholder tokens [offset, offset + length) and its pixels, float32
+    little-endian of ``shape`` (channels, side, side). A request carries at most
+    ``max_images_per_request`` of them, each of the model's one image shape."""
+
+    hash: bytes
+    offset: int
+    length: int
+    shape: tuple[int, int, int]
+    pixels: bytes
+
+
+def image_data(image: MMInput) -> ImageData:
+    """An image as the wire carries it."""
+    c, h, w = image.pixels.shape
+    return ImageData(image.hash, image.offset, image.length, (c, h, w), np.ascontiguousarray(image.pixels, "<f4").tobytes())
+
+
+def mm_input(data: ImageData) -> MMInput:
+    """An image off the wire; ValueError if its bytes are not its shape's."""
+    if len(data.shape) != 3 or math.prod(data.shape) * 4 != len(data.pixels) or min(data.shape) <= 0:
+        raise ValueError(f"image pixels of {len(data.pixels)} bytes do not make float32 {list(data.shape)}")
+    return MMInput(data.hash, data.offset, data.length, np.frombuffer(data.pixels, "<f4").reshape(data.shape))
+
+
 class EngineRequest(msgspec.Struct, tag="add", frozen=True):
     """A request as the serving process checked it (engine/checks.py); the engine makes its own
     Request of it (and checks it again)."""
@@ -77,6 +106,7 @@ class EngineRequest(msgspec.Struct, tag="add", frozen=True):
     export: bool = False  # P of a PD hand-off: write the prompt's blocks to the pool
     owner: str = ""  # the call it belongs to ("": itself): engine/scheduler.py shares slots by it
     priority: int = 0  # lower is admitted first
+    images: list[ImageData] = []  # vision-language models: the prompt's images, in order
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):

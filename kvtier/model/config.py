@@ -40,12 +40,16 @@ from typing import Any
 
 import torch
 
+from kvtier.model.vision_config import VisionConfig
+
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")  # multi-head latent attention
 # hybrid sliding-window / full attention, with their own layers (attention sinks, soft-capping, Gemma norms)
 SLIDING_ARCHITECTURES = ("GptOssForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# vision-language: a vision tower whose features replace image placeholder tokens of a text model above
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -128,6 +132,9 @@ class ModelConfig:
     # gpt-oss experts (model/gpt_oss.py): (up + 1) * gate * sigmoid(swiglu_alpha * gate), gate and up clamped
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # a vision-language checkpoint (VISION_ARCHITECTURES): its tower, projector and image token;
+    # the fields above describe its text model (architecture: the text model's, e.g. LlamaForCausalLM)
+    vision: VisionConfig | None = None
 
     def with_mtp(self, drafting: bool) -> "ModelConfig":
         """The config an engine builds: one MTP block when it drafts with MTP (more in the
@@ -230,10 +237,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
         arch = (hf.get("architectures") or [None])[0]
+        if arch in VISION_ARCHITECTURES:
+            return _vision_language(hf, generation_config)
         if arch not in SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + SLIDING_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + SLIDING_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + SLIDING_ARCHITECTURES + VISION_ARCHITECTURES)}"
             )
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
@@ -269,6 +278,51 @@ class ModelConfig:
         if arch in SLIDING_ARCHITECTURES:
             fields.update(_sliding_family_fields(arch, hf))
         return cls(**fields)
+
+
+# a LLaVA text_config's model_type -> the text architecture it reuses
+_TEXT_OF_VISION = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _vision_language(hf: dict[str, Any], generation_config: dict[str, Any] | None) -> ModelConfig:
+    """A LLaVA config: its ``text_config`` read as that family's, with :class:`VisionConfig`."""
+    arch = hf["architectures"][0]
+    text = dict(hf.get("text_config") or {})
+    kind = text.get("model_type", "llama")
+    if kind not in _TEXT_OF_VISION:
+        raise ValueError(f"{arch} with a {kind!r} text model is not supported; supported: {', '.join(_TEXT_OF_VISION)}")
+    v = dict(hf.get("vision_config") or {})
+    if v.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise ValueError(f"{arch} with a {v.get('model_type')!r} vision tower is not supported; supported: clip_vision_model")
+    strategy = hf.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
+    layers = hf.get("vision_feature_layer", -2)
+    num_layers = v.get("num_hidden_layers", 12)
+    feature_layers = tuple(layers) if isinstance(layers, list) else (int(layers),)
+    if not all(-num_layers - 1 <= i <= num_layers for i in feature_layers):
+        raise ValueError(f"vision_feature_layer {layers!r} is outside the tower's {num_layers} layers")
+    vision = VisionConfig(
+        architecture=arch,
+        hidden_size=v.get("hidden_size", 768),
+        intermediate_size=v.get("intermediate_size", 3072),
+        num_layers=num_layers,
+        num_heads=v.get("num_attention_heads", 12),
+        image_size=v.get("image_size", 224),
+        patch_size=v.get("patch_size", 32),
+        num_channels=v.get("num_channels", 3),
+        hidden_act=v.get("hidden_act", "quick_gelu"),
+        layer_norm_eps=v.get("layer_norm_eps", 1e-5),
+        image_token_id=int(hf.get("image_token_index", hf.get("image_token_id", 32000))),
+        feature_layers=feature_layers,
+        select_strategy=strategy,
+        projector_act=hf.get("projector_hidden_act", "gelu"),
+        projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+    )
+    text["architectures"] = [_TEXT_OF_VISION[kind]]
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    text.setdefault("dtype", hf.get("dtype") or hf.get("torch_dtype"))
+    return replace(ModelConfig.from_hf_dict(text, generation_config), vision=vision)
 
 
 def _attention_layers(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -142,15 +142,21 @@ class CausalLM(nn.Module):
         layer_hook: Callable[[int], None] | None = None,
         routing_out: torch.Tensor | None = None,
         routing_in: torch.Tensor | None = None,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the step's flattened tokens.
 
         input_ids, positions: [T]; kv_caches[l]: [2, num_blocks, block_size, num_kv_heads, head_dim];
-        routing_out / routing_in: [T, num_moe_layers, top_k] (see moe.py).
+        routing_out / routing_in: [T, num_moe_layers, top_k] (see moe.py); ``mm_embeds``: (rows [R],
+        embeddings [R, hidden]) that replace the token embeddings of those rows (image features,
+        model/llava.py).
         """
         if len(kv_caches) != self.config.num_kv_layers:
             raise ValueError(f"expected {self.config.num_kv_layers} kv caches, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
+        if mm_embeds is not None:
+            rows, embeds = mm_embeds
+            h = h.index_copy(0, rows, embeds.to(h.dtype))
         rope = self.rotary.cos_sin(positions, h.dtype)  # once per step, shared by all layers
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):  # (the MTP blocks' KV follows)

@@ -41,6 +41,7 @@ from kvtier.model.families import CausalLM
 from kvtier.model.gemma import GemmaForCausalLM
 from kvtier.model.gpt_oss import GptOssForCausalLM
 from kvtier.model.layers import RMSNorm, RotaryEmbedding
+from kvtier.model.llava import LlavaForConditionalGeneration
 from kvtier.model.shard import TPShard, check_divisible, full_shape, shard_dim, take_shard, take_slice
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -90,6 +91,25 @@ def _rename(name: str, num_layers: int) -> str:
     return name
 
 
+# LLaVA checkpoints name the text model language_model.model.* (transformers < 5: language_model.*
+# under model.) and the tower vision_tower.vision_model.*: ours are model.*, lm_head, vision_tower.*
+_VISION_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def _rename_vision(name: str) -> str:
+    for old, new in _VISION_PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    return name.replace("vision_tower.vision_model.", "vision_tower.")
+
+
 def _checkpoint_tensors(
     files: list[Path], cfg: ModelConfig, tp: TPShard | None = None
 ) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
@@ -99,7 +119,7 @@ def _checkpoint_tensors(
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                name = _rename(key, cfg.num_layers)
+                name = _rename(_rename_vision(key) if cfg.vision is not None else key, cfg.num_layers)
                 if cfg.architecture == "GptOssForCausalLM" and ".mlp.experts." in name:
                     yield from _gpt_oss_experts(name, f.get_tensor(key))
                     continue
@@ -170,7 +190,11 @@ def load_model(
         check_divisible(cfg, 1 if tp is None else tp.size)  # one device: ValueError naming the size
         return _fill(_sliding_model(cfg, attention_backend), path, device, dtype or cfg.torch_dtype, fuse, load_format, None)  # type: ignore[return-value]  # CausalLM's call signature
     with torch.device("meta"):
-        model = CausalLM(cfg, attention_backend, tp)
+        model = (
+            CausalLM(cfg, attention_backend, tp)
+            if cfg.vision is None
+            else LlavaForConditionalGeneration(cfg, attention_backend, tp)
+        )
     return _fill(model, path, device, dtype or cfg.torch_dtype, fuse, load_format, tp)
 
 
@@ -283,6 +307,7 @@ def _dummy_weights(
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     norms = {f"{name}.weight": m.unit_weight for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    norms.update({f"{name}.weight": 1.0 for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)})
     loaded: dict[str, torch.Tensor] = {}
     size = tp.size if tp is not None else 1
     for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens

@@ -6,6 +6,9 @@ directory loads in ``kvtier`` and in ``transformers`` alike. Tiny presets exerci
 feature (GQA, explicit head_dim, tied embeddings, llama3 / yarn RoPE, MoE variants); the large
 ones have benchmark shapes (bf16) and take ~10-30 s to write. ``config_only=True`` writes no weights
 (in milliseconds, for any shape): load such a directory with ``load_format="dummy"``.
+
+Over 600 lines: one table, a preset per served family and benchmark shape (each a config's keyword
+arguments, one per line), and the one function that writes them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvtier.model.tokenizer import EOS_TOKEN_ID, save_byte_tokenizer
+from kvtier.model.tokenizer import EOS_TOKEN_ID, IMAGE_TOKEN, IMAGE_TOKEN_ID, save_byte_tokenizer
 
 _TINY = dict(
     vocab_size=320,
@@ -493,6 +496,51 @@ PRESETS["gemma3-12b-shape"] = dict(
         pad_token_id=None,
     ),
 )
+# LLaVA: a 3-layer CLIP tower on 32x32 images (16 patches of 8x8: 16 image tokens with the
+# "default" strategy) in front of llama-tiny's text model; its image processor and <image> token
+PRESETS["llava-tiny"] = dict(
+    config_class="LlavaConfig",
+    architecture="LlavaForConditionalGeneration",
+    dtype="float32",
+    kwargs=dict(
+        text_config=dict(_TINY, model_type="llama", num_hidden_layers=2, intermediate_size=128),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            projection_dim=32,
+            initializer_range=0.15,
+        ),
+        image_token_index=IMAGE_TOKEN_ID,
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    ),
+    image_processor=dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+)
+
+
+# LLaVA-1.5-7B's shape (CLIP ViT-L/14 at 336 px: 576 image tokens; Llama-2-7B) for GPU benches with
+# --config-only and --load-format dummy (the byte tokenizer's <image> as its image token)
+_LLAMA2_7B = dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32)
+_CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, patch_size=14)
+PRESETS["llava-1.5-7b-shape"] = dict(
+    PRESETS["llava-tiny"],
+    dtype="bfloat16",
+    kwargs=dict(
+        PRESETS["llava-tiny"]["kwargs"],
+        text_config=dict(
+            _LLAMA2_7B, model_type="llama", max_position_embeddings=4096, rms_norm_eps=1e-5, eos_token_id=EOS_TOKEN_ID
+        ),
+        vision_config=dict(_CLIP_L_336, model_type="clip_vision_model", image_size=336, projection_dim=768),
+        image_seq_length=576,
+    ),
+    image_processor=dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
+)
 
 
 def preset_architecture(preset: str) -> str:
@@ -525,7 +573,8 @@ def init_model(
         generation_config.save_pretrained(out_dir)
     else:
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        auto = transformers.AutoModelForImageTextToText if "image_processor" in spec else transformers.AutoModelForCausalLM
+        model = auto.from_config(config, dtype=dtype)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # DeepSeek-V3: transformers starts it at zero, a trained one is not; random values
@@ -540,8 +589,30 @@ def init_model(
         model.save_pretrained(out_dir, safe_serialization=True)
         if getattr(config, "num_nextn_predict_layers", 0):
             _add_mtp_weights(config, model, out_dir, dtype, seed)
-    save_byte_tokenizer(out_dir, model_max_length=config.max_position_embeddings)
+    text = config.get_text_config()
+    save_byte_tokenizer(out_dir, model_max_length=text.max_position_embeddings, image_token="image_processor" in spec)
+    if "image_processor" in spec:
+        _save_image_processor(spec, config, out_dir)
     return out_dir
+
+
+def _save_image_processor(spec: dict[str, Any], config: Any, out_dir: Path) -> None:
+    """A vision preset's ``preprocessor_config.json`` and its LLaVA processor (transformers'
+    ``AutoProcessor`` then expands ``<image>`` as kvtier does)."""
+    import transformers
+
+    images = transformers.CLIPImageProcessor(**spec["image_processor"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    vision = config.vision_config
+    processor = transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=vision.patch_size,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(out_dir)
 
 
 def _add_mtp_weights(config: Any, model: Any, out_dir: Path, dtype: torch.dtype, seed: int) -> None:

@@ -18,6 +18,8 @@ BYTE_VOCAB_SIZE = 256
 VOCAB_SIZE = BYTE_VOCAB_SIZE + len(SPECIAL_TOKENS)  # model vocab_size must be >= this
 EOS_TOKEN_ID = BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(EOS_TOKEN)
 IM_END_TOKEN_ID = BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index("<|im_end|>")
+IMAGE_TOKEN = "<image>"  # the image placeholder of vision-language presets: the id after the specials
+IMAGE_TOKEN_ID = VOCAB_SIZE
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -27,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_byte_tokenizer() -> Tokenizer:
+def build_byte_tokenizer(image_token: bool = False) -> Tokenizer:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(BYTE_VOCAB_SIZE)}
@@ -36,13 +38,16 @@ def build_byte_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if image_token:
+        tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     return tok
 
 
-def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 4096) -> None:
+def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 4096, image_token: bool = False) -> None:
+    """``image_token``: with ``<image>`` (id IMAGE_TOKEN_ID), a vision-language preset's placeholder."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_byte_tokenizer().save(str(out_dir / "tokenizer.json"))
+    build_byte_tokenizer(image_token).save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
@@ -53,6 +58,8 @@ def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 4096) -> No
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
+    if image_token:
+        config["image_token"] = IMAGE_TOKEN
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 

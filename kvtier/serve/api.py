@@ -80,6 +80,7 @@ from kvtier.serve.body import body_schema, parse, with_schemas
 from kvtier.serve.choice_text import ChoiceText
 from kvtier.serve.errors import APIError, add_error_handlers, error_body, error_response, sse_error, until_disconnect
 from kvtier.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from kvtier.serve.media import IMAGE_MARK, Images, MediaPolicy, message_images
 from kvtier.serve.metrics import ServerMetrics
 from kvtier.serve.prompts import PromptTokenizer
 from kvtier.serve.protocol import MAX_LOGPROB_ENTRIES, ChatCompletionRequest, CompletionRequest, sampling_param
@@ -206,11 +207,13 @@ class Server:
         require_cache_salt: bool = False,
         aliases: tuple[str, ...] = (),
         expose_config: bool = False,
+        media: MediaPolicy | None = None,
     ) -> None:
         """``model_name``: the name /v1/models lists; requests may also name the model by one of
         ``aliases`` (the path or hub id it was started with, its directory), as vLLM users do.
         ``expose_config``: ``/health`` (which needs no key) shows the model's path and the pool's
-        address and errors too; else only states and counts."""
+        address and errors too; else only states and counts. ``media``: where image URLs may
+        point (vision-language models; default: data: URLs only)."""
         limits = engine.limits
         check_role(role, limits.has_pool)
         self.engine, self.model_name, self.role = engine, model_name, role
@@ -223,6 +226,9 @@ class Server:
         self.vocab_size = limits.vocab_size  # prompt ids must be below it
         self.model_path = os.path.abspath(engine.path)  # (a client elsewhere loads the tokenizer from it)
         self.prompts = PromptTokenizer(engine.tokenizer, limits.max_model_len)
+        self.images = Images(engine.path, limits, media or MediaPolicy()) if limits.image_tokens else None
+        if self.images is not None:
+            self.prompts.image_token_id = limits.image_token_id
         self.strings = TokenStrings(engine.tokenizer)
         self.metrics = ServerMetrics()
         self.created = int(time.time())  # /v1/models' created: when this server started serving
@@ -430,7 +436,8 @@ class Server:
         if kind == "completion":
             special = getattr(body, "add_special_tokens", False)  # (SGLang's /generate: its text gets them)
             return await self.prompts.completion_ids(prompt, budget, special, owner=id(body), after=after, param=body.prompt_name)
-        messages = [{"role": m.role, "content": m.text()} for m in prompt]
+        mark = IMAGE_MARK if self.images is not None else ""
+        messages = [{"role": m.role, "content": m.text(mark)} for m in prompt]
         return await self.prompts.chat_ids(messages, body.add_generation_prompt, budget, owner=id(body), after=after)
 
     def _too_long(self, index: int | None, n: int, asked: int | None, field: str, kind: str) -> APIError:
@@ -495,9 +502,20 @@ class Server:
             )
         echo_only = asked == 0  # echo, max_tokens=0: the prompt (and its logprobs) alone
         after = f"after {field}={asked}" if asked else "with one token to generate"
+        urls_of: list[list] = [message_images(p) if kind == "chat" else [] for p in prompts]
+        if any(urls_of):  # refused by count before any image is read
+            if self.images is None:
+                raise APIError(400, f"this model ({self.engine.limits.architecture}) takes no images", "messages")
+            for urls in urls_of:
+                self.images.check_count(urls)
+        mm_of: dict[int, list] = {}  # vision-language models: each prompt's images, placed
 
         async def prompt_ids(i: int, prompt: Any) -> list[int]:
             ids = await self._prompt_ids(kind, body, prompt, self.max_model_len - (asked or 1), after)
+            if self.images is not None and any(u.startswith(("http://", "https://")) for u in urls_of[i]):
+                urls_of[i] = await asyncio.to_thread(self.images.fetch_remote, urls_of[i])  # (not a tokenizer thread)
+            if self.images is not None:  # decoded, preprocessed and placed off the event loop (D of PD too: its keys)
+                ids, mm_of[i] = await self.prompts.run(id(body), self.images.place, ids, urls_of[i])
             max_tokens = 1 if echo_only else asked if asked is not None else max(1, self.max_model_len - len(ids))
             if len(ids) + max_tokens > self.max_model_len:  # refused now: the call's other prompts are not tokenized
                 raise self._too_long(i if len(prompts) > 1 else None, len(ids), asked, field, kind)
@@ -542,6 +560,7 @@ class Server:
                     f"{rid}-{i}-{secrets.token_hex(4)}",
                     owner=rid,
                     priority=body.priority or 0,
+                    images=mm_of.get(i, ()),
                     **extra,
                 )
                 for i, (ids, params) in enumerate(zip(ids_of, params_of))

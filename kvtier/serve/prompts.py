@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Hashable
 
 from kvtier.serve.errors import APIError
+from kvtier.serve.media import IMAGE_MARK
 
 # A text of more characters a token than this (natural text has 3 to 6) is counted in pieces
 # before it is tokenized whole: its cost is then bounded by the budget, not by its length.
@@ -47,6 +48,8 @@ class PromptTokenizer:
     def __init__(self, tokenizer: Any, max_model_len: int, workers: int = 2) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # vision-language models: the image token each image mark of a message becomes (serve/media.py)
+        self.image_token_id: int | None = None
         self._pool = FairExecutor(workers, "kvtier-tokenize")
         self._longest_token = 1
         self._specials: re.Pattern | None = None
@@ -157,7 +160,7 @@ class PromptTokenizer:
         self._check_bound(text, budget, "messages", after, count=False)  # (its contents were counted)
         injected = [i for i, m in enumerate(messages) if self._specials is not None and self._specials.search(m["content"])]
         if not injected:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self._encode_marked(text, lambda piece: self.tokenizer.encode(piece, add_special_tokens=False))
         if self._plain is None:
             raise APIError(
                 400,
@@ -191,7 +194,9 @@ class PromptTokenizer:
 
         def flush() -> None:
             if run:
-                ids.extend(self._plain.encode_batch(["".join(run)], add_special_tokens=False)[0].ids)
+                ids.extend(
+                    self._encode_marked("".join(run), lambda p: self._plain.encode_batch([p], add_special_tokens=False)[0].ids)
+                )
                 run.clear()
 
         for piece, is_content in pieces:
@@ -206,6 +211,19 @@ class PromptTokenizer:
                 at = m.end()
             run.append(piece[at:])
         flush()
+        return ids
+
+    def _encode_marked(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+        """``encode(text)``, each image mark (serve/media.py) the image token: the pieces between
+        marks are encoded apart, as a tokenizer splits its text at a special token."""
+        if self.image_token_id is None or IMAGE_MARK not in text:
+            return encode(text)
+        ids: list[int] = []
+        for k, piece in enumerate(text.split(IMAGE_MARK)):
+            if k:
+                ids.append(self.image_token_id)
+            if piece:
+                ids.extend(encode(piece))
         return ids
 
 

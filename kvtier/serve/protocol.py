@@ -334,17 +334,28 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> "ChatMessage":
+    def _text_and_images(self) -> "ChatMessage":
         if isinstance(self.content, list):
             for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
+                kind = part.get("type")
+                if kind == "image_url":
+                    image = part.get("image_url")
+                    if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+                        raise ValueError('an image_url content part is {"type": "image_url", "image_url": {"url": "data:..."}}')
+                elif kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("content parts are text or image_url")
         return self
 
-    def text(self) -> str:
+    def text(self, image_mark: str = "") -> str:
+        """The content's text, ``image_mark`` where each image stood."""
         if isinstance(self.content, list):
-            return "".join(p["text"] for p in self.content)
+            return "".join(p["text"] if p["type"] == "text" else image_mark for p in self.content)
         return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        if isinstance(self.content, list):
+            return [p["image_url"]["url"] for p in self.content if p["type"] == "image_url"]
+        return []
 
 
 class ResponseFormat(_Body):

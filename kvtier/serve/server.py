@@ -64,6 +64,7 @@ def serve(
     config: EngineConfig | None = None,
     expose_config: bool = False,
     limits: ConnectionLimits | None = None,
+    allowed_media_domains: str | None = None,
     **options: Any,
 ) -> int:
     """Serve until stopped; returns the process's exit status: 0 after a clean stop, 1 if the
@@ -113,6 +114,7 @@ def serve(
                 built,
                 log_level,
                 expose_config,
+                allowed_media_domains,
             )
             built["server"].metrics.watch_connections(guard)
             front.app = built["server"].app
@@ -195,12 +197,14 @@ def _build_server(
     built: dict[str, Any],
     log_level: str = "info",
     expose_config: bool = False,
+    allowed_media_domains: str | None = None,
 ) -> None:
     """The engine (in a process of its own: engine/client.py) and the HTTP app (into ``built`` as
     they come, for the cleanup)."""
     from kvtier.engine.client import EngineClient
     from kvtier.serve.api import Server
     from kvtier.serve.asgi import DEFAULT_MAX_BODY_BYTES
+    from kvtier.serve.media import MediaPolicy, parse_domains
 
     built["engine"] = EngineClient(
         model,
@@ -220,6 +224,7 @@ def _build_server(
         require_cache_salt=require_cache_salt,
         expose_config=expose_config,
         aliases=model_aliases(model, built["engine"].path),
+        media=MediaPolicy(parse_domains(allowed_media_domains)),
     )
 
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 
 from kvtier.redact import redact
 from kvtier.serve.errors import APIError
+from kvtier.serve.media import IMAGE_MARK
 from kvtier.serve.protocol import ChatMessage
 
 # ``server`` below: the kvtier.serve.api.Server answering (typed Any: that module imports this one)
@@ -76,8 +77,13 @@ async def tokenize(server: Server, body: TokenizeRequest) -> dict:
         )
     else:
         assert body.messages is not None  # (one of the two: checked)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        images = server.images  # a vision-language model: each image counts as its placeholder tokens
+        if images is None and any(m.image_urls() for m in body.messages):
+            raise APIError(400, "this model takes no images", "messages")
+        messages = [{"role": m.role, "content": m.text(IMAGE_MARK if images else "")} for m in body.messages]
         ids = await server.prompts.chat_ids(messages, bool(body.add_generation_prompt), server.max_model_len, owner=id(body))
+        if images is not None:
+            ids = images.expanded(ids)
     return {
         "count": len(ids),
         "max_model_len": server.max_model_len,

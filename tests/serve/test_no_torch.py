@@ -11,8 +11,9 @@ import sys
 
 import kvtier.serve
 
-# what the serving process may read of the model package: a checkpoint's directory, its tokenizer
-MODEL_MODULES_ALLOWED = ("kvtier.model", "kvtier.model.hub", "kvtier.model.tokenizer")
+# what the serving process may read of the model package: a checkpoint's directory, its tokenizer,
+# its images (decoded and preprocessed with PIL and numpy)
+MODEL_MODULES_ALLOWED = ("kvtier.model", "kvtier.model.hub", "kvtier.model.tokenizer", "kvtier.model.images")
 
 PROBE = """
 import importlib, sys

@@ -586,7 +586,7 @@ def test_a_client_that_hangs_up_aborts_every_request_of_its_call(server, streame
 def _fake_server(role: str) -> Server:
     """A server of ``role`` over an engine that must not be reached (the refusals come first):
     the attributes of an EngineClient with a pool that the server reads as it starts."""
-    limits = SimpleNamespace(has_pool=True, max_model_len=CTX, vocab_size=BYTE_VOCAB_SIZE)
+    limits = SimpleNamespace(has_pool=True, max_model_len=CTX, vocab_size=BYTE_VOCAB_SIZE, image_tokens=0)
     engine = SimpleNamespace(limits=limits, tokenizer=None, path="moe", check_alive=lambda: None)
     return Server(engine, "moe", role=role)  # type: ignore[arg-type]  # a stand-in for the EngineClient
 

@@ -299,7 +299,7 @@ def pool(ok: bool) -> dict:
 def health_of(role: str, pool: dict, expose_config: bool = False) -> tuple[int, dict]:
     """/health of a server over an engine's public view (an EngineClient's attributes it reads)."""
     engine = SimpleNamespace(
-        limits=SimpleNamespace(has_pool=True, max_model_len=CTX, vocab_size=320),
+        limits=SimpleNamespace(has_pool=True, max_model_len=CTX, vocab_size=320, image_tokens=0),
         tokenizer=None,
         path="moe",
         info=SimpleNamespace(pd_on_miss="recompute"),

@@ -77,3 +77,18 @@ def test_an_iteration_s_outputs_arrive_as_they_left_routing_arrays_included():
     assert out.routed_experts.dtype == np.int16 and out.outputs[0].logprobs == sample.logprobs
     assert got.deltas[1] == sent.deltas[1] and got.status == sent.status
     assert got.results[0].value == {"seq": 3, "events": [["stored", 7]]}  # (msgpack has lists, not tuples)
+
+
+def test_a_requests_images_cross_the_wire_bit_for_bit():
+    from kvtier.engine.wire import EngineRequest, decode_command, encode, image_data, mm_input
+    from kvtier.model.images import MMInput, image_hash
+
+    pixels = np.random.default_rng(0).standard_normal((3, 8, 8)).astype(np.float32)
+    image = MMInput(image_hash(pixels), 5, 16, pixels)
+    sent = EngineRequest("r", [1, 2], kvtier.SamplingParams(), images=[image_data(image)])
+    got = decode_command(encode(sent))
+    assert isinstance(got, EngineRequest) and len(got.images) == 1
+    back = mm_input(got.images[0])
+    assert (back.hash, back.offset, back.length) == (image.hash, 5, 16) and np.array_equal(back.pixels, pixels)
+    with pytest.raises(ValueError, match="image pixels of 12 bytes do not make float32 \\[3, 8, 8\\]"):
+        mm_input(msgspec.structs.replace(got.images[0], pixels=b"\0" * 12))
