@@ -1,5 +1,9 @@
 """ModelRunner: turns a SchedulerOutput into one forward over paged KV and samples.
 
+Over 600 lines: one step's life (its inputs, the forward, the sampling step's launch, the results)
+over the buffers and pinned rings the runner owns; sliding groups' tables and images' features are
+inputs of that one step.
+
 Input layout of a step (flattened varlen batch, DESIGN §4)::
 
     input_ids  = [ r0 chunk ........ | r1 decode | r2 decode | r3 chunk .... ]

@@ -1,5 +1,8 @@
 """Fast copy ops between the device and host KV layouts: one Triton kernel, zero-copy.
 
+Over 600 lines: the kernel, its launch plans for every layout it copies (GQA, latent, fp8 as bytes)
+and their warm-up (``compile_variants``), which must stay in step with the plans.
+
 Same signatures and results as the torch reference in :mod:`kvtier.transfer.copy`::
 
     device (layer l):  kv[l]  [planes, num_device_blocks, block_size, *plane]

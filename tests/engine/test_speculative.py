@@ -1,5 +1,8 @@
 """Speculative decoding with the model's MTP block (``num_speculative_tokens``), fp32 on CPU.
 
+Over 600 lines: the checks every drafting model must pass (the latent-attention model's file runs
+them too: tests/engine/test_mla_speculative.py), with the controlled drafter they share.
+
 The references: the same engine without drafts (greedy tokens, routed experts and hits per tier
 must not change, whatever the drafts), and for sampling the target's distribution itself (the
 verification rule draws every emitted token from it: a chi-square test, which a verifier that
