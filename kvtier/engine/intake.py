@@ -146,7 +146,11 @@ class Intake:
                 f"{len(images)} images in one request, over the limit of {limits.max_images} "
                 "(max_images_per_request, --max-images-per-request)"
             )
-        encoded = sum(len(i) for i in images if isinstance(i, (bytes, bytearray, memoryview)))
+        encoded = sum(
+            len(i) if isinstance(i, (bytes, bytearray, memoryview)) else Path(i).stat().st_size
+            for i in images
+            if isinstance(i, (bytes, bytearray, memoryview)) or (isinstance(i, (str, Path)) and Path(i).is_file())
+        )  # (encoded bytes and files, together)
         if encoded > limits.max_bytes:
             raise ValueError(
                 f"{encoded} bytes of images in one request, over the limit of {limits.max_bytes} "

@@ -38,7 +38,7 @@ import numpy as np
 from kvtier.engine.checks import RequestLimits
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.params import SamplingParams
-from kvtier.model.images import MMInput
+from kvtier.model.images import MMInput, image_hash
 
 # ---------------------------------------------------------------------------- errors by kind
 
@@ -88,10 +88,14 @@ def image_data(image: MMInput) -> ImageData:
 
 
 def mm_input(data: ImageData) -> MMInput:
-    """An image off the wire; ValueError if its bytes are not its shape's."""
+    """An image off the wire; ValueError if its bytes are not its shape's, or its hash not theirs
+    (the hash keys the image's KV blocks and its tower output: the engine trusts no sender's)."""
     if len(data.shape) != 3 or math.prod(data.shape) * 4 != len(data.pixels) or min(data.shape) <= 0:
         raise ValueError(f"image pixels of {len(data.pixels)} bytes do not make float32 {list(data.shape)}")
-    return MMInput(data.hash, data.offset, data.length, np.frombuffer(data.pixels, "<f4").reshape(data.shape))
+    pixels = np.frombuffer(data.pixels, "<f4").reshape(data.shape)
+    if image_hash(pixels) != data.hash:
+        raise ValueError("an image's hash is not the hash of its pixels")
+    return MMInput(data.hash, data.offset, data.length, pixels)
 
 
 class EngineRequest(msgspec.Struct, tag="add", frozen=True):

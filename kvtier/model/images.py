@@ -28,6 +28,9 @@ import numpy as np
 HASH_TAG = b"kvtier-image-v1"
 _PIXELS, _BYTES = "(max_image_pixels, --max-image-pixels)", "(max_image_bytes, --max-image-bytes)"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what decode_image opens (GIF, TIFF, BMP, ...: refused)
+# a long, thin image resizes (shortest edge to the tower's size) into a huge one: 1024 x 4 pixels
+# (92 bytes of PNG) would become 336 x 86,016. Refused past this ratio, as Qwen2-VL's processor does.
+MAX_ASPECT_RATIO = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,12 @@ class ImageProcessing:
         """Pixels [3, H, W] float32 of a PIL image, as transformers' CLIPImageProcessor computes them."""
         from PIL import Image
 
+        width, height = image.size
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise ValueError(
+                f"image of {width}x{height} pixels has an aspect ratio over {MAX_ASPECT_RATIO}:1 "
+                "(it would be resized to far more pixels than it has)"
+            )
         if self.do_convert_rgb and image.mode != "RGB":
             image = image.convert("RGB")
         if self.do_resize:

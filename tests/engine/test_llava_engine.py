@@ -251,6 +251,19 @@ def test_image_inputs_are_refused_by_name(llava, checkpoint):
             llm.generate({"prompt": "hi", "images": [picture(1)]}, GREEDY)
 
 
+def test_image_files_count_toward_the_bytes_of_one_request(llava, tmp_path):
+    """Two files each under max_image_bytes, together over it: refused, as two bytes objects are."""
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"{i}.png")
+        picture(30 + i).save(paths[-1], format="PNG")
+    size = max(p.stat().st_size for p in paths)
+    with kvtier.LLM(llava, num_device_blocks=64, block_size=BS, max_image_bytes=size + 1) as llm:
+        with pytest.raises(ValueError, match="bytes of images in one request, over the limit .*max_image_bytes"):
+            llm.generate({"prompt": TWO, "images": paths}, GREEDY)
+        assert len(llm.generate({"prompt": ONE, "images": paths[:1]}, GREEDY)[0].token_ids) > 0
+
+
 def test_a_pd_hand_off_of_an_image_prompt_loads_every_block_from_the_pool(llava, want, tmp_path):
     """P writes the prompt's blocks, keyed by its images; D, given the same request, reads them all
     (the same keys) and continues as a colocated engine would; another image is not P's prompt."""

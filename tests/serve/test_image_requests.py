@@ -149,6 +149,15 @@ def test_bad_image_input_is_a_400_naming_it(client, part, words):
     refused(post(client, chat("look: ", part)), *words)
 
 
+def test_a_long_thin_image_is_refused_before_it_is_resized(client):
+    """1024 x 4 pixels, 92 bytes of PNG, within every limit: resized to the tower's shortest edge it
+    would be 336 x 86,016 pixels in the serving process."""
+    thin = data_url(Image.new("RGB", (1024, 4)))
+    refused(post(client, chat("look: ", image_part(thin))), "1024x4", "aspect ratio over 200:1")
+    ok = post(client, chat("look: ", image_part(data_url(picture(3, size=(400, 2))))))  # 200:1 is served
+    assert ok.status_code == 200, ok.text[:300]
+
+
 def test_a_decompression_bomb_is_refused_from_its_header(client):
     refused(post(client, chat("look: ", image_part(_bomb()))), "400000000 pixels", "--max-image-pixels")
 

@@ -92,3 +92,7 @@ def test_a_requests_images_cross_the_wire_bit_for_bit():
     assert (back.hash, back.offset, back.length) == (image.hash, 5, 16) and np.array_equal(back.pixels, pixels)
     with pytest.raises(ValueError, match="image pixels of 12 bytes do not make float32 \\[3, 8, 8\\]"):
         mm_input(msgspec.structs.replace(got.images[0], pixels=b"\0" * 12))
+    # other pixels under this image's hash: refused, or they would answer for it in every tier
+    other = (pixels + 1).astype(np.float32)
+    with pytest.raises(ValueError, match="hash is not the hash of its pixels"):
+        mm_input(msgspec.structs.replace(got.images[0], pixels=other.tobytes()))
