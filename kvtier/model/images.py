@@ -209,34 +209,32 @@ def image_hash(pixels: np.ndarray) -> bytes:
 def place_images(
     ids: Sequence[int], image_token_id: int, tokens_per_image: int, pixels: Sequence[np.ndarray]
 ) -> tuple[list[int], list[MMInput]]:
-    """``ids`` with each image placeholder expanded to ``tokens_per_image`` copies (a run of one
-    placeholder, as a chat template writes ``<image>``; a run already that long is kept), and
-    one :class:`MMInput` per image in order. ValueError when placeholders and images disagree."""
+    """``ids`` with each image's placeholder expanded to ``tokens_per_image`` copies, and one
+    :class:`MMInput` per image in order. The prompt holds one placeholder per image (as a chat
+    template writes ``<image>``, side by side for images given together), or every image's
+    ``tokens_per_image`` already: which, the count of placeholders says. ValueError otherwise."""
+    total = sum(1 for t in ids if t == image_token_id)
+    if total == len(pixels) * tokens_per_image:  # already expanded (or one token an image)
+        per = tokens_per_image
+    elif total == len(pixels):
+        per = 1
+    else:
+        raise ValueError(
+            f"the prompt has {total} image placeholders but {len(pixels)} images were given "
+            f"(one placeholder token, id {image_token_id}, per image, or {tokens_per_image} per image already expanded)"
+        )
     out: list[int] = []
     items: list[MMInput] = []
-    i, n = 0, len(ids)
-    while i < n:
-        if ids[i] != image_token_id:
-            out.append(ids[i])
-            i += 1
+    seen = 0
+    for t in ids:
+        if t != image_token_id:
+            out.append(t)
             continue
-        j = i
-        while j < n and ids[j] == image_token_id:
-            j += 1
-        run = j - i
-        if run not in (1, tokens_per_image):
-            raise ValueError(
-                f"a run of {run} image placeholder tokens (id {image_token_id}) at position {i}: "
-                f"write one per image (or {tokens_per_image}, already expanded)"
-            )
-        if len(items) < len(pixels):
-            px = pixels[len(items)]
+        if seen % per == 0:  # an image's first placeholder
+            px = pixels[seen // per]
             items.append(MMInput(image_hash(px), len(out), tokens_per_image, px))
-        out.extend([image_token_id] * tokens_per_image)
-        i = j
-    placeholders = sum(1 for _ in _runs(out, image_token_id))
-    if placeholders != len(pixels):
-        raise ValueError(f"the prompt has {placeholders} image placeholders but {len(pixels)} images were given")
+            out.extend([image_token_id] * tokens_per_image)
+        seen += 1
     return out, items
 
 
@@ -244,31 +242,23 @@ def check_placed(
     ids: Sequence[int], mm: Sequence[MMInput], image_token_id: int, tokens_per_image: int, shape: tuple[int, ...]
 ) -> None:
     """ValueError unless ``mm`` are the images of ``ids`` as :func:`place_images` places them: in
-    order, each on a run of exactly ``tokens_per_image`` placeholders, pixels of ``shape``."""
-    starts = [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]
-    if len(starts) != len(mm):
-        raise ValueError(f"the prompt has {len(starts)} image placeholders but {len(mm)} images were given")
-    for k, (start, item) in enumerate(zip(starts, mm)):
-        run = ids[start : start + tokens_per_image]
-        end = start + tokens_per_image
+    order, each on ``tokens_per_image`` placeholders of its own (images side by side allowed),
+    every placeholder some image's, pixels of ``shape``."""
+    total = sum(1 for t in ids if t == image_token_id)
+    if total != len(mm) * tokens_per_image:
+        raise ValueError(f"the prompt has {total} image placeholder tokens but {len(mm)} images of {tokens_per_image} were given")
+    end = 0
+    for k, item in enumerate(mm):
+        span = ids[item.offset : item.offset + tokens_per_image]
         if (
-            item.offset != start
+            item.offset < end
             or item.length != tokens_per_image
-            or len(run) != tokens_per_image
-            or any(t != image_token_id for t in run)
+            or len(span) != tokens_per_image
+            or any(t != image_token_id for t in span)
         ):
-            raise ValueError(f"image {k} is not placed on {tokens_per_image} placeholder tokens at position {start}")
-        if end < len(ids) and ids[end] == image_token_id:
-            raise ValueError(f"image {k}: a run of more than {tokens_per_image} placeholder tokens at position {start}")
+            raise ValueError(f"image {k} is not placed on {tokens_per_image} placeholder tokens at position {item.offset}")
+        end = item.offset + tokens_per_image
         if tuple(item.pixels.shape) != tuple(shape) or item.pixels.dtype != np.float32:
             raise ValueError(
                 f"image {k}: pixels must be float32 {list(shape)}, got {item.pixels.dtype} {list(item.pixels.shape)}"
             )
-
-
-def _runs(ids: Sequence[int], token: int):
-    prev = None
-    for t in ids:
-        if t == token and prev != token:
-            yield t
-        prev = t

@@ -123,10 +123,13 @@ class Images:
                 return base64.b64decode(payload, validate=True)
             except (binascii.Error, ValueError) as e:
                 raise APIError(400, f"image {k}: its data: URL is not valid base64 ({e})", "messages") from None
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+            host = (parts.hostname or "").lower()
+        except ValueError as e:  # (an unclosed IPv6 bracket, ...)
+            raise APIError(400, f"image {k}: not a URL ({e})", "messages") from None
         if parts.scheme not in ("http", "https"):
             raise APIError(400, f"image {k}: URL scheme {parts.scheme!r} is not supported; send a data: URL", "messages")
-        host = (parts.hostname or "").lower()
         if host not in self.policy.allowed_domains:
             raise APIError(
                 400,

@@ -138,10 +138,19 @@ def test_placeholders_expand_to_the_tokens_of_each_image():
     assert [(m.offset, m.length) for m in items] == [(1, 3), (5, 3)]
     assert place_images(ids, 9, 3, px)[0] == ids  # already expanded: kept
     check_placed(ids, items, 9, 3, (3, 4, 4))
-    with pytest.raises(ValueError, match="a run of 2 image placeholder tokens .id 9. at position 1"):
+    # two images side by side ("compare these two"): one placeholder each, or both expanded
+    side, both = place_images([1, 9, 9, 2], 9, 3, px)
+    assert side == [1, 9, 9, 9, 9, 9, 9, 2] and [(m.offset, m.length) for m in both] == [(1, 3), (4, 3)]
+    assert place_images(side, 9, 3, px)[0] == side
+    check_placed(side, both, 9, 3, (3, 4, 4))
+    with pytest.raises(ValueError, match="image 1 is not placed on 3 placeholder tokens at position 3"):
+        check_placed(side, [both[0], MMInput(both[1].hash, 3, 3, px[1])], 9, 3, (3, 4, 4))  # overlapping
+    with pytest.raises(ValueError, match="2 image placeholders but 1 images"):
         place_images([1, 9, 9, 2], 9, 3, px[:1])
     with pytest.raises(ValueError, match="2 image placeholders but 1 images"):
         place_images([1, 9, 2, 9], 9, 3, px[:1])
     moved = [MMInput(items[0].hash, 2, 3, px[0]), items[1]]
-    with pytest.raises(ValueError, match="image 0 is not placed on 3 placeholder tokens at position 1"):
+    with pytest.raises(ValueError, match="image 0 is not placed on 3 placeholder tokens at position 2"):
         check_placed(ids, moved, 9, 3, (3, 4, 4))
+    with pytest.raises(ValueError, match="7 image placeholder tokens but 2 images of 3"):
+        check_placed(ids + [9], items, 9, 3, (3, 4, 4))

@@ -105,6 +105,28 @@ def test_a_data_url_image_gives_transformers_tokens(client, llava):
     assert r.json()["choices"][0]["prompt_token_ids"] == inputs["input_ids"][0].tolist()
 
 
+def test_two_images_side_by_side_give_transformers_tokens(client, llava):
+    """Two image parts with no text between them ("compare these"): one placeholder each, as the
+    processor expands ``<image><image>``."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    a, b = picture(5), picture(6)
+    r = post(client, chat("compare ", image_part(data_url(a)), image_part(data_url(b)), " please"))
+    assert r.status_code == 200, r.text[:500]
+    processor = AutoProcessor.from_pretrained(llava)
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "compare <image><image> please"}], tokenize=False, add_generation_prompt=True
+    )
+    inputs = processor(text=text, images=[a, b], return_tensors="pt")
+    model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    with torch.no_grad():
+        seq = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    assert r.json()["choices"][0]["prompt_token_ids"] == inputs["input_ids"][0].tolist()
+    assert r.json()["choices"][0]["token_ids"] == seq[0, inputs["input_ids"].shape[1] :].tolist()
+    swapped = post(client, chat("compare ", image_part(data_url(b)), image_part(data_url(a)), " please"))
+    assert swapped.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < inputs["input_ids"].shape[1] // 2
+
+
 def test_the_same_pixels_as_png_or_lossless_webp_are_one_cached_image(client):
     image = picture(2)
     prefix = "a question asked of a picture: "
@@ -141,6 +163,7 @@ def _bomb() -> str:
         (image_part("data:image/png,rawbytes"), ("data:<type>;base64,<data>",)),
         (image_part("http://169.254.169.254/latest/meta-data"), ("--allowed-media-domains", "169.254.169.254")),
         (image_part("file:///etc/passwd"), ("scheme 'file'",)),
+        (image_part("http://[::1/x.png"), ("image 0", "not a URL")),
         ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}, ("image_url content part",)),
         ({"type": "audio", "audio": "x"}, ("text or image_url",)),
     ],
