@@ -127,7 +127,8 @@ def test_owner_and_priority_travel_to_the_engine_process(client):
     arrived = decode_command(encode(req))
     assert arrived == req and isinstance(arrived, EngineRequest)
     got: list[tuple[tuple, dict]] = []
-    stand_in = SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw)))
+    # (a text model: its config has no vision tower)
+    stand_in = SimpleNamespace(make_request=lambda *a, **kw: got.append((a, kw)), config=SimpleNamespace(vision=None))
     make_request(stand_in, arrived)  # type: ignore[arg-type]  # a stand-in for the core: it records the call
     ((args, kw),) = got
     assert args == ([1, 2, 3], GREEDY, "salt", "r-7") and (kw["owner"], kw["priority"]) == ("cmpl-abc", -4)
