@@ -33,6 +33,12 @@ def routing_dtype(num_experts: int) -> np.dtype:
     raise ValueError(f"too many experts: {num_experts}")
 
 
+def routing_store(num_blocks: int, block_size: int, num_moe_layers: int, top_k: int, num_experts: int) -> np.ndarray:
+    """Zeroed routing rows of ``num_blocks`` blocks: [num_blocks, block_size, num_moe_layers, top_k]
+    of :func:`routing_dtype` (the layout stored beside each block's KV)."""
+    return np.zeros((num_blocks, block_size, num_moe_layers, top_k), routing_dtype(num_experts))
+
+
 class ExpertCapture:
     def __init__(
         self,
@@ -47,9 +53,8 @@ class ExpertCapture:
         self.num_moe_layers, self.top_k, self.num_experts = num_moe_layers, top_k, num_experts
         self.block_size = block_size
         self.dtype = routing_dtype(num_experts)
-        shape = (block_size, num_moe_layers, top_k)
-        self.device_store = np.zeros((num_device_blocks, *shape), self.dtype)
-        self.host_store = np.zeros((num_host_blocks, *shape), self.dtype)
+        self.device_store = routing_store(num_device_blocks, block_size, num_moe_layers, top_k, num_experts)
+        self.host_store = routing_store(num_host_blocks, block_size, num_moe_layers, top_k, num_experts)
         self.device = device
         self._buf = torch.zeros((0, num_moe_layers, top_k), dtype=torch.int32, device=device)
         self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []

@@ -134,9 +134,9 @@ class _Rank:
         m = self.model.config
         if not (m.is_moe and c.capture_routing):
             return None
-        from kvtier.engine.experts import routing_dtype
+        from kvtier.engine.experts import routing_store
 
-        return np.zeros((c.num_host_blocks, c.block_size, m.num_moe_layers, m.top_k), routing_dtype(m.num_experts))
+        return routing_store(c.num_host_blocks, c.block_size, m.num_moe_layers, m.top_k, m.num_experts)
 
     def serve(self, parent: int) -> None:
         conn, transfer, storage = self.conn, self.transfer, self.storage
